@@ -1,0 +1,113 @@
+"""The engine's aiohttp app: routes, error middleware, and the GPU gateway's lifetime."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import mlx.core as mx
+import psutil
+from aiohttp import web
+
+from mlxd.engine import openai_routes as routes
+from mlxd.engine.gateway import Gateway
+from mlxd.engine.keys import GATEWAY, SETTINGS, STATS
+from mlxd.engine.settings import EngineSettings
+from mlxd.engine.stats import Stats
+from mlxd.protocol import openai as oa
+from mlxd.protocol.errors import APIError, encode_openai_error
+
+log = logging.getLogger("mlxd.engine")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def make_app(settings: EngineSettings, gateway: Gateway, stats: Stats) -> web.Application:
+    """The engine app (the caller owns the gateway's start and stop)."""
+    app = web.Application(client_max_size=settings.max_body, middlewares=[error_middleware])
+    app[SETTINGS], app[GATEWAY], app[STATS] = settings, gateway, stats
+    app.router.add_post("/v1/chat/completions", routes.chat_completions)
+    app.router.add_post("/v1/completions", routes.completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/admin/stats", admin_stats)
+    app.cleanup_ctx.append(gateway_ctx)
+    return app
+
+
+async def gateway_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Stop the GPU thread when the app shuts down."""
+    yield
+    app[GATEWAY].stop(timeout=1.0)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error leaves as OpenAI-format JSON: never HTML, never a traceback."""
+    try:
+        return await handler(request)
+    except APIError as err:
+        return error_response(err)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return error_response(http_error(exc))
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(APIError(500, "Internal error in the engine.", type="server_error"))
+
+
+def http_error(exc: web.HTTPException) -> APIError:
+    """Map aiohttp's own HTTP errors (404, 405, 413) to API errors."""
+    if exc.status == 413:
+        return APIError(413, f"Request body too large: {exc.text}", code="request_too_large")
+    if exc.status == 404:
+        return APIError(404, "Unknown route.", code="not_found")
+    return APIError(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_"))
+
+
+def error_response(err: APIError) -> web.Response:
+    """The JSON response for an APIError."""
+    return web.Response(
+        status=err.status, body=encode_openai_error(err), content_type="application/json", headers=err.headers
+    )
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """GET /v1/models: the one model this engine serves."""
+    settings, stats = request.app[SETTINGS], request.app[STATS]
+    card = oa.ModelCard(id=settings.model_id, created=int(stats.started_at))
+    return routes.json_response(oa.ModelList(data=[card]))
+
+
+async def health(request: web.Request) -> web.Response:
+    """GET /health: `loading` until the model is loaded, then `ready`."""
+    gateway = request.app[GATEWAY]
+    status = "ready" if gateway.loaded is not None else "failed" if gateway.load_error else "loading"
+    body = {"status": status, "model": request.app[SETTINGS].model_id}
+    return web.json_response(body, status=503 if status == "failed" else 200)
+
+
+async def admin_stats(request: web.Request) -> web.Response:
+    """GET /admin/stats: counters, memory in use and uptime."""
+    s, settings = request.app[STATS], request.app[SETTINGS]
+    loaded = request.app[GATEWAY].loaded
+    body = {
+        "model": settings.model_id,
+        "status": "ready" if loaded else "loading",
+        "uptime_s": round(time.time() - s.started_at, 3),
+        "context_window": loaded.context_window if loaded else None,
+        "requests": {
+            "total": s.num_requests, "active": s.num_active, "completed": s.num_completed,
+            "cancelled": s.num_cancelled, "failed": s.num_failed,
+        },
+        "tokens": {"prompt": s.prompt_tokens, "cached": s.cached_tokens, "completion": s.completion_tokens},
+        "last": {"finish_reason": s.last_finish_reason, "completion_tokens": s.last_completion_tokens},
+        "memory": {
+            "rss_bytes": psutil.Process().memory_info().rss,
+            "mlx_active_bytes": mx.get_active_memory(),
+            "mlx_peak_bytes": mx.get_peak_memory(),
+            "mlx_cache_bytes": mx.get_cache_memory(),
+        },
+    }
+    return web.json_response(body)

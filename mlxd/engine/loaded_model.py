@@ -1,0 +1,92 @@
+"""A model and tokenizer loaded with mlx-lm, plus what the engine needs to know about them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from mlx_lm.utils import load
+
+from mlxd.protocol.errors import APIError
+
+DEFAULT_CONTEXT = 4096
+
+
+class ModelLoadError(Exception):
+    """The model dir cannot be served (missing, malformed, unsupported)."""
+
+
+class LoadedModel:
+    """The weights and tokenizer of one model; runs only on the GPU thread (load) or pure CPU."""
+
+    def __init__(self, path: Path, model_id: str, max_context: int | None = None) -> None:
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} is not an MLX model dir (no config.json)")
+        try:
+            self.model, self.tokenizer = load(str(path))
+        except Exception as exc:  # mlx-lm raises many kinds; all mean "cannot load"
+            raise ModelLoadError(f"cannot load {path}: {type(exc).__name__}: {exc}") from exc
+        self.path = path
+        self.model_id = model_id
+        self.config = json.loads((path / "config.json").read_text())
+        self.context_window = context_window(self.config, max_context)
+        self.vocab_size = int(self.config.get("vocab_size") or len(self.tokenizer))
+        self.generation_defaults = generation_defaults(path)
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return set(self.tokenizer.eos_token_ids)
+
+    def chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        template_kwargs: dict[str, Any] | None,
+    ) -> list[int]:
+        """Token ids of the chat template applied to `messages`, ready for the assistant turn."""
+        if not self.tokenizer.has_chat_template:
+            raise APIError(
+                400, f"Model {self.model_id} has no chat template; use /v1/completions.",
+                param="messages",
+            )
+        kwargs = dict(template_kwargs or {})
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=True, **kwargs
+            )
+        except Exception as exc:  # a template raising (e.g. roles must alternate) is bad input
+            raise APIError(400, f"Chat template failed: {exc}", param="messages") from exc
+        return list(ids)
+
+    def text_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids for a raw completion prompt (BOS added as the tokenizer says)."""
+        if isinstance(prompt, list):
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise APIError(400, f"Token id {bad[0]} is outside the vocabulary.", param="prompt")
+            return list(prompt)
+        return list(self.tokenizer.encode(prompt))
+
+    def decode(self, ids: list[int]) -> str:
+        """Text for token ids (used for `echo`)."""
+        return str(self.tokenizer.decode(ids))
+
+
+def context_window(config: dict[str, Any], max_context: int | None) -> int:
+    """The model's context length, capped by --max-context."""
+    native = config.get("max_position_embeddings") or config.get("max_seq_len") or DEFAULT_CONTEXT
+    return min(int(native), max_context) if max_context else int(native)
+
+
+def generation_defaults(path: Path) -> dict[str, float]:
+    """Sampling defaults the model ships in generation_config.json (temperature, top_p, top_k)."""
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text())
+    except ValueError:
+        return {}
+    keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+    return {k: float(data[k]) for k in keys if isinstance(data.get(k), int | float)}

@@ -1,0 +1,252 @@
+"""OpenAI-compatible handlers of the engine: chat and text completions, streaming or not."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import msgspec
+from aiohttp import web
+
+from mlxd.engine.job import Job, SamplingParams, Ticket
+from mlxd.engine.keys import GATEWAY
+from mlxd.engine.loaded_model import LoadedModel
+from mlxd.engine.sse import SSEWriter
+from mlxd.protocol import openai as oa
+from mlxd.protocol.errors import APIError, from_decode_error
+from mlxd.protocol.events import Done, Failed, Token
+
+T = TypeVar("T")
+_decoders: dict[type, msgspec.json.Decoder[Any]] = {}
+LEGACY_COMPLETION_MAX_TOKENS = 16
+
+
+async def decode_body(request: web.Request, kind: type[T]) -> T:
+    """Read and decode a JSON body into `kind`; 400 naming the field on failure."""
+    body = await request.read()
+    decoder = _decoders.setdefault(kind, msgspec.json.Decoder(kind))
+    try:
+        return decoder.decode(body)  # type: ignore[no-any-return]
+    except msgspec.MsgspecError as exc:
+        raise from_decode_error(exc) from None
+
+
+def ready_model(request: web.Request) -> LoadedModel:
+    """The loaded model, or 503 while it is still loading."""
+    loaded = request.app[GATEWAY].loaded
+    if loaded is None:
+        raise APIError(
+            503, "The model is still loading.", type="server_error", code="loading",
+            headers={"Retry-After": "1"},
+        )
+    return loaded
+
+
+def resolve_max_tokens(requested: int | None, num_prompt: int, window: int, default: int | None) -> int:
+    """The completion budget; 400 when the prompt plus it cannot fit the context window."""
+    if num_prompt >= window:
+        raise APIError(
+            400, f"The prompt is {num_prompt} tokens, but the model's context window is {window} tokens.",
+            param="messages", code="context_length_exceeded",
+        )
+    if requested is None:
+        return min(default, window - num_prompt) if default else window - num_prompt
+    if num_prompt + requested > window:
+        raise APIError(
+            400,
+            f"The prompt ({num_prompt} tokens) plus max_tokens ({requested}) is "
+            f"{num_prompt + requested} tokens, over the model's context window of {window} tokens.",
+            param="max_tokens", code="context_length_exceeded",
+        )
+    return requested
+
+
+def sampling_params(req: oa.SamplingFields, loaded: LoadedModel) -> SamplingParams:
+    """Request values, else the model's generation_config defaults, else OpenAI's."""
+    d = loaded.generation_defaults
+    bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
+    bad = [t for t in bias if not 0 <= t < loaded.vocab_size]
+    if bad:
+        raise APIError(400, f"logit_bias token id {bad[0]} is outside the vocabulary.", param="logit_bias")
+    pick = lambda v, key, default: v if v is not None else d.get(key, default)  # noqa: E731
+    return SamplingParams(
+        temperature=float(pick(req.temperature, "temperature", 1.0)),
+        top_p=float(pick(req.top_p, "top_p", 1.0)),
+        top_k=int(pick(req.top_k, "top_k", 0)),
+        min_p=float(pick(req.min_p, "min_p", 0.0)),
+        seed=req.seed,
+        repetition_penalty=req.repetition_penalty,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        logit_bias=bias,
+    )
+
+
+def submit(request: web.Request, prompt: list[int], max_tokens: int, req: oa.SamplingFields) -> Ticket:
+    """Hand a job to the GPU thread; return the handler's ticket for it."""
+    loaded = ready_model(request)
+    ticket = Ticket(asyncio.get_running_loop())
+    job = Job(prompt, max_tokens, sampling_params(req, loaded), oa.stop_list(req.stop), ticket)
+    request.app[GATEWAY].submit(job)
+    return ticket
+
+
+def usage_of(done: Done) -> oa.Usage:
+    """OpenAI usage from a Done event."""
+    return oa.Usage(
+        done.prompt_tokens, done.completion_tokens, done.prompt_tokens + done.completion_tokens,
+        oa.PromptTokensDetails(done.cached_tokens),
+    )
+
+
+async def collect(ticket: Ticket) -> tuple[str, Done]:
+    """Wait for a whole generation; raise an APIError if it failed."""
+    parts: list[str] = []
+    async for batch in ticket.events():
+        parts.extend(e.text for e in batch if isinstance(e, Token))
+        end = batch[-1]
+        if isinstance(end, Failed):
+            raise APIError(end.status, end.message, type="server_error", code="generation_failed")
+        if isinstance(end, Done):
+            if end.finish_reason == "cancelled":
+                raise APIError(503, "The engine is shutting down.", type="server_error", code="engine_stopping")
+            return "".join(parts), end
+    raise APIError(500, "generation ended without a result", type="server_error")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/chat/completions."""
+    req = await decode_body(request, oa.ChatCompletionRequest)
+    oa.check_chat(req)
+    loaded = ready_model(request)
+    messages = [chat_message_dict(m, i) for i, m in enumerate(req.messages)]
+    prompt = loaded.chat_prompt(messages, req.tools, req.chat_template_kwargs)
+    budget = req.max_completion_tokens or req.max_tokens
+    max_tokens = resolve_max_tokens(budget, len(prompt), loaded.context_window, None)
+    ticket = submit(request, prompt, max_tokens, req)
+    meta = ("chatcmpl-" + uuid.uuid4().hex, int(time.time()), loaded.model_id)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    with cancel_on_exit(ticket):
+        if req.stream:
+            return await stream(request, ticket, chat_chunk(*meta), include_usage)
+        text, done = await collect(ticket)
+        choice = oa.ChatChoice(0, oa.AssistantMessage(content=text), done.finish_reason)
+        return json_response(oa.ChatCompletion(*meta, choices=[choice], usage=usage_of(done)))
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/completions (a raw prompt, no chat template)."""
+    req = await decode_body(request, oa.CompletionRequest)
+    oa.check_completion(req)
+    loaded = ready_model(request)
+    prompt = loaded.text_prompt(oa.completion_prompt(req))
+    if not prompt:
+        raise APIError(400, "The prompt is empty.", param="prompt")
+    max_tokens = resolve_max_tokens(req.max_tokens, len(prompt), loaded.context_window, LEGACY_COMPLETION_MAX_TOKENS)
+    ticket = submit(request, prompt, max_tokens, req)
+    meta = ("cmpl-" + uuid.uuid4().hex, int(time.time()), loaded.model_id)
+    echo = loaded.decode(prompt) if req.echo else ""
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    with cancel_on_exit(ticket):
+        if req.stream:
+            return await stream(request, ticket, text_chunk(*meta), include_usage, prefix=echo)
+        text, done = await collect(ticket)
+        choice = oa.TextChoice(0, echo + text, done.finish_reason)
+        return json_response(oa.Completion(*meta, choices=[choice], usage=usage_of(done)))
+
+
+def chat_message_dict(msg: oa.ChatMessage, index: int) -> dict[str, Any]:
+    """A message as the chat template expects it (developer -> system, text parts joined)."""
+    out: dict[str, Any] = {"role": "system" if msg.role == "developer" else msg.role}
+    out["content"] = oa.message_text(msg, index) or ""
+    for key in ("name", "tool_calls", "tool_call_id"):
+        if (value := getattr(msg, key)) is not None:
+            out[key] = value
+    return out
+
+
+ChunkMaker = Callable[[str | None, str | None, oa.Usage | None], Any]
+
+
+def chat_chunk(cid: str, created: int, model: str) -> ChunkMaker:
+    """A factory of chat.completion.chunk objects for one response."""
+
+    def make(text: str | None, finish: str | None, usage: oa.Usage | None) -> Any:
+        if usage is not None:
+            return oa.ChatCompletionChunk(cid, created, model, [], usage)
+        delta = oa.Delta(role="assistant", content="") if text is None and finish is None else oa.Delta(content=text)
+        return oa.ChatCompletionChunk(cid, created, model, [oa.ChunkChoice(0, delta, finish)])
+
+    return make
+
+
+def text_chunk(cid: str, created: int, model: str) -> ChunkMaker:
+    """A factory of text_completion stream objects for one response."""
+
+    def make(text: str | None, finish: str | None, usage: oa.Usage | None) -> Any:
+        if usage is not None:
+            return oa.Completion(cid, created, model, [], usage)
+        if text is None and finish is None:
+            return None  # text completions have no role-only opening chunk
+        return oa.Completion(cid, created, model, [oa.TextChoice(0, text or "", finish)])
+
+    return make
+
+
+async def stream(
+    request: web.Request, ticket: Ticket, make: ChunkMaker, include_usage: bool, prefix: str = ""
+) -> web.StreamResponse:
+    """Relay a generation as OpenAI SSE chunks, ending with `data: [DONE]`."""
+    sse = SSEWriter()
+    resp = await sse.start(request)
+    try:
+        if (opening := make(None, None, None)) is not None:
+            await sse.send(opening)
+        if prefix:
+            await sse.send(make(prefix, None, None))
+        async for batch in ticket.events():
+            text = "".join(e.text for e in batch if isinstance(e, Token))
+            if text:
+                await sse.send(make(text, None, None))
+            await finish_stream(sse, make, batch[-1], include_usage)
+    except ConnectionResetError:
+        ticket.cancel()  # the client went away mid-stream
+    return resp
+
+
+async def finish_stream(sse: SSEWriter, make: ChunkMaker, end: Any, include_usage: bool) -> None:
+    """Write the closing events for a Done or Failed event; nothing for a Token."""
+    if isinstance(end, Failed):
+        await sse.send_error(APIError(end.status, end.message, type="server_error", code="generation_failed"))
+    elif isinstance(end, Done) and end.finish_reason == "cancelled":
+        await sse.send_error(APIError(503, "The engine is shutting down.", type="server_error", code="engine_stopping"))
+    elif isinstance(end, Done):
+        await sse.send(make("", end.finish_reason, None))
+        if include_usage:
+            await sse.send(make(None, None, usage_of(end)))
+        await sse.done()
+
+
+class cancel_on_exit:  # noqa: N801 - used like contextlib helpers
+    """Cancel the job if the handler leaves early (client disconnect cancels the handler)."""
+
+    def __init__(self, ticket: Ticket) -> None:
+        self._ticket = ticket
+
+    def __enter__(self) -> Ticket:
+        return self._ticket
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._ticket.is_finished:
+            self._ticket.cancel()
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def json_response(obj: Any, status: int = 200) -> web.Response:
+    """A JSON response encoded with msgspec."""
+    return web.Response(body=_encoder.encode(obj), status=status, content_type="application/json")

@@ -1,0 +1,106 @@
+"""The serial lane: one request at a time on the GPU thread, with mlx-lm's generate_step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+
+from mlxd.engine.job import Job
+from mlxd.engine.loaded_model import LoadedModel
+from mlxd.engine.prompt_cache import PromptCache
+from mlxd.engine.sampling import make_sampling, seed_rng
+from mlxd.engine.stats import Stats
+from mlxd.protocol.events import Done, Token
+from mlxd.protocol.stops import StopMatcher
+
+
+class Cancelled(Exception):
+    """Raised inside prefill (from the progress callback) when the client went away."""
+
+
+class SerialLane:
+    """Runs one job to completion, emitting Token events and one Done; raises on failure."""
+
+    def __init__(self, loaded: LoadedModel, stats: Stats, prefill_step: int) -> None:
+        self._loaded = loaded
+        self._stats = stats
+        self._prefill_step = prefill_step
+        self._cache = PromptCache(loaded.model)
+
+    def run(self, job: Job) -> None:
+        """Generate for `job` (GPU thread only)."""
+        cache, cached = self._cache.fetch(job.prompt)
+        generated: list[int] = []
+        try:
+            finish = self._generate(job, cache, cached, generated)
+        except Cancelled:
+            finish = "cancelled"
+        except BaseException:
+            self._cache.clear()
+            raise
+        self._cache.store(cache, job.prompt + generated)
+        self._finish(job, finish, cached, len(generated))
+
+    def _generate(self, job: Job, cache: list[Any], cached: int, out: list[int]) -> str:
+        seed_rng(job.sampling.seed)
+        sampler, processors = make_sampling(job.sampling)
+        steps = generate_step(
+            mx.array(job.prompt[cached:]),
+            self._loaded.model,
+            max_tokens=job.max_tokens,
+            sampler=sampler,
+            logits_processors=processors,
+            prompt_cache=cache,
+            prefill_step_size=self._prefill_step,
+            prompt_progress_callback=lambda *_: self._check_cancel(job),
+        )
+        try:
+            return self._decode(job, steps, out)
+        finally:
+            steps.close()
+
+    def _decode(self, job: Job, steps: Any, out: list[int]) -> str:
+        eos = self._loaded.eos_token_ids
+        detok = self._loaded.tokenizer.detokenizer
+        stops = StopMatcher(job.stops)
+        emit = job.ticket.emit
+        for token, _ in steps:
+            out.append(token)
+            if token in eos:
+                break
+            detok.add_token(token)
+            text = stops.feed(detok.last_segment)
+            if text:
+                emit(Token(text))
+            if stops.is_stopped:
+                return "stop"
+            self._check_cancel(job)
+        else:
+            self._flush(job, detok, stops)
+            return "length"
+        self._flush(job, detok, stops)
+        return "stop"
+
+    def _flush(self, job: Job, detok: Any, stops: StopMatcher) -> None:
+        detok.finalize()
+        text = stops.feed(detok.last_segment)
+        text += stops.flush()
+        if text:
+            job.ticket.emit(Token(text))
+
+    def _check_cancel(self, job: Job) -> None:
+        if job.ticket.is_cancelled:
+            raise Cancelled
+
+    def _finish(self, job: Job, finish: str, cached: int, num_generated: int) -> None:
+        s = self._stats
+        s.cached_tokens += cached
+        s.completion_tokens += num_generated
+        s.last_finish_reason, s.last_completion_tokens = finish, num_generated
+        if finish == "cancelled":
+            s.num_cancelled += 1
+        else:
+            s.num_completed += 1
+        job.ticket.emit(Done(finish, len(job.prompt), num_generated, cached))

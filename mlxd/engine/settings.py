@@ -1,0 +1,43 @@
+"""The engine's command line, parsed into one value."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MAX_BODY = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    model: Path
+    model_id: str
+    socket: Path
+    max_context: int | None = None
+    batch: int = 1
+    prefill_step: int = 512
+    max_body: int = DEFAULT_MAX_BODY
+    parent_pid: int | None = None
+
+
+def parse_args(argv: list[str]) -> EngineSettings:
+    """Parse `python -m mlxd.engine` arguments (argparse exits 2 on bad ones)."""
+    p = argparse.ArgumentParser(prog="python -m mlxd.engine", description="Serve one MLX model on a Unix socket.")
+    p.add_argument("--model", required=True, type=Path, help="MLX model dir")
+    p.add_argument("--model-id", required=True, help="the model's id in the API")
+    p.add_argument("--socket", required=True, type=Path, help="Unix socket path (its dir must be 0700)")
+    p.add_argument("--max-context", type=int, default=None, help="cap the context window (tokens)")
+    p.add_argument("--batch", type=int, default=1, help="max concurrent sequences (serial lane: 1)")
+    p.add_argument("--prefill-step", type=int, default=512, help="prompt tokens per prefill chunk; cancellation is checked between chunks")
+    p.add_argument("--max-body", type=int, default=DEFAULT_MAX_BODY, help="max request body bytes")
+    p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is no longer our parent (default: the parent at start)")
+    a = p.parse_args(argv)
+    for name in ("max_context", "batch", "prefill_step", "max_body"):
+        value = getattr(a, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return EngineSettings(
+        model=a.model, model_id=a.model_id, socket=a.socket, max_context=a.max_context,
+        batch=a.batch, prefill_step=a.prefill_step, max_body=a.max_body, parent_pid=a.parent_pid,
+    )

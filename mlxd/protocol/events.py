@@ -1,0 +1,30 @@
+"""Events the GPU thread sends back to a request's handler: a tagged union."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Token(msgspec.Struct, tag="token"):
+    """A piece of text that is safe to send (stop strings already held back)."""
+
+    text: str
+
+
+class Done(msgspec.Struct, tag="done"):
+    """Generation ended normally."""
+
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+class Failed(msgspec.Struct, tag="failed"):
+    """Generation raised; the engine keeps serving."""
+
+    message: str
+    status: int = 500
+
+
+Event = Token | Done | Failed

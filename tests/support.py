@@ -1,0 +1,98 @@
+"""Start and talk to real engine processes in tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx2 as httpx
+
+
+def private_socket_dir() -> Path:
+    """A short 0700 dir under /tmp (socket paths must stay under ~100 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="mx-", dir="/tmp"))
+    path.chmod(0o700)
+    return path
+
+
+def is_listening(path: Path) -> bool:
+    """Whether a Unix socket accepts connections (httpx leaks a socket on a refused connect)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        try:
+            sock.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
+class EngineProcess:
+    """A real `python -m mlxd.engine` child with its socket, log, and an httpx client."""
+
+    def __init__(
+        self, model: Path, model_id: str, *extra: str, env: dict[str, str] | None = None,
+        launcher: list[str] | None = None, socket_dir: Path | None = None,
+    ) -> None:
+        self.dir = socket_dir or private_socket_dir()
+        self.socket = self.dir / "e.sock"
+        self.log_path = Path(tempfile.mkdtemp(prefix="mx-log-")) / "engine.log"
+        self._log = self.log_path.open("wb")
+        launcher = launcher or [sys.executable, "-m", "mlxd.engine"]
+        argv = [*launcher, "--model", str(model), "--model-id", model_id, "--socket", str(self.socket), *extra]
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.client = httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket)), base_url="http://engine", timeout=120)
+
+    def wait_ready(self, timeout: float = 60.0) -> EngineProcess:
+        """Block until /health says ready; raise with the engine's log if it dies first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine exited with {self.proc.returncode}:\n{self.log()}")
+            if is_listening(self.socket) and self.client.get("/health").json().get("status") == "ready":
+                return self
+            time.sleep(0.05)
+        raise TimeoutError(f"engine not ready in {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stats(self) -> dict[str, Any]:
+        return self.client.get("/admin/stats").json()  # type: ignore[no-any-return]
+
+    def stop(self) -> int:
+        """SIGTERM, then SIGKILL after 10 s; return the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.client.close()
+        self._log.close()
+        return self.proc.returncode
+
+
+@contextlib.contextmanager
+def running_engine(model: Path, model_id: str, *extra: str) -> Iterator[EngineProcess]:
+    """An engine that is ready, stopped on exit."""
+    engine = EngineProcess(model, model_id, *extra)
+    try:
+        yield engine.wait_ready()
+    finally:
+        engine.stop()
+
+
+def engine_env(**extra: str) -> dict[str, str]:
+    """This process's environment plus `extra`."""
+    env = dict(os.environ)
+    env.update(extra)
+    return env
