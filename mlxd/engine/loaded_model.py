@@ -24,7 +24,8 @@ class LoadedModel:
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} is not an MLX model dir (no config.json)")
         try:
-            self.model, self.tokenizer = load(str(path))
+            loaded = load(str(path))
+            self.model, self.tokenizer = loaded[0], loaded[1]
         except Exception as exc:  # mlx-lm raises many kinds; all mean "cannot load"
             raise ModelLoadError(f"cannot load {path}: {type(exc).__name__}: {exc}") from exc
         self.path = path

@@ -29,7 +29,7 @@ async def decode_body(request: web.Request, kind: type[T]) -> T:
     body = await request.read()
     decoder = _decoders.setdefault(kind, msgspec.json.Decoder(kind))
     try:
-        return decoder.decode(body)  # type: ignore[no-any-return]
+        return decoder.decode(body)
     except msgspec.MsgspecError as exc:
         raise from_decode_error(exc) from None
 
@@ -71,12 +71,15 @@ def sampling_params(req: oa.SamplingFields, loaded: LoadedModel) -> SamplingPara
     bad = [t for t in bias if not 0 <= t < loaded.vocab_size]
     if bad:
         raise APIError(400, f"logit_bias token id {bad[0]} is outside the vocabulary.", param="logit_bias")
-    pick = lambda v, key, default: v if v is not None else d.get(key, default)  # noqa: E731
+
+    def pick(value: float | None, key: str, default: float) -> float:
+        return float(value) if value is not None else d.get(key, default)
+
     return SamplingParams(
-        temperature=float(pick(req.temperature, "temperature", 1.0)),
-        top_p=float(pick(req.top_p, "top_p", 1.0)),
+        temperature=pick(req.temperature, "temperature", 1.0),
+        top_p=pick(req.top_p, "top_p", 1.0),
         top_k=int(pick(req.top_k, "top_k", 0)),
-        min_p=float(pick(req.min_p, "min_p", 0.0)),
+        min_p=pick(req.min_p, "min_p", 0.0),
         seed=req.seed,
         repetition_penalty=req.repetition_penalty,
         presence_penalty=req.presence_penalty,
@@ -230,7 +233,7 @@ async def finish_stream(sse: SSEWriter, make: ChunkMaker, end: Any, include_usag
         await sse.done()
 
 
-class cancel_on_exit:  # noqa: N801 - used like contextlib helpers
+class cancel_on_exit:
     """Cancel the job if the handler leaves early (client disconnect cancels the handler)."""
 
     def __init__(self, ticket: Ticket) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -62,7 +62,8 @@ def build_random_llama(
     }
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))
-    weights = {k: v.astype(getattr(mx, dtype)) for k, v in tree_flatten(model.parameters())}
+    flat = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+    weights = {k: v.astype(getattr(mx, dtype)) for k, v in flat}
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     tok.save(str(out / "tokenizer.json"))

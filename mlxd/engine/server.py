@@ -89,7 +89,11 @@ async def run(settings: EngineSettings, sock: socket.socket) -> int:
     load = lambda: LoadedModel(settings.model, settings.model_id, settings.max_context)  # noqa: E731
     gateway = Gateway(load, stats, settings.prefill_step)
     done = asyncio.Event()
-    gateway.on_loaded = lambda: loop.call_soon_threadsafe(on_loaded, gateway, done)
+
+    def notify_loaded() -> None:  # runs on the GPU thread
+        loop.call_soon_threadsafe(on_loaded, gateway, done)
+
+    gateway.on_loaded = notify_loaded
     exit_code = [ExitCode.OK]
 
     def stop(code: ExitCode) -> None:

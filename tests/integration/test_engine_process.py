@@ -18,7 +18,13 @@ import psutil
 import pytest
 
 from mlxd.protocol.exit_codes import ExitCode
-from tests.support import EngineProcess, engine_env, is_listening, private_socket_dir, running_engine
+from tests.support import (
+    EngineProcess,
+    engine_env,
+    is_listening,
+    private_socket_dir,
+    running_engine,
+)
 
 FAULTY = [sys.executable, str(Path(__file__).with_name("faulty_engine.py"))]
 LONG = {"messages": [{"role": "user", "content": "Write forever"}], "max_tokens": 3500, "temperature": 0}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -63,7 +65,7 @@ alphabet = st.text(alphabet="abcx\n🙂", max_size=30)
 @given(text=alphabet, stops=st.lists(st.text(alphabet="abcx\n🙂", min_size=1, max_size=4), max_size=3), cuts=st.lists(st.integers(0, 30), max_size=8))
 def test_matches_the_whole_text_answer_however_it_is_split(text: str, stops: list[str], cuts: list[int]) -> None:
     bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
-    pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    pieces = [text[a:b] for a, b in pairwise(bounds)]
     out, stopped = run(stops, pieces)
     hits = [text.find(s) for s in stops if s in text]
     expected = text[: min(hits)] if hits else text

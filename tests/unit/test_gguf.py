@@ -1,0 +1,270 @@
+"""GGUF header parsing, import refusals and tokenizer conversion, on tiny synthetic files."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mlxd.engine.gguf import GGUFError, GGUFFile
+from mlxd.engine.gguf_tokenizer import Vocab, build_tokenizer, special_tokens, tokenizer_json
+
+# ggml type id -> (bytes per block, elements per block), for sizing tensor data.
+_BLOCKS = {0: (4, 1), 1: (2, 1), 2: (18, 32), 3: (20, 32), 8: (34, 32), 14: (210, 256)}
+F32, F16, Q4_0, Q4_1, Q8_0, Q6_K = 0, 1, 2, 3, 8, 14
+
+
+class U64(int):
+    """An int the writer stores as uint64 (the default is uint32, or int32 when negative)."""
+
+
+class I32(int):
+    """An int the writer stores as int32 (llama.cpp wants token types as int32)."""
+
+
+def _string(s: str) -> bytes:
+    raw = s.encode("utf-8")
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _typed(value: Any) -> tuple[int, bytes]:
+    """(GGUF value type, encoded payload) for a Python value."""
+    if isinstance(value, bool):
+        return 7, struct.pack("<?", value)
+    if isinstance(value, U64):
+        return 10, struct.pack("<Q", value)
+    if isinstance(value, I32):
+        return 5, struct.pack("<i", value)
+    if isinstance(value, int):
+        return (4, struct.pack("<I", value)) if value >= 0 else (5, struct.pack("<i", value))
+    if isinstance(value, float):
+        return 6, struct.pack("<f", value)
+    if isinstance(value, str):
+        return 8, _string(value)
+    item_type = _typed(value[0])[0] if value else 4
+    items = b"".join(_typed(v)[1] for v in value)
+    return 9, struct.pack("<IQ", item_type, len(value)) + items
+
+
+def write_gguf(
+    path: Path,
+    metadata: dict[str, Any],
+    tensors: Sequence[tuple[str, tuple[int, ...], int, bytes | None]] = (),
+    *,
+    magic: bytes = b"GGUF",
+    version: int = 3,
+) -> Path:
+    """Write a GGUF file; tensor shapes are row-major, data defaults to zeros of the right size."""
+    out = [magic, struct.pack("<IQQ", version, len(tensors), len(metadata))]
+    for key, value in metadata.items():
+        vtype, payload = _typed(value)
+        out += [_string(key), struct.pack("<I", vtype), payload]
+    blobs, offset = [], 0
+    for name, shape, ggml_type, data in tensors:
+        size, per = _BLOCKS[ggml_type]
+        count = 1
+        for dim in shape:
+            count *= dim
+        blob = data if data is not None else bytes(count // per * size)
+        out += [_string(name), struct.pack("<I", len(shape))]
+        out += [struct.pack("<Q", d) for d in reversed(shape)]  # GGUF lists dims innermost first
+        out.append(struct.pack("<IQ", ggml_type, offset))
+        pad = -len(blob) % 32
+        blobs.append(blob + bytes(pad))
+        offset += len(blob) + pad
+    header = b"".join(out)
+    path.write_bytes(header + bytes(-len(header) % 32) + b"".join(blobs))
+    return path
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def byte_level_vocab(pre: str = "smollm") -> dict[str, Any]:
+    """Tokenizer metadata for a tiny byte-level BPE: 3 specials, 256 bytes, a few merges."""
+    merges = ["Ġ t", "h e", "Ġt he", "1 2", "Ġ 1"]
+    tokens = [*SPECIALS, *_bytes_to_unicode().values(), "Ġt", "he", "Ġthe", "12", "Ġ1"]
+    types = [3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS))
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [I32(t) for t in types],
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.add_bos_token": False,
+        "tokenizer.chat_template": "{{ messages[0]['content'] }}",
+    }
+
+
+def llama_metadata(arch: str = "llama") -> dict[str, Any]:
+    """Model hyperparameters of a tiny llama."""
+    return {
+        "general.architecture": arch,
+        "general.name": "tiny",
+        f"{arch}.block_count": 1,
+        f"{arch}.context_length": 64,
+        f"{arch}.embedding_length": 8,
+        f"{arch}.feed_forward_length": 16,
+        f"{arch}.attention.head_count": 2,
+        f"{arch}.attention.head_count_kv": 1,
+        f"{arch}.attention.layer_norm_rms_epsilon": 1e-5,
+        f"{arch}.rope.freq_base": 10000.0,
+    }
+
+
+def test_header_metadata_and_tensor_infos(tmp_path: Path) -> None:
+    meta = {
+        **llama_metadata(),
+        "test.negative": -7,
+        "test.big": U64(1 << 40),
+        "test.flag": True,
+        "test.floats": [0.5, -1.25],
+        "test.nested": [["a", "b"], ["c"]],
+    }
+    tensors = [("token_embd.weight", (12, 64), Q8_0, None), ("output_norm.weight", (8,), F32, None)]
+    gguf = GGUFFile(write_gguf(tmp_path / "m.gguf", meta, tensors))
+    assert gguf.version == 3
+    assert gguf.architecture == "llama"
+    assert gguf.arch_value("block_count") == 1
+    assert gguf.get("test.negative") == -7
+    assert gguf.get("test.big") == 1 << 40
+    assert gguf.get("test.flag") is True
+    assert gguf.get("test.floats") == [0.5, -1.25]
+    assert gguf.get("test.nested") == [["a", "b"], ["c"]]
+    embd = gguf.tensor("token_embd.weight")
+    assert embd is not None and embd.shape == (12, 64) and embd.type_name == "Q8_0"
+    assert [t.name for t in gguf.tensors] == ["token_embd.weight", "output_norm.weight"]
+    assert gguf.data_offset % 32 == 0
+    gguf.validate()
+
+
+def test_version_2_is_read(tmp_path: Path) -> None:
+    gguf = GGUFFile(write_gguf(tmp_path / "v2.gguf", llama_metadata(), version=2))
+    assert gguf.version == 2
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"GGML" + bytes(60), "not a GGUF file"),
+        (b"", "not a GGUF file"),
+        (b"GGUF" + struct.pack("<IQQ", 1, 0, 0), "unsupported GGUF version 1"),
+        (b"GGUF" + struct.pack("<IQQ", 3, 0, 5), "truncated"),
+    ],
+)
+def test_malformed_files_are_refused(tmp_path: Path, content: bytes, message: str) -> None:
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(content)
+    with pytest.raises(GGUFError, match=message):
+        GGUFFile(path)
+
+
+def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
+    gguf = GGUFFile(write_gguf(tmp_path / "q.gguf", llama_metadata("qwen2")))
+    with pytest.raises(GGUFError, match="unsupported architecture 'qwen2'"):
+        gguf.validate()
+
+
+def test_unsupported_tensor_type_is_named(tmp_path: Path) -> None:
+    tensors = [("blk.0.ffn_down.weight", (8, 256), Q6_K, None)]
+    gguf = GGUFFile(write_gguf(tmp_path / "k.gguf", llama_metadata(), tensors))
+    with pytest.raises(GGUFError, match=r"tensor 'blk\.0\.ffn_down\.weight' has type Q6_K"):
+        gguf.validate()
+
+
+def _tokenizer(tmp_path: Path, pre: str = "smollm", **extra: Any) -> Any:
+    meta = {**llama_metadata(), **byte_level_vocab(pre), **extra}
+    return build_tokenizer(GGUFFile(write_gguf(tmp_path / "tok.gguf", meta)))
+
+
+def test_smollm_splits_every_digit(tmp_path: Path) -> None:
+    tok = _tokenizer(tmp_path, "smollm")
+    # "12" is a merge in the vocab, but smollm isolates each digit before BPE runs.
+    assert tok.encode("x 12").tokens == ["x", "Ġ", "1", "2"]
+    assert tok.encode(" the").tokens == ["Ġthe"]
+
+
+def test_gpt2_pre_tokenizer_keeps_digit_runs(tmp_path: Path) -> None:
+    tok = _tokenizer(tmp_path, "gpt2")
+    assert tok.encode("x 12").tokens == ["x", "Ġ", "12"]
+    assert _tokenizer(tmp_path, "default").encode("12").tokens == ["12"]
+
+
+def test_byte_level_round_trip_of_non_ascii(tmp_path: Path) -> None:
+    tok = _tokenizer(tmp_path)
+    text = "naïve café — 日本語 😀\n\ttabs  and spaces "
+    assert tok.decode(tok.encode(text).ids) == text
+
+
+def test_special_tokens_stay_whole(tmp_path: Path) -> None:
+    tok = _tokenizer(tmp_path)
+    ids = tok.encode("<|im_start|>the<|im_end|>").ids
+    assert ids[0] == 1 and ids[-1] == 2
+    assert tok.decode(ids, skip_special_tokens=True) == "the"
+
+
+def test_llama3_pre_adds_bos_and_qwen2_splits_digits(tmp_path: Path) -> None:
+    bos_meta = {"tokenizer.ggml.add_bos_token": True}
+    assert _tokenizer(tmp_path, "llama-bpe", **bos_meta).encode("the").ids[0] == 1
+    assert _tokenizer(tmp_path, "qwen2").encode("12").tokens == ["1", "2"]
+
+
+def test_unknown_pre_tokenizer_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(GGUFError, match=r"unsupported pre-tokenizer tokenizer\.ggml\.pre='falcon'"):
+        _tokenizer(tmp_path, "falcon")
+
+
+def test_unknown_tokenizer_model_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(GGUFError, match=r"tokenizer\.ggml\.model='bert'"):
+        _tokenizer(tmp_path, **{"tokenizer.ggml.model": "bert"})
+
+
+def spm_vocab() -> dict[str, Any]:
+    """A tiny SentencePiece-style vocab: unk, bos, eos, 256 byte tokens, scored pieces."""
+    pieces = {"▁": -1.0, "h": -2.0, "e": -2.0, "l": -2.0, "o": -2.0, "▁h": -3.0, "ll": -3.5,
+              "▁he": -4.0, "llo": -4.5, "▁hello": -5.0}  # fmt: skip
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    return {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": [0.0] * 259 + list(pieces.values()),
+        "tokenizer.ggml.token_type": [I32(t) for t in [2, 3, 3] + [6] * 256 + [1] * len(pieces)],
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+    }
+
+
+def test_sentencepiece_vocab_merges_by_score_with_byte_fallback(tmp_path: Path) -> None:
+    gguf = GGUFFile(write_gguf(tmp_path / "spm.gguf", {**llama_metadata(), **spm_vocab()}))
+    tok = build_tokenizer(gguf)
+    assert tok.encode("hello").tokens == ["<s>", "▁hello"]  # add_bos defaults on for llama
+    assert tok.encode("hé").tokens == ["<s>", "▁h", "<0xC3>", "<0xA9>"]
+    assert tok.decode(tok.encode("hello hé").ids, skip_special_tokens=True) == "hello hé"
+    assert special_tokens(gguf, Vocab.from_gguf(gguf)).add_bos is True
+
+
+def test_tokenizer_json_marks_control_tokens_special(tmp_path: Path) -> None:
+    meta = {**llama_metadata(), **byte_level_vocab()}
+    doc = tokenizer_json(GGUFFile(write_gguf(tmp_path / "t.gguf", meta)))
+    assert [(t["content"], t["special"]) for t in doc["added_tokens"]] == [
+        (s, True) for s in SPECIALS
+    ]
