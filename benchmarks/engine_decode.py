@@ -54,7 +54,8 @@ for line in sys.stdin:
     stamps = []
     t0 = time.perf_counter()
     for r in stream_generate(model, tok, ids, max_tokens=job["max_tokens"], logits_processors=bias):
-        stamps.append(time.perf_counter())
+        if r.text or r.finish_reason:  # what a client would see, as the engine side counts it
+            stamps.append(time.perf_counter())
     print(json.dumps({"t0": t0, "stamps": stamps, "n": r.generation_tokens, "prompt_tokens": len(ids)}), flush=True)
 """
 
