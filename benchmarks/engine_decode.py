@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 PROMPT = (
-    "Run {i}. Here is a short story about a lighthouse keeper who finds a message in a bottle "
+    "{i}. Here is a short story about a lighthouse keeper who finds a message in a bottle "
     "and decides to answer it. Tell it in detail:\n"
 )
 
@@ -46,17 +46,19 @@ from mlx_lm import load
 from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_logits_processors
 model, tok = load(sys.argv[1])
-bias = make_logits_processors(logit_bias={int(e): -1e9 for e in tok.eos_token_ids})
+bias = make_logits_processors(logit_bias={int(k): v for k, v in json.loads(sys.argv[2]).items()})
 print(json.dumps({"ready": True}), flush=True)
 for line in sys.stdin:
     job = json.loads(line)
     ids = tok.encode(job["prompt"])
     stamps = []
+    first = None
     t0 = time.perf_counter()
     for r in stream_generate(model, tok, ids, max_tokens=job["max_tokens"], logits_processors=bias):
+        first = first or time.perf_counter()
         if r.text or r.finish_reason:  # what a client would see, as the engine side counts it
             stamps.append(time.perf_counter())
-    print(json.dumps({"t0": t0, "stamps": stamps, "n": r.generation_tokens, "prompt_tokens": len(ids)}), flush=True)
+    print(json.dumps({"t0": t0, "stamps": stamps, "n": r.generation_tokens, "first_token_ms": (first - t0) * 1000}), flush=True)
 """
 
 
@@ -73,9 +75,9 @@ def engine_env() -> dict[str, str]:
 class RawWorker:
     """mlx-lm's stream_generate in a child process, one JSON job per line."""
 
-    def __init__(self, model: Path) -> None:
+    def __init__(self, model: Path, bias: dict[str, float]) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", RAW_WORKER, str(model)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [sys.executable, "-c", RAW_WORKER, str(model), json.dumps(bias)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             text=True, env=engine_env(),
         )
         self._read()
@@ -92,7 +94,7 @@ class RawWorker:
         self.proc.stdin.write(json.dumps({"prompt": prompt, "max_tokens": max_tokens}) + "\n")
         self.proc.stdin.flush()
         r = self._read()
-        return timing(r["t0"], r["stamps"], r["n"])
+        return {**timing(r["t0"], r["stamps"], r["n"]), "first_token_ms": r["first_token_ms"]}
 
     def close(self) -> None:
         self.proc.kill()
@@ -101,6 +103,8 @@ class RawWorker:
 
 def timing(t0: float, stamps: list[float], num_tokens: int) -> dict[str, float]:
     """TTFT, and the decode rate between the first token and the end of the stream."""
+    if len(stamps) < 2:
+        raise RuntimeError("fewer than two text chunks: cannot time decoding")
     decode_s = stamps[-1] - stamps[0]
     return {"ttft_s": stamps[0] - t0, "decode_tps": (num_tokens - 1) / decode_s, "tokens": num_tokens}
 
@@ -116,7 +120,7 @@ class Engine:
             env=engine_env(), stderr=subprocess.DEVNULL,
         )
         self.cold_start_s = asyncio.run(self._wait_ready()) - t0
-        self.eos: list[int] = []
+        self.bias: dict[str, float] = {}
 
     async def _wait_ready(self) -> float:
         while True:
@@ -133,7 +137,7 @@ class Engine:
 
     async def run(self, session: aiohttp.ClientSession, prompt: str, max_tokens: int) -> dict[str, float]:
         body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0,
-                "logit_bias": {str(e): -100 for e in self.eos}, "stream_options": {"include_usage": True}}
+                "logit_bias": self.bias, "stream_options": {"include_usage": True}}
         stamps: list[float] = []
         num_tokens = 0
         t0 = time.perf_counter()
@@ -146,17 +150,27 @@ class Engine:
                         stamps.append(now)
                     if chunk.get("usage"):
                         num_tokens = chunk["usage"]["completion_tokens"]
-        return timing(t0, stamps, num_tokens)
+        async with session.get("http://e/admin/stats") as resp:
+            inside = (await resp.json())["last"]["timings_ms"]
+        # Inside the engine: submitted -> first token sampled (compare with raw first_token_ms).
+        return {**timing(t0, stamps, num_tokens), "first_token_ms": inside["queue"] + inside["prefill"]}
 
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(10)
 
 
-def eos_ids(model: Path) -> list[int]:
+def logit_bias(model: Path, ascii_only: bool) -> dict[str, float]:
+    """Bias EOS away (same length every run); for random models also every token that is not
+    plain ASCII, so each token shows up as text and is timed as it arrives."""
     from mlx_lm.utils import load_tokenizer
 
-    return sorted(load_tokenizer(model).eos_token_ids)
+    tok = load_tokenizer(model)
+    banned = set(tok.eos_token_ids)
+    if ascii_only:
+        pieces = tok.convert_ids_to_tokens(list(range(len(tok))))
+        banned |= {i for i, p in enumerate(pieces) if not (p and p.isascii() and p.isprintable())}
+    return {str(i): -100.0 for i in sorted(banned)}
 
 
 def prepare_model(args: argparse.Namespace, work: Path) -> tuple[Path, str]:
@@ -187,6 +201,8 @@ def summarize(raw: list[dict[str, float]], eng: list[dict[str, float]], cold: li
         "raw_ttft_ms": med(raw, "ttft_s") * 1000,
         "engine_ttft_ms": med(eng, "ttft_s") * 1000,
         "ttft_overhead_ms": (med(eng, "ttft_s") - med(raw, "ttft_s")) * 1000,
+        "raw_first_token_ms": med(raw, "first_token_ms"),
+        "engine_first_token_ms": med(eng, "first_token_ms"),
         "cold_start_s": statistics.median(cold),
         "tokens_per_run": med(eng, "tokens"),
     }
@@ -196,8 +212,9 @@ async def measure(engine: Engine, raw: RawWorker, runs: int, max_tokens: int) ->
     raw_rows, eng_rows = [], []
     async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(engine.socket))) as session:
         for i in range(-2, runs):  # two warm-up rounds: kernels compile on first use of each shape
-            r = raw.run(PROMPT.format(i=f"raw{i}"), max_tokens)
-            e = await engine.run(session, PROMPT.format(i=f"eng{i}"), max_tokens)
+            # The same fresh prompt on both sides; its leading number defeats the engine's prefix cache.
+            r = raw.run(PROMPT.format(i=i), max_tokens)
+            e = await engine.run(session, PROMPT.format(i=i), max_tokens)
             if i >= 0:
                 raw_rows.append(r)
                 eng_rows.append(e)
@@ -225,8 +242,8 @@ def main() -> None:
             e.stop()
         engine = Engine(model, model_id, work)
         cold.append(engine.cold_start_s)
-        engine.eos = eos_ids(model)
-        raw = RawWorker(model)
+        engine.bias = logit_bias(model, ascii_only=bool(args.random_llama))
+        raw = RawWorker(model, engine.bias)
         try:
             raw_rows, eng_rows = asyncio.run(measure(engine, raw, args.runs, args.max_tokens))
         finally:

@@ -102,7 +102,10 @@ async def admin_stats(request: web.Request) -> web.Response:
             "cancelled": s.num_cancelled, "failed": s.num_failed,
         },
         "tokens": {"prompt": s.prompt_tokens, "cached": s.cached_tokens, "completion": s.completion_tokens},
-        "last": {"finish_reason": s.last_finish_reason, "completion_tokens": s.last_completion_tokens},
+        "last": {
+            "finish_reason": s.last_finish_reason, "completion_tokens": s.last_completion_tokens,
+            "timings_ms": s.last_timings_ms,
+        },
         "memory": {
             "rss_bytes": psutil.Process().memory_info().rss,
             "mlx_active_bytes": mx.get_active_memory(),

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from mlxd.engine.job import Job
-from mlxd.engine.loaded_model import LoadedModel
+from mlxd.engine.loaded_model import LoadedModel, wire_model_memory
 from mlxd.engine.serial_lane import SerialLane
 from mlxd.engine.stats import Stats
 from mlxd.protocol.events import Done, Failed
@@ -65,6 +65,7 @@ class Gateway:
     def _run(self) -> None:
         try:
             self.loaded = self._load()
+            wire_model_memory()
         except Exception as exc:
             self.load_error = str(exc) or type(exc).__name__
             log.error("model load failed: %s", self.load_error)

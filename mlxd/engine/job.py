@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -32,6 +33,7 @@ class Job:
     sampling: SamplingParams
     stops: list[str]
     ticket: Ticket
+    submitted_at: float = field(default_factory=time.perf_counter)
 
 
 class Ticket:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.utils import load
 
 from mlxd.protocol.errors import APIError
@@ -72,6 +73,12 @@ class LoadedModel:
     def decode(self, ids: list[int]) -> str:
         """Text for token ids (used for `echo`)."""
         return str(self.tokenizer.decode(ids))
+
+
+def wire_model_memory() -> None:
+    """On Metal, keep model memory wired for the engine's whole life (mlx-lm does it per call)."""
+    if mx.metal.is_available():
+        mx.set_wired_limit(int(mx.device_info()["max_recommended_working_set_size"]))
 
 
 def context_window(config: dict[str, Any], max_context: int | None) -> int:

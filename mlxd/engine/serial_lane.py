@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import mlx.core as mx
@@ -14,6 +16,8 @@ from mlxd.engine.sampling import make_sampling, seed_rng
 from mlxd.engine.stats import Stats
 from mlxd.protocol.events import Done, Token
 from mlxd.protocol.stops import StopMatcher
+
+log = logging.getLogger("mlxd.engine")
 
 
 class Cancelled(Exception):
@@ -31,19 +35,20 @@ class SerialLane:
 
     def run(self, job: Job) -> None:
         """Generate for `job` (GPU thread only)."""
+        clock = Clock(job.submitted_at)
         cache, cached = self._cache.fetch(job.prompt)
         generated: list[int] = []
         try:
-            finish = self._generate(job, cache, cached, generated)
+            finish = self._generate(job, cache, cached, generated, clock)
         except Cancelled:
             finish = "cancelled"
         except BaseException:
             self._cache.clear()
             raise
         self._cache.store(cache, job.prompt + generated)
-        self._finish(job, finish, cached, len(generated))
+        self._finish(job, finish, cached, len(generated), clock)
 
-    def _generate(self, job: Job, cache: list[Any], cached: int, out: list[int]) -> str:
+    def _generate(self, job: Job, cache: list[Any], cached: int, out: list[int], clock: Clock) -> str:
         seed_rng(job.sampling.seed)
         sampler, processors = make_sampling(job.sampling)
         steps = generate_step(
@@ -57,17 +62,18 @@ class SerialLane:
             prompt_progress_callback=lambda *_: self._check_cancel(job),
         )
         try:
-            return self._decode(job, steps, out)
+            return self._decode(job, steps, out, clock)
         finally:
             steps.close()
 
-    def _decode(self, job: Job, steps: Any, out: list[int]) -> str:
+    def _decode(self, job: Job, steps: Any, out: list[int], clock: Clock) -> str:
         eos = self._loaded.eos_token_ids
         detok = self._loaded.tokenizer.detokenizer
         stops = StopMatcher(job.stops)
         emit = job.ticket.emit
         for token, _ in steps:
             out.append(token)
+            clock.token()
             if token in eos:
                 break
             detok.add_token(token)
@@ -94,7 +100,7 @@ class SerialLane:
         if job.ticket.is_cancelled:
             raise Cancelled
 
-    def _finish(self, job: Job, finish: str, cached: int, num_generated: int) -> None:
+    def _finish(self, job: Job, finish: str, cached: int, num_generated: int, clock: Clock) -> None:
         s = self._stats
         s.cached_tokens += cached
         s.completion_tokens += num_generated
@@ -103,4 +109,33 @@ class SerialLane:
             s.num_cancelled += 1
         else:
             s.num_completed += 1
-        job.ticket.emit(Done(finish, len(job.prompt), num_generated, cached))
+        done = Done(finish, len(job.prompt), num_generated, cached, *clock.split_ms())
+        s.last_timings_ms = {"queue": done.queue_ms, "prefill": done.prefill_ms, "decode": done.decode_ms}
+        job.ticket.emit(done)
+        log.info(
+            "%d prompt tokens (%d cached) + %d generated, %s; queue %.1f ms, prefill %.1f ms, decode %.1f tok/s",
+            len(job.prompt), cached, num_generated, finish, done.queue_ms, done.prefill_ms,
+            (num_generated - 1) / (done.decode_ms / 1000) if num_generated > 1 and done.decode_ms else 0.0,
+        )
+
+
+class Clock:
+    """When a job was submitted, picked up, got its first token and its last."""
+
+    def __init__(self, submitted_at: float) -> None:
+        self.submitted_at = submitted_at
+        self.started_at = time.perf_counter()
+        self.first_at: float | None = None
+        self.last_at = self.started_at
+
+    def token(self) -> None:
+        """Note a token's arrival."""
+        self.last_at = time.perf_counter()
+        if self.first_at is None:
+            self.first_at = self.last_at
+
+    def split_ms(self) -> tuple[float, float, float]:
+        """(queue, prefill, decode) in milliseconds."""
+        first = self.first_at or self.last_at
+        ms = lambda a, b: round((b - a) * 1000, 3)  # noqa: E731
+        return ms(self.submitted_at, self.started_at), ms(self.started_at, first), ms(first, self.last_at)

@@ -19,6 +19,7 @@ class Stats:
     completion_tokens: int = 0
     last_finish_reason: str | None = None
     last_completion_tokens: int = 0
+    last_timings_ms: dict[str, float] = field(default_factory=dict)
 
     @property
     def num_active(self) -> int:

@@ -18,6 +18,9 @@ class Done(msgspec.Struct, tag="done"):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    queue_ms: float = 0.0  # submitted -> the GPU thread picked it up
+    prefill_ms: float = 0.0  # picked up -> first token sampled
+    decode_ms: float = 0.0  # first token -> last token
 
 
 class Failed(msgspec.Struct, tag="failed"):

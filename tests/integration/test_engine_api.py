@@ -177,3 +177,17 @@ def test_unknown_route_and_wrong_method_are_json(tiny_engine: EngineProcess) -> 
 def test_engine_still_serves_after_bad_input(client: openai.OpenAI) -> None:
     out = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=2)  # type: ignore[arg-type]
     assert out.usage is not None and out.usage.completion_tokens == 2
+
+
+def test_concurrent_requests_queue_and_all_complete(client: openai.OpenAI) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [f"Request number {i}" for i in range(6)]
+
+    def ask(prompt: str) -> str:
+        return client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+
+    alone = [ask(p) for p in prompts]
+    with ThreadPoolExecutor(6) as pool:
+        together = list(pool.map(ask, prompts))
+    assert together == alone
