@@ -7,10 +7,15 @@ import os
 import sys
 
 from mlxd.engine import blas
+from mlxd.engine.parent_watch import set_death_signal
 
 
 def main() -> None:
     """Entry point: maybe re-exec with OpenBLAS, then serve; exit with a named code."""
+    # Before anything slow: remember our parent and ask for SIGTERM when it dies (the setting
+    # survives the re-exec), so a parent that dies while we start is noticed too.
+    os.environ.setdefault("MLXD_PARENT_PID", str(os.getppid()))
+    set_death_signal()
     blas.reexec_with_openblas(["-m", "mlxd.engine", *sys.argv[1:]])
     from mlxd.engine.server import serve  # after the re-exec: this imports mlx
     from mlxd.engine.settings import parse_args

@@ -23,7 +23,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def make_app(settings: EngineSettings, gateway: Gateway, stats: Stats) -> web.Application:
-    """The engine app (the caller owns the gateway's start and stop)."""
+    """The engine app; its cleanup context owns the GPU thread."""
     app = web.Application(client_max_size=settings.max_body, middlewares=[error_middleware])
     app[SETTINGS], app[GATEWAY], app[STATS] = settings, gateway, stats
     app.router.add_post("/v1/chat/completions", routes.chat_completions)
@@ -36,9 +36,10 @@ def make_app(settings: EngineSettings, gateway: Gateway, stats: Stats) -> web.Ap
 
 
 async def gateway_ctx(app: web.Application) -> AsyncIterator[None]:
-    """Stop the GPU thread when the app shuts down."""
+    """The GPU thread lives as long as the app: started at setup, stopped at cleanup."""
+    app[GATEWAY].start()
     yield
-    app[GATEWAY].stop(timeout=1.0)
+    app[GATEWAY].stop()  # no join: the process exits with os._exit, even mid-prefill
 
 
 @web.middleware
@@ -63,7 +64,8 @@ def http_error(exc: web.HTTPException) -> APIError:
         return APIError(413, f"Request body too large: {exc.text}", code="request_too_large")
     if exc.status == 404:
         return APIError(404, "Unknown route.", code="not_found")
-    return APIError(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_"))
+    allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+    return APIError(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_"), headers=allow)
 
 
 def error_response(err: APIError) -> web.Response:
@@ -91,10 +93,11 @@ async def health(request: web.Request) -> web.Response:
 async def admin_stats(request: web.Request) -> web.Response:
     """GET /admin/stats: counters, memory in use and uptime."""
     s, settings = request.app[STATS], request.app[SETTINGS]
-    loaded = request.app[GATEWAY].loaded
+    gateway = request.app[GATEWAY]
+    loaded = gateway.loaded
     body = {
         "model": settings.model_id,
-        "status": "ready" if loaded else "loading",
+        "status": "ready" if loaded else "failed" if gateway.load_error else "loading",
         "uptime_s": round(time.time() - s.started_at, 3),
         "context_window": loaded.context_window if loaded else None,
         "requests": {

@@ -30,6 +30,15 @@ _SCALAR_FORMATS: dict[int, str] = {
 }  # fmt: skip
 _TYPE_STRING = 8
 _TYPE_ARRAY = 9
+# Fewest bytes one value of a type takes: bounds counts against the bytes left in the file.
+_MIN_STRING_BYTES = 8  # the uint64 length
+_MIN_ARRAY_BYTES = 12  # item type and count
+MAX_ARRAY_DEPTH = 8  # real files nest at most 2; deeper is hostile (and would recurse)
+MAX_TENSOR_DIMS = 4  # GGML_MAX_DIMS
+# What a hostile header can still make the parser raise; GGUFFile reports these as GGUFError.
+_PARSE_ERRORS = (
+    struct.error, ValueError, OverflowError, UnicodeDecodeError, RecursionError, MemoryError,
+)  # fmt: skip
 
 
 class GGUFError(ValueError):
@@ -62,20 +71,30 @@ class _Cursor:
     def unpack(self, fmt: str) -> Any:
         return self.unpack_many(fmt, 1)[0]
 
-    def unpack_many(self, fmt: str, count: int) -> tuple[Any, ...]:
-        spec = f"<{count}{fmt}"
-        size = struct.calcsize(spec)
-        if self.pos + size > len(self.buf):
+    @property
+    def num_left(self) -> int:
+        """Bytes between the cursor and the end of the file."""
+        return len(self.buf) - self.pos
+
+    def check_fits(self, count: int, item_size: int, what: str) -> None:
+        """GGUFError unless `count` items of `item_size`+ bytes fit in the rest of the file."""
+        # Before struct.calcsize or a loop sees the count: 2**62 items must not get that far.
+        if count * item_size > self.num_left:
             raise GGUFError(
-                f"{self.path}: truncated GGUF header (wanted {size} bytes at {self.pos})"
+                f"{self.path}: truncated GGUF header ({what}: {count} items of {item_size}+ bytes "
+                f"at {self.pos}, {self.num_left} bytes left)"
             )
+
+    def unpack_many(self, fmt: str, count: int) -> tuple[Any, ...]:
+        self.check_fits(count, struct.calcsize(f"<{fmt}"), f"{fmt!r} values")
+        spec = f"<{count}{fmt}"
         values = struct.unpack_from(spec, self.buf, self.pos)
-        self.pos += size
+        self.pos += struct.calcsize(spec)
         return values
 
     def string(self) -> str:
         length = self.unpack("Q")
-        if self.pos + length > len(self.buf):
+        if length > self.num_left:
             raise GGUFError(f"{self.path}: truncated GGUF header (string of {length} bytes)")
         raw = self.buf[self.pos : self.pos + length]
         self.pos += length
@@ -84,22 +103,28 @@ class _Cursor:
         except UnicodeDecodeError as e:
             raise GGUFError(f"{self.path}: invalid UTF-8 in a GGUF string at {self.pos}") from e
 
-    def value(self, vtype: int) -> Any:
+    def value(self, vtype: int, depth: int = 0) -> Any:
         if vtype == _TYPE_STRING:
             return self.string()
         if vtype == _TYPE_ARRAY:
-            return self.array()
+            return self.array(depth + 1)
         fmt = _SCALAR_FORMATS.get(vtype)
         if fmt is None:
             raise GGUFError(f"{self.path}: unknown GGUF metadata value type {vtype}")
         return self.unpack(fmt)
 
-    def array(self) -> list[Any]:
+    def array(self, depth: int = 1) -> list[Any]:
+        if depth > MAX_ARRAY_DEPTH:
+            raise GGUFError(f"{self.path}: GGUF arrays nested deeper than {MAX_ARRAY_DEPTH}")
         item_type, count = self.unpack("I"), self.unpack("Q")
         fmt = _SCALAR_FORMATS.get(item_type)
         if fmt is not None:  # one struct call for numeric arrays: vocab scores are long
             return list(self.unpack_many(fmt, count))
-        return [self.value(item_type) for _ in range(count)]
+        if item_type not in (_TYPE_STRING, _TYPE_ARRAY):
+            raise GGUFError(f"{self.path}: unknown GGUF array item type {item_type}")
+        min_size = _MIN_STRING_BYTES if item_type == _TYPE_STRING else _MIN_ARRAY_BYTES
+        self.check_fits(count, min_size, "array")
+        return [self.value(item_type, depth) for _ in range(count)]
 
 
 class GGUFFile:
@@ -114,7 +139,14 @@ class GGUFFile:
         if self.path.stat().st_size < 8:  # mmap refuses empty files; say what it is instead
             raise GGUFError(f"{self.path}: not a GGUF file (too short)")
         with self.path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            self._parse(_Cursor(buf, self.path))
+            try:
+                self._parse(_Cursor(buf, self.path))
+            except GGUFError:
+                raise
+            except _PARSE_ERRORS as e:  # a hostile header the checks above missed: no traceback
+                raise GGUFError(
+                    f"{self.path}: malformed GGUF header ({type(e).__name__}: {e})"
+                ) from e
 
     def _parse(self, cur: _Cursor) -> None:
         magic = bytes(cur.buf[:4])
@@ -128,17 +160,31 @@ class GGUFFile:
                 "(supported: 2, 3; big-endian files are not supported)"
             )
         num_tensors, num_kv = cur.unpack("Q"), cur.unpack("Q")
+        cur.check_fits(num_kv, _MIN_STRING_BYTES + 4 + 1, "metadata")  # key, type, 1-byte value
         for _ in range(num_kv):
             key = cur.string()
             self.metadata[key] = cur.value(cur.unpack("I"))
+        cur.check_fits(num_tensors, _MIN_STRING_BYTES + 4 + 4 + 8, "tensor infos")
         self.tensors = [self._tensor_info(cur) for _ in range(num_tensors)]
-        align = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+        align = self._alignment()
         self.data_offset = -(-cur.pos // align) * align
+
+    def _alignment(self) -> int:
+        """`general.alignment`, which must be a positive power-of-two integer."""
+        align = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        is_int = isinstance(align, int) and not isinstance(align, bool)
+        if not is_int or align <= 0 or align & (align - 1):
+            raise GGUFError(
+                f"{self.path}: general.alignment={align!r} is not a positive power of two"
+            )
+        return int(align)
 
     @staticmethod
     def _tensor_info(cur: _Cursor) -> TensorInfo:
         name = cur.string()
         num_dims = cur.unpack("I")
+        if num_dims > MAX_TENSOR_DIMS:
+            raise GGUFError(f"{cur.path}: tensor {name!r} has {num_dims} dims (most is 4)")
         dims = cur.unpack_many("Q", num_dims)
         ggml_type, offset = cur.unpack("I"), cur.unpack("Q")
         return TensorInfo(name, tuple(reversed(dims)), ggml_type, offset)

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import importlib.metadata
 import json
 import math
 import os
 import re
+import secrets
 import shutil
 import sys
 import tempfile
+import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -45,6 +49,9 @@ _LAYER_NAMES = {
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)")
 _COMPLETE_MARKERS = ("config.json", "tokenizer.json", "tokenizer_config.json")
+# mkdtemp(prefix=".NAME.importing-") dirs: 8 random chars from tempfile's alphabet.
+_TEMP_DIR_RE = re.compile(r"\..+\.importing-[a-z0-9_]{8}")
+STALE_TEMP_SECONDS = 3600  # an import that wrote nothing for an hour was killed
 
 
 class GGUFImportError(Exception):
@@ -270,7 +277,12 @@ def _write_model(src: Path, out_dir: Path, dtype: str, progress: Progress) -> No
     progress("reading header")
     gguf = GGUFFile(src)
     gguf.validate()
-    config = model_config(gguf)
+    try:
+        config = model_config(gguf)
+    except GGUFError:
+        raise
+    except (TypeError, ValueError, OverflowError) as e:  # e.g. a string llama.block_count
+        raise GGUFImportError(f"{src}: unusable model metadata ({e})") from e
     progress("building tokenizer")
     write_tokenizer_files(gguf, out_dir)
     progress("loading weights")
@@ -300,18 +312,84 @@ def _check_name(name: str) -> str:
     return name
 
 
+def _fsync_path(path: Path) -> None:
+    """fsync one file or dir (dirs open read-only on Linux and macOS alike)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_dir(out_dir: Path) -> None:
+    """fsync every file in `out_dir`, then the dir itself.
+
+    Done before the rename, so that a crash cannot leave a complete-looking model dir of
+    empty files (test_written_files_are_synced_before_the_rename).
+    """
+    for path in out_dir.iterdir():
+        if path.is_file():
+            _fsync_path(path)
+    _fsync_path(out_dir)
+
+
+def _swap(tmp: Path, dest: Path) -> None:
+    """Replace the dir `dest` by `tmp`: the old one moves aside, and comes back if that fails."""
+    # rename() will not replace a non-empty dir, so there is a moment between the two
+    # renames with no `dest`; the old model is never deleted before the new one is in place.
+    old = dest.with_name(f".{dest.name}.old-{secrets.token_hex(4)}")
+    os.replace(dest, old)
+    try:
+        os.replace(tmp, dest)
+    except OSError:
+        try:
+            os.replace(old, dest)  # test_force_swap_restores_the_old_model
+        except OSError:  # a concurrent import filled the gap: its model replaces the old one
+            shutil.rmtree(old, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def _install(tmp: Path, dest: Path, force: bool) -> None:
     """Move a finished temp dir into place; with `force`, replace what was there."""
-    if not dest.exists():
-        os.replace(tmp, dest)
-        return
-    if not force:
-        raise GGUFImportError(f"{dest} already exists (use --force to replace it)")
-    # rename() will not replace a non-empty dir: swap the old one aside, then delete it.
-    trash = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
-    os.replace(dest, trash / "old")
-    os.replace(tmp, dest)
-    shutil.rmtree(trash, ignore_errors=True)
+    try:
+        if force and dest.exists():
+            _swap(tmp, dest)
+        else:
+            os.replace(tmp, dest)
+    except OSError as e:
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST) and dest.exists():
+            # Another import installed `dest` after our exists() check (test_install_race_*).
+            hint = "another import installed it meanwhile" if force else "use --force to replace it"
+            raise GGUFImportError(f"{dest} already exists ({hint})") from e
+        raise GGUFImportError(f"could not move the import into {dest}: {e}") from e
+    with contextlib.suppress(OSError):  # make the rename itself durable; best effort
+        _fsync_path(dest.parent)
+
+
+def _newest_mtime(path: Path) -> float:
+    """The latest mtime of a dir and the files in it (a live import keeps writing files)."""
+    stamps = [path.lstat().st_mtime]
+    stamps += [p.lstat().st_mtime for p in path.iterdir()]
+    return max(stamps)
+
+
+def sweep_stale_imports(models_dir: Path, max_age: float = STALE_TEMP_SECONDS) -> list[Path]:
+    """Delete mlxd's own `.NAME.importing-*` temp dirs older than `max_age` (killed imports)."""
+    swept: list[Path] = []
+    if not models_dir.is_dir():
+        return swept
+    cutoff = time.time() - max_age
+    for path in models_dir.iterdir():
+        if not _TEMP_DIR_RE.fullmatch(path.name) or path.is_symlink() or not path.is_dir():
+            continue
+        try:
+            if _newest_mtime(path) < cutoff:
+                shutil.rmtree(path)
+                swept.append(path)
+        except OSError:  # gone already (a concurrent sweep), or not ours to delete
+            continue
+    return swept
 
 
 def import_gguf(
@@ -332,9 +410,11 @@ def import_gguf(
     if dest.exists() and not force:
         raise GGUFImportError(f"{dest} already exists (use --force to replace it)")
     dest.parent.mkdir(parents=True, exist_ok=True)
+    sweep_stale_imports(dest.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.importing-", dir=dest.parent))
     try:
         _write_model(Path(src), tmp, dtype, report)
+        _sync_dir(tmp)
         _install(tmp, dest, force)
     except GGUFError as e:
         raise GGUFImportError(str(e)) from e
@@ -379,6 +459,7 @@ def import_default(models_dir: Path, progress: Progress | None = None, force: bo
     try:
         return import_gguf(src, models_dir, DEFAULT_MODEL_ID, default_dtype(), progress, replace)
     except GGUFImportError:
-        if is_complete(dest):  # a concurrent import_default finished first
+        # A concurrent import_default finished first (test_install_race_import_default_*).
+        if is_complete(dest):
             return dest
         raise

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
 
-from mlxd.engine.job import Job, SamplingParams, Ticket
+from mlxd.engine.job import Job, SamplingParams
 from mlxd.engine.keys import GATEWAY
 from mlxd.engine.loaded_model import LoadedModel
 from mlxd.engine.sse import SSEWriter
+from mlxd.engine.ticket import Ticket
 from mlxd.protocol import openai as oa
 from mlxd.protocol.errors import APIError, from_decode_error
 from mlxd.protocol.events import Done, Failed, Token
@@ -75,13 +77,14 @@ def sampling_params(req: oa.SamplingFields, loaded: LoadedModel) -> SamplingPara
     def pick(value: float | None, key: str, default: float) -> float:
         return float(value) if value is not None else d.get(key, default)
 
+    top_k = int(pick(req.top_k, "top_k", 0))
     return SamplingParams(
         temperature=pick(req.temperature, "temperature", 1.0),
         top_p=pick(req.top_p, "top_p", 1.0),
-        top_k=int(pick(req.top_k, "top_k", 0)),
+        top_k=top_k if top_k < loaded.vocab_size else 0,  # keeping every token is no top-k at all
         min_p=pick(req.min_p, "min_p", 0.0),
         seed=req.seed,
-        repetition_penalty=req.repetition_penalty,
+        repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else d.get("repetition_penalty"),
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
         logit_bias=bias,
@@ -112,7 +115,7 @@ async def collect(ticket: Ticket) -> tuple[str, Done]:
         parts.extend(e.text for e in batch if isinstance(e, Token))
         end = batch[-1]
         if isinstance(end, Failed):
-            raise APIError(end.status, end.message, type="server_error", code="generation_failed")
+            raise APIError(end.status, end.message, type="server_error", code=end.code)
         if isinstance(end, Done):
             if end.finish_reason == "cancelled":
                 raise APIError(503, "The engine is shutting down.", type="server_error", code="engine_stopping")
@@ -127,6 +130,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     loaded = ready_model(request)
     messages = [chat_message_dict(m, i) for i, m in enumerate(req.messages)]
     prompt = loaded.chat_prompt(messages, req.tools, req.chat_template_kwargs)
+    if not prompt:
+        raise APIError(400, "The chat template produced an empty prompt.", param="messages")
     budget = req.max_completion_tokens or req.max_tokens
     max_tokens = resolve_max_tokens(budget, len(prompt), loaded.context_window, None)
     ticket = submit(request, prompt, max_tokens, req)
@@ -180,7 +185,10 @@ def chat_chunk(cid: str, created: int, model: str) -> ChunkMaker:
     def make(text: str | None, finish: str | None, usage: oa.Usage | None) -> Any:
         if usage is not None:
             return oa.ChatCompletionChunk(cid, created, model, [], usage)
-        delta = oa.Delta(role="assistant", content="") if text is None and finish is None else oa.Delta(content=text)
+        if text is None and finish is None:
+            delta = oa.Delta(role="assistant", content="")
+        else:  # the closing chunk carries only finish_reason, with an empty delta as OpenAI's does
+            delta = oa.Delta(content=text or None)
         return oa.ChatCompletionChunk(cid, created, model, [oa.ChunkChoice(0, delta, finish)])
 
     return make
@@ -223,28 +231,24 @@ async def stream(
 async def finish_stream(sse: SSEWriter, make: ChunkMaker, end: Any, include_usage: bool) -> None:
     """Write the closing events for a Done or Failed event; nothing for a Token."""
     if isinstance(end, Failed):
-        await sse.send_error(APIError(end.status, end.message, type="server_error", code="generation_failed"))
+        await sse.send_error(APIError(end.status, end.message, type="server_error", code=end.code))
     elif isinstance(end, Done) and end.finish_reason == "cancelled":
         await sse.send_error(APIError(503, "The engine is shutting down.", type="server_error", code="engine_stopping"))
     elif isinstance(end, Done):
-        await sse.send(make("", end.finish_reason, None))
+        await sse.send(make(None, end.finish_reason, None))
         if include_usage:
             await sse.send(make(None, None, usage_of(end)))
         await sse.done()
 
 
-class cancel_on_exit:
-    """Cancel the job if the handler leaves early (client disconnect cancels the handler)."""
-
-    def __init__(self, ticket: Ticket) -> None:
-        self._ticket = ticket
-
-    def __enter__(self) -> Ticket:
-        return self._ticket
-
-    def __exit__(self, *exc: object) -> None:
-        if not self._ticket.is_finished:
-            self._ticket.cancel()
+@contextlib.contextmanager
+def cancel_on_exit(ticket: Ticket) -> Iterator[Ticket]:
+    """Cancel the job if the handler leaves early (a client disconnect cancels the handler)."""
+    try:
+        yield ticket
+    finally:
+        if not ticket.is_finished:
+            ticket.cancel()
 
 
 _encoder = msgspec.json.Encoder()

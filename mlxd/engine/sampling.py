@@ -9,12 +9,17 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-# OpenAI's penalties look at the whole completion; mlx-lm's default window is 20 tokens.
+# How many recent tokens (prompt and completion) the penalties look at; mlx-lm's default is 20.
 PENALTY_CONTEXT = 256
+Processor = Callable[[mx.array, mx.array], mx.array]
 
 
-def make_sampling(params: Any) -> tuple[Callable[[mx.array], mx.array], list[Any]]:
-    """The sampler and logits processors for one request (GPU thread)."""
+def make_sampling(params: Any, cached_prefix: list[int]) -> tuple[Callable[[mx.array], mx.array], list[Any]]:
+    """The sampler and logits processors for one request (GPU thread).
+
+    mlx-lm's processors see only the tokens handed to generate_step, so the part of the prompt
+    served from the prompt cache is prepended: warm and cold caches then penalize alike.
+    """
     sampler = make_sampler(
         temp=params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=params.top_k
     )
@@ -27,9 +32,22 @@ def make_sampling(params: Any) -> tuple[Callable[[mx.array], mx.array], list[Any
         frequency_penalty=params.frequency_penalty,
         frequency_context_size=PENALTY_CONTEXT,
     )
+    if cached_prefix and processors:
+        history = mx.array(cached_prefix[-PENALTY_CONTEXT:])
+        processors = [with_history(p, history) for p in processors]
     return sampler, processors
+
+
+def with_history(processor: Processor, history: mx.array) -> Processor:
+    """A processor that also sees `history` before the tokens generate_step tracks."""
+
+    def run(tokens: mx.array, logits: mx.array) -> mx.array:
+        return processor(mx.concatenate([history, tokens]), logits)
+
+    return run
 
 
 def seed_rng(seed: int | None) -> None:
     """Seed MLX's global RNG: the request's seed, else fresh entropy (serial lane only)."""
-    mx.random.seed(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
+    # OpenAI's seed is any int64; MLX takes a uint64.
+    mx.random.seed(seed % 2**64 if seed is not None else int.from_bytes(os.urandom(8), "little"))

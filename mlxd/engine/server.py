@@ -25,11 +25,9 @@ from mlxd.protocol.exit_codes import ExitCode
 
 log = logging.getLogger("mlxd.engine")
 MAX_SOCKET_PATH = 104 if sys.platform == "darwin" else 108
-SHUTDOWN_TIMEOUT_S = 1.0
-# While decoding, the GPU thread seldom blocks (mlx-lm evaluates a step ahead), so the loop
-# thread waits for the GIL's forced switch before relaying a token: 5 ms by default. On an
-# H200 a 0.5 ms interval took TTFT overhead from 3.7 to 1.3 ms (benchmarks/engine_decode.py).
-GIL_SWITCH_S = 0.0005
+# Open requests are answered at once on stop, so handlers end quickly; aiohttp applies this
+# twice (graceful, then after cancelling), which keeps exit well inside 2 s.
+SHUTDOWN_TIMEOUT_S = 0.3
 
 
 class BootError(Exception):
@@ -71,8 +69,13 @@ def remove_stale_socket(path: Path) -> None:
 
 def serve(settings: EngineSettings) -> int:
     """Serve until SIGTERM/SIGINT or parent death; return the exit code."""
-    set_death_signal()
-    sys.setswitchinterval(GIL_SWITCH_S)
+    set_death_signal()  # again, for callers that did not come through __main__
+    parent = settings.parent_pid or os.getppid()
+    if os.getppid() != parent:  # it died while we started (the death signal came too late)
+        log.error("parent process %d is gone; not starting", parent)
+        return ExitCode.PARENT_GONE
+    if switch_ms := os.environ.get("MLXD_GIL_SWITCH_MS"):
+        sys.setswitchinterval(float(switch_ms) / 1000)
     log.info("mlxd engine pid %d: model %s from %s", os.getpid(), settings.model_id, settings.model)
     log.info(blas.describe())
     if settings.batch > 1:
@@ -83,52 +86,64 @@ def serve(settings: EngineSettings) -> int:
         log.error("cannot start: %s", exc)
         return ExitCode.ENGINE_BOOT_ERROR
     try:
-        return asyncio.run(run(settings, sock))
+        return asyncio.run(run(settings, sock, parent))
     finally:
         with contextlib.suppress(OSError):
             settings.socket.unlink()
 
 
-async def run(settings: EngineSettings, sock: socket.socket) -> int:
-    """The engine's event loop: start serving, load the model, wait for a reason to stop."""
+async def run(settings: EngineSettings, sock: socket.socket, parent: int) -> int:
+    """The engine's event loop: serve, load the model, wait for a reason to stop."""
     loop = asyncio.get_running_loop()
     stats = Stats()
     load = lambda: LoadedModel(settings.model, settings.model_id, settings.max_context)  # noqa: E731
     gateway = Gateway(load, stats, settings.prefill_step)
-    done = asyncio.Event()
-
-    def notify_loaded() -> None:  # runs on the GPU thread
-        loop.call_soon_threadsafe(on_loaded, gateway, done)
-
-    gateway.on_loaded = notify_loaded
-    exit_code = [ExitCode.OK]
+    stopped: asyncio.Future[ExitCode] = loop.create_future()
 
     def stop(code: ExitCode) -> None:
-        exit_code[0] = code
-        done.set()
+        if not stopped.done():
+            stopped.set_result(code)
 
-    runner = web.AppRunner(make_app(settings, gateway, stats), handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
-    await runner.setup()
+    def on_signal() -> None:
+        # On Linux a parent's death arrives as SIGTERM (PR_SET_PDEATHSIG).
+        stop(ExitCode.PARENT_GONE if os.getppid() != parent else ExitCode.OK)
+
+    def on_ready() -> None:  # GPU thread
+        loop.call_soon_threadsafe(log_ready, gateway)
+
+    def on_exit() -> None:  # GPU thread
+        loop.call_soon_threadsafe(stop, gpu_exit_code(gateway))
+
+    gateway.on_ready, gateway.on_exit = on_ready, on_exit
+    runner = web.AppRunner(
+        make_app(settings, gateway, stats), handler_cancellation=True, access_log=None,
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+    )
+    await runner.setup()  # starts the GPU thread (the app's cleanup context owns it)
     await web.SockSite(runner, sock).start()
     log.info("listening on %s; loading the model", settings.socket)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop, ExitCode.OK)
-    watcher = loop.create_task(watch_parent(settings.parent_pid or os.getppid(), lambda: stop(ExitCode.PARENT_GONE)))
-    gateway.start()
-    await done.wait()
-    if gateway.load_error:
-        log.error("exiting: the model could not be loaded")
-        exit_code[0] = ExitCode.MODEL_LOAD_ERROR
+        loop.add_signal_handler(sig, on_signal)
+    watcher = loop.create_task(watch_parent(parent, lambda: stop(ExitCode.PARENT_GONE)))
+    code = await stopped
     watcher.cancel()
-    gateway.stop(timeout=0.0)  # cancel jobs now so handlers finish before the runner's timeout
+    gateway.stop()  # answer open requests now, so the runner's cleanup finds none waiting
     await runner.cleanup()
-    log.info("engine stopped (exit %d)", exit_code[0])
-    return int(exit_code[0])
+    log.info("engine stopped (exit %d)", code)
+    return int(code)
 
 
-def on_loaded(gateway: Gateway, done: asyncio.Event) -> None:
-    """On the loop, once the GPU thread finished loading: log readiness or end the engine."""
+def gpu_exit_code(gateway: Gateway) -> ExitCode:
+    """Why the GPU thread ended: a load error, a requested stop, or an unexpected death."""
+    if gateway.load_error:
+        return ExitCode.MODEL_LOAD_ERROR
+    if gateway.is_stopping:
+        return ExitCode.OK
+    log.error("the GPU thread ended unexpectedly")
+    return ExitCode.GPU_THREAD_DIED
+
+
+def log_ready(gateway: Gateway) -> None:
+    """Log readiness (on the loop, once the GPU thread has loaded the model)."""
     if gateway.loaded is not None:
         log.info("ready: context window %d tokens", gateway.loaded.context_window)
-    else:
-        done.set()

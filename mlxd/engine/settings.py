@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +32,11 @@ def parse_args(argv: list[str]) -> EngineSettings:
     p.add_argument("--batch", type=int, default=1, help="max concurrent sequences (serial lane: 1)")
     p.add_argument("--prefill-step", type=int, default=512, help="prompt tokens per prefill chunk; cancellation is checked between chunks")
     p.add_argument("--max-body", type=int, default=DEFAULT_MAX_BODY, help="max request body bytes")
-    p.add_argument("--parent-pid", type=int, default=None, help="exit when this process is no longer our parent (default: the parent at start)")
+    default_parent = os.environ.get("MLXD_PARENT_PID")
+    p.add_argument(
+        "--parent-pid", type=int, default=int(default_parent) if default_parent else None,
+        help="exit when this process is no longer our parent (default: the parent at start)",
+    )
     a = p.parse_args(argv)
     for name in ("max_context", "batch", "prefill_step", "max_body"):
         value = getattr(a, name)

@@ -44,7 +44,7 @@ class APIError(Exception):
         return ErrorBody(ErrorDetail(self.message, self.type, self.param, self.code))
 
 
-_PATH = re.compile(r" - at `\$((?:\.[A-Za-z_][\w]*|\[\d+\])*)`$")
+_PATH = re.compile(r" - at `\$((?:\.[A-Za-z_]\w*|\[[^\]]*\])*)`$")
 
 
 def param_from_path(path: str) -> str | None:

@@ -28,6 +28,7 @@ class Failed(msgspec.Struct, tag="failed"):
 
     message: str
     status: int = 500
+    code: str = "generation_failed"
 
 
 Event = Token | Done | Failed

@@ -13,3 +13,5 @@ class ExitCode(enum.IntEnum):
     MODEL_LOAD_ERROR = 4
     # The parent (supervisor) went away; the engine shut itself down.
     PARENT_GONE = 5
+    # The GPU thread ended unexpectedly; the engine cannot serve (treat as a crash).
+    GPU_THREAD_DIED = 6

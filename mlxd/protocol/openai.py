@@ -79,18 +79,32 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
+# Arguments of the tokenizer's apply_chat_template that a client must not set through
+# chat_template_kwargs (they would swap the template or change what comes back).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "chat_template", "tokenize", "return_dict", "return_tensors", "add_generation_prompt",
+    "continue_final_message", "tools", "documents", "padding", "truncation", "max_length",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "conversation",
+})
+
+
 def check_common(req: SamplingFields) -> None:
     """Reject what this server cannot honour, rather than silently ignoring it."""
     if req.n != 1:
         raise APIError(400, "Only n=1 is supported.", param="n")
     for key in req.logit_bias or {}:
-        if not key.lstrip("-").isdigit():
-            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}.", param="logit_bias")
+        try:
+            int(key)
+        except ValueError:
+            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}.", param="logit_bias") from None
 
 
 def check_chat(req: ChatCompletionRequest) -> None:
     """Validate a chat request beyond what its types say."""
     check_common(req)
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(req.chat_template_kwargs or {}))
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}.", param="chat_template_kwargs")
     fmt = (req.response_format or {}).get("type", "text")
     if fmt != "text":
         raise APIError(400, f"response_format type {fmt!r} is not supported yet.", param="response_format")
@@ -130,12 +144,11 @@ def message_text(msg: ChatMessage, index: int) -> str | None:
         return msg.content
     texts = []
     for j, part in enumerate(msg.content):
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise APIError(
-                400,
-                f"Content part type {part.get('type')!r} is not supported; only 'text' parts are.",
-                param=f"messages[{index}].content[{j}]",
-            )
+        where = f"messages[{index}].content[{j}]"
+        if part.get("type") != "text":
+            raise APIError(400, f"Content part type {part.get('type')!r} is not supported; only 'text' parts are.", param=where)
+        if not isinstance(part.get("text"), str):
+            raise APIError(400, "A text content part needs a string 'text'.", param=where)
         texts.append(part["text"])
     return "".join(texts)
 

@@ -47,6 +47,8 @@ def test_stream_equals_non_stream_and_ends_with_usage(client: openai.OpenAI) -> 
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
     assert chunks[0].choices[0].delta.role == "assistant"
+    closing = next(c for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert closing.choices[0].delta.content is None and closing.choices[0].delta.role is None
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes == ["length"]
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
@@ -139,6 +141,11 @@ def error_of(resp: httpx.Response) -> dict[str, object]:
         (b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}', "messages[0].content[0]"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "n": 3}', "n"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"999999": 1}}', "logit_bias"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"\xc2\xb2": 1}}', "logit_bias"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"1": "x"}}', "logit_bias[...]"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"chat_template": "x"}}', "chat_template_kwargs"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tokenize": false}}', "chat_template_kwargs"),
+        (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}', "messages[0].content[0]"),
     ],
 )
 def test_bad_chat_fields_are_400_naming_the_field(tiny_engine: EngineProcess, body: bytes, param: str) -> None:
@@ -171,6 +178,7 @@ def test_unknown_route_and_wrong_method_are_json(tiny_engine: EngineProcess) -> 
     assert error_of(resp)["code"] == "not_found"
     resp = tiny_engine.client.get("/v1/chat/completions")
     assert resp.status_code == 405
+    assert resp.headers["allow"] == "POST"
     error_of(resp)
 
 
@@ -191,3 +199,21 @@ def test_concurrent_requests_queue_and_all_complete(client: openai.OpenAI) -> No
     with ThreadPoolExecutor(6) as pool:
         together = list(pool.map(ask, prompts))
     assert together == alone
+
+
+def test_out_of_range_seed_and_top_k_are_handled_not_500(client: openai.OpenAI) -> None:
+    for extra in ({"seed": -1}, {"seed": 2**70}, {"extra_body": {"top_k": 10**9}}):
+        out = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=3, **extra)  # type: ignore[arg-type]
+        assert out.usage is not None and out.usage.completion_tokens == 3
+
+
+def test_penalties_give_the_same_output_with_a_warm_prompt_cache(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Repeat after me exactly: the cat sat on the mat. " * 3}]
+    kwargs = {"model": "tiny", "messages": messages, "max_tokens": 24, "temperature": 0,
+              "presence_penalty": 1.5, "frequency_penalty": 1.0, "extra_body": {"repetition_penalty": 1.3}}
+    client.completions.create(model="tiny", prompt="something unrelated", max_tokens=1)  # cold cache
+    cold = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    warm = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    assert warm.usage.prompt_tokens_details.cached_tokens > 0
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert warm.choices[0].message.content == cold.choices[0].message.content

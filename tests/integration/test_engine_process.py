@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -217,3 +218,39 @@ def test_unloadable_model_exits_with_model_load_error(tmp_path: Path, tiny_model
     assert "model load failed" in log
     assert "Traceback" not in log
     proc.stop()
+
+
+def test_sigterm_during_a_long_prefill_answers_503_and_exits_within_2s(tiny_model: Path) -> None:
+    # One 4000-token prefill chunk keeps the GPU thread busy for ~2 s on the test machine.
+    proc = EngineProcess(tiny_model, "tiny", "--prefill-step", "4096").wait_ready()
+    prompt = [3 + i % 290 for i in range(4000)]
+    result: dict[str, httpx.Response] = {}
+    caller = threading.Thread(
+        target=lambda: result.setdefault("resp", proc.client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5}))
+    )
+    caller.start()
+    assert wait_for(lambda: proc.stats()["requests"]["active"] == 1, 5)
+    time.sleep(0.2)
+    sent = time.monotonic()
+    proc.proc.send_signal(signal.SIGTERM)
+    assert proc.proc.wait(5) == ExitCode.OK
+    assert time.monotonic() - sent < 2.0
+    caller.join(5)
+    assert result["resp"].status_code == 503
+    assert result["resp"].json()["error"]["code"] == "engine_stopping"
+    proc.stop()
+
+
+def test_engine_whose_parent_dies_during_startup_exits(tiny_model: Path) -> None:
+    sock = private_socket_dir() / "e.sock"
+    parent_code = (
+        "import subprocess, sys, time\n"
+        f"p = subprocess.Popen([sys.executable, '-m', 'mlxd.engine', '--model', {str(tiny_model)!r}, "
+        f"'--model-id', 'tiny', '--socket', {str(sock)!r}])\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(0.3)\n"  # gone long before the engine has imported mlx
+    )
+    out = subprocess.run([sys.executable, "-c", parent_code], capture_output=True, text=True, check=True)
+    engine_pid = int(out.stdout)
+    assert wait_for(lambda: not alive(engine_pid), 10), "engine outlived a parent that died during its startup"
+    assert not is_listening(sock)

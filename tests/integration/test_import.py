@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import shutil
+import struct
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -207,6 +213,155 @@ def test_cli_refuses_unsupported_file_cleanly(tmp_path: Path) -> None:
     assert result.exit_code == 1
     assert "Error: " in result.stderr and "unsupported architecture 'gpt2'" in result.stderr
     assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_cli_refuses_hostile_header_cleanly(tmp_path: Path) -> None:
+    # An array count of 2**62 made struct.calcsize raise, which click printed as a traceback.
+    src = tmp_path / "hostile.gguf"
+    entry = struct.pack("<Q", 4) + b"evil" + struct.pack("<IIQ", 9, 4, 2**62)
+    src.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + entry + bytes(64))
+    result = CliRunner().invoke(import_gguf, [str(src), "--models-dir", str(tmp_path / "m")])
+    assert result.exit_code == 1
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1 and "hostile.gguf: truncated GGUF header" in errors[0]
+    assert result.stderr.rstrip().endswith(errors[0])
+    assert "Traceback" not in result.output
+    assert list((tmp_path / "m").iterdir()) == []
+
+
+def test_unusable_metadata_is_an_import_error(tmp_path: Path) -> None:
+    meta = {**llama_metadata(), **byte_level_vocab(), "llama.block_count": "many"}
+    src = write_gguf(tmp_path / "s.gguf", meta)
+    with pytest.raises(GGUFImportError, match="unusable model metadata"):
+        importer.import_gguf(src, tmp_path / "models", "s", "float32")
+
+
+def _tiny_src(tmp_path: Path) -> Path:
+    return _tiny_llama(
+        tmp_path / "tiny.gguf", np.eye(8, dtype=np.float32), np.eye(4, 8, dtype=np.float32)
+    )
+
+
+def _dot_entries(models: Path) -> list[str]:
+    return sorted(p.name for p in models.iterdir() if p.name.startswith("."))
+
+
+def _hook_install(monkeypatch: pytest.MonkeyPatch, before: Callable[[Path, Path], None]) -> None:
+    """Run `before(tmp, dest)` just before the import's temp dir is renamed onto its dest."""
+    real_replace = os.replace
+
+    def replace(src: Any, dst: Any) -> None:
+        if ".importing-" in Path(src).name:
+            before(Path(src), Path(dst))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+
+
+def test_force_keeps_the_old_model_when_the_new_import_fails(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    out = importer.import_gguf(_tiny_src(tmp_path), models, "tiny", "float32")
+    before = (out / "model.safetensors").read_bytes()
+    bad = write_gguf(tmp_path / "bad.gguf", {**llama_metadata("gemma"), **byte_level_vocab()})
+    with pytest.raises(GGUFImportError, match="unsupported architecture"):
+        importer.import_gguf(bad, models, "tiny", "float32", force=True)
+    assert importer.is_complete(out) and (out / "model.safetensors").read_bytes() == before
+    assert _dot_entries(models) == []
+
+
+def test_force_swap_restores_the_old_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The old swap moved the old model aside and lost it when the new one failed to move in.
+    models = tmp_path / "models"
+    out = importer.import_gguf(_tiny_src(tmp_path), models, "tiny", "float32")
+    before = (out / "model.safetensors").read_bytes()
+
+    def fail(_tmp: Path, _dest: Path) -> None:
+        raise OSError(errno.EIO, "simulated I/O error")
+
+    _hook_install(monkeypatch, fail)
+    with pytest.raises(GGUFImportError, match=r"could not move the import into .*simulated"):
+        importer.import_gguf(_tiny_src(tmp_path), models, "tiny", "float16", force=True)
+    assert importer.is_complete(out) and (out / "model.safetensors").read_bytes() == before
+    assert _dot_entries(models) == []
+
+
+def _finish_first(tmp: Path, dest: Path) -> None:
+    """A concurrent import that lands between the dest.exists() check and the rename."""
+    if not dest.exists():
+        shutil.copytree(tmp, dest)
+
+
+def test_install_race_import_gguf_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    models = tmp_path / "models"
+    _hook_install(monkeypatch, _finish_first)
+    with pytest.raises(GGUFImportError, match=r"tiny already exists \(use --force"):
+        importer.import_gguf(_tiny_src(tmp_path), models, "tiny", "float32")
+    assert importer.is_complete(models / "tiny") and _dot_entries(models) == []
+
+
+def test_install_race_import_default_returns_the_winner(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(importer, "default_gguf_path", lambda: _tiny_src(tmp_path))
+    monkeypatch.setattr(importer, "default_dtype", lambda: "float32")
+    models = tmp_path / "models"
+    _hook_install(monkeypatch, _finish_first)
+    out = importer.import_default(models)
+    assert out == models / "SmolLM2-135M-Instruct" and importer.is_complete(out)
+    assert _dot_entries(models) == []
+
+
+def test_written_files_are_synced_before_the_rename(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced: list[Path] = []
+    real_fsync = importer._fsync_path
+
+    def fsync(path: Path) -> None:
+        synced.append(path)
+        real_fsync(path)
+
+    def check(tmp: Path, _dest: Path) -> None:
+        assert set(tmp.iterdir()) | {tmp} <= set(synced)
+        checked.append(tmp)
+
+    checked: list[Path] = []
+
+    monkeypatch.setattr(importer, "_fsync_path", fsync)
+    _hook_install(monkeypatch, check)
+    out = importer.import_gguf(_tiny_src(tmp_path), tmp_path / "models", "tiny", "float32")
+    assert len(checked) == 1 and (checked[0] / "model.safetensors") in synced
+    assert synced[-1] == out.parent  # the rename itself, after it happened
+
+
+def _make_dir(path: Path, age: float) -> Path:
+    path.mkdir()
+    (path / "model.safetensors").write_bytes(b"partial")
+    stamp = time.time() - age
+    for p in (path / "model.safetensors", path):
+        os.utime(p, (stamp, stamp))
+    return path
+
+
+def test_stale_temp_dirs_of_killed_imports_are_swept(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    models.mkdir()
+    hour = importer.STALE_TEMP_SECONDS
+    stale = _make_dir(models / ".tiny.importing-ab_cd123", 2 * hour)
+    other = _make_dir(models / ".other.importing-zz99yy88", 2 * hour)
+    kept = [
+        _make_dir(models / ".tiny.importing-live1234", 60),  # an import still running
+        _make_dir(models / ".tiny.importing-short", 2 * hour),  # not mkdtemp's naming
+        _make_dir(models / ".tiny.old-0011aabb", 2 * hour),  # may hold the only copy of a model
+        _make_dir(models / "mine.importing-abcdefgh", 2 * hour),  # no leading dot: a model
+    ]
+    importer.import_gguf(_tiny_src(tmp_path), models, "tiny", "float32")
+    assert not stale.exists() and not other.exists()
+    assert all(p.is_dir() for p in kept)
+    assert sorted(p.name for p in models.iterdir()) == sorted([p.name for p in kept] + ["tiny"])
 
 
 def test_cli_import_default_is_idempotent(tmp_path: Path) -> None:

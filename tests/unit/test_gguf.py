@@ -177,6 +177,87 @@ def test_malformed_files_are_refused(tmp_path: Path, content: bytes, message: st
         GGUFFile(path)
 
 
+def _raw_kv(key: str, vtype: int, payload: bytes) -> bytes:
+    """One metadata entry, with a payload the writer would never produce."""
+    return _string(key) + struct.pack("<I", vtype) + payload
+
+
+def _nested_arrays(depth: int) -> bytes:
+    """`depth` arrays of one array each, around an empty uint32 array."""
+    return struct.pack("<IQ", 9, 1) * (depth - 1) + struct.pack("<IQ", 4, 0)
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        (_raw_kv("huge.u32s", 9, struct.pack("<IQ", 4, 2**62)), "truncated"),
+        (_raw_kv("huge.strings", 9, struct.pack("<IQ", 8, 2**62)), "truncated"),
+        (_raw_kv("huge.arrays", 9, struct.pack("<IQ", 9, 2**62)), "truncated"),
+        (_raw_kv("huge.string", 8, struct.pack("<Q", 2**63)), "truncated"),
+        (_raw_kv("deep", 9, _nested_arrays(5000)), "nested deeper than 8"),
+        (_raw_kv("bad.item", 9, struct.pack("<IQ", 77, 1)), "unknown GGUF array item type 77"),
+        (_raw_kv("bad.utf8", 8, _string("x")[:8] + b"\xff"), "invalid UTF-8"),
+    ],
+    ids=["u32-count", "string-count", "array-count", "string-len", "deep", "item-type", "utf8"],
+)
+def test_hostile_metadata_is_refused(tmp_path: Path, entry: bytes, message: str) -> None:
+    path = tmp_path / "hostile.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + entry + bytes(64))
+    with pytest.raises(GGUFError, match=message):
+        GGUFFile(path)
+
+
+def test_nesting_up_to_the_cap_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "deep.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + _raw_kv("deep", 9, _nested_arrays(8)))
+    value = GGUFFile(path).get("deep")
+    for _ in range(7):
+        assert isinstance(value, list) and len(value) == 1
+        value = value[0]
+    assert value == []
+
+
+@pytest.mark.parametrize("alignment", [0, 3, 48, I32(-32), "32", 32.0, True], ids=repr)
+def test_bad_alignment_is_refused(tmp_path: Path, alignment: Any) -> None:
+    path = write_gguf(tmp_path / "a.gguf", {**llama_metadata(), "general.alignment": alignment})
+    with pytest.raises(GGUFError, match=r"general\.alignment=.* is not a positive power of two"):
+        GGUFFile(path)
+
+
+def test_custom_alignment_is_used(tmp_path: Path) -> None:
+    path = write_gguf(tmp_path / "a.gguf", {**llama_metadata(), "general.alignment": 64})
+    assert GGUFFile(path).data_offset % 64 == 0
+
+
+@pytest.mark.parametrize(
+    ("counts", "tail"),
+    [
+        ((2**62, 0), b""),  # tensor count
+        ((0, 2**62), b""),  # metadata count
+        ((1, 0), _string("t") + struct.pack("<I", 2**31)),  # a tensor with 2**31 dims
+    ],
+    ids=["tensors", "kvs", "dims"],
+)
+def test_hostile_counts_are_refused(tmp_path: Path, counts: tuple[int, int], tail: bytes) -> None:
+    path = tmp_path / "counts.gguf"
+    path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, *counts) + tail + bytes(64))
+    with pytest.raises(GGUFError, match=r"truncated|dims"):
+        GGUFFile(path)
+
+
+def test_leftover_parse_errors_become_gguf_errors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write_gguf(tmp_path / "m.gguf", llama_metadata())
+
+    def explode(*_args: Any) -> Any:
+        raise struct.error("total struct size too long")
+
+    monkeypatch.setattr("mlxd.engine.gguf._Cursor.unpack", explode)
+    with pytest.raises(GGUFError, match=r"m\.gguf: malformed GGUF header \(error: total struct"):
+        GGUFFile(path)
+
+
 def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
     gguf = GGUFFile(write_gguf(tmp_path / "q.gguf", llama_metadata("qwen2")))
     with pytest.raises(GGUFError, match="unsupported architecture 'qwen2'"):
