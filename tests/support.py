@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
+import openai
 
 
 def private_socket_dir() -> Path:
@@ -89,6 +90,13 @@ def running_engine(model: Path, model_id: str, *extra: str) -> Iterator[EnginePr
         yield engine.wait_ready()
     finally:
         engine.stop()
+
+
+@contextlib.contextmanager
+def openai_client(engine: EngineProcess) -> Iterator[openai.OpenAI]:
+    """The official OpenAI SDK, talking to `engine` over its Unix socket."""
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(engine.socket))) as http:
+        yield openai.OpenAI(base_url="http://engine/v1", api_key="unused", http_client=http, max_retries=0)
 
 
 def engine_env(**extra: str) -> dict[str, str]:

@@ -9,16 +9,15 @@ import httpx2 as httpx
 import openai
 import pytest
 
-from tests.support import EngineProcess
+from tests.support import EngineProcess, openai_client
 
 MSG = [{"role": "user", "content": "Hello there"}]
 
 
 @pytest.fixture(scope="module")
 def client(tiny_engine: EngineProcess) -> Iterator[openai.OpenAI]:
-    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(tiny_engine.socket)))
-    yield openai.OpenAI(base_url="http://engine/v1", api_key="unused", http_client=http, max_retries=0)
-    http.close()
+    with openai_client(tiny_engine) as sdk:
+        yield sdk
 
 
 def test_health_and_models(tiny_engine: EngineProcess, client: openai.OpenAI) -> None:

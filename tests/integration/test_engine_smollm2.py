@@ -4,20 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import httpx2 as httpx
 import openai
 import pytest
 
-from tests.support import EngineProcess
+from tests.support import EngineProcess, openai_client
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
 def client(smol_engine: EngineProcess) -> Iterator[openai.OpenAI]:
-    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(smol_engine.socket)))
-    yield openai.OpenAI(base_url="http://engine/v1", api_key="unused", http_client=http, max_retries=0)
-    http.close()
+    with openai_client(smol_engine) as sdk:
+        yield sdk
 
 
 def test_chat_answers_paris(client: openai.OpenAI) -> None:
