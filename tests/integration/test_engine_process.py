@@ -254,3 +254,16 @@ def test_engine_whose_parent_dies_during_startup_exits(tiny_model: Path) -> None
     engine_pid = int(out.stdout)
     assert wait_for(lambda: not alive(engine_pid), 10), "engine outlived a parent that died during its startup"
     assert not is_listening(sock)
+
+
+def test_disconnect_mid_prefill_cancels_before_any_token(tiny_model: Path) -> None:
+    # 16 prefill chunks of 256 tokens (~1 s): the cancel flag is checked between chunks.
+    with running_engine(tiny_model, "tiny", "--prefill-step", "256") as proc:
+        prompt = [3 + i % 290 for i in range(4000)]
+        transport = httpx.HTTPTransport(uds=str(proc.socket))
+        with pytest.raises(httpx.ReadTimeout), httpx.Client(transport=transport, timeout=0.3) as c:
+            c.post("http://engine/v1/completions", json={"prompt": prompt, "max_tokens": 50})
+        assert wait_for(lambda: idle_after_cancel(proc, 0), 3.0), proc.stats()
+        last = proc.stats()["last"]
+        assert last["finish_reason"] == "cancelled"
+        assert last["completion_tokens"] == 0
