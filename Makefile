@@ -13,13 +13,12 @@ endif
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3
-MODEL ?= SmolLM2-135M-Instruct
 
 .PHONY: run test setup lint bench openblas clean
 
 run: setup
 	$(BIN)/mlxd import-default
-	$(BIN)/mlxd engine $(MODEL)
+	$(BIN)/mlxd serve
 
 # In-process MLX work in the tests gets OpenBLAS too (engines preload it by themselves).
 test: setup lint

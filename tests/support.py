@@ -104,3 +104,63 @@ def engine_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(extra)
     return env
+
+
+def port_open(port: int) -> bool:
+    """Whether something accepts TCP connections on 127.0.0.1:port."""
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class SupervisorProcess:
+    """A real `mlxd serve` on a free port, with a private runtime dir and data dir."""
+
+    def __init__(self, config_toml: str, data_dir: Path, *extra: str) -> None:
+        self.port = free_port()
+        self.runtime = private_socket_dir()
+        self.config = data_dir / "config.toml"
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.config.write_text(config_toml)
+        self.log_path = data_dir / "supervisor.log"
+        self._log = self.log_path.open("wb")
+        env = engine_env(MLXD_RUNTIME_DIR=str(self.runtime))
+        argv = [sys.executable, "-m", "mlxd", "serve", "--port", str(self.port), "--config", str(self.config),
+                "--data-dir", str(data_dir), *extra]
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = httpx.Client(base_url=self.url, timeout=120)
+
+    def wait_up(self, timeout: float = 30.0) -> SupervisorProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"supervisor exited with {self.proc.returncode}:\n{self.log()}")
+            if port_open(self.port) and self.client.get("/health").status_code == 200:
+                return self
+            time.sleep(0.05)
+        raise TimeoutError(f"supervisor not up in {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def openai(self, api_key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.client.close()
+        self._log.close()
+        return self.proc.returncode

@@ -36,6 +36,46 @@ def resolve_model(model: str) -> tuple[Path, str]:
     raise click.ClickException(f"No model {model!r}: not a dir and not in {models_dir()}.{hint}")
 
 
+@main.command("serve")
+@click.option("--host", help="address to listen on (default 127.0.0.1)")
+@click.option("--port", type=click.IntRange(1, 65535), help="TCP port (default 8800)")
+@click.option("--config", "config_file", help="TOML config file (default: $MLXD_CONFIG, else the platform config dir)")
+@click.option("--data-dir", type=click.Path(path_type=Path), help="models, caches and logs (default: $MLXD_DATA_DIR, else the platform data dir)")
+@click.option("--insecure-no-auth", is_flag=True, help="allow a non-loopback bind with no API keys")
+def serve(host: str | None, port: int | None, config_file: str | None, data_dir: Path | None, insecure_no_auth: bool) -> None:
+    """Run the mlxd supervisor in the foreground: OpenAI API on TCP, one engine per model."""
+    import logging
+
+    from mlxd.supervisor.auth import check_bind
+    from mlxd.supervisor.config import (
+        ConfigError,
+        apply_overrides,
+        config_path,
+        is_explicit_config,
+        load_config,
+    )
+    from mlxd.supervisor.server import serve as run_server
+
+    if data_dir is not None:
+        os.environ["MLXD_DATA_DIR"] = str(data_dir.expanduser().resolve())
+    logging.basicConfig(level=os.environ.get("MLXD_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        path = config_path(config_file)
+        config = apply_overrides(load_config(path, explicit=is_explicit_config(config_file)), host=host, port=port)
+        server = config.server
+        check_bind(server.host, bool(server.api_keys or server.admin_keys), insecure_no_auth or server.insecure_no_auth)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    sys.exit(run_server(config, data_dir_path()))
+
+
+def data_dir_path() -> Path:
+    """The data dir in effect (after --data-dir)."""
+    from mlxd.paths import data_dir
+
+    return data_dir()
+
+
 @main.command("engine")
 @click.argument("model", default=DEFAULT_MODEL_ID)
 @click.option("--socket", "socket_path", type=click.Path(path_type=Path), help="Unix socket (default: in mlxd's runtime dir)")

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import mlx.core as mx
 import psutil
@@ -16,15 +15,12 @@ from mlxd.engine.keys import GATEWAY, SETTINGS, STATS
 from mlxd.engine.settings import EngineSettings
 from mlxd.engine.stats import Stats
 from mlxd.protocol import openai as oa
-from mlxd.protocol.errors import APIError, encode_openai_error
-
-log = logging.getLogger("mlxd.engine")
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+from mlxd.protocol.http_errors import make_error_middleware
 
 
 def make_app(settings: EngineSettings, gateway: Gateway, stats: Stats) -> web.Application:
     """The engine app; its cleanup context owns the GPU thread."""
-    app = web.Application(client_max_size=settings.max_body, middlewares=[error_middleware])
+    app = web.Application(client_max_size=settings.max_body, middlewares=[make_error_middleware("engine")])
     app[SETTINGS], app[GATEWAY], app[STATS] = settings, gateway, stats
     app.router.add_post("/v1/chat/completions", routes.chat_completions)
     app.router.add_post("/v1/completions", routes.completions)
@@ -40,39 +36,6 @@ async def gateway_ctx(app: web.Application) -> AsyncIterator[None]:
     app[GATEWAY].start()
     yield
     app[GATEWAY].stop()  # no join: the process exits with os._exit, even mid-prefill
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every error leaves as OpenAI-format JSON: never HTML, never a traceback."""
-    try:
-        return await handler(request)
-    except APIError as err:
-        return error_response(err)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return error_response(http_error(exc))
-    except Exception:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return error_response(APIError(500, "Internal error in the engine.", type="server_error"))
-
-
-def http_error(exc: web.HTTPException) -> APIError:
-    """Map aiohttp's own HTTP errors (404, 405, 413) to API errors."""
-    if exc.status == 413:
-        return APIError(413, f"Request body too large: {exc.text}", code="request_too_large")
-    if exc.status == 404:
-        return APIError(404, "Unknown route.", code="not_found")
-    allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
-    return APIError(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_"), headers=allow)
-
-
-def error_response(err: APIError) -> web.Response:
-    """The JSON response for an APIError."""
-    return web.Response(
-        status=err.status, body=encode_openai_error(err), content_type="application/json", headers=err.headers
-    )
 
 
 async def list_models(request: web.Request) -> web.Response:

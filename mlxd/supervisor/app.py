@@ -1,0 +1,51 @@
+"""The supervisor's aiohttp app: auth, routes, and the engines' lifetime."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from mlxd.protocol.errors import APIError
+from mlxd.protocol.http_errors import Handler, make_error_middleware
+from mlxd.supervisor import routes
+from mlxd.supervisor.auth import Auth
+from mlxd.supervisor.config import Config
+from mlxd.supervisor.keys import AUTH, CONFIG, POOL, REGISTRY
+from mlxd.supervisor.pool import Pool
+from mlxd.supervisor.registry import Registry
+
+OPEN_PATHS = frozenset({"/health"})
+
+
+def make_app(config: Config, registry: Registry, pool: Pool) -> web.Application:
+    """The supervisor app; its cleanup context stops every engine."""
+    app = web.Application(
+        client_max_size=config.server.max_body_bytes,
+        middlewares=[make_error_middleware("supervisor"), auth_middleware],
+    )
+    app[CONFIG], app[REGISTRY], app[POOL] = config, registry, pool
+    app[AUTH] = Auth(config.server.api_keys, config.server.admin_keys)
+    app.router.add_post("/v1/chat/completions", routes.inference)
+    app.router.add_post("/v1/completions", routes.inference)
+    app.router.add_get("/v1/models", routes.list_models)
+    app.router.add_get("/health", routes.health)
+    app.cleanup_ctx.append(engines_ctx)
+    return app
+
+
+async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Engines live while the app does: all are stopped (gracefully, then killed) at shutdown."""
+    yield
+    await app[POOL].stop_all()
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every route but /health needs a key when keys are configured (admin routes, an admin key)."""
+    if request.path not in OPEN_PATHS and not request.app[AUTH].check(
+        request.headers, admin=request.path.startswith("/admin/")
+    ):
+        raise APIError(401, "Missing or invalid API key (send `Authorization: Bearer KEY` or `x-api-key`).",
+                       type="authentication_error", code="invalid_api_key")
+    return await handler(request)

@@ -1,0 +1,214 @@
+"""The supervisor's TOML config: where it lives, how it is decoded, and what overrides it."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import sys
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+
+MIB = 1024 * 1024
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+Key = Annotated[str, msgspec.Meta(min_length=1)]
+
+
+class ConfigError(Exception):
+    """A config problem that stops startup; the message names the file, key and reason."""
+
+
+class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The `[server]` table."""
+
+    host: Annotated[str, msgspec.Meta(min_length=1)] = "127.0.0.1"
+    port: Port = 8800
+    api_keys: list[Key] = msgspec.field(default_factory=list)
+    admin_keys: list[Key] = msgspec.field(default_factory=list)
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=1)] = 32 * MIB
+    insecure_no_auth: bool = False
+
+
+class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One `[models.NAME]` table: an alias for a model dir."""
+
+    path: Annotated[str, msgspec.Meta(min_length=1)]
+    pin: bool = False
+    max_context: Annotated[int, msgspec.Meta(ge=1)] | None = None
+
+    def resolved_path(self) -> Path:
+        """`path` with `~` expanded."""
+        return Path(self.path).expanduser()
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The whole config file."""
+
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    models: dict[str, ModelConfig] = msgspec.field(default_factory=dict)
+
+
+def default_config_dir() -> Path:
+    """The platform's per-user config dir for mlxd."""
+    if sys.platform == "darwin":
+        return Path.home() / "Library" / "Application Support" / "mlxd"
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "mlxd"
+
+
+def config_path(cli_value: str | None, env: Mapping[str, str] = os.environ) -> Path:
+    """`--config`, else `$MLXD_CONFIG`, else `<platform config dir>/config.toml`."""
+    if cli_value:
+        return Path(cli_value).expanduser()
+    if value := env.get("MLXD_CONFIG"):
+        return Path(value).expanduser()
+    return default_config_dir() / "config.toml"
+
+
+def is_explicit_config(cli_value: str | None, env: Mapping[str, str] = os.environ) -> bool:
+    """Whether the config file was named by `--config` or `$MLXD_CONFIG` (so it must exist)."""
+    return bool(cli_value or env.get("MLXD_CONFIG"))
+
+
+def load_config(path: Path, *, explicit: bool) -> Config:
+    """Read and decode `path`; a missing file means defaults unless it was named explicitly."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        if explicit:
+            raise ConfigError(f"{path}: config file not found") from None
+        return Config()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config file: {exc.strerror or exc}") from None
+    return resolve_model_paths(decode_config(raw, path), path.absolute().parent)
+
+
+def decode_config(raw: bytes, path: Path) -> Config:
+    """Parse TOML bytes into a Config; errors name `path`, the key and the reason."""
+    data = _parse_toml(raw, path)
+    models = data.get("models")
+    if isinstance(models, dict):
+        # Decoded one by one first: msgspec hides dict keys in its error paths (`$.models[...]`).
+        for name, entry in models.items():
+            _convert(entry, ModelConfig, path, f"models.{_toml_key(name)}")
+    return _convert(data, Config, path, "")
+
+
+def resolve_model_paths(cfg: Config, base: Path) -> Config:
+    """Expand `~` in model paths and make relative ones relative to the config file's dir."""
+    models = {
+        name: msgspec.structs.replace(model, path=str(base / model.resolved_path()))
+        for name, model in cfg.models.items()
+    }
+    return msgspec.structs.replace(cfg, models=models)
+
+
+def apply_overrides(
+    cfg: Config,
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    insecure_no_auth: bool = False,
+    env: Mapping[str, str] = os.environ,
+) -> Config:
+    """Layer env vars over the file and CLI flags over both: CLI > env > file > defaults."""
+    server = cfg.server
+    env_host, env_port = env.get("MLXD_HOST"), env.get("MLXD_PORT")
+    new_host = host or env_host or server.host
+    new_port = server.port
+    if env_port:
+        new_port = _parse_port(env_port, "MLXD_PORT")
+    if port is not None:
+        new_port = _check_port(port, "--port")
+    api_keys = list(server.api_keys)
+    if (env_key := env.get("MLXD_API_KEY")) and env_key not in api_keys:
+        api_keys.append(env_key)
+    server = msgspec.structs.replace(
+        server,
+        host=new_host,
+        port=new_port,
+        api_keys=api_keys,
+        insecure_no_auth=server.insecure_no_auth or insecure_no_auth,
+    )
+    return msgspec.structs.replace(cfg, server=server)
+
+
+def _parse_toml(raw: bytes, path: Path) -> dict[str, Any]:
+    """tomllib with errors as ConfigError naming the file and line."""
+    try:
+        return tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except tomllib.TOMLDecodeError as exc:
+        text = str(exc)
+        if match := re.search(r" \(at line (\d+), column (\d+)\)$", text):
+            where = f"line {match.group(1)}, column {match.group(2)}"
+            raise ConfigError(f"{path}: {where}: {text[: match.start()]}") from None
+        raise ConfigError(f"{path}: invalid TOML: {text}") from None
+
+
+def _convert(data: Any, kind: Any, path: Path, prefix: str) -> Any:
+    """msgspec.convert with a ValidationError turned into a ConfigError."""
+    try:
+        return msgspec.convert(data, kind)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{path}: {_describe(str(exc), kind, prefix)}") from None
+
+
+def _describe(text: str, kind: Any, prefix: str) -> str:
+    """msgspec's `Expected ... - at `$.a.b`` as `a.b: expected ...`, or `unknown key 'a.b'`."""
+    reason, _, at = text.partition(" - at `$")
+    key = _join(prefix, at.rstrip("`").lstrip("."))
+    if match := re.fullmatch(r"Object contains unknown field `(.*)`", reason):
+        return _unknown_key(_join(key, match.group(1)), kind, prefix)
+    reason = reason[:1].lower() + reason[1:]
+    return f"{key}: {reason}" if key else reason
+
+
+def _unknown_key(key: str, kind: Any, prefix: str) -> str:
+    """`unknown key 'server.prot' (did you mean 'server.port'?)`."""
+    message = f"unknown key '{key}'"
+    parent, _, leaf = key.rpartition(".")
+    owner = _struct_at(kind, parent[len(prefix) :].lstrip(".") if prefix else parent)
+    fields = owner.__struct_fields__ if owner is not None else ()
+    if close := difflib.get_close_matches(leaf, fields, n=1):
+        message += f" (did you mean '{_join(parent, close[0])}'?)"
+    return message
+
+
+def _struct_at(kind: Any, key: str) -> Any:
+    """The Struct type that holds the fields at dotted `key` inside `kind`, if any."""
+    if kind is Config and key.startswith("models."):
+        return ModelConfig
+    if kind is Config and key == "server":
+        return ServerConfig
+    return kind if key == "" else None
+
+
+def _join(prefix: str, key: str) -> str:
+    """Dotted key paths: `_join('server', 'port') == 'server.port'`."""
+    return f"{prefix}.{key}" if prefix and key else prefix or key
+
+
+def _toml_key(name: str) -> str:
+    """A model name as TOML would write it: bare if it can be, else quoted."""
+    return name if re.fullmatch(r"[A-Za-z0-9_-]+", name) else f'"{name}"'
+
+
+def _parse_port(value: str, source: str) -> int:
+    """A port number from an env var, or a ConfigError naming it."""
+    try:
+        return _check_port(int(value), source)
+    except ValueError:
+        raise ConfigError(f"{source}: not a port number: {value!r}") from None
+
+
+def _check_port(port: int, source: str) -> int:
+    """`port` if it is in 1..65535, else a ConfigError naming `source`."""
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"{source}: port {port} is out of range 1..65535")
+    return port

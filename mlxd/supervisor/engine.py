@@ -1,0 +1,248 @@
+"""One engine child per model: spawn, health, crash detection and restart backoff.
+
+One asyncio task (the owner) runs each spawned engine from start to exit and is the only
+code that changes its state; callers `await engine.ensure_ready()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import enum
+import hashlib
+import logging
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+from mlxd.protocol.errors import APIError
+from mlxd.protocol.exit_codes import ExitCode
+
+log = logging.getLogger("mlxd.supervisor")
+BOOT_TIMEOUT_S = 300.0
+GRACE_S = 5.0
+MAX_CRASHES = 5
+CRASH_WINDOW_S = 60.0
+MAX_BACKOFF_S = 60.0
+HEALTH_EVERY_S = 5.0
+HEALTH_DEADLINE_S = 30.0
+_TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ")
+NO_RETRY = {ExitCode.ENGINE_BOOT_ERROR, ExitCode.MODEL_LOAD_ERROR, 2}
+
+
+class EngineState(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+def backoff_s(num_recent_crashes: int) -> float:
+    """Restart delay after crashes: 1 s doubling, capped at 60 s (0 before the first crash)."""
+    return 0.0 if num_recent_crashes == 0 else min(MAX_BACKOFF_S, 2.0 ** (num_recent_crashes - 1))
+
+
+def socket_path(runtime_dir: Path, model_id: str) -> Path:
+    """A short, stable socket path per model (Unix socket paths are limited to ~100 bytes)."""
+    return runtime_dir / f"e-{hashlib.sha256(model_id.encode()).hexdigest()[:12]}.sock"
+
+
+class Engine:
+    """The engine child for one model, and an aiohttp session bound to its socket."""
+
+    def __init__(self, model_id: str, model_dir: Path, runtime_dir: Path, max_context: int | None = None) -> None:
+        self.model_id = model_id
+        self.model_dir = model_dir
+        self.socket = socket_path(runtime_dir, model_id)
+        self.max_context = max_context
+        self.state = EngineState.STOPPED
+        self.pid: int | None = None
+        self.failure: str | None = None
+        self.num_restarts = 0
+        self.started_at: float | None = None
+        self._crashes: collections.deque[float] = collections.deque()
+        self._owner: asyncio.Task[None] | None = None
+        self._ready: asyncio.Future[None] | None = None
+        self._stop_requested = False
+        self._log_tail: collections.deque[str] = collections.deque(maxlen=40)
+        self.session: aiohttp.ClientSession | None = None
+        self._log_task: asyncio.Task[None] | None = None
+
+    async def ensure_ready(self) -> aiohttp.ClientSession:
+        """Start the engine if it is not running, and wait until it answers `ready`."""
+        if self.state is EngineState.FAILED:
+            raise APIError(503, f"Model {self.model_id} failed: {self.failure}", type="server_error",
+                           code="model_failed")
+        if self._owner is None or self._owner.done():
+            self._stop_requested = False
+            self._ready = asyncio.get_running_loop().create_future()
+            self._owner = asyncio.create_task(self._own(), name=f"engine:{self.model_id}")
+        assert self._ready is not None
+        await asyncio.shield(self._ready)
+        assert self.session is not None
+        return self.session
+
+    async def stop(self) -> None:
+        """SIGTERM, then SIGKILL after the grace period; wait for the owner task to finish."""
+        self._stop_requested = True
+        if self._owner is not None and not self._owner.done():
+            self._owner.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._owner
+
+    async def _own(self) -> None:
+        proc: asyncio.subprocess.Process | None = None
+        try:
+            await asyncio.sleep(backoff_s(self._num_recent_crashes()))
+            self.state = EngineState.STARTING
+            proc = await self._spawn()
+            await self._boot(proc)
+            self.state = EngineState.READY
+            self._resolve_ready(None)
+            code = await self._watch(proc)
+            self._on_exit(code)
+        except asyncio.CancelledError:
+            self.state = EngineState.STOPPING
+            if proc is not None:
+                await kill_engine(proc, GRACE_S)
+            self.state = EngineState.STOPPED
+            self._resolve_ready(APIError(503, "The engine is stopping.", type="server_error", code="engine_stopping"))
+        except APIError as err:
+            self._resolve_ready(err)
+        finally:
+            await self._close_session()
+            self.pid = None
+
+    async def _spawn(self) -> asyncio.subprocess.Process:
+        argv = [sys.executable, "-m", "mlxd.engine", "--model", str(self.model_dir), "--model-id", self.model_id,
+                "--socket", str(self.socket), "--parent-pid", str(os.getpid())]
+        if self.max_context:
+            argv += ["--max-context", str(self.max_context)]
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+        )
+        self.pid, self.started_at = proc.pid, time.time()
+        assert proc.stdout is not None
+        self._log_task = asyncio.create_task(self._relay_log(proc.stdout))
+        log.info("[%s] engine pid %d starting", self.model_id, proc.pid)
+        return proc
+
+    async def _relay_log(self, stream: asyncio.StreamReader) -> None:
+        async for raw in stream:
+            line = _TIMESTAMP.sub("", raw.decode(errors="replace").rstrip())  # ours is added again
+            self._log_tail.append(line)
+            log.info("[%s] %s", self.model_id, line)
+
+    async def _boot(self, proc: asyncio.subprocess.Process) -> None:
+        """Wait for `/health` to say ready; a boot failure is a clear error, not a restart storm."""
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.UnixConnector(path=str(self.socket)), timeout=aiohttp.ClientTimeout(total=None, sock_connect=5)
+        )
+        deadline = time.monotonic() + BOOT_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if proc.returncode is not None:
+                break
+            if await self._health() == "ready":
+                return
+            await asyncio.sleep(0.05)
+        code = await _wait_code(proc, 1.0)
+        if code is None:
+            await kill_engine(proc, 0.5)
+        self._crashes.append(time.monotonic())
+        reason = self._boot_failure(code)
+        if code in NO_RETRY or self._num_recent_crashes() >= MAX_CRASHES:
+            self.state, self.failure = EngineState.FAILED, reason
+        else:
+            self.state = EngineState.STOPPED
+        log.error("[%s] engine failed to start: %s", self.model_id, reason)
+        raise APIError(503, f"Model {self.model_id} could not be loaded: {reason}", type="server_error",
+                       code="model_load_failed", headers={"Retry-After": "1"})
+
+    def _boot_failure(self, code: int | None) -> str:
+        last = next((line for line in reversed(self._log_tail) if "ERROR" in line), None)
+        detail = last.split(": ", 1)[-1] if last else f"exit code {code}"
+        return detail if code is not None else f"no ready answer within {BOOT_TIMEOUT_S:.0f} s"
+
+    async def _health(self) -> str | None:
+        assert self.session is not None
+        try:
+            async with self.session.get("http://engine/health", timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                return str((await resp.json()).get("status"))
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
+            return None
+
+    async def _watch(self, proc: asyncio.subprocess.Process) -> int:
+        """Wait for the engine to exit; kill it if `/health` stops answering for 30 s."""
+        last_ok = time.monotonic()
+        while True:
+            code = await _wait_code(proc, HEALTH_EVERY_S)
+            if code is not None:
+                return code
+            if await self._health() is not None:
+                last_ok = time.monotonic()
+            elif time.monotonic() - last_ok > HEALTH_DEADLINE_S:
+                log.error("[%s] engine stopped answering its health check; killing it", self.model_id)
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGABRT)
+                return await _wait_code(proc, 2.0) or await kill_engine(proc, 0.0)
+
+    def _on_exit(self, code: int) -> None:
+        self._crashes.append(time.monotonic())
+        self.num_restarts += 1
+        tail = " | ".join(list(self._log_tail)[-5:])
+        log.error("[%s] engine exited with %s; last lines: %s", self.model_id, code, tail)
+        if self._num_recent_crashes() >= MAX_CRASHES:
+            self.state = EngineState.FAILED
+            self.failure = f"crashed {MAX_CRASHES} times within {CRASH_WINDOW_S:.0f} s (last exit code {code})"
+        else:
+            self.state = EngineState.STOPPED
+
+    def _num_recent_crashes(self) -> int:
+        now = time.monotonic()
+        while self._crashes and now - self._crashes[0] > CRASH_WINDOW_S:
+            self._crashes.popleft()
+        return len(self._crashes)
+
+    def _resolve_ready(self, err: APIError | None) -> None:
+        if self._ready is not None and not self._ready.done():
+            if err is None:
+                self._ready.set_result(None)
+            else:
+                self._ready.set_exception(err)
+
+    async def _close_session(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+    def reset_failure(self) -> None:
+        """An admin load clears FAILED so the next request tries again."""
+        if self.state is EngineState.FAILED:
+            self.state, self.failure = EngineState.STOPPED, None
+            self._crashes.clear()
+
+
+async def _wait_code(proc: asyncio.subprocess.Process, timeout: float) -> int | None:
+    try:
+        return await asyncio.wait_for(proc.wait(), timeout)
+    except TimeoutError:
+        return None
+
+
+async def kill_engine(proc: asyncio.subprocess.Process, grace_s: float) -> int:
+    """SIGTERM, wait `grace_s`, then SIGKILL; return the exit code."""
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        if await _wait_code(proc, grace_s) is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+    return await proc.wait()

@@ -1,0 +1,15 @@
+"""Typed aiohttp AppKeys for the supervisor app."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from mlxd.supervisor.auth import Auth
+from mlxd.supervisor.config import Config
+from mlxd.supervisor.pool import Pool
+from mlxd.supervisor.registry import Registry
+
+AUTH = web.AppKey("auth", Auth)
+CONFIG = web.AppKey("config", Config)
+POOL = web.AppKey("pool", Pool)
+REGISTRY = web.AppKey("registry", Registry)

@@ -1,0 +1,64 @@
+"""Relay a request to an engine over its Unix socket, streaming the answer back unparsed."""
+
+from __future__ import annotations
+
+import contextlib
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from mlxd.protocol.errors import APIError
+
+CRASHED = "The model's engine stopped unexpectedly; it is being restarted. Try again."
+_UPSTREAM_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError)
+
+
+def crashed_error() -> APIError:
+    """What a request in flight on a dying engine gets."""
+    return APIError(502, CRASHED, type="server_error", code="engine_crashed", headers={"Retry-After": "1"})
+
+
+async def forward(request: web.Request, session: aiohttp.ClientSession, body: bytes) -> web.StreamResponse:
+    """POST `body` to the same path on the engine; relay its answer chunk by chunk."""
+    try:
+        upstream = await session.post(
+            "http://engine" + request.path_qs, data=body, headers={"Content-Type": "application/json"}
+        )
+    except _UPSTREAM_ERRORS:
+        raise crashed_error() from None
+    async with upstream:
+        if upstream.content_type != "text/event-stream":
+            return await relay_whole(upstream)
+        return await relay_stream(request, upstream)
+
+
+async def relay_whole(upstream: aiohttp.ClientResponse) -> web.Response:
+    """A non-streaming answer, passed through as-is."""
+    try:
+        data = await upstream.read()
+    except _UPSTREAM_ERRORS:
+        raise crashed_error() from None
+    headers = {k: v for k, v in upstream.headers.items() if k.lower() == "retry-after"}
+    return web.Response(status=upstream.status, body=data, content_type=upstream.content_type, headers=headers)
+
+
+async def relay_stream(request: web.Request, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+    """SSE relayed as it arrives; an engine that dies mid-stream becomes an SSE error event."""
+    resp = web.StreamResponse(
+        status=upstream.status,
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+    await resp.prepare(request)
+    try:
+        async for chunk in upstream.content.iter_any():
+            await resp.write(chunk)
+    except ConnectionResetError:
+        return resp  # our client went away: leaving closes the upstream, and the engine cancels
+    except _UPSTREAM_ERRORS:
+        event = msgspec.json.encode(crashed_error().to_openai())
+        with contextlib.suppress(ConnectionResetError):
+            await resp.write(b"data: " + event + b"\n\n")
+    with contextlib.suppress(ConnectionResetError):
+        await resp.write_eof()
+    return resp

@@ -1,0 +1,63 @@
+"""Supervisor handlers: route inference by `model` to its engine; list models; health."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+from aiohttp import web
+
+from mlxd import __version__
+from mlxd.protocol.errors import from_decode_error
+from mlxd.supervisor.keys import POOL, REGISTRY
+from mlxd.supervisor.proxy import forward
+
+
+class ModelField(msgspec.Struct):
+    """Only the routing field; the engine validates the rest of the body."""
+
+    model: str | None = None
+
+
+_model_decoder = msgspec.json.Decoder(ModelField)
+
+
+def requested_model(body: bytes) -> str | None:
+    """The body's `model` field; 400 when the body is not a JSON object or `model` no string."""
+    try:
+        return _model_decoder.decode(body).model
+    except msgspec.MsgspecError as exc:
+        raise from_decode_error(exc) from None
+
+
+async def inference(request: web.Request) -> web.StreamResponse:
+    """POST /v1/chat/completions and /v1/completions: start the model's engine if needed, relay."""
+    body = await request.read()
+    pool = request.app[POOL]
+    entry = request.app[REGISTRY].resolve(requested_model(body), pool.loaded_ids())
+    engine = pool.engine_for(entry.id, entry.path, entry.max_context)
+    session = await engine.ensure_ready()
+    return await forward(request, session, body)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """GET /v1/models: every model that exists, in OpenAI's shape, with whether it is loaded."""
+    registry, pool = request.app[REGISTRY], request.app[POOL]
+    registry.refresh()
+    states = {e.model_id: e.state.value for e in pool.engines()}
+    data = [
+        {
+            "id": m.id, "object": "model", "created": int(time.time()), "owned_by": "mlxd",
+            "loaded": states.get(m.id) == "ready", "state": states.get(m.id, "stopped"),
+            "source": m.source, "size_bytes": m.size_bytes,
+        }
+        for m in registry.entries()
+    ]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    """GET /health (no auth): the supervisor is up."""
+    engines = {e.model_id: e.state.value for e in request.app[POOL].engines()}
+    return web.json_response({"status": "ok", "version": __version__, "engines": engines})
+

@@ -1,0 +1,72 @@
+"""Run the supervisor: the TCP front door, until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import time
+from pathlib import Path
+
+from aiohttp import web
+
+from mlxd.paths import ensure_private_dir, models_dir, runtime_dir
+from mlxd.supervisor.app import make_app
+from mlxd.supervisor.config import Config
+from mlxd.supervisor.pool import Pool
+from mlxd.supervisor.registry import Registry
+
+log = logging.getLogger("mlxd.supervisor")
+# In-flight requests get this long to finish at shutdown before engines are stopped.
+SHUTDOWN_TIMEOUT_S = 10.0
+
+
+def remove_stale_sockets(runtime: Path) -> list[Path]:
+    """Delete engine sockets that nothing answers on (left by a supervisor that was killed)."""
+    removed = []
+    for path in runtime.glob("e-*.sock"):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            with contextlib.suppress(OSError):
+                path.unlink()
+                removed.append(path)
+        finally:
+            probe.close()
+    return removed
+
+
+def serve(config: Config, data_dir: Path) -> int:
+    """Serve until a signal; return the exit code."""
+    started = time.perf_counter()
+    runtime = ensure_private_dir(runtime_dir())
+    if stale := remove_stale_sockets(runtime):
+        log.info("removed %d stale engine socket(s) in %s", len(stale), runtime)
+    registry = Registry(config.models, models_dir=models_dir(data_dir))
+    app = make_app(config, registry, Pool(runtime))
+    return asyncio.run(run(app, config.server.host, config.server.port, started))
+
+
+async def run(app: web.Application, host: str, port: int, started: float) -> int:
+    """Bind, serve, and on a signal: stop accepting, let requests finish, stop engines."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", host, port, exc.strerror or exc)
+        await runner.cleanup()
+        return 1
+    log.info("mlxd serving on http://%s:%d/v1 (up in %.0f ms)", host, port, (time.perf_counter() - started) * 1000)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down: finishing in-flight requests, then stopping engines")
+    await runner.cleanup()
+    log.info("stopped")
+    return 0

@@ -1,0 +1,216 @@
+"""A real `mlxd serve` with real engines: routing, crash isolation, auth, shutdown."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import psutil
+import pytest
+
+from tests.support import SupervisorProcess
+
+LONG = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 3000, "logit_bias": {"2": -100}}
+
+
+@pytest.fixture(scope="module")
+def sup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SupervisorProcess]:
+    config = f'[server]\nmax_body_bytes = 65536\n\n[models.tiny]\npath = "{tiny_model}"\n'
+    proc = SupervisorProcess(config, tmp_path_factory.mktemp("sup")).wait_up()
+    yield proc
+    proc.stop()
+
+
+def engine_pids(sup: SupervisorProcess) -> list[int]:
+    children = psutil.Process(sup.proc.pid).children()
+    return [c.pid for c in children if "mlxd.engine" in " ".join(c.cmdline())]
+
+
+def test_openai_sdk_through_the_supervisor(sup: SupervisorProcess) -> None:
+    client = sup.openai()
+    out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    assert out.usage is not None and out.usage.completion_tokens == 5
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True,
+        stream_options={"include_usage": True},
+    ))
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+    listed = {m.id: m for m in client.models.list()}
+    assert listed["tiny"].model_extra == {**(listed["tiny"].model_extra or {}), "loaded": True, "state": "ready"}
+
+
+def test_missing_model_uses_the_only_configured_one(sup: SupervisorProcess) -> None:
+    resp = sup.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert resp.status_code == 200
+    assert resp.json()["model"] == "tiny"
+
+
+def test_unknown_model_is_404_listing_what_exists(sup: SupervisorProcess) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        sup.openai().chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "hi"}])
+    assert info.value.code == "model_not_found"
+    assert "tiny" in info.value.message
+
+
+@pytest.mark.parametrize(("body", "status"), [(b"{", 400), (b'{"model": 5}', 400), (b"x" * 70000, 413)])
+def test_bad_bodies_get_openai_errors(sup: SupervisorProcess, body: bytes, status: int) -> None:
+    resp = sup.client.post("/v1/chat/completions", content=body)
+    assert resp.status_code == status
+    assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_unknown_route_is_404_json(sup: SupervisorProcess) -> None:
+    resp = sup.client.get("/v2/whatever")
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "not_found"
+
+
+def test_engine_sigkill_mid_stream_ends_the_stream_cleanly_and_the_next_request_works(sup: SupervisorProcess) -> None:
+    with sup.client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as resp:
+        lines = resp.iter_lines()
+        first = [next(lines) for _ in range(3)]
+        [pid] = engine_pids(sup)
+        killed = time.monotonic()
+        psutil.Process(pid).kill()
+        rest = list(lines)
+    assert time.monotonic() - killed < 5
+    events = [json.loads(line[6:]) for line in first + rest if line.startswith("data: {")]
+    assert events[-1]["error"]["code"] == "engine_crashed"
+    assert "data: [DONE]" not in rest
+    again = sup.client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+    assert again.status_code == 200
+    assert engine_pids(sup) != [pid]
+
+
+def test_engine_sigkill_during_a_plain_request_is_a_502_with_retry_after(sup: SupervisorProcess) -> None:
+    sup.client.post("/v1/completions", json={"model": "tiny", "prompt": "warm", "max_tokens": 1})
+    [pid] = engine_pids(sup)
+    import threading
+
+    threading.Timer(0.5, lambda: psutil.Process(pid).kill()).start()
+    started = time.monotonic()
+    resp = sup.client.post("/v1/completions", json=LONG)
+    assert time.monotonic() - started < 5
+    assert resp.status_code == 502
+    assert resp.json()["error"]["code"] == "engine_crashed"
+    assert resp.headers["retry-after"] == "1"
+
+
+def test_model_that_cannot_load_is_a_clear_503_not_a_restart_storm(tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    (broken / "model.safetensors").write_bytes(b"junk")
+    sup = SupervisorProcess(f'[models.broken]\npath = "{broken}"\n', tmp_path / "data").wait_up()
+    try:
+        first = sup.client.post("/v1/completions", json={"model": "broken", "prompt": "hi"})
+        assert first.status_code == 503
+        assert first.json()["error"]["code"] == "model_load_failed"
+        started = time.monotonic()
+        second = sup.client.post("/v1/completions", json={"model": "broken", "prompt": "hi"})
+        assert second.status_code == 503 and second.json()["error"]["code"] == "model_failed"
+        assert time.monotonic() - started < 1.0
+        assert len(re.findall(r"engine pid \d+ starting", sup.log())) == 1
+        assert "Traceback" not in first.text
+    finally:
+        sup.stop()
+
+
+def test_api_keys_are_required_when_configured(tiny_model: Path, tmp_path: Path) -> None:
+    config = f'[server]\napi_keys = ["sekret"]\n\n[models.tiny]\npath = "{tiny_model}"\n'
+    sup = SupervisorProcess(config, tmp_path).wait_up()
+    try:
+        assert sup.client.get("/health").status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            sup.openai("wrong").models.list()
+        assert sup.client.get("/v1/models", headers={"x-api-key": "sekret"}).status_code == 200
+        assert [m.id for m in sup.openai("sekret").models.list()] == ["tiny"]
+    finally:
+        sup.stop()
+
+
+def serve_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "mlxd", "serve", "--data-dir", str(tmp_path), *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+
+def test_non_loopback_bind_without_keys_refuses_to_start(tmp_path: Path) -> None:
+    (tmp_path / "empty.toml").write_text("")
+    out = serve_cli(tmp_path, "--host", "0.0.0.0", "--port", "1", "--config", str(tmp_path / "empty.toml"))
+    assert out.returncode == 1
+    assert "--insecure-no-auth" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("toml", "expected"),
+    [(None, "config file not found"), ("[server]\nprot = 1\n", "server.prot"), ("[server]\nport = 'x'\n", "server.port")],
+)
+def test_bad_config_stops_startup_naming_file_and_key(tmp_path: Path, toml: str | None, expected: str) -> None:
+    cfg = tmp_path / "mlxd.toml"
+    if toml is not None:
+        cfg.write_text(toml)
+    out = serve_cli(tmp_path, "--config", str(cfg))
+    assert out.returncode == 1
+    assert str(cfg) in out.stderr and expected in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_sigterm_stops_engines_and_removes_their_sockets(tiny_model: Path, tmp_path: Path) -> None:
+    sup = SupervisorProcess(f'[models.tiny]\npath = "{tiny_model}"\n', tmp_path).wait_up()
+    sup.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+    [pid] = engine_pids(sup)
+    assert sup.stop() == 0
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert list(sup.runtime.glob("*.sock")) == []
+
+
+def test_sigkill_of_the_supervisor_takes_engines_down_within_2s(tiny_model: Path, tmp_path: Path) -> None:
+    sup = SupervisorProcess(f'[models.tiny]\npath = "{tiny_model}"\n', tmp_path).wait_up()
+    sup.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+    [pid] = engine_pids(sup)
+    sup.proc.send_signal(signal.SIGKILL)
+    sup.proc.wait()
+    killed = time.monotonic()
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() - killed < 2.0, "engine outlived the supervisor by 2 s"
+        time.sleep(0.02)
+    sup.stop()
+    again = SupervisorProcess(f'[models.tiny]\npath = "{tiny_model}"\n', tmp_path / "again")
+    again.runtime = sup.runtime  # not used by the process; the restart below uses its own dir
+    again.wait_up()
+    assert again.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+    again.stop()
+
+
+def test_the_supervisor_never_imports_mlx() -> None:
+    code = (
+        "import sys, mlxd.cli.main, mlxd.supervisor.server, mlxd.supervisor.app\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'transformers')]\n"
+        "print(bad)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_concurrent_first_requests_start_exactly_one_engine(tiny_model: Path, tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    sup = SupervisorProcess(f'[models.tiny]\npath = "{tiny_model}"\n', tmp_path).wait_up()
+    try:
+        def ask(i: int) -> int:
+            body = {"model": "tiny", "prompt": f"request {i}", "max_tokens": 3}
+            return sup.client.post("/v1/completions", json=body).status_code
+
+        with ThreadPoolExecutor(6) as pool:
+            assert list(pool.map(ask, range(6))) == [200] * 6
+        assert len(re.findall(r"engine pid \d+ starting", sup.log())) == 1
+        assert len(engine_pids(sup)) == 1
+    finally:
+        sup.stop()

@@ -1,0 +1,228 @@
+"""The supervisor's TOML config: locations, decoding errors, overrides; and no mlx import."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlxd.supervisor.config import (
+    Config,
+    ConfigError,
+    ModelConfig,
+    ServerConfig,
+    apply_overrides,
+    config_path,
+    is_explicit_config,
+    load_config,
+)
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    return path
+
+
+def load_error(tmp_path: Path, text: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text), explicit=True)
+    return str(info.value)
+
+
+def test_defaults() -> None:
+    server = Config().server
+    assert (server.host, server.port, server.api_keys, server.admin_keys) == (
+        "127.0.0.1",
+        8800,
+        [],
+        [],
+    )
+    assert server.max_body_bytes == 32 * 1024 * 1024
+    assert server.insecure_no_auth is False
+    assert Config().models == {}
+
+
+def test_full_file(tmp_path: Path) -> None:
+    cfg = load_config(
+        write(
+            tmp_path,
+            """
+            [server]
+            host = "0.0.0.0"
+            port = 9000
+            api_keys = ["k1", "k2"]
+            admin_keys = ["a1"]
+            max_body_bytes = 1024
+            insecure_no_auth = true
+
+            [models.qwen]
+            path = "/models/qwen"
+            pin = true
+            max_context = 8192
+
+            [models."org/name"]
+            path = "/models/other"
+            """,
+        ),
+        explicit=True,
+    )
+    assert cfg.server == ServerConfig(
+        host="0.0.0.0", port=9000, api_keys=["k1", "k2"], admin_keys=["a1"],
+        max_body_bytes=1024, insecure_no_auth=True,
+    )  # fmt: skip
+    assert cfg.models["qwen"] == ModelConfig(path="/models/qwen", pin=True, max_context=8192)
+    assert cfg.models["org/name"].pin is False and cfg.models["org/name"].max_context is None
+
+
+def test_model_paths_expand_home_and_are_relative_to_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    text = '[models.a]\npath = "~/m/a"\n[models.b]\npath = "rel/b"\n'
+    cfg = load_config(write(tmp_path, text), explicit=True)
+    assert cfg.models["a"].path == str(tmp_path / "home" / "m" / "a")
+    assert cfg.models["b"].path == str(tmp_path / "rel" / "b")
+    assert ModelConfig(path="~/x").resolved_path() == tmp_path / "home" / "x"
+
+
+def test_missing_file_is_defaults_unless_explicit(tmp_path: Path) -> None:
+    assert load_config(tmp_path / "nope.toml", explicit=False) == Config()
+    with pytest.raises(ConfigError, match=r"nope\.toml: config file not found"):
+        load_config(tmp_path / "nope.toml", explicit=True)
+
+
+def test_unreadable_path_names_the_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"cannot read config file"):
+        load_config(tmp_path, explicit=False)
+
+
+def test_unknown_key_names_file_and_key(tmp_path: Path) -> None:
+    message = load_error(tmp_path, "[server]\nprot = 1\n")
+    assert message.startswith(f"{tmp_path / 'config.toml'}: ")
+    assert "unknown key 'server.prot'" in message
+    assert "did you mean 'server.port'?" in message
+
+
+def test_unknown_top_level_and_model_keys(tmp_path: Path) -> None:
+    assert "unknown key 'model' (did you mean 'models'?)" in load_error(
+        tmp_path, "[model.x]\npath='a'\n"
+    )
+    message = load_error(tmp_path, '[models.qwen]\npath = "a"\npinned = true\n')
+    assert "unknown key 'models.qwen.pinned' (did you mean 'models.qwen.pin'?)" in message
+    assert "unknown key 'models.\"a.b\".x'" in load_error(
+        tmp_path, '[models."a.b"]\npath = "a"\nx = 1\n'
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('[server]\nport = "80"\n', "server.port: expected `int`, got `str`"),
+        ("[server]\nport = 70000\n", "server.port: expected `int` <= 65535"),
+        ("[server]\nport = 0\n", "server.port: expected `int` >= 1"),
+        ('[server]\napi_keys = ["ok", ""]\n', "server.api_keys[1]: expected `str` of length >= 1"),
+        ('[server]\napi_keys = "k"\n', "server.api_keys: expected `array`, got `str`"),
+        ("[server]\nadmin_keys = [1]\n", "server.admin_keys[0]: expected `str`, got `int`"),
+        ("[server]\ninsecure_no_auth = 1\n", "server.insecure_no_auth: expected `bool`, got `int`"),
+        ("[models.qwen]\npin = true\n", "models.qwen: object missing required field `path`"),
+        (
+            '[models.qwen]\npath = "a"\nmax_context = 0\n',
+            "models.qwen.max_context: expected `int` >= 1",
+        ),
+        ("models = 3\n", "models: expected `object`, got `int`"),
+        ("server = 3\n", "server: expected `object`, got `int`"),
+    ],
+)
+def test_wrong_types_name_the_key(tmp_path: Path, text: str, expected: str) -> None:
+    message = load_error(tmp_path, text)
+    assert message == f"{tmp_path / 'config.toml'}: {expected}"
+
+
+def test_toml_syntax_error_names_file_and_line(tmp_path: Path) -> None:
+    message = load_error(tmp_path, '[server]\nhost = "a"\nport = \n')
+    assert message.startswith(f"{tmp_path / 'config.toml'}: line 3, column 8: ")
+    assert "invalid TOML" in load_error(tmp_path, 'x = "abc')
+
+
+def test_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "config.toml"
+    path.write_bytes(b'x = "\xff"\n')
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(path, explicit=True)
+
+
+def test_config_path_precedence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)
+    assert config_path(None, env={}) == tmp_path / ".config" / "mlxd" / "config.toml"
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    assert config_path(None, env={}) == tmp_path / "xdg" / "mlxd" / "config.toml"
+    assert config_path(None, env={"MLXD_CONFIG": "/e.toml"}) == Path("/e.toml")
+    assert config_path("/c.toml", env={"MLXD_CONFIG": "/e.toml"}) == Path("/c.toml")
+    assert config_path("~/c.toml", env={}) == tmp_path / "c.toml"
+    assert not is_explicit_config(None, env={})
+    assert is_explicit_config(None, env={"MLXD_CONFIG": "/e.toml"})
+    assert is_explicit_config("/c.toml", env={})
+
+
+def test_config_path_on_macos(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "platform", "darwin")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    expected = tmp_path / "Library" / "Application Support" / "mlxd" / "config.toml"
+    assert config_path(None, env={}) == expected
+
+
+def test_overrides_cli_beats_env_beats_file() -> None:
+    cfg = Config(server=ServerConfig(host="10.0.0.1", port=9000))
+    assert apply_overrides(cfg, env={}).server.port == 9000
+    env = {"MLXD_HOST": "0.0.0.0", "MLXD_PORT": "9100"}
+    server = apply_overrides(cfg, env=env).server
+    assert (server.host, server.port) == ("0.0.0.0", 9100)
+    server = apply_overrides(cfg, host="::1", port=9200, env=env).server
+    assert (server.host, server.port) == ("::1", 9200)
+    assert cfg.server.port == 9000  # the input is untouched
+
+
+def test_env_api_key_adds_one_key() -> None:
+    cfg = Config(server=ServerConfig(api_keys=["file-key"]))
+    assert apply_overrides(cfg, env={"MLXD_API_KEY": "env-key"}).server.api_keys == [
+        "file-key",
+        "env-key",
+    ]
+    assert apply_overrides(cfg, env={"MLXD_API_KEY": "file-key"}).server.api_keys == ["file-key"]
+    assert apply_overrides(cfg, env={"MLXD_API_KEY": ""}).server.api_keys == ["file-key"]
+
+
+def test_insecure_flag_override() -> None:
+    assert apply_overrides(Config(), insecure_no_auth=True, env={}).server.insecure_no_auth
+    assert not apply_overrides(Config(), env={}).server.insecure_no_auth
+
+
+@pytest.mark.parametrize(
+    ("value", "match"), [("http", "MLXD_PORT: not a port"), ("0", "MLXD_PORT: port 0")]
+)
+def test_bad_env_port(value: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        apply_overrides(Config(), env={"MLXD_PORT": value})
+
+
+def test_bad_cli_port() -> None:
+    with pytest.raises(ConfigError, match=r"--port: port 65536 is out of range"):
+        apply_overrides(Config(), port=65536, env={})
+
+
+def test_supervisor_modules_do_not_import_mlx() -> None:
+    code = (
+        "import sys\n"
+        "import mlxd.supervisor.config, mlxd.supervisor.registry, mlxd.supervisor.auth\n"
+        "banned = ('mlx', 'mlx_lm', 'transformers', 'huggingface_hub')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in banned))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert result.stdout.strip() == "[]"
