@@ -122,7 +122,7 @@ def free_port() -> int:
 class SupervisorProcess:
     """A real `mlxd serve` on a free port, with a private runtime dir and data dir."""
 
-    def __init__(self, config_toml: str, data_dir: Path, *extra: str) -> None:
+    def __init__(self, config_toml: str, data_dir: Path, *extra: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.runtime = private_socket_dir()
         self.config = data_dir / "config.toml"
@@ -130,7 +130,7 @@ class SupervisorProcess:
         self.config.write_text(config_toml)
         self.log_path = data_dir / "supervisor.log"
         self._log = self.log_path.open("wb")
-        env = engine_env(MLXD_RUNTIME_DIR=str(self.runtime))
+        env = engine_env(MLXD_RUNTIME_DIR=str(self.runtime), **(env or {}))
         argv = [sys.executable, "-m", "mlxd", "serve", "--port", str(self.port), "--config", str(self.config),
                 "--data-dir", str(data_dir), *extra]
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)

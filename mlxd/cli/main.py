@@ -10,6 +10,7 @@ import click
 
 from mlxd import __version__
 from mlxd.cli.import_cmds import import_default, import_gguf
+from mlxd.cli.service_cmds import service, start, status, stop
 from mlxd.paths import DEFAULT_MODEL_ID, ensure_private_dir, models_dir, runtime_dir
 
 
@@ -21,6 +22,10 @@ def main() -> None:
 
 main.add_command(import_gguf)
 main.add_command(import_default)
+main.add_command(start)
+main.add_command(stop)
+main.add_command(status)
+main.add_command(service)
 
 
 def resolve_model(model: str) -> tuple[Path, str]:

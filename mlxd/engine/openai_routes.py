@@ -213,12 +213,14 @@ async def stream(
     """Relay a generation as OpenAI SSE chunks, ending with `data: [DONE]`."""
     sse = SSEWriter()
     resp = await sse.start(request)
+    # The opening chunks go out with the first generated text, so a client's (and the
+    # supervisor's) first chunk marks the first token.
+    opening = [make(None, None, None), make(prefix, None, None) if prefix else None]
     try:
-        if (opening := make(None, None, None)) is not None:
-            await sse.send(opening)
-        if prefix:
-            await sse.send(make(prefix, None, None))
         async for batch in ticket.events():
+            for chunk in filter(None, opening):
+                await sse.send(chunk)
+            opening = []
             text = "".join(e.text for e in batch if isinstance(e, Token))
             if text:
                 await sse.send(make(text, None, None))

@@ -11,7 +11,8 @@ from mlxd.protocol.http_errors import Handler, make_error_middleware
 from mlxd.supervisor import routes
 from mlxd.supervisor.auth import Auth
 from mlxd.supervisor.config import Config
-from mlxd.supervisor.keys import AUTH, CONFIG, POOL, REGISTRY
+from mlxd.supervisor.keys import AUTH, CONFIG, METRICS, POOL, REGISTRY
+from mlxd.supervisor.metrics import Metrics, make_metrics_middleware
 from mlxd.supervisor.pool import Pool
 from mlxd.supervisor.registry import Registry
 
@@ -20,16 +21,18 @@ OPEN_PATHS = frozenset({"/health"})
 
 def make_app(config: Config, registry: Registry, pool: Pool) -> web.Application:
     """The supervisor app; its cleanup context stops every engine."""
+    metrics = Metrics(pool)
     app = web.Application(
         client_max_size=config.server.max_body_bytes,
-        middlewares=[make_error_middleware("supervisor"), auth_middleware],
+        middlewares=[make_metrics_middleware(metrics), make_error_middleware("supervisor"), auth_middleware],
     )
-    app[CONFIG], app[REGISTRY], app[POOL] = config, registry, pool
+    app[CONFIG], app[REGISTRY], app[POOL], app[METRICS] = config, registry, pool, metrics
     app[AUTH] = Auth(config.server.api_keys, config.server.admin_keys)
     app.router.add_post("/v1/chat/completions", routes.inference)
     app.router.add_post("/v1/completions", routes.inference)
     app.router.add_get("/v1/models", routes.list_models)
     app.router.add_get("/health", routes.health)
+    app.router.add_get("/metrics", routes.metrics)
     app.cleanup_ctx.append(engines_ctx)
     return app
 

@@ -17,6 +17,8 @@ import re
 import signal
 import sys
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -25,13 +27,31 @@ from mlxd.protocol.errors import APIError
 from mlxd.protocol.exit_codes import ExitCode
 
 log = logging.getLogger("mlxd.supervisor")
-BOOT_TIMEOUT_S = 300.0
-GRACE_S = 5.0
 MAX_CRASHES = 5
 CRASH_WINDOW_S = 60.0
 MAX_BACKOFF_S = 60.0
-HEALTH_EVERY_S = 5.0
-HEALTH_DEADLINE_S = 30.0
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How engines are run and watched. The env knobs exist for tests and tuning."""
+
+    module: str = "mlxd.engine"  # what `python -m` runs (tests point it at a fake engine)
+    boot_timeout_s: float = 300.0
+    grace_s: float = 5.0  # SIGTERM -> SIGKILL
+    health_every_s: float = 5.0
+    health_deadline_s: float = 30.0  # unanswered health checks this long: killed as hung
+    backoff_base_s: float = 1.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> EngineOptions:
+        """Defaults, overridden by MLXD_ENGINE_MODULE / _HEALTH_EVERY_S / _HEALTH_DEADLINE_S / _BACKOFF_S."""
+        return cls(
+            module=env.get("MLXD_ENGINE_MODULE", cls.module),
+            health_every_s=float(env.get("MLXD_ENGINE_HEALTH_EVERY_S", cls.health_every_s)),
+            health_deadline_s=float(env.get("MLXD_ENGINE_HEALTH_DEADLINE_S", cls.health_deadline_s)),
+            backoff_base_s=float(env.get("MLXD_ENGINE_BACKOFF_S", cls.backoff_base_s)),
+        )
 _TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ")
 NO_RETRY = {ExitCode.ENGINE_BOOT_ERROR, ExitCode.MODEL_LOAD_ERROR, 2}
 
@@ -45,9 +65,9 @@ class EngineState(enum.Enum):
     FAILED = "failed"
 
 
-def backoff_s(num_recent_crashes: int) -> float:
-    """Restart delay after crashes: 1 s doubling, capped at 60 s (0 before the first crash)."""
-    return 0.0 if num_recent_crashes == 0 else min(MAX_BACKOFF_S, 2.0 ** (num_recent_crashes - 1))
+def backoff_s(num_recent_crashes: int, base_s: float = 1.0) -> float:
+    """Restart delay after crashes: `base_s` doubling, capped at 60 s (0 before the first crash)."""
+    return 0.0 if num_recent_crashes == 0 else min(MAX_BACKOFF_S, base_s * 2.0 ** (num_recent_crashes - 1))
 
 
 def socket_path(runtime_dir: Path, model_id: str) -> Path:
@@ -58,7 +78,11 @@ def socket_path(runtime_dir: Path, model_id: str) -> Path:
 class Engine:
     """The engine child for one model, and an aiohttp session bound to its socket."""
 
-    def __init__(self, model_id: str, model_dir: Path, runtime_dir: Path, max_context: int | None = None) -> None:
+    def __init__(
+        self, model_id: str, model_dir: Path, runtime_dir: Path, max_context: int | None = None,
+        options: EngineOptions | None = None,
+    ) -> None:
+        self.options = options or EngineOptions()
         self.model_id = model_id
         self.model_dir = model_dir
         self.socket = socket_path(runtime_dir, model_id)
@@ -101,7 +125,7 @@ class Engine:
     async def _own(self) -> None:
         proc: asyncio.subprocess.Process | None = None
         try:
-            await asyncio.sleep(backoff_s(self._num_recent_crashes()))
+            await asyncio.sleep(backoff_s(self._num_recent_crashes(), self.options.backoff_base_s))
             self.state = EngineState.STARTING
             proc = await self._spawn()
             await self._boot(proc)
@@ -112,7 +136,7 @@ class Engine:
         except asyncio.CancelledError:
             self.state = EngineState.STOPPING
             if proc is not None:
-                await kill_engine(proc, GRACE_S)
+                await kill_engine(proc, self.options.grace_s)
             self.state = EngineState.STOPPED
             self._resolve_ready(APIError(503, "The engine is stopping.", type="server_error", code="engine_stopping"))
         except APIError as err:
@@ -122,7 +146,7 @@ class Engine:
             self.pid = None
 
     async def _spawn(self) -> asyncio.subprocess.Process:
-        argv = [sys.executable, "-m", "mlxd.engine", "--model", str(self.model_dir), "--model-id", self.model_id,
+        argv = [sys.executable, "-m", self.options.module, "--model", str(self.model_dir), "--model-id", self.model_id,
                 "--socket", str(self.socket), "--parent-pid", str(os.getpid())]
         if self.max_context:
             argv += ["--max-context", str(self.max_context)]
@@ -146,7 +170,7 @@ class Engine:
         self.session = aiohttp.ClientSession(
             connector=aiohttp.UnixConnector(path=str(self.socket)), timeout=aiohttp.ClientTimeout(total=None, sock_connect=5)
         )
-        deadline = time.monotonic() + BOOT_TIMEOUT_S
+        deadline = time.monotonic() + self.options.boot_timeout_s
         while time.monotonic() < deadline:
             if proc.returncode is not None:
                 break
@@ -169,7 +193,7 @@ class Engine:
     def _boot_failure(self, code: int | None) -> str:
         last = next((line for line in reversed(self._log_tail) if "ERROR" in line), None)
         detail = last.split(": ", 1)[-1] if last else f"exit code {code}"
-        return detail if code is not None else f"no ready answer within {BOOT_TIMEOUT_S:.0f} s"
+        return detail if code is not None else f"no ready answer within {self.options.boot_timeout_s:.0f} s"
 
     async def _health(self) -> str | None:
         assert self.session is not None
@@ -183,12 +207,12 @@ class Engine:
         """Wait for the engine to exit; kill it if `/health` stops answering for 30 s."""
         last_ok = time.monotonic()
         while True:
-            code = await _wait_code(proc, HEALTH_EVERY_S)
+            code = await _wait_code(proc, self.options.health_every_s)
             if code is not None:
                 return code
             if await self._health() is not None:
                 last_ok = time.monotonic()
-            elif time.monotonic() - last_ok > HEALTH_DEADLINE_S:
+            elif time.monotonic() - last_ok > self.options.health_deadline_s:
                 log.error("[%s] engine stopped answering its health check; killing it", self.model_id)
                 with contextlib.suppress(ProcessLookupError):
                     proc.send_signal(signal.SIGABRT)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import aiohttp
 import msgspec
@@ -19,7 +20,9 @@ def crashed_error() -> APIError:
     return APIError(502, CRASHED, type="server_error", code="engine_crashed", headers={"Retry-After": "1"})
 
 
-async def forward(request: web.Request, session: aiohttp.ClientSession, body: bytes) -> web.StreamResponse:
+async def forward(
+    request: web.Request, session: aiohttp.ClientSession, body: bytes, on_first_chunk: Callable[[], None] = lambda: None
+) -> web.StreamResponse:
     """POST `body` to the same path on the engine; relay its answer chunk by chunk."""
     try:
         upstream = await session.post(
@@ -30,7 +33,7 @@ async def forward(request: web.Request, session: aiohttp.ClientSession, body: by
     async with upstream:
         if upstream.content_type != "text/event-stream":
             return await relay_whole(upstream)
-        return await relay_stream(request, upstream)
+        return await relay_stream(request, upstream, on_first_chunk)
 
 
 async def relay_whole(upstream: aiohttp.ClientResponse) -> web.Response:
@@ -43,7 +46,9 @@ async def relay_whole(upstream: aiohttp.ClientResponse) -> web.Response:
     return web.Response(status=upstream.status, body=data, content_type=upstream.content_type, headers=headers)
 
 
-async def relay_stream(request: web.Request, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+async def relay_stream(
+    request: web.Request, upstream: aiohttp.ClientResponse, on_first_chunk: Callable[[], None]
+) -> web.StreamResponse:
     """SSE relayed as it arrives; an engine that dies mid-stream becomes an SSE error event."""
     resp = web.StreamResponse(
         status=upstream.status,
@@ -51,8 +56,12 @@ async def relay_stream(request: web.Request, upstream: aiohttp.ClientResponse) -
     )
     await resp.prepare(request)
     try:
+        first = True
         async for chunk in upstream.content.iter_any():
             await resp.write(chunk)
+            if first:
+                first = False
+                on_first_chunk()
     except ConnectionResetError:
         return resp  # our client went away: leaving closes the upstream, and the engine cancels
     except _UPSTREAM_ERRORS:

@@ -9,7 +9,8 @@ from aiohttp import web
 
 from mlxd import __version__
 from mlxd.protocol.errors import from_decode_error
-from mlxd.supervisor.keys import POOL, REGISTRY
+from mlxd.supervisor.keys import METRICS, POOL, REGISTRY
+from mlxd.supervisor.metrics import MODEL_KEY
 from mlxd.supervisor.proxy import forward
 
 
@@ -32,12 +33,15 @@ def requested_model(body: bytes) -> str | None:
 
 async def inference(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions and /v1/completions: start the model's engine if needed, relay."""
+    started = time.perf_counter()
     body = await request.read()
     pool = request.app[POOL]
     entry = request.app[REGISTRY].resolve(requested_model(body), pool.loaded_ids())
+    request[MODEL_KEY] = entry.id
     engine = pool.engine_for(entry.id, entry.path, entry.max_context)
     session = await engine.ensure_ready()
-    return await forward(request, session, body)
+    ttft = request.app[METRICS].ttft.labels(entry.id)
+    return await forward(request, session, body, on_first_chunk=lambda: ttft.observe(time.perf_counter() - started))
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -54,6 +58,11 @@ async def list_models(request: web.Request) -> web.Response:
         for m in registry.entries()
     ]
     return web.json_response({"object": "list", "data": data})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """GET /metrics: Prometheus text format."""
+    return web.Response(body=request.app[METRICS].render(), content_type="text/plain", charset="utf-8")
 
 
 async def health(request: web.Request) -> web.Response:

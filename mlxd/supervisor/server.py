@@ -15,6 +15,7 @@ from aiohttp import web
 from mlxd.paths import ensure_private_dir, models_dir, runtime_dir
 from mlxd.supervisor.app import make_app
 from mlxd.supervisor.config import Config
+from mlxd.supervisor.engine import EngineOptions
 from mlxd.supervisor.pool import Pool
 from mlxd.supervisor.registry import Registry
 
@@ -46,7 +47,7 @@ def serve(config: Config, data_dir: Path) -> int:
     if stale := remove_stale_sockets(runtime):
         log.info("removed %d stale engine socket(s) in %s", len(stale), runtime)
     registry = Registry(config.models, models_dir=models_dir(data_dir))
-    app = make_app(config, registry, Pool(runtime))
+    app = make_app(config, registry, Pool(runtime, EngineOptions.from_env()))
     return asyncio.run(run(app, config.server.host, config.server.port, started))
 
 

@@ -214,3 +214,51 @@ def test_concurrent_first_requests_start_exactly_one_engine(tiny_model: Path, tm
         assert len(engine_pids(sup)) == 1
     finally:
         sup.stop()
+
+
+def engine_stats(sup: SupervisorProcess, model_id: str) -> dict[str, object]:
+    import httpx2 as httpx
+
+    from mlxd.supervisor.engine import socket_path
+
+    transport = httpx.HTTPTransport(uds=str(socket_path(sup.runtime, model_id)))
+    with httpx.Client(transport=transport, base_url="http://engine") as c:
+        return c.get("/admin/stats").json()  # type: ignore[no-any-return]
+
+
+def test_client_disconnect_through_the_supervisor_cancels_the_engine(sup: SupervisorProcess) -> None:
+    sup.client.post("/v1/completions", json={"model": "tiny", "prompt": "warm", "max_tokens": 1})
+    before = engine_stats(sup, "tiny")["requests"]["cancelled"]  # type: ignore[index]
+    with sup.client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as resp:
+        lines = resp.iter_lines()
+        for _ in range(3):
+            next(lines)
+    deadline = time.monotonic() + 3
+    while engine_stats(sup, "tiny")["requests"]["cancelled"] == before:  # type: ignore[index]
+        assert time.monotonic() < deadline, "the engine kept generating for a client that left"
+        time.sleep(0.05)
+    last = engine_stats(sup, "tiny")["last"]
+    assert last["finish_reason"] == "cancelled"  # type: ignore[index]
+
+
+def test_two_models_and_eight_concurrent_streams(tiny_model: Path, tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    config = f'[models.a]\npath = "{tiny_model}"\n\n[models.b]\npath = "{tiny_model}"\n'
+    sup = SupervisorProcess(config, tmp_path).wait_up()
+    client = sup.openai()
+    try:
+        def stream(i: int) -> int:
+            chunks = client.chat.completions.create(
+                model="ab"[i % 2], messages=[{"role": "user", "content": f"stream {i}"}], max_tokens=8,
+                stream=True, stream_options={"include_usage": True},
+            )
+            return next(c for c in chunks if c.usage).usage.completion_tokens  # type: ignore[union-attr]
+
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(stream, range(8))) == [8] * 8
+        assert len(engine_pids(sup)) == 2
+        states = sup.client.get("/health").json()["engines"]
+        assert states == {"a": "ready", "b": "ready"}
+    finally:
+        sup.stop()

@@ -1,0 +1,308 @@
+"""Pure pieces of `mlxd start|stop|status|service`: serve options, templates, pid files.
+
+No processes, sockets or service managers here: `mlxd.cli.service_cmds` does the I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from string import Template
+
+LABEL = "dev.mlxd"
+UNIT_NAME = "mlxd.service"
+# Longer than the supervisor's graceful shutdown: 10 s for in-flight requests + 5 s for engines.
+STOP_TIMEOUT_S = 30
+START_TIMEOUT_S = 30.0
+PID_FILE_NAME = "mlxd.pid"
+LOG_FILE_NAME = "mlxd.log"
+
+DEPLOY_DIR = Path(__file__).resolve().parents[2] / "deploy"
+
+# Fallback copies of deploy/*.in for an install without the source tree;
+# tests/unit/test_service.py pins them equal to the files.
+PLIST_TEMPLATE = """\
+<?xml version="1.0" encoding="UTF-8"?>
+<!DOCTYPE plist PUBLIC "-//Apple//DTD PLIST 1.0//EN" "http://www.apple.com/DTDs/PropertyList-1.0.dtd">
+<!-- mlxd launchd agent, written by `mlxd service install`; `mlxd service uninstall` removes it. -->
+<plist version="1.0">
+<dict>
+  <key>Label</key>
+  <string>$label</string>
+  <key>ProgramArguments</key>
+  <array>
+$program_arguments
+  </array>
+  <key>EnvironmentVariables</key>
+  <dict>
+$environment
+  </dict>
+  <key>RunAtLoad</key>
+  <true/>
+  <key>KeepAlive</key>
+  <true/>
+  <!-- launchd sends SIGKILL this long after SIGTERM: longer than mlxd's graceful shutdown. -->
+  <key>ExitTimeOut</key>
+  <integer>$stop_timeout</integer>
+  <key>StandardOutPath</key>
+  <string>$log_file</string>
+  <key>StandardErrorPath</key>
+  <string>$log_file</string>
+</dict>
+</plist>
+"""
+
+UNIT_TEMPLATE = """\
+# mlxd systemd user unit, written by `mlxd service install`; `mlxd service uninstall` removes it.
+[Unit]
+Description=mlxd: local LLM inference daemon on MLX
+
+[Service]
+Type=simple
+ExecStart=$exec_start
+$environment
+Restart=on-failure
+RestartSec=2
+# SIGTERM to the supervisor only, SIGKILL to what is left after the timeout, which is
+# longer than the supervisor's graceful shutdown (10 s for requests + 5 s for engines).
+KillMode=mixed
+TimeoutStopSec=$stop_timeout
+StandardOutput=append:$log_file
+StandardError=append:$log_file
+
+[Install]
+WantedBy=default.target
+"""
+
+_FALLBACKS = {"mlxd.plist.in": PLIST_TEMPLATE, "mlxd.service.in": UNIT_TEMPLATE}
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """What `mlxd serve` is told: flags for the address, env vars for the files."""
+
+    host: str | None = None
+    port: int | None = None
+    config: Path | None = None
+    data_dir: Path | None = None
+
+    def address_args(self) -> list[str]:
+        """`--host`/`--port` for `mlxd serve`, only those given."""
+        args = ["--host", self.host] if self.host else []
+        return args + (["--port", str(self.port)] if self.port is not None else [])
+
+    def serve_argv(self, python: str) -> list[str]:
+        """A detached `mlxd serve` with every option as a flag."""
+        argv = [python, "-m", "mlxd", "serve", *self.address_args()]
+        if self.config is not None:
+            argv += ["--config", str(self.config)]
+        if self.data_dir is not None:
+            argv += ["--data-dir", str(self.data_dir)]
+        return argv
+
+    def service_argv(self, python: str) -> list[str]:
+        """The service's `mlxd serve`: the files travel in `service_env()` instead."""
+        return [python, "-m", "mlxd", "serve", *self.address_args()]
+
+    def service_env(self) -> dict[str, str]:
+        """MLXD_DATA_DIR / MLXD_CONFIG for the service, only those given."""
+        env = {"MLXD_DATA_DIR": self.data_dir, "MLXD_CONFIG": self.config}
+        return {key: str(value) for key, value in env.items() if value is not None}
+
+
+def absolute(path: Path | str | None) -> Path | None:
+    """`path` with `~` expanded, made absolute (a service has another working dir)."""
+    return None if path is None else Path(path).expanduser().absolute()
+
+
+def from_env(opts: ServeOptions, env: Mapping[str, str]) -> ServeOptions:
+    """Fill the files from $MLXD_DATA_DIR / $MLXD_CONFIG: a service does not see the shell's env."""
+    return ServeOptions(
+        host=opts.host,
+        port=opts.port,
+        config=absolute(opts.config or env.get("MLXD_CONFIG") or None),
+        data_dir=absolute(opts.data_dir or env.get("MLXD_DATA_DIR") or None),
+    )
+
+
+def options_from_argv(argv: list[str], env: Mapping[str, str]) -> ServeOptions:
+    """Read back the options of an installed service's `mlxd serve` argv and env."""
+    flags = dict(zip(argv[4::2], argv[5::2], strict=False))
+    port = flags.get("--port")
+    return ServeOptions(
+        host=flags.get("--host"),
+        port=int(port) if port else None,
+        config=absolute(env.get("MLXD_CONFIG")),
+        data_dir=absolute(env.get("MLXD_DATA_DIR")),
+    )
+
+
+# --- paths -------------------------------------------------------------------
+
+
+def plist_path(home: Path) -> Path:
+    """Where the launchd agent lives."""
+    return home / "Library" / "LaunchAgents" / f"{LABEL}.plist"
+
+
+def unit_path(home: Path, env: Mapping[str, str]) -> Path:
+    """Where the systemd user unit lives ($XDG_CONFIG_HOME honoured)."""
+    base = env.get("XDG_CONFIG_HOME") or str(home / ".config")
+    return Path(base) / "systemd" / "user" / UNIT_NAME
+
+
+def log_file(data_dir: Path) -> Path:
+    """The daemon's log, appended to by every mode."""
+    return data_dir / "logs" / LOG_FILE_NAME
+
+
+def pid_file(data_dir: Path) -> Path:
+    """The pid file of a daemon run by `mlxd start` without a service."""
+    return data_dir / PID_FILE_NAME
+
+
+def probe_host(host: str) -> str:
+    """The address to reach a server bound to `host` (a wildcard bind answers on loopback)."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+
+
+def base_url(host: str, port: int) -> str:
+    """http://host:port, with IPv6 literals bracketed."""
+    host = probe_host(host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+# --- templates ---------------------------------------------------------------
+
+
+def load_template(name: str, deploy_dir: Path = DEPLOY_DIR) -> Template:
+    """deploy/<name> from the source tree, else the copy embedded here."""
+    try:
+        return Template((deploy_dir / name).read_text())
+    except OSError:
+        return Template(_FALLBACKS[name])
+
+
+def render_plist(argv: list[str], env: Mapping[str, str], log: Path, deploy_dir: Path = DEPLOY_DIR) -> str:
+    """The launchd agent's plist."""
+    from xml.sax.saxutils import escape  # here, not at import: `mlxd serve` starts faster (~50 ms)
+
+    args = "\n".join(f"    <string>{escape(arg)}</string>" for arg in argv)
+    envs = "\n".join(
+        f"    <key>{escape(key)}</key>\n    <string>{escape(value)}</string>" for key, value in env.items()
+    )
+    return load_template("mlxd.plist.in", deploy_dir).substitute(
+        label=LABEL, program_arguments=args, environment=envs,
+        stop_timeout=STOP_TIMEOUT_S, log_file=escape(str(log)),
+    )
+
+
+def render_unit(argv: list[str], env: Mapping[str, str], log: Path, deploy_dir: Path = DEPLOY_DIR) -> str:
+    """The systemd user unit."""
+    envs = "\n".join(f"Environment={systemd_quote(f'{k}={v}', dollar=False)}" for k, v in env.items())
+    return load_template("mlxd.service.in", deploy_dir).substitute(
+        exec_start=" ".join(systemd_quote(arg) for arg in argv), environment=envs,
+        stop_timeout=STOP_TIMEOUT_S, log_file=str(log).replace("%", "%%"),
+    )
+
+
+_PLAIN = re.compile(r"[A-Za-z0-9_@%+=:,./-]+")
+_WORD = re.compile(r'"((?:[^"\\]|\\.)*)"|(\S+)')
+
+
+def systemd_quote(arg: str, *, dollar: bool = True) -> str:
+    """One ExecStart=/Environment= word: `%` specifiers and (in ExecStart) `$` escaped."""
+    arg = arg.replace("%", "%%")
+    if dollar:
+        arg = arg.replace("$", "$$")
+    if _PLAIN.fullmatch(arg):
+        return arg
+    return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def systemd_split(line: str, *, dollar: bool = True) -> list[str]:
+    """The inverse of `systemd_quote` over a line of words."""
+    words = []
+    for match in _WORD.finditer(line):
+        quoted, bare = match.groups()
+        word = re.sub(r"\\(.)", r"\1", quoted) if quoted is not None else bare
+        if dollar:
+            word = word.replace("$$", "$")
+        words.append(word.replace("%%", "%"))
+    return words
+
+
+def parse_unit(text: str) -> tuple[list[str], dict[str, str]]:
+    """The ExecStart argv and Environment of a unit written by `render_unit`."""
+    argv: list[str] = []
+    env: dict[str, str] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition("=")
+        if key == "ExecStart":
+            argv = systemd_split(value)
+        elif key == "Environment":
+            for word in systemd_split(value, dollar=False):
+                name, _, val = word.partition("=")
+                env[name] = val
+    return argv, env
+
+
+# --- pid file ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PidRecord:
+    """What `mlxd start` writes about the daemon it spawned."""
+
+    pid: int
+    host: str
+    port: int
+    started_at: float
+
+    @property
+    def url(self) -> str:
+        """Where the daemon answers."""
+        return base_url(self.host, self.port)
+
+
+def write_pid_file(path: Path, record: PidRecord) -> None:
+    """Write `record` atomically (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(asdict(record)) + "\n")
+    tmp.replace(path)
+
+
+def read_pid_file(path: Path) -> PidRecord | None:
+    """The record in `path`, or None when it is missing or unreadable (a stale leftover)."""
+    try:
+        data = json.loads(path.read_text())
+        return PidRecord(int(data["pid"]), str(data["host"]), int(data["port"]), float(data["started_at"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def new_record(pid: int, host: str, port: int) -> PidRecord:
+    """A record for a daemon spawned now."""
+    return PidRecord(pid=pid, host=host, port=port, started_at=time.time())
+
+
+def remove_pid_file(path: Path) -> None:
+    """Remove `path` if it is there."""
+    path.unlink(missing_ok=True)
+
+
+def log_tail(path: Path, num_lines: int = 20) -> str:
+    """The last lines of a log file, or a note that there is none."""
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return f"(no log at {path})"
+    return "\n".join(lines[-num_lines:]) or f"({path} is empty)"

@@ -1,0 +1,82 @@
+"""Prometheus metrics: requests, latency, time to first token, engine states and restarts."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from mlxd.protocol.http_errors import Handler
+from mlxd.supervisor.engine import EngineState
+from mlxd.supervisor.pool import Pool
+
+LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+MODEL_KEY = "mlxd.model"  # request key: the model id a handler routed to
+
+
+class Metrics:
+    """The supervisor's metrics, in their own registry (not the process-global default)."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "mlxd_requests", "HTTP requests by route, model and status.", ["route", "model", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "mlxd_request_duration_seconds", "Time from request to the end of the response.", ["route", "model"],
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "mlxd_time_to_first_token_seconds", "Time from request to the first streamed chunk.", ["model"],
+            buckets=TTFT_BUCKETS, registry=self.registry,
+        )
+        self.registry.register(PoolCollector(pool))
+
+    def render(self) -> bytes:
+        """The text exposition format."""
+        return generate_latest(self.registry)
+
+
+class PoolCollector(Collector):
+    """Engine states and restart counts, read from the pool at scrape time."""
+
+    def __init__(self, pool: Pool) -> None:
+        self._pool = pool
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        states = GaugeMetricFamily("mlxd_engine_state", "1 for each engine's current state.", labels=["model", "state"])
+        restarts = CounterMetricFamily("mlxd_engine_restarts", "Engine restarts after a crash.", labels=["model"])
+        for engine in self._pool.engines():
+            for state in EngineState:
+                states.add_metric([engine.model_id, state.value], 1.0 if engine.state is state else 0.0)
+            restarts.add_metric([engine.model_id], engine.num_restarts)
+        yield states
+        yield restarts
+
+
+def make_metrics_middleware(metrics: Metrics) -> Middleware:
+    """Count and time every request (outermost, so it sees error responses as sent)."""
+
+    @web.middleware
+    async def metrics_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        started = time.perf_counter()
+        status = "499"  # the client went away before an answer
+        try:
+            resp = await handler(request)
+            status = str(resp.status)
+            return resp
+        finally:
+            resource = request.match_info.route.resource
+            route = resource.canonical if resource is not None else "unmatched"
+            model = request.get(MODEL_KEY, "")
+            metrics.requests.labels(route, model, status).inc()
+            metrics.latency.labels(route, model).observe(time.perf_counter() - started)
+
+    return metrics_middleware

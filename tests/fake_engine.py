@@ -1,0 +1,66 @@
+"""A fake engine for supervisor tests: same command line and socket contract, misbehaves on cue.
+
+`MLXD_FAKE_MODE` picks the behaviour:
+  ok            serve canned SSE tokens (default)
+  boot_crash    exit 1 before binding the socket
+  hang          answer /health once ready, then block the event loop forever after the first request
+  exit_midway   stream 3 chunks, then exit 0 (a clean exit at the wrong time is still a crash)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+
+from aiohttp import web
+
+MODE = os.environ.get("MLXD_FAKE_MODE", "ok")
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ready", "model": request.app["model_id"]})
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    body = await request.json()
+    if MODE == "hang":
+        time.sleep(3600)  # block the loop: /health stops answering too
+    if not body.get("stream"):
+        return web.json_response({"object": "text_completion", "choices": [{"index": 0, "text": "fake", "finish_reason": "stop"}]})
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for i in range(int(body.get("max_tokens", 5))):
+        chunk = {"object": "text_completion", "choices": [{"index": 0, "text": f"t{i} ", "finish_reason": None}]}
+        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        if MODE == "exit_midway" and i == 2:
+            os._exit(0)
+        await asyncio.sleep(0.01)
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model")
+    p.add_argument("--model-id")
+    p.add_argument("--socket")
+    p.add_argument("--parent-pid", type=int)
+    p.add_argument("--max-context", type=int)
+    args = p.parse_args()
+    if MODE == "boot_crash":
+        print("ERROR fake: cannot start on cue", file=sys.stderr, flush=True)
+        sys.exit(1)
+    app = web.Application()
+    app["model_id"] = args.model_id
+    app.router.add_get("/health", health)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", completions)
+    web.run_app(app, path=args.socket, print=None, handle_signals=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Supervisor behaviour with a fake engine that crashes at boot, hangs, or exits mid-stream."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+from tests.support import SupervisorProcess
+
+FAST = {"MLXD_ENGINE_MODULE": "tests.fake_engine", "MLXD_ENGINE_BACKOFF_S": "0.05",
+        "MLXD_ENGINE_HEALTH_EVERY_S": "0.2", "MLXD_ENGINE_HEALTH_DEADLINE_S": "1"}
+
+
+def start(tmp_path: Path, mode: str) -> SupervisorProcess:
+    model = tmp_path / "fake-model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
+    env = {**FAST, "MLXD_FAKE_MODE": mode, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    return SupervisorProcess(f'[models.fake]\npath = "{model}"\n', tmp_path / "data", env=env).wait_up()
+
+
+def test_crash_at_boot_backs_off_then_marks_the_model_failed(tmp_path: Path) -> None:
+    sup = start(tmp_path, "boot_crash")
+    try:
+        codes = [sup.client.post("/v1/completions", json={"model": "fake", "prompt": "x"}).json()["error"]["code"]
+                 for _ in range(6)]
+        assert codes[:5] == ["model_load_failed"] * 5
+        assert codes[5] == "model_failed"
+        assert len(re.findall(r"engine pid \d+ starting", sup.log())) == 5
+        assert "cannot start on cue" in sup.client.post("/v1/completions", json={"model": "fake"}).json()["error"]["message"]
+    finally:
+        sup.stop()
+
+
+def test_hung_engine_is_killed_and_its_request_gets_a_clean_error(tmp_path: Path) -> None:
+    sup = start(tmp_path, "hang")
+    try:
+        started = time.monotonic()
+        resp = sup.client.post("/v1/completions", json={"model": "fake", "prompt": "x"})
+        assert resp.status_code == 502
+        assert resp.json()["error"]["code"] == "engine_crashed"
+        assert time.monotonic() - started < 10
+        assert "stopped answering its health check" in sup.log()
+    finally:
+        sup.stop()
+
+
+def test_engine_exiting_mid_stream_gives_an_sse_error_and_metrics_count_the_restart(tmp_path: Path) -> None:
+    sup = start(tmp_path, "exit_midway")
+    try:
+        with sup.client.stream("POST", "/v1/completions", json={"model": "fake", "stream": True, "max_tokens": 10}) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert len(lines) == 4
+        assert json.loads(lines[-1][6:])["error"]["code"] == "engine_crashed"
+        # The stream ends as the socket closes; the owner task reaps the exit a moment later.
+        deadline = time.monotonic() + 5
+        while 'mlxd_engine_restarts_total{model="fake"} 1.0' not in (metrics := sup.client.get("/metrics").text):
+            assert time.monotonic() < deadline, metrics
+            time.sleep(0.05)
+        assert 'mlxd_requests_total{model="fake",route="/v1/completions",status="200"} 1.0' in metrics
+        assert 'mlxd_time_to_first_token_seconds_count{model="fake"} 1.0' in metrics
+        assert 'mlxd_engine_state{model="fake",state="stopped"} 1.0' in metrics
+    finally:
+        sup.stop()
