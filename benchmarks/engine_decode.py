@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from common import logit_bias
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -87,7 +88,7 @@ class RawWorker:
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError("raw worker died")
-        return json.loads(line)  # type: ignore[no-any-return]
+        return json.loads(line)
 
     def run(self, prompt: str, max_tokens: int) -> dict[str, float]:
         assert self.proc.stdin is not None
@@ -158,19 +159,6 @@ class Engine:
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(10)
-
-
-def logit_bias(model: Path, ascii_only: bool) -> dict[str, float]:
-    """Bias EOS away (same length every run); for random models also every token that is not
-    plain ASCII, so each token shows up as text and is timed as it arrives."""
-    from mlx_lm.utils import load_tokenizer
-
-    tok = load_tokenizer(model)
-    banned = set(tok.eos_token_ids)
-    if ascii_only:
-        pieces = tok.convert_ids_to_tokens(list(range(len(tok))))
-        banned |= {i for i, p in enumerate(pieces) if not (p and p.isascii() and p.isprintable())}
-    return {str(i): -100.0 for i in sorted(banned)}
 
 
 def prepare_model(args: argparse.Namespace, work: Path) -> tuple[Path, str]:

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import aiohttp
 import psutil
+from common import logit_bias
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -218,19 +219,6 @@ async def measure_concurrent(sides: Sides, runs: int, streams: int, max_tokens: 
                     "tokens": sum(r["tokens"] for r in got),
                 })
     return rows
-
-
-def logit_bias(model: Path, ascii_only: bool) -> dict[str, float]:
-    """Bias EOS away (same length every run); for random models also every token that is not
-    plain ASCII, so each token shows up as text and is timed as it arrives."""
-    from mlx_lm.utils import load_tokenizer
-
-    tok = load_tokenizer(model)
-    banned = set(tok.eos_token_ids)
-    if ascii_only:
-        pieces = tok.convert_ids_to_tokens(list(range(len(tok))))
-        banned |= {i for i, p in enumerate(pieces) if not (p and p.isascii() and p.isprintable())}
-    return {str(i): -100.0 for i in sorted(banned)}
 
 
 def build_models(args: argparse.Namespace, work: Path) -> tuple[Path, Path, str]:

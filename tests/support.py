@@ -25,6 +25,17 @@ def private_socket_dir() -> Path:
     return path
 
 
+def terminate(proc: subprocess.Popen[bytes], grace_s: float) -> None:
+    """SIGTERM, then SIGKILL after `grace_s`; reap it either way."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def is_listening(path: Path) -> bool:
     """Whether a Unix socket accepts connections (httpx leaks a socket on a refused connect)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
@@ -70,13 +81,7 @@ class EngineProcess:
 
     def stop(self) -> int:
         """SIGTERM, then SIGKILL after 10 s; return the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, 10)
         self.client.close()
         self._log.close()
         return self.proc.returncode
@@ -122,9 +127,12 @@ def free_port() -> int:
 class SupervisorProcess:
     """A real `mlxd serve` on a free port, with a private runtime dir and data dir."""
 
-    def __init__(self, config_toml: str, data_dir: Path, *extra: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, config_toml: str, data_dir: Path, *extra: str, env: dict[str, str] | None = None,
+        runtime: Path | None = None,
+    ) -> None:
         self.port = free_port()
-        self.runtime = private_socket_dir()
+        self.runtime = runtime or private_socket_dir()
         self.config = data_dir / "config.toml"
         data_dir.mkdir(parents=True, exist_ok=True)
         self.config.write_text(config_toml)
@@ -154,13 +162,8 @@ class SupervisorProcess:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0)
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        """SIGTERM, then SIGKILL after 30 s; return the exit code."""
+        terminate(self.proc, 30)
         self.client.close()
         self._log.close()
         return self.proc.returncode

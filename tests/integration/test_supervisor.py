@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -182,9 +183,14 @@ def test_sigkill_of_the_supervisor_takes_engines_down_within_2s(tiny_model: Path
         assert time.monotonic() - killed < 2.0, "engine outlived the supervisor by 2 s"
         time.sleep(0.02)
     sup.stop()
-    again = SupervisorProcess(f'[models.tiny]\npath = "{tiny_model}"\n', tmp_path / "again")
-    again.runtime = sup.runtime  # not used by the process; the restart below uses its own dir
+    assert not list(sup.runtime.glob("e-*.sock"))  # the engine removed its own on the way out
+    stale = sup.runtime / "e-0123456789ab.sock"  # as a SIGKILLed engine would leave it
+    with socket.socket(socket.AF_UNIX) as dead:
+        dead.bind(str(stale))
+    again = SupervisorProcess(f'[models.tiny]\npath = "{tiny_model}"\n', tmp_path / "again", runtime=sup.runtime)
     again.wait_up()
+    assert "removed 1 stale engine socket" in again.log()
+    assert not stale.exists()
     assert again.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
     again.stop()
 

@@ -1,0 +1,18 @@
+"""Pieces the benchmark scripts share (run them as `python benchmarks/NAME.py`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def logit_bias(model: Path, ascii_only: bool) -> dict[str, float]:
+    """Bias EOS away (same length every run); for random models also every token that is not
+    plain ASCII, so each token shows up as text and is timed as it arrives."""
+    from mlx_lm.utils import load_tokenizer
+
+    tok = load_tokenizer(model)
+    banned = set(tok.eos_token_ids)
+    if ascii_only:
+        pieces = tok.convert_ids_to_tokens(list(range(len(tok))))
+        banned |= {i for i, p in enumerate(pieces) if not (p and p.isascii() and p.isprintable())}
+    return {str(i): -100.0 for i in sorted(banned)}
