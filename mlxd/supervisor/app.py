@@ -12,7 +12,7 @@ from mlxd.supervisor import routes
 from mlxd.supervisor.auth import Auth
 from mlxd.supervisor.config import Config
 from mlxd.supervisor.keys import AUTH, CONFIG, METRICS, POOL, REGISTRY
-from mlxd.supervisor.metrics import Metrics, make_metrics_middleware
+from mlxd.supervisor.metrics import LazyMetrics, make_metrics_middleware
 from mlxd.supervisor.pool import Pool
 from mlxd.supervisor.registry import Registry
 
@@ -21,7 +21,7 @@ OPEN_PATHS = frozenset({"/health"})
 
 def make_app(config: Config, registry: Registry, pool: Pool) -> web.Application:
     """The supervisor app; its cleanup context stops every engine."""
-    metrics = Metrics(pool)
+    metrics = LazyMetrics(pool)
     app = web.Application(
         client_max_size=config.server.max_body_bytes,
         middlewares=[make_metrics_middleware(metrics), make_error_middleware("supervisor"), auth_middleware],

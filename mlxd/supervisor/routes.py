@@ -40,7 +40,7 @@ async def inference(request: web.Request) -> web.StreamResponse:
     request[MODEL_KEY] = entry.id
     engine = pool.engine_for(entry.id, entry.path, entry.max_context)
     session = await engine.ensure_ready()
-    ttft = request.app[METRICS].ttft.labels(entry.id)
+    ttft = request.app[METRICS].get().ttft.labels(entry.id)
     return await forward(request, session, body, on_first_chunk=lambda: ttft.observe(time.perf_counter() - started))
 
 
@@ -62,7 +62,7 @@ async def list_models(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     """GET /metrics: Prometheus text format."""
-    return web.Response(body=request.app[METRICS].render(), content_type="text/plain", charset="utf-8")
+    return web.Response(body=request.app[METRICS].get().render(), content_type="text/plain", charset="utf-8")
 
 
 async def health(request: web.Request) -> web.Response:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -62,6 +64,8 @@ async def run(app: web.Application, host: str, port: int, started: float) -> int
         await runner.cleanup()
         return 1
     log.info("mlxd serving on http://%s:%d/v1 (up in %.0f ms)", host, port, (time.perf_counter() - started) * 1000)
+    # Warm what the first real request needs, off the start-up path (see metrics.py).
+    threading.Thread(target=importlib.import_module, args=("prometheus_client",), daemon=True).start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

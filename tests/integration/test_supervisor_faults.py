@@ -55,13 +55,17 @@ def test_engine_exiting_mid_stream_gives_an_sse_error_and_metrics_count_the_rest
             lines = [line for line in r.iter_lines() if line.startswith("data: ")]
         assert len(lines) == 4
         assert json.loads(lines[-1][6:])["error"]["code"] == "engine_crashed"
-        # The stream ends as the socket closes; the owner task reaps the exit a moment later.
+        # The stream ends as the socket closes; the owner task reaps the exit, and the
+        # middleware counts the request, a moment later.
+        expected = [
+            'mlxd_engine_restarts_total{model="fake"} 1.0',
+            'mlxd_requests_total{model="fake",route="/v1/completions",status="200"} 1.0',
+            'mlxd_time_to_first_token_seconds_count{model="fake"} 1.0',
+            'mlxd_engine_state{model="fake",state="stopped"} 1.0',
+        ]
         deadline = time.monotonic() + 5
-        while 'mlxd_engine_restarts_total{model="fake"} 1.0' not in (metrics := sup.client.get("/metrics").text):
+        while not all(line in (metrics := sup.client.get("/metrics").text) for line in expected):
             assert time.monotonic() < deadline, metrics
             time.sleep(0.05)
-        assert 'mlxd_requests_total{model="fake",route="/v1/completions",status="200"} 1.0' in metrics
-        assert 'mlxd_time_to_first_token_seconds_count{model="fake"} 1.0' in metrics
-        assert 'mlxd_engine_state{model="fake",state="stopped"} 1.0' in metrics
     finally:
         sup.stop()
