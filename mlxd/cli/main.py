@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from mlxd import __version__
+from mlxd import __version__, paths
 from mlxd.cli.import_cmds import import_default, import_gguf
 from mlxd.cli.service_cmds import service, start, status, stop
 from mlxd.paths import DEFAULT_MODEL_ID, ensure_private_dir, models_dir, runtime_dir
@@ -71,14 +71,7 @@ def serve(host: str | None, port: int | None, config_file: str | None, data_dir:
         check_bind(server.host, bool(server.api_keys or server.admin_keys), insecure_no_auth or server.insecure_no_auth)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
-    sys.exit(run_server(config, data_dir_path()))
-
-
-def data_dir_path() -> Path:
-    """The data dir in effect (after --data-dir)."""
-    from mlxd.paths import data_dir
-
-    return data_dir()
+    sys.exit(run_server(config, paths.data_dir()))  # sees --data-dir through MLXD_DATA_DIR
 
 
 @main.command("engine")

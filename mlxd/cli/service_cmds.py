@@ -308,11 +308,16 @@ _config_option = click.option(
 )
 
 
+
+def _serve_options(command: Callable[..., None]) -> Callable[..., None]:
+    """--host, --port, --config and --data-dir: how the daemon's `mlxd serve` is run."""
+    for option in (_data_dir_option, _config_option, _port_option, _host_option):
+        command = option(command)
+    return command
+
+
 @click.command("start")
-@_host_option
-@_port_option
-@_config_option
-@_data_dir_option
+@_serve_options
 def start(host: str | None, port: int | None, config_file: Path | None, data_dir: Path | None) -> None:
     """Run mlxd in the background (through the installed service if any); return once it answers."""
     opts = ServeOptions(host=host, port=port, config=config_file, data_dir=data_dir)
@@ -344,10 +349,7 @@ def service() -> None:
 
 
 @service.command("install")
-@_host_option
-@_port_option
-@_config_option
-@_data_dir_option
+@_serve_options
 def install(host: str | None, port: int | None, config_file: Path | None, data_dir: Path | None) -> None:
     """Write the launchd agent or systemd user unit, then enable and start it."""
     opts = ServeOptions(host=host, port=port, config=config_file, data_dir=data_dir)

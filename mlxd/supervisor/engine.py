@@ -91,7 +91,6 @@ class Engine:
         self.pid: int | None = None
         self.failure: str | None = None
         self.num_restarts = 0
-        self.started_at: float | None = None
         self._crashes: collections.deque[float] = collections.deque()
         self._owner: asyncio.Task[None] | None = None
         self._ready: asyncio.Future[None] | None = None
@@ -153,7 +152,7 @@ class Engine:
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
         )
-        self.pid, self.started_at = proc.pid, time.time()
+        self.pid = proc.pid
         assert proc.stdout is not None
         self._log_task = asyncio.create_task(self._relay_log(proc.stdout))
         log.info("[%s] engine pid %d starting", self.model_id, proc.pid)
@@ -246,12 +245,6 @@ class Engine:
         if self.session is not None:
             await self.session.close()
             self.session = None
-
-    def reset_failure(self) -> None:
-        """An admin load clears FAILED so the next request tries again."""
-        if self.state is EngineState.FAILED:
-            self.state, self.failure = EngineState.STOPPED, None
-            self._crashes.clear()
 
 
 async def _wait_code(proc: asyncio.subprocess.Process, timeout: float) -> int | None:
