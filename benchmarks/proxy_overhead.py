@@ -236,9 +236,13 @@ def build_models(args: argparse.Namespace, work: Path) -> tuple[Path, Path, str]
     return path, second, f"random llama {hidden}x{layers} (float32)"
 
 
-def measure_starts(n: int, config: Path, data_dir: Path, work: Path) -> tuple[list[float], list[float]]:
-    """Spawn -> first 200 on /health, and the idle supervisor's RSS right after."""
-    starts, rss = [], []
+def measure_starts(n: int, config: Path, data_dir: Path, work: Path) -> tuple[list[float], list[float], list[float]]:
+    """Spawn -> first 200 on /health, the idle supervisor's RSS right after, and a baseline.
+
+    The baseline, timed between the spawns, is `python -c "import aiohttp.web"`: the floor for
+    any aiohttp server on this machine at that moment.
+    """
+    starts, rss, floor = [], [], []
     for i in range(-1, n):  # one warm-up spawn: the page cache then holds what python imports
         sup = Supervisor(config, data_dir, private_dir(work / "rt-start"), work / "start.log")
         try:
@@ -248,7 +252,24 @@ def measure_starts(n: int, config: Path, data_dir: Path, work: Path) -> tuple[li
                 rss.append(rss_mb(sup.proc.pid))
         finally:
             sup.stop()
-    return starts, rss
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import aiohttp.web"], check=True)
+        if i >= 0:
+            floor.append(time.perf_counter() - t0)
+    return starts, rss, floor
+
+
+def pin(engine_pid: int, others: list[int]) -> str:
+    """The engine alone on the last CPU, the supervisor and this client on the rest (Linux)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cpus) < 2:
+        return "not pinned (needs Linux and 2+ CPUs)"
+    for task in psutil.Process(engine_pid).threads():  # its GPU thread and BLAS threads too
+        os.sched_setaffinity(task.id, {cpus[-1]})
+    for pid in others:
+        for task in psutil.Process(pid).threads():
+            os.sched_setaffinity(task.id, set(cpus[:-1]))
+    return f"engine on CPU {cpus[-1]}, supervisor and client on CPU {cpus[0]}-{cpus[-2]}"
 
 
 def rss_mb(pid: int) -> float:
@@ -291,6 +312,9 @@ async def bench_engine(sup: Supervisor, args: argparse.Namespace, bias: dict[str
     if not engine_socket.exists():
         raise RuntimeError(f"no engine socket at {engine_socket}")
     sup.note_children()
+    if args.pin:
+        (engine_pid,) = [c.pid for c in psutil.Process(sup.proc.pid).children() if c.is_running()]
+        print("pinning:", pin(engine_pid, [sup.proc.pid, os.getpid()]))
     sides = Sides(sup, engine_socket)
     me = psutil.Process(sup.proc.pid)
     try:
@@ -314,6 +338,8 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=8, help="concurrent streams per round")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--starts", type=int, default=5, help="supervisor cold starts to time")
+    p.add_argument("--pin", action="store_true",
+                   help="give the engine a CPU of its own, as on a machine with more cores than 2 (Linux)")
     p.add_argument("--json", type=Path, help="also write the summary here")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="mxp-", dir="/tmp") as tmp:
@@ -324,7 +350,7 @@ def main() -> None:
         config.write_text(f'[models.{BENCH_ID}]\npath = "{model}"\n\n[models.{SECOND_ID}]\npath = "{second}"\n')
         data_dir = private_dir(work / "data")
 
-        starts, idle_rss = measure_starts(args.starts, config, data_dir, work)
+        starts, idle_rss, floor = measure_starts(args.starts, config, data_dir, work)
 
         sup = Supervisor(config, data_dir, private_dir(work / "rt"), work / "serve.log")
         try:
@@ -348,6 +374,8 @@ def main() -> None:
         "start_to_health_ms": statistics.median(starts) * 1000,
         "start_to_health_min_ms": min(starts) * 1000,
         "start_to_health_max_ms": max(starts) * 1000,
+        "baseline_import_aiohttp_ms": statistics.median(floor) * 1000,
+        "start_vs_baseline_ratio": statistics.median(starts) / statistics.median(floor),
         "supervisor_idle_rss_mb": statistics.median(idle_rss),
         "supervisor_rss_mb": supervisor_rss,
         "engines_loaded": float(len(engines)),
@@ -381,7 +409,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"model": model_name, "runs": args.runs, "max_tokens": args.max_tokens,
                                          "streams": args.streams, **summary,
-                                         "rows": {"single": single, "concurrent": conc, "starts_s": starts}}, indent=2))
+                                         "rows": {"single": single, "concurrent": conc, "starts_s": starts, "baseline_s": floor}}, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,95 +1,51 @@
-"""The `mlxd` command."""
+"""The `mlxd` command.
+
+Subcommands are imported only when run: `mlxd serve` is on the supervisor's start-up path, and
+each import it skips is start-up time saved.
+"""
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
+import importlib
 
 import click
 
-from mlxd import __version__, paths
-from mlxd.cli.import_cmds import import_default, import_gguf
-from mlxd.cli.service_cmds import service, start, status, stop
-from mlxd.paths import DEFAULT_MODEL_ID, ensure_private_dir, models_dir, runtime_dir
+from mlxd import __version__
+
+# name -> "module:attribute", in the order `mlxd --help` lists them.
+COMMANDS = {
+    "serve": "mlxd.cli.serve_cmds:serve",
+    "start": "mlxd.cli.service_cmds:start",
+    "stop": "mlxd.cli.service_cmds:stop",
+    "status": "mlxd.cli.service_cmds:status",
+    "service": "mlxd.cli.service_cmds:service",
+    "import-default": "mlxd.cli.import_cmds:import_default",
+    "import-gguf": "mlxd.cli.import_cmds:import_gguf",
+    "engine": "mlxd.cli.serve_cmds:engine",
+}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class LazyGroup(click.Group):
+    """A click group that imports a subcommand's module only when that subcommand is used."""
+
+    def __init__(self, *args: object, lazy: dict[str, str], **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.lazy = lazy
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return [*self.lazy, *sorted(set(super().list_commands(ctx)) - set(self.lazy))]
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        target = self.lazy.get(cmd_name)
+        if target is None:
+            return super().get_command(ctx, cmd_name)
+        module, attr = target.split(":")
+        command = getattr(importlib.import_module(module), attr)
+        assert isinstance(command, click.Command), target
+        return command
+
+
+@click.group(cls=LazyGroup, lazy=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="mlxd")
 def main() -> None:
     """mlxd: a local LLM inference daemon on MLX."""
-
-
-main.add_command(import_gguf)
-main.add_command(import_default)
-main.add_command(start)
-main.add_command(stop)
-main.add_command(status)
-main.add_command(service)
-
-
-def resolve_model(model: str) -> tuple[Path, str]:
-    """A model dir and its id, from a path or an id in mlxd's models dir."""
-    as_path = Path(model).expanduser()
-    if as_path.is_dir():
-        return as_path.resolve(), as_path.name
-    candidate = models_dir() / model
-    if candidate.is_dir():
-        return candidate, model
-    known = sorted(p.name for p in models_dir().glob("*") if (p / "config.json").is_file())
-    hint = f" Known models: {', '.join(known)}." if known else " Run `mlxd import-default` first."
-    raise click.ClickException(f"No model {model!r}: not a dir and not in {models_dir()}.{hint}")
-
-
-@main.command("serve")
-@click.option("--host", help="address to listen on (default 127.0.0.1)")
-@click.option("--port", type=click.IntRange(1, 65535), help="TCP port (default 8800)")
-@click.option("--config", "config_file", help="TOML config file (default: $MLXD_CONFIG, else the platform config dir)")
-@click.option("--data-dir", type=click.Path(path_type=Path), help="models, caches and logs (default: $MLXD_DATA_DIR, else the platform data dir)")
-@click.option("--insecure-no-auth", is_flag=True, help="allow a non-loopback bind with no API keys")
-def serve(host: str | None, port: int | None, config_file: str | None, data_dir: Path | None, insecure_no_auth: bool) -> None:
-    """Run the mlxd supervisor in the foreground: OpenAI API on TCP, one engine per model."""
-    import logging
-
-    from mlxd.supervisor.auth import check_bind
-    from mlxd.supervisor.config import (
-        ConfigError,
-        apply_overrides,
-        config_path,
-        is_explicit_config,
-        load_config,
-    )
-    from mlxd.supervisor.server import serve as run_server
-
-    if data_dir is not None:
-        os.environ["MLXD_DATA_DIR"] = str(data_dir.expanduser().resolve())
-    logging.basicConfig(level=os.environ.get("MLXD_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        path = config_path(config_file)
-        config = apply_overrides(load_config(path, explicit=is_explicit_config(config_file)), host=host, port=port)
-        server = config.server
-        check_bind(server.host, bool(server.api_keys or server.admin_keys), insecure_no_auth or server.insecure_no_auth)
-    except ConfigError as exc:
-        raise click.ClickException(str(exc)) from None
-    sys.exit(run_server(config, paths.data_dir()))  # sees --data-dir through MLXD_DATA_DIR
-
-
-@main.command("engine")
-@click.argument("model", default=DEFAULT_MODEL_ID)
-@click.option("--socket", "socket_path", type=click.Path(path_type=Path), help="Unix socket (default: in mlxd's runtime dir)")
-@click.option("--max-context", type=click.IntRange(min=1), help="cap the context window (tokens)")
-def engine(model: str, socket_path: Path | None, max_context: int | None) -> None:
-    """Serve one MODEL (an id in the models dir, or a path) on a Unix socket, in the foreground."""
-    model_dir, model_id = resolve_model(model)
-    if socket_path is None:
-        socket_path = ensure_private_dir(runtime_dir()) / f"{model_id[:60]}.sock"
-    click.echo(f"mlxd engine: serving {model_id} on {socket_path}", err=True)
-    click.echo(
-        f"  try: curl --unix-socket {socket_path} http://mlxd/v1/chat/completions "
-        f"-d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}]}}'",
-        err=True,
-    )
-    argv = [sys.executable, "-m", "mlxd.engine", "--model", str(model_dir), "--model-id", model_id, "--socket", str(socket_path)]
-    if max_context:
-        argv += ["--max-context", str(max_context)]
-    os.execv(sys.executable, argv)

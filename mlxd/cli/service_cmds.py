@@ -19,6 +19,7 @@ import click
 import psutil
 
 from mlxd.cli import service as svc
+from mlxd.cli.options import data_dir_option, serve_options
 from mlxd.cli.service import PidRecord, ServeOptions
 from mlxd.cli.service_managers import (
     Backend,
@@ -31,9 +32,6 @@ from mlxd.cli.service_managers import (
 )
 
 EXIT_DOWN = 3  # `mlxd status` when nothing answers, like `systemctl status`
-
-
-
 
 
 def resolve_data_dir(opts: ServeOptions) -> Path:
@@ -296,28 +294,8 @@ def uninstall_service(system: System) -> list[str]:
 
 # --- click commands --------------------------------------------------------------
 
-_data_dir_option = click.option(
-    "--data-dir", type=click.Path(path_type=Path),
-    help="models, caches, logs and the pid file (default: $MLXD_DATA_DIR, else the platform data dir)",
-)
-_host_option = click.option("--host", help="address to listen on (default 127.0.0.1)")
-_port_option = click.option("--port", type=click.IntRange(1, 65535), help="TCP port (default 8800)")
-_config_option = click.option(
-    "--config", "config_file", type=click.Path(path_type=Path),
-    help="TOML config file (default: $MLXD_CONFIG, else the platform config dir)",
-)
-
-
-
-def _serve_options(command: Callable[..., None]) -> Callable[..., None]:
-    """--host, --port, --config and --data-dir: how the daemon's `mlxd serve` is run."""
-    for option in (_data_dir_option, _config_option, _port_option, _host_option):
-        command = option(command)
-    return command
-
-
 @click.command("start")
-@_serve_options
+@serve_options
 def start(host: str | None, port: int | None, config_file: Path | None, data_dir: Path | None) -> None:
     """Run mlxd in the background (through the installed service if any); return once it answers."""
     opts = ServeOptions(host=host, port=port, config=config_file, data_dir=data_dir)
@@ -325,7 +303,7 @@ def start(host: str | None, port: int | None, config_file: Path | None, data_dir
 
 
 @click.command("stop")
-@_data_dir_option
+@data_dir_option
 def stop(data_dir: Path | None) -> None:
     """Stop the background mlxd (exit 0 with "not running" when none runs)."""
     stopped = stop_daemon(current_system(), resolve_data_dir(ServeOptions(data_dir=data_dir)))
@@ -334,7 +312,7 @@ def stop(data_dir: Path | None) -> None:
 
 @click.command("status")
 @click.option("--json", "as_json", is_flag=True, help="print a JSON object")
-@_data_dir_option
+@data_dir_option
 def status(as_json: bool, data_dir: Path | None) -> None:
     """Whether mlxd is up: URL, version, loaded engines, pid. Exit 0 when up, 3 when down."""
     info = daemon_status(current_system(), resolve_data_dir(ServeOptions(data_dir=data_dir)))
@@ -349,7 +327,7 @@ def service() -> None:
 
 
 @service.command("install")
-@_serve_options
+@serve_options
 def install(host: str | None, port: int | None, config_file: Path | None, data_dir: Path | None) -> None:
     """Write the launchd agent or systemd user unit, then enable and start it."""
     opts = ServeOptions(host=host, port=port, config=config_file, data_dir=data_dir)
