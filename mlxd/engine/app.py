@@ -2,31 +2,41 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
 import mlx.core as mx
+import msgspec
 import psutil
 from aiohttp import web
 
 from mlxd.engine import openai_routes as routes
+from mlxd.engine.admission import Admission, DrainRequest, LeaseRequest
 from mlxd.engine.gateway import Gateway
-from mlxd.engine.keys import GATEWAY, SETTINGS, STATS
+from mlxd.engine.keys import ADMISSION, GATEWAY, SETTINGS, STATS
 from mlxd.engine.settings import EngineSettings
 from mlxd.engine.stats import Stats
 from mlxd.protocol import openai as oa
 from mlxd.protocol.http_errors import make_error_middleware
+
+# A lease holder that vanished is noticed at the next heartbeat write, if not sooner.
+LEASE_HEARTBEAT_S = 1.0
 
 
 def make_app(settings: EngineSettings, gateway: Gateway, stats: Stats) -> web.Application:
     """The engine app; its cleanup context owns the GPU thread."""
     app = web.Application(client_max_size=settings.max_body, middlewares=[make_error_middleware("engine")])
     app[SETTINGS], app[GATEWAY], app[STATS] = settings, gateway, stats
+    app[ADMISSION] = Admission(gateway.abort_open, stats)
     app.router.add_post("/v1/chat/completions", routes.chat_completions)
     app.router.add_post("/v1/completions", routes.completions)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/admin/stats", admin_stats)
+    app.router.add_post("/admin/drain", admin_drain)
+    app.router.add_post("/admin/lease", admin_lease)
     app.cleanup_ctx.append(gateway_ctx)
     return app
 
@@ -46,9 +56,11 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """GET /health: `loading` until the model is loaded, then `ready`."""
+    """GET /health: `loading` until the model is loaded, then `ready`; `draining` during (and after) a drain."""
     gateway = request.app[GATEWAY]
     status = "ready" if gateway.loaded is not None else "failed" if gateway.load_error else "loading"
+    if status != "failed" and request.app[ADMISSION].is_draining:
+        status = "draining"
     body = {"status": status, "model": request.app[SETTINGS].model_id}
     return web.json_response(body, status=503 if status == "failed" else 200)
 
@@ -67,6 +79,7 @@ async def admin_stats(request: web.Request) -> web.Response:
             "total": s.num_requests, "active": s.num_active, "completed": s.num_completed,
             "cancelled": s.num_cancelled, "failed": s.num_failed,
         },
+        "admission": request.app[ADMISSION].snapshot(),
         "tokens": {"prompt": s.prompt_tokens, "cached": s.cached_tokens, "completion": s.completion_tokens},
         "last": {
             "finish_reason": s.last_finish_reason, "completion_tokens": s.last_completion_tokens,
@@ -80,3 +93,29 @@ async def admin_stats(request: web.Request) -> web.Response:
         },
     }
     return web.json_response(body)
+
+
+async def admin_drain(request: web.Request) -> web.Response:
+    """POST /admin/drain: refuse new requests, let those in flight finish (abort them at the timeout)."""
+    req = await routes.decode_body(request, DrainRequest, DrainRequest())
+    result = await request.app[ADMISSION].drain(req.timeout_s, req.resume)
+    return routes.json_response(result)
+
+
+async def admin_lease(request: web.Request) -> web.StreamResponse:
+    """POST /admin/lease: hold the exclusive lease while this NDJSON stream stays open."""
+    req = await routes.decode_body(request, LeaseRequest, LeaseRequest())
+    async with request.app[ADMISSION].lease(req.holder, req.wait_s) as token:
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        await resp.write(_ndjson({"status": "held", "token": token, "holder": req.holder}))
+        # Ends when the holder disconnects: aiohttp cancels this handler, or a write fails.
+        with contextlib.suppress(ConnectionResetError):
+            while True:
+                await asyncio.sleep(LEASE_HEARTBEAT_S)
+                await resp.write(_ndjson({"status": "held"}))
+    return resp
+
+
+def _ndjson(obj: object) -> bytes:
+    return msgspec.json.encode(obj) + b"\n"

@@ -75,10 +75,16 @@ class Gateway:
         if self._is_stopping:
             return
         self._is_stopping = True
-        for ticket in list(self._open):
-            if not ticket.is_finished:
-                ticket.abort(STOPPING)
+        self.abort_open(STOPPING)
         self._inbox.put(_Stop())
+
+    def abort_open(self, event: Failed) -> int:
+        """Loop thread: end every request still waiting on its ticket with `event`; keep serving."""
+        # A cancelled ticket's handler has left (client gone) or was already answered.
+        waiting = [t for t in list(self._open) if not t.is_finished and not t.is_cancelled]
+        for ticket in waiting:
+            ticket.abort(event)
+        return len(waiting)
 
     def _run(self) -> None:
         try:

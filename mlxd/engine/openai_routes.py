@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
 
+from mlxd.engine.admission import Slot
 from mlxd.engine.job import Job, SamplingParams
-from mlxd.engine.keys import GATEWAY
+from mlxd.engine.keys import ADMISSION, GATEWAY
 from mlxd.engine.loaded_model import LoadedModel
 from mlxd.engine.sse import SSEWriter
 from mlxd.engine.ticket import Ticket
@@ -26,9 +28,11 @@ _decoders: dict[type, msgspec.json.Decoder[Any]] = {}
 LEGACY_COMPLETION_MAX_TOKENS = 16
 
 
-async def decode_body(request: web.Request, kind: type[T]) -> T:
-    """Read and decode a JSON body into `kind`; 400 naming the field on failure."""
+async def decode_body(request: web.Request, kind: type[T], empty: T | None = None) -> T:
+    """Read and decode a JSON body into `kind` (`empty` for no body, if given); 400 naming the field on failure."""
     body = await request.read()
+    if empty is not None and not body.strip():
+        return empty
     decoder = _decoders.setdefault(kind, msgspec.json.Decoder(kind))
     try:
         return decoder.decode(body)
@@ -91,11 +95,12 @@ def sampling_params(req: oa.SamplingFields, loaded: LoadedModel) -> SamplingPara
     )
 
 
-def submit(request: web.Request, prompt: list[int], max_tokens: int, req: oa.SamplingFields) -> Ticket:
+def submit(request: web.Request, slot: Slot, prompt: list[int], max_tokens: int, req: oa.SamplingFields) -> Ticket:
     """Hand a job to the GPU thread; return the handler's ticket for it."""
     loaded = ready_model(request)
     ticket = Ticket(asyncio.get_running_loop())
     job = Job(prompt, max_tokens, sampling_params(req, loaded), oa.stop_list(req.stop), ticket)
+    slot.enter_gpu()
     request.app[GATEWAY].submit(job)
     return ticket
 
@@ -123,7 +128,22 @@ async def collect(ticket: Ticket) -> tuple[str, Done]:
     raise APIError(500, "generation ended without a result", type="server_error")
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
+AdmittedHandler = Callable[[web.Request, Slot], Awaitable[web.StreamResponse]]
+
+
+def admitted(handler: AdmittedHandler) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """Run an inference handler inside an admission slot (held until the response, stream included, ends)."""
+
+    @functools.wraps(handler)
+    async def wrapper(request: web.Request) -> web.StreamResponse:
+        with request.app[ADMISSION].admit(request.headers) as slot:
+            return await handler(request, slot)
+
+    return wrapper
+
+
+@admitted
+async def chat_completions(request: web.Request, slot: Slot) -> web.StreamResponse:
     """POST /v1/chat/completions."""
     req = await decode_body(request, oa.ChatCompletionRequest)
     oa.check_chat(req)
@@ -134,7 +154,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise APIError(400, "The chat template produced an empty prompt.", param="messages")
     budget = req.max_completion_tokens or req.max_tokens
     max_tokens = resolve_max_tokens(budget, len(prompt), loaded.context_window, None)
-    ticket = submit(request, prompt, max_tokens, req)
+    ticket = submit(request, slot, prompt, max_tokens, req)
     meta = ("chatcmpl-" + uuid.uuid4().hex, int(time.time()), loaded.model_id)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     with cancel_on_exit(ticket):
@@ -145,7 +165,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return json_response(oa.ChatCompletion(*meta, choices=[choice], usage=usage_of(done)))
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
+@admitted
+async def completions(request: web.Request, slot: Slot) -> web.StreamResponse:
     """POST /v1/completions (a raw prompt, no chat template)."""
     req = await decode_body(request, oa.CompletionRequest)
     oa.check_completion(req)
@@ -154,7 +175,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if not prompt:
         raise APIError(400, "The prompt is empty.", param="prompt")
     max_tokens = resolve_max_tokens(req.max_tokens, len(prompt), loaded.context_window, LEGACY_COMPLETION_MAX_TOKENS)
-    ticket = submit(request, prompt, max_tokens, req)
+    ticket = submit(request, slot, prompt, max_tokens, req)
     meta = ("cmpl-" + uuid.uuid4().hex, int(time.time()), loaded.model_id)
     echo = loaded.decode(prompt) if req.echo else ""
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

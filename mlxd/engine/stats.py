@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 @dataclass(slots=True)
 class Stats:
     started_at: float = field(default_factory=time.time)
-    # Each counter has one writer: requests/prompt_tokens the loop, the rest the GPU thread.
+    # Each counter has one writer: requests/prompt_tokens/rejected_* the loop, the rest the GPU thread.
     num_requests: int = 0
+    num_rejected_draining: int = 0
+    num_rejected_leased: int = 0
     num_completed: int = 0
     num_cancelled: int = 0
     num_failed: int = 0

@@ -9,9 +9,11 @@ from aiohttp import web
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.http_errors import Handler, make_error_middleware
 from mlxd.supervisor import routes
+from mlxd.supervisor.admin_routes import setup_admin_routes
 from mlxd.supervisor.auth import Auth
 from mlxd.supervisor.config import Config
-from mlxd.supervisor.keys import AUTH, CONFIG, METRICS, POOL, REGISTRY
+from mlxd.supervisor.keys import AUTH, CONFIG, LEASES, METRICS, POOL, REGISTRY
+from mlxd.supervisor.leases import Leases
 from mlxd.supervisor.metrics import LazyMetrics, make_metrics_middleware
 from mlxd.supervisor.pool import Pool
 from mlxd.supervisor.registry import Registry
@@ -27,12 +29,14 @@ def make_app(config: Config, registry: Registry, pool: Pool) -> web.Application:
         middlewares=[make_metrics_middleware(metrics), make_error_middleware("supervisor"), auth_middleware],
     )
     app[CONFIG], app[REGISTRY], app[POOL], app[METRICS] = config, registry, pool, metrics
+    app[LEASES] = Leases(pool)
     app[AUTH] = Auth(config.server.api_keys, config.server.admin_keys)
     app.router.add_post("/v1/chat/completions", routes.inference)
     app.router.add_post("/v1/completions", routes.inference)
     app.router.add_get("/v1/models", routes.list_models)
     app.router.add_get("/health", routes.health)
     app.router.add_get("/metrics", routes.metrics)
+    setup_admin_routes(app)
     app.cleanup_ctx.append(engines_ctx)
     return app
 
@@ -40,6 +44,7 @@ def make_app(config: Config, registry: Registry, pool: Pool) -> web.Application:
 async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
     """Engines live while the app does: all are stopped (gracefully, then killed) at shutdown."""
     yield
+    app[LEASES].end_all()
     await app[POOL].stop_all()
 
 

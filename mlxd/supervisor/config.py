@@ -16,6 +16,7 @@ import msgspec
 MIB = 1024 * 1024
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Key = Annotated[str, msgspec.Meta(min_length=1)]
+TTL = Annotated[int, msgspec.Meta(ge=-1)]  # seconds idle before unloading; 0: at once; -1: never
 
 
 class ConfigError(Exception):
@@ -39,16 +40,30 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     path: Annotated[str, msgspec.Meta(min_length=1)]
     pin: bool = False
     max_context: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    idle_ttl_s: TTL | None = None  # None: [pool] idle_ttl_s
 
     def resolved_path(self) -> Path:
         """`path` with `~` expanded."""
         return Path(self.path).expanduser()
 
 
+class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The `[pool]` table: how many engines live at once, and how requests wait for them."""
+
+    max_loaded: Annotated[int, msgspec.Meta(ge=1)] | None = None  # None: as many as fit the budget
+    memory_budget_gb: Annotated[float, msgspec.Meta(gt=0)] | None = None  # None: memory_fraction of RAM
+    memory_fraction: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.75
+    idle_ttl_s: TTL = 1800
+    max_queue: Annotated[int, msgspec.Meta(ge=1)] = 256
+    queue_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
+    drain_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The whole config file."""
 
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    pool: PoolConfig = msgspec.field(default_factory=PoolConfig)
     models: dict[str, ModelConfig] = msgspec.field(default_factory=dict)
 
 

@@ -17,9 +17,10 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -75,6 +76,15 @@ def socket_path(runtime_dir: Path, model_id: str) -> Path:
     return runtime_dir / f"e-{hashlib.sha256(model_id.encode()).hexdigest()[:12]}.sock"
 
 
+@dataclass
+class _Drain:
+    """Owner command: drain the engine, then serve again (`resume`) or stop it."""
+
+    timeout_s: float
+    resume: bool
+    done: asyncio.Future[dict[str, Any] | None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
 class Engine:
     """The engine child for one model, and an aiohttp session bound to its socket."""
 
@@ -88,8 +98,12 @@ class Engine:
         self.socket = socket_path(runtime_dir, model_id)
         self.max_context = max_context
         self.state = EngineState.STOPPED
+        self.on_change: Callable[[], None] = lambda: None  # after every state change (the pool replans)
+        self.ready_since: float | None = None  # wall time it last became READY
+        self._commands: asyncio.Queue[_Drain] = asyncio.Queue()
         self.pid: int | None = None
         self.failure: str | None = None
+        self.boot_error: APIError | None = None  # the last failed start, as its waiters are told
         self.num_restarts = 0
         self._crashes: collections.deque[float] = collections.deque()
         self._owner: asyncio.Task[None] | None = None
@@ -104,14 +118,53 @@ class Engine:
         if self.state is EngineState.FAILED:
             raise APIError(503, f"Model {self.model_id} failed: {self.failure}", type="server_error",
                            code="model_failed")
-        if self._owner is None or self._owner.done():
-            self._stop_requested = False
-            self._ready = asyncio.get_running_loop().create_future()
-            self._owner = asyncio.create_task(self._own(), name=f"engine:{self.model_id}")
+        self.start()
         assert self._ready is not None
         await asyncio.shield(self._ready)
         assert self.session is not None
         return self.session
+
+    def start(self) -> None:
+        """Start the owner task unless it runs (it waits out the restart backoff first)."""
+        if self.state is EngineState.FAILED or (self._owner is not None and not self._owner.done()):
+            return
+        self._stop_requested = False
+        self._ready = asyncio.get_running_loop().create_future()
+        self._ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # read by ensure_ready, maybe never
+        self._commands = asyncio.Queue()
+        self._set(EngineState.STARTING)
+        self._owner = asyncio.create_task(self._own(), name=f"engine:{self.model_id}")
+
+    def reset(self) -> None:
+        """Forget a FAILED state and past crashes: an admin load tries again."""
+        if self.state is EngineState.FAILED:
+            self.failure = self.boot_error = None
+            self._crashes.clear()
+            self._set(EngineState.STOPPED)
+
+    async def drain(self, timeout_s: float) -> dict[str, Any] | None:
+        """Drain a READY engine and let it serve again; the engine's report, None if not running."""
+        return await self._command(_Drain(timeout_s, resume=True))
+
+    async def retire(self, timeout_s: float) -> dict[str, Any] | None:
+        """Drain, then stop (SIGTERM, SIGKILL after the grace period); the drain report."""
+        report = await self._command(_Drain(timeout_s, resume=False))
+        if self._owner is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(self._owner)
+        return report
+
+    async def _command(self, command: _Drain) -> dict[str, Any] | None:
+        if self._owner is None or self._owner.done():
+            return None
+        self._commands.put_nowait(command)
+        return await asyncio.shield(command.done)
+
+    def _set(self, state: EngineState) -> None:
+        self.state = state
+        if state is EngineState.READY:
+            self.ready_since = time.time()
+        self.on_change()
 
     async def stop(self) -> None:
         """SIGTERM, then SIGKILL after the grace period; wait for the owner task to finish."""
@@ -125,24 +178,26 @@ class Engine:
         proc: asyncio.subprocess.Process | None = None
         try:
             await asyncio.sleep(backoff_s(self._num_recent_crashes(), self.options.backoff_base_s))
-            self.state = EngineState.STARTING
             proc = await self._spawn()
             await self._boot(proc)
-            self.state = EngineState.READY
+            self._set(EngineState.READY)
             self._resolve_ready(None)
             code = await self._watch(proc)
-            self._on_exit(code)
+            if code is not None:
+                self._on_exit(code)
         except asyncio.CancelledError:
-            self.state = EngineState.STOPPING
+            self._set(EngineState.STOPPING)
             if proc is not None:
                 await kill_engine(proc, self.options.grace_s)
-            self.state = EngineState.STOPPED
-            self._resolve_ready(APIError(503, "The engine is stopping.", type="server_error", code="engine_stopping"))
+            self._set(EngineState.STOPPED)
         except APIError as err:
             self._resolve_ready(err)
         finally:
+            self._resolve_ready(APIError(503, "The engine is stopping.", type="server_error", code="engine_stopping"))
+            self._finish_commands()
             await self._close_session()
             self.pid = None
+            self.on_change()
 
     async def _spawn(self) -> asyncio.subprocess.Process:
         argv = [sys.executable, "-m", self.options.module, "--model", str(self.model_dir), "--model-id", self.model_id,
@@ -182,12 +237,14 @@ class Engine:
         self._crashes.append(time.monotonic())
         reason = self._boot_failure(code)
         if code in NO_RETRY or self._num_recent_crashes() >= MAX_CRASHES:
-            self.state, self.failure = EngineState.FAILED, reason
+            self.failure = reason
+            self._set(EngineState.FAILED)
         else:
-            self.state = EngineState.STOPPED
+            self._set(EngineState.STOPPED)
         log.error("[%s] engine failed to start: %s", self.model_id, reason)
-        raise APIError(503, f"Model {self.model_id} could not be loaded: {reason}", type="server_error",
-                       code="model_load_failed", headers={"Retry-After": "1"})
+        self.boot_error = APIError(503, f"Model {self.model_id} could not be loaded: {reason}", type="server_error",
+                                   code="model_load_failed", headers={"Retry-After": "1"})
+        raise self.boot_error
 
     def _boot_failure(self, code: int | None) -> str:
         last = next((line for line in reversed(self._log_tail) if "ERROR" in line), None)
@@ -202,13 +259,23 @@ class Engine:
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
             return None
 
-    async def _watch(self, proc: asyncio.subprocess.Process) -> int:
-        """Wait for the engine to exit; kill it if `/health` stops answering for 30 s."""
+    async def _watch(self, proc: asyncio.subprocess.Process) -> int | None:
+        """Run drain commands until the engine exits (its code) or is retired (None).
+
+        An engine whose `/health` stops answering for 30 s is killed as hung.
+        """
         last_ok = time.monotonic()
         while True:
-            code = await _wait_code(proc, self.options.health_every_s)
-            if code is not None:
-                return code
+            command = await self._next_command(proc)
+            if proc.returncode is not None:
+                if command is not None:
+                    self._commands.put_nowait(command)  # answered as the owner ends
+                return proc.returncode
+            if command is not None:
+                if await self._run_drain(proc, command):
+                    return None
+                last_ok = time.monotonic()
+                continue
             if await self._health() is not None:
                 last_ok = time.monotonic()
             elif time.monotonic() - last_ok > self.options.health_deadline_s:
@@ -217,16 +284,63 @@ class Engine:
                     proc.send_signal(signal.SIGABRT)
                 return await _wait_code(proc, 2.0) or await kill_engine(proc, 0.0)
 
+    async def _next_command(self, proc: asyncio.subprocess.Process) -> _Drain | None:
+        """The next command, or None once the engine exits or a health check is due."""
+        get = asyncio.ensure_future(self._commands.get())
+        exited = asyncio.ensure_future(proc.wait())
+        await asyncio.wait({get, exited}, timeout=self.options.health_every_s, return_when=asyncio.FIRST_COMPLETED)
+        exited.cancel()
+        if get.done():
+            return get.result()
+        get.cancel()
+        return None
+
+    async def _run_drain(self, proc: asyncio.subprocess.Process, command: _Drain) -> bool:
+        """DRAINING, POST /admin/drain; then READY again, or stopped (True)."""
+        self._set(EngineState.DRAINING)
+        report = await self._post_drain(command.timeout_s, command.resume)
+        if command.resume and proc.returncode is None:
+            self._set(EngineState.READY)
+            command.done.set_result(report)
+            return False
+        self._set(EngineState.STOPPING)
+        await kill_engine(proc, self.options.grace_s)
+        self._set(EngineState.STOPPED)
+        command.done.set_result(report)
+        return True
+
+    async def _post_drain(self, timeout_s: float, resume: bool) -> dict[str, Any] | None:
+        """The engine's drain report; None when it has no drain endpoint or does not answer."""
+        assert self.session is not None
+        body = {"timeout_s": timeout_s, "resume": resume}
+        try:
+            async with self.session.post("http://engine/admin/drain", json=body,
+                                         timeout=aiohttp.ClientTimeout(total=timeout_s + 10)) as resp:
+                if resp.status != 200:
+                    log.warning("[%s] drain answered HTTP %d", self.model_id, resp.status)
+                    return None
+                report: dict[str, Any] = await resp.json()
+                return report
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
+            log.warning("[%s] drain failed: %s", self.model_id, exc or type(exc).__name__)
+            return None
+
+    def _finish_commands(self) -> None:
+        while not self._commands.empty():
+            command = self._commands.get_nowait()
+            if not command.done.done():
+                command.done.set_result(None)
+
     def _on_exit(self, code: int) -> None:
         self._crashes.append(time.monotonic())
         self.num_restarts += 1
         tail = " | ".join(list(self._log_tail)[-5:])
         log.error("[%s] engine exited with %s; last lines: %s", self.model_id, code, tail)
         if self._num_recent_crashes() >= MAX_CRASHES:
-            self.state = EngineState.FAILED
             self.failure = f"crashed {MAX_CRASHES} times within {CRASH_WINDOW_S:.0f} s (last exit code {code})"
+            self._set(EngineState.FAILED)
         else:
-            self.state = EngineState.STOPPED
+            self._set(EngineState.STOPPED)
 
     def _num_recent_crashes(self) -> int:
         now = time.monotonic()

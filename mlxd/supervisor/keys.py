@@ -6,12 +6,14 @@ from aiohttp import web
 
 from mlxd.supervisor.auth import Auth
 from mlxd.supervisor.config import Config
+from mlxd.supervisor.leases import Leases
 from mlxd.supervisor.metrics import LazyMetrics
 from mlxd.supervisor.pool import Pool
 from mlxd.supervisor.registry import Registry
 
 AUTH = web.AppKey("auth", Auth)
 CONFIG = web.AppKey("config", Config)
+LEASES = web.AppKey("leases", Leases)
 METRICS = web.AppKey("metrics", LazyMetrics)
 POOL = web.AppKey("pool", Pool)
 REGISTRY = web.AppKey("registry", Registry)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import aiohttp
 import msgspec
@@ -15,18 +15,23 @@ CRASHED = "The model's engine stopped unexpectedly; it is being restarted. Try a
 _UPSTREAM_ERRORS = (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError)
 
 
+class EngineBusy(Exception):
+    """The engine turned the request away before starting it (draining or leased): queue it again."""
+
+
 def crashed_error() -> APIError:
     """What a request in flight on a dying engine gets."""
     return APIError(502, CRASHED, type="server_error", code="engine_crashed", headers={"Retry-After": "1"})
 
 
 async def forward(
-    request: web.Request, session: aiohttp.ClientSession, body: bytes, on_first_chunk: Callable[[], None] = lambda: None
+    request: web.Request, session: aiohttp.ClientSession, body: bytes, headers: Mapping[str, str],
+    on_first_chunk: Callable[[], None] = lambda: None,
 ) -> web.StreamResponse:
     """POST `body` to the same path on the engine; relay its answer chunk by chunk."""
     try:
         upstream = await session.post(
-            "http://engine" + request.path_qs, data=body, headers={"Content-Type": "application/json"}
+            "http://engine" + request.path_qs, data=body, headers={"Content-Type": "application/json", **headers}
         )
     except _UPSTREAM_ERRORS:
         raise crashed_error() from None
@@ -42,8 +47,19 @@ async def relay_whole(upstream: aiohttp.ClientResponse) -> web.Response:
         data = await upstream.read()
     except _UPSTREAM_ERRORS:
         raise crashed_error() from None
+    if upstream.status == 503 and is_busy(data):
+        raise EngineBusy
     headers = {k: v for k, v in upstream.headers.items() if k.lower() == "retry-after"}
     return web.Response(status=upstream.status, body=data, content_type=upstream.content_type, headers=headers)
+
+
+def is_busy(data: bytes) -> bool:
+    """An engine's 503 `draining` or `leased`: nothing ran, so the request can wait and retry."""
+    try:
+        code = msgspec.json.decode(data).get("error", {}).get("code")
+    except (msgspec.DecodeError, AttributeError):
+        return False
+    return code in ("draining", "leased")
 
 
 async def relay_stream(

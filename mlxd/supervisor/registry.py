@@ -28,6 +28,7 @@ class ModelEntry(msgspec.Struct, frozen=True, kw_only=True):
     size_bytes: int
     pin: bool = False
     max_context: int | None = None
+    idle_ttl_s: int | None = None  # None: the pool's default
     is_available: bool = True  # False: a config entry whose path is not an MLX model dir
 
 
@@ -130,6 +131,7 @@ def config_entries(models: Mapping[str, ModelConfig]) -> list[ModelEntry]:
                 size_bytes=dir_size(path) if is_available else 0,
                 pin=model.pin,
                 max_context=model.max_context,
+                idle_ttl_s=model.idle_ttl_s,
                 is_available=is_available,
             )
         )

@@ -8,10 +8,13 @@ import msgspec
 from aiohttp import web
 
 from mlxd import __version__
-from mlxd.protocol.errors import from_decode_error
+from mlxd.protocol.errors import APIError, from_decode_error
 from mlxd.supervisor.keys import METRICS, POOL, REGISTRY
 from mlxd.supervisor.metrics import MODEL_KEY
-from mlxd.supervisor.proxy import forward
+from mlxd.supervisor.proxy import EngineBusy, forward
+
+LEASE_HEADER = "X-MLXD-Lease"  # a lease holder's requests pass its lease
+MAX_REQUEUES = 3
 
 
 class ModelField(msgspec.Struct):
@@ -38,10 +41,21 @@ async def inference(request: web.Request) -> web.StreamResponse:
     pool = request.app[POOL]
     entry = request.app[REGISTRY].resolve(requested_model(body), pool.loaded_ids())
     request[MODEL_KEY] = entry.id
-    engine = pool.engine_for(entry.id, entry.path, entry.max_context)
-    session = await engine.ensure_ready()
     ttft = request.app[METRICS].get().ttft.labels(entry.id)
-    return await forward(request, session, body, on_first_chunk=lambda: ttft.observe(time.perf_counter() - started))
+    lease_id = request.headers.get(LEASE_HEADER)
+    for _ in range(MAX_REQUEUES):
+        async with pool.use(entry, lease_id) as slot:
+            assert slot.engine.session is not None
+            headers = {LEASE_HEADER: slot.engine_lease_token} if lease_id and slot.engine_lease_token else {}
+            try:
+                return await forward(
+                    request, slot.engine.session, body, headers,
+                    on_first_chunk=lambda: ttft.observe(time.perf_counter() - started),
+                )
+            except EngineBusy:
+                continue  # raced a drain or lease at the engine: wait in the queue again
+    raise APIError(503, f"Model {entry.id} stayed busy; try again.", type="server_error", code="engine_busy",
+                   headers={"Retry-After": "1"})
 
 
 async def list_models(request: web.Request) -> web.Response:

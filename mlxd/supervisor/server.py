@@ -51,7 +51,7 @@ def serve(config: Config, data_dir: Path) -> int:
     if stale := remove_stale_sockets(runtime):
         log.info("removed %d stale engine socket(s) in %s", len(stale), runtime)
     registry = Registry(config.models, models_dir=models_dir(data_dir))
-    app = make_app(config, registry, Pool(runtime, EngineOptions.from_env()))
+    app = make_app(config, registry, Pool(runtime, EngineOptions.from_env(), config.pool))
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         return runner.run(run(app, config.server.host, config.server.port, started))
 

@@ -1,0 +1,265 @@
+"""The model pool with real supervisors and real engines: swaps, drain, unload, leases, TTL."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.support import SupervisorProcess, httpx
+
+LONG_STREAM = {"prompt": "Once upon a time", "max_tokens": 400, "stream": True, "logit_bias": {"2": -100}}
+
+
+def two_models(a: Path, b: Path, pool: str = "max_loaded = 1") -> str:
+    return f'[pool]\n{pool}\n\n[models.a]\npath = "{a}"\n\n[models.b]\npath = "{b}"\n'
+
+
+@pytest.fixture
+def swapping(tiny_model: Path, tiny_model_b: Path, tmp_path: Path) -> Iterator[SupervisorProcess]:
+    sup = SupervisorProcess(two_models(tiny_model, tiny_model_b), tmp_path).wait_up()
+    yield sup
+    sup.stop()
+
+
+@pytest.fixture(scope="module")
+def one_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SupervisorProcess]:
+    sup = SupervisorProcess(f'[models.a]\npath = "{tiny_model}"\n', tmp_path_factory.mktemp("one")).wait_up()
+    yield sup
+    sup.stop()
+
+
+def complete(sup: SupervisorProcess, model: str, max_tokens: int = 3, **headers: str) -> httpx.Response:
+    return sup.client.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": max_tokens},
+                           headers=headers)
+
+
+def engines(sup: SupervisorProcess) -> dict[str, dict]:
+    body = sup.client.get("/admin/engines").json()
+    return {e["model"]: e for e in body["data"]} | {"_": body}
+
+
+def engine_stats(sup: SupervisorProcess, model: str) -> dict:
+    """The engine's own /admin/stats, straight over its socket."""
+    from mlxd.supervisor.engine import socket_path
+
+    transport = httpx.HTTPTransport(uds=str(socket_path(sup.runtime, model)))
+    with httpx.Client(transport=transport, base_url="http://engine") as client:
+        return client.get("/admin/stats").json()
+
+
+def test_alternating_models_with_one_slot_all_succeed_and_swap_in_batches(swapping: SupervisorProcess) -> None:
+    sup = swapping
+    order = ["a", "b"] * 12  # 24 requests, 8 at a time: the queue holds runs of each model
+
+    def ask(model: str) -> int:
+        return complete(sup, model).status_code
+
+    with ThreadPoolExecutor(8) as pool:
+        statuses = list(pool.map(ask, order))
+    assert statuses == [200] * len(order)
+    info = engines(sup)
+    live = [m for m in ("a", "b") if info[m]["state"] != "stopped"]
+    assert len(live) == 1, info  # never both at once
+    swaps = info["_"]["evictions"]
+    assert 1 <= swaps < len(order) - 1, f"{swaps} swaps for {len(order)} alternating requests"
+    assert "making room for" in sup.log()
+
+
+def test_a_busy_engine_is_not_evicted_mid_stream(swapping: SupervisorProcess) -> None:
+    sup = swapping
+    chunks: list[str] = []
+
+    def stream_a() -> None:
+        with sup.client.stream("POST", "/v1/completions", json={"model": "a", **LONG_STREAM}) as resp:
+            chunks.extend(line for line in resp.iter_lines() if line.startswith("data: "))
+
+    reader = threading.Thread(target=stream_a)
+    reader.start()
+    deadline = time.monotonic() + 60
+    while engines(sup).get("a", {}).get("in_flight") != 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert complete(sup, "b").status_code == 200  # waits for a's stream, then swaps
+    reader.join(60)
+    assert chunks[-1] == "data: [DONE]" and len(chunks) > 100
+    assert not any('"error"' in c for c in chunks)
+
+
+def test_drain_lets_streams_finish_and_nothing_reaches_the_draining_engine(tiny_model: Path, tmp_path: Path) -> None:
+    sup = SupervisorProcess(f'[models.a]\npath = "{tiny_model}"\n', tmp_path).wait_up()
+    try:
+        assert complete(sup, "a").status_code == 200
+        results: list[list[str]] = []
+
+        def stream() -> None:
+            with sup.client.stream("POST", "/v1/completions", json={"model": "a", **LONG_STREAM}) as resp:
+                results.append([line for line in resp.iter_lines() if line.startswith("data: ")])
+
+        readers = [threading.Thread(target=stream) for _ in range(2)]
+        for r in readers:
+            r.start()
+        time.sleep(0.3)
+        during: list[int] = []
+        extra = threading.Thread(target=lambda: during.append(complete(sup, "a").status_code))
+        drained = sup.client.post("/admin/drain", json={"model": "a"})
+        extra.start()
+        for r in readers:
+            r.join(60)
+        extra.join(60)
+        assert drained.status_code == 200
+        report = drained.json()["drained"]
+        assert report[0]["model"] == "a" and report[0]["cancelled"] == 0
+        assert all(lines[-1] == "data: [DONE]" for lines in results) and len(results) == 2
+        assert during == [200]  # queued during the drain, served after it
+        stats = engine_stats(sup, "a")
+        assert stats["admission"]["rejected_draining"] == 0, "the supervisor sent work to a draining engine"
+        assert engines(sup)["a"]["state"] == "ready"
+    finally:
+        sup.stop()
+
+
+def test_unload_of_a_pinned_model_is_refused_unless_forced(tiny_model: Path, tmp_path: Path) -> None:
+    sup = SupervisorProcess(f'[models.a]\npath = "{tiny_model}"\n', tmp_path).wait_up()
+    try:
+        loaded = sup.client.post("/admin/load", json={"model": "a", "pin": True})
+        assert loaded.status_code == 200 and loaded.json()["pinned"] is True
+        refused = sup.client.post("/admin/unload", json={"model": "a"})
+        assert refused.status_code == 409 and refused.json()["error"]["code"] == "model_pinned"
+        assert engines(sup)["a"]["state"] == "ready"
+        forced = sup.client.post("/admin/unload", json={"model": "a", "force": True})
+        assert forced.status_code == 200 and forced.json()["was_loaded"] is True
+        assert forced.json()["state"] == "stopped" and forced.json()["drain"]["drained"] is True
+        assert engines(sup)["a"]["state"] == "stopped"
+    finally:
+        sup.stop()
+
+
+def test_lease_blocks_others_and_ends_on_delete_and_on_expiry(tiny_model: Path, tmp_path: Path) -> None:
+    sup = SupervisorProcess(f'[models.a]\npath = "{tiny_model}"\n', tmp_path).wait_up()
+    try:
+        lease = sup.client.post("/admin/leases", json={"model": "a", "ttl_s": 60, "holder": "bench"}).json()
+        assert lease["state"] == "held" and lease["model"] == "a"
+        assert complete(sup, "a", **{"X-MLXD-Lease": lease["id"]}).status_code == 200  # the holder runs
+        blocked: list[int] = []
+        waiter = threading.Thread(target=lambda: blocked.append(complete(sup, "a").status_code))
+        waiter.start()
+        waiter.join(1.0)
+        assert waiter.is_alive(), "a request ran while the model was leased"
+        assert sup.client.delete(f"/admin/leases/{lease['id']}").json() == {"id": lease["id"], "deleted": True}
+        waiter.join(30)
+        assert blocked == [200]
+        listed = {x["id"]: x for x in sup.client.get("/admin/leases").json()["data"]}
+        assert listed[lease["id"]]["state"] == "ended" and listed[lease["id"]]["ended_reason"] == "released"
+
+        short = sup.client.post("/admin/leases", json={"model": "a", "ttl_s": 1}).json()
+        started = time.monotonic()
+        assert complete(sup, "a").status_code == 200  # waits out the lease
+        assert time.monotonic() - started >= 0.5
+        listed = {x["id"]: x for x in sup.client.get("/admin/leases").json()["data"]}
+        assert listed[short["id"]]["ended_reason"] == "expired"
+        assert sup.client.delete(f"/admin/leases/{short['id']}").status_code == 404
+    finally:
+        sup.stop()
+
+
+def test_engine_crash_ends_its_lease(tiny_model: Path, tmp_path: Path) -> None:
+    sup = SupervisorProcess(f'[models.a]\npath = "{tiny_model}"\n', tmp_path).wait_up()
+    try:
+        lease = sup.client.post("/admin/leases", json={"model": "a", "ttl_s": 60}).json()
+        psutil.Process(engines(sup)["a"]["pid"]).kill()
+        deadline = time.monotonic() + 10
+        state = None
+        while time.monotonic() < deadline:
+            listed = {x["id"]: x for x in sup.client.get("/admin/leases").json()["data"]}
+            if (state := listed[lease["id"]]["state"]) == "ended":
+                break
+            time.sleep(0.1)
+        assert state == "ended" and listed[lease["id"]]["ended_reason"] == "engine_crashed"
+        assert complete(sup, "a").status_code == 200  # a fresh engine serves again
+    finally:
+        sup.stop()
+
+
+def test_machine_lease_stops_every_engine_and_blocks_loads(tiny_model: Path, tiny_model_b: Path, tmp_path: Path) -> None:
+    sup = SupervisorProcess(two_models(tiny_model, tiny_model_b, pool=""), tmp_path).wait_up()
+    try:
+        assert complete(sup, "a").status_code == 200 and complete(sup, "b").status_code == 200
+        pids = [engines(sup)[m]["pid"] for m in ("a", "b")]
+        lease = sup.client.post("/admin/leases", json={"model": None, "ttl_s": 60, "holder": "finetune"})
+        assert lease.status_code == 200 and lease.json()["model"] is None
+        info = engines(sup)
+        assert info["a"]["state"] == info["b"]["state"] == "stopped" and info["_"]["machine_leased"] is True
+        assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+        loads: list[int] = []
+        loader = threading.Thread(target=lambda: loads.append(sup.client.post("/admin/load", json={"model": "a"}).status_code))
+        loader.start()
+        loader.join(1.0)
+        assert loader.is_alive() and engines(sup)["a"]["state"] == "stopped"
+        sup.client.delete(f"/admin/leases/{lease.json()['id']}")
+        loader.join(60)
+        assert loads == [200] and engines(sup)["a"]["state"] == "ready"
+    finally:
+        sup.stop()
+
+
+def test_idle_ttl_zero_unloads_right_after_the_request(tiny_model: Path, tmp_path: Path) -> None:
+    sup = SupervisorProcess(f'[models.a]\npath = "{tiny_model}"\nidle_ttl_s = 0\n', tmp_path).wait_up()
+    try:
+        assert complete(sup, "a").status_code == 200
+        deadline = time.monotonic() + 10
+        while engines(sup)["a"]["state"] != "stopped" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engines(sup)["a"]["state"] == "stopped"
+        assert "unloaded (idle)" in sup.log()
+    finally:
+        sup.stop()
+
+
+def test_queue_timeout_and_budget_rejection(tiny_model: Path, tmp_path: Path) -> None:
+    config = f'[pool]\nqueue_timeout_s = 0.5\n\n[models.a]\npath = "{tiny_model}"\n\n[models.big]\npath = "{tiny_model}"\nmax_context = 100000000\n'
+    sup = SupervisorProcess(config, tmp_path).wait_up()
+    try:
+        too_big = complete(sup, "big")
+        assert too_big.status_code == 400 and too_big.json()["error"]["code"] == "model_too_large"
+        taken = sup.client.post("/admin/leases", json={"model": "a", "ttl_s": 30})
+        assert taken.status_code == 200, taken.text
+        lease = taken.json()
+        timed_out = complete(sup, "a")
+        assert timed_out.status_code == 503 and timed_out.json()["error"]["code"] == "queue_timeout"
+        assert timed_out.headers["Retry-After"]
+        sup.client.delete(f"/admin/leases/{lease['id']}")
+    finally:
+        sup.stop()
+
+
+@pytest.mark.parametrize(("method", "path", "body", "status"), [
+    ("POST", "/admin/load", b"{", 400),
+    ("POST", "/admin/load", b'{"model": 5}', 400),
+    ("POST", "/admin/load", b'{"model": "nope"}', 404),
+    ("POST", "/admin/unload", b'{"model": "a", "extra": 1}', 400),
+    ("POST", "/admin/drain", b"[]", 400),
+    ("POST", "/admin/leases", b'{"model": "a", "ttl_s": -1}', 400),
+    ("POST", "/admin/leases/lease_nope/renew", b"", 404),
+    ("DELETE", "/admin/leases/lease_nope", b"", 404),
+])
+def test_admin_bad_input_gets_openai_errors(
+    one_model: SupervisorProcess, method: str, path: str, body: bytes, status: int,
+) -> None:
+    resp = one_model.client.request(method, path, content=body)
+    assert resp.status_code == status
+    assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_admin_routes_need_an_admin_key(tiny_model: Path, tmp_path: Path) -> None:
+    config = f'[server]\napi_keys = ["user"]\nadmin_keys = ["root"]\n\n[models.a]\npath = "{tiny_model}"\n'
+    sup = SupervisorProcess(config, tmp_path).wait_up()
+    try:
+        assert sup.client.get("/admin/engines", headers={"Authorization": "Bearer user"}).status_code == 401
+        assert sup.client.get("/admin/engines", headers={"Authorization": "Bearer root"}).status_code == 200
+    finally:
+        sup.stop()
