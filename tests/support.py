@@ -138,7 +138,8 @@ class SupervisorProcess:
         self.config.write_text(config_toml)
         self.log_path = data_dir / "supervisor.log"
         self._log = self.log_path.open("wb")
-        env = engine_env(MLXD_RUNTIME_DIR=str(self.runtime), **(env or {}))
+        # No spare engine unless a test asks: its imports would cost every test ~2 s of CPU.
+        env = engine_env(MLXD_RUNTIME_DIR=str(self.runtime), **{"MLXD_SPARE_ENGINE": "0", **(env or {})})
         argv = [sys.executable, "-m", "mlxd", "serve", "--port", str(self.port), "--config", str(self.config),
                 "--data-dir", str(data_dir), *extra]
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)

@@ -1,13 +1,35 @@
-"""`python -m mlxd.engine --model DIR --model-id ID --socket PATH`: one model on a Unix socket."""
+"""`python -m mlxd.engine --model DIR --model-id ID --socket PATH`: one model on a Unix socket.
+
+`python -m mlxd.engine --spare` imports everything, then reads that command line (a JSON list)
+from stdin: the supervisor keeps one such spare so a model starts by loading only.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
 
 from mlxd.engine import blas
 from mlxd.engine.parent_watch import set_death_signal
+from mlxd.protocol.exit_codes import ExitCode
+
+SPARE_FLAG = "--spare"
+SPARE_READY = "spare engine: imports done"
+
+
+def wait_for_assignment() -> list[str]:
+    """A spare engine's command line, as one JSON list on stdin; exit when the parent goes first."""
+    print(SPARE_READY, flush=True)  # the supervisor now knows a start costs only the load
+    line = sys.stdin.readline()
+    try:
+        argv = json.loads(line) if line else None
+    except ValueError:
+        argv = None
+    if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+        os._exit(ExitCode.PARENT_GONE if not line else ExitCode.ENGINE_BOOT_ERROR)
+    return argv
 
 
 def main() -> None:
@@ -20,7 +42,10 @@ def main() -> None:
     from mlxd.engine.server import serve  # after the re-exec: this imports mlx
     from mlxd.engine.settings import parse_args
 
-    settings = parse_args(sys.argv[1:])
+    argv = sys.argv[1:]
+    if argv == [SPARE_FLAG]:  # a spare: imports are done; wait for the model to serve
+        argv = wait_for_assignment()
+    settings = parse_args(argv)
     logging.basicConfig(
         level=os.environ.get("MLXD_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -80,7 +80,8 @@ def engine_info(pool: Pool, slot: Slot, lease: Lease | None) -> dict[str, Any]:
         "in_flight": slot.in_flight, "queued": pool.num_queued(slot.entry.id),
         "last_used": slot.last_used_wall, "pinned": slot.pinned, "restarts": engine.num_restarts,
         "idle_ttl_s": slot.idle_ttl_s, "expires_in_s": pool.next_expiry(slot),
-        "closing": slot.closing, "failure": engine.failure,
+        "closing": slot.closing, "failure": engine.failure, "boot": engine.boot_timings or None,
+        "last_stop": slot.last_stop,
         "lease": {"id": lease.id, "holder": lease.holder, "expires_at": lease.expires_at} if lease else None,
     }
 
@@ -92,7 +93,8 @@ async def engines(request: web.Request) -> web.Response:
     return web.json_response({
         "object": "list", "budget_bytes": pool.limits.budget_bytes, "used_bytes": pool.used_bytes(),
         "max_loaded": pool.limits.max_loaded, "machine_leased": pool.machine_leased,
-        "evictions": pool.num_evictions, "data": data,
+        "evictions": pool.num_evictions, "spare": {"pid": pool.spare.pid, "warm": pool.spare.is_warm},
+        "data": data,
     })
 
 

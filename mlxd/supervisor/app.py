@@ -43,6 +43,7 @@ def make_app(config: Config, registry: Registry, pool: Pool) -> web.Application:
 
 async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
     """Engines live while the app does: all are stopped (gracefully, then killed) at shutdown."""
+    app[POOL].start_spare()
     yield
     app[LEASES].end_all()
     await app[POOL].stop_all()

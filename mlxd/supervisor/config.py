@@ -57,6 +57,7 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_queue: Annotated[int, msgspec.Meta(ge=1)] = 256
     queue_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
     drain_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    spare_engine: bool = True  # keep one engine process with its imports done ($MLXD_SPARE_ENGINE=0: off)
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

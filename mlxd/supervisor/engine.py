@@ -26,6 +26,7 @@ import aiohttp
 
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.exit_codes import ExitCode
+from mlxd.supervisor.spare import Spare
 
 log = logging.getLogger("mlxd.supervisor")
 MAX_CRASHES = 5
@@ -54,6 +55,7 @@ class EngineOptions:
             backoff_base_s=float(env.get("MLXD_ENGINE_BACKOFF_S", cls.backoff_base_s)),
         )
 _TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ")
+BOOT_POLL_S = 0.01  # /health polls while an engine starts (a swap waits on this)
 NO_RETRY = {ExitCode.ENGINE_BOOT_ERROR, ExitCode.MODEL_LOAD_ERROR, 2}
 
 
@@ -104,6 +106,10 @@ class Engine:
         self.pid: int | None = None
         self.failure: str | None = None
         self.boot_error: APIError | None = None  # the last failed start, as its waiters are told
+        self.spare: Spare | None = None  # the pool's pre-started engine process, if it keeps one
+        self.boot_timings: dict[str, float] = {}  # spawn_ms (until it answers), load_ms (until ready)
+        self.stop_timings: dict[str, float] = {}  # drain_ms, stop_ms (SIGTERM to exit) of the last retire
+        self._spawned_at = 0.0
         self.num_restarts = 0
         self._crashes: collections.deque[float] = collections.deque()
         self._owner: asyncio.Task[None] | None = None
@@ -200,17 +206,24 @@ class Engine:
             self.on_change()
 
     async def _spawn(self) -> asyncio.subprocess.Process:
-        argv = [sys.executable, "-m", self.options.module, "--model", str(self.model_dir), "--model-id", self.model_id,
-                "--socket", str(self.socket), "--parent-pid", str(os.getpid())]
+        """A spare process given this model, else a new one."""
+        self.boot_timings = {}
+        self._spawned_at = time.perf_counter()
+        args = ["--model", str(self.model_dir), "--model-id", self.model_id, "--socket", str(self.socket),
+                "--parent-pid", str(os.getpid())]
         if self.max_context:
-            argv += ["--max-context", str(self.max_context)]
-        proc = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
-        )
+            args += ["--max-context", str(self.max_context)]
+        proc = await self.spare.take(args) if self.spare is not None else None
+        how = "from the spare" if proc is not None else "spawned"
+        if proc is None:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", self.options.module, *args,
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+            )
         self.pid = proc.pid
         assert proc.stdout is not None
         self._log_task = asyncio.create_task(self._relay_log(proc.stdout))
-        log.info("[%s] engine pid %d starting", self.model_id, proc.pid)
+        log.info("[%s] engine pid %d starting (%s)", self.model_id, proc.pid, how)
         return proc
 
     async def _relay_log(self, stream: asyncio.StreamReader) -> None:
@@ -228,9 +241,13 @@ class Engine:
         while time.monotonic() < deadline:
             if proc.returncode is not None:
                 break
-            if await self._health() == "ready":
+            status = await self._health()
+            if status is not None and "spawn_ms" not in self.boot_timings:
+                self.boot_timings["spawn_ms"] = self._ms_since_spawn()  # answering: imports done
+            if status == "ready":
+                self.boot_timings["load_ms"] = self._ms_since_spawn() - self.boot_timings["spawn_ms"]
                 return
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(BOOT_POLL_S)
         code = await _wait_code(proc, 1.0)
         if code is None:
             await kill_engine(proc, 0.5)
@@ -245,6 +262,9 @@ class Engine:
         self.boot_error = APIError(503, f"Model {self.model_id} could not be loaded: {reason}", type="server_error",
                                    code="model_load_failed", headers={"Retry-After": "1"})
         raise self.boot_error
+
+    def _ms_since_spawn(self) -> float:
+        return round((time.perf_counter() - self._spawned_at) * 1000, 1)
 
     def _boot_failure(self, code: int | None) -> str:
         last = next((line for line in reversed(self._log_tail) if "ERROR" in line), None)
@@ -298,13 +318,17 @@ class Engine:
     async def _run_drain(self, proc: asyncio.subprocess.Process, command: _Drain) -> bool:
         """DRAINING, POST /admin/drain; then READY again, or stopped (True)."""
         self._set(EngineState.DRAINING)
+        started = time.perf_counter()
         report = await self._post_drain(command.timeout_s, command.resume)
+        drained = time.perf_counter()
         if command.resume and proc.returncode is None:
             self._set(EngineState.READY)
             command.done.set_result(report)
             return False
         self._set(EngineState.STOPPING)
+        await self._close_session()  # no idle keep-alive connection for its shutdown to wait on
         await kill_engine(proc, self.options.grace_s)
+        self.stop_timings = {"drain_ms": _ms(drained - started), "stop_ms": _ms(time.perf_counter() - drained)}
         self._set(EngineState.STOPPED)
         command.done.set_result(report)
         return True
@@ -359,6 +383,10 @@ class Engine:
         if self.session is not None:
             await self.session.close()
             self.session = None
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 1)
 
 
 async def _wait_code(proc: asyncio.subprocess.Process, timeout: float) -> int | None:

@@ -11,8 +11,9 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,9 +24,11 @@ from mlxd.supervisor.config import PoolConfig
 from mlxd.supervisor.engine import Engine, EngineOptions, EngineState
 from mlxd.supervisor.footprint import default_budget_bytes, estimate_bytes
 from mlxd.supervisor.registry import ModelEntry
+from mlxd.supervisor.spare import Spare
 
 log = logging.getLogger("mlxd.supervisor")
 LIVE_STATES = (EngineState.STARTING, EngineState.READY)
+SPARE_AFTER_QUIET_S = 1.0  # no request or start for this long before a spare engine is made
 
 
 @dataclass(eq=False)
@@ -43,6 +46,7 @@ class Slot:
     closing: str | None = None  # why it admits nothing new
     retiring: asyncio.Task[None] | None = None
     last_drain: dict[str, Any] | None = None  # the engine's report from its last retirement
+    last_stop: dict[str, Any] | None = None  # its reason and timings (drain_ms, stop_ms)
     lease_id: str | None = None  # a model lease holds it
     engine_lease_token: str | None = None  # the engine's own lease, sent along with the holder's requests
     on_lease_lost: Callable[[str], None] | None = None
@@ -86,6 +90,8 @@ class Pool:
         self._machine_leased = False
         self._machine_free = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._spare_timer: asyncio.TimerHandle | None = None
+        self.spare = Spare(self._options.module, self.config.spare_engine and spare_allowed(self._options))
         self.num_evictions = 0  # engines stopped to make room for another model
 
     # --- requests -------------------------------------------------------------------------
@@ -140,6 +146,7 @@ class Pool:
         slot = self._slots.get(entry.id)
         if slot is None:
             engine = Engine(entry.id, entry.path, self._runtime_dir, entry.max_context, self._options)
+            engine.spare = self.spare
             memory = estimate_bytes(entry.path, entry.size_bytes, entry.max_context)
             ttl = entry.idle_ttl_s if entry.idle_ttl_s is not None else self.config.idle_ttl_s
             slot = Slot(engine, entry, memory, ttl, entry.pin)
@@ -259,6 +266,26 @@ class Pool:
         if self._machine_leased and not any(s.engine.state.value in policy.LIVE for s in self._slots.values()):
             self._machine_free.set()
         self._arm_timer(policy.next_deadline(self._view()))
+        self._arm_spare()
+
+    def _arm_spare(self) -> None:
+        """Refill the spare once the pool has been quiet a moment: its imports would slow work."""
+        if not self._is_quiet():
+            if self._spare_timer is not None:
+                self._spare_timer.cancel()
+                self._spare_timer = None
+        elif self._spare_timer is None:
+            self._spare_timer = asyncio.get_running_loop().call_later(SPARE_AFTER_QUIET_S, self._refill_spare)
+
+    def _refill_spare(self) -> None:
+        self._spare_timer = None
+        if self._is_quiet():
+            self.spare.refill()
+
+    def _is_quiet(self) -> bool:
+        """Nothing queued, in flight or starting."""
+        busy = (s.in_flight or s.engine.state is EngineState.STARTING for s in self._slots.values())
+        return not self._queue and not any(busy)
 
     def _apply(self, action: policy.Action, waiters: dict[int, Waiter]) -> None:
         match action:
@@ -310,7 +337,9 @@ class Pool:
         started = time.perf_counter()
         try:
             slot.last_drain = await slot.engine.retire(self.config.drain_timeout_s)
-            log.info("[%s] unloaded (%s) in %.0f ms", slot.entry.id, slot.closing, (time.perf_counter() - started) * 1000)
+            took_ms = round((time.perf_counter() - started) * 1000, 1)
+            slot.last_stop = {"reason": slot.closing, "ms": took_ms, **slot.engine.stop_timings}
+            log.info("[%s] unloaded (%s) in %.0f ms", slot.entry.id, slot.closing, took_ms)
         finally:
             slot.closing, slot.retiring = None, None
             self._schedule_replan()
@@ -353,12 +382,22 @@ class Pool:
 
     async def stop_all(self) -> None:
         """Stop every engine (SIGTERM, then SIGKILL after the grace period), in parallel."""
-        if self._timer is not None:
-            self._timer.cancel()
+        for timer in (self._timer, self._spare_timer):
+            if timer is not None:
+                timer.cancel()
         for waiter in self._queue:
             self._fail(waiter, APIError(503, "mlxd is shutting down.", type="server_error", code="shutting_down"))
         self._queue.clear()
-        await asyncio.gather(*(s.engine.stop() for s in self._slots.values()))
+        await asyncio.gather(self.spare.stop(), *(s.engine.stop() for s in self._slots.values()))
+
+    def start_spare(self) -> None:
+        """At start-up: have a spare engine ready for the first model."""
+        self.spare.refill()
+
+
+def spare_allowed(options: EngineOptions, env: Mapping[str, str] = os.environ) -> bool:
+    """Spares are real engines only (not a test's fake), and `MLXD_SPARE_ENGINE=0` turns them off."""
+    return options.module == "mlxd.engine" and env.get("MLXD_SPARE_ENGINE", "1") != "0"
 
 
 def failed_error(slot: Slot) -> APIError:

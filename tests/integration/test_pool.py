@@ -22,7 +22,7 @@ def two_models(a: Path, b: Path, pool: str = "max_loaded = 1") -> str:
 
 @pytest.fixture
 def swapping(tiny_model: Path, tiny_model_b: Path, tmp_path: Path) -> Iterator[SupervisorProcess]:
-    sup = SupervisorProcess(two_models(tiny_model, tiny_model_b), tmp_path).wait_up()
+    sup = SupervisorProcess(two_models(tiny_model, tiny_model_b), tmp_path, env={"MLXD_SPARE_ENGINE": "1"}).wait_up()
     yield sup
     sup.stop()
 
@@ -69,6 +69,7 @@ def test_alternating_models_with_one_slot_all_succeed_and_swap_in_batches(swappi
     swaps = info["_"]["evictions"]
     assert 1 <= swaps < len(order) - 1, f"{swaps} swaps for {len(order)} alternating requests"
     assert "making room for" in sup.log()
+    assert "starting (from the spare)" in sup.log()  # swaps take the pre-started engine process
 
 
 def test_a_busy_engine_is_not_evicted_mid_stream(swapping: SupervisorProcess) -> None:
