@@ -2,26 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from mlxd.protocol.exit_codes import ExitCode
 from tests.support import engine_env, httpx, is_listening, private_socket_dir, terminate
 
 
-def spawn_spare() -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
+@contextlib.contextmanager
+def spawn_spare() -> Iterator[subprocess.Popen[bytes]]:
+    with subprocess.Popen(
         [sys.executable, "-m", "mlxd.engine", "--spare"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, env=engine_env(),
-    )
+    ) as spare:
+        try:
+            yield spare
+        finally:
+            terminate(spare, 10)
 
 
 def test_a_spare_serves_the_model_it_is_given(tiny_model: Path) -> None:
-    spare = spawn_spare()
-    try:
+    with spawn_spare() as spare:
         assert spare.stdout is not None and spare.stdin is not None
         assert spare.stdout.readline().decode().strip() == "spare engine: imports done"
         sock = private_socket_dir() / "s.sock"
@@ -37,22 +43,20 @@ def test_a_spare_serves_the_model_it_is_given(tiny_model: Path) -> None:
                 time.sleep(0.05)
             out = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert out.status_code == 200 and out.json()["model"] == "tiny"
-    finally:
-        terminate(spare, 10)
 
 
 def test_a_spare_whose_parent_closes_stdin_exits() -> None:
-    spare = spawn_spare()
-    assert spare.stdout is not None and spare.stdin is not None
-    spare.stdout.readline()
-    spare.stdin.close()
-    assert spare.wait(30) == ExitCode.PARENT_GONE
+    with spawn_spare() as spare:
+        assert spare.stdout is not None and spare.stdin is not None
+        spare.stdout.readline()
+        spare.stdin.close()
+        assert spare.wait(30) == ExitCode.PARENT_GONE
 
 
 def test_a_spare_given_garbage_exits_with_a_boot_error() -> None:
-    spare = spawn_spare()
-    assert spare.stdout is not None and spare.stdin is not None
-    spare.stdout.readline()
-    spare.stdin.write(b'{"not": "a list"}\n')
-    spare.stdin.close()
-    assert spare.wait(30) == ExitCode.ENGINE_BOOT_ERROR
+    with spawn_spare() as spare:
+        assert spare.stdout is not None and spare.stdin is not None
+        spare.stdout.readline()
+        spare.stdin.write(b'{"not": "a list"}\n')
+        spare.stdin.close()
+        assert spare.wait(30) == ExitCode.ENGINE_BOOT_ERROR
