@@ -228,12 +228,13 @@ def build_models(args: argparse.Namespace, work: Path) -> tuple[Path, Path, str]
     second = build_random_llama(work / "tiny", seed=1)
     if args.model:
         return Path(args.model).expanduser(), second, Path(args.model).name
-    hidden, layers = 256, 2
+    hidden, layers = (int(x) for x in args.random_llama.split("x"))
     path = build_random_llama(
         work / "random", hidden_size=hidden, num_layers=layers, num_heads=hidden // 128,
         num_kv_heads=max(1, hidden // 512), intermediate_size=hidden * 11 // 4, vocab_size=4096, context=8192,
+        dtype=args.dtype,
     )
-    return path, second, f"random llama {hidden}x{layers} (float32)"
+    return path, second, f"random llama {hidden}x{layers} ({args.dtype})"
 
 
 def measure_starts(n: int, config: Path, data_dir: Path, work: Path) -> tuple[list[float], list[float], list[float]]:
@@ -333,6 +334,8 @@ async def bench_engine(sup: Supervisor, args: argparse.Namespace, bias: dict[str
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="MLX model dir to benchmark (default: a random llama 256x2 built in a temp dir)")
+    p.add_argument("--random-llama", default="256x2", help="HIDDENxLAYERS of the random model (default 256x2)")
+    p.add_argument("--dtype", default="float32", help="its dtype (bfloat16 on a GPU)")
     p.add_argument("--runs", type=int, default=9, help="single-stream rounds per side (after 2 warm-up rounds)")
     p.add_argument("--concurrent-runs", type=int, default=4, help="concurrent rounds per side (after 1 warm-up)")
     p.add_argument("--streams", type=int, default=8, help="concurrent streams per round")

@@ -41,6 +41,14 @@ def tiny_engine(tiny_model: Path) -> Iterator[EngineProcess]:
         yield engine
 
 
+@pytest.fixture(scope="module")
+def engine(tiny_model: Path) -> Iterator[EngineProcess]:
+    """One engine per test module with the tiny model's full 4096-token window, so that a
+    generation runs long enough to cancel or drain; tests leave it idle and open."""
+    with running_engine(tiny_model, "tiny") as proc:
+        yield proc
+
+
 @pytest.fixture(scope="session")
 def smol_engine(smollm2: Path) -> Iterator[EngineProcess]:
     """One engine on SmolLM2, shared by tests that check real text."""

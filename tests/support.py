@@ -10,12 +10,22 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
 import openai
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Poll `predicate` until it holds or `timeout` passes; its last answer."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
 
 
 def private_socket_dir() -> Path:

@@ -236,6 +236,7 @@ class Pool:
         self._machine_leased = True
         self._machine_free.clear()
         self._schedule_replan()
+        await self.spare.stop()  # the job gets the whole machine: no engine process at all
         try:
             await self._machine_free.wait()
         except asyncio.CancelledError:
@@ -285,7 +286,7 @@ class Pool:
     def _is_quiet(self) -> bool:
         """Nothing queued, in flight or starting."""
         busy = (s.in_flight or s.engine.state is EngineState.STARTING for s in self._slots.values())
-        return not self._queue and not any(busy)
+        return not self._queue and not self._machine_leased and not any(busy)
 
     def _apply(self, action: policy.Action, waiters: dict[int, Waiter]) -> None:
         match action:
@@ -391,8 +392,8 @@ class Pool:
         await asyncio.gather(self.spare.stop(), *(s.engine.stop() for s in self._slots.values()))
 
     def start_spare(self) -> None:
-        """At start-up: have a spare engine ready for the first model."""
-        self.spare.refill()
+        """At start-up: a spare engine for the first model, once start-up is over (1 s quiet)."""
+        self._arm_spare()
 
 
 def spare_allowed(options: EngineOptions, env: Mapping[str, str] = os.environ) -> bool:

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -12,29 +11,13 @@ from typing import Any
 import httpx2 as httpx
 import pytest
 
-from tests.support import EngineProcess, running_engine
+from tests.support import EngineProcess, running_engine, wait_for
 
 MSG = [{"role": "user", "content": "Write forever"}]
 LEASE = "X-MLXD-Lease"
 # The tiny model decodes ~450 tokens/s here: 800 tokens outlast the test's own steps by ~1.5 s.
 SHORT_STREAM = {"messages": MSG, "max_tokens": 800, "temperature": 0, "stream": True}
 LONG = {"messages": MSG, "max_tokens": 3500, "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model: Path) -> Iterator[EngineProcess]:
-    """An engine with the full 4096-token window; every test leaves its gate open."""
-    with running_engine(tiny_model, "tiny") as proc:
-        yield proc
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 def gate(engine: EngineProcess) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -25,26 +25,11 @@ from tests.support import (
     is_listening,
     private_socket_dir,
     running_engine,
+    wait_for,
 )
 
 FAULTY = [sys.executable, str(Path(__file__).with_name("faulty_engine.py"))]
 LONG = {"messages": [{"role": "user", "content": "Write forever"}], "max_tokens": 3500, "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model: Path) -> Iterator[EngineProcess]:
-    """An engine with the full 4096-token window, so a generation can run long enough to cancel."""
-    with running_engine(tiny_model, "tiny") as proc:
-        yield proc
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def idle_after_cancel(engine: EngineProcess, cancelled_before: int) -> bool:

@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.support import SupervisorProcess, httpx
+from tests.support import SupervisorProcess, httpx, wait_for
 
 LONG_STREAM = {"prompt": "Once upon a time", "max_tokens": 400, "stream": True, "logit_bias": {"2": -100}}
 
@@ -55,6 +55,8 @@ def engine_stats(sup: SupervisorProcess, model: str) -> dict:
 
 def test_alternating_models_with_one_slot_all_succeed_and_swap_in_batches(swapping: SupervisorProcess) -> None:
     sup = swapping
+    # The spare engine process is made once the pool has been quiet a moment.
+    assert wait_for(lambda: engines(sup)["_"]["spare"]["warm"], 60), engines(sup)["_"]
     order = ["a", "b"] * 12  # 24 requests, 8 at a time: the queue holds runs of each model
 
     def ask(model: str) -> int:
@@ -187,7 +189,8 @@ def test_engine_crash_ends_its_lease(tiny_model: Path, tmp_path: Path) -> None:
 
 
 def test_machine_lease_stops_every_engine_and_blocks_loads(tiny_model: Path, tiny_model_b: Path, tmp_path: Path) -> None:
-    sup = SupervisorProcess(two_models(tiny_model, tiny_model_b, pool=""), tmp_path).wait_up()
+    sup = SupervisorProcess(two_models(tiny_model, tiny_model_b, pool=""), tmp_path,
+                            env={"MLXD_SPARE_ENGINE": "1"}).wait_up()
     try:
         assert complete(sup, "a").status_code == 200 and complete(sup, "b").status_code == 200
         pids = [engines(sup)[m]["pid"] for m in ("a", "b")]
@@ -195,6 +198,7 @@ def test_machine_lease_stops_every_engine_and_blocks_loads(tiny_model: Path, tin
         assert lease.status_code == 200 and lease.json()["model"] is None
         info = engines(sup)
         assert info["a"]["state"] == info["b"]["state"] == "stopped" and info["_"]["machine_leased"] is True
+        assert info["_"]["spare"]["pid"] is None  # the job gets the machine: no spare engine either
         assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
         loads: list[int] = []
         loader = threading.Thread(target=lambda: loads.append(sup.client.post("/admin/load", json={"model": "a"}).status_code))

@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from mlxd.cli import admin_cmds as cmds
+from mlxd.cli import admin_tables as tables
 from mlxd.cli.admin_client import (
     AdminClient,
     HTTPFailure,
@@ -52,13 +53,13 @@ ENGINES: dict[str, Any] = {
     (4_700_000_000, "4.7 GB"), (12_000_000_000, "12 GB"), (999_999, "1000 KB"), (3 * 10**15, "3000 TB"),
 ])
 def test_format_size_uses_decimal_units(num_bytes: int | None, text: str) -> None:
-    assert cmds.format_size(num_bytes) == text
+    assert tables.format_size(num_bytes) == text
 
 
 @pytest.mark.parametrize(("ms", "text"), [(None, "-"), (0.4, "0 ms"), (850, "850 ms"), (1320, "1.3 s"),
                                           (125_000, "2 min 5 s")])
 def test_format_ms(ms: float | None, text: str) -> None:
-    assert cmds.format_ms(ms) == text
+    assert tables.format_ms(ms) == text
 
 
 @pytest.mark.parametrize(("delta", "text"), [
@@ -67,21 +68,21 @@ def test_format_ms(ms: float | None, text: str) -> None:
     (-7300, "2 hours ago"), (3 * 86400 + 5, "3 days from now"),
 ])
 def test_relative_time(delta: float, text: str) -> None:
-    assert cmds.relative_time(delta) == text
+    assert tables.relative_time(delta) == text
 
 
 def test_render_table_aligns_columns_without_trailing_blanks() -> None:
-    text = cmds.render_table(("NAME", "SIZE"), [("a", "1 B"), ("longer-name", "")])
+    text = tables.render_table(("NAME", "SIZE"), [("a", "1 B"), ("longer-name", "")])
     assert text.splitlines() == ["NAME          SIZE", "a             1 B", "longer-name"]
 
 
 def test_ps_shows_only_engines_that_are_not_stopped() -> None:
-    assert [e["model"] for e in cmds.running_engines(ENGINES)] == ["tiny", "SmolLM2-135M-Instruct", "broken"]
-    assert cmds.running_engines({"data": []}) == []
+    assert [e["model"] for e in tables.running_engines(ENGINES)] == ["tiny", "SmolLM2-135M-Instruct", "broken"]
+    assert tables.running_engines({"data": []}) == []
 
 
 def test_ps_table() -> None:
-    lines = cmds.ps_text(ENGINES).splitlines()
+    lines = tables.ps_text(ENGINES).splitlines()
     assert lines[0].split() == ["NAME", "STATE", "SIZE", "RSS", "PID", "IN", "FLIGHT", "QUEUED", "UNTIL", "LEASE"]
     tiny, smol, broken = lines[1:4]
     assert tiny.split()[:9] == ["tiny", "ready", "500", "MB", "540", "MB", "4242", "1", "3"]
@@ -89,7 +90,7 @@ def test_ps_table() -> None:
     assert smol.split()[:6] == ["SmolLM2-135M-Instruct", "ready", "4.7", "GB", "-", "77"]
     assert smol.split()[-2:] == ["pinned", "-"]
     assert broken.split()[:2] == ["broken", "failed"] and broken.split()[-2:] == ["forever", "-"]
-    assert "gone" not in cmds.ps_text(ENGINES)
+    assert "gone" not in tables.ps_text(ENGINES)
     assert lines[4] == "broken failed: unsupported model type 'xyz'"
     assert lines[5] == "memory: 1.2 GB of 12 GB budget in use, at most 2 models loaded"
     # Every row's columns start where the header's do.
@@ -101,19 +102,19 @@ def test_ps_table() -> None:
 
 def test_ps_with_nothing_loaded_and_no_cap() -> None:
     listing = {"budget_bytes": 8_000_000_000, "used_bytes": 0, "max_loaded": None, "data": [ENGINES["data"][2]]}
-    assert cmds.ps_text(listing) == "no models loaded\nmemory: 0 B of 8.0 GB budget in use"
-    assert cmds.budget_line({"budget_bytes": 0, "used_bytes": 5, "max_loaded": 1}) == \
+    assert tables.ps_text(listing) == "no models loaded\nmemory: 0 B of 8.0 GB budget in use"
+    assert tables.budget_line({"budget_bytes": 0, "used_bytes": 5, "max_loaded": 1}) == \
         "memory: 5 B in use (no budget), at most 1 model loaded"
-    assert cmds.budget_line({"budget_bytes": 10**9, "used_bytes": 0, "machine_leased": True}).endswith(
+    assert tables.budget_line({"budget_bytes": 10**9, "used_bytes": 0, "machine_leased": True}).endswith(
         "budget in use; the machine is leased (mlxd lease --all)")
 
 
 def test_until_column() -> None:
-    assert cmds.until_text({"pinned": True, "expires_in_s": 10}) == "pinned"
-    assert cmds.until_text({"pinned": False, "expires_in_s": None, "idle_ttl_s": -1}) == "forever"
-    assert cmds.until_text({"pinned": False, "expires_in_s": None, "idle_ttl_s": 300}) == "-"
-    assert cmds.until_text({"pinned": False, "expires_in_s": -3}) == "now"
-    assert cmds.until_text({"pinned": False, "expires_in_s": 3600}) == "1 hour from now"
+    assert tables.until_text({"pinned": True, "expires_in_s": 10}) == "pinned"
+    assert tables.until_text({"pinned": False, "expires_in_s": None, "idle_ttl_s": -1}) == "forever"
+    assert tables.until_text({"pinned": False, "expires_in_s": None, "idle_ttl_s": 300}) == "-"
+    assert tables.until_text({"pinned": False, "expires_in_s": -3}) == "now"
+    assert tables.until_text({"pinned": False, "expires_in_s": 3600}) == "1 hour from now"
 
 
 def test_models_table() -> None:
@@ -122,25 +123,25 @@ def test_models_table() -> None:
         {"id": "mlx-community/Qwen3-4B-4bit", "size_bytes": 2_260_000_000, "source": "hf_cache",
          "state": "stopped", "loaded": False},
     ]}
-    lines = cmds.models_text(listing).splitlines()
+    lines = tables.models_text(listing).splitlines()
     assert lines[0].split() == ["NAME", "SIZE", "SOURCE", "STATE"]
     assert lines[1].split() == ["tiny", "1.5", "MB", "config", "ready"]
     assert lines[2].split() == ["mlx-community/Qwen3-4B-4bit", "2.3", "GB", "hf_cache", "stopped"]
-    assert "no models found" in cmds.models_text({"data": []})
+    assert "no models found" in tables.models_text({"data": []})
 
 
 def test_load_unload_drain_text() -> None:
-    assert cmds.load_text({"model": "tiny", "state": "ready", "pinned": True, "load_ms": 1320.0}) == \
+    assert tables.load_text({"model": "tiny", "state": "ready", "pinned": True, "load_ms": 1320.0}) == \
         "tiny is ready (loaded in 1.3 s, pinned)"
-    assert cmds.unload_text({"model": "tiny", "was_loaded": False, "drain": None}) == "tiny was not loaded"
+    assert tables.unload_text({"model": "tiny", "was_loaded": False, "drain": None}) == "tiny was not loaded"
     drained = {"model": "tiny", "was_loaded": True, "drain": {"finished": 2, "cancelled": 0}}
-    assert cmds.unload_text(drained) == "tiny unloaded (2 finished)"
+    assert tables.unload_text(drained) == "tiny unloaded (2 finished)"
     result = {"drained": [{"model": "tiny", "finished": 2, "cancelled": 1, "waited_ms": 850.0,
                            "cache_written_bytes": 12_300_000}]}
-    lines = cmds.drain_text(result).splitlines()
+    lines = tables.drain_text(result).splitlines()
     assert lines[0].split() == ["NAME", "FINISHED", "CANCELLED", "WAITED", "CACHE", "WRITTEN"]
     assert lines[1].split() == ["tiny", "2", "1", "850", "ms", "12", "MB"]
-    assert cmds.drain_text({"drained": []}) == "nothing to drain (no models loaded)"
+    assert tables.drain_text({"drained": []}) == "nothing to drain (no models loaded)"
 
 
 # --- addresses and keys ----------------------------------------------------------
