@@ -155,6 +155,7 @@ class SupervisorProcess:
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self.url = f"http://127.0.0.1:{self.port}"
         self.client = httpx.Client(base_url=self.url, timeout=120)
+        self._sdk_clients: list[openai.OpenAI] = []
 
     def wait_up(self, timeout: float = 30.0) -> SupervisorProcess:
         deadline = time.monotonic() + timeout
@@ -170,11 +171,16 @@ class SupervisorProcess:
         return self.log_path.read_text(errors="replace")
 
     def openai(self, api_key: str = "unused") -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0)
+        """An SDK client on the supervisor; closed by stop() (an unclosed one leaks its sockets)."""
+        client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0)
+        self._sdk_clients.append(client)
+        return client
 
     def stop(self) -> int:
         """SIGTERM, then SIGKILL after 30 s; return the exit code."""
         terminate(self.proc, 30)
         self.client.close()
+        for client in self._sdk_clients:
+            client.close()
         self._log.close()
         return self.proc.returncode

@@ -143,10 +143,18 @@ class Leases:
         body = {"holder": hold.lease.holder, "wait_s": ENGINE_LEASE_WAIT_S}
         try:
             resp = await hold.slot.engine.session.post("http://engine/admin/lease", json=body)
-            first = await resp.content.readline() if resp.status == 200 else b""
         except (aiohttp.ClientError, OSError) as exc:
             raise APIError(503, f"The engine could not be leased: {exc}", type="server_error",
                            code="lease_failed") from None
+        try:
+            first = await resp.content.readline() if resp.status == 200 else b""
+        except (aiohttp.ClientError, OSError) as exc:
+            resp.close()
+            raise APIError(503, f"The engine died while being leased: {exc}", type="server_error",
+                           code="lease_failed") from None
+        except BaseException:  # our caller left: don't keep the engine's lease open
+            resp.close()
+            raise
         held = json.loads(first) if first.strip() else {}
         if held.get("status") != "held":
             detail = (await resp.text())[:200] if resp.status != 200 else "no held line"

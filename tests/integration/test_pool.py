@@ -268,3 +268,26 @@ def test_admin_routes_need_an_admin_key(tiny_model: Path, tmp_path: Path) -> Non
         assert sup.client.get("/admin/engines", headers={"Authorization": "Bearer root"}).status_code == 200
     finally:
         sup.stop()
+
+
+def test_a_lease_request_abandoned_while_waiting_holds_nothing(tiny_model: Path, tmp_path: Path) -> None:
+    sup = SupervisorProcess(f'[models.a]\npath = "{tiny_model}"\n', tmp_path).wait_up()
+    try:
+        streamed: list[str] = []
+
+        def stream() -> None:
+            with sup.client.stream("POST", "/v1/completions", json={"model": "a", **LONG_STREAM}) as resp:
+                streamed.extend(line for line in resp.iter_lines() if line.startswith("data: "))
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert wait_for(lambda: engines(sup).get("a", {}).get("in_flight") == 1, 60)
+        with pytest.raises(httpx.ReadTimeout):  # the engine's lease waits for the stream; we leave
+            sup.client.post("/admin/leases", json={"model": "a", "ttl_s": 60}, timeout=0.3)
+        reader.join(60)
+        assert streamed[-1] == "data: [DONE]"
+        assert wait_for(lambda: engines(sup)["a"]["lease"] is None, 5)
+        assert all(x["state"] != "held" for x in sup.client.get("/admin/leases").json()["data"])
+        assert complete(sup, "a").status_code == 200  # nobody holds the model
+    finally:
+        sup.stop()
