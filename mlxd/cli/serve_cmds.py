@@ -51,8 +51,8 @@ def serve(host: str | None, port: int | None, config_file: Path | None, data_dir
         os.environ["MLXD_DATA_DIR"] = str(data_dir.expanduser().resolve())
     logging.basicConfig(level=os.environ.get("MLXD_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        path = config_path(str(config_file) if config_file else None)
-        config = apply_overrides(load_config(path, explicit=is_explicit_config(str(config_file) if config_file else None)), host=host, port=port)
+        named = str(config_file) if config_file else None
+        config = apply_overrides(load_config(config_path(named), explicit=is_explicit_config(named)), host=host, port=port)
         server = config.server
         check_bind(server.host, bool(server.api_keys or server.admin_keys), insecure_no_auth or server.insecure_no_auth)
     except ConfigError as exc:

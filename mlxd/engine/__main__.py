@@ -14,9 +14,7 @@ import sys
 from mlxd.engine import blas
 from mlxd.engine.parent_watch import set_death_signal
 from mlxd.protocol.exit_codes import ExitCode
-
-SPARE_FLAG = "--spare"
-SPARE_READY = "spare engine: imports done"
+from mlxd.protocol.process import SPARE_FLAG, SPARE_READY
 
 
 def wait_for_assignment() -> list[str]:

@@ -16,9 +16,9 @@ import msgspec
 from mlxd.engine.stats import Stats
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.events import Failed
+from mlxd.protocol.process import LEASE_HEADER
 
 log = logging.getLogger("mlxd.engine")
-LEASE_HEADER = "X-MLXD-Lease"
 DRAIN_TIMEOUT = Failed("The engine drained and its timeout cut this request short.", 503, "drain_timeout")
 # Aborted requests end within a step; this bounds a drain if a handler is stuck writing to a
 # client that stopped reading.

@@ -72,10 +72,10 @@ def engine_info(pool: Pool, slot: Slot, lease: Lease | None) -> dict[str, Any]:
             rss = psutil.Process(engine.pid).memory_info().rss
         except psutil.Error:
             rss = None
-    is_up = engine.ready_since is not None and engine.state is not EngineState.STOPPED
+    up_since = engine.ready_since if engine.state is not EngineState.STOPPED else None
     return {
         "model": slot.entry.id, "state": engine.state.value, "pid": engine.pid,
-        "uptime_s": round(time.time() - engine.ready_since, 3) if is_up and engine.ready_since else None,
+        "uptime_s": round(time.time() - up_since, 3) if up_since is not None else None,
         "rss_bytes": rss, "memory_estimate_bytes": slot.memory_bytes,
         "in_flight": slot.in_flight, "queued": pool.num_queued(slot.entry.id),
         "last_used": slot.last_used_wall, "pinned": slot.pinned, "restarts": engine.num_restarts,
@@ -123,7 +123,7 @@ async def unload(request: web.Request) -> web.Response:
                        code="model_pinned")
     slot.pinned = slot.pinned and not body.force
     was_loaded = slot.engine.state.value in ("starting", "ready", "draining")
-    report = await asyncio.shield(pool.unload(slot)) if was_loaded else None
+    report = await pool.unload(slot) if was_loaded else None  # carries on if the caller leaves
     return web.json_response({"model": entry.id, "state": slot.engine.state.value, "was_loaded": was_loaded,
                               "drain": report})
 

@@ -9,11 +9,11 @@ from aiohttp import web
 
 from mlxd import __version__
 from mlxd.protocol.errors import APIError, from_decode_error
+from mlxd.protocol.process import LEASE_HEADER
 from mlxd.supervisor.keys import METRICS, POOL, REGISTRY
 from mlxd.supervisor.metrics import MODEL_KEY
 from mlxd.supervisor.proxy import EngineBusy, forward
 
-LEASE_HEADER = "X-MLXD-Lease"  # a lease holder's requests pass its lease
 MAX_REQUEUES = 3
 
 

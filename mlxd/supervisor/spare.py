@@ -16,8 +16,9 @@ import os
 import sys
 from collections.abc import Sequence
 
+from mlxd.protocol.process import SPARE_FLAG
+
 log = logging.getLogger("mlxd.supervisor")
-SPARE_FLAG = "--spare"  # `python -m mlxd.engine --spare`: import, then read argv from stdin
 
 
 class Spare:
