@@ -28,6 +28,7 @@ from tests.support import (
     wait_for,
 )
 
+NO_EOS = {"2": -100}  # the tiny model's EOS
 FAULTY = [sys.executable, str(Path(__file__).with_name("faulty_engine.py"))]
 LONG = {"messages": [{"role": "user", "content": "Write forever"}], "max_tokens": 3500, "temperature": 0}
 
@@ -92,7 +93,8 @@ def faulty(tiny_model: Path) -> Iterator[EngineProcess]:
 
 
 def test_exception_in_generation_is_500_json_and_engine_lives(faulty: EngineProcess) -> None:
-    bad = {"messages": [{"role": "user", "content": "RAISE please"}], "max_tokens": 20}
+    # Sampled with no EOS: a random model that ended before the fault's 4th token would pass.
+    bad = {"messages": [{"role": "user", "content": "RAISE please"}], "max_tokens": 20, "logit_bias": NO_EOS}
     resp = faulty.client.post("/v1/chat/completions", json=bad)
     assert resp.status_code == 500
     err = resp.json()["error"]
@@ -103,7 +105,7 @@ def test_exception_in_generation_is_500_json_and_engine_lives(faulty: EngineProc
 
 
 def test_exception_mid_stream_is_an_sse_error_then_clean_close(faulty: EngineProcess) -> None:
-    bad = {"messages": [{"role": "user", "content": "RAISE now"}], "max_tokens": 20, "stream": True}
+    bad = {"messages": [{"role": "user", "content": "RAISE now"}], "max_tokens": 20, "stream": True, "logit_bias": NO_EOS}
     with faulty.client.stream("POST", "/v1/chat/completions", json=bad) as resp:
         assert resp.status_code == 200
         events = [e for e in resp.read().decode().split("\n\n") if e]
