@@ -5,6 +5,7 @@
   boot_crash    exit 1 before binding the socket
   hang          answer /health once ready, then block the event loop forever after the first request
   exit_midway   stream 3 chunks, then exit 0 (a clean exit at the wrong time is still a crash)
+  flood         stream `max_tokens` numbered 8 KiB chunks as fast as the socket takes them
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
         return web.json_response({"object": "text_completion", "choices": [{"index": 0, "text": "fake", "finish_reason": "stop"}]})
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
+    if MODE == "flood":
+        pad = "x" * 8192
+        for i in range(int(body.get("max_tokens", 5))):
+            await resp.write(b"data: " + json.dumps({"i": i, "pad": pad}).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
     for i in range(int(body.get("max_tokens", 5))):
         chunk = {"object": "text_completion", "choices": [{"index": 0, "text": f"t{i} ", "finish_reason": None}]}
         await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")

@@ -17,6 +17,9 @@ from typing import Any
 import httpx2 as httpx
 import openai
 
+# The tiny random model's EOS (<|im_end|>), biased away so sampled requests always reach max_tokens.
+NO_EOS = {"2": -100}
+
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
     """Poll `predicate` until it holds or `timeout` passes; its last answer."""

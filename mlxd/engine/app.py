@@ -74,6 +74,7 @@ async def admin_stats(request: web.Request) -> web.Response:
         "model": settings.model_id,
         "status": "ready" if loaded else "failed" if gateway.load_error else "loading",
         "uptime_s": round(time.time() - s.started_at, 3),
+        "busy_s": round(s.busy_s, 6),
         "context_window": loaded.context_window if loaded else None,
         "requests": {
             "total": s.num_requests, "active": s.num_active, "completed": s.num_completed,

@@ -117,6 +117,7 @@ class SerialLane:
             s.num_completed += 1
         done = Done(finish, len(job.prompt), num_generated, cached, *clock.split_ms())
         s.last_timings_ms = {"queue": done.queue_ms, "prefill": done.prefill_ms, "decode": done.decode_ms}
+        s.busy_s += (done.prefill_ms + done.decode_ms) / 1000
         job.ticket.emit(done)
         log.info(
             "%d prompt tokens (%d cached) + %d generated, %s; queue %.1f ms, prefill %.1f ms, decode %.1f tok/s",

@@ -45,11 +45,10 @@ async def inference(request: web.Request) -> web.StreamResponse:
     lease_id = request.headers.get(LEASE_HEADER)
     for _ in range(MAX_REQUEUES):
         async with pool.use(entry, lease_id) as slot:
-            assert slot.engine.session is not None
             headers = {LEASE_HEADER: slot.engine_lease_token} if lease_id and slot.engine_lease_token else {}
             try:
                 return await forward(
-                    request, slot.engine.session, body, headers,
+                    request, slot.engine.socket, body, headers,
                     on_first_chunk=lambda: ttft.observe(time.perf_counter() - started),
                 )
             except EngineBusy:

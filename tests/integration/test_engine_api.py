@@ -9,7 +9,7 @@ import httpx2 as httpx
 import openai
 import pytest
 
-from tests.support import EngineProcess, openai_client
+from tests.support import NO_EOS, EngineProcess, openai_client
 
 MSG = [{"role": "user", "content": "Hello there"}]
 
@@ -182,7 +182,7 @@ def test_unknown_route_and_wrong_method_are_json(tiny_engine: EngineProcess) -> 
 
 
 def test_engine_still_serves_after_bad_input(client: openai.OpenAI) -> None:
-    out = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=2)  # type: ignore[arg-type]
+    out = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=2, logit_bias=NO_EOS)  # type: ignore[arg-type]
     assert out.usage is not None and out.usage.completion_tokens == 2
 
 
@@ -202,7 +202,7 @@ def test_concurrent_requests_queue_and_all_complete(client: openai.OpenAI) -> No
 
 def test_out_of_range_seed_and_top_k_are_handled_not_500(client: openai.OpenAI) -> None:
     for extra in ({"seed": -1}, {"seed": 2**70}, {"extra_body": {"top_k": 10**9}}):
-        out = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=3, **extra)  # type: ignore[arg-type]
+        out = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=3, logit_bias=NO_EOS, **extra)  # type: ignore[arg-type]
         assert out.usage is not None and out.usage.completion_tokens == 3
 
 

@@ -20,6 +20,7 @@ import pytest
 
 from mlxd.protocol.exit_codes import ExitCode
 from tests.support import (
+    NO_EOS,
     EngineProcess,
     engine_env,
     is_listening,
@@ -28,7 +29,6 @@ from tests.support import (
     wait_for,
 )
 
-NO_EOS = {"2": -100}  # the tiny model's EOS
 FAULTY = [sys.executable, str(Path(__file__).with_name("faulty_engine.py"))]
 LONG = {"messages": [{"role": "user", "content": "Write forever"}], "max_tokens": 3500, "temperature": 0}
 
@@ -72,6 +72,16 @@ def test_engine_serves_normally_after_cancellations(engine: EngineProcess) -> No
     resp = engine.client.post("/v1/chat/completions", json={**LONG, "max_tokens": 5})
     assert resp.status_code == 200
     assert resp.json()["usage"]["completion_tokens"] == 5
+
+
+def test_busy_time_grows_by_each_requests_prefill_and_decode(engine: EngineProcess) -> None:
+    before = engine.stats()["busy_s"]
+    resp = engine.client.post("/v1/chat/completions", json={**LONG, "max_tokens": 6})
+    assert resp.status_code == 200
+    after = engine.stats()
+    timings = after["last"]["timings_ms"]
+    assert timings["prefill"] > 0 and timings["decode"] > 0
+    assert after["busy_s"] - before == pytest.approx((timings["prefill"] + timings["decode"]) / 1000, abs=1e-5)
 
 
 def test_oversize_body_is_413_json(tiny_model: Path) -> None:

@@ -16,7 +16,7 @@ import openai
 import psutil
 import pytest
 
-from tests.support import SupervisorProcess
+from tests.support import NO_EOS, SupervisorProcess
 
 LONG = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 3000, "logit_bias": {"2": -100}}
 
@@ -36,10 +36,10 @@ def engine_pids(sup: SupervisorProcess) -> list[int]:
 
 def test_openai_sdk_through_the_supervisor(sup: SupervisorProcess) -> None:
     client = sup.openai()
-    out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, logit_bias=NO_EOS)
     assert out.usage is not None and out.usage.completion_tokens == 5
     chunks = list(client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True,
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True, logit_bias=NO_EOS,
         stream_options={"include_usage": True},
     ))
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
@@ -257,7 +257,7 @@ def test_two_models_and_eight_concurrent_streams(tiny_model: Path, tmp_path: Pat
         def stream(i: int) -> int:
             chunks = client.chat.completions.create(
                 model="ab"[i % 2], messages=[{"role": "user", "content": f"stream {i}"}], max_tokens=8,
-                stream=True, stream_options={"include_usage": True},
+                stream=True, logit_bias=NO_EOS, stream_options={"include_usage": True},
             )
             return next(c for c in chunks if c.usage).usage.completion_tokens  # type: ignore[union-attr]
 

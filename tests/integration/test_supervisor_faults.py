@@ -7,6 +7,8 @@ import re
 import time
 from pathlib import Path
 
+import psutil
+
 from tests.support import SupervisorProcess
 
 FAST = {"MLXD_ENGINE_MODULE": "tests.fake_engine", "MLXD_ENGINE_BACKOFF_S": "0.05",
@@ -67,5 +69,29 @@ def test_engine_exiting_mid_stream_gives_an_sse_error_and_metrics_count_the_rest
         while not all(line in (metrics := sup.client.get("/metrics").text) for line in expected):
             assert time.monotonic() < deadline, metrics
             time.sleep(0.05)
+    finally:
+        sup.stop()
+
+
+def test_a_slow_reader_pauses_the_engine_and_still_gets_every_chunk_in_order(tmp_path: Path) -> None:
+    """4000 chunks of 8 KiB (about 33 MB) from an engine that writes as fast as it can, to a
+    client that stops reading for a while: the supervisor stops reading the engine instead of
+    buffering the stream, and nothing is lost or reordered when the client reads on."""
+    sup = start(tmp_path, "flood")
+    try:
+        sup.client.post("/v1/completions", json={"model": "fake"})  # the engine is up: its start is not measured
+        supervisor = psutil.Process(sup.proc.pid)
+        rss_before = supervisor.memory_info().rss
+        body = {"model": "fake", "stream": True, "max_tokens": 4000}
+        with sup.client.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            time.sleep(1.5)  # the engine could send it all in this time if nothing pushed back
+            grown_mb = (supervisor.memory_info().rss - rss_before) / 2**20
+            rest = [line for line in lines if line.startswith("data: ")]
+        numbers = [json.loads(line[6:])["i"] for line in [first, *rest[:-1]]]
+        assert numbers == list(range(4000))
+        assert rest[-1] == "data: [DONE]"
+        assert grown_mb < 12, f"supervisor grew {grown_mb:.1f} MB while the client was not reading"
     finally:
         sup.stop()
