@@ -89,6 +89,9 @@ class Supervisor:
         self.port = free_port()
         self.runtime_dir = runtime_dir
         env = dict(os.environ, MLXD_RUNTIME_DIR=str(runtime_dir))
+        # Python caches compiled modules unless told not to (this sandbox's shells do): without
+        # the cache every spawn would compile mlxd's modules again, which no installed copy does.
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
         env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
         self.log = log_path.open("ab")
         self.t0 = time.perf_counter()

@@ -57,8 +57,10 @@ from aiohttp import web
 sys.path.insert(0, {root!r})
 from mlxd.supervisor.proxy import forward
 SOCK, PORT, MODE = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-async def start(app):
+async def session(app):
     app["session"] = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=SOCK))
+    yield
+    await app["session"].close()
 async def relay(request):
     body = await request.read()
     if MODE == "mlxd":
@@ -71,7 +73,7 @@ async def relay(request):
         await resp.write_eof()
         return resp
 app = web.Application()
-app.on_startup.append(start)
+app.cleanup_ctx.append(session)
 app.router.add_post("/v1/completions", relay)
 web.run_app(app, host="127.0.0.1", port=PORT, print=None, loop=uvloop.new_event_loop())
 """
