@@ -4,7 +4,8 @@ The upstream side is a small HTTP/1.1 client made for this one peer (the engine 
 aiohttp server), not aiohttp's client: a stream's chunks then go from the engine's socket to the
 caller's without a task wake-up, a StreamReader or a coroutine each. `Upstream.data_received`
 finds the complete chunks of the engine's chunked body and writes them, framing and all, straight
-to the caller's transport, which speaks chunked encoding too. That halves the supervisor's CPU
+to the caller's transport when the caller's response is chunked too (HTTP/1.1; an HTTP/1.0
+caller gets the payloads through aiohttp's writer instead). That halves the supervisor's CPU
 per relayed token (`benchmarks/relay_cpu.py`). Each request opens its own connection and asks
 the engine to close it (`Connection: close`): a Unix-socket connect costs less than a pooled
 connection's bookkeeping, and a connection never outlives the request that owns it.
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import cast
@@ -23,6 +26,8 @@ from aiohttp import web
 
 from mlxd.protocol.errors import APIError
 
+log = logging.getLogger("mlxd.supervisor")
+_HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
 CRASHED = "The model's engine stopped unexpectedly; it is being restarted. Try again."
 CONNECT_TIMEOUT_S = 5.0
 MAX_HEAD_BYTES = 64 * 1024
@@ -95,10 +100,10 @@ class ChunkedBody:
                 if len(data) - pos > 1024:
                     raise UpstreamError("chunk size line too long")
                 break
-            try:
-                size = int(data[pos:eol].split(b";", 1)[0], 16)
-            except ValueError:
-                raise UpstreamError(f"bad chunk size line: {data[pos:eol][:40]!r}") from None
+            digits = data[pos:eol].split(b";", 1)[0]
+            if not _HEX.fullmatch(digits):
+                raise UpstreamError(f"bad chunk size line: {data[pos:eol][:40]!r}")
+            size = int(digits, 16)
             if size == 0:
                 if data.find(b"\r\n\r\n", eol) < 0:  # trailers end with a blank line
                     break
@@ -119,15 +124,17 @@ class ChunkedBody:
 class Upstream(asyncio.Protocol):
     """One request's connection to the engine: the head, then the body, kept or passed on.
 
-    Until `sink` is set the body's payloads collect in `body`; with a sink each read's complete
-    chunks go to it as one framed piece of bytes, at once. `changed()` wakes the relaying task on
-    anything it must act on: the head, body, the end (clean or not), or a paused read.
+    Until `sink` is set the body's payloads collect in `body` (reading pauses while more than
+    HIGH_WATER bytes wait there); with a sink each read's complete chunks go to it as one framed
+    piece of bytes, at once. `changed()` wakes the relaying task on anything it must act on: the
+    head, body, the end (clean or not), or a paused read.
     """
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.head: Head | None = None
         self.body: list[bytes] = []
+        self._held = 0  # bytes in `body`
         self.ended = False  # the whole answer arrived
         self.lost = False  # the connection closed before that
         self.error: str | None = None
@@ -179,8 +186,16 @@ class Upstream(asyncio.Protocol):
         finally:
             self._waiter = None
 
+    @property
+    def is_chunked(self) -> bool:
+        """Whether the body is chunked (only then can a sink take it)."""
+        return self._chunked is not None
+
     def take_body(self) -> list[bytes]:
-        body, self.body = self.body, []
+        """The payloads that arrived since the last call (reading resumes if they had paused it)."""
+        body, self.body, self._held = self.body, [], 0
+        if self.sink is None:
+            self.resume()
         return body
 
     def pause(self) -> None:
@@ -227,7 +242,9 @@ class Upstream(asyncio.Protocol):
                 if framed := self._chunked.feed(data):
                     self.sink(framed)
             else:
+                before = len(self.body)
                 self._chunked.feed(data, self.body)
+                self._hold(sum(len(b) for b in self.body[before:]))
             if self._chunked.done:
                 self.ended = True
                 self.close()
@@ -235,11 +252,18 @@ class Upstream(asyncio.Protocol):
             data = data[:self._length]
             self._length -= len(data)
             self.body.append(data)
+            self._hold(len(data))
             if self._length == 0:
                 self.ended = True
                 self.close()
         elif data:
             self.body.append(data)
+            self._hold(len(data))
+
+    def _hold(self, num_bytes: int) -> None:
+        self._held += num_bytes
+        if self._held > HIGH_WATER:
+            self.pause()
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
@@ -278,16 +302,22 @@ async def forward(
         return await relay_whole(up)
     finally:
         up.close()
+        if up.error:
+            log.warning("engine at %s sent a malformed answer to %s: %s", socket, request.path, up.error)
 
 
 async def relay_whole(up: Upstream) -> web.Response:
     """A non-streaming answer, passed through as-is."""
-    while not up.ended and not up.lost:
+    parts: list[bytes] = []
+    while True:
+        parts += up.take_body()
+        if up.ended or up.lost:
+            break
         await up.changed()
     if up.lost:
         raise crashed_error()
     assert up.head is not None
-    data = b"".join(up.take_body())
+    data = b"".join(parts)
     if up.head.status == 503 and is_busy(data):
         raise EngineBusy
     headers = {"Content-Type": up.head.headers.get("content-type", "application/octet-stream")}
@@ -308,34 +338,30 @@ def is_busy(data: bytes) -> bool:
 async def relay_stream(request: web.Request, up: Upstream, on_first_chunk: Callable[[], None]) -> web.StreamResponse:
     """SSE relayed as it arrives; an engine that dies mid-stream becomes an SSE error event.
 
-    The first payload goes through aiohttp's `write` (which sends the head with it); after that
-    the upstream protocol writes framed chunks to the caller's transport itself, and this task
-    only wakes to pause reading while the caller is slow, and at the end.
+    The first payloads go through aiohttp's `write` (which sends the head with them). After
+    that, when both sides speak chunked encoding (an HTTP/1.1 caller, no compression), the
+    upstream protocol writes the engine's framed chunks to the caller's transport itself, and
+    this task only wakes to wait out a slow caller, and at the end. Otherwise (an HTTP/1.0
+    caller, say, whose body runs to the close) every payload goes through `write`.
     """
     resp = web.StreamResponse(status=up.head.status if up.head else 200, headers=SSE_HEADERS)
     await resp.prepare(request)
+    direct = up.is_chunked and resp.headers.get("Transfer-Encoding", "").lower() == "chunked" and not resp.compression
     try:
-        while not (first := up.take_body()) and not up.ended and not up.lost:
-            await up.changed()
-        for payload in first:
-            await resp.write(payload)
-        if first:
-            on_first_chunk()
-        while pending := up.take_body():  # arrived while the head went out
-            for payload in pending:
-                await resp.write(payload)
-        transport = request.transport
-        if transport is None or transport.is_closing():
-            return resp  # our caller went away: leaving closes the upstream, and the engine cancels
-        up.sink = _direct_writer(transport, up)
-        while not up.ended and not up.lost:
-            await up.changed()
-            if up.paused:
-                while transport.get_write_buffer_size() > LOW_WATER and not transport.is_closing():
-                    await asyncio.sleep(DRAIN_POLL_S)
-                up.resume()
-        if transport.is_closing():
-            return resp
+        await _write_payloads(resp, up, on_first_chunk, until_first=direct)
+        if direct and not up.ended and not up.lost:
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                return resp  # our caller went away: leaving closes the upstream, and the engine cancels
+            up.sink = _direct_writer(transport, up)
+            while not up.ended and not up.lost:
+                await up.changed()
+                if up.paused:
+                    while transport.get_write_buffer_size() > LOW_WATER and not transport.is_closing():
+                        await asyncio.sleep(DRAIN_POLL_S)
+                    up.resume()
+            if transport.is_closing():
+                return resp
     except ConnectionResetError:
         return resp
     if up.lost:
@@ -345,6 +371,25 @@ async def relay_stream(request: web.Request, up: Upstream, on_first_chunk: Calla
     with contextlib.suppress(ConnectionResetError):
         await resp.write_eof()
     return resp
+
+
+async def _write_payloads(
+    resp: web.StreamResponse, up: Upstream, on_first_chunk: Callable[[], None], until_first: bool
+) -> None:
+    """Payloads through `resp.write` until the answer ends, or (`until_first`) none is left after the first."""
+    sent = False
+    while True:
+        body = up.take_body()
+        for payload in body:
+            await resp.write(payload)
+        if body and not sent:
+            sent = True
+            on_first_chunk()
+        if up.body:
+            continue  # more arrived while writing
+        if up.ended or up.lost or (sent and until_first):
+            return
+        await up.changed()
 
 
 def _direct_writer(transport: asyncio.Transport, up: Upstream) -> Callable[[bytes], None]:

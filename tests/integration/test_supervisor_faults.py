@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import time
 from pathlib import Path
 
@@ -93,5 +94,27 @@ def test_a_slow_reader_pauses_the_engine_and_still_gets_every_chunk_in_order(tmp
         assert numbers == list(range(4000))
         assert rest[-1] == "data: [DONE]"
         assert grown_mb < 12, f"supervisor grew {grown_mb:.1f} MB while the client was not reading"
+    finally:
+        sup.stop()
+
+
+def test_an_http10_client_gets_a_clean_stream(tmp_path: Path) -> None:
+    """HTTP/1.0 (nginx's default upstream protocol) has no chunked encoding: the stream's body
+    runs to the close, and must carry the engine's events without its chunk framing."""
+    sup = start(tmp_path, "ok")
+    try:
+        body = json.dumps({"model": "fake", "stream": True, "max_tokens": 6}).encode()
+        with socket.create_connection(("127.0.0.1", sup.port), timeout=30) as conn:
+            conn.sendall(b"POST /v1/completions HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+            raw = b""
+            while chunk := conn.recv(65536):
+                raw += chunk
+        head, _, payload = raw.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.0 200") and b"chunked" not in head.lower()
+        events = [e for e in payload.decode().split("\n\n") if e]
+        assert events[-1] == "data: [DONE]"
+        texts = [json.loads(e.removeprefix("data: "))["choices"][0]["text"] for e in events[:-1]]
+        assert texts == [f"t{i} " for i in range(6)]
     finally:
         sup.stop()

@@ -6,7 +6,14 @@ import asyncio
 
 import pytest
 
-from mlxd.supervisor.proxy import ChunkedBody, Upstream, UpstreamError, parse_head, request_bytes
+from mlxd.supervisor.proxy import (
+    HIGH_WATER,
+    ChunkedBody,
+    Upstream,
+    UpstreamError,
+    parse_head,
+    request_bytes,
+)
 
 SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 
@@ -79,7 +86,7 @@ def test_the_end_waits_for_the_blank_line_and_ignores_trailers() -> None:
     assert body.done
 
 
-@pytest.mark.parametrize("wire", [b"zz\r\nabc\r\n", b"3\r\nabcXY", b"1" * 2000])
+@pytest.mark.parametrize("wire", [b"zz\r\nabc\r\n", b"-2\r\nab\r\n", b"0x1\r\na\r\n", b"1_0\r\n", b"3\r\nabcXY", b"1" * 2000])
 def test_malformed_chunking_is_an_upstream_error(wire: bytes) -> None:
     with pytest.raises(UpstreamError):
         ChunkedBody().feed(wire)
@@ -146,3 +153,18 @@ def test_garbage_from_the_engine_closes_the_connection_with_an_error() -> None:
     up.connection_made(transport)  # type: ignore[arg-type]
     up.data_received(SSE_HEAD + b"not-hex\r\n")
     assert transport.closed and up.error is not None and "chunk size" in up.error
+
+
+def test_a_body_nobody_takes_pauses_reading_until_it_is_taken() -> None:
+    up = Upstream()
+    transport = FakeTransport()
+    up.connection_made(transport)  # type: ignore[arg-type]
+    up.data_received(SSE_HEAD)
+    piece = b"x" * 60_000
+    for _ in range(HIGH_WATER // len(piece)):
+        up.data_received(framed(piece))
+        assert not transport.paused
+    up.data_received(framed(piece))
+    assert transport.paused and up.paused
+    assert len(up.take_body()) == HIGH_WATER // len(piece) + 1
+    assert not transport.paused and not up.paused
