@@ -13,6 +13,7 @@ import sys
 
 from mlxd.engine import blas
 from mlxd.engine.parent_watch import set_death_signal
+from mlxd.fdlimit import raise_open_file_limit
 from mlxd.protocol.exit_codes import ExitCode
 from mlxd.protocol.process import SPARE_FLAG, SPARE_READY
 
@@ -38,6 +39,10 @@ def main() -> None:
     set_death_signal()
     blas.reexec_with_openblas(["-m", "mlxd.engine", *sys.argv[1:]])
     from mlxd.engine.server import serve  # after the re-exec: this imports mlx
+
+    # After mlx-lm's import, which sets the limit to (2048, 4096) (mlx_lm/utils.py): the soft
+    # limit goes back up, as far as the hard limit mlx-lm left.
+    raise_open_file_limit()
     from mlxd.engine.settings import parse_args
 
     argv = sys.argv[1:]

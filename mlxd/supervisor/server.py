@@ -16,6 +16,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from mlxd.fdlimit import raise_open_file_limit
 from mlxd.paths import ensure_private_dir, models_dir, runtime_dir
 from mlxd.supervisor.app import make_app
 from mlxd.supervisor.config import Config
@@ -47,6 +48,7 @@ def remove_stale_sockets(runtime: Path) -> list[Path]:
 def serve(config: Config, data_dir: Path) -> int:
     """Serve until a signal; return the exit code."""
     started = time.perf_counter()
+    raise_open_file_limit()
     runtime = ensure_private_dir(runtime_dir())
     if stale := remove_stale_sockets(runtime):
         log.info("removed %d stale engine socket(s) in %s", len(stale), runtime)

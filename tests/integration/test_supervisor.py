@@ -268,3 +268,33 @@ def test_two_models_and_eight_concurrent_streams(tiny_model: Path, tmp_path: Pat
         assert states == {"a": "ready", "b": "ready"}
     finally:
         sup.stop()
+
+
+@pytest.mark.skipif(not hasattr(psutil.Process, "rlimit"), reason="psutil reads another process's limits on Linux only")
+def test_a_low_open_file_limit_is_raised_at_start(tiny_model: Path, tmp_path: Path) -> None:
+    """Started with macOS's default of 256 open files, the supervisor and its engines run
+    with as many as the hard limit allows, up to 65536."""
+    import resource
+
+    from mlxd.fdlimit import target_soft_limit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 256:
+        pytest.skip(f"the hard limit ({hard}) leaves nothing to raise")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+    try:
+        sup = SupervisorProcess(f'[models.tiny]\npath = "{tiny_model}"\n', tmp_path)  # inherits 256
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    try:
+        sup.wait_up()
+        assert sup.client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 1}).status_code == 200
+        expected = target_soft_limit(256, hard, infinity=resource.RLIM_INFINITY)
+        assert expected > 256
+        assert psutil.Process(sup.proc.pid).rlimit(resource.RLIMIT_NOFILE)[0] == expected
+        # The engine's own raise comes after importing mlx-lm, which sets (2048, 4096) itself.
+        (engine,) = engine_pids(sup)
+        engine_soft, engine_hard = psutil.Process(engine).rlimit(resource.RLIMIT_NOFILE)
+        assert engine_soft == target_soft_limit(256, engine_hard, infinity=resource.RLIM_INFINITY) > 256
+    finally:
+        sup.stop()
