@@ -55,7 +55,8 @@ import sys
 import aiohttp, uvloop
 from aiohttp import web
 sys.path.insert(0, {root!r})
-from mlxd.supervisor.proxy import forward
+from mlxd.supervisor.proxy import connection_gate, forward
+GATE = connection_gate()
 SOCK, PORT, MODE = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 async def session(app):
     app["session"] = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=SOCK))
@@ -64,7 +65,7 @@ async def session(app):
 async def relay(request):
     body = await request.read()
     if MODE == "mlxd":
-        return await forward(request, SOCK, body, {{}})
+        return await forward(request, SOCK, GATE, body, {{}})
     async with request.app["session"].post("http://engine" + request.path_qs, data=body) as up:
         resp = web.StreamResponse(headers={{"Content-Type": "text/event-stream"}})
         await resp.prepare(request)

@@ -120,7 +120,7 @@ async def run(settings: EngineSettings, sock: socket.socket, parent: int) -> int
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
     )
     await runner.setup()  # starts the GPU thread (the app's cleanup context owns it)
-    await web.SockSite(runner, sock).start()
+    await web.SockSite(runner, sock, backlog=1024).start()  # the kernel may cap it (macOS: 128)
     log.info("listening on %s; loading the model", settings.socket)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)

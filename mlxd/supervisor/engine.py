@@ -26,6 +26,7 @@ import aiohttp
 
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.exit_codes import ExitCode
+from mlxd.supervisor.proxy import connection_gate
 from mlxd.supervisor.spare import Spare
 
 log = logging.getLogger("mlxd.supervisor")
@@ -98,6 +99,7 @@ class Engine:
         self.model_id = model_id
         self.model_dir = model_dir
         self.socket = socket_path(runtime_dir, model_id)
+        self.connections = connection_gate()  # requests connected to it at once (proxy.py)
         self.max_context = max_context
         self.state = EngineState.STOPPED
         self.on_change: Callable[[], None] = lambda: None  # after every state change (the pool replans)

@@ -30,6 +30,11 @@ log = logging.getLogger("mlxd.supervisor")
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
 CRASHED = "The model's engine stopped unexpectedly; it is being restarted. Try again."
 CONNECT_TIMEOUT_S = 5.0
+# Connections open to one engine at once; more requests wait for one to close. Each connects
+# afresh, and a burst of them all at once would overrun the engine's listen backlog (128, and
+# macOS caps any backlog at 128): those connects are refused. (aiohttp's connector, used before,
+# had the same cap, 100.)
+MAX_ENGINE_CONNECTIONS = 100
 MAX_HEAD_BYTES = 64 * 1024
 HIGH_WATER = 256 * 1024  # the caller's unsent bytes past which the engine's socket is not read
 LOW_WATER = 64 * 1024  # ... and below which it is read again
@@ -281,11 +286,24 @@ def request_bytes(path_qs: str, body: bytes, headers: Mapping[str, str]) -> byte
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
 
 
+def connection_gate() -> asyncio.Semaphore:
+    """One per engine: at most MAX_ENGINE_CONNECTIONS of its requests are connected at once."""
+    return asyncio.Semaphore(MAX_ENGINE_CONNECTIONS)
+
+
 async def forward(
-    request: web.Request, socket: Path, body: bytes, headers: Mapping[str, str],
+    request: web.Request, socket: Path, gate: asyncio.Semaphore, body: bytes, headers: Mapping[str, str],
     on_first_chunk: Callable[[], None] = lambda: None,
 ) -> web.StreamResponse:
-    """POST `body` to the same path on the engine at `socket`; relay its answer chunk by chunk."""
+    """POST `body` to the same path on the engine at `socket` (holding one of `gate`'s slots);
+    relay its answer chunk by chunk."""
+    async with gate:
+        return await _forward(request, socket, body, headers, on_first_chunk)
+
+
+async def _forward(
+    request: web.Request, socket: Path, body: bytes, headers: Mapping[str, str], on_first_chunk: Callable[[], None]
+) -> web.StreamResponse:
     loop = asyncio.get_running_loop()
     try:
         transport, up = await asyncio.wait_for(loop.create_unix_connection(Upstream, str(socket)), CONNECT_TIMEOUT_S)

@@ -48,7 +48,7 @@ async def inference(request: web.Request) -> web.StreamResponse:
             headers = {LEASE_HEADER: slot.engine_lease_token} if lease_id and slot.engine_lease_token else {}
             try:
                 return await forward(
-                    request, slot.engine.socket, body, headers,
+                    request, slot.engine.socket, slot.engine.connections, body, headers,
                     on_first_chunk=lambda: ttft.observe(time.perf_counter() - started),
                 )
             except EngineBusy:

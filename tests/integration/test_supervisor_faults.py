@@ -118,3 +118,31 @@ def test_an_http10_client_gets_a_clean_stream(tmp_path: Path) -> None:
         assert texts == [f"t{i} " for i in range(6)]
     finally:
         sup.stop()
+
+
+def test_a_burst_of_400_streams_all_complete(tmp_path: Path) -> None:
+    """More requests at once than an engine's listen backlog (128 here, and on macOS): the
+    supervisor keeps at most 100 connected to the engine at once, so none is refused."""
+    import asyncio
+
+    import aiohttp
+
+    sup = start(tmp_path, "ok")
+
+    async def one(session: aiohttp.ClientSession) -> int | str:
+        body = {"model": "fake", "stream": True, "max_tokens": 5}
+        async with session.post(sup.url + "/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                return f"HTTP {resp.status}: {(await resp.text())[:200]}"
+            return sum([line.startswith(b"data: {") async for line in resp.content])
+
+    async def burst() -> list[int | str]:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            await one(session)  # the engine is up before the burst
+            return list(await asyncio.gather(*(one(session) for _ in range(400))))
+
+    try:
+        got = asyncio.run(burst())
+        assert [g for g in got if g != 5] == []
+    finally:
+        sup.stop()
