@@ -135,6 +135,10 @@ class Pool:
             raise failed_error(slot)
         if policy.never_fits(slot.memory_bytes, self.limits):
             raise too_big(slot, self.limits)
+        if not policy.can_queue(len(self._queue), self.limits) and self._replan_scheduled:
+            # A burst arrives faster than the coalesced replan runs: admit whom it can first,
+            # so that requests a ready engine takes at once do not count as waiting.
+            self._replan()
         if not policy.can_queue(len(self._queue), self.limits):
             raise APIError(503, f"Too many requests are waiting for a model ({self.limits.max_queue}); try again.",
                            type="server_error", code="queue_full", headers={"Retry-After": "1"})

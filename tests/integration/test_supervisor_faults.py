@@ -16,13 +16,13 @@ FAST = {"MLXD_ENGINE_MODULE": "tests.fake_engine", "MLXD_ENGINE_BACKOFF_S": "0.0
         "MLXD_ENGINE_HEALTH_EVERY_S": "0.2", "MLXD_ENGINE_HEALTH_DEADLINE_S": "1"}
 
 
-def start(tmp_path: Path, mode: str) -> SupervisorProcess:
+def start(tmp_path: Path, mode: str, extra_config: str = "") -> SupervisorProcess:
     model = tmp_path / "fake-model"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text("{}")
     (model / "model.safetensors").write_bytes(b"")
     env = {**FAST, "MLXD_FAKE_MODE": mode, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    return SupervisorProcess(f'[models.fake]\npath = "{model}"\n', tmp_path / "data", env=env).wait_up()
+    return SupervisorProcess(f'[models.fake]\npath = "{model}"\n{extra_config}', tmp_path / "data", env=env).wait_up()
 
 
 def test_crash_at_boot_backs_off_then_marks_the_model_failed(tmp_path: Path) -> None:
@@ -122,12 +122,14 @@ def test_an_http10_client_gets_a_clean_stream(tmp_path: Path) -> None:
 
 def test_a_burst_of_400_streams_all_complete(tmp_path: Path) -> None:
     """More requests at once than an engine's listen backlog (128 here, and on macOS): the
-    supervisor keeps at most 100 connected to the engine at once, so none is refused."""
+    supervisor keeps at most 100 connected to the engine at once, so none is refused. And
+    more at once than the pool's queue holds (8 here): a ready engine admits them as they come,
+    so none is turned away as `queue_full`."""
     import asyncio
 
     import aiohttp
 
-    sup = start(tmp_path, "ok")
+    sup = start(tmp_path, "ok", "\n[pool]\nmax_queue = 8\n")
 
     async def one(session: aiohttp.ClientSession) -> int | str:
         body = {"model": "fake", "stream": True, "max_tokens": 5}
