@@ -35,8 +35,17 @@ class StopMatcher:
         return "" if self.is_stopped else out
 
     def _first_match(self, buf: str) -> int | None:
-        hits = [i for i in (buf.find(s) for s in self._stops) if i >= 0]
-        return min(hits) if hits else None
+        """Where the stop string that is complete first (ends first; of those, the longest) starts.
+
+        Generation stops as soon as a stop string is complete, so the one ending first wins,
+        however the text was split into pieces: with stops "x" and "axa", "axa" gives "a".
+        """
+        best: tuple[int, int] | None = None  # (end, start)
+        for stop in self._stops:
+            start = buf.find(stop)
+            if start >= 0 and (best is None or (start + len(stop), start) < best):
+                best = (start + len(stop), start)
+        return best[1] if best else None
 
     def _partial_suffix_len(self, buf: str) -> int:
         # Longest suffix of buf that is a proper prefix of some stop string.

@@ -47,6 +47,14 @@ def test_earliest_of_several_stops_wins() -> None:
     assert stopped
 
 
+def test_the_stop_complete_first_wins_even_if_another_started_earlier() -> None:
+    # Found by the property test below: "axa" is a stop that starts first, but "x" is complete
+    # first, and token by token generation would have stopped there.
+    for pieces in (["axa"], ["ax", "a"], ["a", "x", "a"]):
+        out, stopped = run(["x", "axa"], pieces)
+        assert "".join(out) == "a" and stopped, pieces
+
+
 def test_no_stops_passes_everything() -> None:
     out, stopped = run([], ["a", "b", ""])
     assert "".join(out) == "ab"
@@ -67,8 +75,8 @@ def test_matches_the_whole_text_answer_however_it_is_split(text: str, stops: lis
     bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
     pieces = [text[a:b] for a, b in pairwise(bounds)]
     out, stopped = run(stops, pieces)
-    hits = [text.find(s) for s in stops if s in text]
-    expected = text[: min(hits)] if hits else text
+    hits = [(text.find(s) + len(s), text.find(s)) for s in stops if s in text]  # (end, start)
+    expected = text[: min(hits)[1]] if hits else text  # the stop complete first wins
     assert "".join(out) == expected
     assert stopped == bool(hits)
     emitted = ""
