@@ -173,6 +173,14 @@ class SupervisorProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def engine_stats(self, model_id: str) -> dict[str, Any]:
+        """The model's engine's own /admin/stats, straight over its socket."""
+        from mlxd.supervisor.engine import socket_path
+
+        transport = httpx.HTTPTransport(uds=str(socket_path(self.runtime, model_id)))
+        with httpx.Client(transport=transport, base_url="http://engine") as client:
+            return dict(client.get("/admin/stats").json())
+
     def openai(self, api_key: str = "unused") -> openai.OpenAI:
         """An SDK client on the supervisor; closed by stop() (an unclosed one leaks its sockets)."""
         client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0)

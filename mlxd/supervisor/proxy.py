@@ -251,19 +251,22 @@ class Upstream(asyncio.Protocol):
                 self._chunked.feed(data, self.body)
                 self._hold(sum(len(b) for b in self.body[before:]))
             if self._chunked.done:
-                self.ended = True
-                self.close()
+                self._end()
         elif self._length is not None:
             data = data[:self._length]
             self._length -= len(data)
             self.body.append(data)
             self._hold(len(data))
             if self._length == 0:
-                self.ended = True
-                self.close()
+                self._end()
         elif data:
             self.body.append(data)
             self._hold(len(data))
+
+    def _end(self) -> None:
+        """The whole answer is here: the connection has done its work."""
+        self.ended = True
+        self.close()
 
     def _hold(self, num_bytes: int) -> None:
         self._held += num_bytes
@@ -362,7 +365,7 @@ async def relay_stream(request: web.Request, up: Upstream, on_first_chunk: Calla
     this task only wakes to wait out a slow caller, and at the end. Otherwise (an HTTP/1.0
     caller, say, whose body runs to the close) every payload goes through `write`.
     """
-    resp = web.StreamResponse(status=up.head.status if up.head else 200, headers=SSE_HEADERS)
+    resp = web.StreamResponse(headers=SSE_HEADERS)  # only a 200 stream comes here
     await resp.prepare(request)
     direct = up.is_chunked and resp.headers.get("Transfer-Encoding", "").lower() == "chunked" and not resp.compression
     try:

@@ -44,15 +44,6 @@ def engines(sup: SupervisorProcess) -> dict[str, dict]:
     return {e["model"]: e for e in body["data"]} | {"_": body}
 
 
-def engine_stats(sup: SupervisorProcess, model: str) -> dict:
-    """The engine's own /admin/stats, straight over its socket."""
-    from mlxd.supervisor.engine import socket_path
-
-    transport = httpx.HTTPTransport(uds=str(socket_path(sup.runtime, model)))
-    with httpx.Client(transport=transport, base_url="http://engine") as client:
-        return client.get("/admin/stats").json()
-
-
 def test_alternating_models_with_one_slot_all_succeed_and_swap_in_batches(swapping: SupervisorProcess) -> None:
     sup = swapping
     # The spare engine process is made once the pool has been quiet a moment.
@@ -119,7 +110,7 @@ def test_drain_lets_streams_finish_and_nothing_reaches_the_draining_engine(tiny_
         assert report[0]["model"] == "a" and report[0]["cancelled"] == 0
         assert all(lines[-1] == "data: [DONE]" for lines in results) and len(results) == 2
         assert during == [200]  # queued during the drain, served after it
-        stats = engine_stats(sup, "a")
+        stats = sup.engine_stats("a")
         assert stats["admission"]["rejected_draining"] == 0, "the supervisor sent work to a draining engine"
         assert engines(sup)["a"]["state"] == "ready"
     finally:

@@ -222,29 +222,19 @@ def test_concurrent_first_requests_start_exactly_one_engine(tiny_model: Path, tm
         sup.stop()
 
 
-def engine_stats(sup: SupervisorProcess, model_id: str) -> dict[str, object]:
-    import httpx2 as httpx
-
-    from mlxd.supervisor.engine import socket_path
-
-    transport = httpx.HTTPTransport(uds=str(socket_path(sup.runtime, model_id)))
-    with httpx.Client(transport=transport, base_url="http://engine") as c:
-        return c.get("/admin/stats").json()  # type: ignore[no-any-return]
-
-
 def test_client_disconnect_through_the_supervisor_cancels_the_engine(sup: SupervisorProcess) -> None:
     sup.client.post("/v1/completions", json={"model": "tiny", "prompt": "warm", "max_tokens": 1})
-    before = engine_stats(sup, "tiny")["requests"]["cancelled"]  # type: ignore[index]
+    before = sup.engine_stats("tiny")["requests"]["cancelled"]
     with sup.client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as resp:
         lines = resp.iter_lines()
         for _ in range(3):
             next(lines)
     deadline = time.monotonic() + 3
-    while engine_stats(sup, "tiny")["requests"]["cancelled"] == before:  # type: ignore[index]
+    while sup.engine_stats("tiny")["requests"]["cancelled"] == before:
         assert time.monotonic() < deadline, "the engine kept generating for a client that left"
         time.sleep(0.05)
-    last = engine_stats(sup, "tiny")["last"]
-    assert last["finish_reason"] == "cancelled"  # type: ignore[index]
+    last = sup.engine_stats("tiny")["last"]
+    assert last["finish_reason"] == "cancelled"
 
 
 def test_two_models_and_eight_concurrent_streams(tiny_model: Path, tmp_path: Path) -> None:
