@@ -10,7 +10,8 @@ import msgspec
 import psutil
 from aiohttp import web
 
-from mlxd.protocol.errors import APIError, from_decode_error
+from mlxd.protocol.errors import APIError
+from mlxd.protocol.json_body import decode_as
 from mlxd.supervisor.engine import EngineState
 from mlxd.supervisor.keys import LEASES, POOL, REGISTRY
 from mlxd.supervisor.leases import Lease
@@ -50,10 +51,7 @@ async def decode(request: web.Request, kind: type[T], empty_ok: bool = False) ->
     raw = await request.read()
     if not raw.strip() and empty_ok:
         raw = b"{}"
-    try:
-        return msgspec.json.decode(raw, type=kind)
-    except msgspec.MsgspecError as exc:
-        raise from_decode_error(exc) from None
+    return decode_as(raw, kind)
 
 
 def resolve(request: web.Request, model: str) -> ModelEntry:

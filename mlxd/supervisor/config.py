@@ -32,6 +32,16 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     admin_keys: list[Key] = msgspec.field(default_factory=list)
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1)] = 32 * MIB
     insecure_no_auth: bool = False
+    # Host/Origin checks (guard.py): names besides loopback and `host` that requests may use.
+    allowed_hosts: list[Key] = msgspec.field(default_factory=list)
+    allowed_origins: list[Key] = msgspec.field(default_factory=list)
+    # Connection limits (connections.py).
+    head_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+    keepalive_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 75.0
+    max_connections: Annotated[int, msgspec.Meta(ge=1)] = 1024
+    max_connections_per_peer: Annotated[int, msgspec.Meta(ge=1)] = 256
+    # A queued stream gets an SSE comment this often until its first token.
+    stream_keepalive_s: Annotated[float, msgspec.Meta(gt=0)] = 3.0
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -58,6 +68,14 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     queue_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
     drain_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
     spare_engine: bool = True  # keep one engine process with its imports done ($MLXD_SPARE_ENGINE=0: off)
+    # Crash loops: `crash_limit` exits within `crash_window_s` mark a model failed; it is tried
+    # again after a cool-down that starts at `cooldown_s`, doubles on each new failure up to
+    # `cooldown_max_s`, and resets after `healthy_reset_s` of serving without a crash.
+    crash_limit: Annotated[int, msgspec.Meta(ge=1)] = 5
+    crash_window_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+    cooldown_s: Annotated[float, msgspec.Meta(gt=0)] = 15.0
+    cooldown_max_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
+    healthy_reset_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -8,7 +8,8 @@ import msgspec
 from aiohttp import web
 
 from mlxd import __version__
-from mlxd.protocol.errors import APIError, from_decode_error
+from mlxd.protocol.errors import APIError
+from mlxd.protocol.json_body import decode_json
 from mlxd.protocol.process import LEASE_HEADER
 from mlxd.supervisor.keys import METRICS, POOL, REGISTRY
 from mlxd.supervisor.metrics import MODEL_KEY
@@ -28,10 +29,8 @@ _model_decoder = msgspec.json.Decoder(ModelField)
 
 def requested_model(body: bytes) -> str | None:
     """The body's `model` field; 400 when the body is not a JSON object or `model` no string."""
-    try:
-        return _model_decoder.decode(body).model
-    except msgspec.MsgspecError as exc:
-        raise from_decode_error(exc) from None
+    model: str | None = decode_json(_model_decoder, body).model
+    return model
 
 
 async def inference(request: web.Request) -> web.StreamResponse:

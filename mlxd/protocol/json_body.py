@@ -1,0 +1,60 @@
+"""Decoding request bodies: msgspec errors and nesting too deep for anything behind it become 400s."""
+
+from __future__ import annotations
+
+import re
+from itertools import accumulate
+from typing import Any, TypeVar
+
+import msgspec
+
+from mlxd.protocol.errors import APIError, from_decode_error
+
+T = TypeVar("T")
+# Deeper JSON is refused: chat templates, tool schemas and msgspec itself recurse on it, and a
+# real request (tool schemas included) stays far below this.
+MAX_JSON_DEPTH = 128
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(range(256)).translate(None, b"[]{}")
+_SIGNS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # +1 and -1 as signed bytes
+
+
+def json_depth_exceeds(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether valid JSON `body` nests arrays/objects more than `limit` deep.
+
+    Ordinary bodies cost two `count`s. Past that, strings are taken out, brackets become +1/-1
+    and the running sum's peak is the depth: all in C loops (0.7 s for 32 MiB of brackets).
+    """
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False
+    signs = _STRING.sub(b"", body).translate(_SIGNS, _NOT_BRACKETS)
+    return max(accumulate(memoryview(signs).cast("b")), default=0) > limit
+
+
+def too_deep(limit: int = MAX_JSON_DEPTH) -> APIError:
+    return APIError(400, f"Request body nests JSON more than {limit} levels deep.", code="json_too_deep")
+
+
+def decode_json(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
+    """`decoder.decode(body)`, with every failure a 400 naming the field or the problem."""
+    try:
+        value = decoder.decode(body)
+    except msgspec.MsgspecError as exc:
+        raise from_decode_error(exc) from None
+    except RecursionError:
+        raise too_deep() from None
+    if json_depth_exceeds(body):
+        raise too_deep()
+    return value
+
+
+def decode_as(body: bytes, kind: type[T]) -> T:
+    """Decode `body` into `kind` (a cached decoder per type); 400s as `decode_json`."""
+    decoder = _decoders.get(kind)
+    if decoder is None:
+        decoder = _decoders[kind] = msgspec.json.Decoder(kind)
+    result: T = decode_json(decoder, body)
+    return result
+
+
+_decoders: dict[Any, msgspec.json.Decoder[Any]] = {}
