@@ -20,7 +20,7 @@ _SIGNS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # +1 and -1 as signed by
 
 
 def json_depth_exceeds(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
-    """Whether valid JSON `body` nests arrays/objects more than `limit` deep.
+    """Whether JSON `body` nests arrays/objects more than `limit` deep.
 
     Ordinary bodies cost two `count`s. Past that, strings are taken out, brackets become +1/-1
     and the running sum's peak is the depth: all in C loops (0.7 s for 32 MiB of brackets).
@@ -37,15 +37,14 @@ def too_deep(limit: int = MAX_JSON_DEPTH) -> APIError:
 
 def decode_json(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
     """`decoder.decode(body)`, with every failure a 400 naming the field or the problem."""
-    try:
-        value = decoder.decode(body)
-    except msgspec.MsgspecError as exc:
-        raise from_decode_error(exc) from None
-    except RecursionError:
-        raise too_deep() from None
     if json_depth_exceeds(body):
         raise too_deep()
-    return value
+    try:
+        return decoder.decode(body)
+    except msgspec.MsgspecError as exc:
+        raise from_decode_error(exc) from None
+    except RecursionError:  # not expected below the depth limit; no body may make a 500
+        raise too_deep() from None
 
 
 def decode_as(body: bytes, kind: type[T]) -> T:

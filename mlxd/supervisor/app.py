@@ -12,6 +12,8 @@ from mlxd.supervisor import routes
 from mlxd.supervisor.admin_routes import setup_admin_routes
 from mlxd.supervisor.auth import Auth
 from mlxd.supervisor.config import Config
+from mlxd.supervisor.connections import make_body_middleware
+from mlxd.supervisor.guard import HostPolicy, add_cors_headers, machine_names, make_guard_middleware
 from mlxd.supervisor.keys import AUTH, CONFIG, LEASES, METRICS, POOL, REGISTRY
 from mlxd.supervisor.leases import Leases
 from mlxd.supervisor.metrics import LazyMetrics, make_metrics_middleware
@@ -19,15 +21,19 @@ from mlxd.supervisor.pool import Pool
 from mlxd.supervisor.registry import Registry
 
 OPEN_PATHS = frozenset({"/health"})
+BODY_TIMEOUTS_PER_HEAD = 6  # a request body must arrive within 6 head deadlines (60 s by default)
 
 
 def make_app(config: Config, registry: Registry, pool: Pool) -> web.Application:
     """The supervisor app; its cleanup context stops every engine."""
-    metrics = LazyMetrics(pool)
+    metrics, server = LazyMetrics(pool), config.server
+    hosts = HostPolicy.make(server.host, server.allowed_hosts, server.allowed_origins, machine_names())
     app = web.Application(
-        client_max_size=config.server.max_body_bytes,
-        middlewares=[make_metrics_middleware(metrics), make_error_middleware("supervisor"), auth_middleware],
+        client_max_size=server.max_body_bytes,
+        middlewares=[make_metrics_middleware(metrics), make_error_middleware("supervisor"), make_guard_middleware(hosts),
+                     auth_middleware, make_body_middleware(server.max_body_bytes, server.head_timeout_s * BODY_TIMEOUTS_PER_HEAD)],
     )
+    app.on_response_prepare.append(add_cors_headers)
     app[CONFIG], app[REGISTRY], app[POOL], app[METRICS] = config, registry, pool, metrics
     app[LEASES] = Leases(pool)
     app[AUTH] = Auth(config.server.api_keys, config.server.admin_keys)

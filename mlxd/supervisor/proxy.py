@@ -296,16 +296,17 @@ def connection_gate() -> asyncio.Semaphore:
 
 async def forward(
     request: web.Request, socket: Path, gate: asyncio.Semaphore, body: bytes, headers: Mapping[str, str],
-    on_first_chunk: Callable[[], None] = lambda: None,
+    on_first_chunk: Callable[[], None] = lambda: None, prepared: web.StreamResponse | None = None,
 ) -> web.StreamResponse:
     """POST `body` to the same path on the engine at `socket` (holding one of `gate`'s slots);
-    relay its answer chunk by chunk."""
+    relay its answer chunk by chunk (an event stream into `prepared` when the SSE head is out)."""
     async with gate:
-        return await _forward(request, socket, body, headers, on_first_chunk)
+        return await _forward(request, socket, body, headers, on_first_chunk, prepared)
 
 
 async def _forward(
-    request: web.Request, socket: Path, body: bytes, headers: Mapping[str, str], on_first_chunk: Callable[[], None]
+    request: web.Request, socket: Path, body: bytes, headers: Mapping[str, str], on_first_chunk: Callable[[], None],
+    prepared: web.StreamResponse | None,
 ) -> web.StreamResponse:
     loop = asyncio.get_running_loop()
     try:
@@ -319,7 +320,7 @@ async def _forward(
         if up.head is None:
             raise crashed_error()
         if up.head.is_event_stream and up.head.status == 200:
-            return await relay_stream(request, up, on_first_chunk)
+            return await relay_stream(request, up, on_first_chunk, prepared)
         return await relay_whole(up)
     finally:
         up.close()
@@ -356,7 +357,9 @@ def is_busy(data: bytes) -> bool:
     return code in ("draining", "leased")
 
 
-async def relay_stream(request: web.Request, up: Upstream, on_first_chunk: Callable[[], None]) -> web.StreamResponse:
+async def relay_stream(
+    request: web.Request, up: Upstream, on_first_chunk: Callable[[], None], prepared: web.StreamResponse | None = None
+) -> web.StreamResponse:
     """SSE relayed as it arrives; an engine that dies mid-stream becomes an SSE error event.
 
     The first payloads go through aiohttp's `write` (which sends the head with them). After
@@ -365,8 +368,9 @@ async def relay_stream(request: web.Request, up: Upstream, on_first_chunk: Calla
     this task only wakes to wait out a slow caller, and at the end. Otherwise (an HTTP/1.0
     caller, say, whose body runs to the close) every payload goes through `write`.
     """
-    resp = web.StreamResponse(headers=SSE_HEADERS)  # only a 200 stream comes here
-    await resp.prepare(request)
+    resp = prepared or web.StreamResponse(headers=SSE_HEADERS)  # only a 200 stream comes here
+    if prepared is None:
+        await resp.prepare(request)
     direct = up.is_chunked and resp.headers.get("Transfer-Encoding", "").lower() == "chunked" and not resp.compression
     try:
         await _write_payloads(resp, up, on_first_chunk, until_first=direct)
@@ -397,13 +401,14 @@ async def relay_stream(request: web.Request, up: Upstream, on_first_chunk: Calla
 async def _write_payloads(
     resp: web.StreamResponse, up: Upstream, on_first_chunk: Callable[[], None], until_first: bool
 ) -> None:
-    """Payloads through `resp.write` until the answer ends, or (`until_first`) none is left after the first."""
+    """Payloads through `resp.write` until the answer ends, or (`until_first`) none is left after the
+    first event (SSE comments, the engine's keep-alives while a request waits, do not count)."""
     sent = False
     while True:
         body = up.take_body()
         for payload in body:
             await resp.write(payload)
-        if body and not sent:
+        if not sent and any(not payload.startswith(b":") for payload in body):
             sent = True
             on_first_chunk()
         if up.body:

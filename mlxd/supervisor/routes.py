@@ -11,47 +11,74 @@ from mlxd import __version__
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.json_body import decode_json
 from mlxd.protocol.process import LEASE_HEADER
-from mlxd.supervisor.keys import METRICS, POOL, REGISTRY
+from mlxd.supervisor.keys import CONFIG, METRICS, POOL, REGISTRY
 from mlxd.supervisor.metrics import MODEL_KEY
 from mlxd.supervisor.proxy import EngineBusy, forward
+from mlxd.supervisor.registry import ModelEntry
+from mlxd.supervisor.waiting import WaitingStream
 
 MAX_REQUEUES = 3
 
 
-class ModelField(msgspec.Struct):
-    """Only the routing field; the engine validates the rest of the body."""
+class RoutingFields(msgspec.Struct):
+    """Only the fields the supervisor routes by; the engine validates the rest of the body."""
 
     model: str | None = None
+    stream: bool | None = None
 
 
-_model_decoder = msgspec.json.Decoder(ModelField)
+_routing_decoder = msgspec.json.Decoder(RoutingFields)
 
 
-def requested_model(body: bytes) -> str | None:
-    """The body's `model` field; 400 when the body is not a JSON object or `model` no string."""
-    model: str | None = decode_json(_model_decoder, body).model
-    return model
+def routing_fields(body: bytes) -> RoutingFields:
+    """The body's `model` and `stream`; 400 when the body is not a JSON object or they have the wrong type."""
+    fields: RoutingFields = decode_json(_routing_decoder, body)
+    return fields
 
 
 async def inference(request: web.Request) -> web.StreamResponse:
-    """POST /v1/chat/completions and /v1/completions: start the model's engine if needed, relay."""
+    """POST /v1/chat/completions and /v1/completions: start the model's engine if needed, relay.
+
+    A stream that waits long for its engine gets SSE comments meanwhile (waiting.py); its
+    errors then come as an SSE error event.
+    """
     started = time.perf_counter()
     body = await request.read()
-    pool = request.app[POOL]
-    entry = request.app[REGISTRY].resolve(requested_model(body), pool.loaded_ids())
+    fields = routing_fields(body)
+    entry = request.app[REGISTRY].resolve(fields.model, request.app[POOL].loaded_ids())
     request[MODEL_KEY] = entry.id
+    waiting = WaitingStream(request, request.app[CONFIG].server.stream_keepalive_s) if fields.stream else None
+    try:
+        return await _route(request, entry, body, started, waiting)
+    except APIError as err:
+        if waiting is None or waiting.response is None:
+            raise
+        return await waiting.fail(err)
+
+
+async def _route(
+    request: web.Request, entry: ModelEntry, body: bytes, started: float, waiting: WaitingStream | None
+) -> web.StreamResponse:
+    pool = request.app[POOL]
     ttft = request.app[METRICS].get().ttft.labels(entry.id)
     lease_id = request.headers.get(LEASE_HEADER)
     for _ in range(MAX_REQUEUES):
-        async with pool.use(entry, lease_id) as slot:
+        acquire = pool.acquire(entry, lease_id)
+        slot = await (waiting.wait(acquire, pool.release) if waiting is not None else acquire)
+        try:
             headers = {LEASE_HEADER: slot.engine_lease_token} if lease_id and slot.engine_lease_token else {}
-            try:
-                return await forward(
-                    request, slot.engine.socket, slot.engine.connections, body, headers,
-                    on_first_chunk=lambda: ttft.observe(time.perf_counter() - started),
-                )
-            except EngineBusy:
-                continue  # raced a drain or lease at the engine: wait in the queue again
+            prepared = waiting.response if waiting is not None else None
+            resp = await forward(
+                request, slot.engine.socket, slot.engine.connections, body, headers,
+                on_first_chunk=lambda: ttft.observe(time.perf_counter() - started), prepared=prepared,
+            )
+        except EngineBusy:
+            continue  # raced a drain or lease at the engine: wait in the queue again
+        finally:
+            pool.release(slot)
+        if waiting is not None and waiting.response is not None and isinstance(resp, web.Response):
+            return await waiting.fail_with(resp.body if isinstance(resp.body, bytes) else b"{}")  # the engine's error
+        return resp
     raise APIError(503, f"Model {entry.id} stayed busy; try again.", type="server_error", code="engine_busy",
                    headers={"Retry-After": "1"})
 

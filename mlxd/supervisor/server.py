@@ -19,7 +19,8 @@ from aiohttp import web
 from mlxd.fdlimit import raise_open_file_limit
 from mlxd.paths import ensure_private_dir, models_dir, runtime_dir
 from mlxd.supervisor.app import make_app
-from mlxd.supervisor.config import Config
+from mlxd.supervisor.config import Config, ServerConfig
+from mlxd.supervisor.connections import ConnectionTable, GuardedSite
 from mlxd.supervisor.engine import EngineOptions
 from mlxd.supervisor.pool import Pool
 from mlxd.supervisor.registry import Registry
@@ -27,6 +28,8 @@ from mlxd.supervisor.registry import Registry
 log = logging.getLogger("mlxd.supervisor")
 # In-flight requests get this long to finish at shutdown before engines are stopped.
 SHUTDOWN_TIMEOUT_S = 10.0
+KEEPALIVE_ENV = "MLXD_STREAM_KEEPALIVE_S"
+LINGER_S = 2.0  # an unread body (a 413, say) is read and dropped this long before the close
 
 
 def remove_stale_sockets(runtime: Path) -> list[Path]:
@@ -52,10 +55,12 @@ def serve(config: Config, data_dir: Path) -> int:
     runtime = ensure_private_dir(runtime_dir())
     if stale := remove_stale_sockets(runtime):
         log.info("removed %d stale engine socket(s) in %s", len(stale), runtime)
+    # Engines inherit it: a stream queued inside an engine gets the same keep-alive comments.
+    os.environ.setdefault(KEEPALIVE_ENV, str(config.server.stream_keepalive_s))
     registry = Registry(config.models, models_dir=models_dir(data_dir))
     app = make_app(config, registry, Pool(runtime, EngineOptions.from_env(), config.pool))
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        return runner.run(run(app, config.server.host, config.server.port, started))
+        return runner.run(run(app, config.server, started))
 
 
 def loop_factory(env: Mapping[str, str] = os.environ) -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -73,12 +78,17 @@ def loop_factory(env: Mapping[str, str] = os.environ) -> Callable[[], asyncio.Ab
     return uvloop.new_event_loop
 
 
-async def run(app: web.Application, host: str, port: int, started: float) -> int:
+async def run(app: web.Application, server: ServerConfig, started: float) -> int:
     """Bind, serve, and on a signal: stop accepting, let requests finish, stop engines."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    host, port = server.host, server.port
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        keepalive_timeout=server.keepalive_timeout_s, lingering_time=LINGER_S,
+    )
     await runner.setup()
+    connections = ConnectionTable(server.max_connections, server.max_connections_per_peer, server.head_timeout_s)
     try:
-        await web.TCPSite(runner, host, port).start()
+        await GuardedSite(runner, host, port, connections).start()
     except OSError as exc:
         log.error("cannot listen on %s:%d: %s", host, port, exc.strerror or exc)
         await runner.cleanup()

@@ -31,7 +31,8 @@ def sup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 def engine_pids(sup: SupervisorProcess) -> list[int]:
     children = psutil.Process(sup.proc.pid).children()
-    return [c.pid for c in children if "mlxd.engine" in " ".join(c.cmdline())]
+    # An engine names itself `mlxd engine MODEL` (setproctitle) once it has its model.
+    return [c.pid for c in children if " ".join(c.cmdline()).startswith(("mlxd engine", sys.executable))]
 
 
 def test_openai_sdk_through_the_supervisor(sup: SupervisorProcess) -> None:

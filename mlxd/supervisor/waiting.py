@@ -1,0 +1,73 @@
+"""A streaming request that waits for its engine says so: SSE comments until the answer starts.
+
+A stream queued behind a swap, a lease or other requests would otherwise get nothing for as
+long as it waits, and a client with a read timeout (10 s is common) gives up. Once it has
+waited `keepalive_s`, the caller gets the SSE head and a comment line (`: waiting`) every
+`keepalive_s`; SSE clients ignore comments. From then on every error, the pool's or the
+engine's, reaches it as an SSE error event, since the 200 has been sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import msgspec
+from aiohttp import web
+
+from mlxd.protocol.errors import APIError
+
+T = TypeVar("T")
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+COMMENT = b": waiting for the model\n\n"
+
+
+class WaitingStream:
+    """One streaming request's caller while it waits: the SSE head and comments, once needed."""
+
+    def __init__(self, request: web.Request, keepalive_s: float) -> None:
+        self._request = request
+        self._keepalive_s = keepalive_s
+        self.response: web.StreamResponse | None = None  # prepared once the wait got long
+
+    async def wait(self, step: Awaitable[T], abandon: Callable[[T], None]) -> T:
+        """`step`'s result, with a comment to the caller every `keepalive_s` until it is ready.
+
+        If the caller leaves (or a comment cannot be written) after `step` succeeded, its
+        result goes to `abandon` (a slot to give back), since nobody else will use it.
+        """
+        task = asyncio.ensure_future(step)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self._keepalive_s)
+                if done:
+                    return task.result()
+                await self._ping()
+        except BaseException:
+            if task.done() and not task.cancelled() and task.exception() is None:
+                abandon(task.result())
+            else:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            raise
+
+    async def _ping(self) -> None:
+        if self.response is None:
+            self.response = web.StreamResponse(headers=SSE_HEADERS)
+            await self.response.prepare(self._request)
+        await self.response.write(COMMENT)
+
+    async def fail(self, err: APIError) -> web.StreamResponse:
+        """End the started stream with `err` as an SSE error event (OpenAI's error shape)."""
+        return await self.fail_with(msgspec.json.encode(err.to_openai()))
+
+    async def fail_with(self, error_json: bytes) -> web.StreamResponse:
+        """End the started stream with an error body (already JSON) as its last event."""
+        assert self.response is not None
+        with contextlib.suppress(ConnectionResetError):
+            await self.response.write(b"data: " + error_json.strip() + b"\n\n")
+            await self.response.write_eof()
+        return self.response
