@@ -7,10 +7,13 @@ each import it skips is start-up time saved.
 from __future__ import annotations
 
 import importlib
+import logging
+from typing import Any
 
 import click
 
 from mlxd import __version__
+from mlxd.paths import PrivateDirError
 
 # name -> "module:attribute", in the order `mlxd --help` lists them.
 COMMANDS = {
@@ -50,8 +53,27 @@ class LazyGroup(click.Group):
         assert isinstance(command, click.Command), target
         return command
 
+    def invoke(self, ctx: click.Context) -> Any:
+        """Run the subcommand; a runtime dir that is not private is one line and exit 1, not a traceback."""
+        try:
+            return super().invoke(ctx)
+        except PrivateDirError as exc:
+            raise click.ClickException(str(exc)) from None
+
+
+class CliLogFormatter(logging.Formatter):
+    """`warning: ...`, as a command line tool says it (the daemon's log has its own format)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"{record.levelname.lower()}: {super().format(record)}"
+
 
 @click.group(cls=LazyGroup, lazy=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="mlxd")
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """mlxd: a local LLM inference daemon on MLX."""
+    if ctx.invoked_subcommand != "serve":  # serve logs with timestamps, to its stderr or the daemon's log
+        handler = logging.StreamHandler()
+        handler.setFormatter(CliLogFormatter())
+        logging.basicConfig(level=logging.WARNING, handlers=[handler])

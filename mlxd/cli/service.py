@@ -8,11 +8,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from string import Template
+
+from mlxd.paths import make_private_dirs, shell_quote
 
 LABEL = "dev.mlxd"
 UNIT_NAME = "mlxd.service"
@@ -21,6 +24,7 @@ STOP_TIMEOUT_S = 30
 START_TIMEOUT_S = 30.0
 PID_FILE_NAME = "mlxd.pid"
 LOG_FILE_NAME = "mlxd.log"
+PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600  # logs and pid file: readable by their owner only
 
 DEPLOY_DIR = Path(__file__).resolve().parents[2] / "deploy"
 
@@ -271,10 +275,12 @@ class PidRecord:
 
 
 def write_pid_file(path: Path, record: PidRecord) -> None:
-    """Write `record` atomically (a reader never sees half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write `record` atomically (a reader never sees half a file), mode 0600."""
+    make_private_dirs(path.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(asdict(record)) + "\n")
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE), "w") as f:
+        os.fchmod(f.fileno(), PRIVATE_FILE)  # a leftover temp file keeps its old mode otherwise
+        f.write(json.dumps(asdict(record)) + "\n")
     tmp.replace(path)
 
 
@@ -295,6 +301,50 @@ def new_record(pid: int, host: str, port: int) -> PidRecord:
 def remove_pid_file(path: Path) -> None:
     """Remove `path` if it is there."""
     path.unlink(missing_ok=True)
+
+
+# --- file modes --------------------------------------------------------------
+
+
+def open_log(path: Path) -> int:
+    """An fd appending to the log, which is created mode 0600 when missing."""
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, PRIVATE_FILE)
+
+
+def secure_files(data_dir: Path) -> list[str]:
+    """Make the log and pid file private before anything writes them; a line for each change or risk.
+
+    Dirs mlxd makes are 0700, its files 0600. A service manager (systemd's append:, launchd's
+    StandardOutPath) would create a missing log 0644, so the log is created here first. A looser
+    logs dir, log or pid file (an older mlxd made them 0755/0644) is tightened and said so, once:
+    the next start finds them private. The data dir may be the user's own: only warned about.
+    """
+    log = log_file(data_dir)
+    make_private_dirs(log.parent)
+    os.close(open_log(log))
+    modes = {log.parent: PRIVATE_DIR, log: PRIVATE_FILE, pid_file(data_dir): PRIVATE_FILE}
+    lines = [line for path, mode in modes.items() if (line := tighten(path, mode))]
+    if (mode := stat.S_IMODE(data_dir.stat().st_mode)) & 0o022:
+        lines.append(
+            f"warning: data dir {data_dir} is writable by others (mode {mode:o}): they could replace "
+            f"mlxd's log and pid file; run chmod go-w {shell_quote(data_dir)}"
+        )
+    return lines
+
+
+def tighten(path: Path, mode: int) -> str | None:
+    """chmod `path` to `mode` if group or others have more; what was done, or None."""
+    try:
+        old = stat.S_IMODE(path.stat().st_mode)
+    except OSError:  # not there (no pid file yet): nothing to tighten
+        return None
+    if not old & 0o077:
+        return None
+    try:
+        path.chmod(mode)
+    except OSError as exc:
+        return f"warning: {path} is mode {old:o} and cannot be made private: {exc.strerror or exc}"
+    return f"note: {path} was open to others (mode {old:o}); made it {mode:o}"
 
 
 def log_tail(path: Path, num_lines: int = 20) -> str:

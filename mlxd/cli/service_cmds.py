@@ -101,6 +101,17 @@ def wait_up(system: System, url: str, is_running: Callable[[], bool]) -> Health 
     return health
 
 
+def prepare_files(data_dir: Path) -> Path:
+    """Make the data dir's log and pid file private, saying what changed; the log's path."""
+    try:
+        lines = svc.secure_files(data_dir)
+    except OSError as exc:
+        raise click.ClickException(f"cannot prepare mlxd's log: {exc.filename or data_dir}: {exc.strerror or exc}") from None
+    for line in lines:
+        click.echo(line, err=True)
+    return svc.log_file(data_dir)
+
+
 def failure(what: str, log: Path) -> click.ClickException:
     """An error that ends with the log's tail."""
     return click.ClickException(f"{what}\n--- last lines of {log} ---\n{svc.log_tail(log)}")
@@ -127,8 +138,8 @@ def start_service(system: System, backend: Backend) -> str:
     url = service_url(backend, system)
     if (health := system.probe(url)) is not None:
         return f"mlxd is already running at {url} (version {health.get('version')}, {backend.kind})"
+    log = prepare_files(resolve_data_dir(backend.options()))  # before the service manager opens the log
     backend.start()
-    log = svc.log_file(resolve_data_dir(backend.options()))
     if wait_up(system, url, lambda: True) is None:
         raise failure(f"mlxd ({backend.kind}) did not answer {url}/health in {svc.START_TIMEOUT_S:.0f} s", log)
     return f"mlxd is running at {url} ({backend.kind} {backend.path})"
@@ -144,7 +155,7 @@ def start_detached(system: System, opts: ServeOptions) -> str:
         return already_running(system, record, url, pid_path)
     if system.probe(url) is not None:
         raise click.ClickException(f"another mlxd already answers at {url} (not one `mlxd start` started)")
-    log.parent.mkdir(parents=True, exist_ok=True)
+    prepare_files(data)
     argv = ServeOptions(opts.host, opts.port, svc.absolute(opts.config), data).serve_argv(system.python)
     proc = spawn_detached(argv, log)
     svc.write_pid_file(pid_path, svc.new_record(proc.pid, host, port))
@@ -173,8 +184,8 @@ def already_running(system: System, record: PidRecord, url: str, pid_path: Path)
 
 
 def spawn_detached(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
-    """Start `argv` in its own session, stdin from /dev/null, output appended to `log`."""
-    with log.open("ab") as out:
+    """Start `argv` in its own session, stdin from /dev/null, output appended to `log` (0600)."""
+    with open(svc.open_log(log), "ab") as out:
         return subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True, close_fds=True,
@@ -267,8 +278,7 @@ def install_service(system: System, opts: ServeOptions) -> list[str]:
     if (record := live_record(svc.pid_file(data))) is not None:
         raise click.ClickException(f"mlxd is running from `mlxd start` (pid {record.pid}); run `mlxd stop` first")
     url = svc.base_url(*resolve_address(opts, {**opts.service_env(), "HOME": str(system.home)}))
-    log = svc.log_file(data)
-    log.parent.mkdir(parents=True, exist_ok=True)
+    log = prepare_files(data)
     backend.path.parent.mkdir(parents=True, exist_ok=True)
     backend.path.write_text(backend.render(opts, log))
     lines = [f"wrote {backend.path}"]

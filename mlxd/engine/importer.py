@@ -24,7 +24,7 @@ import numpy as np
 
 from mlxd.engine.gguf import GGUFError, GGUFFile, TensorInfo
 from mlxd.engine.gguf_tokenizer import eos_token_ids, write_tokenizer_files
-from mlxd.paths import DEFAULT_MODEL_ID
+from mlxd.paths import DEFAULT_MODEL_ID, make_private_dirs
 
 Progress = Callable[[str], None]
 
@@ -409,7 +409,7 @@ def import_gguf(
     dest = Path(models_dir) / _check_name(name or Path(src).stem)
     if dest.exists() and not force:
         raise GGUFImportError(f"{dest} already exists (use --force to replace it)")
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    make_private_dirs(dest.parent)  # a data dir mlxd makes is 0700, like the model dirs (mkdtemp's)
     sweep_stale_imports(dest.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.importing-", dir=dest.parent))
     try:

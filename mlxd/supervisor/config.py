@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 import re
+import stat
 import sys
 import tomllib
 from collections.abc import Mapping
@@ -13,6 +15,9 @@ from typing import Annotated, Any
 
 import msgspec
 
+from mlxd.paths import shell_quote
+
+log = logging.getLogger("mlxd.config")
 MIB = 1024 * 1024
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Key = Annotated[str, msgspec.Meta(min_length=1)]
@@ -118,7 +123,28 @@ def load_config(path: Path, *, explicit: bool) -> Config:
         return Config()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config file: {exc.strerror or exc}") from None
-    return resolve_model_paths(decode_config(raw, path), path.absolute().parent)
+    cfg = resolve_model_paths(decode_config(raw, path), path.absolute().parent)
+    if warning := exposed_keys_warning(path, cfg):
+        # The one place it is said: `mlxd serve` logs it (so a daemon's log has it) and other
+        # commands that read the config print it, as ssh does for a private key others can read.
+        log.warning("%s", warning)
+    return cfg
+
+
+def exposed_keys_warning(path: Path, cfg: Config) -> str | None:
+    """What to say when `path` holds keys and group or others can read it; None when it is fine."""
+    if not (cfg.server.api_keys or cfg.server.admin_keys):
+        return None
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except OSError:
+        return None
+    if not mode & 0o044:
+        return None
+    return (
+        f"{path} holds API keys and is readable by others (mode {mode:o}); "
+        f"run chmod 600 {shell_quote(path)}"
+    )
 
 
 def decode_config(raw: bytes, path: Path) -> Config:

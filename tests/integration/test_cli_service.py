@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -78,6 +79,9 @@ def test_start_status_stop_round_trip(cli: Cli) -> None:
     assert proc.cmdline()[1:4] == ["-m", "mlxd", "serve"]
     assert os.getsid(record.pid) == record.pid  # its own session: a closed terminal does not kill it
     assert (cli.data / "logs" / "mlxd.log").read_text().count("mlxd serving on") == 1
+    # Made by `mlxd start`: readable by their owner only (the log holds prompts' errors, paths).
+    assert modes(cli.data, "", "logs", "logs/mlxd.log", "mlxd.pid") == [0o700, 0o700, 0o600, 0o600]
+    assert started.stderr == ""
 
     status = cli("status", "--data-dir", str(cli.data))
     assert status.returncode == 0, status.stderr
@@ -99,6 +103,36 @@ def test_start_status_stop_round_trip(cli: Cli) -> None:
     assert '"status": "down"' in down.stdout
     not_running = cli("stop", "--data-dir", str(cli.data))
     assert not_running.returncode == 0 and "not running" in not_running.stdout
+
+
+def modes(root: Path, *names: str) -> list[int]:
+    return [stat.S_IMODE((root / name).stat().st_mode) for name in names]
+
+
+def test_start_tightens_an_older_layout_and_warns_about_a_readable_config_with_keys(cli: Cli) -> None:
+    (cli.data / "logs").mkdir(parents=True)
+    cli.data.chmod(0o755)  # left as it is: it may be the user's own dir
+    (cli.data / "logs").chmod(0o755)
+    (cli.data / "logs" / "mlxd.log").write_text("an older run\n")
+    (cli.data / "logs" / "mlxd.log").chmod(0o644)
+    cli.config.write_text('[server]\napi_keys = ["sk-test"]\n')
+    cli.config.chmod(0o644)
+    warning = f"{cli.config} holds API keys and is readable by others (mode 644); run chmod 600 {cli.config}"
+    started = cli.start()
+    assert started.returncode == 0, started.stderr
+    assert started.stderr.splitlines() == [
+        f"warning: {warning}",
+        f"note: {cli.data}/logs was open to others (mode 755); made it 700",
+        f"note: {cli.data}/logs/mlxd.log was open to others (mode 644); made it 600",
+    ]
+    assert modes(cli.data, "", "logs", "logs/mlxd.log", "mlxd.pid") == [0o755, 0o700, 0o600, 0o600]
+    log = (cli.data / "logs" / "mlxd.log").read_text()
+    assert log.startswith("an older run\n") and log.count(f"WARNING mlxd.config: {warning}") == 1
+    assert cli("stop", "--data-dir", str(cli.data)).returncode == 0
+    cli.config.chmod(0o600)
+    again = cli.start()
+    assert again.returncode == 0 and again.stderr == "", again.stderr  # said once; a private config is quiet
+    assert cli("stop", "--data-dir", str(cli.data)).returncode == 0
 
 
 def test_a_stale_pid_file_is_replaced(cli: Cli) -> None:

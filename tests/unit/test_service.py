@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import configparser
 import json
+import os
 import plistlib
 import shutil
+import stat
 import subprocess
 import sys
 from collections.abc import Callable
@@ -164,6 +166,82 @@ def test_log_tail(tmp_path: Path) -> None:
     assert svc.log_tail(log, 3) == "line 97\nline 98\nline 99"
 
 
+# --- file modes ----------------------------------------------------------------------
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_a_fresh_data_dir_is_made_private_with_nothing_to_say(tmp_path: Path) -> None:
+    data = tmp_path / "a" / "data"
+    assert svc.secure_files(data) == []
+    assert [mode(p) for p in (tmp_path / "a", data, data / "logs", svc.log_file(data))] == [0o700] * 3 + [0o600]
+    svc.write_pid_file(svc.pid_file(data), svc.new_record(1234, "127.0.0.1", 8900))
+    assert mode(svc.pid_file(data)) == 0o600
+
+
+def test_an_older_layout_is_tightened_and_said_once(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    (data / "logs").mkdir(parents=True)
+    data.chmod(0o755)  # the user's own dir, or an older mlxd's: left as it is
+    (data / "logs").chmod(0o755)
+    svc.log_file(data).write_text("old lines\n")
+    svc.log_file(data).chmod(0o644)
+    svc.pid_file(data).write_text("{}")
+    svc.pid_file(data).chmod(0o644)
+    assert svc.secure_files(data) == [
+        f"note: {data}/logs was open to others (mode 755); made it 700",
+        f"note: {data}/logs/mlxd.log was open to others (mode 644); made it 600",
+        f"note: {data}/mlxd.pid was open to others (mode 644); made it 600",
+    ]
+    assert (mode(data), mode(data / "logs"), mode(svc.log_file(data)), mode(svc.pid_file(data))) == (
+        0o755, 0o700, 0o600, 0o600,
+    )
+    assert svc.log_file(data).read_text() == "old lines\n"
+    assert svc.secure_files(data) == []  # once
+
+
+def test_a_data_dir_others_can_write_is_warned_about_every_time(tmp_path: Path) -> None:
+    data = tmp_path / "my data"
+    data.mkdir()
+    data.chmod(0o775)
+    warning = (f"warning: data dir {data} is writable by others (mode 775): they could replace mlxd's log "
+               f"and pid file; run chmod go-w '{data}'")
+    assert svc.secure_files(data) == [warning]
+    assert svc.secure_files(data) == [warning]
+    assert mode(data) == 0o775
+
+
+def test_a_file_that_cannot_be_tightened_is_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    log = tmp_path / "mlxd.log"
+    log.write_text("")
+    log.chmod(0o644)
+
+    def refuse(self: Path, mode: int) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(Path, "chmod", refuse)
+    assert svc.tighten(log, 0o600) == f"warning: {log} is mode 644 and cannot be made private: Operation not permitted"
+    assert svc.tighten(tmp_path / "missing", 0o600) is None
+
+
+def test_the_pid_file_is_0600_even_over_a_loose_leftover_temp_file(tmp_path: Path) -> None:
+    path = tmp_path / "mlxd.pid"
+    leftover = tmp_path / f".mlxd.pid.{os.getpid()}"
+    leftover.write_text("half")
+    leftover.chmod(0o666)
+    svc.write_pid_file(path, svc.new_record(1234, "127.0.0.1", 8900))
+    assert mode(path) == 0o600 and not leftover.exists()
+
+
+def test_the_detached_daemon_log_is_created_0600(tmp_path: Path) -> None:
+    log = tmp_path / "mlxd.log"
+    proc = cmds.spawn_detached([sys.executable, "-c", "print('hello')"], log)
+    assert proc.wait(30) == 0
+    assert log.read_text() == "hello\n" and mode(log) == 0o600
+
+
 # --- install / uninstall with a fake service manager -----------------------------
 
 
@@ -176,7 +254,8 @@ def test_install_on_linux_without_a_user_bus_prints_the_commands(tmp_path: Path)
     assert "  systemctl --user enable --now mlxd" in lines
     service = parse_unit(unit.read_text())["Service"]
     assert service["Environment"] == f"MLXD_DATA_DIR={tmp_path}/data"  # carried from the shell's env
-    assert (tmp_path / "data/logs").is_dir()
+    # The log is there, private, before systemd's `append:` would create it 0644.
+    assert [mode(tmp_path / p) for p in ("data", "data/logs", "data/logs/mlxd.log")] == [0o700, 0o700, 0o600]
 
 
 def test_install_on_linux_with_a_user_bus_enables_and_starts(tmp_path: Path) -> None:
@@ -203,6 +282,7 @@ def test_install_on_macos_writes_the_agent_and_bootstraps(tmp_path: Path, monkey
     plist = plistlib.loads(plist_file.read_bytes())
     assert plist["EnvironmentVariables"]["MLXD_CONFIG"] == str(Path("rel.toml").absolute())
     assert plist["StandardOutPath"] == f"{tmp_path}/data/logs/mlxd.log"
+    assert mode(tmp_path / "data/logs/mlxd.log") == 0o600  # launchd would create it 0644
     assert run.ran()[-1] == f"launchctl bootstrap gui/501 {plist_file}"
 
 
@@ -260,6 +340,36 @@ def test_start_through_systemd_waits_for_health(tmp_path: Path) -> None:
     system = installed(tmp_path, "linux", run, probe=lambda url: next(answers))
     assert "mlxd is running at http://127.0.0.1:8901" in cmds.start_daemon(system, ServeOptions())
     assert "systemctl --user start mlxd" in run.ran()
+
+
+class LogModeAtStart(FakeOS):
+    """Notes the log's mode (None: missing) when the service manager is told to start."""
+
+    def __init__(self, log: Path) -> None:
+        super().__init__()
+        self.log = log
+        self.modes: list[int | None] = []
+
+    def __call__(self, argv: list[str]) -> subprocess.CompletedProcess[str]:
+        if argv[-2:] == ["start", "mlxd"] or argv[1:2] in (["kickstart"], ["bootstrap"]):
+            self.modes.append(mode(self.log) if self.log.exists() else None)
+        return super().__call__(argv)
+
+
+@pytest.mark.parametrize("platform", ["linux", "darwin"])
+def test_start_through_a_service_makes_the_log_private_before_the_manager_opens_it(
+    tmp_path: Path, platform: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = tmp_path / "data/logs/mlxd.log"
+    run = LogModeAtStart(log)
+    system = installed(tmp_path, platform, run, probe=lambda url: HEALTH if run.modes else None)
+    log.unlink()
+    (tmp_path / "data/logs").chmod(0o755)
+    capsys.readouterr()
+    cmds.start_daemon(system, ServeOptions())
+    assert run.modes == [0o600]
+    assert mode(tmp_path / "data/logs") == 0o700
+    assert capsys.readouterr().err == f"note: {tmp_path}/data/logs was open to others (mode 755); made it 700\n"
 
 
 def test_start_through_launchd_kickstarts_a_loaded_agent_or_bootstraps(tmp_path: Path) -> None:

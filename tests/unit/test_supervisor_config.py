@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -226,3 +227,44 @@ def test_supervisor_modules_do_not_import_mlx() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert result.stdout.strip() == "[]"
+
+
+# --- a config file holding keys that others can read -------------------------------
+
+
+def keyed(tmp_path: Path, mode: int, text: str = '[server]\napi_keys = ["k"]\n', name: str = "config.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    path.chmod(mode)
+    return path
+
+
+def warnings_for(path: Path, caplog: pytest.LogCaptureFixture) -> list[str]:
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mlxd.config"):
+        load_config(path, explicit=True)
+    return [r.getMessage() for r in caplog.records if r.name == "mlxd.config"]
+
+
+def test_keys_readable_by_others_are_warned_about_naming_the_file_mode_and_fix(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = keyed(tmp_path, 0o644)
+    assert warnings_for(path, caplog) == [
+        f"{path} holds API keys and is readable by others (mode 644); run chmod 600 {path}"
+    ]
+    admin = keyed(tmp_path, 0o640, '[server]\nadmin_keys = ["a"]\n', "my config.toml")
+    assert warnings_for(admin, caplog) == [
+        f"{admin} holds API keys and is readable by others (mode 640); run chmod 600 '{admin}'"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("mode", "text"),
+    [(0o600, '[server]\napi_keys = ["k"]\n'), (0o400, '[server]\nadmin_keys = ["a"]\n'),
+     (0o644, '[server]\nport = 9000\n'), (0o644, "[server]\napi_keys = []\n")],
+)
+def test_no_warning_for_a_private_file_or_one_without_keys(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, mode: int, text: str
+) -> None:
+    assert warnings_for(keyed(tmp_path, mode, text), caplog) == []
