@@ -43,8 +43,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Connection limits (connections.py).
     head_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
     keepalive_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 75.0
-    max_connections: Annotated[int, msgspec.Meta(ge=1)] = 1024
-    max_connections_per_peer: Annotated[int, msgspec.Meta(ge=1)] = 256
+    max_connections: Annotated[int, msgspec.Meta(ge=1)] = 2048
+    max_connections_per_peer: Annotated[int, msgspec.Meta(ge=1)] = 1024
     # A queued stream gets an SSE comment this often until its first token.
     stream_keepalive_s: Annotated[float, msgspec.Meta(gt=0)] = 3.0
 
