@@ -54,6 +54,10 @@ async def inference(request: web.Request) -> web.StreamResponse:
         if waiting is None or waiting.response is None:
             raise
         return await waiting.fail(err)
+    except ConnectionResetError:
+        if waiting is None or waiting.response is None:
+            raise
+        return waiting.response  # the caller left while it waited: nothing more to say
 
 
 async def _route(

@@ -341,3 +341,20 @@ def test_queued_stream_that_times_out_gets_an_sse_error_event(tmp_path: Path) ->
         assert json.loads(event[6:])["error"]["code"] == "queue_timeout"
     finally:
         proc.stop()
+
+
+def test_queued_stream_whose_client_leaves_is_taken_out_of_the_queue(sup: SupervisorProcess) -> None:
+    lease = sup.client.post("/admin/leases", json={"model": None, "ttl_s": 60}).json()
+    try:
+        body = json.dumps({"model": "fake", "stream": True}).encode()
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{sup.port}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        with socket.create_connection(("127.0.0.1", sup.port)) as sock:
+            sock.sendall(head + body)
+            sock.settimeout(5)
+            assert b": waiting" in sock.recv(4096) + sock.recv(4096)
+        assert wait_for(lambda: sup.client.get("/admin/engines").json()["data"][0]["queued"] == 0, 5)
+    finally:
+        sup.client.delete(f"/admin/leases/{lease['id']}")
+    assert "Traceback" not in sup.log()
+    assert sup.client.post("/v1/completions", json={"model": "fake", "prompt": "x"}).status_code == 200
