@@ -53,6 +53,9 @@ $environment
   <!-- launchd sends SIGKILL this long after SIGTERM: longer than mlxd's graceful shutdown. -->
   <key>ExitTimeOut</key>
   <integer>$stop_timeout</integer>
+  <!-- Files the agent creates (its log, if it was removed) are private to the user: 077. -->
+  <key>Umask</key>
+  <integer>63</integer>
   <key>StandardOutPath</key>
   <string>$log_file</string>
   <key>StandardErrorPath</key>
@@ -76,6 +79,8 @@ RestartSec=2
 # longer than the supervisor's graceful shutdown (10 s for requests + 5 s for engines).
 KillMode=mixed
 TimeoutStopSec=$stop_timeout
+# Files the service creates (its log, if it was removed) are private to the user.
+UMask=0077
 StandardOutput=append:$log_file
 StandardError=append:$log_file
 

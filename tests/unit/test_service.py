@@ -83,6 +83,7 @@ def test_plist_has_label_argv_keepalive_and_logs() -> None:
     assert plist["StandardOutPath"] == plist["StandardErrorPath"] == "/d/logs/mlxd.log"
     assert plist["EnvironmentVariables"] == {"MLXD_DATA_DIR": "/d", "MLXD_CONFIG": "/c/a&b <x>.toml"}
     assert plist["ExitTimeOut"] > 15
+    assert plist["Umask"] == 0o077  # a log launchd re-creates is private
 
 
 def test_plist_without_files_has_an_empty_environment() -> None:
@@ -100,6 +101,7 @@ def test_unit_has_execstart_restart_stop_timeout_and_install() -> None:
     assert int(service["TimeoutStopSec"]) > 15
     assert service["KillMode"] == "mixed"
     assert service["StandardOutput"] == "append:/d/logs/mlxd.log"
+    assert service["UMask"] == "0077"  # a log systemd re-creates is private
     assert unit["Install"]["WantedBy"] == "default.target"
 
 
