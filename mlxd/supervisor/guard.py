@@ -5,7 +5,7 @@ attacks follow, and each check here stops one:
 - DNS rebinding: a page on `evil.example` re-points that name at 127.0.0.1 and then reads
   mlxd's answers as same-origin. The browser still sends `Host: evil.example`: only hosts
   that name this machine are served (loopback names, IP literals, the listen address, the
-  machine's own name, and `server.allowed_hosts`).
+  machine's own name, `*.internal` as containers name their host, and `server.allowed_hosts`).
 - Cross-site requests: a page posts to http://127.0.0.1:8800 directly. The browser sends
   its `Origin` (and `Sec-Fetch-Site`); only mlxd's own origin and `server.allowed_origins`
   are served, and only those get CORS headers. A "simple" request (a form post with
@@ -41,6 +41,9 @@ ALLOW_HEADERS = (
 EXPOSE_HEADERS = "Retry-After, X-Request-Id"
 PREFLIGHT_MAX_AGE_S = "600"
 CROSS_SITE = ("cross-site", "same-site")  # Sec-Fetch-Site values for another site's page
+# Names no public DNS can serve (so no rebinding): `.internal` is reserved for private use;
+# containers reach their host as `host.docker.internal` / `host.containers.internal`.
+PRIVATE_SUFFIXES = (".internal",)
 CORS_ORIGIN = "mlxd.cors_origin"  # request key: the allowed browser origin the answer is for
 
 
@@ -88,7 +91,7 @@ class HostPolicy:
         if host_header is None or self.any_host:
             return True
         name = split_host(host_header)
-        if is_loopback(name) or is_ip_literal(name) or name in self.names:
+        if is_loopback(name) or is_ip_literal(name) or name in self.names or name.endswith(PRIVATE_SUFFIXES):
             return True
         return any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
 

@@ -23,6 +23,7 @@ def test_split_host(header: str, name: str) -> None:
 @pytest.mark.parametrize("host", [
     "localhost:8800", "127.0.0.1:8800", "127.1.2.3", "[::1]:8800", "app.localhost:8800", "10.0.0.5:8800",
     "[fe80::1]:8800", "mlxd.lan", "a.example.org", "studio:8800", "studio.local", "LOCALHOST",
+    "host.docker.internal:8800", "host.containers.internal",
 ])
 def test_hosts_that_name_this_server(host: str) -> None:
     assert POLICY.is_allowed_host(host)
@@ -30,7 +31,7 @@ def test_hosts_that_name_this_server(host: str) -> None:
 
 @pytest.mark.parametrize("host", [
     "evil.example", "evil.example:8800", "localhost.evil.example", "127.0.0.1.nip.io", "example.org",
-    "mlxd.lan.evil.example", "", "studio.evil",
+    "mlxd.lan.evil.example", "", "studio.evil", "internal.evil.example", "other.local",
 ])
 def test_foreign_hosts(host: str) -> None:
     assert not POLICY.is_allowed_host(host)
