@@ -20,24 +20,20 @@ from mlxd.engine.loaded_model import LoadedModel
 from mlxd.engine.sse import SSEWriter
 from mlxd.engine.ticket import Ticket
 from mlxd.protocol import openai as oa
-from mlxd.protocol.errors import APIError, from_decode_error
+from mlxd.protocol.errors import APIError
 from mlxd.protocol.events import Done, Failed, Token
+from mlxd.protocol.json_body import decode_as
 
 T = TypeVar("T")
-_decoders: dict[type, msgspec.json.Decoder[Any]] = {}
 LEGACY_COMPLETION_MAX_TOKENS = 16
 
 
 async def decode_body(request: web.Request, kind: type[T], empty: T | None = None) -> T:
-    """Read and decode a JSON body into `kind` (`empty` for no body, if given); 400 naming the field on failure."""
+    """Read and decode a JSON body into `kind` (`empty` for no body, if given); a 400 as `decode_as` says."""
     body = await request.read()
     if empty is not None and not body.strip():
         return empty
-    decoder = _decoders.setdefault(kind, msgspec.json.Decoder(kind))
-    try:
-        return decoder.decode(body)
-    except msgspec.MsgspecError as exc:
-        raise from_decode_error(exc) from None
+    return decode_as(body, kind)
 
 
 def ready_model(request: web.Request) -> LoadedModel:

@@ -9,13 +9,27 @@ from msgspec import Meta
 
 from mlxd.protocol.errors import APIError
 
+# Every number a request carries has a range, checked while decoding (a 400 naming the field),
+# so nothing out of range reaches MLX: OpenAI's documented ranges where it has them, else the
+# largest value that means something (token counts and top_k fit an int32; seed an int64).
+# JSON has no NaN or infinity, and a float too big for a double (1e999) is out of range too.
 MAX_STOPS = 16
+MAX_STOP_CHARS = 512  # stop matching holds back and rescans up to this much text per token
+MAX_LOGIT_BIAS = 1024  # entries
+MAX_TOKEN_ID_DIGITS = 10
+INT32_MAX = 2**31 - 1
 
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
-PositiveInt = Annotated[int, Meta(ge=1)]
-NonNegInt = Annotated[int, Meta(ge=0)]
+# Divides the positive logits of seen tokens: far below 1 they overflow float16 (65504) to inf.
+RepetitionPenalty = Annotated[float, Meta(ge=0.01, le=10.0)]
+Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
+TokenCount = Annotated[int, Meta(ge=1, le=INT32_MAX)]
+TopK = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+NumChoices = Annotated[int, Meta(ge=1, le=128)]
+Stop = Annotated[str, Meta(max_length=MAX_STOP_CHARS)]
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -38,28 +52,28 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     temperature: Temperature | None = None
     top_p: Probability | None = None
-    top_k: NonNegInt | None = None
+    top_k: TopK | None = None
     min_p: Probability | None = None
-    seed: int | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=10.0)] | None = None
+    seed: Seed | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
-    max_tokens: PositiveInt | None = None
-    stop: str | list[str] | None = None
-    n: PositiveInt = 1
+    logit_bias: Annotated[dict[str, Bias], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
+    max_tokens: TokenCount | None = None
+    stop: Stop | Annotated[list[Stop], Meta(max_length=MAX_STOPS)] | None = None
+    n: NumChoices = 1
     user: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
-    max_completion_tokens: PositiveInt | None = None
+    max_completion_tokens: TokenCount | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -67,8 +81,8 @@ class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | list[Any]
     echo: bool = False
     suffix: str | None = None
-    logprobs: int | None = None
-    best_of: int | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
+    best_of: Annotated[int, Meta(ge=1, le=20)] | None = None
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
@@ -93,10 +107,13 @@ def check_common(req: SamplingFields) -> None:
     if req.n != 1:
         raise APIError(400, "Only n=1 is supported.", param="n")
     for key in req.logit_bias or {}:
-        try:
-            int(key)
-        except ValueError:
-            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}.", param="logit_bias") from None
+        if not is_token_id_key(key):
+            raise APIError(400, f"logit_bias keys must be token ids, got {key[:20]!r}.", param="logit_bias")
+
+
+def is_token_id_key(key: str) -> bool:
+    """Whether a logit_bias key spells a token id: ASCII digits only (int() takes '٣' and ' 3')."""
+    return key.isascii() and key.isdigit() and len(key) <= MAX_TOKEN_ID_DIGITS
 
 
 def check_chat(req: ChatCompletionRequest) -> None:
@@ -117,6 +134,8 @@ def check_completion(req: CompletionRequest) -> None:
     check_common(req)
     if req.suffix:
         raise APIError(400, "suffix is not supported.", param="suffix")
+    if (req.best_of or 1) != 1:
+        raise APIError(400, "Only best_of=1 is supported.", param="best_of")
     if req.logprobs:
         raise APIError(400, "logprobs are not supported yet.", param="logprobs")
     completion_prompt(req)

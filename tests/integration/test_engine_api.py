@@ -200,10 +200,16 @@ def test_concurrent_requests_queue_and_all_complete(client: openai.OpenAI) -> No
     assert together == alone
 
 
-def test_out_of_range_seed_and_top_k_are_handled_not_500(client: openai.OpenAI) -> None:
-    for extra in ({"seed": -1}, {"seed": 2**70}, {"extra_body": {"top_k": 10**9}}):
+def test_negative_seed_and_top_k_over_the_vocabulary_are_served(client: openai.OpenAI) -> None:
+    for extra in ({"seed": -1}, {"seed": 2**63 - 1}, {"extra_body": {"top_k": 10**9}}):
         out = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=3, logit_bias=NO_EOS, **extra)  # type: ignore[arg-type]
         assert out.usage is not None and out.usage.completion_tokens == 3
+
+
+def test_seed_outside_int64_is_400(tiny_engine: EngineProcess) -> None:
+    resp = tiny_engine.client.post("/v1/chat/completions", json={"messages": MSG, "seed": 2**70})
+    assert resp.status_code == 400
+    assert error_of(resp)["param"] == "seed"
 
 
 def test_penalties_give_the_same_output_with_a_warm_prompt_cache(client: openai.OpenAI) -> None:

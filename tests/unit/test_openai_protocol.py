@@ -95,3 +95,94 @@ def test_completion_prompt_rejects_batches_and_junk(prompt: list[object]) -> Non
     with pytest.raises(APIError) as info:
         oa.completion_prompt(oa.CompletionRequest(prompt=prompt))
     assert info.value.param == "prompt"
+
+
+# ---- numeric ranges: every number is checked while decoding, so none reaches MLX out of range ----
+
+BIG = "1" + "0" * 400  # an int no C type holds (10**400)
+
+
+def chat_body(**fields: str) -> bytes:
+    extra = "".join(f', "{k}": {v}' for k, v in fields.items())
+    return b'{"messages": [{"role": "user", "content": "hi"}]' + extra.encode() + b"}"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("top_k", BIG), ("top_k", "-1"), ("top_k", str(2**31)),
+        ("max_tokens", BIG), ("max_tokens", str(2**31)), ("max_tokens", "-" + BIG),
+        ("max_completion_tokens", BIG), ("max_completion_tokens", "0"),
+        ("seed", BIG), ("seed", str(2**63)), ("seed", str(-(2**63) - 1)),
+        ("n", BIG), ("n", "129"), ("n", "0"),
+        ("top_logprobs", BIG), ("top_logprobs", "21"), ("top_logprobs", "-1"),
+        ("temperature", "1e999"), ("temperature", "-1e999"), ("temperature", BIG), ("temperature", "2.01"),
+        ("top_p", "1e999"), ("top_p", "-0.1"), ("min_p", "1.5"), ("min_p", BIG),
+        ("presence_penalty", "-1e999"), ("presence_penalty", "2.5"), ("frequency_penalty", "-2.5"),
+        ("repetition_penalty", "0"), ("repetition_penalty", "1e-300"), ("repetition_penalty", "1e999"),
+    ],
+)
+def test_numbers_out_of_range_are_400_naming_the_field(field: str, value: str) -> None:
+    err = decode_error(chat_body(**{field: value}), oa.ChatCompletionRequest)
+    assert (err.status, err.param, err.code) == (400, field, "invalid_value")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("logprobs", "6"), ("logprobs", BIG), ("best_of", "21"), ("best_of", "0"), ("max_tokens", BIG), ("seed", BIG)],
+)
+def test_completion_numbers_out_of_range_are_400(field: str, value: str) -> None:
+    body = f'{{"prompt": "hi", "{field}": {value}}}'.encode()
+    assert decode_error(body, oa.CompletionRequest).param == field
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"logit_bias": '{"5": 101}'}, "logit_bias[...]"),
+        ({"logit_bias": '{"5": 1e999}'}, "logit_bias[...]"),
+        ({"logit_bias": "{" + ", ".join(f'"{i}": 1' for i in range(oa.MAX_LOGIT_BIAS + 1)) + "}"}, "logit_bias"),
+        ({"stop": '"' + "x" * (oa.MAX_STOP_CHARS + 1) + '"'}, "stop"),
+        ({"stop": '["a", "' + "x" * (oa.MAX_STOP_CHARS + 1) + '"]'}, "stop[1]"),
+        ({"stop": "[" + ", ".join(['"s"'] * (oa.MAX_STOPS + 1)) + "]"}, "stop"),
+    ],
+)
+def test_logit_bias_and_stop_bounds(fields: dict[str, str], param: str) -> None:
+    assert decode_error(chat_body(**fields), oa.ChatCompletionRequest).param == param
+
+
+def test_the_edges_of_every_range_are_accepted() -> None:
+    body = chat_body(
+        top_k=str(2**31 - 1), max_tokens=str(2**31 - 1), max_completion_tokens="1", seed=str(-(2**63)),
+        temperature="2", top_p="0", min_p="1", presence_penalty="-2", frequency_penalty="2",
+        repetition_penalty="10", top_logprobs="20", logit_bias='{"0": -100, "7": 100}',
+        stop='["' + "x" * oa.MAX_STOP_CHARS + '"]',
+    )
+    req = msgspec.json.decode(body, type=oa.ChatCompletionRequest)
+    assert (req.top_k, req.seed, req.temperature) == (2**31 - 1, -(2**63), 2.0)
+    assert msgspec.json.decode(chat_body(seed=str(2**63 - 1)), type=oa.ChatCompletionRequest).seed == 2**63 - 1
+    oa.check_chat(req)
+
+
+@pytest.mark.parametrize("body", [chat_body(temperature="NaN"), chat_body(top_p="Infinity"), chat_body(top_p="-Infinity")])
+def test_nan_and_infinity_are_not_json(body: bytes) -> None:
+    assert decode_error(body, oa.ChatCompletionRequest).code == "invalid_json"
+
+
+@pytest.mark.parametrize("key", ["-1", "1" + "0" * 10, BIG, "\u0663", " 3", "3 ", "+3", "0x3", "1_000", ""])
+def test_logit_bias_keys_must_be_plain_token_ids(key: str) -> None:
+    with pytest.raises(APIError) as info:
+        oa.check_chat(chat(logit_bias={key: 1.0}))
+    assert info.value.param == "logit_bias"
+    assert len(info.value.message) < 100  # a huge key is not echoed back whole
+
+
+def test_logit_bias_keys_that_are_token_ids_pass() -> None:
+    oa.check_chat(chat(logit_bias={"0": 1.0, "9999999999": -1.0}))
+
+
+def test_best_of_above_one_is_refused_not_ignored() -> None:
+    with pytest.raises(APIError) as info:
+        oa.check_completion(oa.CompletionRequest(prompt="hi", best_of=2))
+    assert info.value.param == "best_of"
+    oa.check_completion(oa.CompletionRequest(prompt="hi", best_of=1))
