@@ -17,7 +17,7 @@ from mlxd.engine.admission import Slot
 from mlxd.engine.job import Job, SamplingParams
 from mlxd.engine.keys import ADMISSION, GATEWAY
 from mlxd.engine.loaded_model import LoadedModel
-from mlxd.engine.sse import SSEWriter
+from mlxd.engine.sse import SSEWriter, keepalive_interval
 from mlxd.engine.ticket import Ticket
 from mlxd.protocol import openai as oa
 from mlxd.protocol.errors import APIError
@@ -26,6 +26,7 @@ from mlxd.protocol.json_body import decode_as
 
 T = TypeVar("T")
 LEGACY_COMPLETION_MAX_TOKENS = 16
+KEEPALIVE_S = keepalive_interval()
 
 
 async def decode_body(request: web.Request, kind: type[T], empty: T | None = None) -> T:
@@ -234,6 +235,7 @@ async def stream(
     # supervisor's) first chunk marks the first token.
     opening = [make(None, None, None), make(prefix, None, None) if prefix else None]
     try:
+        await keep_alive_until_first_event(sse, ticket)
         async for batch in ticket.events():
             for chunk in filter(None, opening):
                 await sse.send(chunk)
@@ -245,6 +247,16 @@ async def stream(
     except ConnectionResetError:
         ticket.cancel()  # the client went away mid-stream
     return resp
+
+
+async def keep_alive_until_first_event(sse: SSEWriter, ticket: Ticket) -> None:
+    """While the job waits its turn, send an SSE comment every KEEPALIVE_S seconds.
+
+    A request queued behind others would otherwise be silent until its first token, and a
+    client's read timeout could end it. Written from this task only, so writes never interleave.
+    """
+    while not await ticket.wait_for_event(KEEPALIVE_S):
+        await sse.comment("keep-alive")
 
 
 async def finish_stream(sse: SSEWriter, make: ChunkMaker, end: Any, include_usage: bool) -> None:

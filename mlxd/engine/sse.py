@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+import math
+import os
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -10,6 +14,26 @@ from aiohttp import web
 from mlxd.protocol.errors import APIError
 
 _encoder = msgspec.json.Encoder()
+log = logging.getLogger("mlxd.engine")
+# Seconds between keep-alive comments while a stream waits for its first token; the supervisor
+# sets it from server.stream_keepalive_s, and engines inherit it.
+KEEPALIVE_ENV = "MLXD_STREAM_KEEPALIVE_S"
+DEFAULT_KEEPALIVE_S = 3.0
+
+
+def keepalive_interval(environ: Mapping[str, str] = os.environ) -> float:
+    """The keep-alive interval from the environment; the default when unset or not a positive number."""
+    raw = environ.get(KEEPALIVE_ENV)
+    if raw is None:
+        return DEFAULT_KEEPALIVE_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        log.warning("%s=%r is not a positive number of seconds; using %s", KEEPALIVE_ENV, raw, DEFAULT_KEEPALIVE_S)
+        return DEFAULT_KEEPALIVE_S
+    return value
 
 
 class SSEWriter:
@@ -28,6 +52,10 @@ class SSEWriter:
     async def send(self, obj: Any) -> None:
         """One `data:` event with `obj` as JSON."""
         await self._resp.write(b"data: " + _encoder.encode(obj) + b"\n\n")
+
+    async def comment(self, text: str) -> None:
+        """An SSE comment line: clients' event decoders skip it, but it shows the connection lives."""
+        await self._resp.write(b": " + text.encode() + b"\n\n")
 
     async def send_error(self, err: APIError) -> None:
         """An error event in OpenAI's error shape, then end the stream (no [DONE])."""
