@@ -11,6 +11,8 @@ import logging
 import os
 import sys
 
+from setproctitle import setproctitle
+
 from mlxd.engine import blas
 from mlxd.engine.parent_watch import set_death_signal
 from mlxd.fdlimit import raise_open_file_limit
@@ -47,8 +49,11 @@ def main() -> None:
 
     argv = sys.argv[1:]
     if argv == [SPARE_FLAG]:  # a spare: imports are done; wait for the model to serve
+        setproctitle("mlxd engine (spare)")
         argv = wait_for_assignment()
     settings = parse_args(argv)
+    # `ps` then names the model, also for an engine that began as a spare (its argv says --spare).
+    setproctitle(f"mlxd engine {settings.model_id}")
     logging.basicConfig(
         level=os.environ.get("MLXD_LOG_LEVEL", "INFO"),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -1,5 +1,5 @@
-"""Issue 9 on a real engine: numbers out of range and deep JSON are 400s, and queued streams
-get keep-alive comments."""
+"""Issue 9 on a real engine: numbers out of range and deep JSON are 400s, queued streams get
+keep-alive comments, and `ps` names the engine by its model."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
+import psutil
 import pytest
 
 from mlxd.engine.sse import KEEPALIVE_ENV, keepalive_interval
@@ -192,3 +193,11 @@ def test_a_queued_stream_whose_client_leaves_is_cancelled(engine: EngineProcess)
         hog.close()
     assert wait_for(lambda: engine.stats()["requests"]["cancelled"] == cancelled + 2, timeout=30)
     assert engine.stats()["requests"]["active"] == 0
+
+
+# ---- process titles ----
+
+
+def test_ps_names_the_engine_by_its_model(engine: EngineProcess) -> None:
+    # setproctitle overwrites argv's memory and pads it with NULs, which psutil reads as empty args.
+    assert [arg for arg in psutil.Process(engine.proc.pid).cmdline() if arg] == ["mlxd engine tiny"]

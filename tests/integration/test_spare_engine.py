@@ -10,6 +10,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
+
 from mlxd.protocol.exit_codes import ExitCode
 from tests.support import engine_env, httpx, is_listening, private_socket_dir, terminate
 
@@ -26,10 +28,16 @@ def spawn_spare() -> Iterator[subprocess.Popen[bytes]]:
             terminate(spare, 10)
 
 
+def title(pid: int) -> str:
+    """The process title `ps` shows (setproctitle pads argv's memory with NULs: empty args)."""
+    return " ".join(arg for arg in psutil.Process(pid).cmdline() if arg)
+
+
 def test_a_spare_serves_the_model_it_is_given(tiny_model: Path) -> None:
     with spawn_spare() as spare:
         assert spare.stdout is not None and spare.stdin is not None
         assert spare.stdout.readline().decode().strip() == "spare engine: imports done"
+        assert title(spare.pid) == "mlxd engine (spare)"
         sock = private_socket_dir() / "s.sock"
         argv = ["--model", str(tiny_model), "--model-id", "tiny", "--socket", str(sock)]
         spare.stdin.write(json.dumps(argv).encode() + b"\n")
@@ -43,6 +51,7 @@ def test_a_spare_serves_the_model_it_is_given(tiny_model: Path) -> None:
                 time.sleep(0.05)
             out = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert out.status_code == 200 and out.json()["model"] == "tiny"
+        assert title(spare.pid) == "mlxd engine tiny"  # not `... --spare` any more
 
 
 def test_a_spare_whose_parent_closes_stdin_exits() -> None:
