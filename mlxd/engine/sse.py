@@ -12,12 +12,11 @@ import msgspec
 from aiohttp import web
 
 from mlxd.protocol.errors import APIError
+from mlxd.protocol.process import STREAM_KEEPALIVE_ENV
 
 _encoder = msgspec.json.Encoder()
 log = logging.getLogger("mlxd.engine")
-# Seconds between keep-alive comments while a stream waits for its first token; the supervisor
-# sets it from server.stream_keepalive_s, and engines inherit it.
-KEEPALIVE_ENV = "MLXD_STREAM_KEEPALIVE_S"
+KEEPALIVE_ENV = STREAM_KEEPALIVE_ENV  # seconds between comments while a stream waits (process.py)
 DEFAULT_KEEPALIVE_S = 3.0
 
 

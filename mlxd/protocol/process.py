@@ -9,3 +9,7 @@ SPARE_READY = "spare engine: imports done"
 
 # A request carrying a lease's id (supervisor) or token (engine) passes that lease.
 LEASE_HEADER = "X-MLXD-Lease"
+
+# Seconds between SSE comments to a stream still waiting for its first token. The supervisor
+# sets it from `server.stream_keepalive_s` (unless set already); engines inherit it.
+STREAM_KEEPALIVE_ENV = "MLXD_STREAM_KEEPALIVE_S"

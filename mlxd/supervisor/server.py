@@ -18,6 +18,7 @@ from aiohttp import web
 
 from mlxd.fdlimit import raise_open_file_limit
 from mlxd.paths import ensure_private_dir, models_dir, runtime_dir
+from mlxd.protocol.process import STREAM_KEEPALIVE_ENV
 from mlxd.supervisor.app import make_app
 from mlxd.supervisor.config import Config, ServerConfig
 from mlxd.supervisor.connections import ConnectionTable, GuardedSite
@@ -28,7 +29,6 @@ from mlxd.supervisor.registry import Registry
 log = logging.getLogger("mlxd.supervisor")
 # In-flight requests get this long to finish at shutdown before engines are stopped.
 SHUTDOWN_TIMEOUT_S = 10.0
-KEEPALIVE_ENV = "MLXD_STREAM_KEEPALIVE_S"
 LINGER_S = 2.0  # an unread body (a 413, say) is read and dropped this long before the close
 
 
@@ -56,7 +56,7 @@ def serve(config: Config, data_dir: Path) -> int:
     if stale := remove_stale_sockets(runtime):
         log.info("removed %d stale engine socket(s) in %s", len(stale), runtime)
     # Engines inherit it: a stream queued inside an engine gets the same keep-alive comments.
-    os.environ.setdefault(KEEPALIVE_ENV, str(config.server.stream_keepalive_s))
+    os.environ.setdefault(STREAM_KEEPALIVE_ENV, str(config.server.stream_keepalive_s))
     registry = Registry(config.models, models_dir=models_dir(data_dir))
     app = make_app(config, registry, Pool(runtime, EngineOptions.from_env(), config.pool))
     with asyncio.Runner(loop_factory=loop_factory()) as runner:

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ import openai
 import psutil
 import pytest
 
-from tests.support import NO_EOS, SupervisorProcess
+from tests.support import NO_EOS, SupervisorProcess, wait_for
 
 LONG = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 3000, "logit_bias": {"2": -100}}
 
@@ -289,3 +290,31 @@ def test_a_low_open_file_limit_is_raised_at_start(tiny_model: Path, tmp_path: Pa
         assert engine_soft == target_soft_limit(256, engine_hard, infinity=resource.RLIM_INFINITY) > 256
     finally:
         sup.stop()
+
+
+def test_stream_queued_inside_the_engine_gets_comments_through_the_relay(tiny_model: Path, tmp_path: Path) -> None:
+    config = f'[server]\nstream_keepalive_s = 0.2\n\n[models.tiny]\npath = "{tiny_model}"\n'
+    proc = SupervisorProcess(config, tmp_path).wait_up()
+    try:
+        assert proc.client.post("/admin/load", json={"model": "tiny"}).status_code == 200
+        long_lines: list[str] = []
+
+        def long_stream() -> None:
+            with proc.client.stream("POST", "/v1/completions", json={**LONG, "max_tokens": 1000, "stream": True}) as r:
+                long_lines.extend(r.iter_lines())
+
+        holder = threading.Thread(target=long_stream)
+        holder.start()
+        assert wait_for(lambda: len(long_lines) > 0 or proc.engine_stats("tiny")["admission"]["in_flight"] > 0, 10)
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "stream": True, "logit_bias": NO_EOS}
+        with proc.client.stream("POST", "/v1/completions", json=body) as resp:
+            lines = [line for line in resp.iter_lines() if line]
+        holder.join(60)
+        data = [i for i, line in enumerate(lines) if line.startswith("data: ")]
+        comments = [i for i, line in enumerate(lines) if line.startswith(":")]
+        assert comments and comments[0] < data[0]  # the engine's keep-alives, relayed while it waited
+        assert all(i < data[0] for i in comments)
+        assert lines[-1] == "data: [DONE]"
+        assert [line for line in long_lines if line][-1] == "data: [DONE]"
+    finally:
+        proc.stop()
