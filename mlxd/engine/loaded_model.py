@@ -96,5 +96,18 @@ def generation_defaults(path: Path) -> dict[str, float]:
         data = json.loads(file.read_text())
     except ValueError:
         return {}
-    keys = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-    return {k: float(data[k]) for k in keys if isinstance(data.get(k), int | float)}
+    if not isinstance(data, dict):
+        return {}
+    values = {k: data.get(k) for k in DEFAULT_RANGES}
+    # Out-of-range values (Infinity, NaN, a top_k of 1e30) are dropped: the request's own
+    # are range-checked, and a model's file must not make every request fail either.
+    return {
+        k: float(v) for k, v in values.items()
+        if isinstance(v, int | float) and not isinstance(v, bool) and DEFAULT_RANGES[k][0] <= v <= DEFAULT_RANGES[k][1]
+    }
+
+
+DEFAULT_RANGES = {  # what a generation_config.json default may be, by key (NaN fails every test)
+    "temperature": (0.0, 100.0), "top_p": (0.0, 1.0), "top_k": (0, 2**31 - 1), "min_p": (0.0, 1.0),
+    "repetition_penalty": (0.01, 10.0),
+}
