@@ -15,7 +15,11 @@ PR_SET_PDEATHSIG = 1
 
 
 def set_death_signal() -> None:
-    """On Linux, ask the kernel to SIGTERM us when the parent thread exits."""
+    """On Linux, ask the kernel to SIGTERM us when the parent thread exits.
+
+    The kernel sends it on every reparenting: to another thread of a multi-threaded parent,
+    then to init or a subreaper. So a parent's death may come as several SIGTERMs.
+    """
     if not sys.platform.startswith("linux"):
         return
     with contextlib.suppress(OSError, AttributeError):

@@ -88,8 +88,16 @@ def serve(settings: EngineSettings) -> int:
     try:
         return asyncio.run(run(settings, sock, parent))
     finally:
-        with contextlib.suppress(OSError):
-            settings.socket.unlink()
+        # The loop's close gave SIGTERM its default action back; a late repeat of the
+        # parent-death signal (see run) finds us exiting anyway.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        remove_socket(settings.socket)
+
+
+def remove_socket(path: Path) -> None:
+    """Unlink our socket file (gone already is fine)."""
+    with contextlib.suppress(OSError):
+        path.unlink()
 
 
 async def run(settings: EngineSettings, sock: socket.socket, parent: int) -> int:
@@ -126,6 +134,11 @@ async def run(settings: EngineSettings, sock: socket.socket, parent: int) -> int
         loop.add_signal_handler(sig, on_signal)
     watcher = loop.create_task(watch_parent(parent, lambda: stop(ExitCode.PARENT_GONE)))
     code = await stopped
+    # First, while our SIGTERM handler still stands: a parent that dies sends the death signal
+    # again at each reparenting (to each of its threads, then to init), and one landing after
+    # the loop has closed would kill us with the socket file left behind
+    # (test_sigkill_of_the_supervisor_takes_engines_down_within_2s).
+    remove_socket(settings.socket)
     watcher.cancel()
     gateway.stop()  # answer open requests now, so the runner's cleanup finds none waiting
     await runner.cleanup()
