@@ -6,6 +6,8 @@
   hang          answer /health once ready, then block the event loop forever after the first request
   exit_midway   stream 3 chunks, then exit 0 (a clean exit at the wrong time is still a crash)
   flood         stream `max_tokens` numbered 8 KiB chunks as fast as the socket takes them
+  cued          while the file `MLXD_FAKE_CUE` exists, exit at start with the code it holds;
+                else serve as `ok` (a test breaks the model and mends it on cue)
 """
 
 from __future__ import annotations
@@ -50,6 +52,17 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+def exit_on_cue(cue: str) -> None:
+    """Exit with the code the cue file holds, if it exists."""
+    try:
+        with open(cue) as f:
+            code = int(f.read().strip() or 1)
+    except FileNotFoundError:
+        return
+    print(f"ERROR fake: cued to exit with {code}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model")
@@ -61,6 +74,8 @@ def main() -> None:
     if MODE == "boot_crash":
         print("ERROR fake: cannot start on cue", file=sys.stderr, flush=True)
         sys.exit(1)
+    if MODE == "cued":
+        exit_on_cue(os.environ["MLXD_FAKE_CUE"])
     app = web.Application()
     app["model_id"] = args.model_id
     app.router.add_get("/health", health)

@@ -17,6 +17,7 @@ from mlxd.supervisor.keys import LEASES, POOL, REGISTRY
 from mlxd.supervisor.leases import Lease
 from mlxd.supervisor.pool import Pool, Slot
 from mlxd.supervisor.registry import ModelEntry
+from mlxd.supervisor.spare import Spare
 
 T = TypeVar("T")
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=7 * 24 * 3600)]
@@ -71,6 +72,7 @@ def engine_info(pool: Pool, slot: Slot, lease: Lease | None) -> dict[str, Any]:
         except psutil.Error:
             rss = None
     up_since = engine.ready_since if engine.state is not EngineState.STOPPED else None
+    retry_in_s = engine.retry_in_s()
     return {
         "model": slot.entry.id, "state": engine.state.value, "pid": engine.pid,
         "uptime_s": round(time.time() - up_since, 3) if up_since is not None else None,
@@ -79,9 +81,27 @@ def engine_info(pool: Pool, slot: Slot, lease: Lease | None) -> dict[str, Any]:
         "last_used": slot.last_used_wall, "pinned": slot.pinned, "restarts": engine.num_restarts,
         "idle_ttl_s": slot.idle_ttl_s, "expires_in_s": pool.next_expiry(slot),
         "closing": slot.closing, "failure": engine.failure, "boot": engine.boot_timings or None,
+        # a failed model starts again by itself then
+        "retry_at": round(time.time() + retry_in_s, 3) if retry_in_s is not None else None,
+        "retry_in_s": round(retry_in_s, 3) if retry_in_s is not None else None,
         "last_stop": slot.last_stop,
         "lease": {"id": lease.id, "holder": lease.holder, "expires_at": lease.expires_at} if lease else None,
     }
+
+
+def spare_info(spare: Spare) -> dict[str, Any]:
+    """The spare engine process, if one lives: its pid, and whether its imports are done."""
+    # Between its death and its reaping (a moment) a spare's pid is dead, never warm.
+    alive = spare.pid is not None and is_alive(spare.pid)
+    return {"pid": spare.pid if alive else None, "warm": alive and spare.is_warm}
+
+
+def is_alive(pid: int) -> bool:
+    """Whether the process runs (a zombie has died)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 async def engines(request: web.Request) -> web.Response:
@@ -91,7 +111,7 @@ async def engines(request: web.Request) -> web.Response:
     return web.json_response({
         "object": "list", "budget_bytes": pool.limits.budget_bytes, "used_bytes": pool.used_bytes(),
         "max_loaded": pool.limits.max_loaded, "machine_leased": pool.machine_leased,
-        "evictions": pool.num_evictions, "spare": {"pid": pool.spare.pid, "warm": pool.spare.is_warm},
+        "evictions": pool.num_evictions, "spare": spare_info(pool.spare),
         "data": data,
     })
 

@@ -1,7 +1,8 @@
-"""One engine child per model: spawn, health, crash detection and restart backoff.
+"""One engine child per model: spawn, health, crash detection, restart backoff and cool-down.
 
-One asyncio task (the owner) runs each spawned engine from start to exit and is the only
-code that changes its state; callers `await engine.ensure_ready()`.
+One asyncio task (the owner) runs each spawned engine from start to exit, and a failed one
+through its cool-down, and is the only code that changes its state; callers
+`await engine.ensure_ready()`. What a crash leads to is decided in `policy` (crash loops).
 """
 
 from __future__ import annotations
@@ -26,13 +27,11 @@ import aiohttp
 
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.exit_codes import ExitCode
+from mlxd.supervisor import policy
 from mlxd.supervisor.proxy import connection_gate
 from mlxd.supervisor.spare import Spare
 
 log = logging.getLogger("mlxd.supervisor")
-MAX_CRASHES = 5
-CRASH_WINDOW_S = 60.0
-MAX_BACKOFF_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -45,6 +44,7 @@ class EngineOptions:
     health_every_s: float = 5.0
     health_deadline_s: float = 30.0  # unanswered health checks this long: killed as hung
     backoff_base_s: float = 1.0
+    crash: policy.CrashLimits = field(default_factory=policy.CrashLimits)  # [pool] crash-loop keys (the pool sets them)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> EngineOptions:
@@ -67,11 +67,6 @@ class EngineState(enum.Enum):
     STOPPING = "stopping"
     STOPPED = "stopped"
     FAILED = "failed"
-
-
-def backoff_s(num_recent_crashes: int, base_s: float = 1.0) -> float:
-    """Restart delay after crashes: `base_s` doubling, capped at 60 s (0 before the first crash)."""
-    return 0.0 if num_recent_crashes == 0 else min(MAX_BACKOFF_S, base_s * 2.0 ** (num_recent_crashes - 1))
 
 
 def socket_path(runtime_dir: Path, model_id: str) -> Path:
@@ -113,7 +108,10 @@ class Engine:
         self.stop_timings: dict[str, float] = {}  # drain_ms, stop_ms (SIGTERM to exit) of the last retire
         self._spawned_at = 0.0
         self.num_restarts = 0
-        self._crashes: collections.deque[float] = collections.deque()
+        self._history = policy.CrashHistory()
+        self._ready_at: float | None = None  # monotonic: when this run became READY
+        self.retry_at: float | None = None  # monotonic: when a FAILED engine may start again
+        self._retry_now: asyncio.Event | None = None  # set while FAILED: an admin load ends the cool-down
         self._owner: asyncio.Task[None] | None = None
         self._ready: asyncio.Future[None] | None = None
         self._stop_requested = False
@@ -124,8 +122,7 @@ class Engine:
     async def ensure_ready(self) -> aiohttp.ClientSession:
         """Start the engine if it is not running, and wait until it answers `ready`."""
         if self.state is EngineState.FAILED:
-            raise APIError(503, f"Model {self.model_id} failed: {self.failure}", type="server_error",
-                           code="model_failed")
+            raise self.failed_error()
         self.start()
         assert self._ready is not None
         await asyncio.shield(self._ready)
@@ -143,12 +140,23 @@ class Engine:
         self._set(EngineState.STARTING)
         self._owner = asyncio.create_task(self._own(), name=f"engine:{self.model_id}")
 
-    def reset(self) -> None:
-        """Forget a FAILED state and past crashes: an admin load tries again."""
-        if self.state is EngineState.FAILED:
-            self.failure = self.boot_error = None
-            self._crashes.clear()
-            self._set(EngineState.STOPPED)
+    async def reset(self) -> None:
+        """An admin load: a FAILED model may start now, its past crashes forgotten."""
+        if self._retry_now is not None and self._owner is not None:
+            self._retry_now.set()
+            await asyncio.shield(self._owner)  # it ends the cool-down: STOPPED
+
+    def retry_in_s(self) -> float | None:
+        """Seconds until a FAILED engine starts again by itself; None unless failed."""
+        if self.state is not EngineState.FAILED or self.retry_at is None:
+            return None
+        return max(0.0, self.retry_at - time.monotonic())
+
+    def failed_error(self) -> APIError:
+        """What a request for a FAILED model gets: 503, with Retry-After until its next try."""
+        retry_after = policy.retry_after_s(self.retry_in_s() or 0.0)
+        return APIError(503, f"Model {self.model_id} failed: {self.failure} (trying again in {retry_after} s)",
+                        type="server_error", code="model_failed", headers={"Retry-After": str(retry_after)})
 
     async def drain(self, timeout_s: float) -> dict[str, Any] | None:
         """Drain a READY engine and let it serve again; the engine's report, None if not running."""
@@ -163,8 +171,8 @@ class Engine:
         return report
 
     async def _command(self, command: _Drain) -> dict[str, Any] | None:
-        if self._owner is None or self._owner.done():
-            return None
+        if self._owner is None or self._owner.done() or self._retry_now is not None:
+            return None  # no engine runs (a cooling owner takes no commands)
         self._commands.put_nowait(command)
         return await asyncio.shield(command.done)
 
@@ -183,17 +191,27 @@ class Engine:
                 await self._owner
 
     async def _own(self) -> None:
+        await self._run()
+        if self.state is EngineState.FAILED:
+            await self._cool_down()
+
+    async def _run(self) -> None:
+        """One engine process, from the restart back-off to its exit."""
         proc: asyncio.subprocess.Process | None = None
         try:
-            await asyncio.sleep(backoff_s(self._num_recent_crashes(), self.options.backoff_base_s))
+            await asyncio.sleep(self._restart_delay_s())
             proc = await self._spawn()
             await self._boot(proc)
+            self.failure = self.boot_error = None  # what a request is told is the latest news
+            self._ready_at = time.monotonic()
             self._set(EngineState.READY)
             self._resolve_ready(None)
             code = await self._watch(proc)
+            self._end_spell()
             if code is not None:
                 self._on_exit(code)
         except asyncio.CancelledError:
+            self._end_spell()
             self._set(EngineState.STOPPING)
             if proc is not None:
                 await kill_engine(proc, self.options.grace_s)
@@ -253,16 +271,12 @@ class Engine:
         code = await _wait_code(proc, 1.0)
         if code is None:
             await kill_engine(proc, 0.5)
-        self._crashes.append(time.monotonic())
         reason = self._boot_failure(code)
-        if code in NO_RETRY or self._num_recent_crashes() >= MAX_CRASHES:
-            self.failure = reason
-            self._set(EngineState.FAILED)
-        else:
-            self._set(EngineState.STOPPED)
         log.error("[%s] engine failed to start: %s", self.model_id, reason)
+        cooldown = self._record_crash(reason, can_retry=code not in NO_RETRY)
+        retry_after = policy.retry_after_s(cooldown or 0.0)
         self.boot_error = APIError(503, f"Model {self.model_id} could not be loaded: {reason}", type="server_error",
-                                   code="model_load_failed", headers={"Retry-After": "1"})
+                                   code="model_load_failed", headers={"Retry-After": str(retry_after)})
         raise self.boot_error
 
     def _ms_since_spawn(self) -> float:
@@ -358,21 +372,45 @@ class Engine:
                 command.done.set_result(None)
 
     def _on_exit(self, code: int) -> None:
-        self._crashes.append(time.monotonic())
         self.num_restarts += 1
         tail = " | ".join(list(self._log_tail)[-5:])
         log.error("[%s] engine exited with %s; last lines: %s", self.model_id, code, tail)
-        if self._num_recent_crashes() >= MAX_CRASHES:
-            self.failure = f"crashed {MAX_CRASHES} times within {CRASH_WINDOW_S:.0f} s (last exit code {code})"
-            self._set(EngineState.FAILED)
-        else:
-            self._set(EngineState.STOPPED)
+        limits = self.options.crash
+        self._record_crash(f"crashed {limits.limit} times within {limits.window_s:g} s (last exit code {code})")
 
-    def _num_recent_crashes(self) -> int:
+    def _record_crash(self, failure: str, can_retry: bool = True) -> float | None:
+        """Count a crash or failed start: STOPPED (restarted on demand), or FAILED for a cool-down (its length)."""
         now = time.monotonic()
-        while self._crashes and now - self._crashes[0] > CRASH_WINDOW_S:
-            self._crashes.popleft()
-        return len(self._crashes)
+        self._history, cooldown = policy.after_crash(self._history, now, self.options.crash, can_retry)
+        if cooldown is None:
+            self._set(EngineState.STOPPED)
+            return None
+        self.failure, self.retry_at = failure, now + cooldown
+        log.error("[%s] failed (%s); trying again in %g s", self.model_id, failure, cooldown)
+        self._set(EngineState.FAILED)
+        return cooldown
+
+    async def _cool_down(self) -> None:
+        """FAILED until the cool-down ends (or an admin load ends it), then STOPPED: startable again."""
+        assert self.retry_at is not None
+        self._retry_now = asyncio.Event()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._retry_now.wait(), max(0.0, self.retry_at - time.monotonic()))
+        if self._retry_now.is_set():
+            self._history = policy.CrashHistory()
+            self.failure = self.boot_error = None
+        self._retry_now, self.retry_at = None, None
+        log.info("[%s] cool-down over: the model may start again", self.model_id)
+        self._set(EngineState.STOPPED)
+
+    def _restart_delay_s(self) -> float:
+        return policy.restart_delay_s(self._history, time.monotonic(), self.options.crash, self.options.backoff_base_s)
+
+    def _end_spell(self) -> None:
+        """The engine stops serving: a healthy spell (policy.forget_if_healthy) forgets past crashes."""
+        if self._ready_at is not None:
+            served_s, self._ready_at = time.monotonic() - self._ready_at, None
+            self._history = policy.forget_if_healthy(self._history, served_s, self.options.crash)
 
     def _resolve_ready(self, err: APIError | None) -> None:
         if self._ready is not None and not self._ready.done():

@@ -18,10 +18,14 @@ A whole-machine lease closes every engine and starts none.
 
 No thrash: a closed engine admits nothing new, so requests for it that arrive during a swap
 queue behind the model being swapped in, and each swap serves a batch, not one request.
+
+Crash loops (when a model is failed, and for how long) and the spare engine's back-off are
+decided here too, at the end of this file.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
@@ -281,3 +285,73 @@ def _retire_closing(view: PoolView, out: _Plan) -> None:
         e = view.engines.get(model)
         if e is not None and e.in_flight == 0 and not e.leased and e.state in ("starting", "ready"):
             out.actions.append(Retire(model, "closing"))
+
+
+# --- crash loops -------------------------------------------------------------------------
+# Like systemd's restart limits: a model whose engine crashes (or fails to start) `limit` times
+# within `window_s` is failed, answers 503 with Retry-After, and is tried again by itself after
+# a cool-down. The cool-down doubles with each failure, up to `cooldown_max_s`, until the model
+# has served a healthy spell. The engine's owner task keeps the history and asks these.
+
+MAX_BACKOFF_S = 60.0  # the restart delay's cap, within a window of crashes
+
+
+@dataclass(frozen=True, slots=True)
+class CrashLimits:
+    """The `[pool]` crash-loop keys."""
+
+    limit: int = 5
+    window_s: float = 60.0
+    cooldown_s: float = 15.0
+    cooldown_max_s: float = 300.0
+    healthy_reset_s: float = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class CrashHistory:
+    """One model's crashes, as the crash-loop rules see them."""
+
+    crashes: tuple[float, ...] = ()  # when it crashed or failed to start, since its last failure
+    num_failures: int = 0  # times it was failed since it last served a healthy spell
+
+
+def after_crash(
+    history: CrashHistory, now: float, limits: CrashLimits, can_retry: bool = True,
+) -> tuple[CrashHistory, float | None]:
+    """The history after a crash at `now`, and the cool-down if the model is now failed (None: restart).
+
+    `can_retry` False (an exit code that says a restart won't help, e.g. a bad model dir) fails it
+    at once: a cool-down still, since the user may fix the model dir meanwhile.
+    """
+    crashes = (*(t for t in history.crashes if now - t < limits.window_s), now)
+    if can_retry and len(crashes) < limits.limit:
+        return CrashHistory(crashes, history.num_failures), None
+    failures = history.num_failures + 1
+    return CrashHistory((), failures), cooldown_s(failures, limits)  # the retry gets the full limit again
+
+
+def cooldown_s(num_failures: int, limits: CrashLimits) -> float:
+    """The cool-down after the `num_failures`-th failure in a row: `cooldown_s`, doubling, capped."""
+    return min(limits.cooldown_max_s, limits.cooldown_s * 2.0 ** max(0, num_failures - 1))
+
+
+def forget_if_healthy(history: CrashHistory, served_s: float, limits: CrashLimits) -> CrashHistory:
+    """An engine that served `served_s` without crashing: a healthy spell forgets the past."""
+    return CrashHistory() if served_s >= limits.healthy_reset_s else history
+
+
+def restart_delay_s(history: CrashHistory, now: float, limits: CrashLimits, base_s: float = 1.0) -> float:
+    """The back-off before a start: 0 after no recent crash, then `base_s` doubling per crash, to 60 s."""
+    num_recent = sum(1 for t in history.crashes if now - t < limits.window_s)
+    return 0.0 if num_recent == 0 else min(MAX_BACKOFF_S, base_s * 2.0 ** (num_recent - 1))
+
+
+def retry_after_s(seconds: float) -> int:
+    """A Retry-After header's whole seconds: rounded up, at least 1."""
+    return max(1, math.ceil(seconds))
+
+
+def spare_delay_s(num_young_deaths: int, quiet_s: float, max_s: float = 60.0) -> float:
+    """How long the pool stays quiet before making a spare: `quiet_s`, doubled for each spare in
+    a row that died young (one that dies at once must not respawn in a tight loop), capped."""
+    return min(max_s, quiet_s * 2.0 ** num_young_deaths)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -70,6 +71,12 @@ def limits_from(config: PoolConfig) -> policy.Limits:
     return policy.Limits(budget, config.max_loaded, config.max_queue, config.queue_timeout_s)
 
 
+def crash_limits_from(config: PoolConfig) -> policy.CrashLimits:
+    """The crash-loop rules' limits from the `[pool]` table."""
+    return policy.CrashLimits(config.crash_limit, config.crash_window_s, config.cooldown_s, config.cooldown_max_s,
+                              config.healthy_reset_s)
+
+
 class Pool:
     """Engines by model, the wait queue, and the leases' hold on them."""
 
@@ -78,8 +85,8 @@ class Pool:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._runtime_dir = runtime_dir
-        self._options = options or EngineOptions()
         self.config = config or PoolConfig()
+        self._options = dataclasses.replace(options or EngineOptions(), crash=crash_limits_from(self.config))
         self.limits = limits_from(self.config)
         self._clock = clock
         self._slots: dict[str, Slot] = {}
@@ -91,7 +98,8 @@ class Pool:
         self._machine_free = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._spare_timer: asyncio.TimerHandle | None = None
-        self.spare = Spare(self._options.module, self.config.spare_engine and spare_allowed(self._options))
+        self.spare = Spare(self._options.module, self.config.spare_engine and spare_allowed(self._options),
+                           on_exit=self._on_spare_exit)
         self.num_evictions = 0  # engines stopped to make room for another model
 
     # --- requests -------------------------------------------------------------------------
@@ -132,7 +140,7 @@ class Pool:
 
     def _check_admissible(self, slot: Slot) -> None:
         if slot.engine.state is EngineState.FAILED:
-            raise failed_error(slot)
+            raise slot.engine.failed_error()
         if policy.never_fits(slot.memory_bytes, self.limits):
             raise too_big(slot, self.limits)
         if not policy.can_queue(len(self._queue), self.limits) and self._replan_scheduled:
@@ -188,7 +196,7 @@ class Pool:
     async def load(self, entry: ModelEntry, pin: bool | None = None) -> Slot:
         """Start the model's engine (as the policy allows) and wait until it is READY."""
         slot = self.slot_for(entry)
-        slot.engine.reset()
+        await slot.engine.reset()
         if pin is not None:
             slot.pinned = pin
         self.release(await self.acquire(entry, timeout_s=self._admin_wait_s()))
@@ -220,7 +228,7 @@ class Pool:
         slot = self.slot_for(entry)
         if slot.lease_id is not None:
             raise APIError(409, f"Model {entry.id} is already leased.", code="lease_conflict")
-        slot.engine.reset()
+        await slot.engine.reset()
         await self.acquire(entry, timeout_s=self._admin_wait_s())
         slot.in_flight -= 1  # the lease itself is not a request in flight
         slot.lease_id, slot.on_lease_lost = lease_id, on_lost
@@ -274,13 +282,23 @@ class Pool:
         self._arm_spare()
 
     def _arm_spare(self) -> None:
-        """Refill the spare once the pool has been quiet a moment: its imports would slow work."""
+        """Refill the spare once the pool has been quiet a moment (its imports would slow work),
+        longer after spares that died young."""
         if not self._is_quiet():
-            if self._spare_timer is not None:
-                self._spare_timer.cancel()
-                self._spare_timer = None
+            self._disarm_spare()
         elif self._spare_timer is None:
-            self._spare_timer = asyncio.get_running_loop().call_later(SPARE_AFTER_QUIET_S, self._refill_spare)
+            delay = policy.spare_delay_s(self.spare.num_young_deaths, SPARE_AFTER_QUIET_S)
+            self._spare_timer = asyncio.get_running_loop().call_later(delay, self._refill_spare)
+
+    def _disarm_spare(self) -> None:
+        if self._spare_timer is not None:
+            self._spare_timer.cancel()
+            self._spare_timer = None
+
+    def _on_spare_exit(self) -> None:
+        """The idle spare died (and is reaped): another comes after the quiet delay, backed off."""
+        self._disarm_spare()  # a refill armed before the death would not wait out the back-off
+        self._schedule_replan()
 
     def _refill_spare(self) -> None:
         self._spare_timer = None
@@ -319,7 +337,7 @@ class Pool:
 
     def _start(self, slot: Slot) -> None:
         if slot.engine.state is EngineState.FAILED:  # its waiters queued before it failed
-            self._fail_waiters(slot, slot.engine.boot_error or failed_error(slot))
+            self._fail_waiters(slot, slot.engine.boot_error or slot.engine.failed_error())
             return
         slot.engine.start()
         task = asyncio.create_task(self._watch_boot(slot))
@@ -403,11 +421,6 @@ class Pool:
 def spare_allowed(options: EngineOptions, env: Mapping[str, str] = os.environ) -> bool:
     """Spares are real engines only (not a test's fake), and `MLXD_SPARE_ENGINE=0` turns them off."""
     return options.module == "mlxd.engine" and env.get("MLXD_SPARE_ENGINE", "1") != "0"
-
-
-def failed_error(slot: Slot) -> APIError:
-    return APIError(503, f"Model {slot.entry.id} failed: {slot.engine.failure}", type="server_error",
-                    code="model_failed")
 
 
 def too_big(slot: Slot, limits: policy.Limits) -> APIError:

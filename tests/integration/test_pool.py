@@ -246,7 +246,7 @@ def test_queue_timeout_and_budget_rejection(tiny_model: Path, tmp_path: Path) ->
 def test_admin_bad_input_gets_openai_errors(
     one_model: SupervisorProcess, method: str, path: str, body: bytes, status: int,
 ) -> None:
-    resp = one_model.client.request(method, path, content=body)
+    resp = one_model.client.request(method, path, content=body, headers={"Content-Type": "application/json"})
     assert resp.status_code == status
     assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
 
@@ -280,5 +280,32 @@ def test_a_lease_request_abandoned_while_waiting_holds_nothing(tiny_model: Path,
         assert wait_for(lambda: engines(sup)["a"]["lease"] is None, 5)
         assert all(x["state"] != "held" for x in sup.client.get("/admin/leases").json()["data"])
         assert complete(sup, "a").status_code == 200  # nobody holds the model
+    finally:
+        sup.stop()
+
+
+def test_a_spare_that_dies_is_reaped_and_replaced(tiny_model: Path, tmp_path: Path) -> None:
+    sup = SupervisorProcess(f'[models.a]\npath = "{tiny_model}"\n', tmp_path, env={"MLXD_SPARE_ENGINE": "1"}).wait_up()
+
+    def spare() -> dict:
+        return dict(engines(sup)["_"]["spare"])
+
+    def is_dead(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    try:
+        assert wait_for(lambda: spare()["warm"], 60), spare()
+        first = spare()["pid"]
+        psutil.Process(first).kill()
+        assert wait_for(lambda: is_dead(first), 10)
+        seen: list[dict] = []
+        assert wait_for(lambda: seen.append(spare()) or (seen[-1]["warm"] and seen[-1]["pid"] != first), 60), seen[-1]
+        assert not [s for s in seen if s["pid"] == first], "a dead spare was still shown"
+        assert f"spare engine pid {first} exited with -9" in sup.log()
+        assert complete(sup, "a").status_code == 200  # the new spare serves the model
+        assert "starting (from the spare)" in sup.log()
     finally:
         sup.stop()

@@ -7,33 +7,79 @@ import re
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
-from tests.support import SupervisorProcess
+from tests.support import SupervisorProcess, httpx, wait_for
 
 FAST = {"MLXD_ENGINE_MODULE": "tests.fake_engine", "MLXD_ENGINE_BACKOFF_S": "0.05",
         "MLXD_ENGINE_HEALTH_EVERY_S": "0.2", "MLXD_ENGINE_HEALTH_DEADLINE_S": "1"}
 
 
-def start(tmp_path: Path, mode: str, extra_config: str = "") -> SupervisorProcess:
+def start(tmp_path: Path, mode: str, extra_config: str = "", **extra_env: str) -> SupervisorProcess:
     model = tmp_path / "fake-model"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text("{}")
     (model / "model.safetensors").write_bytes(b"")
-    env = {**FAST, "MLXD_FAKE_MODE": mode, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env = {**FAST, "MLXD_FAKE_MODE": mode, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), **extra_env}
     return SupervisorProcess(f'[models.fake]\npath = "{model}"\n{extra_config}', tmp_path / "data", env=env).wait_up()
 
 
 def test_crash_at_boot_backs_off_then_marks_the_model_failed(tmp_path: Path) -> None:
     sup = start(tmp_path, "boot_crash")
     try:
-        codes = [sup.client.post("/v1/completions", json={"model": "fake", "prompt": "x"}).json()["error"]["code"]
-                 for _ in range(6)]
+        answers = [sup.client.post("/v1/completions", json={"model": "fake", "prompt": "x"}) for _ in range(6)]
+        codes = [a.json()["error"]["code"] for a in answers]
         assert codes[:5] == ["model_load_failed"] * 5
         assert codes[5] == "model_failed"
+        assert [a.headers["Retry-After"] for a in answers[:4]] == ["1"] * 4
+        # The fifth failed start fails the model: tried again after the 15 s cool-down.
+        assert 10 <= int(answers[4].headers["Retry-After"]) <= 15
+        assert 10 <= int(answers[5].headers["Retry-After"]) <= 15
         assert len(re.findall(r"engine pid \d+ starting", sup.log())) == 5
         assert "cannot start on cue" in sup.client.post("/v1/completions", json={"model": "fake"}).json()["error"]["message"]
+    finally:
+        sup.stop()
+
+
+def test_a_crash_loop_fails_the_model_which_heals_by_itself_after_a_doubling_cool_down(tmp_path: Path) -> None:
+    """systemd-style restart limits: 3 failed starts fail the model; it answers 503 with
+    Retry-After, and serves again by itself after the cool-down. A later failure cools down
+    twice as long; an admin load ends a cool-down at once."""
+    cue = tmp_path / "cue"
+    cue.write_text("1")  # each start exits 1: a crash
+    pool = "\n[pool]\ncrash_limit = 3\ncooldown_s = 2\ncooldown_max_s = 60\n"
+    sup = start(tmp_path, "cued", pool, MLXD_FAKE_CUE=str(cue))
+
+    def ask() -> httpx.Response:
+        return sup.client.post("/v1/completions", json={"model": "fake", "prompt": "x"})
+
+    def fake() -> dict[str, Any]:
+        return dict(sup.client.get("/admin/engines").json()["data"][0])
+
+    try:
+        assert [ask().json()["error"]["code"] for _ in range(3)] == ["model_load_failed"] * 3
+        failed = ask()
+        assert failed.status_code == 503 and failed.json()["error"]["code"] == "model_failed"
+        assert failed.headers["Retry-After"] in ("1", "2")
+        info = fake()
+        assert info["state"] == "failed" and 0 <= info["retry_in_s"] <= 2 and info["retry_at"] > time.time() - 1
+        cue.unlink()  # mended: the next try after the cool-down serves
+        assert wait_for(lambda: ask().status_code == 200, 30), sup.log()
+        assert fake()["state"] == "ready" and fake()["retry_in_s"] is None
+        assert len(re.findall(r"engine pid \d+ starting", sup.log())) == 4
+
+        cue.write_text("4")  # MODEL_LOAD_ERROR: a restart can't help, so failed at once
+        sup.client.post("/admin/unload", json={"model": "fake"})
+        assert ask().json()["error"]["code"] == "model_load_failed"
+        info = fake()
+        assert info["state"] == "failed" and info["retry_in_s"] > 2  # 4 s: the second failure in a row
+        assert int(ask().headers["Retry-After"]) in (3, 4)
+        cue.unlink()
+        loaded = sup.client.post("/admin/load", json={"model": "fake"})  # no waiting out the cool-down
+        assert loaded.status_code == 200 and loaded.json()["state"] == "ready"
+        assert ask().status_code == 200
     finally:
         sup.stop()
 
@@ -105,7 +151,7 @@ def test_an_http10_client_gets_a_clean_stream(tmp_path: Path) -> None:
     try:
         body = json.dumps({"model": "fake", "stream": True, "max_tokens": 6}).encode()
         with socket.create_connection(("127.0.0.1", sup.port), timeout=30) as conn:
-            conn.sendall(b"POST /v1/completions HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\n"
+            conn.sendall(b"POST /v1/completions HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                          b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
             raw = b""
             while chunk := conn.recv(65536):

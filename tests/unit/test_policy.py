@@ -14,6 +14,8 @@ from mlxd.supervisor.policy import (
     Action,
     Admit,
     Close,
+    CrashHistory,
+    CrashLimits,
     EngineView,
     Limits,
     PoolView,
@@ -21,10 +23,16 @@ from mlxd.supervisor.policy import (
     Retire,
     Start,
     WaiterView,
+    after_crash,
     can_queue,
+    cooldown_s,
+    forget_if_healthy,
     never_fits,
     next_deadline,
     plan,
+    restart_delay_s,
+    retry_after_s,
+    spare_delay_s,
 )
 
 GIB = 1 << 30
@@ -628,3 +636,92 @@ def test_any_arrival_pattern_keeps_the_invariants_and_serves_everyone(
     assert sorted(sim.served) == sorted(fits)
     assert list(sim.rejected.values()) == ["too_big"] * (len(arrived) - len(fits))
     assert len(sim.starts) <= len(sim.served)
+
+
+# Crash loops
+
+
+CRASH = CrashLimits(limit=3, window_s=60.0, cooldown_s=15.0, cooldown_max_s=300.0, healthy_reset_s=600.0)
+
+
+def crash_at(*times: float, history: CrashHistory | None = None, **kw: Any) -> tuple[CrashHistory, float | None]:
+    history, cooldown = history or CrashHistory(), None
+    for t in times:
+        history, cooldown = after_crash(history, t, CRASH, **kw)
+    return history, cooldown
+
+
+def test_crashes_below_the_limit_restart() -> None:
+    history, cooldown = crash_at(0.0, 10.0)
+    assert cooldown is None and history == CrashHistory((0.0, 10.0), 0)
+
+
+def test_the_limit_within_the_window_fails_the_model_for_the_first_cool_down() -> None:
+    history, cooldown = crash_at(0.0, 10.0, 20.0)
+    assert cooldown == 15.0
+    assert history == CrashHistory((), 1)  # the retry gets the whole limit again
+
+
+def test_crashes_older_than_the_window_do_not_count() -> None:
+    assert crash_at(0.0, 10.0, 70.5)[1] is None
+    assert crash_at(0.0, 10.0, 60.0)[1] is None  # one window_s ago: out
+    assert crash_at(0.0, 59.0, 59.9)[1] == 15.0
+
+
+def test_a_start_that_cannot_succeed_fails_at_once_but_is_tried_again_later() -> None:
+    assert crash_at(0.0, can_retry=False) == (CrashHistory((), 1), 15.0)
+
+
+@pytest.mark.parametrize(("num_failures", "cooldown"), [(1, 15.0), (2, 30.0), (3, 60.0), (5, 240.0), (6, 300.0), (40, 300.0)])
+def test_the_cool_down_doubles_with_each_failure_up_to_the_cap(num_failures: int, cooldown: float) -> None:
+    assert cooldown_s(num_failures, CRASH) == cooldown
+
+
+def test_a_failure_after_the_retry_doubles_the_cool_down() -> None:
+    history, first = crash_at(0.0, 1.0, 2.0)
+    history, second = crash_at(20.0, 21.0, 22.0, history=history)
+    history, third = crash_at(60.0, can_retry=False, history=history)
+    assert (first, second, third) == (15.0, 30.0, 60.0)
+
+
+@pytest.mark.parametrize(("served_s", "forgets"), [(0.0, False), (599.0, False), (600.0, True), (5000.0, True)])
+def test_a_healthy_spell_forgets_failures_and_crashes(served_s: float, forgets: bool) -> None:
+    history = CrashHistory((5.0,), 3)
+    after = forget_if_healthy(history, served_s, CRASH)
+    assert after == (CrashHistory() if forgets else history)
+    assert crash_at(1000.0, 1001.0, 1002.0, history=after)[1] == (15.0 if forgets else 120.0)
+
+
+@pytest.mark.parametrize(("crashes", "delay"), [((), 0.0), ((50.0,), 1.0), ((40.0, 50.0), 2.0), ((0.0, 50.0), 1.0),
+                                               (tuple(range(50, 60)), 60.0)])
+def test_restart_back_off_counts_crashes_in_the_window(crashes: tuple[float, ...], delay: float) -> None:
+    assert restart_delay_s(CrashHistory(crashes), 61.0, CRASH, base_s=1.0) == delay
+
+
+@pytest.mark.parametrize(("seconds", "header"), [(0.0, 1), (0.2, 1), (1.0, 1), (1.01, 2), (14.5, 15), (300.0, 300)])
+def test_retry_after_is_whole_seconds_rounded_up(seconds: float, header: int) -> None:
+    assert retry_after_s(seconds) == header
+
+
+@settings(max_examples=200, deadline=None)
+@given(gaps=st.lists(st.floats(0.0, 200.0), min_size=1, max_size=40), no_retry=st.lists(st.booleans(), max_size=40))
+def test_crash_loop_rules_hold_for_any_crash_pattern(gaps: list[float], no_retry: list[bool]) -> None:
+    """Failed exactly when `limit` crashes fall in the window (or a start can't succeed); cool-downs
+    never shrink between healthy spells and stay within [cooldown_s, cooldown_max_s]."""
+    history, now, last_cooldown = CrashHistory(), 0.0, 0.0
+    for i, gap in enumerate(gaps):
+        now += gap
+        can_retry = not (no_retry[i] if i < len(no_retry) else False)
+        recent = [t for t in history.crashes if now - t < CRASH.window_s]
+        history, cooldown = after_crash(history, now, CRASH, can_retry)
+        assert (cooldown is not None) == (not can_retry or len(recent) + 1 >= CRASH.limit)
+        if cooldown is not None:
+            assert CRASH.cooldown_s <= cooldown <= CRASH.cooldown_max_s and cooldown >= last_cooldown
+            assert history.crashes == ()
+            last_cooldown = cooldown
+        assert len(history.crashes) < CRASH.limit
+
+
+@pytest.mark.parametrize(("num_young_deaths", "delay"), [(0, 1.0), (1, 2.0), (2, 4.0), (5, 32.0), (6, 60.0), (50, 60.0)])
+def test_a_spare_that_keeps_dying_young_is_made_again_later_each_time(num_young_deaths: int, delay: float) -> None:
+    assert spare_delay_s(num_young_deaths, quiet_s=1.0) == delay
