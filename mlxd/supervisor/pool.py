@@ -411,6 +411,7 @@ class Pool:
         for waiter in self._queue:
             self._fail(waiter, APIError(503, "mlxd is shutting down.", type="server_error", code="shutting_down"))
         self._queue.clear()
+        self.spare.enabled = False  # the engines' last state changes must not make a new spare
         await asyncio.gather(self.spare.stop(), *(s.engine.stop() for s in self._slots.values()))
 
     def start_spare(self) -> None:

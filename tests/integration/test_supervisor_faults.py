@@ -45,11 +45,11 @@ def test_crash_at_boot_backs_off_then_marks_the_model_failed(tmp_path: Path) -> 
 
 def test_a_crash_loop_fails_the_model_which_heals_by_itself_after_a_doubling_cool_down(tmp_path: Path) -> None:
     """systemd-style restart limits: 3 failed starts fail the model; it answers 503 with
-    Retry-After, and serves again by itself after the cool-down. A later failure cools down
-    twice as long; an admin load ends a cool-down at once."""
+    Retry-After, and serves again by itself after the cool-down (3 s). A later failure cools
+    down twice as long; an admin load ends a cool-down at once."""
     cue = tmp_path / "cue"
     cue.write_text("1")  # each start exits 1: a crash
-    pool = "\n[pool]\ncrash_limit = 3\ncooldown_s = 2\ncooldown_max_s = 60\n"
+    pool = "\n[pool]\ncrash_limit = 3\ncooldown_s = 3\ncooldown_max_s = 60\n"
     sup = start(tmp_path, "cued", pool, MLXD_FAKE_CUE=str(cue))
 
     def ask() -> httpx.Response:
@@ -62,9 +62,9 @@ def test_a_crash_loop_fails_the_model_which_heals_by_itself_after_a_doubling_coo
         assert [ask().json()["error"]["code"] for _ in range(3)] == ["model_load_failed"] * 3
         failed = ask()
         assert failed.status_code == 503 and failed.json()["error"]["code"] == "model_failed"
-        assert failed.headers["Retry-After"] in ("1", "2")
+        assert 1 <= int(failed.headers["Retry-After"]) <= 3
         info = fake()
-        assert info["state"] == "failed" and 0 <= info["retry_in_s"] <= 2 and info["retry_at"] > time.time() - 1
+        assert info["state"] == "failed" and 0 <= info["retry_in_s"] <= 3 and info["retry_at"] > time.time() - 1
         cue.unlink()  # mended: the next try after the cool-down serves
         assert wait_for(lambda: ask().status_code == 200, 30), sup.log()
         assert fake()["state"] == "ready" and fake()["retry_in_s"] is None
@@ -74,8 +74,8 @@ def test_a_crash_loop_fails_the_model_which_heals_by_itself_after_a_doubling_coo
         sup.client.post("/admin/unload", json={"model": "fake"})
         assert ask().json()["error"]["code"] == "model_load_failed"
         info = fake()
-        assert info["state"] == "failed" and info["retry_in_s"] > 2  # 4 s: the second failure in a row
-        assert int(ask().headers["Retry-After"]) in (3, 4)
+        assert info["state"] == "failed" and info["retry_in_s"] > 3  # 6 s: the second failure in a row
+        assert 3 < int(ask().headers["Retry-After"]) <= 6
         cue.unlink()
         loaded = sup.client.post("/admin/load", json={"model": "fake"})  # no waiting out the cool-down
         assert loaded.status_code == 200 and loaded.json()["state"] == "ready"
