@@ -1,0 +1,320 @@
+"""The OpenAPI 3.1 document of the supervisor's HTTP API, served at `GET /openapi.json`.
+
+Request schemas are the msgspec Structs the handlers decode with, through
+`msgspec.json.schema_components` (JSON Schema 2020-12, which OpenAPI 3.1 uses as is), so a
+range added to a Struct reaches the document with no edit here. The supervisor builds most of
+its own answers as dicts: the Structs below describe them, and the fuzz test
+(tests/integration/test_fuzz.py) checks real answers against them.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Literal
+
+import msgspec
+from aiohttp import web
+
+from mlxd import __version__
+from mlxd.protocol import openai
+from mlxd.protocol.errors import ErrorBody
+from mlxd.protocol.process import LEASE_HEADER
+from mlxd.supervisor import admin_routes as admin
+from mlxd.supervisor.engine import EngineState
+from mlxd.supervisor.leases import Lease
+from mlxd.supervisor.registry import Source
+
+# ---- the supervisor's answers (documentation only: the handlers build dicts) ----
+
+
+class ModelInfo(msgspec.Struct):
+    """A model that exists, in OpenAI's shape plus where it comes from and its state."""
+
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    loaded: bool
+    state: EngineState
+    source: Source
+    size_bytes: int
+
+
+class ModelInfoList(msgspec.Struct):
+    object: Literal["list"]
+    data: list[ModelInfo]
+
+
+class Health(msgspec.Struct):
+    status: Literal["ok"]
+    version: str
+    engines: dict[str, EngineState]
+
+
+class EngineLease(msgspec.Struct):
+    id: str
+    holder: str
+    expires_at: float
+
+
+class Spare(msgspec.Struct):
+    """The engine process kept ready for the next model start (pid null: none)."""
+
+    pid: int | None
+    warm: bool
+
+
+class EngineRow(msgspec.Struct):
+    """One model the pool has seen; `boot` and `last_stop` hold timings in ms."""
+
+    model: str
+    state: EngineState
+    pid: int | None
+    uptime_s: float | None
+    rss_bytes: int | None
+    memory_estimate_bytes: int
+    in_flight: int
+    queued: int
+    last_used: float | None
+    pinned: bool
+    restarts: int
+    idle_ttl_s: int
+    expires_in_s: float | None
+    closing: str | None
+    failure: str | None
+    boot: dict[str, float] | None
+    last_stop: dict[str, Any] | None
+    lease: EngineLease | None
+
+
+class EngineList(msgspec.Struct):
+    object: Literal["list"]
+    budget_bytes: int
+    used_bytes: int
+    max_loaded: int | None
+    machine_leased: bool
+    evictions: int
+    spare: Spare
+    data: list[EngineRow]
+
+
+class EngineDrain(msgspec.Struct):
+    """An engine's drain report."""
+
+    drained: bool
+    finished: int
+    cancelled: int
+    waited_ms: float
+    cache_written_bytes: int
+    resumed: bool
+
+
+class ModelDrain(EngineDrain):
+    model: str
+
+
+class DrainAnswer(msgspec.Struct):
+    drained: list[ModelDrain]
+
+
+class LoadAnswer(msgspec.Struct):
+    model: str
+    state: EngineState
+    pinned: bool
+    load_ms: float
+
+
+class UnloadAnswer(msgspec.Struct):
+    """`drain` is null when the model was not loaded."""
+
+    model: str
+    state: EngineState
+    was_loaded: bool
+    drain: EngineDrain | None
+
+
+class LeaseList(msgspec.Struct):
+    """Held leases first, then the last ended ones, newest first."""
+
+    object: Literal["list"]
+    data: list[Lease]
+
+
+class LeaseDeleted(msgspec.Struct):
+    id: str
+    deleted: bool
+
+
+SCHEMA_TYPES: tuple[Any, ...] = (
+    openai.ChatCompletionRequest, openai.CompletionRequest, openai.ChatCompletion,
+    openai.ChatCompletionChunk, openai.Completion, ErrorBody, admin.LoadBody, admin.UnloadBody,
+    admin.DrainBody, admin.LeaseBody, admin.RenewBody, ModelInfoList, Health, EngineList,
+    LoadAnswer, UnloadAnswer, DrainAnswer, Lease, LeaseList, LeaseDeleted,
+)
+
+# msgspec can't union two list types, so CompletionRequest.prompt is `str | list[Any]` and the
+# engine checks the rest (openai.completion_prompt); the document says what it accepts.
+TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+PROMPT = {
+    "anyOf": [{"type": "string"}, TOKEN_IDS, {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
+              {"type": "array", "items": TOKEN_IDS, "minItems": 1, "maxItems": 1}],
+    "description": "Text, token ids, or a one-element list of either (one prompt per request).",
+}
+
+# ---- operations ----
+
+ERRORS = {
+    400: "The body is not JSON, or a field has the wrong type or range (`param` names it).",
+    401: "Keys are configured and the request carries none that is valid (admin routes: an admin key).",
+    403: "A `Host` that does not name this server, or a browser `Origin` that is not allowed.",
+    404: "No such model (the message lists some that exist), or no such lease.",
+    408: "The request head or body arrived too slowly.",
+    409: "The model or the machine is leased, or the model is pinned.",
+    413: "The body is larger than `server.max_body_bytes`.",
+    415: "An admin POST without `Content-Type: application/json`.",
+    500: "Generation raised in the engine (`generation_failed`); the engine keeps serving.",
+    502: "The engine crashed while serving the request (`engine_crashed`).",
+    503: "Too many connections, the model queue full or waited out, the model loading or failing, or "
+         "mlxd stopping; `Retry-After` says when to try again.",
+}
+ANY = (403, 408, 503)  # the Host check and connection limits apply to every route
+GUARDED = (401, *ANY)
+INFERENCE_ERRORS = (400, *GUARDED, 404, 413, 500, 502)
+ADMIN_BODY_ERRORS = (400, *GUARDED, 404, 413, 415)
+
+
+def ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def json_content(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"application/json": {"schema": schema}}
+
+
+def error_response(status: int) -> dict[str, Any]:
+    """An error in OpenAI's `{"error": {...}}` shape."""
+    response: dict[str, Any] = {"description": ERRORS[status], "content": json_content(ref("ErrorBody"))}
+    if status in (502, 503):
+        response["headers"] = {"Retry-After": {"description": "Seconds to wait", "schema": {"type": "string"}}}
+    return response
+
+
+def operation(
+    op_id: str, summary: str, ok: dict[str, Any], errors: tuple[int, ...], *, tag: str,
+    body: str | None = None, body_required: bool = True, parameters: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """One OpenAPI operation; `ok` is the 200 answer's content."""
+    op: dict[str, Any] = {"operationId": op_id, "summary": summary, "tags": [tag]}
+    if parameters:
+        op["parameters"] = parameters
+    if body is not None:
+        op["requestBody"] = {"required": body_required, "content": json_content(ref(body))}
+    responses = {str(s): error_response(s) for s in sorted(errors)}
+    op["responses"] = {"200": {"description": "OK", "content": ok}, **responses}
+    return op
+
+
+def inference(op_id: str, summary: str, body: str, answer: str, chunk: str) -> dict[str, Any]:
+    """A relayed OpenAI route: JSON, or with `"stream": true` server-sent events."""
+    lease = {"name": LEASE_HEADER, "in": "header", "required": False, "schema": {"type": "string"},
+             "description": "A model lease's id: the request is the lease holder's and runs on the leased model."}
+    ok = {**json_content(ref(answer)), "text/event-stream": {"schema": event_schema(chunk)}}
+    return operation(op_id, summary, ok, INFERENCE_ERRORS, tag="OpenAI", body=body, parameters=[lease])
+
+
+def event_schema(chunk: str) -> dict[str, Any]:
+    """One server-sent event of a stream: a chunk, an error (the stream then ends), or `[DONE]`."""
+    payload = {"contentMediaType": "application/json", "contentSchema": {"anyOf": [ref(chunk), ref("ErrorBody")]}}
+    done_or_json = {"type": "string", "if": {"const": "[DONE]"}, "else": payload}
+    return {"type": "object", "required": ["data"], "properties": {"data": done_or_json},
+            "description": f"Each event: `data: {{{chunk}}}`; the last `data: [DONE]`, or an error after which "
+                           "the stream closes."}
+
+
+def lease_id_param() -> dict[str, Any]:
+    return {"name": "lease_id", "in": "path", "required": True, "schema": {"type": "string"}}
+
+
+def make_paths() -> dict[str, Any]:
+    """Every route of the supervisor's TCP surface."""
+    text = {"text/plain": {"schema": {"type": "string"}}}
+    return {
+        "/v1/chat/completions": {"post": inference(
+            "createChatCompletion", "Chat completion, routed by `model` to that model's engine",
+            "ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk")},
+        "/v1/completions": {"post": inference(
+            "createCompletion", "Text completion (no chat template), routed by `model`",
+            "CompletionRequest", "Completion", "Completion")},
+        "/v1/models": {"get": operation("listModels", "Every model that exists", json_content(ref("ModelInfoList")),
+                                        GUARDED, tag="OpenAI")},
+        "/health": {"get": {**operation("health", "The supervisor is up (never needs a key)",
+                                        json_content(ref("Health")), ANY, tag="Service"), "security": []}},
+        "/metrics": {"get": operation("metrics", "Prometheus text format", text, GUARDED, tag="Service")},
+        "/openapi.json": {"get": operation("openapi", "This document", json_content({"type": "object"}), GUARDED,
+                                           tag="Service")},
+        **make_admin_paths(),
+    }
+
+
+def make_admin_paths() -> dict[str, Any]:
+    """The /admin routes: the model pool and job leases."""
+    lease = json_content(ref("Lease"))
+    return {
+        "/admin/engines": {"get": operation("listEngines", "Every engine the pool has seen",
+                                            json_content(ref("EngineList")), GUARDED, tag="Admin")},
+        "/admin/load": {"post": operation("loadModel", "Start a model; answers once it is ready",
+                                          json_content(ref("LoadAnswer")), ADMIN_BODY_ERRORS, tag="Admin",
+                                          body="LoadBody")},
+        "/admin/unload": {"post": operation("unloadModel", "Drain a model, then stop its engine",
+                                            json_content(ref("UnloadAnswer")), (*ADMIN_BODY_ERRORS, 409), tag="Admin",
+                                            body="UnloadBody")},
+        "/admin/drain": {"post": operation("drain", "Drain one engine (or every ready one); they keep serving",
+                                           json_content(ref("DrainAnswer")), ADMIN_BODY_ERRORS, tag="Admin",
+                                           body="DrainBody", body_required=False)},
+        "/admin/leases": {
+            "get": operation("listLeases", "Held leases, then recently ended ones", json_content(ref("LeaseList")),
+                             GUARDED, tag="Admin"),
+            "post": operation("takeLease", "Take a model lease (or, with `model: null`, a machine lease); "
+                              "answers once held", lease, (*ADMIN_BODY_ERRORS, 409), tag="Admin",
+                              body="LeaseBody"),
+        },
+        "/admin/leases/{lease_id}/renew": {"post": operation(
+            "renewLease", "Expire the lease `ttl_s` from now", lease, ADMIN_BODY_ERRORS, tag="Admin",
+            body="RenewBody", body_required=False, parameters=[lease_id_param()])},
+        "/admin/leases/{lease_id}": {"delete": operation(
+            "endLease", "End a held lease", json_content(ref("LeaseDeleted")), (*GUARDED, 404), tag="Admin",
+            parameters=[lease_id_param()])},
+    }
+
+
+def make_openapi() -> dict[str, Any]:
+    """The OpenAPI 3.1 document (a fresh dict each call)."""
+    _, schemas = msgspec.json.schema_components(SCHEMA_TYPES, ref_template="#/components/schemas/{name}")
+    schemas["CompletionRequest"]["properties"]["prompt"] = PROMPT
+    security_schemes = {
+        "bearer": {"type": "http", "scheme": "bearer", "description": "`Authorization: Bearer KEY`"},
+        "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "mlxd", "version": __version__,
+            "description": "A local LLM inference daemon on MLX: OpenAI's API, one engine process per model. "
+                           "Keys are needed only when `api_keys`/`admin_keys` are configured; admin routes "
+                           "then take an admin key. Errors are always JSON in OpenAI's shape.",
+        },
+        "paths": make_paths(),
+        "components": {"schemas": schemas, "securitySchemes": security_schemes},
+        "security": [{"bearer": []}, {"apiKey": []}],
+    }
+
+
+@functools.cache
+def openapi_bytes() -> bytes:
+    """The document as JSON, built once per process."""
+    return msgspec.json.encode(make_openapi())
+
+
+async def openapi_json(request: web.Request) -> web.Response:
+    """GET /openapi.json: this API's OpenAPI 3.1 document."""
+    return web.Response(body=openapi_bytes(), content_type="application/json")
