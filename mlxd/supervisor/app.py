@@ -17,6 +17,7 @@ from mlxd.supervisor.guard import HostPolicy, add_cors_headers, machine_names, m
 from mlxd.supervisor.keys import AUTH, CONFIG, LEASES, METRICS, POOL, REGISTRY
 from mlxd.supervisor.leases import Leases
 from mlxd.supervisor.metrics import LazyMetrics, make_metrics_middleware
+from mlxd.supervisor.openapi import openapi_json
 from mlxd.supervisor.pool import Pool
 from mlxd.supervisor.registry import Registry
 
@@ -42,6 +43,7 @@ def make_app(config: Config, registry: Registry, pool: Pool) -> web.Application:
     app.router.add_get("/v1/models", routes.list_models)
     app.router.add_get("/health", routes.health)
     app.router.add_get("/metrics", routes.metrics)
+    app.router.add_get("/openapi.json", openapi_json)
     setup_admin_routes(app)
     app.cleanup_ctx.append(engines_ctx)
     return app
