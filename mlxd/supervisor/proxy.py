@@ -30,6 +30,7 @@ log = logging.getLogger("mlxd.supervisor")
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
 CRASHED = "The model's engine stopped unexpectedly; it is being restarted. Try again."
 CONNECT_TIMEOUT_S = 5.0
+DROPPED_AT_ONCE_S = 0.1  # a connection lost with no answer this soon: the engine was already dying
 # Connections open to one engine at once; more requests wait for one to close. Each connects
 # afresh, and a burst of them all at once would overrun the engine's listen backlog (128, and
 # macOS caps any backlog at 128): those connects are refused. (aiohttp's connector, used before,
@@ -44,6 +45,22 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 
 class EngineBusy(Exception):
     """The engine turned the request away before starting it (draining or leased): queue it again."""
+
+
+class EngineUnreachable(EngineBusy):
+    """The engine died before it could take the request; its owner has not seen the exit yet.
+
+    Either nothing listens on its socket (nothing was sent), or the connection was dropped at
+    once with no answer: a process being torn down after SIGKILL still holds its listening
+    socket for a moment, and takes a connection it will never read
+    (test_engine_sigkill_mid_stream_ends_the_stream_cleanly_and_the_next_request_works).
+    The request may wait for the restart like any other; `was_sent` ones only once, so that
+    a request that itself kills engines is not sent to every new one.
+    """
+
+    def __init__(self, was_sent: bool) -> None:
+        super().__init__()
+        self.was_sent = was_sent
 
 
 class UpstreamError(Exception):
@@ -149,6 +166,7 @@ class Upstream(asyncio.Protocol):
         self._chunked: ChunkedBody | None = None
         self._length: int | None = None  # bytes of a Content-Length body still to come
         self._waiter: asyncio.Future[None] | None = None
+        self.num_received = 0
 
     # asyncio.Protocol
 
@@ -156,6 +174,7 @@ class Upstream(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def data_received(self, data: bytes) -> None:
+        self.num_received += len(data)
         try:
             if self.head is None:
                 data = self._take_head(data)
@@ -311,13 +330,18 @@ async def _forward(
     loop = asyncio.get_running_loop()
     try:
         transport, up = await asyncio.wait_for(loop.create_unix_connection(Upstream, str(socket)), CONNECT_TIMEOUT_S)
-    except OSError:  # TimeoutError included
+    except TimeoutError:
         raise crashed_error() from None
+    except OSError:  # refused, or no socket file: nothing was sent
+        raise EngineUnreachable(was_sent=False) from None
+    connected = loop.time()
     try:
         transport.write(request_bytes(request.path_qs, body, headers))
         while up.head is None and not up.lost:
             await up.changed()
         if up.head is None:
+            if up.num_received == 0 and loop.time() - connected < DROPPED_AT_ONCE_S:
+                raise EngineUnreachable(was_sent=True)
             raise crashed_error()
         if up.head.is_event_stream and up.head.status == 200:
             return await relay_stream(request, up, on_first_chunk, prepared)

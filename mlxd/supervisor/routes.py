@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import msgspec
@@ -13,11 +14,12 @@ from mlxd.protocol.json_body import decode_json
 from mlxd.protocol.process import LEASE_HEADER
 from mlxd.supervisor.keys import CONFIG, METRICS, POOL, REGISTRY
 from mlxd.supervisor.metrics import MODEL_KEY
-from mlxd.supervisor.proxy import EngineBusy, forward
+from mlxd.supervisor.proxy import EngineBusy, EngineUnreachable, crashed_error, forward
 from mlxd.supervisor.registry import ModelEntry
 from mlxd.supervisor.waiting import WaitingStream
 
-MAX_REQUEUES = 3
+MAX_REQUEUES = 5
+UNREACHABLE_PAUSE_S = 0.05
 
 
 class RoutingFields(msgspec.Struct):
@@ -66,7 +68,9 @@ async def _route(
     pool = request.app[POOL]
     ttft = request.app[METRICS].get().ttft.labels(entry.id)
     lease_id = request.headers.get(LEASE_HEADER)
+    pause_s, num_resent = 0.0, 0
     for _ in range(MAX_REQUEUES):
+        await asyncio.sleep(pause_s)  # after an unreachable engine: its owner sees the exit meanwhile
         acquire = pool.acquire(entry, lease_id)
         slot = await (waiting.wait(acquire, pool.release) if waiting is not None else acquire)
         try:
@@ -76,6 +80,12 @@ async def _route(
                 request, slot.engine.socket, slot.engine.connections, body, headers,
                 on_first_chunk=lambda: ttft.observe(time.perf_counter() - started), prepared=prepared,
             )
+        except EngineUnreachable as dead:
+            if dead.was_sent and num_resent:
+                raise crashed_error() from None
+            num_resent += dead.was_sent
+            pause_s = UNREACHABLE_PAUSE_S
+            continue  # it died before it took the request: wait in the queue for its restart
         except EngineBusy:
             continue  # raced a drain or lease at the engine: wait in the queue again
         finally:
@@ -83,8 +93,8 @@ async def _route(
         if waiting is not None and waiting.response is not None and isinstance(resp, web.Response):
             return await waiting.fail_with(resp.body if isinstance(resp.body, bytes) else b"{}")  # the engine's error
         return resp
-    raise APIError(503, f"Model {entry.id} stayed busy; try again.", type="server_error", code="engine_busy",
-                   headers={"Retry-After": "1"})
+    raise APIError(503, f"Model {entry.id} stayed busy or unreachable; try again.", type="server_error",
+                   code="engine_busy", headers={"Retry-After": "1"})
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -1,0 +1,66 @@
+"""A dead engine's socket: refused, or a connection dropped with no answer, is `EngineUnreachable`."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+
+import pytest
+from aiohttp.test_utils import make_mocked_request
+
+from mlxd.protocol.errors import APIError
+from mlxd.supervisor.proxy import EngineUnreachable, connection_gate, forward
+
+
+def run_forward(path: Path) -> None:
+    async def go() -> None:
+        request = make_mocked_request("POST", "/v1/completions")
+        await forward(request, path, connection_gate(), b"{}", {})
+
+    asyncio.run(go())
+
+
+def test_nothing_listening_is_unreachable_and_nothing_was_sent(tmp_path: Path) -> None:
+    path = tmp_path / "e.sock"
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(path))  # a socket file left by a killed engine: nobody listens
+    with pytest.raises(EngineUnreachable) as info:
+        run_forward(path)
+    assert info.value.was_sent is False
+
+
+def test_a_connection_dropped_at_once_is_unreachable_but_sent(tmp_path: Path) -> None:
+    path = tmp_path / "e.sock"
+
+    async def go() -> None:
+        async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.close()  # a dying engine: the connection lands, and is closed unread
+
+        server = await asyncio.start_unix_server(drop, str(path))
+        async with server:
+            request = make_mocked_request("POST", "/v1/completions")
+            await forward(request, path, connection_gate(), b"{}", {})
+
+    with pytest.raises(EngineUnreachable) as info:
+        asyncio.run(go())
+    assert info.value.was_sent is True
+
+
+def test_a_connection_lost_after_a_while_is_a_crash(tmp_path: Path) -> None:
+    path = tmp_path / "e.sock"
+
+    async def go() -> None:
+        async def slow_death(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.read(10)
+            await asyncio.sleep(0.3)  # it was working on the request when it died
+            writer.close()
+
+        server = await asyncio.start_unix_server(slow_death, str(path))
+        async with server:
+            request = make_mocked_request("POST", "/v1/completions")
+            await forward(request, path, connection_gate(), b"{}", {})
+
+    with pytest.raises(APIError) as info:
+        asyncio.run(go())
+    assert info.value.code == "engine_crashed"
