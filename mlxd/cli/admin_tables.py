@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -118,8 +119,17 @@ def ps_text(listing: Mapping[str, Any]) -> str:
     ]
     headers = ("NAME", "STATE", "SIZE", "RSS", "PID", "IN FLIGHT", "QUEUED", "UNTIL", "LEASE")
     lines = [render_table(headers, rows)] if rows else ["no models loaded"]
-    lines += [f"{e['model']} failed: {e['failure']}" for e in engines if e.get("failure")]
+    lines += [failure_line(e) for e in engines if e.get("failure")]
     return "\n".join([*lines, budget_line(listing)])
+
+
+def failure_line(engine: Mapping[str, Any]) -> str:
+    """`qwen failed: <reason>; retried in 12 s (mlxd load qwen retries now)`."""
+    line = f"{engine['model']} failed: {engine['failure']}"
+    retry = engine.get("retry_in_s")
+    if isinstance(retry, int | float):
+        line += f"; retried in {math.ceil(retry)} s (`mlxd load {engine['model']}` retries now)"
+    return line
 
 
 def load_text(result: Mapping[str, Any]) -> str:

@@ -40,7 +40,7 @@ ENGINES: dict[str, Any] = {
         {"model": "broken", "state": "failed", "pid": None, "uptime_s": None, "rss_bytes": None,
          "memory_estimate_bytes": 2_000, "in_flight": 0, "queued": 0, "last_used": None, "pinned": False,
          "restarts": 5, "idle_ttl_s": -1, "expires_in_s": None, "failure": "unsupported model type 'xyz'",
-         "lease": None},
+         "lease": None, "retry_in_s": 11.2},
     ],
 }
 
@@ -91,7 +91,7 @@ def test_ps_table() -> None:
     assert smol.split()[-2:] == ["pinned", "-"]
     assert broken.split()[:2] == ["broken", "failed"] and broken.split()[-2:] == ["forever", "-"]
     assert "gone" not in tables.ps_text(ENGINES)
-    assert lines[4] == "broken failed: unsupported model type 'xyz'"
+    assert lines[4] == "broken failed: unsupported model type 'xyz'; retried in 12 s (`mlxd load broken` retries now)"
     assert lines[5] == "memory: 1.2 GB of 12 GB budget in use, at most 2 models loaded"
     # Every row's columns start where the header's do.
     header = lines[0]
