@@ -18,7 +18,7 @@ import random
 import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +50,7 @@ LEASE_TTL_S = 1.0  # leases the fuzzer takes end by themselves this soon
 REAL_MODEL_P = 0.3  # how often a request's `model` string is replaced with the real model
 VALID_KEY_P = 0.9  # how often a request carries a valid key (else what schemathesis made up)
 CALL_TIMEOUT_S = 30.0  # an answer slower than this is a hang
-WEIGHTS = {"/v1/chat/completions": 5, "/v1/completions": 5}  # draws per route (default: 2 with a body, else 1)
+WEIGHTS = {"POST /v1/chat/completions": 5, "POST /v1/completions": 5}  # share of the mix (default: 2)
 # Schemathesis' own server-error check is left out: problems() reports those with the body.
 CHECKS = [status_code_conformance, content_type_conformance, response_schema_conformance, negative_data_rejection]
 
@@ -100,14 +100,7 @@ class Fuzzer:
         self.held: dict[str, float] = {}  # lease id -> when it expires (monotonic)
         self.tally = Tally()
         self.schema = schemathesis.openapi.from_dict(make_openapi())
-        if not self._serves_openapi():
-            self.schema = self.schema.exclude(path="/openapi.json")
         self.schema.hook(self._flatmap_case())
-
-    def _serves_openapi(self) -> bool:
-        """Whether the supervisor has the /openapi.json route (until app.py adds it: not fuzzed)."""
-        resp = self._session().get(f"{self.url}/openapi.json", headers={"Authorization": f"Bearer {self.key}"})
-        return resp.status_code == 200
 
     def _flatmap_case(self) -> Any:
         fuzzer = self
@@ -140,30 +133,32 @@ class Fuzzer:
                 f"Bearer {self.key}" if bearer < 0.5 else self.key)
         return case
 
-    def strategy(self) -> st.SearchStrategy[Case]:
-        """Valid and invalid requests for every route; more for routes with bodies to vary."""
-        branches = []
-        for result in self.schema.get_all_operations():
-            operation = result.ok()
-            weight = WEIGHTS.get(operation.path, 2 if operation.body else 1)
-            branches += [operation.as_strategy(mode) for mode in GenerationMode for _ in range(weight)]
-        return st.one_of(branches)
+    def strategies(self) -> dict[str, st.SearchStrategy[Case]]:
+        """Valid and invalid requests, per route."""
+        ops = [result.ok() for result in self.schema.get_all_operations()]
+        return {op.label: st.one_of([op.as_strategy(mode) for mode in GenerationMode]) for op in ops}
 
-    def run(self, num_examples: int, seed: int, concurrency: int = 1) -> Tally:
-        """Send about `num_examples` generated requests (Hypothesis decides the exact count),
-        up to `concurrency` at once, so that admin calls land while requests are in flight."""
-        slots = threading.BoundedSemaphore(concurrency)
+    def mixed(self) -> st.SearchStrategy[Case]:
+        """Requests for any route, more for the inference routes (their bodies vary most)."""
+        # Distinct strategy objects: Hypothesis draws repeats of one object no more often.
+        draws = [self.strategies() for _ in range(max(WEIGHTS.values()))]
+        return st.one_of([d[label] for label in draws[0] for d in draws[:WEIGHTS.get(label, 2)]])
+
+    def run(self, num_examples: int, seed: int, concurrency: int = 1, per_route: int = 3) -> Tally:
+        """Send `per_route` generated requests to every route, then about `num_examples` in all
+        (Hypothesis decides the exact count) for routes mixed at random, up to `concurrency` at
+        once so that admin calls land while requests are in flight."""
+        strategies = self.strategies()
         with ThreadPoolExecutor(concurrency) as pool:
+            slots = threading.BoundedSemaphore(concurrency)
 
-            @settings(max_examples=num_examples, deadline=None, database=None, phases=[Phase.generate],
-                      suppress_health_check=list(HealthCheck), print_blob=False)
-            @hypothesis_seed(seed)
-            @given(self.strategy())
-            def send_one(case: Case) -> None:
+            def submit(case: Case) -> None:
                 slots.acquire()
                 pool.submit(self.send, case).add_done_callback(lambda _: slots.release())
 
-            send_one()
+            for strategy in strategies.values():
+                generate(strategy, submit, per_route, seed)
+            generate(self.mixed(), submit, max(1, num_examples - per_route * len(strategies)), seed)
         return self.tally
 
     def send(self, case: Case) -> None:
@@ -225,6 +220,20 @@ class Fuzzer:
                 self.held[lease["id"]] = time.monotonic() + float(lease["ttl_s"])
             elif route == "DELETE /admin/leases/{lease_id}" and response.status_code == 200:
                 self.held.pop(response.json()["id"], None)
+
+
+def generate(strategy: st.SearchStrategy[Case], use: Callable[[Case], None], num_examples: int, seed: int) -> None:
+    """Call `use` on about `num_examples` cases: generation only (nothing to shrink: findings
+    are collected, not raised), no example database."""
+
+    @settings(max_examples=num_examples, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck), print_blob=False)
+    @hypothesis_seed(seed)
+    @given(strategy)
+    def each(case: Case) -> None:
+        use(case)
+
+    each()
 
 
 def _stream_problems(text: str) -> Iterator[str]:
