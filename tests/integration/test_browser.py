@@ -7,6 +7,7 @@ checks run without a browser in test_hardening.py, header by header.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import subprocess
 import threading
@@ -86,7 +87,9 @@ def dump_dom(url: str, *flags: str) -> str:
     assert CHROMIUM is not None
     argv = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=8000",
             "--dump-dom", *flags, url]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=60).stdout
+    # make test preloads OpenBLAS for MLX; in Chromium's GPU process it is fatal.
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env).stdout
 
 
 def test_a_page_on_another_origin_cannot_unload_or_read(sup: SupervisorProcess) -> None:
