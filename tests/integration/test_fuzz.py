@@ -100,6 +100,7 @@ class Fuzzer:
         self.held: dict[str, float] = {}  # lease id -> when it expires (monotonic)
         self.tally = Tally()
         self.schema = schemathesis.openapi.from_dict(make_openapi())
+        self.schema.config.output.sanitization.enabled = False  # repros keep `max_tokens` and the test key
         self.schema.hook(self._flatmap_case())
 
     def _flatmap_case(self) -> Any:
