@@ -49,7 +49,7 @@ MODEL = "tiny"
 LEASE_TTL_S = 1.0  # leases the fuzzer takes end by themselves this soon
 REAL_MODEL_P = 0.3  # how often a request's `model` string is replaced with the real model
 VALID_KEY_P = 0.9  # how often a request carries a valid key (else what schemathesis made up)
-CALL_TIMEOUT_S = 30.0  # an answer slower than this is a hang
+CALL_TIMEOUT_S = 20.0  # an answer slower than this is a hang
 WEIGHTS = {"POST /v1/chat/completions": 5, "POST /v1/completions": 5}  # share of the mix (default: 2)
 # Schemathesis' own server-error check is left out: problems() reports those with the body.
 CHECKS = [status_code_conformance, content_type_conformance, response_schema_conformance, negative_data_rejection]
@@ -59,7 +59,7 @@ def fuzz_config(model: Path) -> str:
     """A supervisor with a key, one small-context model (short generations) and short waits."""
     return (
         f'[server]\napi_keys = ["{KEY}"]\nmax_body_bytes = 262144\n\n'
-        "[pool]\nqueue_timeout_s = 20\ndrain_timeout_s = 5\n\n"
+        "[pool]\nqueue_timeout_s = 12\ndrain_timeout_s = 5\n\n"
         f'[models.{MODEL}]\npath = "{model}"\nmax_context = 128\n'
     )
 
