@@ -152,14 +152,17 @@ SCHEMA_TYPES: tuple[Any, ...] = (
     LoadAnswer, UnloadAnswer, DrainAnswer, Lease, LeaseList, LeaseDeleted,
 )
 
-# msgspec can't union two list types, so CompletionRequest.prompt is `str | list[Any]` and the
-# engine checks the rest (openai.completion_prompt); the document says what it accepts.
-TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
-PROMPT = {
-    "anyOf": [{"type": "string"}, TOKEN_IDS, {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
-              {"type": "array", "items": TOKEN_IDS, "minItems": 1, "maxItems": 1}],
-    "description": "Text, token ids, or a one-element list of either (one prompt per request).",
-}
+def prompt_schema() -> dict[str, Any]:
+    """CompletionRequest.prompt as the engine checks it (openai.completion_prompt): msgspec can't
+    union two list types, so the Struct says only `str | list[Any]`."""
+    token_ids = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+    one = {"minItems": 1, "maxItems": 1}
+    return {
+        "anyOf": [{"type": "string"}, token_ids, {"type": "array", "items": {"type": "string"}, **one},
+                  {"type": "array", "items": token_ids, **one}],
+        "description": "Text, token ids, or a one-element list of either (one prompt per request).",
+    }
+
 
 # ---- operations ----
 
@@ -290,7 +293,7 @@ def make_admin_paths() -> dict[str, Any]:
 def make_openapi() -> dict[str, Any]:
     """The OpenAPI 3.1 document (a fresh dict each call)."""
     _, schemas = msgspec.json.schema_components(SCHEMA_TYPES, ref_template="#/components/schemas/{name}")
-    schemas["CompletionRequest"]["properties"]["prompt"] = PROMPT
+    schemas["CompletionRequest"]["properties"]["prompt"] = prompt_schema()
     security_schemes = {
         "bearer": {"type": "http", "scheme": "bearer", "description": "`Authorization: Bearer KEY`"},
         "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},

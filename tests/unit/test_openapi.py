@@ -22,7 +22,7 @@ from mlxd.protocol.json_body import decode_as
 from mlxd.supervisor import admin_routes as admin
 from mlxd.supervisor.app import make_app
 from mlxd.supervisor.config import Config
-from mlxd.supervisor.openapi import PROMPT, make_openapi, openapi_bytes, openapi_json
+from mlxd.supervisor.openapi import make_openapi, openapi_bytes, openapi_json, prompt_schema
 from mlxd.supervisor.pool import Pool
 from mlxd.supervisor.registry import Registry
 
@@ -59,7 +59,7 @@ def test_request_bodies_are_the_handlers_own_structs_as_json_schema() -> None:
         body = doc["paths"][path][method.lower()]["requestBody"]["content"]["application/json"]["schema"]
         assert body == {"$ref": f"#/components/schemas/{kind.__name__}"}
     _, expected = msgspec.json.schema_components(list(BODIES.values()), ref_template="#/components/schemas/{name}")
-    expected["CompletionRequest"]["properties"]["prompt"] = PROMPT  # what the engine checks beyond the type
+    expected["CompletionRequest"]["properties"]["prompt"] = prompt_schema()  # what the engine checks
     assert all(doc["components"]["schemas"][name] == schema for name, schema in expected.items())
 
 
