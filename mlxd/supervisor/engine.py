@@ -164,10 +164,13 @@ class Engine:
 
     async def retire(self, timeout_s: float) -> dict[str, Any] | None:
         """Drain, then stop (SIGTERM, SIGKILL after the grace period); the drain report."""
+        # This owner's end: once it reports STOPPED, a replan may start the next engine, whose
+        # owner must not be waited for here (test_unload_racing_requests_never_stalls_the_model).
+        owner = self._owner
         report = await self._command(_Drain(timeout_s, resume=False))
-        if self._owner is not None:
+        if owner is not None:
             with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.shield(self._owner)
+                await asyncio.shield(owner)
         return report
 
     async def _command(self, command: _Drain) -> dict[str, Any] | None:

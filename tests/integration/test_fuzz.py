@@ -282,8 +282,6 @@ def test_fuzzing_every_route_finds_no_server_error_and_no_undocumented_answer(su
     assert len(tally.statuses) == len(list(fuzzer.schema.get_all_operations())), tally.statuses
 
 
-@pytest.mark.xfail(strict=False, reason="an unload racing queued requests can stall the model for good "
-                   "(Engine.retire waits on the next engine's owner task); remove this mark with the fix")
 def test_fuzzing_with_requests_in_flight_finds_no_server_error_and_no_hang(sup: SupervisorProcess) -> None:
     fuzzer = Fuzzer(sup.url)
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Iterator
@@ -307,5 +308,45 @@ def test_a_spare_that_dies_is_reaped_and_replaced(tiny_model: Path, tmp_path: Pa
         assert f"spare engine pid {first} exited with -9" in sup.log()
         assert complete(sup, "a").status_code == 200  # the new spare serves the model
         assert "starting (from the spare)" in sup.log()
+    finally:
+        sup.stop()
+
+
+def test_unload_racing_requests_never_stalls_the_model(tmp_path: Path) -> None:
+    """Unloads racing queued requests: each unload answers, and the model keeps serving.
+
+    Engine.retire once waited for the *next* engine's owner task (the pool had started it for
+    the queued requests), so the unload never answered and the model stayed closed for good.
+    The fuzzer found it (benchmarks/fuzz.py --concurrency 4).
+    """
+    from tests.integration.test_hardening import start
+
+    sup = start(tmp_path)
+    stop_at = time.monotonic() + 6
+    failures: list[str] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        with httpx.Client(base_url=sup.url, timeout=15) as client:
+            while time.monotonic() < stop_at:
+                try:
+                    if rng.random() < 0.4:
+                        resp = client.post("/admin/unload", json={"model": "fake"})
+                    else:
+                        resp = client.post("/v1/completions", json={"model": "fake", "prompt": "hi", "max_tokens": 2})
+                except httpx.TimeoutException:
+                    failures.append("timed out")
+                    return
+                if resp.status_code != 200:
+                    failures.append(f"{resp.status_code} {resp.text[:100]}")
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert failures == []
+        assert sup.client.post("/v1/completions", json={"model": "fake", "prompt": "x"}, timeout=10).status_code == 200
     finally:
         sup.stop()
