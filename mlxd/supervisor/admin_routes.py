@@ -21,24 +21,25 @@ from mlxd.supervisor.spare import Spare
 
 T = TypeVar("T")
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=7 * 24 * 3600)]
+ModelName = Annotated[str, msgspec.Meta(min_length=1)]  # "" would mean "the default model" to the registry
 
 
 class LoadBody(msgspec.Struct, forbid_unknown_fields=True):
-    model: str
+    model: ModelName
     pin: bool | None = None
 
 
 class UnloadBody(msgspec.Struct, forbid_unknown_fields=True):
-    model: str
+    model: ModelName
     force: bool = False
 
 
 class DrainBody(msgspec.Struct, forbid_unknown_fields=True):
-    model: str | None = None
+    model: ModelName | None = None
 
 
 class LeaseBody(msgspec.Struct, forbid_unknown_fields=True):
-    model: str | None
+    model: ModelName | None
     ttl_s: Seconds = 300.0
     holder: str = ""
 

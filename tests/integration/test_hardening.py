@@ -358,3 +358,10 @@ def test_queued_stream_whose_client_leaves_is_taken_out_of_the_queue(sup: Superv
         sup.client.delete(f"/admin/leases/{lease['id']}")
     assert "Traceback" not in sup.log()
     assert sup.client.post("/v1/completions", json={"model": "fake", "prompt": "x"}).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/admin/load", "/admin/unload", "/admin/drain", "/admin/leases"])
+def test_admin_routes_refuse_an_empty_model_name(sup: SupervisorProcess, path: str) -> None:
+    resp = sup.client.post(path, json={"model": ""})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "model"
