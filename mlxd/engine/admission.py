@@ -16,7 +16,7 @@ import msgspec
 from mlxd.engine.stats import Stats
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.events import Failed
-from mlxd.protocol.process import LEASE_HEADER
+from mlxd.protocol.process import LEASE_HEADER, DrainResult
 
 log = logging.getLogger("mlxd.engine")
 DRAIN_TIMEOUT = Failed("The engine drained and its timeout cut this request short.", 503, "drain_timeout")
@@ -38,17 +38,6 @@ class LeaseRequest(msgspec.Struct, forbid_unknown_fields=True):
 
     holder: str = ""
     wait_s: Seconds = 300.0
-
-
-class DrainResult(msgspec.Struct):
-    """Answer of POST /admin/drain."""
-
-    drained: bool
-    finished: int
-    cancelled: int
-    waited_ms: float
-    cache_written_bytes: int
-    resumed: bool
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 # `python -m mlxd.engine --spare`: import everything, print SPARE_READY, then read the real
 # command line (a JSON list) from stdin.
 SPARE_FLAG = "--spare"
@@ -13,3 +15,14 @@ LEASE_HEADER = "X-MLXD-Lease"
 # Seconds between SSE comments to a stream still waiting for its first token. The supervisor
 # sets it from `server.stream_keepalive_s` (unless set already); engines inherit it.
 STREAM_KEEPALIVE_ENV = "MLXD_STREAM_KEEPALIVE_S"
+
+
+class DrainResult(msgspec.Struct):
+    """An engine's answer to POST /admin/drain (the supervisor passes it on)."""
+
+    drained: bool
+    finished: int
+    cancelled: int
+    waited_ms: float
+    cache_written_bytes: int
+    resumed: bool

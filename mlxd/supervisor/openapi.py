@@ -18,7 +18,7 @@ from aiohttp import web
 from mlxd import __version__
 from mlxd.protocol import openai
 from mlxd.protocol.errors import ErrorBody
-from mlxd.protocol.process import LEASE_HEADER
+from mlxd.protocol.process import LEASE_HEADER, DrainResult
 from mlxd.supervisor import admin_routes as admin
 from mlxd.supervisor.engine import EngineState
 from mlxd.supervisor.leases import Lease
@@ -98,18 +98,7 @@ class EngineList(msgspec.Struct):
     data: list[EngineRow]
 
 
-class EngineDrain(msgspec.Struct):
-    """An engine's drain report."""
-
-    drained: bool
-    finished: int
-    cancelled: int
-    waited_ms: float
-    cache_written_bytes: int
-    resumed: bool
-
-
-class ModelDrain(EngineDrain):
+class ModelDrain(DrainResult):
     model: str
 
 
@@ -130,7 +119,7 @@ class UnloadAnswer(msgspec.Struct):
     model: str
     state: EngineState
     was_loaded: bool
-    drain: EngineDrain | None
+    drain: DrainResult | None
 
 
 class LeaseList(msgspec.Struct):
