@@ -156,7 +156,8 @@ def prompt_schema() -> dict[str, Any]:
 # ---- operations ----
 
 ERRORS = {
-    400: "The body is not JSON, or a field has the wrong type or range (`param` names it).",
+    400: "The body is not JSON, or a field has the wrong type or range (`param` names it); on any route, "
+         "HTTP that cannot be parsed (`bad_http_request`).",
     401: "Keys are configured and the request carries none that is valid (admin routes: an admin key).",
     403: "A `Host` that does not name this server, or a browser `Origin` that is not allowed.",
     404: "No such model (the message lists some that exist), or no such lease.",
@@ -169,10 +170,10 @@ ERRORS = {
     503: "Too many connections, the model queue full or waited out, the model loading or failing, or "
          "mlxd stopping; `Retry-After` says when to try again.",
 }
-ANY = (403, 408, 503)  # the Host check and connection limits apply to every route
+ANY = (400, 403, 408, 503)  # malformed HTTP, the Host check and connection limits: every route
 GUARDED = (401, *ANY)
-INFERENCE_ERRORS = (400, *GUARDED, 404, 413, 500, 502)
-ADMIN_BODY_ERRORS = (400, *GUARDED, 404, 413, 415)
+INFERENCE_ERRORS = (*GUARDED, 404, 413, 500, 502)
+ADMIN_BODY_ERRORS = (*GUARDED, 404, 413, 415)
 
 
 def ref(name: str) -> dict[str, str]:
