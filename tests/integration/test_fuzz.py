@@ -92,8 +92,9 @@ class Tally:
 class Fuzzer:
     """Sends schemathesis cases to a supervisor and checks each answer."""
 
-    def __init__(self, url: str, model: str = MODEL, key: str = KEY) -> None:
+    def __init__(self, url: str, model: str = MODEL, key: str = KEY, checks: list[Any] | None = None) -> None:
         self.url, self.model, self.key = url, model, key
+        self.checks = CHECKS if checks is None else checks
         self._local = threading.local()
         self._sessions: list[requests.Session] = []
         self._lock = threading.Lock()
@@ -200,7 +201,7 @@ class Fuzzer:
         if response.status_code >= 500:
             yield f"server error: {response.content[:300]!r}"
         try:
-            case.validate_response(response, checks=CHECKS)
+            case.validate_response(response, checks=self.checks)
         except FailureGroup as group:
             yield from (f"{f.title}: {f.message}"[:1000] for f in group.exceptions)
         except Failure as failure:
@@ -282,8 +283,14 @@ def test_fuzzing_every_route_finds_no_server_error_and_no_undocumented_answer(su
     assert len(tally.statuses) == len(list(fuzzer.schema.get_all_operations())), tally.statuses
 
 
+# With requests in flight, schemathesis' record of how a negative case was mutated was once
+# seen not to match the body sent (a 3000-request run: the listed violations each get a 400
+# alone): that check runs in the sequential test only.
+IN_FLIGHT_CHECKS = [c for c in CHECKS if c is not negative_data_rejection]
+
+
 def test_fuzzing_with_requests_in_flight_finds_no_server_error_and_no_hang(sup: SupervisorProcess) -> None:
-    fuzzer = Fuzzer(sup.url)
+    fuzzer = Fuzzer(sup.url, checks=IN_FLIGHT_CHECKS)
     try:
         tally = fuzzer.run(num_examples=300, seed=2, concurrency=3)
     finally:
