@@ -18,9 +18,9 @@ import msgspec
 from aiohttp import web
 
 from mlxd.protocol.errors import APIError
+from mlxd.supervisor.proxy import SSE_HEADERS
 
 T = TypeVar("T")
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 COMMENT = b": waiting for the model\n\n"
 
 
