@@ -118,8 +118,11 @@ async def one_request(session: aiohttp.ClientSession, storm: Storm) -> Request:
 async def _post(session: aiohttp.ClientSession, storm: Storm, body: dict[str, Any], start: float) -> Request:
     async with session.post(f"{storm.url}/v1/completions", json=body) as resp:
         if resp.status != 200:
-            code = error_code(await resp.read())
+            raw = await resp.read()
+            code = error_code(raw)
             kind = f"{resp.status}_retry_after" if resp.status in (502, 503) and "Retry-After" in resp.headers else "other"
+            if kind == "other" and code is None:
+                code = raw[:120].decode(errors="replace")  # not an OpenAI error: what it was instead
             return Request(start, time.monotonic(), kind, resp.status, code)
         outcome, code = "other", "stream ended without [DONE]"
         async for line in resp.content:
@@ -326,7 +329,7 @@ def summarize(storm: Storm, before: dict[str, int], after: dict[str, int], heale
         "cool_downs_waited_out": sum(k.after_failed for k in engine_kills),  # crash loops healed by themselves
         "requests": len(reqs),
         "outcomes": dict(Counter(r.outcome for r in reqs)),
-        "codes": dict(Counter(f"{r.outcome}:{r.code}" for r in reqs if r.outcome != "complete")),
+        "codes": dict(Counter(f"{r.outcome}:{r.status}:{r.code}" for r in reqs if r.outcome != "complete")),
         "in_flight_at_a_kill": len(late),
         "max_end_after_kill_s": round(max(late), 3) if late else None,
         "hangs": sum(r.outcome == "hang" for r in reqs),

@@ -336,6 +336,10 @@ async def _forward(
         raise EngineUnreachable(was_sent=False) from None
     connected = loop.time()
     try:
+        if up.lost or transport.is_closing():
+            # Lost between connect and write (the engine died): nothing was sent. uvloop's
+            # write on a closed transport raises RuntimeError where asyncio's only warns.
+            raise EngineUnreachable(was_sent=False)
         transport.write(request_bytes(request.path_qs, body, headers))
         while up.head is None and not up.lost:
             await up.changed()

@@ -21,7 +21,8 @@ def test_five_kills_under_eight_streams_end_every_request_cleanly_and_heal(tiny_
         report = asyncio.run(run_chaos(sup.url, sup.proc.pid, "tiny", opts, log=lambda _: None))
     finally:
         sup.stop()
-    shown = json.dumps(report, indent=1)
+    errors = [line for line in sup.log().splitlines() if "Traceback" in line or "ERROR" in line or "Error" in line]
+    shown = json.dumps(report, indent=1) + "\n" + "\n".join(errors[-40:])
     assert report["kills"] == {"engine": 4, "spare": 1}, shown
     assert all(report["checks"].values()), shown
     assert report["outcomes"].get("503_retry_after", 0) > 0, shown  # the third kill tripped the limit

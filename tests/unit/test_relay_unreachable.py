@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aiohttp.test_utils import make_mocked_request
@@ -64,3 +65,33 @@ def test_a_connection_lost_after_a_while_is_a_crash(tmp_path: Path) -> None:
     with pytest.raises(APIError) as info:
         asyncio.run(go())
     assert info.value.code == "engine_crashed"
+
+
+def test_a_connection_lost_before_the_request_is_written_is_unreachable_and_nothing_was_sent(tmp_path: Path) -> None:
+    """Under uvloop (as mlxd serves), writing to a transport already closed raises RuntimeError:
+    an engine killed between our connect and our write once gave the caller a 500."""
+    uvloop = pytest.importorskip("uvloop", reason="uvloop is what mlxd serves with; the race is uvloop's")
+    path = tmp_path / "e.sock"
+
+    async def go() -> None:
+        async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.close()
+
+        loop = asyncio.get_running_loop()
+        connect = loop.create_unix_connection
+
+        async def connect_then_lose(factory: Any, sock_path: str) -> Any:
+            transport, proto = await connect(factory, sock_path)
+            while not proto.lost:  # the engine's close arrives before we write
+                await asyncio.sleep(0.01)
+            return transport, proto
+
+        setattr(loop, "create_unix_connection", connect_then_lose)  # noqa: B010 (a method of the loop object)
+        server = await asyncio.start_unix_server(drop, str(path))
+        async with server:
+            request = make_mocked_request("POST", "/v1/completions")
+            await forward(request, path, connection_gate(), b"{}", {})
+
+    with pytest.raises(EngineUnreachable) as info:
+        uvloop.run(go())
+    assert info.value.was_sent is False
