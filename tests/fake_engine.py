@@ -70,12 +70,14 @@ def main() -> None:
     p.add_argument("--socket")
     p.add_argument("--parent-pid", type=int)
     p.add_argument("--max-context", type=int)
+    p.add_argument("--batch", type=int)
     args = p.parse_args()
     if MODE == "boot_crash":
         print("ERROR fake: cannot start on cue", file=sys.stderr, flush=True)
         sys.exit(1)
     if MODE == "cued":
         exit_on_cue(os.environ["MLXD_FAKE_CUE"])
+    print(f"fake: --batch {args.batch}", flush=True)  # what the supervisor asked for (its log shows it)
     app = web.Application()
     app["model_id"] = args.model_id
     app.router.add_get("/health", health)

@@ -80,7 +80,7 @@ def engine_info(pool: Pool, slot: Slot, lease: Lease | None) -> dict[str, Any]:
         "rss_bytes": rss, "memory_estimate_bytes": slot.memory_bytes,
         "in_flight": slot.in_flight, "queued": pool.num_queued(slot.entry.id),
         "last_used": slot.last_used_wall, "pinned": slot.pinned, "restarts": engine.num_restarts,
-        "idle_ttl_s": slot.idle_ttl_s, "expires_in_s": pool.next_expiry(slot),
+        "idle_ttl_s": slot.idle_ttl_s, "expires_in_s": pool.next_expiry(slot), "batch": engine.batch,
         "closing": slot.closing, "failure": engine.failure, "boot": engine.boot_timings or None,
         # a failed model starts again by itself then
         "retry_at": round(time.time() + retry_in_s, 3) if retry_in_s is not None else None,

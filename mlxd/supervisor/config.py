@@ -22,6 +22,8 @@ MIB = 1024 * 1024
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Key = Annotated[str, msgspec.Meta(min_length=1)]
 TTL = Annotated[int, msgspec.Meta(ge=-1)]  # seconds idle before unloading; 0: at once; -1: never
+Batch = Annotated[int, msgspec.Meta(ge=1, le=256)]  # sequences one engine decodes at once (--batch)
+DEFAULT_BATCH = 8
 
 
 class ConfigError(Exception):
@@ -56,6 +58,7 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     pin: bool = False
     max_context: Annotated[int, msgspec.Meta(ge=1)] | None = None
     idle_ttl_s: TTL | None = None  # None: [pool] idle_ttl_s
+    batch: Batch | None = None  # None: [pool] batch
 
     def resolved_path(self) -> Path:
         """`path` with `~` expanded."""
@@ -72,6 +75,7 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_queue: Annotated[int, msgspec.Meta(ge=1)] = 256
     queue_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
     drain_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    batch: Batch = DEFAULT_BATCH  # continuous batching width of each engine; per model: [models.NAME] batch
     spare_engine: bool = True  # keep one engine process with its imports done ($MLXD_SPARE_ENGINE=0: off)
     # Crash loops: `crash_limit` exits within `crash_window_s` mark a model failed; it is tried
     # again after a cool-down that starts at `cooldown_s`, doubles on each new failure up to

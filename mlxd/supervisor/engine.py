@@ -88,7 +88,7 @@ class Engine:
 
     def __init__(
         self, model_id: str, model_dir: Path, runtime_dir: Path, max_context: int | None = None,
-        options: EngineOptions | None = None,
+        options: EngineOptions | None = None, *, batch: int = 1,
     ) -> None:
         self.options = options or EngineOptions()
         self.model_id = model_id
@@ -96,6 +96,7 @@ class Engine:
         self.socket = socket_path(runtime_dir, model_id)
         self.connections = connection_gate()  # requests connected to it at once (proxy.py)
         self.max_context = max_context
+        self.batch = batch  # sequences the engine decodes at once (`--batch`)
         self.state = EngineState.STOPPED
         self.on_change: Callable[[], None] = lambda: None  # after every state change (the pool replans)
         self.ready_since: float | None = None  # wall time it last became READY
@@ -228,14 +229,19 @@ class Engine:
             self.pid = None
             self.on_change()
 
+    def argv(self) -> list[str]:
+        """The engine's command line after `python -m MODULE` (a spare is given the same)."""
+        args = ["--model", str(self.model_dir), "--model-id", self.model_id, "--socket", str(self.socket),
+                "--parent-pid", str(os.getpid()), "--batch", str(self.batch)]
+        if self.max_context:
+            args += ["--max-context", str(self.max_context)]
+        return args
+
     async def _spawn(self) -> asyncio.subprocess.Process:
         """A spare process given this model, else a new one."""
         self.boot_timings = {}
         self._spawned_at = time.perf_counter()
-        args = ["--model", str(self.model_dir), "--model-id", self.model_id, "--socket", str(self.socket),
-                "--parent-pid", str(os.getpid())]
-        if self.max_context:
-            args += ["--max-context", str(self.max_context)]
+        args = self.argv()
         proc = await self.spare.take(args) if self.spare is not None else None
         how = "from the spare" if proc is not None else "spawned"
         if proc is None:

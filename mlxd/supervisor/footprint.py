@@ -1,6 +1,7 @@
-"""How much memory an engine will take: its weights plus a KV cache for its context.
+"""How much memory an engine will take: its weights plus a KV cache for its rows.
 
-An estimate for the pool's memory budget, made from files alone (no mlx in the supervisor).
+An estimate for the pool's memory budget, made from files alone (no mlx in the supervisor);
+the KV rule itself is `mlxd.protocol.memory`, shared with the engine.
 """
 
 from __future__ import annotations
@@ -11,30 +12,16 @@ from typing import Any
 
 import psutil
 
-# KV is sized for the model's context window, but not past this unless `max_context` asks:
-# the cache grows with use, and a 128k window would otherwise book memory no chat uses.
-KV_CONTEXT_CAP = 32768
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+from mlxd.protocol.memory import kv_budget_tokens, kv_bytes_per_token
 
 
-def estimate_bytes(model_dir: Path, weights_bytes: int, max_context: int | None = None) -> int:
-    """Weights plus the KV cache for `max_context` tokens (default: the window, capped at 32k)."""
+def estimate_bytes(model_dir: Path, weights_bytes: int, max_context: int | None = None, batch: int = 1) -> int:
+    """Weights plus the KV cache an engine running `batch` rows plans for (`kv_budget_tokens`)."""
     cfg = _text_config(model_dir)
     if cfg is None:
         return weights_bytes
     window = int(cfg.get("max_position_embeddings") or 4096)
-    context = max_context or min(window, KV_CONTEXT_CAP)
-    return weights_bytes + context * kv_bytes_per_token(cfg)
-
-
-def kv_bytes_per_token(cfg: dict[str, Any]) -> int:
-    """Keys and values for one token across all layers (0 when the config lacks the sizes)."""
-    layers = int(cfg.get("num_hidden_layers") or 0)
-    heads = int(cfg.get("num_attention_heads") or 0)
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or (int(cfg.get("hidden_size") or 0) // heads if heads else 0))
-    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float16")
-    return 2 * layers * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 2)
+    return weights_bytes + kv_budget_tokens(window, batch, max_context) * kv_bytes_per_token(cfg)
 
 
 def default_budget_bytes(fraction: float) -> int:

@@ -80,6 +80,7 @@ class EngineRow(msgspec.Struct):
     restarts: int
     idle_ttl_s: int
     expires_in_s: float | None
+    batch: int  # sequences the engine decodes at once ([pool] batch, or the model's own)
     closing: str | None
     failure: str | None
     boot: dict[str, float] | None

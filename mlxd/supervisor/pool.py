@@ -157,9 +157,10 @@ class Pool:
         """The model's slot, made (engine not started) on first use."""
         slot = self._slots.get(entry.id)
         if slot is None:
-            engine = Engine(entry.id, entry.path, self._runtime_dir, entry.max_context, self._options)
+            engine = Engine(entry.id, entry.path, self._runtime_dir, entry.max_context, self._options,
+                            batch=entry.batch)
             engine.spare = self.spare
-            memory = estimate_bytes(entry.path, entry.size_bytes, entry.max_context)
+            memory = estimate_bytes(entry.path, entry.size_bytes, entry.max_context, entry.batch)
             ttl = entry.idle_ttl_s if entry.idle_ttl_s is not None else self.config.idle_ttl_s
             slot = Slot(engine, entry, memory, ttl, entry.pin)
             engine.on_change = lambda: self._on_engine_change(slot)
@@ -429,7 +430,7 @@ def too_big(slot: Slot, limits: policy.Limits) -> APIError:
     return APIError(
         400,
         f"Model {slot.entry.id} needs about {slot.memory_bytes / gib:.1f} GiB, more than mlxd's memory budget "
-        f"of {limits.budget_bytes / gib:.1f} GiB ([pool] memory_budget_gb, or the model's max_context).",
+        f"of {limits.budget_bytes / gib:.1f} GiB ([pool] memory_budget_gb, or the model's max_context or batch).",
         param="model", code="model_too_large",
     )
 

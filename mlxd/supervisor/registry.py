@@ -12,7 +12,7 @@ import msgspec
 
 from mlxd import paths
 from mlxd.protocol.errors import APIError
-from mlxd.supervisor.config import ModelConfig
+from mlxd.supervisor.config import DEFAULT_BATCH, ModelConfig
 
 Source = Literal["config", "models_dir", "hf_cache"]
 NUM_LISTED_IDS = 5
@@ -29,6 +29,7 @@ class ModelEntry(msgspec.Struct, frozen=True, kw_only=True):
     pin: bool = False
     max_context: int | None = None
     idle_ttl_s: int | None = None  # None: the pool's default
+    batch: int = DEFAULT_BATCH  # sequences its engine decodes at once: the entry's, else [pool] batch
     is_available: bool = True  # False: a config entry whose path is not an MLX model dir
 
 
@@ -77,18 +78,20 @@ def _entry_size(entry: os.DirEntry[str], depth: int) -> int:
     return 0
 
 
-def scan_models_dir(root: Path) -> list[ModelEntry]:
+def scan_models_dir(root: Path, batch: int = DEFAULT_BATCH) -> list[ModelEntry]:
     """MLX model dirs directly under mlxd's models dir; hidden dirs (imports in progress) skipped."""
     found = []
     for path in _subdirs(root):
         if not path.name.startswith(".") and is_mlx_model_dir(path):
             found.append(
-                ModelEntry(id=path.name, path=path, source="models_dir", size_bytes=dir_size(path))
+                ModelEntry(
+                    id=path.name, path=path, source="models_dir", size_bytes=dir_size(path), batch=batch
+                )
             )
     return found
 
 
-def scan_hf_cache(root: Path) -> list[ModelEntry]:
+def scan_hf_cache(root: Path, batch: int = DEFAULT_BATCH) -> list[ModelEntry]:
     """MLX models in the hub cache, one per `models--ORG--NAME` repo with a usable snapshot."""
     found = []
     for repo in _subdirs(root):
@@ -99,7 +102,8 @@ def scan_hf_cache(root: Path) -> list[ModelEntry]:
             repo_id = repo.name.removeprefix("models--").replace("--", "/", 1)
             found.append(
                 ModelEntry(
-                    id=repo_id, path=snapshot, source="hf_cache", size_bytes=dir_size(snapshot)
+                    id=repo_id, path=snapshot, source="hf_cache", size_bytes=dir_size(snapshot),
+                    batch=batch,
                 )
             )
     return found
@@ -117,8 +121,8 @@ def hf_snapshot(repo: Path) -> Path | None:
     return max(candidates, key=_mtime, default=None)
 
 
-def config_entries(models: Mapping[str, ModelConfig]) -> list[ModelEntry]:
-    """One entry per `[models.NAME]`, listed even when its path is not a model dir."""
+def config_entries(models: Mapping[str, ModelConfig], batch: int = DEFAULT_BATCH) -> list[ModelEntry]:
+    """One entry per `[models.NAME]`, listed even when its path is not a model dir; `batch`: the pool's."""
     found = []
     for name, model in models.items():
         path = model.resolved_path()
@@ -132,6 +136,7 @@ def config_entries(models: Mapping[str, ModelConfig]) -> list[ModelEntry]:
                 pin=model.pin,
                 max_context=model.max_context,
                 idle_ttl_s=model.idle_ttl_s,
+                batch=model.batch if model.batch is not None else batch,
                 is_available=is_available,
             )
         )
@@ -147,8 +152,10 @@ class Registry:
         *,
         models_dir: Path | None = None,
         hf_cache: Path | None = None,
+        batch: int = DEFAULT_BATCH,
     ) -> None:
         self._configured = dict(models or {})
+        self._batch = batch  # [pool] batch: the width of models without their own
         self._models_dir = models_dir if models_dir is not None else paths.models_dir()
         self._hf_cache = hf_cache if hf_cache is not None else hf_cache_dir()
         self._entries: dict[str, ModelEntry] = {}
@@ -158,9 +165,9 @@ class Registry:
         """Rescan every source; config entries win over the same id elsewhere, then models_dir."""
         merged: dict[str, ModelEntry] = {}
         for entries in (
-            scan_hf_cache(self._hf_cache),
-            scan_models_dir(self._models_dir),
-            config_entries(self._configured),
+            scan_hf_cache(self._hf_cache, self._batch),
+            scan_models_dir(self._models_dir, self._batch),
+            config_entries(self._configured, self._batch),
         ):
             merged.update((entry.id, entry) for entry in entries)
         self._entries = dict(sorted(merged.items(), key=lambda item: _sort_key(item[0])))

@@ -26,6 +26,22 @@ def start(tmp_path: Path, mode: str, extra_config: str = "", **extra_env: str) -
     return SupervisorProcess(f'[models.fake]\npath = "{model}"\n{extra_config}', tmp_path / "data", env=env).wait_up()
 
 
+def test_each_engine_gets_its_model_s_batch_width_else_the_pool_s(tmp_path: Path) -> None:
+    scanned = tmp_path / "data" / "models" / "scanned"  # in mlxd's models dir, not in the config
+    scanned.mkdir(parents=True)
+    (scanned / "config.json").write_text("{}")
+    (scanned / "model.safetensors").write_bytes(b"")
+    sup = start(tmp_path, "ok", "batch = 2\n[pool]\nbatch = 3\n")  # the first line ends [models.fake]
+    try:
+        for model in ("fake", "scanned"):
+            assert sup.client.post("/admin/load", json={"model": model}).status_code == 200
+        rows = sup.client.get("/admin/engines").json()["data"]
+        assert {r["model"]: r["batch"] for r in rows} == {"fake": 2, "scanned": 3}
+        assert re.findall(r"\[(\w+)\] fake: --batch (\d+)", sup.log()) == [("fake", "2"), ("scanned", "3")]
+    finally:
+        sup.stop()
+
+
 def test_crash_at_boot_backs_off_then_marks_the_model_failed(tmp_path: Path) -> None:
     sup = start(tmp_path, "boot_crash")
     try:

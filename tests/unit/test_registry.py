@@ -155,6 +155,25 @@ def test_config_entries_win(dirs: tuple[Path, Path], tmp_path: Path) -> None:
     assert ids(reg) == ["m", "org/x"]
 
 
+def test_batch_width_is_the_entry_s_else_the_pool_s(dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    models, cache = dirs
+    make_model(models / "scanned")
+    make_hf_repo(cache, "org/hub")
+    config = {
+        "own": ModelConfig(path=str(make_model(tmp_path / "own")), batch=2),
+        "plain": ModelConfig(path=str(make_model(tmp_path / "plain"))),
+        "missing": ModelConfig(path=str(tmp_path / "nowhere"), batch=1),
+    }
+    widths = {e.id: e.batch for e in Registry(config, models_dir=models, batch=3).entries()}
+    assert widths == {"missing": 1, "org/hub": 3, "own": 2, "plain": 3, "scanned": 3}
+    # Without a pool width: [pool] batch's default.
+    widths = {e.id: e.batch for e in Registry(config, models_dir=models).entries()}
+    assert widths == {"missing": 1, "org/hub": 8, "own": 2, "plain": 8, "scanned": 8}
+    reg = Registry(config, models_dir=models, batch=5)
+    reg.refresh()  # a rescan keeps the pool's width
+    assert reg.resolve("scanned", []).batch == 5
+
+
 def test_config_entry_with_bad_path_is_listed_but_unavailable(
     dirs: tuple[Path, Path], tmp_path: Path
 ) -> None:

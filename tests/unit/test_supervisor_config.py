@@ -13,6 +13,7 @@ from mlxd.supervisor.config import (
     Config,
     ConfigError,
     ModelConfig,
+    PoolConfig,
     ServerConfig,
     apply_overrides,
     config_path,
@@ -78,6 +79,14 @@ def test_full_file(tmp_path: Path) -> None:
     assert cfg.models["org/name"].pin is False and cfg.models["org/name"].max_context is None
 
 
+def test_batch_width_keys(tmp_path: Path) -> None:
+    assert PoolConfig().batch == 8
+    assert ModelConfig(path="a").batch is None  # the pool's width
+    text = '[pool]\nbatch = 256\n[models.a]\npath = "a"\nbatch = 1\n[models.b]\npath = "b"\n'
+    cfg = load_config(write(tmp_path, text), explicit=True)
+    assert (cfg.pool.batch, cfg.models["a"].batch, cfg.models["b"].batch) == (256, 1, None)
+
+
 def test_model_paths_expand_home_and_are_relative_to_the_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -133,6 +142,14 @@ def test_unknown_top_level_and_model_keys(tmp_path: Path) -> None:
             '[models.qwen]\npath = "a"\nmax_context = 0\n',
             "models.qwen.max_context: expected `int` >= 1",
         ),
+        ("[pool]\nbatch = 0\n", "pool.batch: expected `int` >= 1"),
+        ("[pool]\nbatch = 257\n", "pool.batch: expected `int` <= 256"),
+        ('[pool]\nbatch = "8"\n', "pool.batch: expected `int`, got `str`"),
+        ("[pool]\nbatch = 8.0\n", "pool.batch: expected `int`, got `float`"),
+        ('[models.qwen]\npath = "a"\nbatch = 0\n', "models.qwen.batch: expected `int` >= 1"),
+        ('[models.qwen]\npath = "a"\nbatch = 257\n', "models.qwen.batch: expected `int` <= 256"),
+        ('[models.qwen]\npath = "a"\nbatch = "8"\n', "models.qwen.batch: expected `int | null`, got `str`"),
+        ('[models.qwen]\npath = "a"\nbatch = 8.0\n', "models.qwen.batch: expected `int | null`, got `float`"),
         ("models = 3\n", "models: expected `object`, got `int`"),
         ("server = 3\n", "server: expected `object`, got `int`"),
     ],

@@ -1,0 +1,44 @@
+"""The batch width from a registry entry to the engine: its argv, its memory estimate, its admin row."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from mlxd.supervisor import admin_routes
+from mlxd.supervisor.config import PoolConfig
+from mlxd.supervisor.engine import Engine
+from mlxd.supervisor.footprint import estimate_bytes
+from mlxd.supervisor.openapi import EngineRow
+from mlxd.supervisor.pool import Pool
+from mlxd.supervisor.registry import ModelEntry
+
+# 2 layers x 2 KV heads x dim 4, float16: 64 bytes a token; an 8k window.
+SMALL = {"num_hidden_layers": 2, "num_attention_heads": 2, "head_dim": 4, "max_position_embeddings": 8192}
+
+
+def flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+def test_argv_names_the_batch_width(tmp_path: Path) -> None:
+    argv = Engine("m", Path("/models/m"), tmp_path, batch=12).argv()
+    assert flag(argv, "--batch") == "12"
+    assert flag(argv, "--model") == "/models/m" and flag(argv, "--model-id") == "m"
+    assert flag(argv, "--max-context") is None
+    assert flag(Engine("m", Path("/m"), tmp_path, 2048).argv(), "--max-context") == "2048"
+    assert flag(Engine("m", Path("/m"), tmp_path).argv(), "--batch") == "1"  # the engine's own default
+
+
+def test_the_pool_gives_the_entry_s_width_to_its_engine_and_estimate(tmp_path: Path) -> None:
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(SMALL))
+    pool = Pool(tmp_path, config=PoolConfig(batch=3))
+    slot = pool.slot_for(ModelEntry(id="m", path=model, source="config", size_bytes=100, batch=5))
+    assert flag(slot.engine.argv(), "--batch") == "5"
+    assert slot.memory_bytes == estimate_bytes(model, 100, None, 5) == 100 + 5 * 4096 * 64
+    row = admin_routes.engine_info(pool, slot, None)
+    assert row["batch"] == 5
+    assert "batch" in EngineRow.__struct_fields__
+    assert set(EngineRow.__struct_fields__) <= set(row)  # every documented field is answered
