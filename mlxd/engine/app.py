@@ -81,6 +81,7 @@ async def admin_stats(request: web.Request) -> web.Response:
             "cancelled": s.num_cancelled, "failed": s.num_failed,
         },
         "admission": request.app[ADMISSION].snapshot(),
+        "lanes": gateway.snapshot(),
         "tokens": {"prompt": s.prompt_tokens, "cached": s.cached_tokens, "completion": s.completion_tokens},
         "last": {
             "finish_reason": s.last_finish_reason, "completion_tokens": s.last_completion_tokens,

@@ -1,52 +1,84 @@
-"""The GPU gateway: the one thread that touches MLX, fed through a queue of jobs."""
+"""The GPU gateway: the one thread that touches MLX, advancing its lanes a step at a time.
+
+Each turn the thread takes what its inbox holds (blocking only when it has nothing to run),
+starts the waiting jobs that fit (scheduling.py decides the lane and the KV booking), then
+steps each lane that has work: the serial lane one token, the batch lane one token for every
+row plus a prefill chunk. So requests join and leave between steps, and a cancelled request
+leaves at the next one.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import traceback
 import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import mlx.core as mx
+
+from mlxd.engine.batch_lane import BatchLane
 from mlxd.engine.job import Job
 from mlxd.engine.loaded_model import LoadedModel, wire_model_memory
+from mlxd.engine.prompt_cache import PromptCache
+from mlxd.engine.scheduling import KvLedger, LaneState, choose_lane, kv_tokens
+from mlxd.engine.sequence import Sequence
 from mlxd.engine.serial_lane import SerialLane
 from mlxd.engine.stats import Stats
 from mlxd.engine.ticket import Ticket
+from mlxd.engine.warmup import warm_up
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.events import Done, Failed
+from mlxd.protocol.memory import kv_budget_tokens
 
 log = logging.getLogger("mlxd.engine")
 STOPPING = Failed("The engine is shutting down.", 503, "engine_stopping")
+GPU_THREAD_DIED = "The engine's GPU thread stopped."
 
 
 @dataclass(frozen=True, slots=True)
-class _Stop:
-    """Sent to the GPU thread to end it."""
+class Stop:
+    """Inbox command: end the GPU thread."""
 
 
-def choose_lane(job: Job) -> str:
-    """Which lane runs `job`. The batch lane (continuous batching) slots in here."""
-    return "serial"
+# What the loop thread sends the GPU thread. The KV cache work (spill to SSD, restore) adds
+# its commands here.
+Command = Job | Stop
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayOptions:
+    prefill_step: int = 512
+    batch: int = 1  # sequences at once; 1 keeps to the serial lane
+    max_context: int | None = None
+    kv_budget_tokens: int | None = None  # None: protocol.memory's default for the window and batch
+    warmup: bool = False  # run the common batch shapes at load (warmup.py)
 
 
 class Gateway:
-    """Owns the GPU thread: loads the model on it, then runs jobs one lane at a time."""
+    """Owns the GPU thread: loads the model on it, then runs the lanes step by step."""
 
-    def __init__(self, load: Callable[[], LoadedModel], stats: Stats, prefill_step: int) -> None:
+    def __init__(self, load: Callable[[], LoadedModel], stats: Stats, options: GatewayOptions) -> None:
         self._load = load
         self._stats = stats
-        self._prefill_step = prefill_step
-        self._inbox: queue.SimpleQueue[Job | _Stop] = queue.SimpleQueue()
+        self._options = options
+        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="mlxd-gpu", daemon=True)
         self._open: weakref.WeakSet[Ticket] = weakref.WeakSet()  # loop thread only
         self._is_stopping = False
         self.loaded: LoadedModel | None = None
         self.load_error: str | None = None
+        self.kv: KvLedger | None = None  # set once loaded; its budget is read by the loop thread
         self.on_ready: Callable[[], None] = lambda: None  # GPU thread, once the model is loaded
         self.on_exit: Callable[[], None] = lambda: None  # GPU thread, as it ends
+        # GPU thread only:
+        self._waiting: deque[Job] = deque()
+        self._serial: SerialLane | None = None
+        self._batch: BatchLane | None = None
 
     def start(self) -> None:
         """Start the GPU thread: it loads the model, serves jobs, and calls `on_exit` when it ends."""
@@ -61,10 +93,35 @@ class Gateway:
         """Loaded, not stopping, and the GPU thread is alive."""
         return self.loaded is not None and not self._is_stopping and self._thread.is_alive()
 
+    @property
+    def kv_budget(self) -> int | None:
+        """Tokens of KV the engine books for running sequences at most (None until loaded)."""
+        return self.kv.budget_tokens if self.kv is not None else None
+
+    def snapshot(self) -> dict[str, int | None]:
+        """The lanes for /admin/stats (read on the loop thread; each value is one read)."""
+        kv = self.kv
+        return {
+            "width": self._options.batch,
+            "serial": self._serial.num_rows if self._serial is not None else 0,
+            "batch": self._batch.num_rows if self._batch is not None else 0,
+            "waiting": len(self._waiting) + self._inbox.qsize(),
+            "kv_budget_tokens": kv.budget_tokens if kv is not None else None,
+            "kv_booked_tokens": kv.booked if kv is not None else None,
+        }
+
     def submit(self, job: Job) -> None:
-        """Queue a job for the GPU thread (loop thread only); 503 when not serving."""
+        """Queue a job for the GPU thread (loop thread only); 503 when not serving, 400 if it can never fit."""
         if not self.is_serving:
             raise APIError(503, STOPPING.message, type="server_error", code=STOPPING.code)
+        need = kv_tokens(len(job.prompt), job.max_tokens)
+        if self.kv is not None and not self.kv.can_ever_fit(need):
+            raise APIError(
+                400,
+                f"This request needs {need} tokens of KV cache (a {len(job.prompt)}-token prompt plus max_tokens "
+                f"{job.max_tokens}), more than this engine's budget of {self.kv.budget_tokens}; lower max_tokens.",
+                param="max_tokens", code="kv_budget_exceeded",
+            )
         self._stats.num_requests += 1
         self._stats.prompt_tokens += len(job.prompt)
         self._open.add(job.ticket)
@@ -76,63 +133,131 @@ class Gateway:
             return
         self._is_stopping = True
         self.abort_open(STOPPING)
-        self._inbox.put(_Stop())
+        self._inbox.put(Stop())
 
     def abort_open(self, event: Failed) -> int:
-        """Loop thread: end every request still waiting on its ticket with `event`; keep serving."""
+        """Loop thread: end every request still waiting on its ticket with `event`; keep serving.
+
+        The GPU thread sees the tickets cancelled and drops their sequences at its next step.
+        """
         # A cancelled ticket's handler has left (client gone) or was already answered.
         waiting = [t for t in list(self._open) if not t.is_finished and not t.is_cancelled]
         for ticket in waiting:
             ticket.abort(event)
         return len(waiting)
 
+    # --- the GPU thread ----------------------------------------------------------------------
+
     def _run(self) -> None:
         try:
             if self._load_model():
                 self._serve()
+        except BaseException:
+            self._fail_running(GPU_THREAD_DIED, "engine_failed")
+            raise
         finally:
             self._fail_queued()
             self.on_exit()
 
     def _load_model(self) -> bool:
         try:
-            self.loaded = self._load()
+            loaded = self._load()
             wire_model_memory()
         except Exception as exc:
             self.load_error = str(exc) or type(exc).__name__
             log.error("model load failed: %s", self.load_error)
             return False
+        opts = self._options
+        budget = opts.kv_budget_tokens or kv_budget_tokens(loaded.native_context, opts.batch, opts.max_context)
+        self.kv = KvLedger(budget)
+        # Unseeded sampling draws from MLX's global generator: fresh entropy for each engine.
+        mx.random.seed(int.from_bytes(os.urandom(8), "little"))
+        cache = PromptCache(loaded.model)
+        self._serial = SerialLane(loaded, self._stats, opts.prefill_step, cache)
+        self._batch = BatchLane(loaded, self._stats, opts.prefill_step, opts.batch, cache) if opts.batch > 1 else None
+        if opts.warmup:
+            log.info("warm-up: %.0f ms", warm_up(loaded, opts.batch, opts.prefill_step) * 1000)
+        self.loaded = loaded
+        log.info("batch width %d, KV budget %d tokens", opts.batch, budget)
         self.on_ready()
         return True
 
     def _serve(self) -> None:
-        assert self.loaded is not None
-        lanes = {"serial": SerialLane(self.loaded, self._stats, self._prefill_step)}
-        while not isinstance(job := self._inbox.get(), _Stop):
-            try:
-                self._run_job(lanes[choose_lane(job)], job)
-            except BaseException:
-                job.ticket.emit(Failed("The engine's GPU thread stopped.", 500, "engine_failed"))
-                raise
+        while True:
+            for command in self._receive(block=not self._has_work()):
+                if isinstance(command, Stop):
+                    return
+                self._waiting.append(command)
+            self._admit()
+            ended: list[Sequence] = []
+            if self._serial is not None and self._serial.has_work:
+                ended += self._serial.step()
+            if self._batch is not None and self._batch.has_work:
+                ended += self._batch.step()
+            for seq in ended:
+                self._release(seq)
 
-    def _run_job(self, lane: SerialLane, job: Job) -> None:
-        try:
-            if job.ticket.is_cancelled or self._is_stopping:
-                self._stats.num_cancelled += 1
-                job.ticket.emit(Done("cancelled", len(job.prompt), 0))
-            else:
-                lane.run(job)
-        except Exception as exc:
-            log.error("generation failed:\n%s", traceback.format_exc())
-            self._stats.num_failed += 1
-            job.ticket.emit(Failed(f"generation failed: {type(exc).__name__}: {exc}"))
+    def _has_work(self) -> bool:
+        return bool(self._waiting) or any(lane is not None and lane.has_work for lane in (self._serial, self._batch))
 
-    def _fail_queued(self) -> None:
-        # Whatever is still queued when the thread ends would otherwise wait forever.
+    def _receive(self, block: bool) -> list[Command]:
+        """What the inbox holds; with `block`, wait for at least one command."""
+        commands: list[Command] = [self._inbox.get()] if block else []
         while True:
             try:
-                job = self._inbox.get_nowait()
+                commands.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _admit(self) -> None:
+        """Start waiting jobs in order while they fit; the first that does not holds the rest."""
+        assert self._serial is not None and self.kv is not None
+        for job in list(self._waiting):
+            if job.ticket.is_cancelled or self._is_stopping:
+                self._waiting.remove(job)
+                self._stats.num_cancelled += 1
+                job.ticket.emit(Done("cancelled", len(job.prompt), 0))
+                continue
+            need = kv_tokens(len(job.prompt), job.max_tokens)
+            batch_rows = self._batch.num_rows if self._batch is not None else 0
+            state = LaneState(self._options.batch, self._serial.has_work, batch_rows, self.kv.free)
+            lane = choose_lane(need, state)
+            if lane is None and not self._serial.has_work and not batch_rows:
+                # Nothing runs and it still does not fit: submit() refuses these, so this is a bug.
+                self._waiting.remove(job)
+                self._stats.num_failed += 1
+                job.ticket.emit(Failed(f"The request needs {need} tokens of KV; the budget is {self.kv.budget_tokens}."))
+                continue
+            if lane is None:
+                return
+            self._waiting.remove(job)
+            self.kv.book(need)
+            try:
+                (self._serial if lane == "serial" else self._batch).admit(job)  # type: ignore[union-attr]
+            except Exception as exc:
+                log.error("could not start a request:\n%s", traceback.format_exc())
+                self.kv.release(need)
+                self._stats.num_failed += 1
+                job.ticket.emit(Failed(f"generation failed: {type(exc).__name__}: {exc}"))
+
+    def _release(self, seq: Sequence) -> None:
+        assert self.kv is not None
+        self.kv.release(kv_tokens(len(seq.job.prompt), seq.job.max_tokens))
+
+    def _fail_running(self, message: str, code: str) -> None:
+        for lane in (self._serial, self._batch):
+            if lane is not None:
+                lane.fail_all(message, code)
+
+    def _fail_queued(self) -> None:
+        # Whatever waits or is still in the inbox when the thread ends would otherwise wait forever.
+        for job in self._waiting:
+            job.ticket.emit(STOPPING)
+        self._waiting.clear()
+        while True:
+            try:
+                command = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(job, Job):
-                job.ticket.emit(STOPPING)
+            if isinstance(command, Job):
+                command.ticket.emit(STOPPING)

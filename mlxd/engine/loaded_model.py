@@ -33,6 +33,7 @@ class LoadedModel:
         self.model_id = model_id
         self.config = json.loads((path / "config.json").read_text())
         self.context_window = context_window(self.config, max_context)
+        self.native_context = context_window(self.config, None)  # the model's own, uncapped
         self.vocab_size = int(self.config.get("vocab_size") or len(self.tokenizer))
         self.generation_defaults = generation_defaults(path)
 

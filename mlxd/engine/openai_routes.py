@@ -48,15 +48,22 @@ def ready_model(request: web.Request) -> LoadedModel:
     return loaded
 
 
-def resolve_max_tokens(requested: int | None, num_prompt: int, window: int, default: int | None) -> int:
-    """The completion budget; 400 when the prompt plus it cannot fit the context window."""
+def resolve_max_tokens(
+    requested: int | None, num_prompt: int, window: int, default: int | None, kv_budget: int | None = None
+) -> int:
+    """The completion budget; 400 when the prompt plus it cannot fit the context window.
+
+    Without `max_tokens`, a reply may run to the end of the window, or of the engine's KV
+    budget (`kv_budget` tokens, which bounds what one sequence can book) if that ends first.
+    """
     if num_prompt >= window:
         raise APIError(
             400, f"The prompt is {num_prompt} tokens, but the model's context window is {window} tokens.",
             param="messages", code="context_length_exceeded",
         )
     if requested is None:
-        return min(default, window - num_prompt) if default else window - num_prompt
+        room = window - num_prompt if kv_budget is None else max(1, min(window, kv_budget) - num_prompt)
+        return min(default, room) if default else room
     if num_prompt + requested > window:
         raise APIError(
             400,
@@ -150,7 +157,7 @@ async def chat_completions(request: web.Request, slot: Slot) -> web.StreamRespon
     if not prompt:
         raise APIError(400, "The chat template produced an empty prompt.", param="messages")
     budget = req.max_completion_tokens or req.max_tokens
-    max_tokens = resolve_max_tokens(budget, len(prompt), loaded.context_window, None)
+    max_tokens = resolve_max_tokens(budget, len(prompt), loaded.context_window, None, request.app[GATEWAY].kv_budget)
     ticket = submit(request, slot, prompt, max_tokens, req)
     meta = ("chatcmpl-" + uuid.uuid4().hex, int(time.time()), loaded.model_id)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -171,7 +178,9 @@ async def completions(request: web.Request, slot: Slot) -> web.StreamResponse:
     prompt = loaded.text_prompt(oa.completion_prompt(req))
     if not prompt:
         raise APIError(400, "The prompt is empty.", param="prompt")
-    max_tokens = resolve_max_tokens(req.max_tokens, len(prompt), loaded.context_window, LEGACY_COMPLETION_MAX_TOKENS)
+    max_tokens = resolve_max_tokens(
+        req.max_tokens, len(prompt), loaded.context_window, LEGACY_COMPLETION_MAX_TOKENS, request.app[GATEWAY].kv_budget
+    )
     ticket = submit(request, slot, prompt, max_tokens, req)
     meta = ("cmpl-" + uuid.uuid4().hex, int(time.time()), loaded.model_id)
     echo = loaded.decode(prompt) if req.echo else ""

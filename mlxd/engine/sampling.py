@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-import os
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    make_logits_processors,
+    make_sampler,
+)
 
 # How many recent tokens (prompt and completion) the penalties look at; mlx-lm's default is 20.
 PENALTY_CONTEXT = 256
@@ -15,15 +21,20 @@ PENALTY_CONTEXT = 256
 # and the "sample" is noise, while a temperature this small already means the likeliest token.
 MIN_TEMPERATURE = 1e-4
 Processor = Callable[[mx.array, mx.array], mx.array]
+Sampler = Callable[[mx.array], mx.array]
 
 
-def make_sampling(params: Any, cached_prefix: list[int]) -> tuple[Callable[[mx.array], mx.array], list[Any]]:
+def make_sampling(params: Any, history: list[int]) -> tuple[Sampler, list[Any]]:
     """The sampler and logits processors for one request (GPU thread).
 
-    mlx-lm's processors see only the tokens handed to generate_step, so the part of the prompt
-    served from the prompt cache is prepended: warm and cold caches then penalize alike.
+    mlx-lm's processors see only the tokens their generator tracks: `history` is what comes
+    before those (the serial lane's cached prompt prefix; the batch lane tracks it all).
+    Requests with equal parameters and no seed share one sampler object, so that the batch
+    lane samples all their rows in one call. A seeded request gets a sampler with its own
+    random key: its tokens depend on its seed only, not on what else the engine runs.
     """
-    sampler = make_sampler(**sampler_args(params))
+    args = sampler_args(params)
+    sampler = make_seeded_sampler(args, params.seed) if params.seed is not None else shared_sampler(**args)
     processors = make_logits_processors(
         logit_bias=params.logit_bias or None,
         repetition_penalty=params.repetition_penalty,
@@ -33,9 +44,9 @@ def make_sampling(params: Any, cached_prefix: list[int]) -> tuple[Callable[[mx.a
         frequency_penalty=params.frequency_penalty,
         frequency_context_size=PENALTY_CONTEXT,
     )
-    if cached_prefix and processors:
-        history = mx.array(cached_prefix[-PENALTY_CONTEXT:])
-        processors = [with_history(p, history) for p in processors]
+    if history and processors:
+        prefix = mx.array(history[-PENALTY_CONTEXT:])
+        processors = [with_history(p, prefix) for p in processors]
     return sampler, processors
 
 
@@ -44,20 +55,50 @@ def sampler_args(params: Any) -> dict[str, Any]:
     temp = params.temperature if params.temperature >= MIN_TEMPERATURE else 0.0
     # mlx-lm reads top_p=0 as "off" (and cannot apply it); for OpenAI it keeps the top token only.
     if params.top_p == 0.0:
-        return {"temp": temp, "top_k": 1}
+        return {"temp": temp, "top_p": 1.0, "min_p": 0.0, "top_k": 1}
     return {"temp": temp, "top_p": params.top_p, "min_p": params.min_p, "top_k": params.top_k}
 
 
+@functools.lru_cache(maxsize=256)
+def shared_sampler(temp: float, top_p: float, min_p: float, top_k: int) -> Sampler:
+    """mlx-lm's sampler for these parameters, one object per distinct set (greedy: always one)."""
+    return make_sampler(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
+
+
+def make_seeded_sampler(args: dict[str, Any], seed: int) -> Sampler:
+    """mlx-lm's sampling chain, drawing from a random key of its own (OpenAI's seed is any int64)."""
+    temp = args["temp"]
+    if temp == 0:
+        return shared_sampler(**args)  # greedy: the seed changes nothing
+    filters = sampling_filters(args["top_p"], args["min_p"], args["top_k"])
+    key = mx.random.key(seed % 2**64)
+
+    def sample(logprobs: mx.array) -> mx.array:
+        nonlocal key
+        key, draw = mx.random.split(key)
+        for method in filters:
+            logprobs = method(logprobs)
+        return mx.random.categorical(logprobs * (1.0 / temp), key=draw)
+
+    return sample
+
+
+def sampling_filters(top_p: float, min_p: float, top_k: int) -> list[Callable[[mx.array], mx.array]]:
+    """The truncations mlx-lm's make_sampler applies, in its order."""
+    filters: list[Callable[[mx.array], mx.array]] = []
+    if 0 < top_p < 1.0:
+        filters.append(lambda x: apply_top_p(x, top_p))
+    if min_p != 0.0:
+        filters.append(lambda x: apply_min_p(x, min_p, 1))
+    if top_k > 0:
+        filters.append(lambda x: apply_top_k(x, top_k))
+    return filters
+
+
 def with_history(processor: Processor, history: mx.array) -> Processor:
-    """A processor that also sees `history` before the tokens generate_step tracks."""
+    """A processor that also sees `history` before the tokens its generator tracks."""
 
     def run(tokens: mx.array, logits: mx.array) -> mx.array:
         return processor(mx.concatenate([history, tokens]), logits)
 
     return run
-
-
-def seed_rng(seed: int | None) -> None:
-    """Seed MLX's global RNG: the request's seed, else fresh entropy (serial lane only)."""
-    # OpenAI's seed is any int64; MLX takes a uint64.
-    mx.random.seed(seed % 2**64 if seed is not None else int.from_bytes(os.urandom(8), "little"))

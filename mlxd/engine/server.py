@@ -15,7 +15,7 @@ from aiohttp import web
 
 from mlxd.engine import blas
 from mlxd.engine.app import make_app
-from mlxd.engine.gateway import Gateway
+from mlxd.engine.gateway import Gateway, GatewayOptions
 from mlxd.engine.loaded_model import LoadedModel
 from mlxd.engine.parent_watch import set_death_signal, watch_parent
 from mlxd.engine.settings import EngineSettings
@@ -78,8 +78,6 @@ def serve(settings: EngineSettings) -> int:
         sys.setswitchinterval(float(switch_ms) / 1000)
     log.info("mlxd engine pid %d: model %s from %s", os.getpid(), settings.model_id, settings.model)
     log.info(blas.describe())
-    if settings.batch > 1:
-        log.warning("--batch %d: continuous batching is not built yet; requests run one at a time", settings.batch)
     try:
         sock = bind_unix(settings.socket)
     except BootError as exc:
@@ -105,7 +103,11 @@ async def run(settings: EngineSettings, sock: socket.socket, parent: int) -> int
     loop = asyncio.get_running_loop()
     stats = Stats()
     load = lambda: LoadedModel(settings.model, settings.model_id, settings.max_context)  # noqa: E731
-    gateway = Gateway(load, stats, settings.prefill_step)
+    options = GatewayOptions(
+        prefill_step=settings.prefill_step, batch=settings.batch, max_context=settings.max_context,
+        kv_budget_tokens=settings.kv_budget_tokens, warmup=settings.warmup,
+    )
+    gateway = Gateway(load, stats, options)
     stopped: asyncio.Future[ExitCode] = loop.create_future()
 
     def stop(code: ExitCode) -> None:

@@ -18,6 +18,8 @@ class EngineSettings:
     max_context: int | None = None
     batch: int = 1
     prefill_step: int = 512
+    kv_budget_tokens: int | None = None
+    warmup: bool = False
     max_body: int = DEFAULT_MAX_BODY
     parent_pid: int | None = None
 
@@ -29,8 +31,13 @@ def parse_args(argv: list[str]) -> EngineSettings:
     p.add_argument("--model-id", required=True, help="the model's id in the API")
     p.add_argument("--socket", required=True, type=Path, help="Unix socket path (its dir must be 0700)")
     p.add_argument("--max-context", type=int, default=None, help="cap the context window (tokens)")
-    p.add_argument("--batch", type=int, default=1, help="max concurrent sequences (serial lane: 1)")
+    p.add_argument("--batch", type=int, default=1, help="max sequences decoding at once (1: one at a time)")
     p.add_argument("--prefill-step", type=int, default=512, help="prompt tokens per prefill chunk; cancellation is checked between chunks")
+    p.add_argument(
+        "--kv-budget-tokens", type=int, default=None,
+        help="KV cache tokens the running sequences may book in all (default: from the context window and --batch)",
+    )
+    p.add_argument("--warmup", action="store_true", help="run the common batch shapes at load (compiles kernels)")
     p.add_argument("--max-body", type=int, default=DEFAULT_MAX_BODY, help="max request body bytes")
     default_parent = os.environ.get("MLXD_PARENT_PID")
     p.add_argument(
@@ -38,11 +45,12 @@ def parse_args(argv: list[str]) -> EngineSettings:
         help="exit when this process is no longer our parent (default: the parent at start)",
     )
     a = p.parse_args(argv)
-    for name in ("max_context", "batch", "prefill_step", "max_body"):
+    for name in ("max_context", "batch", "prefill_step", "kv_budget_tokens", "max_body"):
         value = getattr(a, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return EngineSettings(
         model=a.model, model_id=a.model_id, socket=a.socket, max_context=a.max_context,
-        batch=a.batch, prefill_step=a.prefill_step, max_body=a.max_body, parent_pid=a.parent_pid,
+        batch=a.batch, prefill_step=a.prefill_step, kv_budget_tokens=a.kv_budget_tokens, warmup=a.warmup,
+        max_body=a.max_body, parent_pid=a.parent_pid,
     )

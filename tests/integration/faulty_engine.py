@@ -1,34 +1,54 @@
-"""The real engine, except that generation raises after 3 tokens when the prompt contains RAISE.
+"""The real engine, with faults on cue, chosen by words in the prompt:
 
-Run as a script with MLXD_BLAS=off (the OpenBLAS re-exec would drop this patch).
+- RAISE: that request's own token handling raises after 3 tokens (in either lane): only it fails.
+- BATCHFAIL: the batched step raises once, when the row holding it has 3 tokens and the batch
+  lane holds 3 rows: every row in the batch lane fails, and the engine goes on serving.
+
+Run as a script with MLXD_BLAS=off (the OpenBLAS re-exec would drop these patches).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
-from mlxd.engine import serial_lane
+from mlxd.engine import batch_lane, gateway, sequence
 from mlxd.engine.__main__ import main
 
-real_generate_step = serial_lane.generate_step
-real_generate = serial_lane.SerialLane._generate
+real_submit = gateway.Gateway.submit
+real_add = sequence.Sequence.add
+real_step = batch_lane.BatchLane.step
+marked: dict[int, str] = {}  # id(job) -> the fault it asks for
 
 
-def faulty_generate_step(*args: Any, **kwargs: Any) -> Iterator[Any]:
-    for n, step in enumerate(real_generate_step(*args, **kwargs)):
-        if n == 3:
-            raise RuntimeError("injected fault")
-        yield step
+def faulty_submit(self: Any, job: Any) -> None:
+    text = self.loaded.decode(job.prompt) if self.loaded is not None else ""
+    for word in ("RAISE", "BATCHFAIL"):
+        if word in text:
+            marked[id(job)] = word
+    real_submit(self, job)
 
 
-def generate(self: Any, job: Any, *rest: Any) -> str:
-    is_faulty = "RAISE" in self._loaded.decode(job.prompt)
-    serial_lane.generate_step = faulty_generate_step if is_faulty else real_generate_step  # type: ignore[assignment]
-    return real_generate(self, job, *rest)  # type: ignore[no-any-return]
+def faulty_add(self: Any, token: int) -> bool:
+    if len(self.generated) == 3 and marked.get(id(self.job)) == "RAISE":
+        raise RuntimeError("injected fault")
+    return real_add(self, token)
 
 
-serial_lane.SerialLane._generate = generate  # type: ignore[method-assign]
+def faulty_step(self: Any) -> list[Any]:
+    for seq in list(self._rows.values()):
+        if len(self._rows) >= 3 and len(seq.generated) >= 3 and marked.get(id(seq.job)) == "BATCHFAIL":
+            del marked[id(seq.job)]
+            self._gen.next = _raise  # this step raises; fail_all then makes a fresh generator
+    return real_step(self)
+
+
+def _raise() -> Any:
+    raise RuntimeError("injected batch fault")
+
+
+gateway.Gateway.submit = faulty_submit  # type: ignore[method-assign]
+sequence.Sequence.add = faulty_add  # type: ignore[method-assign]
+batch_lane.BatchLane.step = faulty_step  # type: ignore[method-assign]
 
 if __name__ == "__main__":
     main()

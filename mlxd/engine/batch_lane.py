@@ -1,0 +1,142 @@
+"""The batch lane: continuous batching with mlx-lm's BatchGenerator.
+
+Rows join and leave between steps. Each step decodes one token for every generating row, then
+runs one prefill chunk (`--prefill-step` tokens) of the prompts being admitted: a long prompt
+arriving while others decode is prefilled a chunk at a time, and the running rows keep getting
+a token every step meanwhile. Per-row sampling, penalties and logit bias are mlx-lm's (rows
+with equal parameters share one sampler, so they are sampled in one call); stop strings, EOS
+and max_tokens are each row's Sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from typing import Any
+
+from mlx_lm.generate import BatchGenerator
+
+from mlxd.engine.job import Job
+from mlxd.engine.loaded_model import LoadedModel
+from mlxd.engine.prompt_cache import PromptCache
+from mlxd.engine.sampling import make_sampling
+from mlxd.engine.sequence import Sequence
+from mlxd.engine.stats import Stats
+
+log = logging.getLogger("mlxd.engine")
+# Prompts prefilled together in one chunk; more wait for the next chunk.
+MAX_PREFILL_ROWS = 8
+
+
+class BatchLane:
+    """Up to `width` rows decoding together (the lane interface: see SerialLane)."""
+
+    def __init__(
+        self, loaded: LoadedModel, stats: Stats, prefill_step: int, width: int, prompt_cache: PromptCache
+    ) -> None:
+        self._loaded = loaded
+        self._stats = stats
+        self._prefill_step = prefill_step
+        self._width = width
+        self._prompt_cache = prompt_cache
+        self._rows: dict[int, Sequence] = {}
+        self._gen = self._new_generator()
+
+    def _new_generator(self) -> BatchGenerator:
+        return BatchGenerator(
+            self._loaded.model,
+            completion_batch_size=self._width,
+            prefill_batch_size=min(self._width, MAX_PREFILL_ROWS),
+            prefill_step_size=self._prefill_step,
+        )
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._rows)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self._rows)
+
+    def admit(self, job: Job) -> Sequence:
+        """Queue `job`'s prompt for prefill; it decodes with the others once prefilled."""
+        kv, cached = self._prompt_cache.fetch(job.prompt)
+        seq = Sequence(job, self._loaded.tokenizer, self._loaded.eos_token_ids, cached)
+        # The generator's processors see each row's whole history (it is given the cached part).
+        sampler, processors = make_sampling(job.sampling, [])
+        (uid,) = self._gen.insert(
+            [job.prompt[cached:]], max_tokens=[job.max_tokens], caches=[kv], all_tokens=[job.prompt[:cached]],
+            samplers=[sampler], logits_processors=[processors],
+        )
+        self._rows[uid] = seq
+        return seq
+
+    def step(self) -> list[Sequence]:
+        """Drop cancelled rows, decode one token for each generating row, prefill one chunk."""
+        ended = self._drop_cancelled()
+        if not self._rows:
+            return ended
+        try:
+            _, responses = self._gen.next()
+        except Exception as exc:
+            log.error("batched step failed:\n%s", traceback.format_exc())
+            return ended + self.fail_all(f"generation failed: {type(exc).__name__}: {exc}", "generation_failed")
+        leaving: list[int] = []
+        kept: tuple[list[Any], list[int]] | None = None  # the KV of the last row to end, for the prompt cache
+        for r in responses:
+            seq = self._rows.get(r.uid)
+            if seq is None:
+                continue
+            try:
+                is_done = seq.add(int(r.token))
+            except Exception as exc:  # this row's text handling failed: only this request fails
+                log.error("generation failed for one row:\n%s", traceback.format_exc())
+                seq.fail(self._stats, f"generation failed: {type(exc).__name__}: {exc}")
+                is_done = True
+            if r.finish_reason is not None:  # the generator ended it itself (max_tokens) and let it go
+                del self._rows[r.uid]
+                seq.finish_reason = seq.finish_reason or "length"
+                if r.prompt_cache is not None and r.all_tokens is not None and seq.finish_reason != "failed":
+                    kept = (r.prompt_cache, r.all_tokens)
+                ended.append(seq)
+            elif is_done:
+                leaving.append(r.uid)
+        if leaving:
+            kept = self._remove(leaving, keep_kv_of=leaving[-1]) or kept
+            ended += [self._rows.pop(uid) for uid in leaving]
+        if kept is not None:
+            self._prompt_cache.store(*kept)
+        for seq in ended:
+            if seq.finish_reason != "failed":
+                seq.finish(self._stats)
+        return ended
+
+    def _drop_cancelled(self) -> list[Sequence]:
+        gone = [uid for uid, seq in self._rows.items() if seq.is_cancelled]
+        if not gone:
+            return []
+        self._remove(gone)
+        ended = [self._rows.pop(uid) for uid in gone]
+        for seq in ended:
+            seq.cancel()
+            seq.finish(self._stats)
+        return ended
+
+    def _remove(self, uids: list[int], keep_kv_of: int | None = None) -> tuple[list[Any], list[int]] | None:
+        """Take rows out of the generator; the KV and tokens of `keep_kv_of`, if asked."""
+        kept = None
+        if keep_kv_of is not None and self._rows[keep_kv_of].finish_reason != "failed":
+            kv, tokens = self._gen.extract_cache([keep_kv_of]).get(keep_kv_of, (None, None))
+            kept = (kv, tokens) if kv is not None and tokens is not None else None
+        self._gen.remove(uids)
+        return kept
+
+    def fail_all(self, message: str, code: str) -> list[Sequence]:
+        """End every row with an error and start from a fresh generator (its state is unknown)."""
+        ended = list(self._rows.values())
+        self._rows.clear()
+        self._prompt_cache.clear()
+        self._gen = self._new_generator()
+        for seq in ended:
+            seq.fail(self._stats, message, 500, code)
+        return ended

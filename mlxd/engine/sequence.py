@@ -1,0 +1,141 @@
+"""One request on the GPU thread: what both lanes do with each token it gets.
+
+A lane produces token ids; the sequence turns them into text (detokenizer), holds back what
+could be the start of a stop string, ends at EOS, a stop string or max_tokens, times the
+request, and sends the events. Both lanes use it, so a stop string or a usage count cannot
+differ by lane.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from mlxd.engine.job import Job
+from mlxd.engine.stats import Stats
+from mlxd.protocol.events import Done, Failed, Token
+from mlxd.protocol.stops import StopMatcher
+
+log = logging.getLogger("mlxd.engine")
+# After a sequence's first text is emitted, release the GIL briefly so the loop thread relays
+# it at once: while decoding, this thread seldom blocks (mlx-lm runs a step ahead), and the
+# loop would otherwise wait for Python's 5 ms forced switch. The GPU keeps working meanwhile.
+FIRST_RELAY_PAUSE_S = 0.0005
+
+
+class Sequence:
+    """A job being generated: its text state, its clock, and how it ended."""
+
+    __slots__ = ("_detok", "_eos", "_has_relayed", "_stops", "cached", "clock", "finish_reason", "generated", "job")
+
+    def __init__(self, job: Job, tokenizer: Any, eos: set[int], cached: int) -> None:
+        self.job = job
+        self.cached = cached  # prompt tokens served from the prompt cache
+        self.clock = Clock(job.submitted_at)
+        self.generated: list[int] = []
+        self.finish_reason: str | None = None  # set once it ended
+        self._detok = tokenizer.detokenizer
+        self._eos = eos
+        self._stops = StopMatcher(job.stops)
+        self._has_relayed = False
+
+    @property
+    def is_cancelled(self) -> bool:
+        return self.job.ticket.is_cancelled
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def history(self) -> list[int]:
+        """Prompt and generated tokens so far."""
+        return self.job.prompt + self.generated
+
+    def add(self, token: int) -> bool:
+        """Take the next generated token; True when the sequence has ended (EOS, stop, length)."""
+        self.generated.append(token)
+        self.clock.token()
+        if token in self._eos:
+            return self._end("stop")
+        self._detok.add_token(token)
+        if text := self._stops.feed(self._detok.last_segment):
+            self._emit(text)
+        if self._stops.is_stopped:
+            self.finish_reason = "stop"  # what followed the stop string is dropped
+            return True
+        if len(self.generated) >= self.job.max_tokens:
+            return self._end("length")
+        return False
+
+    def _end(self, reason: str) -> bool:
+        """Emit what the detokenizer and stop matcher held back; a stop string in it wins."""
+        self._detok.finalize()
+        text = self._stops.feed(self._detok.last_segment) + self._stops.flush()
+        if text:
+            self._emit(text)
+        self.finish_reason = "stop" if self._stops.is_stopped else reason
+        return True
+
+    def _emit(self, text: str) -> None:
+        self.job.ticket.emit(Token(text))
+        if not self._has_relayed:
+            self._has_relayed = True
+            time.sleep(FIRST_RELAY_PAUSE_S)
+
+    def cancel(self) -> None:
+        """The client went away (or a drain or shutdown ended it)."""
+        self.finish_reason = "cancelled"
+
+    def finish(self, stats: Stats) -> Done:
+        """Count the ended sequence and send its Done (its finish_reason must be set)."""
+        finish = self.finish_reason or "length"
+        num = len(self.generated)
+        stats.cached_tokens += self.cached
+        stats.completion_tokens += num
+        stats.last_finish_reason, stats.last_completion_tokens = finish, num
+        if finish == "cancelled":
+            stats.num_cancelled += 1
+        else:
+            stats.num_completed += 1
+        done = Done(finish, len(self.job.prompt), num, self.cached, *self.clock.split_ms())
+        stats.last_timings_ms = {"queue": done.queue_ms, "prefill": done.prefill_ms, "decode": done.decode_ms}
+        stats.busy_s += (done.prefill_ms + done.decode_ms) / 1000
+        self.job.ticket.emit(done)
+        log.info(
+            "%d prompt tokens (%d cached) + %d generated, %s; queue %.1f ms, prefill %.1f ms, decode %.1f tok/s",
+            len(self.job.prompt), self.cached, num, finish, done.queue_ms, done.prefill_ms,
+            (num - 1) / (done.decode_ms / 1000) if num > 1 and done.decode_ms else 0.0,
+        )
+        return done
+
+    def fail(self, stats: Stats, message: str, status: int = 500, code: str = "generation_failed") -> None:
+        """End the request with an error (the engine keeps serving)."""
+        self.finish_reason = "failed"
+        stats.num_failed += 1
+        self.job.ticket.emit(Failed(message, status, code))
+
+
+class Clock:
+    """When a job was submitted, picked up by a lane, got its first token and its last."""
+
+    __slots__ = ("first_at", "last_at", "started_at", "submitted_at")
+
+    def __init__(self, submitted_at: float) -> None:
+        self.submitted_at = submitted_at
+        self.started_at = time.perf_counter()
+        self.first_at: float | None = None
+        self.last_at = self.started_at
+
+    def token(self) -> None:
+        """Note a token's arrival."""
+        self.last_at = time.perf_counter()
+        if self.first_at is None:
+            self.first_at = self.last_at
+
+    def split_ms(self) -> tuple[float, float, float]:
+        """(queue, prefill, decode) in milliseconds."""
+        first = self.first_at or self.last_at
+        ms = lambda a, b: round((b - a) * 1000, 3)  # noqa: E731
+        return ms(self.submitted_at, self.started_at), ms(self.started_at, first), ms(first, self.last_at)

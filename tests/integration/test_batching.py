@@ -1,0 +1,277 @@
+"""Continuous batching in a real engine: rows join and leave between steps, each keeps its own
+sampling, stops and budget, and one row's failure or departure leaves the others alone."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx2 as httpx
+import pytest
+
+from tests.support import NO_EOS, EngineProcess, engine_env, running_engine, wait_for
+
+FAULTY = [__import__("sys").executable, str(Path(__file__).with_name("faulty_engine.py"))]
+
+
+def client(engine: EngineProcess) -> httpx.Client:
+    return httpx.Client(transport=httpx.HTTPTransport(uds=str(engine.socket)), base_url="http://engine", timeout=120)
+
+
+def complete(engine: EngineProcess, prompt: str, **body: Any) -> dict[str, Any]:
+    with client(engine) as c:
+        resp = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 24, "temperature": 0, **body})
+        return {"status": resp.status_code, **resp.json()}
+
+
+def text_of(answer: dict[str, Any]) -> str:
+    return str(answer["choices"][0]["text"])
+
+
+def at_once(engine: EngineProcess, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The bodies sent together (each a `complete` keyword set with a `prompt`)."""
+    with cf.ThreadPoolExecutor(len(bodies)) as pool:
+        return list(pool.map(lambda b: complete(engine, **b), bodies))
+
+
+def stream_times(engine: EngineProcess, body: dict[str, Any], out: list[float], started: threading.Event | None = None) -> str:
+    """Stream a completion; append each text chunk's arrival time to `out`; the text."""
+    parts = []
+    with client(engine) as c, c.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and chunk["choices"][0]["text"]:
+                out.append(time.monotonic())
+                parts.append(chunk["choices"][0]["text"])
+                if started is not None:
+                    started.set()
+    return "".join(parts)
+
+
+PROMPTS = [f"Story {i}: once upon a time" + " and then" * (3 * i) for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def batched(tiny_model: Path) -> Iterator[EngineProcess]:
+    with running_engine(tiny_model, "tiny", "--batch", "8", "--prefill-step", "64") as engine:
+        yield engine
+
+
+def test_eight_concurrent_greedy_requests_equal_the_same_requests_one_by_one(batched: EngineProcess) -> None:
+    alone = [text_of(complete(batched, p)) for p in PROMPTS]
+    together = at_once(batched, [{"prompt": p} for p in PROMPTS])
+    assert [a["status"] for a in together] == [200] * 8
+    assert [text_of(a) for a in together] == alone
+
+
+def test_smollm2_greedy_text_is_the_same_batched_as_alone(smollm2: Path) -> None:
+    questions = ["What is the capital of France?", "Name a primary colour.", "What is 2 + 2?", "Say hello."]
+    with running_engine(smollm2, "smol", "--batch", "4") as engine:
+        def ask(q: str) -> str:
+            with client(engine) as c:
+                body = {"messages": [{"role": "user", "content": q}], "max_tokens": 24, "temperature": 0}
+                return str(c.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"])
+
+        alone = [ask(q) for q in questions]
+        with cf.ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(ask, questions))
+    assert together == alone
+    assert "Paris" in alone[0]
+
+
+def lanes(engine: EngineProcess) -> dict[str, Any]:
+    return dict(engine.stats()["lanes"])
+
+
+def test_a_lone_request_runs_in_the_serial_lane_and_others_join_the_batch_beside_it(batched: EngineProcess) -> None:
+    long = {"prompt": "The long one", "max_tokens": 1500, "logit_bias": NO_EOS}
+    seen: list[dict[str, Any]] = []
+    with cf.ThreadPoolExecutor(4) as pool:
+        first = pool.submit(complete, batched, **long)
+        assert wait_for(lambda: lanes(batched)["serial"] == 1, 10)
+        others = [pool.submit(complete, batched, p) for p in PROMPTS[:3]]
+        assert wait_for(lambda: seen.append(lanes(batched)) or seen[-1]["batch"] >= 1, 10), seen[-5:]
+        results = [first.result(), *(f.result() for f in others)]
+    assert seen[-1]["serial"] == 1  # both lanes ran at once
+    assert [r["status"] for r in results] == [200] * 4
+    assert [text_of(r) for r in results[1:]] == [text_of(complete(batched, p)) for p in PROMPTS[:3]]
+    assert results[0]["usage"]["completion_tokens"] == 1500
+
+
+def test_rows_beyond_the_width_wait_in_the_engine_queue_and_all_complete(tiny_model: Path) -> None:
+    with running_engine(tiny_model, "tiny", "--batch", "2") as engine:
+        seen: list[dict[str, Any]] = []
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.is_set():
+                seen.append(lanes(engine))
+                time.sleep(0.01)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            bodies = [{"prompt": p, "max_tokens": 300, "logit_bias": NO_EOS} for p in PROMPTS[:6]]
+            results = at_once(engine, bodies)
+        finally:
+            stop.set()
+            watcher.join()
+    assert [r["status"] for r in results] == [200] * 6
+    assert all(r["usage"]["completion_tokens"] == 300 for r in results)
+    assert max(s["serial"] + s["batch"] for s in seen) == 2
+    assert max(s["waiting"] for s in seen) >= 1
+
+
+def test_a_client_that_leaves_mid_batch_frees_its_row_and_the_others_finish(batched: EngineProcess) -> None:
+    cancelled_before = batched.stats()["requests"]["cancelled"]
+    body = {"max_tokens": 400, "temperature": 0, "logit_bias": NO_EOS}
+    with cf.ThreadPoolExecutor(4) as pool:
+        stayers = [pool.submit(complete, batched, p, **body) for p in PROMPTS[:3]]
+
+        def leave_early() -> int:
+            seen = 0
+            with client(batched) as c, c.stream("POST", "/v1/completions", json={"prompt": PROMPTS[5], **body, "stream": True}) as resp:
+                for line in resp.iter_lines():
+                    seen += line.startswith("data: {")
+                    if seen == 5:
+                        break  # leaving the block drops the connection mid-stream
+            return seen
+
+        assert pool.submit(leave_early).result() == 5
+        results = [f.result() for f in stayers]
+    assert [r["usage"]["completion_tokens"] for r in results] == [400] * 3
+    assert wait_for(lambda: batched.stats()["requests"]["cancelled"] == cancelled_before + 1, 5)
+    assert wait_for(lambda: lanes(batched)["serial"] + lanes(batched)["batch"] == 0, 5)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_running_streams_keep_getting_tokens(batched: EngineProcess) -> None:
+    running: list[float] = []
+    started = threading.Event()
+    long_times: list[float] = []
+    long_prompt = " ".join(f"w{i}" for i in range(800))  # thousands of tokens: dozens of 64-token chunks
+    with cf.ThreadPoolExecutor(2) as pool:
+        body = {"prompt": "Keep going", "max_tokens": 1200, "temperature": 0, "logit_bias": NO_EOS}
+        stream = pool.submit(stream_times, batched, body, running, started)
+        assert started.wait(10)
+        sent = time.monotonic()
+        stream_times(batched, {"prompt": long_prompt, "max_tokens": 4, "temperature": 0}, long_times)
+        stream.result()
+    assert long_times, "the long prompt got no tokens"
+    during = [t for t in running if sent < t < long_times[0]]
+    # Prefilled whole (as the serial lane does), the long prompt would leave the stream silent.
+    assert len(during) >= 5, (len(during), len(running))
+    assert running[-1] > long_times[0]  # and the stream was still running after it
+
+
+def test_rows_keep_their_own_sampling_parameters(batched: EngineProcess) -> None:
+    greedy = {"prompt": PROMPTS[1]}
+    top_k_one = {"prompt": PROMPTS[1], "temperature": 1.5, "top_k": 1}  # sampling from one token is greedy
+    seeded = {"prompt": PROMPTS[2], "temperature": 1.0, "seed": 7, "max_tokens": 40}
+    biased = {"prompt": PROMPTS[3], "logit_bias": {"65": 100}}  # one token forced
+    hot = {"prompt": PROMPTS[4], "temperature": 2.0}
+    alone = {name: complete(batched, **b) for name, b in [("greedy", greedy), ("seeded", seeded)]}
+    results = at_once(batched, [greedy, top_k_one, seeded, biased, hot, hot])
+    assert [r["status"] for r in results] == [200] * 6
+    assert text_of(results[0]) == text_of(results[1]) == text_of(alone["greedy"])
+    assert text_of(results[2]) == text_of(alone["seeded"])
+    forced = text_of(complete(batched, "x", max_tokens=3, logit_bias={"65": 100}))
+    assert text_of(results[3]).startswith(forced)
+    assert results[3]["usage"]["completion_tokens"] == 24
+
+
+def test_stop_strings_end_each_row_where_its_own_stop_appears(batched: EngineProcess) -> None:
+    alone = [text_of(complete(batched, p, max_tokens=40, logit_bias=NO_EOS)) for p in PROMPTS[:4]]
+    stops = [text[10:14] for text in alone]  # a piece from the middle of each reply
+    bodies = [{"prompt": p, "max_tokens": 40, "logit_bias": NO_EOS, "stop": [s]} for p, s in zip(PROMPTS, stops, strict=False)]
+    results = at_once(batched, bodies)
+    for result, text, stop in zip(results, alone, stops, strict=True):
+        assert result["choices"][0]["finish_reason"] == "stop"
+        assert text_of(result) == text[: text.index(stop)]
+
+
+@pytest.fixture(scope="module")
+def faulty(tiny_model: Path) -> Iterator[EngineProcess]:
+    proc = EngineProcess(tiny_model, "tiny", "--batch", "4", launcher=FAULTY, env=engine_env(MLXD_BLAS="off"))
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
+
+
+def test_an_error_in_one_row_fails_that_request_only(faulty: EngineProcess) -> None:
+    body = {"max_tokens": 200, "logit_bias": NO_EOS}
+    results = at_once(faulty, [{"prompt": p, **body} for p in ["one", "two", "RAISE three", "four"]])
+    assert [r["status"] for r in results] == [200, 200, 500, 200]
+    assert "injected fault" in results[2]["error"]["message"]
+    assert all(r["usage"]["completion_tokens"] == 200 for i, r in enumerate(results) if i != 2)
+
+
+def test_an_error_in_the_batched_step_fails_its_rows_and_the_engine_serves_on(faulty: EngineProcess) -> None:
+    failed_before = faulty.stats()["requests"]["failed"]
+    body = {"max_tokens": 300, "logit_bias": NO_EOS}
+    with cf.ThreadPoolExecutor(4) as pool:
+        serial = pool.submit(complete, faulty, "the serial one", max_tokens=2000, logit_bias=NO_EOS)
+        assert wait_for(lambda: lanes(faulty)["serial"] == 1, 10)
+        batch = [pool.submit(complete, faulty, p, **body) for p in ["BATCHFAIL a", "b", "c"]]
+        batch_results = [f.result() for f in batch]
+        serial_result = serial.result()
+    assert serial_result["status"] == 200 and serial_result["usage"]["completion_tokens"] == 2000
+    assert [r["status"] for r in batch_results] == [500, 500, 500]
+    assert all("injected batch fault" in r["error"]["message"] for r in batch_results)
+    assert faulty.stats()["requests"]["failed"] == failed_before + 3
+    after = at_once(faulty, [{"prompt": p, "max_tokens": 20} for p in ["d", "e"]])  # a fresh batch works
+    assert [r["status"] for r in after] == [200, 200]
+
+
+def test_drain_with_rows_in_flight_lets_them_finish(batched: EngineProcess) -> None:
+    body = {"max_tokens": 300, "logit_bias": NO_EOS}
+    with cf.ThreadPoolExecutor(5) as pool:
+        rows = [pool.submit(complete, batched, p, **body) for p in PROMPTS[:4]]
+        assert wait_for(lambda: batched.stats()["requests"]["active"] == 4, 10)
+        drain = batched.client.post("/admin/drain", json={"timeout_s": 60, "resume": True}).json()
+        results = [f.result() for f in rows]
+    assert drain["finished"] == 4 and drain["cancelled"] == 0
+    assert [r["usage"]["completion_tokens"] for r in results] == [300] * 4
+
+
+def test_a_lease_waits_for_rows_in_flight(batched: EngineProcess) -> None:
+    body = {"max_tokens": 300, "logit_bias": NO_EOS}
+    with cf.ThreadPoolExecutor(5) as pool:
+        rows = [pool.submit(complete, batched, p, **body) for p in PROMPTS[:3]]
+        assert wait_for(lambda: batched.stats()["requests"]["active"] == 3, 10)
+        with client(batched) as c, c.stream("POST", "/admin/lease", json={"holder": "test"}) as lease:
+            first = json.loads(next(lease.iter_lines()))
+            active_when_held = batched.stats()["requests"]["active"]
+        results = [f.result() for f in rows]
+    assert first["status"] == "held"
+    assert active_when_held == 0
+    assert [r["usage"]["completion_tokens"] for r in results] == [300] * 3
+
+
+def test_kv_budget_refuses_what_can_never_fit_and_queues_what_does_not_fit_now(tiny_model: Path) -> None:
+    with running_engine(tiny_model, "tiny", "--batch", "4", "--kv-budget-tokens", "600") as engine:
+        too_big = complete(engine, "hello", max_tokens=700)
+        assert too_big["status"] == 400
+        assert too_big["error"]["code"] == "kv_budget_exceeded" and too_big["error"]["param"] == "max_tokens"
+        body = {"messages": [{"role": "user", "content": "hello"}], "logit_bias": NO_EOS}  # no max_tokens
+        unbounded = engine.client.post("/v1/chat/completions", json=body)
+        assert unbounded.status_code == 200
+        assert unbounded.json()["usage"]["total_tokens"] == 600  # it ran to the end of the budget
+        seen: list[dict[str, Any]] = []
+        with cf.ThreadPoolExecutor(3) as pool:
+            rows = [pool.submit(complete, engine, p, max_tokens=250, logit_bias=NO_EOS) for p in ["a", "b", "c"]]
+            while not all(f.done() for f in rows):
+                seen.append(lanes(engine))
+                time.sleep(0.005)
+            results = [f.result() for f in rows]
+    assert [r["usage"]["completion_tokens"] for r in results] == [250] * 3
+    assert max(s["kv_booked_tokens"] for s in seen) <= 600
+    assert max(s["serial"] + s["batch"] for s in seen) <= 2  # a third ~252-token row would pass 600
