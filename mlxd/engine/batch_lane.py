@@ -74,13 +74,20 @@ class BatchLane:
     def step(self) -> list[Sequence]:
         """Drop cancelled rows, decode one token for each generating row, prefill one chunk."""
         ended = self._drop_cancelled()
-        if not self._rows:
-            return ended
-        try:
-            _, responses = self._gen.next()
-        except Exception as exc:
-            log.error("batched step failed:\n%s", traceback.format_exc())
-            return ended + self.fail_all(f"generation failed: {type(exc).__name__}: {exc}", "generation_failed")
+        if self._rows:
+            try:
+                self._decode(ended)
+            except Exception as exc:
+                log.error("batched step failed:\n%s", traceback.format_exc())
+                ended += self.fail_all(f"generation failed: {type(exc).__name__}: {exc}", "generation_failed")
+        for seq in ended:
+            if seq.finish_reason != "failed":
+                seq.finish(self._stats)
+        return ended
+
+    def _decode(self, ended: list[Sequence]) -> None:
+        """One generator step; the rows it ends go to `ended` (not yet answered) as they leave."""
+        _, responses = self._gen.next()
         leaving: list[int] = []
         kept: tuple[list[Any], list[int]] | None = None  # the KV of the last row to end, for the prompt cache
         for r in responses:
@@ -106,10 +113,6 @@ class BatchLane:
             ended += [self._rows.pop(uid) for uid in leaving]
         if kept is not None:
             self._prompt_cache.store(*kept)
-        for seq in ended:
-            if seq.finish_reason != "failed":
-                seq.finish(self._stats)
-        return ended
 
     def _drop_cancelled(self) -> list[Sequence]:
         gone = [uid for uid, seq in self._rows.items() if seq.is_cancelled]
@@ -119,7 +122,6 @@ class BatchLane:
         ended = [self._rows.pop(uid) for uid in gone]
         for seq in ended:
             seq.cancel()
-            seq.finish(self._stats)
         return ended
 
     def _remove(self, uids: list[int], keep_kv_of: int | None = None) -> tuple[list[Any], list[int]] | None:

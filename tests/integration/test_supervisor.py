@@ -304,7 +304,7 @@ def test_a_low_open_file_limit_is_raised_at_start(tiny_model: Path, tmp_path: Pa
 
 
 def test_stream_queued_inside_the_engine_gets_comments_through_the_relay(tiny_model: Path, tmp_path: Path) -> None:
-    config = f'[server]\nstream_keepalive_s = 0.2\n\n[models.tiny]\npath = "{tiny_model}"\n'
+    config = f'[server]\nstream_keepalive_s = 0.2\n\n[models.tiny]\npath = "{tiny_model}"\nbatch = 1\n'  # one at a time: the second waits
     proc = SupervisorProcess(config, tmp_path).wait_up()
     try:
         assert proc.client.post("/admin/load", json={"model": "tiny"}).status_code == 200
