@@ -22,6 +22,7 @@ the raw worker get the environment mlxd's engines get (OpenBLAS preloaded on Lin
 parts run one after another (raw, mlx_lm.server, mlxd), each alone on the machine.
 
   python benchmarks/batching.py --widths 1,4 --rounds 1 --max-tokens 32    # CPU, SmolLM2
+  python benchmarks/random_llama.py 1b-bf16 /tmp/models/llama-1b-bf16 --tokenizer SMOLLM2_DIR
   python benchmarks/batching.py --model /tmp/models/llama-1b-bf16 --widths 1,4,8,16,32 \\
       --rounds 3 --json /tmp/batching.json                                  # GPU
 """
