@@ -71,6 +71,16 @@ class BatchLane:
         self._rows[uid] = seq
         return seq
 
+    def adopt(self, seq: Sequence, kv: list[Any]) -> None:
+        """Continue a sequence the serial lane handed over: its KV holds all but its last token."""
+        history = seq.history
+        sampler, processors = make_sampling(seq.job.sampling, [])  # unseeded: a shared sampler
+        (uid,) = self._gen.insert(
+            [history[-1:]], max_tokens=[seq.job.max_tokens - len(seq.generated)], caches=[kv],
+            all_tokens=[history[:-1]], samplers=[sampler], logits_processors=[processors],
+        )
+        self._rows[uid] = seq
+
     def step(self) -> list[Sequence]:
         """Drop cancelled rows, decode one token for each generating row, prefill one chunk."""
         ended = self._drop_cancelled()

@@ -189,6 +189,7 @@ class Gateway:
                     return
                 self._waiting.append(command)
             self._admit()
+            self._merge_lanes()
             ended: list[Sequence] = []
             if self._serial is not None and self._serial.has_work:
                 ended += self._serial.step()
@@ -239,6 +240,27 @@ class Gateway:
                 self.kv.release(need)
                 self._stats.num_failed += 1
                 job.ticket.emit(Failed(f"generation failed: {type(exc).__name__}: {exc}"))
+
+    def _merge_lanes(self) -> None:
+        """While rows decode in the batch, the serial lane's sequence joins them: one forward
+        pass a step for all, instead of the serial lane's and the batch's one after the other."""
+        if self._batch is None or self._serial is None or not (self._serial.has_work and self._batch.has_work):
+            return
+        moved = None
+        try:
+            moved = self._serial.hand_over()
+            if moved is not None:
+                self._batch.adopt(*moved)
+        except Exception as exc:
+            log.error("moving a request into the batch failed:\n%s", traceback.format_exc())
+            message = f"generation failed: {type(exc).__name__}: {exc}"
+            if moved is None:
+                failed = self._serial.fail_all(message, "generation_failed")
+            else:
+                moved[0].fail(self._stats, message)
+                failed = [moved[0]]
+            for seq in failed:
+                self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
         assert self.kv is not None

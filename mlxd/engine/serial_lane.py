@@ -9,6 +9,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import trim_prompt_cache
 
 from mlxd.engine.job import Job
 from mlxd.engine.loaded_model import LoadedModel
@@ -91,6 +92,23 @@ class SerialLane:
         self._close()
         seq.finish(self._stats)
         return [seq]
+
+    def hand_over(self) -> tuple[Sequence, list[Any]] | None:
+        """Give up the running sequence and its KV to the batch lane, if it can move.
+
+        generate_step has fed the last token it yielded and is computing the next; that step
+        is dropped (the KV trimmed to before the last token), and the batch lane feeds the last
+        token again. A seeded sequence stays: its draws must not depend on when others came.
+        """
+        seq, kv = self._seq, self._kv
+        if seq is None or not seq.generated or seq.job.sampling.seed is not None or seq.is_finished:
+            return None
+        offset = getattr(kv[0], "offset", None) if kv else None
+        if offset != len(seq.job.prompt) + len(seq.generated):
+            return None  # not the state we know how to move: keep it here
+        self._close()
+        trim_prompt_cache(kv, 1)
+        return seq, kv
 
     def fail_all(self, message: str, code: str) -> list[Sequence]:
         """End the running sequence with an error (the lane's state is unknown)."""

@@ -91,19 +91,35 @@ def lanes(engine: EngineProcess) -> dict[str, Any]:
     return dict(engine.stats()["lanes"])
 
 
-def test_a_lone_request_runs_in_the_serial_lane_and_others_join_the_batch_beside_it(batched: EngineProcess) -> None:
+def test_a_lone_request_runs_in_the_serial_lane_and_moves_into_the_batch_when_others_come(batched: EngineProcess) -> None:
     long = {"prompt": "The long one", "max_tokens": 1500, "logit_bias": NO_EOS}
+    alone = text_of(complete(batched, **long))
     seen: list[dict[str, Any]] = []
     with cf.ThreadPoolExecutor(4) as pool:
         first = pool.submit(complete, batched, **long)
         assert wait_for(lambda: lanes(batched)["serial"] == 1, 10)
         others = [pool.submit(complete, batched, p) for p in PROMPTS[:3]]
+        assert wait_for(lambda: seen.append(lanes(batched)) or seen[-1]["batch"] == 4, 10), seen[-5:]
+        results = [first.result(), *(f.result() for f in others)]
+    assert seen[-1]["serial"] == 0  # the lone one joined the batch: one forward pass a step for all
+    assert [r["status"] for r in results] == [200] * 4
+    assert text_of(results[0]) == alone  # greedy: moving lanes changed no token
+    assert [text_of(r) for r in results[1:]] == [text_of(complete(batched, p)) for p in PROMPTS[:3]]
+
+
+def test_a_seeded_request_stays_in_the_serial_lane_beside_the_batch(batched: EngineProcess) -> None:
+    seeded = {"prompt": "Seeded", "max_tokens": 1500, "temperature": 1.0, "seed": 11, "logit_bias": NO_EOS}
+    alone = text_of(complete(batched, **seeded))
+    seen: list[dict[str, Any]] = []
+    with cf.ThreadPoolExecutor(4) as pool:
+        first = pool.submit(complete, batched, **seeded)
+        assert wait_for(lambda: lanes(batched)["serial"] == 1, 10)
+        others = [pool.submit(complete, batched, p) for p in PROMPTS[:3]]
         assert wait_for(lambda: seen.append(lanes(batched)) or seen[-1]["batch"] >= 1, 10), seen[-5:]
         results = [first.result(), *(f.result() for f in others)]
-    assert seen[-1]["serial"] == 1  # both lanes ran at once
+    assert seen[-1]["serial"] == 1  # both lanes ran at once: its draws must not depend on the others
     assert [r["status"] for r in results] == [200] * 4
-    assert [text_of(r) for r in results[1:]] == [text_of(complete(batched, p)) for p in PROMPTS[:3]]
-    assert results[0]["usage"]["completion_tokens"] == 1500
+    assert text_of(results[0]) == alone
 
 
 def test_rows_beyond_the_width_wait_in_the_engine_queue_and_all_complete(tiny_model: Path) -> None:
@@ -218,7 +234,8 @@ def test_an_error_in_the_batched_step_fails_its_rows_and_the_engine_serves_on(fa
     failed_before = faulty.stats()["requests"]["failed"]
     body = {"max_tokens": 300, "logit_bias": NO_EOS}
     with cf.ThreadPoolExecutor(4) as pool:
-        serial = pool.submit(complete, faulty, "the serial one", max_tokens=2000, logit_bias=NO_EOS)
+        # Seeded, so it stays in the serial lane rather than joining the batch that fails.
+        serial = pool.submit(complete, faulty, "the serial one", max_tokens=2000, seed=1, logit_bias=NO_EOS)
         assert wait_for(lambda: lanes(faulty)["serial"] == 1, 10)
         batch = [pool.submit(complete, faulty, p, **body) for p in ["BATCHFAIL a", "b", "c"]]
         batch_results = [f.result() for f in batch]
