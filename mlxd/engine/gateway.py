@@ -30,7 +30,7 @@ from mlxd.engine.sequence import Sequence
 from mlxd.engine.serial_lane import SerialLane
 from mlxd.engine.stats import Stats
 from mlxd.engine.ticket import Ticket
-from mlxd.engine.warmup import warm_up
+from mlxd.engine.warmup import wanted, warm_up
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.events import Done, Failed
 from mlxd.protocol.memory import kv_budget_tokens
@@ -56,7 +56,7 @@ class GatewayOptions:
     batch: int = 1  # sequences at once; 1 keeps to the serial lane
     max_context: int | None = None
     kv_budget_tokens: int | None = None  # None: protocol.memory's default for the window and batch
-    warmup: bool = False  # run the common batch shapes at load (warmup.py)
+    warmup: str = "auto"  # run every batch width at load: on, off, auto (CUDA only); warmup.py
 
 
 class Gateway:
@@ -175,8 +175,8 @@ class Gateway:
         cache = PromptCache(loaded.model)
         self._serial = SerialLane(loaded, self._stats, opts.prefill_step, cache)
         self._batch = BatchLane(loaded, self._stats, opts.prefill_step, opts.batch, cache) if opts.batch > 1 else None
-        if opts.warmup:
-            log.info("warm-up: %.0f ms", warm_up(loaded, opts.batch, opts.prefill_step) * 1000)
+        if wanted(opts.warmup):
+            log.info("warm-up (widths 1-%d): %.0f ms", opts.batch, warm_up(loaded, opts.batch, opts.prefill_step) * 1000)
         self.loaded = loaded
         log.info("batch width %d, KV budget %d tokens", opts.batch, budget)
         self.on_ready()

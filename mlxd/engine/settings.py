@@ -19,7 +19,7 @@ class EngineSettings:
     batch: int = 1
     prefill_step: int = 512
     kv_budget_tokens: int | None = None
-    warmup: bool = False
+    warmup: str = "auto"
     max_body: int = DEFAULT_MAX_BODY
     parent_pid: int | None = None
 
@@ -37,7 +37,10 @@ def parse_args(argv: list[str]) -> EngineSettings:
         "--kv-budget-tokens", type=int, default=None,
         help="KV cache tokens the running sequences may book in all (default: from the context window and --batch)",
     )
-    p.add_argument("--warmup", action="store_true", help="run the common batch shapes at load (compiles kernels)")
+    p.add_argument(
+        "--warmup", choices=("auto", "on", "off"), default="auto",
+        help="run every batch width once at load, compiling its kernels (auto: on CUDA only)",
+    )
     p.add_argument("--max-body", type=int, default=DEFAULT_MAX_BODY, help="max request body bytes")
     default_parent = os.environ.get("MLXD_PARENT_PID")
     p.add_argument(

@@ -292,3 +292,10 @@ def test_kv_budget_refuses_what_can_never_fit_and_queues_what_does_not_fit_now(t
     assert [r["usage"]["completion_tokens"] for r in results] == [250] * 3
     assert max(s["kv_booked_tokens"] for s in seen) <= 600
     assert max(s["serial"] + s["batch"] for s in seen) <= 2  # a third ~252-token row would pass 600
+
+
+def test_warmup_runs_every_width_before_ready_and_the_engine_serves(tiny_model: Path) -> None:
+    with running_engine(tiny_model, "tiny", "--batch", "4", "--warmup", "on") as engine:
+        assert "warm-up (widths 1-4):" in engine.log()
+        assert complete(engine, "hello")["status"] == 200
+        assert engine.stats()["requests"]["total"] == 1  # the warm-up's own runs are not requests
