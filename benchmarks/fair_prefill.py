@@ -19,10 +19,12 @@ another chunk size (e.g. the whole prompt at once) for contrast.
 from __future__ import annotations
 
 import argparse
+import http.client
 import itertools
 import json
 import os
 import random
+import socket
 import statistics
 import subprocess
 import sys
@@ -31,8 +33,6 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
-
-import httpx2 as httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -55,30 +55,48 @@ def start_engine(model: Path, batch: int, prefill_step: int) -> tuple[subprocess
         if proc.poll() is not None:
             raise RuntimeError(f"engine exited {proc.returncode}: {log.read_text()[-2000:]}")
         try:
-            with client(sock) as c:
-                if c.get("/health").json().get("status") == "ready":
-                    return proc, sock, log
-        except (httpx.TransportError, ValueError):
+            if json.loads(request(sock, "GET", "/health").read()).get("status") == "ready":
+                return proc, sock, log
+        except (OSError, ValueError, http.client.HTTPException):
             pass
         time.sleep(0.1)
     proc.kill()
     raise TimeoutError("engine not ready")
 
 
-def client(sock: Path) -> httpx.Client:
-    return httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://engine", timeout=3600)
+class UnixConnection(http.client.HTTPConnection):
+    """HTTP over the engine's Unix socket (the standard library only: it runs on bare GPU hosts)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__("engine", timeout=3600)
+        self._path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(str(self._path))
+
+
+def request(sock: Path, method: str, path: str, body: dict[str, Any] | None = None) -> http.client.HTTPResponse:
+    conn = UnixConnection(sock)
+    payload = json.dumps(body).encode() if body is not None else None
+    conn.request(method, path, body=payload, headers={"Content-Type": "application/json"})
+    return conn.getresponse()
 
 
 def stream(sock: Path, body: dict[str, Any], times: list[float], stop: threading.Event | None = None) -> None:
     """Stream a completion, noting when each text chunk arrives; leave early once `stop` is set."""
-    with client(sock) as c, c.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"{resp.status_code}: {resp.read()[:300]!r}")
-        for line in resp.iter_lines():
+    resp = request(sock, "POST", "/v1/completions", {**body, "stream": True})
+    try:
+        if resp.status != 200:
+            raise RuntimeError(f"{resp.status}: {resp.read()[:300]!r}")
+        for raw in resp:
+            line = raw.decode().strip()
             if line.startswith("data: {") and '"text":""' not in line.replace(" ", ""):
                 times.append(time.perf_counter())
             if stop is not None and stop.is_set():
                 return
+    finally:
+        resp.close()
 
 
 def gaps_between(times: list[list[float]], start: float, end: float) -> list[float]:
@@ -105,8 +123,7 @@ def run(model: Path, args: argparse.Namespace, prefill_step: int) -> dict[str, A
         vocab = int(json.loads((model / "config.json").read_text()).get("vocab_size", 20000))
         long_prompt = [rng.randrange(100, min(vocab, 20000)) for _ in range(args.long_tokens)]
         # Warm-up: the long prompt's shapes and a decode step (kernels compile on first use on GPU).
-        with client(sock) as c:
-            c.post("/v1/completions", json={"prompt": long_prompt[: args.long_tokens // 2], "max_tokens": 2})
+        request(sock, "POST", "/v1/completions", {"prompt": long_prompt[: args.long_tokens // 2], "max_tokens": 2}).read()
         stop = threading.Event()
         times: list[list[float]] = [[] for _ in range(args.streams)]
         body = {"prompt": "Tell me a long story.", "max_tokens": args.max_tokens, "temperature": 0, "logit_bias": bias}
