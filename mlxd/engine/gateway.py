@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mlxd.engine.batch_lane import BatchLane
+from mlxd.engine.flat_rows import FLATTEN_MIN_ROWS, flatten_quantized_rows, wins_here
 from mlxd.engine.job import Job
 from mlxd.engine.loaded_model import LoadedModel, wire_model_memory
 from mlxd.engine.prompt_cache import PromptCache
@@ -170,6 +171,8 @@ class Gateway:
         opts = self._options
         budget = opts.kv_budget_tokens or kv_budget_tokens(loaded.native_context, opts.batch, opts.max_context)
         self.kv = KvLedger(budget)
+        if opts.batch >= FLATTEN_MIN_ROWS and wins_here() and (n := flatten_quantized_rows(loaded.model)):
+            log.info("%d quantized layers run batched decode rows flattened (from %d rows)", n, FLATTEN_MIN_ROWS)
         # Unseeded sampling draws from MLX's global generator: fresh entropy for each engine.
         mx.random.seed(int.from_bytes(os.urandom(8), "little"))
         cache = PromptCache(loaded.model)
