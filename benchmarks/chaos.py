@@ -381,7 +381,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from proxy_overhead import Supervisor, private_dir
 
-    from mlxd.engine.random_model import build_random_llama
+    from mlxd.engine.models.random_model import build_random_llama
 
     opts = ChaosOptions(args.kills, args.streams, args.spare_every, args.dwell, args.max_tokens)
     os.environ["MLXD_SPARE_ENGINE"] = "1"

@@ -163,7 +163,7 @@ class Engine:
 
 def prepare_model(args: argparse.Namespace, work: Path) -> tuple[Path, str]:
     if args.random_llama:
-        from mlxd.engine.random_model import build_random_llama
+        from mlxd.engine.models.random_model import build_random_llama
 
         hidden, layers = (int(x) for x in args.random_llama.split("x"))
         path = build_random_llama(
@@ -174,7 +174,7 @@ def prepare_model(args: argparse.Namespace, work: Path) -> tuple[Path, str]:
         return path, f"random-llama-{args.random_llama}"
     if args.model:
         return Path(args.model), Path(args.model).name
-    from mlxd.engine.importer import import_default
+    from mlxd.engine.models.importer import import_default
     from mlxd.paths import models_dir
 
     return import_default(models_dir()), "SmolLM2-135M-Instruct"

@@ -65,7 +65,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="mlxd-fuzz-") as work:
         model = args.model
         if model is None:
-            from mlxd.engine.random_model import build_random_llama
+            from mlxd.engine.models.random_model import build_random_llama
 
             model = build_random_llama(Path(work) / "tiny", context=4096)
         sup = SupervisorProcess(fuzz_config(model), Path(work) / "data").wait_up()

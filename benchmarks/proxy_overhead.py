@@ -254,7 +254,7 @@ async def measure_concurrent(sides: Sides, runs: int, streams: int, max_tokens: 
 
 def build_models(args: argparse.Namespace, work: Path) -> tuple[Path, Path, str]:
     """The benchmarked model (random llama 256x2 unless --model) and a second, tiny random llama."""
-    from mlxd.engine.random_model import build_random_llama
+    from mlxd.engine.models.random_model import build_random_llama
 
     second = build_random_llama(work / "tiny", seed=1)
     if args.model:

@@ -130,7 +130,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
-    from mlxd.engine.random_model import build_random_llama
+    from mlxd.engine.models.random_model import build_random_llama
 
     work = Path(tempfile.mkdtemp(prefix="mlxd-slowloris-"))
     model = build_random_llama(work / "tiny", context=512)

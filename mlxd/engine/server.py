@@ -14,12 +14,12 @@ from pathlib import Path
 from aiohttp import web
 
 from mlxd.engine import blas
-from mlxd.engine.app import make_app
-from mlxd.engine.gateway import Gateway, GatewayOptions
-from mlxd.engine.loaded_model import LoadedModel
+from mlxd.engine.gpu.gateway import Gateway, GatewayOptions
+from mlxd.engine.gpu.stats import Stats
+from mlxd.engine.http.app import make_app
+from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.engine.parent_watch import set_death_signal, watch_parent
 from mlxd.engine.settings import EngineSettings
-from mlxd.engine.stats import Stats
 from mlxd.paths import check_private_dir
 from mlxd.protocol.exit_codes import ExitCode
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlxd.engine import batch_lane, gateway, sequence
 from mlxd.engine.__main__ import main
+from mlxd.engine.gpu import batch_lane, gateway, sequence
 
 real_submit = gateway.Gateway.submit
 real_add = sequence.Sequence.add

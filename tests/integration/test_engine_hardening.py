@@ -14,7 +14,7 @@ import httpx2 as httpx
 import psutil
 import pytest
 
-from mlxd.engine.sse import KEEPALIVE_ENV, keepalive_interval
+from mlxd.engine.http.sse import KEEPALIVE_ENV, keepalive_interval
 from tests.support import NO_EOS, EngineProcess, engine_env, openai_client, wait_for
 
 MSG = [{"role": "user", "content": "Hello there"}]

@@ -20,9 +20,9 @@ from click.testing import CliRunner
 from mlx_lm.sample_utils import make_sampler
 
 from mlxd.cli.import_cmds import import_default, import_gguf
-from mlxd.engine import importer
-from mlxd.engine.gguf import GGUFFile
-from mlxd.engine.importer import GGUFImportError, default_gguf_path
+from mlxd.engine.models import importer
+from mlxd.engine.models.gguf import GGUFFile
+from mlxd.engine.models.importer import GGUFImportError, default_gguf_path
 from tests.unit.test_gguf import F32, Q4_0, Q6_K, Q8_0, byte_level_vocab, llama_metadata, write_gguf
 
 # Ids from llama.cpp's own tokenizer on the same file (llama-cpp-python,

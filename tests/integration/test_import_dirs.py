@@ -5,7 +5,7 @@ from __future__ import annotations
 import stat
 from pathlib import Path
 
-from mlxd.engine import importer
+from mlxd.engine.models import importer
 from tests.integration.test_import import _tiny_src
 
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxd.engine.flat_rows import FLATTEN_MIN_ROWS, RowFlatQuantizedLinear, flatten_quantized_rows
+from mlxd.engine.gpu.flat_rows import (
+    FLATTEN_MIN_ROWS,
+    RowFlatQuantizedLinear,
+    flatten_quantized_rows,
+)
 
 
 def quantized_model() -> nn.Module:

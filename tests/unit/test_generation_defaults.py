@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mlxd.engine.loaded_model import generation_defaults
+from mlxd.engine.models.loaded_model import generation_defaults
 
 
 def defaults(tmp_path: Path, text: str) -> dict[str, float]:

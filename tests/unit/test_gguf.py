@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from mlxd.engine.gguf import GGUFError, GGUFFile
-from mlxd.engine.gguf_tokenizer import Vocab, build_tokenizer, special_tokens, tokenizer_json
+from mlxd.engine.models.gguf import GGUFError, GGUFFile
+from mlxd.engine.models.gguf_tokenizer import Vocab, build_tokenizer, special_tokens, tokenizer_json
 
 # ggml type id -> (bytes per block, elements per block), for sizing tensor data.
 _BLOCKS = {0: (4, 1), 1: (2, 1), 2: (18, 32), 3: (20, 32), 8: (34, 32), 14: (210, 256)}
@@ -253,7 +253,7 @@ def test_leftover_parse_errors_become_gguf_errors(
     def explode(*_args: Any) -> Any:
         raise struct.error("total struct size too long")
 
-    monkeypatch.setattr("mlxd.engine.gguf._Cursor.unpack", explode)
+    monkeypatch.setattr("mlxd.engine.models.gguf._Cursor.unpack", explode)
     with pytest.raises(GGUFError, match=r"m\.gguf: malformed GGUF header \(error: total struct"):
         GGUFFile(path)
 

@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import load
 
-from mlxd.engine.prompt_cache import PromptCache, common_prefix_len
+from mlxd.engine.cache.prompt_cache import PromptCache, common_prefix_len
 
 
 def test_common_prefix_len() -> None:

@@ -1,11 +1,11 @@
-"""Sampler construction (mlxd/engine/sampling.py): shared objects for the batch lane, keys for seeds."""
+"""Sampler construction (mlxd/engine/gpu/sampling.py): shared objects for the batch lane, keys for seeds."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from mlxd.engine.job import SamplingParams
-from mlxd.engine.sampling import make_sampling
+from mlxd.engine.gpu.job import SamplingParams
+from mlxd.engine.gpu.sampling import make_sampling
 
 
 def test_requests_with_equal_parameters_share_one_sampler_so_the_batch_samples_them_in_one_call() -> None:

@@ -1,11 +1,11 @@
-"""The lane choice and KV admission (mlxd/engine/scheduling.py), and the default reply budget."""
+"""The lane choice and KV admission (mlxd/engine/gpu/scheduling.py), and the default reply budget."""
 
 from __future__ import annotations
 
 import pytest
 
-from mlxd.engine.openai_routes import resolve_max_tokens
-from mlxd.engine.scheduling import KvLedger, LaneState, choose_lane, kv_tokens
+from mlxd.engine.gpu.scheduling import KvLedger, LaneState, choose_lane, kv_tokens
+from mlxd.engine.http.openai_routes import resolve_max_tokens
 
 
 def state(width: int = 8, serial: bool = False, rows: int = 0, free: int = 10_000) -> LaneState:

@@ -12,12 +12,12 @@ import msgspec
 import psutil
 from aiohttp import web
 
-from mlxd.engine import openai_routes as routes
-from mlxd.engine.admission import Admission, DrainRequest, LeaseRequest
-from mlxd.engine.gateway import Gateway
-from mlxd.engine.keys import ADMISSION, GATEWAY, SETTINGS, STATS
+from mlxd.engine.gpu.gateway import Gateway
+from mlxd.engine.gpu.stats import Stats
+from mlxd.engine.http import openai_routes as routes
+from mlxd.engine.http.admission import Admission, DrainRequest, LeaseRequest
+from mlxd.engine.http.keys import ADMISSION, GATEWAY, SETTINGS, STATS
 from mlxd.engine.settings import EngineSettings
-from mlxd.engine.stats import Stats
 from mlxd.protocol import openai as oa
 from mlxd.protocol.http_errors import make_error_middleware
 

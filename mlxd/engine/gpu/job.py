@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from mlxd.engine.ticket import Ticket
+from mlxd.engine.gpu.ticket import Ticket
 
 
 @dataclass(frozen=True, slots=True)

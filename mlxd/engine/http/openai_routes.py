@@ -13,12 +13,12 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
-from mlxd.engine.admission import Slot
-from mlxd.engine.job import Job, SamplingParams
-from mlxd.engine.keys import ADMISSION, GATEWAY
-from mlxd.engine.loaded_model import LoadedModel
-from mlxd.engine.sse import SSEWriter, keepalive_interval
-from mlxd.engine.ticket import Ticket
+from mlxd.engine.gpu.job import Job, SamplingParams
+from mlxd.engine.gpu.ticket import Ticket
+from mlxd.engine.http.admission import Slot
+from mlxd.engine.http.keys import ADMISSION, GATEWAY
+from mlxd.engine.http.sse import SSEWriter, keepalive_interval
+from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.protocol import openai as oa
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.events import Done, Failed, Token

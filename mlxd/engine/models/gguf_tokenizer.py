@@ -9,7 +9,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from mlxd.engine.gguf import GGUFError, GGUFFile
+from mlxd.engine.models.gguf import GGUFError, GGUFFile
 
 # llama.cpp token types (llama_token_type).
 TOKEN_NORMAL = 1

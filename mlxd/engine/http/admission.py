@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from mlxd.engine.stats import Stats
+from mlxd.engine.gpu.stats import Stats
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.events import Failed
 from mlxd.protocol.process import LEASE_HEADER, DrainResult

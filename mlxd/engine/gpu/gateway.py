@@ -21,17 +21,17 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlxd.engine.batch_lane import BatchLane
-from mlxd.engine.flat_rows import FLATTEN_MIN_ROWS, flatten_quantized_rows, wins_here
-from mlxd.engine.job import Job
-from mlxd.engine.loaded_model import LoadedModel, wire_model_memory
-from mlxd.engine.prompt_cache import PromptCache
-from mlxd.engine.scheduling import KvLedger, LaneState, choose_lane, kv_tokens
-from mlxd.engine.sequence import Sequence
-from mlxd.engine.serial_lane import SerialLane
-from mlxd.engine.stats import Stats
-from mlxd.engine.ticket import Ticket
-from mlxd.engine.warmup import wanted, warm_up
+from mlxd.engine.cache.prompt_cache import PromptCache
+from mlxd.engine.gpu.batch_lane import BatchLane
+from mlxd.engine.gpu.flat_rows import FLATTEN_MIN_ROWS, flatten_quantized_rows, wins_here
+from mlxd.engine.gpu.job import Job
+from mlxd.engine.gpu.scheduling import KvLedger, LaneState, choose_lane, kv_tokens
+from mlxd.engine.gpu.sequence import Sequence
+from mlxd.engine.gpu.serial_lane import SerialLane
+from mlxd.engine.gpu.stats import Stats
+from mlxd.engine.gpu.ticket import Ticket
+from mlxd.engine.gpu.warmup import wanted, warm_up
+from mlxd.engine.models.loaded_model import LoadedModel, wire_model_memory
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.events import Done, Failed
 from mlxd.protocol.memory import kv_budget_tokens

@@ -12,8 +12,8 @@ import logging
 import time
 from typing import Any
 
-from mlxd.engine.job import Job
-from mlxd.engine.stats import Stats
+from mlxd.engine.gpu.job import Job
+from mlxd.engine.gpu.stats import Stats
 from mlxd.protocol.events import Done, Failed, Token
 from mlxd.protocol.stops import StopMatcher
 

@@ -15,7 +15,7 @@ import time
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, generate_step
 
-from mlxd.engine.loaded_model import LoadedModel
+from mlxd.engine.models.loaded_model import LoadedModel
 
 PROMPT_TOKENS = 64
 NEW_TOKENS = 4

@@ -11,12 +11,12 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import trim_prompt_cache
 
-from mlxd.engine.job import Job
-from mlxd.engine.loaded_model import LoadedModel
-from mlxd.engine.prompt_cache import PromptCache
-from mlxd.engine.sampling import make_sampling
-from mlxd.engine.sequence import Sequence
-from mlxd.engine.stats import Stats
+from mlxd.engine.cache.prompt_cache import PromptCache
+from mlxd.engine.gpu.job import Job
+from mlxd.engine.gpu.sampling import make_sampling
+from mlxd.engine.gpu.sequence import Sequence
+from mlxd.engine.gpu.stats import Stats
+from mlxd.engine.models.loaded_model import LoadedModel
 
 log = logging.getLogger("mlxd.engine")
 

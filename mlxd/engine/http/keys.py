@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from mlxd.engine.admission import Admission
-from mlxd.engine.gateway import Gateway
+from mlxd.engine.gpu.gateway import Gateway
+from mlxd.engine.gpu.stats import Stats
+from mlxd.engine.http.admission import Admission
 from mlxd.engine.settings import EngineSettings
-from mlxd.engine.stats import Stats
 
 ADMISSION = web.AppKey("admission", Admission)
 GATEWAY = web.AppKey("gateway", Gateway)

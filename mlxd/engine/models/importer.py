@@ -22,8 +22,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlxd.engine.gguf import GGUFError, GGUFFile, TensorInfo
-from mlxd.engine.gguf_tokenizer import eos_token_ids, write_tokenizer_files
+from mlxd.engine.models.gguf import GGUFError, GGUFFile, TensorInfo
+from mlxd.engine.models.gguf_tokenizer import eos_token_ids, write_tokenizer_files
 from mlxd.paths import DEFAULT_MODEL_ID, make_private_dirs
 
 Progress = Callable[[str], None]

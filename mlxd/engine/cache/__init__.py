@@ -1,0 +1,1 @@
+"""Prompt KV: RAM prefixes (SSD files to come)."""

@@ -1,0 +1,1 @@
+"""The GPU thread: gateway, lanes, sequence, sampling, tickets."""

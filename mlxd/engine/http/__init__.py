@@ -1,0 +1,1 @@
+"""The engine's HTTP face: app, OpenAI routes, SSE, admission."""

@@ -1,0 +1,1 @@
+"""Loading models, GGUF import, tokenizers, random test models."""
