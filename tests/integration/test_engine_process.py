@@ -74,14 +74,18 @@ def test_engine_serves_normally_after_cancellations(engine: EngineProcess) -> No
     assert resp.json()["usage"]["completion_tokens"] == 5
 
 
-def test_busy_time_grows_by_each_requests_prefill_and_decode(engine: EngineProcess) -> None:
+def test_busy_time_grows_by_the_gpu_threads_work_on_a_request(engine: EngineProcess) -> None:
     before = engine.stats()["busy_s"]
+    started = time.perf_counter()
     resp = engine.client.post("/v1/chat/completions", json={**LONG, "max_tokens": 6})
+    wall = time.perf_counter() - started
     assert resp.status_code == 200
     after = engine.stats()
     timings = after["last"]["timings_ms"]
     assert timings["prefill"] > 0 and timings["decode"] > 0
-    assert after["busy_s"] - before == pytest.approx((timings["prefill"] + timings["decode"]) / 1000, abs=1e-5)
+    busy = after["busy_s"] - before
+    # At least its prefill and decode (timed inside the steps), at most the request's round trip.
+    assert (timings["prefill"] + timings["decode"]) / 1000 <= busy <= wall
 
 
 def test_oversize_body_is_413_json(tiny_model: Path) -> None:

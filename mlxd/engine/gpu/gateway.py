@@ -13,6 +13,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import traceback
 import weakref
 from collections import deque
@@ -191,6 +192,7 @@ class Gateway:
                 if isinstance(command, Stop):
                     return
                 self._waiting.append(command)
+            started = time.perf_counter()
             self._admit()
             self._merge_lanes()
             ended: list[Sequence] = []
@@ -200,6 +202,7 @@ class Gateway:
                 ended += self._batch.step()
             for seq in ended:
                 self._release(seq)
+            self._stats.busy_s += time.perf_counter() - started  # the GPU thread's time at work
 
     def _has_work(self) -> bool:
         return bool(self._waiting) or any(lane is not None and lane.has_work for lane in (self._serial, self._batch))

@@ -101,7 +101,6 @@ class Sequence:
             stats.num_completed += 1
         done = Done(finish, len(self.job.prompt), num, self.cached, *self.clock.split_ms())
         stats.last_timings_ms = {"queue": done.queue_ms, "prefill": done.prefill_ms, "decode": done.decode_ms}
-        stats.busy_s += (done.prefill_ms + done.decode_ms) / 1000
         self.job.ticket.emit(done)
         log.info(
             "%d prompt tokens (%d cached) + %d generated, %s; queue %.1f ms, prefill %.1f ms, decode %.1f tok/s",

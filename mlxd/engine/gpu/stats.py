@@ -19,7 +19,7 @@ class Stats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
-    busy_s: float = 0.0  # prefill + decode time of every finished job: its share of uptime is the engine's load
+    busy_s: float = 0.0  # the GPU thread's time at work (admitting, stepping lanes): its share of uptime is the engine's load
     last_finish_reason: str | None = None
     last_completion_tokens: int = 0
     last_timings_ms: dict[str, float] = field(default_factory=dict)
