@@ -4,7 +4,8 @@ MLX's CUDA backend compiles a kernel the first time each shape is used, and a ba
 step has a new shape for every number of rows: on an H200 a first-seen width stalled every
 row for seconds. This runs a lone sequence (the serial lane's path), then one batch of
 `width` rows whose replies end one step apart, so that the decode step runs at every width
-from `width` down to 1, with a prompt long enough for a prefill chunk. `auto` warms up where
+from `width` down to 1 (a 64-token prompt: prefill shapes of real prompts still compile on
+first use). `auto` warms up where
 kernels are compiled at run time and it pays (CUDA); Metal and CPU start at once.
 """
 
