@@ -19,6 +19,8 @@ import openai
 
 # The tiny random model's EOS (<|im_end|>), biased away so sampled requests always reach max_tokens.
 NO_EOS = {"2": -100}
+# The real engine with faults on cue (tests/integration/faulty_engine.py); run it with MLXD_BLAS=off.
+FAULTY_ENGINE = [sys.executable, str(Path(__file__).parent / "integration" / "faulty_engine.py")]
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:

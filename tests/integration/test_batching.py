@@ -14,9 +14,7 @@ from typing import Any
 import httpx2 as httpx
 import pytest
 
-from tests.support import NO_EOS, EngineProcess, engine_env, running_engine, wait_for
-
-FAULTY = [__import__("sys").executable, str(Path(__file__).with_name("faulty_engine.py"))]
+from tests.support import FAULTY_ENGINE, NO_EOS, EngineProcess, engine_env, running_engine, wait_for
 
 
 def client(engine: EngineProcess) -> httpx.Client:
@@ -215,7 +213,7 @@ def test_stop_strings_end_each_row_where_its_own_stop_appears(batched: EnginePro
 
 @pytest.fixture(scope="module")
 def faulty(tiny_model: Path) -> Iterator[EngineProcess]:
-    proc = EngineProcess(tiny_model, "tiny", "--batch", "4", launcher=FAULTY, env=engine_env(MLXD_BLAS="off"))
+    proc = EngineProcess(tiny_model, "tiny", "--batch", "4", launcher=FAULTY_ENGINE, env=engine_env(MLXD_BLAS="off"))
     try:
         yield proc.wait_ready()
     finally:

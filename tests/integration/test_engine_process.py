@@ -20,6 +20,7 @@ import pytest
 
 from mlxd.protocol.exit_codes import ExitCode
 from tests.support import (
+    FAULTY_ENGINE,
     NO_EOS,
     EngineProcess,
     engine_env,
@@ -29,7 +30,6 @@ from tests.support import (
     wait_for,
 )
 
-FAULTY = [sys.executable, str(Path(__file__).with_name("faulty_engine.py"))]
 LONG = {"messages": [{"role": "user", "content": "Write forever"}], "max_tokens": 3500, "temperature": 0}
 
 
@@ -99,7 +99,7 @@ def test_oversize_body_is_413_json(tiny_model: Path) -> None:
 
 @pytest.fixture(scope="module")
 def faulty(tiny_model: Path) -> Iterator[EngineProcess]:
-    proc = EngineProcess(tiny_model, "tiny", launcher=FAULTY, env=engine_env(MLXD_BLAS="off"))
+    proc = EngineProcess(tiny_model, "tiny", launcher=FAULTY_ENGINE, env=engine_env(MLXD_BLAS="off"))
     try:
         yield proc.wait_ready()
     finally:
