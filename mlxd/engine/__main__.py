@@ -13,7 +13,7 @@ import sys
 
 from setproctitle import setproctitle
 
-from mlxd.engine import blas
+from mlxd.engine import blas, mlx_env
 from mlxd.engine.parent_watch import set_death_signal
 from mlxd.fdlimit import raise_open_file_limit
 from mlxd.protocol.exit_codes import ExitCode
@@ -40,6 +40,7 @@ def main() -> None:
     os.environ.setdefault("MLXD_PARENT_PID", str(os.getppid()))
     set_death_signal()
     blas.reexec_with_openblas(["-m", "mlxd.engine", *sys.argv[1:]])
+    mlx_settings = mlx_env.apply()  # before mlx is imported: MLX reads its settings once
     from mlxd.engine.server import serve  # after the re-exec: this imports mlx
 
     # After mlx-lm's import, which sets the limit to (2048, 4096) (mlx_lm/utils.py): the soft
@@ -59,6 +60,8 @@ def main() -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if mlx_settings:
+        logging.getLogger("mlxd.engine").info("MLX settings: %s", " ".join(f"{k}={v}" for k, v in mlx_settings.items()))
     code = serve(settings)
     logging.shutdown()
     sys.stdout.flush()

@@ -39,7 +39,7 @@ def parse_args(argv: list[str]) -> EngineSettings:
     )
     p.add_argument(
         "--warmup", choices=("auto", "on", "off"), default="auto",
-        help="run every batch width once at load, compiling its kernels (auto: on CUDA only)",
+        help="run warm-up jobs through the lanes at load, compiling their kernels (auto: on CUDA only)",
     )
     p.add_argument("--max-body", type=int, default=DEFAULT_MAX_BODY, help="max request body bytes")
     default_parent = os.environ.get("MLXD_PARENT_PID")

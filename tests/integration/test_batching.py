@@ -292,8 +292,28 @@ def test_kv_budget_refuses_what_can_never_fit_and_queues_what_does_not_fit_now(t
     assert max(s["serial"] + s["batch"] for s in seen) <= 2  # a third ~252-token row would pass 600
 
 
-def test_warmup_runs_every_width_before_ready_and_the_engine_serves(tiny_model: Path) -> None:
+def test_warmup_runs_jobs_through_the_lanes_before_ready_and_leaves_no_trace(tiny_model: Path) -> None:
     with running_engine(tiny_model, "tiny", "--batch", "4", "--warmup", "on") as engine:
-        assert "warm-up (widths 1-4):" in engine.log()
-        assert complete(engine, "hello")["status"] == 200
-        assert engine.stats()["requests"]["total"] == 1  # the warm-up's own runs are not requests
+        # Wave 1 (one job), wave 2 (a lead job, then 3 joining it): the batch ran 4 rows at once.
+        assert "warm-up: 5 jobs, up to 4 rows at once:" in engine.log()
+        answer = complete(engine, "hello")
+        assert answer["status"] == 200
+        stats = engine.stats()
+        assert stats["requests"]["total"] == 1  # the warm-up's own jobs are not requests
+        assert stats["tokens"]["completion"] == answer["usage"]["completion_tokens"]
+
+
+def test_the_step_trace_records_each_turn_with_its_lanes(tiny_model: Path, tmp_path: Path) -> None:
+    trace = tmp_path / "steps.jsonl"
+    engine = EngineProcess(tiny_model, "tiny", "--batch", "4", env=engine_env(MLXD_TRACE_STEPS=str(trace)))
+    try:
+        engine.wait_ready()
+        answers = at_once(engine, [{"prompt": p, "max_tokens": 200, "logit_bias": NO_EOS} for p in ["a", "b", "c"]])
+    finally:
+        engine.stop()
+    assert [a["status"] for a in answers] == [200] * 3
+    turns = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert sum(t["admitted"] for t in turns) == 3
+    assert all(t["ms"] >= 0 for t in turns) and [t["t"] for t in turns] == sorted(t["t"] for t in turns)
+    # Each 200-token reply needs a turn per token; sent together, they overlap in the batch lane.
+    assert len(turns) >= 200 and max(t["batch"] for t in turns) >= 2

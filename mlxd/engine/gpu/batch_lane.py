@@ -58,6 +58,11 @@ class BatchLane:
     def num_rows(self) -> int:
         return len(self._rows)
 
+    @property
+    def num_prefilling(self) -> int:
+        """Rows with no token yet (their prompts are being prefilled)."""
+        return sum(not seq.generated for seq in self._rows.values())
+
     def admit(self, job: Job) -> Sequence:
         """Queue `job`'s prompt for prefill; it decodes with the others once prefilled."""
         kv, cached = self._prompt_cache.fetch(job.prompt)

@@ -31,7 +31,8 @@ from mlxd.engine.gpu.sequence import Sequence
 from mlxd.engine.gpu.serial_lane import SerialLane
 from mlxd.engine.gpu.stats import Stats
 from mlxd.engine.gpu.ticket import Ticket
-from mlxd.engine.gpu.warmup import wanted, warm_up
+from mlxd.engine.gpu.trace import StepTrace
+from mlxd.engine.gpu.warmup import wanted, waves
 from mlxd.engine.models.loaded_model import LoadedModel, wire_model_memory
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.events import Done, Failed
@@ -174,35 +175,77 @@ class Gateway:
         self.kv = KvLedger(budget)
         if opts.batch >= FLATTEN_MIN_ROWS and wins_here() and (n := flatten_quantized_rows(loaded.model)):
             log.info("%d quantized layers run batched decode rows flattened (from %d rows)", n, FLATTEN_MIN_ROWS)
+        if wanted(opts.warmup):
+            seconds, jobs, most = self._warm_up(loaded)
+            log.info("warm-up: %d jobs, up to %d rows at once: %.0f ms", jobs, most, seconds * 1000)
         # Unseeded sampling draws from MLX's global generator: fresh entropy for each engine.
         mx.random.seed(int.from_bytes(os.urandom(8), "little"))
-        cache = PromptCache(loaded.model)
-        self._serial = SerialLane(loaded, self._stats, opts.prefill_step, cache)
-        self._batch = BatchLane(loaded, self._stats, opts.prefill_step, opts.batch, cache) if opts.batch > 1 else None
-        if wanted(opts.warmup):
-            log.info("warm-up (widths 1-%d): %.0f ms", opts.batch, warm_up(loaded, opts.batch, opts.prefill_step) * 1000)
+        self._make_lanes(loaded, self._stats)
         self.loaded = loaded
         log.info("batch width %d, KV budget %d tokens", opts.batch, budget)
         self.on_ready()
         return True
 
+    def _make_lanes(self, loaded: LoadedModel, stats: Stats) -> None:
+        opts = self._options
+        cache = PromptCache(loaded.model)
+        self._serial = SerialLane(loaded, stats, opts.prefill_step, cache)
+        self._batch = BatchLane(loaded, stats, opts.prefill_step, opts.batch, cache) if opts.batch > 1 else None
+
+    def _warm_up(self, loaded: LoadedModel) -> tuple[float, int, int]:
+        """Run warmup.py's jobs through the lanes' own turns: seconds, jobs, most rows at once.
+
+        The lanes are built for it with their own stats and prompt cache, then built again.
+        """
+        started, busy = time.perf_counter(), self._stats.busy_s
+        self._make_lanes(loaded, Stats())
+        jobs, most, level = 0, 0, log.level
+        log.setLevel(logging.WARNING)  # its jobs' own lines would read as requests
+        for wave in waves(loaded.vocab_size, self._options.batch):
+            jobs += len(wave)
+            self._waiting.append(wave[0])
+            self._turn(None)  # the first job of a wave starts alone
+            self._waiting.extend(wave[1:])
+            while self._has_work():
+                self._turn(None)
+                most = max(most, self._rows_running())
+        mx.synchronize()
+        log.setLevel(level)
+        self._stats.busy_s = busy
+        return time.perf_counter() - started, jobs, most
+
+    def _rows_running(self) -> int:
+        return sum(lane.num_rows for lane in (self._serial, self._batch) if lane is not None)
+
     def _serve(self) -> None:
+        trace = StepTrace.from_env()
         while True:
             for command in self._receive(block=not self._has_work()):
                 if isinstance(command, Stop):
                     return
                 self._waiting.append(command)
-            started = time.perf_counter()
-            self._admit()
-            self._merge_lanes()
-            ended: list[Sequence] = []
-            if self._serial is not None and self._serial.has_work:
-                ended += self._serial.step()
-            if self._batch is not None and self._batch.has_work:
-                ended += self._batch.step()
-            for seq in ended:
-                self._release(seq)
-            self._stats.busy_s += time.perf_counter() - started  # the GPU thread's time at work
+            self._turn(trace)
+
+    def _turn(self, trace: StepTrace | None) -> None:
+        """Start what fits, then step each lane once."""
+        started = time.perf_counter()
+        queued = len(self._waiting)
+        self._admit()
+        self._merge_lanes()
+        ended: list[Sequence] = []
+        if self._serial is not None and self._serial.has_work:
+            ended += self._serial.step()
+        if self._batch is not None and self._batch.has_work:
+            ended += self._batch.step()
+        for seq in ended:
+            self._release(seq)
+        ended_at = time.perf_counter()
+        self._stats.busy_s += ended_at - started  # the GPU thread's time at work
+        if trace is not None:
+            trace.turn(started, ended_at, admitted=queued - len(self._waiting), waiting=len(self._waiting),
+                       serial=self._serial.num_rows if self._serial else 0,
+                       batch=self._batch.num_rows if self._batch else 0,
+                       prefilling=self._batch.num_prefilling if self._batch else 0)
 
     def _has_work(self) -> bool:
         return bool(self._waiting) or any(lane is not None and lane.has_work for lane in (self._serial, self._batch))

@@ -1,25 +1,39 @@
-"""`--warmup`: run the shapes the first users will, before the engine reports ready.
+"""`--warmup`: run what the first users will, through the lanes, before the engine reports ready.
 
-MLX's CUDA backend compiles a kernel the first time each shape is used, and a batched decode
-step has a new shape for every number of rows: on an H200 a first-seen width stalled every
-row for seconds. This runs a lone sequence (the serial lane's path), then one batch of
-`width` rows whose replies end one step apart, so that the decode step runs at every width
-from `width` down to 1 (a 64-token prompt: prefill shapes of real prompts still compile on
-first use). `auto` warms up where
-kernels are compiled at run time and it pays (CUDA); Metal and CPU start at once.
+MLX's CUDA backend compiles kernels at run time: each kernel the first time it is used (NVRTC,
+a second or more each), and a CUDA graph for each new shape. A batched decode step has a new
+shape for every number of rows, and the first request with penalties, with a temperature, or
+that finds its prefix in the prompt cache uses kernels no request before it did: on an H200
+each of those stalled every running stream for seconds.
+
+So the warm-up sends real jobs through the gateway's own turns (the same lanes, samplers,
+prompt cache and hand-over as requests): one alone in the serial lane; then one that
+continues its prefix, and `width - 1` more arriving while it runs, which join the batch lane
+with prompts of different lengths (padded prefill), some continuing the cached prefix, with
+greedy, temperature/top-p/top-k/min-p, penalty and logit-bias and seeded sampling, replies
+ending a step apart so that the decode step runs at every width from `width` down to 1. Their
+answers go nowhere. `auto` warms up where kernels are compiled at run time (CUDA); Metal and
+CPU start at once.
 """
 
 from __future__ import annotations
 
-import time
+import asyncio
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, generate_step
 
-from mlxd.engine.models.loaded_model import LoadedModel
+from mlxd.engine.gpu.job import Job, SamplingParams
+from mlxd.engine.gpu.ticket import Ticket
 
-PROMPT_TOKENS = 64
+PREFIX_TOKENS = 64
 NEW_TOKENS = 4
+SAMPLINGS = (
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05),
+    SamplingParams(temperature=0.0, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5,
+                   logit_bias={1: -5.0}),
+    SamplingParams(temperature=0.8, seed=7),
+)
 
 
 def wanted(mode: str) -> bool:
@@ -29,18 +43,31 @@ def wanted(mode: str) -> bool:
     return mode == "on"
 
 
-def warm_up(loaded: LoadedModel, width: int, prefill_step: int) -> float:
-    """Run the common shapes once; the seconds it took (GPU thread)."""
-    started = time.perf_counter()
-    prompt = [i % max(1, loaded.vocab_size - 1) + 1 for i in range(PROMPT_TOKENS)]
-    for _ in generate_step(mx.array(prompt), loaded.model, max_tokens=NEW_TOKENS, prefill_step_size=prefill_step):
-        pass
-    if width > 1:
-        gen = BatchGenerator(loaded.model, completion_batch_size=width, prefill_batch_size=min(width, 8),
-                             prefill_step_size=prefill_step)
-        gen.insert([prompt] * width, max_tokens=[NEW_TOKENS + i for i in range(width)])
-        while gen.next_generated():
-            pass
-        gen.close()
-    mx.synchronize()
-    return time.perf_counter() - started
+def _prompt(vocab_size: int, n: int, salt: int) -> list[int]:
+    top = max(2, vocab_size - 1)
+    return [(i * 7919 + salt * 104729) % (top - 1) + 1 for i in range(n)]
+
+
+def waves(vocab_size: int, width: int) -> list[list[Job]]:
+    """The warm-up's jobs, in waves: each wave is sent when the one before has ended.
+
+    Wave 1: one job alone (the serial lane; its KV goes to the prompt cache). Wave 2: a job
+    that continues wave 1's prompt (a cached prefix in the serial lane), then `width - 1` jobs
+    sent a turn later (the batch lane; the serial job moves in with them).
+    """
+    loop = asyncio.new_event_loop()
+    loop.close()  # tickets of a closed loop drop their events: nobody waits for these answers
+
+    def job(prompt: list[int], max_tokens: int, sampling: SamplingParams) -> Job:
+        return Job(prompt=prompt, max_tokens=max_tokens, sampling=sampling, stops=[], ticket=Ticket(loop))
+
+    prefix = _prompt(vocab_size, PREFIX_TOKENS, 0)
+    first = job(prefix, NEW_TOKENS, SAMPLINGS[0])
+    lead = job(prefix + _prompt(vocab_size, 8, 1), NEW_TOKENS + width, SAMPLINGS[0])
+    rest = []
+    for i in range(1, width):
+        # Half continue the cached prefix, half are new; lengths differ, so prefill is padded.
+        head = prefix if i % 2 else _prompt(vocab_size, PREFIX_TOKENS // 2, 100 + i)
+        prompt = head + _prompt(vocab_size, 4 + i, 200 + i)
+        rest.append(job(prompt, NEW_TOKENS + i, SAMPLINGS[i % len(SAMPLINGS)]))
+    return [[first], [lead, *rest]]

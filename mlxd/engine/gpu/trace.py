@@ -1,0 +1,29 @@
+"""`MLXD_TRACE_STEPS=PATH`: one JSON line per gateway turn, to see where a burst's time goes.
+
+For benchmarks and debugging, off by default. Each line: `t` (ms since the engine began
+serving), `ms` (the turn's length), `admitted` (jobs started this turn), `serial` and `batch`
+(rows in each lane after the turn), `prefilling` (batch rows with no token yet) and `waiting`
+(jobs queued for room).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import IO
+
+
+class StepTrace:
+    def __init__(self, path: str) -> None:
+        self._file: IO[str] = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - lives with the engine
+        self._t0 = time.perf_counter()
+
+    @classmethod
+    def from_env(cls) -> StepTrace | None:
+        path = os.environ.get("MLXD_TRACE_STEPS")
+        return cls(path) if path else None
+
+    def turn(self, started: float, ended: float, **fields: int) -> None:
+        line = {"t": round((started - self._t0) * 1000, 2), "ms": round((ended - started) * 1000, 2), **fields}
+        self._file.write(json.dumps(line) + "\n")

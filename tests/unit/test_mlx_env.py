@@ -1,0 +1,47 @@
+"""The MLX settings the engine starts with (mlxd/engine/mlx_env.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from mlxd.engine import mlx_env
+
+
+def test_cuda_gets_all_three_settings_with_the_kernel_cache_under_the_xdg_cache_dir() -> None:
+    env = {"HOME": "/home/u", "XDG_CACHE_HOME": "/data/cache"}
+    assert mlx_env.defaults(env, cuda=True, version="0.32.4") == {
+        "MLX_CUDA_USE_CUDNN_SDPA": "0",
+        "MLX_PTX_CACHE_DIR": "/data/cache/mlxd/mlx-kernels/0.32.4",
+        "MLX_MAX_OPS_PER_BUFFER": "100",
+    }
+
+
+def test_without_xdg_cache_home_the_kernel_cache_is_under_home() -> None:
+    added = mlx_env.defaults({"HOME": "/home/u"}, cuda=True, version="0.31.0")
+    assert added["MLX_PTX_CACHE_DIR"] == "/home/u/.cache/mlxd/mlx-kernels/0.31.0"
+
+
+def test_metal_and_cpu_get_only_the_attention_setting() -> None:
+    # MLX_MAX_OPS_PER_BUFFER is also read by Metal, where it was not measured: left alone.
+    assert mlx_env.defaults({"HOME": "/home/u"}, cuda=False, version="0.32.4") == {"MLX_CUDA_USE_CUDNN_SDPA": "0"}
+
+
+def test_what_the_user_sets_wins() -> None:
+    env = {"HOME": "/h", "MLX_CUDA_USE_CUDNN_SDPA": "1", "MLX_MAX_OPS_PER_BUFFER": "20"}
+    assert mlx_env.defaults(env, cuda=True, version="1") == {"MLX_PTX_CACHE_DIR": "/h/.cache/mlxd/mlx-kernels/1"}
+
+
+def test_the_engine_process_sees_the_settings_before_mlx_loads(tmp_path: Path) -> None:
+    # apply() runs in a fresh interpreter, as the engine's __main__ does, and leaves set values alone.
+    code = (
+        "import os; from mlxd.engine import mlx_env; added = mlx_env.apply(); "
+        "print(os.environ['MLX_CUDA_USE_CUDNN_SDPA'], os.environ['MLX_MAX_OPS_PER_BUFFER'], sorted(added))"
+    )
+    env = {**os.environ, "MLX_MAX_OPS_PER_BUFFER": "7"}
+    env.pop("MLX_CUDA_USE_CUDNN_SDPA", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split()[:2] == ["0", "7"]
+    assert "MLX_CUDA_USE_CUDNN_SDPA" in out and "MLX_MAX_OPS_PER_BUFFER'" not in out
