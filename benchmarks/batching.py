@@ -39,6 +39,7 @@ import json
 import math
 import re
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -464,6 +465,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, help="add `batch = N` to mlxd's [models.bench] table")
     p.add_argument("--server-args", default="", help="extra mlx_lm.server flags, e.g. '--decode-concurrency 64'")
     p.add_argument("--json", type=Path, help="write every result here")
+    p.add_argument("--logs", type=Path, help="copy the servers' logs (mlxd's serve.log, mlx_lm.server's) into this dir")
     p.add_argument("--raw-worker", help=argparse.SUPPRESS)
     args = p.parse_args()
     args.widths = [int(w) for w in args.widths.split(",")]
@@ -493,8 +495,14 @@ def run(args: argparse.Namespace) -> Row:
             results["raw"] = run_raw(job, env)
         if "server" in args.only:
             results["server"] = run_mlx_lm_server(args, template, bias, env, work)
-        if "mlxd" in args.only:
-            results["mlxd"] = run_mlxd(args, template, bias, work)
+        try:
+            if "mlxd" in args.only:
+                results["mlxd"] = run_mlxd(args, template, bias, work)
+        finally:
+            if args.logs:
+                args.logs.mkdir(parents=True, exist_ok=True)
+                for path in work.glob("*.log"):
+                    shutil.copy(path, args.logs / path.name)
     return {"model": str(args.model), "widths": args.widths, "rounds": args.rounds,
             "max_tokens": args.max_tokens, "prompt_tokens_target": args.prompt_tokens,
             "warmup_tokens": args.warmup_tokens, "ld_preload": env.get("LD_PRELOAD", ""),

@@ -105,7 +105,7 @@ async def run(settings: EngineSettings, sock: socket.socket, parent: int) -> int
     load = lambda: LoadedModel(settings.model, settings.model_id, settings.max_context)  # noqa: E731
     options = GatewayOptions(
         prefill_step=settings.prefill_step, batch=settings.batch, max_context=settings.max_context,
-        kv_budget_tokens=settings.kv_budget_tokens, warmup=settings.warmup,
+        kv_budget_tokens=settings.kv_budget_tokens, warmup=settings.warmup, gather_ms=settings.gather_ms,
     )
     gateway = Gateway(load, stats, options)
     stopped: asyncio.Future[ExitCode] = loop.create_future()

@@ -20,6 +20,7 @@ class EngineSettings:
     prefill_step: int = 512
     kv_budget_tokens: int | None = None
     warmup: str = "auto"
+    gather_ms: float = 5.0
     max_body: int = DEFAULT_MAX_BODY
     parent_pid: int | None = None
 
@@ -41,6 +42,11 @@ def parse_args(argv: list[str]) -> EngineSettings:
         "--warmup", choices=("auto", "on", "off"), default="auto",
         help="run warm-up jobs through the lanes at load, compiling their kernels (auto: on CUDA only)",
     )
+    p.add_argument(
+        "--gather-ms", type=float, default=5.0,
+        help="after requests have come in together, one finding the engine idle waits up to this long for "
+             "the rest of its burst, so they are prefilled as one batch (0: never wait)",
+    )
     p.add_argument("--max-body", type=int, default=DEFAULT_MAX_BODY, help="max request body bytes")
     default_parent = os.environ.get("MLXD_PARENT_PID")
     p.add_argument(
@@ -52,8 +58,10 @@ def parse_args(argv: list[str]) -> EngineSettings:
         value = getattr(a, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= a.gather_ms <= 1000:
+        p.error("--gather-ms must be between 0 and 1000")
     return EngineSettings(
         model=a.model, model_id=a.model_id, socket=a.socket, max_context=a.max_context,
         batch=a.batch, prefill_step=a.prefill_step, kv_budget_tokens=a.kv_budget_tokens, warmup=a.warmup,
-        max_body=a.max_body, parent_pid=a.parent_pid,
+        gather_ms=a.gather_ms, max_body=a.max_body, parent_pid=a.parent_pid,
     )

@@ -317,3 +317,47 @@ def test_the_step_trace_records_each_turn_with_its_lanes(tiny_model: Path, tmp_p
     assert all(t["ms"] >= 0 for t in turns) and [t["t"] for t in turns] == sorted(t["t"] for t in turns)
     # Each 200-token reply needs a turn per token; sent together, they overlap in the batch lane.
     assert len(turns) >= 200 and max(t["batch"] for t in turns) >= 2
+
+
+def staggered(engine: EngineProcess, prompts: list[str], gap_s: float, **body: Any) -> list[dict[str, Any]]:
+    """Send one request per prompt, `gap_s` apart, each on its own thread; their answers."""
+    with cf.ThreadPoolExecutor(len(prompts)) as pool:
+        futures = []
+        for p in prompts:
+            futures.append(pool.submit(complete, engine, p, **body))
+            time.sleep(gap_s)
+        return [f.result() for f in futures]
+
+
+def turns_of(trace: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in trace.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("gather_ms", [500, 0])
+def test_after_a_burst_an_idle_engine_gathers_the_next_one_into_one_batched_prefill(
+    tiny_model: Path, tmp_path: Path, gather_ms: int
+) -> None:
+    trace = tmp_path / "steps.jsonl"
+    engine = EngineProcess(tiny_model, "tiny", "--batch", "4", "--gather-ms", str(gather_ms),
+                           env=engine_env(MLXD_TRACE_STEPS=str(trace)))
+    try:
+        engine.wait_ready()
+        # A lone request on a fresh engine waits for nobody: it starts alone, in the serial lane.
+        assert complete(engine, "alone", max_tokens=5)["status"] == 200
+        first = turns_of(trace)[0]
+        assert (first["received"], first["serial"], first["batch"]) == (1, 1, 0)
+        # Two at once: the engine has now seen a burst.
+        assert [a["status"] for a in at_once(engine, [{"prompt": p, "max_tokens": 100, "logit_bias": NO_EOS}
+                                                       for p in ["x", "y"]])] == [200, 200]
+        wait_for(lambda: engine.stats()["requests"]["active"] == 0, timeout=30)
+        seen = len(turns_of(trace))
+        answers = staggered(engine, ["a", "b", "c"], 0.06, max_tokens=5)
+    finally:
+        engine.stop()
+    assert [a["status"] for a in answers] == [200] * 3
+    burst = next(t for t in turns_of(trace)[seen:] if t["received"])  # the turn that woke for the three
+    if gather_ms:
+        # All three, 60 ms apart, start in one turn, together in the batch lane.
+        assert (burst["received"], burst["admitted"], burst["serial"], burst["batch"]) == (3, 3, 0, 3)
+    else:
+        assert (burst["received"], burst["serial"]) == (1, 1)

@@ -75,3 +75,23 @@ def test_clear_drops_what_is_held(model) -> None:  # type: ignore[no-untyped-def
     pc.store(cache, [1, 2, 3])
     pc.clear()
     assert pc.fetch([1, 2, 3])[1] == 0
+
+
+def test_a_prefix_below_the_wanted_share_is_not_used_and_stays_held(model) -> None:  # type: ignore[no-untyped-def]
+    pc = PromptCache(model)
+    cache, _ = pc.fetch([1, 2, 3, 4])
+    fill(model, cache, [1, 2, 3, 4])
+    pc.store(cache, [1, 2, 3, 4])
+    fresh, cached = pc.fetch([1, 2, 9, 9, 9, 9], min_share=0.5)  # 2 of 6 shared: under half
+    assert cached == 0 and fresh is not cache and fresh[0].offset == 0
+    reused, cached = pc.fetch([1, 2, 3, 9], min_share=0.5)  # 3 of 4: the held cache, still there
+    assert reused is cache and cached == 3
+
+
+def test_a_miss_leaves_the_held_cache_for_a_later_request(model) -> None:  # type: ignore[no-untyped-def]
+    pc = PromptCache(model)
+    cache, _ = pc.fetch([1, 2, 3])
+    fill(model, cache, [1, 2, 3])
+    pc.store(cache, [1, 2, 3])
+    assert pc.fetch([7, 8])[1] == 0
+    assert pc.fetch([1, 2, 5]) == (cache, 2)

@@ -8,12 +8,19 @@ from mlxd.engine.gpu.scheduling import KvLedger, LaneState, choose_lane, kv_toke
 from mlxd.engine.http.openai_routes import resolve_max_tokens
 
 
-def state(width: int = 8, serial: bool = False, rows: int = 0, free: int = 10_000) -> LaneState:
-    return LaneState(width=width, serial_busy=serial, batch_rows=rows, kv_free=free)
+def state(width: int = 8, serial: bool = False, rows: int = 0, free: int = 10_000, behind: int = 0) -> LaneState:
+    return LaneState(width=width, serial_busy=serial, batch_rows=rows, kv_free=free, behind=behind)
 
 
 def test_a_lone_job_on_an_idle_engine_takes_the_serial_lane() -> None:
     assert choose_lane(100, state()) == "serial"
+
+
+def test_jobs_arriving_together_on_an_idle_engine_all_take_the_batch_lane() -> None:
+    # One batched prefill for the burst, rather than the first prefilling alone while the rest wait.
+    assert choose_lane(100, state(behind=3)) == "batch"
+    assert choose_lane(100, state(rows=3, behind=0)) == "batch"  # the burst's last joins the others
+    assert choose_lane(100, state(width=1, behind=3)) == "serial"  # width 1 has no batch lane
 
 
 def test_a_job_arriving_while_the_serial_lane_runs_joins_the_batch() -> None:

@@ -25,16 +25,19 @@ class PromptCache:
         self._cache: list[Any] | None = None
         self._tokens: list[int] = []
 
-    def fetch(self, prompt: list[int]) -> tuple[list[Any], int]:
-        """Take a cache for `prompt` and how many of its tokens it already holds."""
+    def fetch(self, prompt: list[int], min_share: float = 0.0) -> tuple[list[Any], int]:
+        """Take a cache for `prompt` and how many of its tokens it already holds.
+
+        A held prefix covering less than `min_share` of the prompt is not used (and stays held).
+        """
         cache, held = self._cache, self._tokens
-        self._cache, self._tokens = None, []
         if cache is None or not can_trim_prompt_cache(cache):
             return self._fresh(), 0
         # Leave at least one prompt token to run: its logits pick the first new token.
         reuse = min(common_prefix_len(held, prompt), len(prompt) - 1)
-        if reuse <= 0:
+        if reuse <= 0 or reuse < min_share * len(prompt):
             return self._fresh(), 0
+        self._cache, self._tokens = None, []
         trim_prompt_cache(cache, len(held) - reuse)
         return cache, reuse
 

@@ -26,6 +26,11 @@ from mlxd.engine.models.loaded_model import LoadedModel
 log = logging.getLogger("mlxd.engine")
 # Prompts prefilled together in one chunk; more wait for the next chunk.
 MAX_PREFILL_ROWS = 8
+# Rows prefilled together are padded to the longest, so a cached prefix saves a row little
+# and pads every other row by its length: the batch lane uses one only when it covers at least
+# this share of the prompt (a short shared preamble made a burst of 8 prefill ~8% slower on
+# the 2-core CPU; docs/benchmarks.md). The serial lane uses any.
+MIN_CACHED_SHARE = 0.5
 
 
 class BatchLane:
@@ -65,7 +70,7 @@ class BatchLane:
 
     def admit(self, job: Job) -> Sequence:
         """Queue `job`'s prompt for prefill; it decodes with the others once prefilled."""
-        kv, cached = self._prompt_cache.fetch(job.prompt)
+        kv, cached = self._prompt_cache.fetch(job.prompt, min_share=MIN_CACHED_SHARE)
         seq = Sequence(job, self._loaded.tokenizer, self._loaded.eos_token_ids, cached)
         # The generator's processors see each row's whole history (it is given the cached part).
         sampler, processors = make_sampling(job.sampling, [])

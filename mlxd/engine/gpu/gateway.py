@@ -41,6 +41,9 @@ from mlxd.protocol.memory import kv_budget_tokens
 log = logging.getLogger("mlxd.engine")
 STOPPING = Failed("The engine is shutting down.", 503, "engine_stopping")
 GPU_THREAD_DIED = "The engine's GPU thread stopped."
+# After sequences last ran (or waited) two or more at once, for this long a request that finds
+# the engine idle may be the first of a burst: the gateway gathers its companions (--gather-ms).
+BURST_MEMORY_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +62,8 @@ class GatewayOptions:
     batch: int = 1  # sequences at once; 1 keeps to the serial lane
     max_context: int | None = None
     kv_budget_tokens: int | None = None  # None: protocol.memory's default for the window and batch
-    warmup: str = "auto"  # run every batch width at load: on, off, auto (CUDA only); warmup.py
+    warmup: str = "auto"  # run warm-up jobs through the lanes at load: on, off, auto (CUDA only); warmup.py
+    gather_ms: float = 5.0  # in a burst, an idle engine waits this long for the next arrival (0: never)
 
 
 class Gateway:
@@ -82,6 +86,7 @@ class Gateway:
         self._waiting: deque[Job] = deque()
         self._serial: SerialLane | None = None
         self._batch: BatchLane | None = None
+        self._bursts_until = 0.0  # while now is before this, arrivals have lately come together
 
     def start(self) -> None:
         """Start the GPU thread: it loads the model, serves jobs, and calls `on_exit` when it ends."""
@@ -211,7 +216,7 @@ class Gateway:
                 most = max(most, self._rows_running())
         mx.synchronize()
         log.setLevel(level)
-        self._stats.busy_s = busy
+        self._stats.busy_s, self._bursts_until = busy, 0.0
         return time.perf_counter() - started, jobs, most
 
     def _rows_running(self) -> int:
@@ -220,13 +225,17 @@ class Gateway:
     def _serve(self) -> None:
         trace = StepTrace.from_env()
         while True:
-            for command in self._receive(block=not self._has_work()):
+            idle = not self._has_work()
+            received = self._receive(block=idle)
+            if idle and received and self._in_bursts():
+                received += self._gather(len(received))
+            for command in received:
                 if isinstance(command, Stop):
                     return
                 self._waiting.append(command)
-            self._turn(trace)
+            self._turn(trace, len(received))
 
-    def _turn(self, trace: StepTrace | None) -> None:
+    def _turn(self, trace: StepTrace | None, received: int = 0) -> None:
         """Start what fits, then step each lane once."""
         started = time.perf_counter()
         queued = len(self._waiting)
@@ -239,16 +248,41 @@ class Gateway:
             ended += self._batch.step()
         for seq in ended:
             self._release(seq)
+        if self._rows_running() + len(self._waiting) >= 2:
+            self._bursts_until = time.monotonic() + BURST_MEMORY_S
         ended_at = time.perf_counter()
         self._stats.busy_s += ended_at - started  # the GPU thread's time at work
         if trace is not None:
-            trace.turn(started, ended_at, admitted=queued - len(self._waiting), waiting=len(self._waiting),
+            trace.turn(started, ended_at, received=received, admitted=queued - len(self._waiting), waiting=len(self._waiting),
                        serial=self._serial.num_rows if self._serial else 0,
                        batch=self._batch.num_rows if self._batch else 0,
                        prefilling=self._batch.num_prefilling if self._batch else 0)
 
     def _has_work(self) -> bool:
         return bool(self._waiting) or any(lane is not None and lane.has_work for lane in (self._serial, self._batch))
+
+    def _in_bursts(self) -> bool:
+        return self._options.gather_ms > 0 and self._options.batch > 1 and time.monotonic() < self._bursts_until
+
+    def _gather(self, have: int) -> list[Command]:
+        """The rest of a burst: wait up to gather_ms for each next arrival (4x that in all),
+        until the batch width is reached, so that the burst starts as one batched prefill
+        instead of its first request prefilling alone while the others wait for it."""
+        gap = self._options.gather_ms / 1000
+        deadline = time.monotonic() + 4 * gap
+        more: list[Command] = []
+        while have + len(more) < self._options.batch:
+            wait = min(gap, deadline - time.monotonic())
+            if wait <= 0:
+                break
+            try:
+                command = self._inbox.get(timeout=wait)
+            except queue.Empty:
+                break
+            more.append(command)
+            if isinstance(command, Stop):
+                break
+        return more
 
     def _receive(self, block: bool) -> list[Command]:
         """What the inbox holds; with `block`, wait for at least one command."""
@@ -270,7 +304,8 @@ class Gateway:
                 continue
             need = kv_tokens(len(job.prompt), job.max_tokens)
             batch_rows = self._batch.num_rows if self._batch is not None else 0
-            state = LaneState(self._options.batch, self._serial.has_work, batch_rows, self.kv.free)
+            behind = len(self._waiting) - 1  # the jobs before this one have left the queue
+            state = LaneState(self._options.batch, self._serial.has_work, batch_rows, self.kv.free, behind)
             lane = choose_lane(need, state)
             if lane is None and not self._serial.has_work and not batch_rows:
                 # Nothing runs and it still does not fit: submit() refuses these, so this is a bug.

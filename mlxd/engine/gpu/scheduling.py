@@ -2,8 +2,9 @@
 
 The serial lane runs one sequence with mlx-lm's generate_step, the fastest path for a lone
 request. The batch lane decodes many rows in one step (continuous batching). A job takes the
-serial lane when the engine is otherwise idle, and the batch lane when anything else runs:
-then it shares each step with the others. `--batch 1` keeps to the serial lane.
+serial lane when the engine is otherwise idle and no other job waits with it, and the batch
+lane when anything else runs or waits: then it shares each step with the others, and jobs
+that arrive together are prefilled together. `--batch 1` keeps to the serial lane.
 
 KV admission books each running sequence's worst case (its prompt plus max_tokens, in tokens)
 against the engine's budget; a job that does not fit waits, one that could never fit is
@@ -26,6 +27,7 @@ class LaneState:
     serial_busy: bool
     batch_rows: int
     kv_free: int  # tokens of KV budget not booked by running sequences
+    behind: int = 0  # jobs waiting after this one: a burst, prefilled together in the batch lane
 
 
 def choose_lane(kv_tokens: int, state: LaneState) -> LaneName | None:
@@ -33,7 +35,7 @@ def choose_lane(kv_tokens: int, state: LaneState) -> LaneName | None:
     running = state.serial_busy + state.batch_rows
     if running >= state.width or kv_tokens > state.kv_free:
         return None
-    if not state.serial_busy and (state.batch_rows == 0 or state.width == 1):
+    if state.width == 1 or (not state.serial_busy and state.batch_rows == 0 and state.behind == 0):
         return "serial"
     return "batch"
 

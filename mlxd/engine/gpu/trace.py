@@ -1,7 +1,8 @@
 """`MLXD_TRACE_STEPS=PATH`: one JSON line per gateway turn, to see where a burst's time goes.
 
 For benchmarks and debugging, off by default. Each line: `t` (ms since the engine began
-serving), `ms` (the turn's length), `admitted` (jobs started this turn), `serial` and `batch`
+serving), `ms` (the turn's length), `received` (jobs that came in since the last turn),
+`admitted` (jobs started this turn), `serial` and `batch`
 (rows in each lane after the turn), `prefilling` (batch rows with no token yet) and `waiting`
 (jobs queued for room).
 """
