@@ -294,8 +294,8 @@ def test_kv_budget_refuses_what_can_never_fit_and_queues_what_does_not_fit_now(t
 
 def test_warmup_runs_jobs_through_the_lanes_before_ready_and_leaves_no_trace(tiny_model: Path) -> None:
     with running_engine(tiny_model, "tiny", "--batch", "4", "--warmup", "on") as engine:
-        # Wave 1 (one job), wave 2 (a lead job, then 3 joining it): the batch ran 4 rows at once.
-        assert "warm-up: 5 jobs, up to 4 rows at once:" in engine.log()
+        # Waves of 1, 1, then 1 + 3 joining it: the batch ran 4 rows at once.
+        assert "warm-up: 6 jobs, up to 4 rows at once:" in engine.log()
         answer = complete(engine, "hello")
         assert answer["status"] == 200
         stats = engine.stats()

@@ -7,8 +7,8 @@ that finds its prefix in the prompt cache uses kernels no request before it did:
 each of those stalled every running stream for seconds.
 
 So the warm-up sends real jobs through the gateway's own turns (the same lanes, samplers,
-prompt cache and hand-over as requests): one alone in the serial lane; then one that
-continues its prefix, and `width - 1` more arriving while it runs, which join the batch lane
+prompt cache and hand-over as requests): one alone in the serial lane; one that continues
+its prefix; then one more, and `width - 1` arriving while it runs, which join the batch lane
 with prompts of different lengths (padded prefill), some continuing the cached prefix, with
 greedy, temperature/top-p/top-k/min-p, penalty and logit-bias and seeded sampling, replies
 ending a step apart so that the decode step runs at every width from `width` down to 1. Their
@@ -51,9 +51,10 @@ def _prompt(vocab_size: int, n: int, salt: int) -> list[int]:
 def waves(vocab_size: int, width: int) -> list[list[Job]]:
     """The warm-up's jobs, in waves: each wave is sent when the one before has ended.
 
-    Wave 1: one job alone (the serial lane; its KV goes to the prompt cache). Wave 2: a job
-    that continues wave 1's prompt (a cached prefix in the serial lane), then `width - 1` jobs
-    sent a turn later (the batch lane; the serial job moves in with them).
+    Wave 1: one job alone (the serial lane; its KV goes to the prompt cache). Wave 2: one that
+    continues it (a cached prefix in the serial lane). Wave 3: a new job, then `width - 1` more
+    sent a turn later (the batch lane; the serial job moves in with them), every other one
+    continuing wave 2's prompt (a cached prefix in the batch lane).
     """
     loop = asyncio.new_event_loop()
     loop.close()  # tickets of a closed loop drop their events: nobody waits for these answers
@@ -63,11 +64,12 @@ def waves(vocab_size: int, width: int) -> list[list[Job]]:
 
     prefix = _prompt(vocab_size, PREFIX_TOKENS, 0)
     first = job(prefix, NEW_TOKENS, SAMPLINGS[0])
-    lead = job(prefix + _prompt(vocab_size, 8, 1), NEW_TOKENS + width, SAMPLINGS[0])
+    follow_up = job(prefix + _prompt(vocab_size, 8, 1), NEW_TOKENS, SAMPLINGS[0])
+    lead = job(_prompt(vocab_size, PREFIX_TOKENS, 2), NEW_TOKENS + width, SAMPLINGS[0])
     rest = []
     for i in range(1, width):
-        # Half continue the cached prefix, half are new; lengths differ, so prefill is padded.
+        # Lengths differ, so prefill is padded; odd rows share the cached prefix.
         head = prefix if i % 2 else _prompt(vocab_size, PREFIX_TOKENS // 2, 100 + i)
         prompt = head + _prompt(vocab_size, 4 + i, 200 + i)
         rest.append(job(prompt, NEW_TOKENS + i, SAMPLINGS[i % len(SAMPLINGS)]))
-    return [[first], [lead, *rest]]
+    return [[first], [follow_up], [lead, *rest]]
