@@ -71,6 +71,8 @@ def main() -> None:
     p.add_argument("--parent-pid", type=int)
     p.add_argument("--max-context", type=int)
     p.add_argument("--batch", type=int)
+    p.add_argument("--warmup")
+    p.add_argument("--gather-ms", type=float)
     args = p.parse_args()
     if MODE == "boot_crash":
         print("ERROR fake: cannot start on cue", file=sys.stderr, flush=True)

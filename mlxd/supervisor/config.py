@@ -11,7 +11,7 @@ import sys
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -22,6 +22,7 @@ MIB = 1024 * 1024
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Key = Annotated[str, msgspec.Meta(min_length=1)]
 TTL = Annotated[int, msgspec.Meta(ge=-1)]  # seconds idle before unloading; 0: at once; -1: never
+DEFAULT_GATHER_MS = 5.0  # the engine's own --gather-ms default
 Batch = Annotated[int, msgspec.Meta(ge=1, le=256)]  # sequences one engine decodes at once (--batch)
 DEFAULT_BATCH = 8
 
@@ -76,6 +77,8 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     queue_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
     drain_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
     batch: Batch = DEFAULT_BATCH  # continuous batching width of each engine; per model: [models.NAME] batch
+    warmup: Literal["auto", "on", "off"] = "auto"  # engines' --warmup (auto: on CUDA only)
+    gather_ms: Annotated[float, msgspec.Meta(ge=0, le=1000)] = DEFAULT_GATHER_MS  # engines' --gather-ms (0: never)
     spare_engine: bool = True  # keep one engine process with its imports done ($MLXD_SPARE_ENGINE=0: off)
     # Crash loops: `crash_limit` exits within `crash_window_s` mark a model failed; it is tried
     # again after a cool-down that starts at `cooldown_s`, doubles on each new failure up to

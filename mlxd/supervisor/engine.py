@@ -45,6 +45,7 @@ class EngineOptions:
     health_deadline_s: float = 30.0  # unanswered health checks this long: killed as hung
     backoff_base_s: float = 1.0
     crash: policy.CrashLimits = field(default_factory=policy.CrashLimits)  # [pool] crash-loop keys (the pool sets them)
+    engine_args: tuple[str, ...] = ()  # flags every engine gets from [pool] (the pool sets them)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> EngineOptions:
@@ -235,7 +236,7 @@ class Engine:
                 "--parent-pid", str(os.getpid()), "--batch", str(self.batch)]
         if self.max_context:
             args += ["--max-context", str(self.max_context)]
-        return args
+        return args + list(self.options.engine_args)
 
     async def _spawn(self) -> asyncio.subprocess.Process:
         """A spare process given this model, else a new one."""

@@ -21,7 +21,7 @@ from typing import Any
 
 from mlxd.protocol.errors import APIError
 from mlxd.supervisor import policy
-from mlxd.supervisor.config import PoolConfig
+from mlxd.supervisor.config import DEFAULT_GATHER_MS, PoolConfig
 from mlxd.supervisor.engine import Engine, EngineOptions, EngineState
 from mlxd.supervisor.footprint import default_budget_bytes, estimate_bytes
 from mlxd.supervisor.registry import ModelEntry
@@ -77,6 +77,16 @@ def crash_limits_from(config: PoolConfig) -> policy.CrashLimits:
                               config.healthy_reset_s)
 
 
+def engine_args_from(config: PoolConfig) -> tuple[str, ...]:
+    """Engine flags from the `[pool]` table: only those that differ from the engine's defaults."""
+    args: list[str] = []
+    if config.warmup != "auto":
+        args += ["--warmup", config.warmup]
+    if config.gather_ms != DEFAULT_GATHER_MS:
+        args += ["--gather-ms", f"{config.gather_ms:g}"]
+    return tuple(args)
+
+
 class Pool:
     """Engines by model, the wait queue, and the leases' hold on them."""
 
@@ -86,7 +96,8 @@ class Pool:
     ) -> None:
         self._runtime_dir = runtime_dir
         self.config = config or PoolConfig()
-        self._options = dataclasses.replace(options or EngineOptions(), crash=crash_limits_from(self.config))
+        self._options = dataclasses.replace(options or EngineOptions(), crash=crash_limits_from(self.config),
+                                            engine_args=engine_args_from(self.config))
         self.limits = limits_from(self.config)
         self._clock = clock
         self._slots: dict[str, Slot] = {}

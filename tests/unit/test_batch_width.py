@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from mlxd.engine.settings import EngineSettings
 from mlxd.supervisor import admin_routes
-from mlxd.supervisor.config import PoolConfig
+from mlxd.supervisor.config import DEFAULT_GATHER_MS, PoolConfig
 from mlxd.supervisor.engine import Engine
 from mlxd.supervisor.footprint import estimate_bytes
 from mlxd.supervisor.openapi import EngineRow
-from mlxd.supervisor.pool import Pool
+from mlxd.supervisor.pool import Pool, engine_args_from
 from mlxd.supervisor.registry import ModelEntry
 
 # 2 layers x 2 KV heads x dim 4, float16: 64 bytes a token; an 8k window.
@@ -42,3 +43,14 @@ def test_the_pool_gives_the_entry_s_width_to_its_engine_and_estimate(tmp_path: P
     assert row["batch"] == 5
     assert "batch" in EngineRow.__struct_fields__
     assert set(EngineRow.__struct_fields__) <= set(row)  # every documented field is answered
+
+
+def test_pool_keys_reach_the_engine_only_when_they_differ_from_its_defaults(tmp_path: Path) -> None:
+    assert engine_args_from(PoolConfig()) == ()  # the engine's own defaults: nothing to pass
+    assert EngineSettings.__dataclass_fields__["gather_ms"].default == DEFAULT_GATHER_MS
+    assert engine_args_from(PoolConfig(warmup="off", gather_ms=0)) == ("--warmup", "off", "--gather-ms", "0")
+    assert engine_args_from(PoolConfig(warmup="on", gather_ms=2.5)) == ("--warmup", "on", "--gather-ms", "2.5")
+    pool = Pool(tmp_path, config=PoolConfig(warmup="off", gather_ms=12))
+    slot = pool.slot_for(ModelEntry(id="m", path=tmp_path, source="config", size_bytes=100, batch=2))
+    argv = slot.engine.argv()
+    assert (flag(argv, "--warmup"), flag(argv, "--gather-ms"), flag(argv, "--batch")) == ("off", "12", "2")

@@ -87,6 +87,15 @@ def test_batch_width_keys(tmp_path: Path) -> None:
     assert (cfg.pool.batch, cfg.models["a"].batch, cfg.models["b"].batch) == (256, 1, None)
 
 
+def test_engine_warmup_and_gather_keys(tmp_path: Path) -> None:
+    assert (PoolConfig().warmup, PoolConfig().gather_ms) == ("auto", 5.0)
+    cfg = load_config(write(tmp_path, '[pool]\nwarmup = "off"\ngather_ms = 0\n'), explicit=True)
+    assert (cfg.pool.warmup, cfg.pool.gather_ms) == ("off", 0.0)
+    assert "warmup" in load_error(tmp_path, '[pool]\nwarmup = "sometimes"\n')
+    assert "gather_ms" in load_error(tmp_path, "[pool]\ngather_ms = -1\n")
+    assert "gather_ms" in load_error(tmp_path, "[pool]\ngather_ms = 5000\n")
+
+
 def test_model_paths_expand_home_and_are_relative_to_the_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
