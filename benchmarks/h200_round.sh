@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
-# One round of issue 10's GPU figures in one device call (under the 10-minute limit), after
+# Issue 10's GPU figures in device calls under the 10-minute limit, after
 # ../shared/tools/device-mlx prepare and the stash run (see docs/benchmarks.md):
 #
-#   bash .device/b/install.sh >/dev/null && export PYTHONPATH=/tmp/site:$PWD && bash benchmarks/h200_round.sh
+#   bash .device/b/install.sh >/dev/null && export PYTHONPATH=/tmp/site:$PWD && bash benchmarks/h200_round.sh 1b
+#   export PYTHONPATH=/tmp/site:$PWD && bash benchmarks/h200_round.sh 8b      # next call, same warm machine
 #
+# `1b`: the fused decode attention's check and timings, where a batched step goes, and
+# batching.py at 1, 8 and 16 streams on the 1B-shaped bf16 model (with a step trace of mlxd's
+# engine), and its lone stream against raw stream_generate. `8b`: the same on the 8B-shaped
+# 4-bit model, and a py-spy profile of the engine's GPU thread at 8 streams. `streams`: only
+# batching.py at 8 and 16 streams on both models, each warmed up with full-length replies
+# (without a 1-stream phase first, mlx_lm.server met its first shapes in its measured rounds). `prefill`: fair_prefill.
 # Each step has its own time limit; results go to $OUT (or ./h200-out) as one text file a step.
 set -u
 out=${OUT:-h200-out}
 mkdir -p "$out" /tmp/models
 tok=${TOKDIR:-.device/tok}
+pyspy=${PYSPY:-.device/prof/py-spy}
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2
   shift 2
@@ -17,12 +25,44 @@ step() {  # step NAME SECONDS COMMAND...
   echo "   exit $? ($(wc -l < "$out/$name.txt") lines)"
   tail -n 12 "$out/$name.txt"
 }
-[ -d /tmp/models/l1b ] || python3 benchmarks/random_llama.py 1b-bf16 /tmp/models/l1b --tokenizer "$tok" > /dev/null
-step masked_attention 60 python3 benchmarks/masked_decode_attention.py
-step batching_1b 150 python3 benchmarks/batching.py --model /tmp/models/l1b --widths 1,8,16 --rounds 3 --batch 16 \
-  --only server,mlxd --logs "$out/logs_1b"
-step fair_prefill 120 python3 benchmarks/fair_prefill.py --model /tmp/models/l1b --streams 8 --batch 16 \
-  --long-tokens 8000 --compare-step 8192
-[ -d /tmp/models/l8q ] || python3 benchmarks/random_llama.py 8b-4bit /tmp/models/l8q --tokenizer "$tok" > /dev/null
-step batching_8b4 200 python3 benchmarks/batching.py --model /tmp/models/l8q --widths 1,8,16 --rounds 2 --batch 16 \
-  --only server,mlxd
+model() {  # model SHAPE DIR
+  [ -d "$2" ] || python3 benchmarks/random_llama.py "$1" "$2" --tokenizer "$tok" > /dev/null
+}
+case ${1:-1b} in
+1b)
+  model 1b-bf16 /tmp/models/l1b
+  step masked_attention 90 python3 benchmarks/masked_decode_attention.py --model /tmp/models/l1b
+  step decode_step_1b 120 bash -c 'for r in 8 16; do python3 benchmarks/decode_step.py /tmp/models/l1b --rows $r; done'
+  export MLXD_TRACE_STEPS="$out/trace_1b.jsonl"
+  step batching_1b 200 python3 benchmarks/batching.py --model /tmp/models/l1b --widths 1,8,16 --rounds 3 --batch 16 \
+    --only server,mlxd --logs "$out/logs_1b"
+  unset MLXD_TRACE_STEPS
+  step lone_1b 100 python3 benchmarks/engine_decode.py --model /tmp/models/l1b --runs 9 --max-tokens 256 --cold-starts 0
+  ;;
+8b)
+  model 8b-4bit /tmp/models/l8q
+  step decode_step_8b4 120 bash -c 'for r in 8 16; do python3 benchmarks/decode_step.py /tmp/models/l8q --rows $r; done'
+  export MLXD_TRACE_STEPS="$out/trace_8b4.jsonl"
+  step batching_8b4 200 python3 benchmarks/batching.py --model /tmp/models/l8q --widths 1,8,16 --rounds 2 --batch 16 \
+    --only server,mlxd
+  unset MLXD_TRACE_STEPS
+  [ -x "$pyspy" ] && step profile_8b4 70 python3 benchmarks/profile_step.py /tmp/models/l8q --streams 8 --py-spy "$pyspy"
+  ;;
+streams)
+  model 1b-bf16 /tmp/models/l1b
+  export MLXD_TRACE_STEPS="$out/trace_1b.jsonl"
+  step batching_1b 200 python3 benchmarks/batching.py --model /tmp/models/l1b --widths 8,16 --rounds 2 --batch 16 \
+    --only server,mlxd --warmup-tokens 128
+  export MLXD_TRACE_STEPS="$out/trace_8b4.jsonl"
+  model 8b-4bit /tmp/models/l8q
+  step batching_8b4 240 python3 benchmarks/batching.py --model /tmp/models/l8q --widths 8,16 --rounds 2 --batch 16 \
+    --only server,mlxd --warmup-tokens 128
+  unset MLXD_TRACE_STEPS
+  ;;
+prefill)
+  model 1b-bf16 /tmp/models/l1b
+  step fair_prefill 120 python3 benchmarks/fair_prefill.py --model /tmp/models/l1b --streams 8 --batch 16 \
+    --long-tokens 8000 --compare-step 8192
+  ;;
+*) echo "usage: $0 1b|8b|streams|prefill" >&2; exit 2 ;;
+esac

@@ -1,14 +1,14 @@
-"""Probe (CUDA only): a fused decode attention that takes each row's first valid key instead of a mask.
+"""Probe (CUDA only): mlxd's fused decode attention against MLX's masked attention.
 
-In a batched decode step mlx-lm's BatchKVCache left-pads rows to one length and passes an
-array mask, and MLX's CUDA backend then runs attention unfused (its vector kernel takes no
-array mask): 20-30% of a 1B model's step at 8-16 rows (docs/benchmarks.md, "Where a batched
-decode step goes"). This probe builds one kernel with `mx.fast.cuda_kernel` that reads the
-KV cache in place (strided, as the cache's slice is), skips each row's padding, and does an
-online softmax; it checks the kernel against `mx.fast.scaled_dot_product_attention` with the
-mask, then times both. Not used by the engine: this is the first step of that work.
+In a batched decode step mlx-lm's BatchKVCache left-pads rows and passes an array mask, and
+MLX's CUDA backend then runs attention unfused. mlxd's kernel
+(mlxd/engine/gpu/decode_attention.py) takes each row's first valid key instead. This probe
+checks it against `mx.fast.scaled_dot_product_attention` with the mask and times both, one
+layer's attention per case (many calls in one graph, as a model's layers run them), at each
+warp count the kernel can use; with `--model` it also decodes the same staggered rows through the
+whole model with and without the kernel and compares the logits and the greedy tokens.
 
-  python3 benchmarks/masked_decode_attention.py
+  python3 benchmarks/masked_decode_attention.py [--model /tmp/models/l1b]
 """
 
 from __future__ import annotations
@@ -16,112 +16,90 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
 
-WARPS = 4
-SOURCE = """
-    constexpr int PER = D / 32;
-    const int h = blockIdx.x;
-    const int b = blockIdx.y;
-    const int warp = threadIdx.x / 32;
-    const int lane = threadIdx.x % 32;
-    const int H = q_shape[1];
-    const int kvh = h / (H / k_shape[1]);
-    const int L = k_shape[2];
-    const float sc = scale[0];
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-    float qv[PER];
-    for (int i = 0; i < PER; ++i) {
-        qv[i] = static_cast<float>(q[b * q_strides[0] + h * q_strides[1] + (lane * PER + i) * q_strides[3]]) * sc;
-    }
-    float m = -1.0e30f, s = 0.0f, acc[PER];
-    for (int i = 0; i < PER; ++i) acc[i] = 0.0f;
-    for (int l = starts[b] + warp; l < L; l += NW) {
-        const size_t kb = b * k_strides[0] + kvh * k_strides[1] + (size_t)l * k_strides[2];
-        float dot = 0.0f;
-        for (int i = 0; i < PER; ++i) dot += qv[i] * static_cast<float>(k[kb + (lane * PER + i) * k_strides[3]]);
-        for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffff, dot, off);
-        const float m_new = fmaxf(m, dot);
-        const float corr = __expf(m - m_new);
-        const float p = __expf(dot - m_new);
-        s = s * corr + p;
-        const size_t vb = b * v_strides[0] + kvh * v_strides[1] + (size_t)l * v_strides[2];
-        for (int i = 0; i < PER; ++i) acc[i] = acc[i] * corr + p * static_cast<float>(v[vb + (lane * PER + i) * v_strides[3]]);
-        m = m_new;
-    }
-    __shared__ float part_m[NW], part_s[NW], part_acc[NW][D];
-    if (lane == 0) { part_m[warp] = m; part_s[warp] = s; }
-    for (int i = 0; i < PER; ++i) part_acc[warp][lane * PER + i] = acc[i];
-    __syncthreads();
-    if (warp == 0) {
-        float top = -1.0e30f;
-        for (int w = 0; w < NW; ++w) top = fmaxf(top, part_m[w]);
-        float total = 0.0f, out[PER];
-        for (int i = 0; i < PER; ++i) out[i] = 0.0f;
-        for (int w = 0; w < NW; ++w) {
-            const float c = part_m[w] <= -1.0e29f ? 0.0f : __expf(part_m[w] - top);
-            total += part_s[w] * c;
-            for (int i = 0; i < PER; ++i) out[i] += part_acc[w][lane * PER + i] * c;
-        }
-        for (int i = 0; i < PER; ++i) o[(b * H + h) * D + lane * PER + i] = static_cast<T>(out[i] / total);
-    }
-"""
+from mlxd.engine.gpu import decode_attention as da
 
 
-def build():  # type: ignore[no-untyped-def]
-    return mx.fast.cuda_kernel(
-        name="mlxd_masked_decode_sdpa", input_names=["q", "k", "v", "starts", "scale"], output_names=["o"],
-        source=SOURCE, ensure_row_contiguous=False,
-    )
-
-
-def fused(kernel, q: mx.array, k: mx.array, v: mx.array, starts: mx.array, scale: float) -> mx.array:  # type: ignore[no-untyped-def]
-    B, H, _, D = q.shape
-    return kernel(
-        inputs=[q, k, v, starts, mx.array([scale], dtype=mx.float32)],
-        template=[("T", q.dtype), ("D", D), ("NW", WARPS)],
-        grid=(H * 32 * WARPS, B, 1), threadgroup=(32 * WARPS, 1, 1),
-        output_shapes=[(B, H, 1, D)], output_dtypes=[q.dtype],
-    )[0]
-
-
-def reference(q: mx.array, k: mx.array, v: mx.array, starts: mx.array, scale: float) -> mx.array:
-    L = k.shape[2]
-    mask = mx.arange(L)[None, None, None, :] >= starts[:, None, None, None]
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-
-
-def case(kernel, B: int, H: int, Hk: int, D: int, L: int, iters: int) -> str:  # type: ignore[no-untyped-def]
+def case(B: int, H: int, Hk: int, D: int, L: int, calls: int) -> str:
     alloc = ((L + 255) // 256) * 256 + 256  # the cache's buffer is longer than what is filled, as in mlx-lm
     q = mx.random.normal((B, 1, H, D)).astype(mx.bfloat16).transpose(0, 2, 1, 3)  # strided, as a model makes it
     k = mx.random.normal((B, Hk, alloc, D)).astype(mx.bfloat16)[:, :, :L, :]
     v = mx.random.normal((B, Hk, alloc, D)).astype(mx.bfloat16)[:, :, :L, :]
     starts = mx.array([(r * 37) % max(1, L // 2) for r in range(B)], dtype=mx.int32)
     scale = D ** -0.5
-    got, want = fused(kernel, q, k, v, starts, scale), reference(q, k, v, starts, scale)
-    err = mx.max(mx.abs(got.astype(mx.float32) - want.astype(mx.float32))).item()
-    timings = {}
-    for name, fn in (("fused", lambda: fused(kernel, q, k, v, starts, scale)), ("masked sdpa", lambda: reference(q, k, v, starts, scale))):
-        for _ in range(20):
-            mx.eval(fn())
-        t = time.perf_counter()
-        for _ in range(iters):
-            mx.eval(fn())
-        timings[name] = (time.perf_counter() - t) / iters * 1e6
-    return (f"B={B} H={H} Hk={Hk} D={D} L={L}: max |diff| {err:.4f}; "
-            f"fused {timings['fused']:.1f} us, masked sdpa {timings['masked sdpa']:.1f} us (one eval per call)")
+    want = da.reference(q, k, v, starts, scale).astype(mx.float32)
+    err = mx.max(mx.abs(da.fused(q, k, v, starts, scale).astype(mx.float32) - want)).item()
+
+    def per_call(fn) -> float:  # type: ignore[no-untyped-def]
+        """us per call, `calls` calls in one graph (as a model's layers run them)."""
+        best = float("inf")
+        for _ in range(5):
+            outs = [fn() for _ in range(calls)]
+            t = time.perf_counter()
+            mx.eval(outs)
+            best = min(best, (time.perf_counter() - t) / calls * 1e6)
+        return best
+
+    cells = [f"masked sdpa {per_call(lambda: da.reference(q, k, v, starts, scale)):.1f}"]
+    for w in (4, 8, 16, 32):
+        cells.append(f"{w} warps {per_call(lambda w=w: da.fused(q, k, v, starts, scale, w)):.1f}")
+    return (f"B={B} H={H} Hk={Hk} D={D} L={L}: max |diff| {err:.4f} (at {da.warps_for(L)} warps); us per call: "
+            + ", ".join(cells))
+
+
+def whole_model(path: str, rows: int, steps: int) -> str:
+    from mlx_lm import load
+    from mlx_lm.models.cache import BatchKVCache
+
+    model, _ = load(path)
+    vocab = model.args.vocab_size
+    lengths = [150 + (r * 37) % 64 for r in range(rows)]
+    longest = max(lengths)
+    pads = [longest - n for n in lengths]
+    prompts = mx.array([[0] * p + [(i * 31 + r * 7) % (vocab - 5) + 2 for i in range(n)]
+                        for r, (p, n) in enumerate(zip(pads, lengths, strict=True))])
+
+    def decode() -> tuple[list[mx.array], list[list[int]]]:
+        cache = [BatchKVCache(pads) for _ in model.layers]
+        logits = model(prompts, cache=cache)[:, -1:, :]
+        tok = mx.argmax(logits, axis=-1)
+        seen, toks = [], []
+        for _ in range(steps):
+            logits = model(tok, cache=cache)[:, -1, :].astype(mx.float32)
+            tok = mx.argmax(logits, axis=-1)[:, None]
+            mx.eval(logits, tok)
+            seen.append(logits)
+            toks.append(tok[:, 0].tolist())
+        return seen, toks
+
+    plain_logits, plain_toks = decode()
+    changed = da.install(model)
+    fused_logits, fused_toks = decode()
+    first = mx.max(mx.abs(plain_logits[0] - fused_logits[0])).item()
+    same = sum(a == b for a, b in zip(plain_toks, fused_toks, strict=True))
+    return (f"{path}: {rows} rows, modules {changed}: first decode step's logits max |diff| {first:.4f}; "
+            f"greedy steps with every row's token equal: {same} of {steps}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--calls", type=int, default=64, help="calls timed in one graph")
+    p.add_argument("--model", help="also decode this model's rows with and without the kernel")
+    p.add_argument("--rows", type=int, default=8)
+    p.add_argument("--steps", type=int, default=32)
     a = p.parse_args()
-    if not mx.cuda.is_available():
-        sys.exit("this probe needs MLX's CUDA backend")
-    kernel = build()
-    for B, H, Hk, D, L in [(8, 32, 8, 64, 300), (16, 32, 8, 64, 300), (8, 32, 8, 128, 300), (16, 32, 8, 128, 1200)]:
-        print(case(kernel, B, H, Hk, D, L, a.iters), flush=True)
+    if not da.enabled():
+        sys.exit(f"this probe needs MLX's CUDA backend (and {da.ENV} not 0)")
+    for B, H, Hk, D, L in [(8, 32, 8, 64, 300), (16, 32, 8, 64, 300), (8, 32, 8, 128, 300),
+                           (16, 32, 8, 128, 300), (16, 32, 8, 128, 1200), (16, 32, 8, 128, 4000)]:
+        print(case(B, H, Hk, D, L, a.calls), flush=True)
+    if a.model:
+        print(whole_model(a.model, a.rows, a.steps), flush=True)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ Rows join and leave between steps. Each step decodes one token for every generat
 runs one prefill chunk (`--prefill-step` tokens) of the prompts being admitted: a long prompt
 arriving while others decode is prefilled a chunk at a time, and the running rows keep getting
 a token every step meanwhile. Per-row sampling, penalties and logit bias are mlx-lm's (rows
-with equal parameters share one sampler, so they are sampled in one call); stop strings, EOS
-and max_tokens are each row's Sequence.
+with equal parameters share one sampler, so they are sampled in one call; logit biases are
+added as one matrix, batch_bias.py); stop strings, EOS and max_tokens are each row's Sequence.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 from mlx_lm.generate import BatchGenerator
 
 from mlxd.engine.cache.prompt_cache import PromptCache
+from mlxd.engine.gpu.batch_bias import batch_bias
 from mlxd.engine.gpu.job import Job
 from mlxd.engine.gpu.sampling import make_sampling
 from mlxd.engine.gpu.sequence import Sequence
@@ -48,12 +49,14 @@ class BatchLane:
         self._gen = self._new_generator()
 
     def _new_generator(self) -> BatchGenerator:
-        return BatchGenerator(
+        gen = BatchGenerator(
             self._loaded.model,
             completion_batch_size=self._width,
             prefill_batch_size=min(self._width, MAX_PREFILL_ROWS),
             prefill_step_size=self._prefill_step,
         )
+        batch_bias(gen)
+        return gen
 
     @property
     def has_work(self) -> bool:

@@ -9,6 +9,7 @@ leaves at the next one.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import queue
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mlxd.engine.cache.prompt_cache import PromptCache
+from mlxd.engine.gpu import decode_attention
 from mlxd.engine.gpu.batch_lane import BatchLane
 from mlxd.engine.gpu.flat_rows import FLATTEN_MIN_ROWS, flatten_quantized_rows, wins_here
 from mlxd.engine.gpu.job import Job
@@ -180,6 +182,8 @@ class Gateway:
         self.kv = KvLedger(budget)
         if opts.batch >= FLATTEN_MIN_ROWS and wins_here() and (n := flatten_quantized_rows(loaded.model)):
             log.info("%d quantized layers run batched decode rows flattened (from %d rows)", n, FLATTEN_MIN_ROWS)
+        if opts.batch > 1 and decode_attention.enabled() and (modules := decode_attention.install(loaded.model)):
+            log.info("batched decode attention runs mlxd's kernel (%s)", ", ".join(modules))
         if wanted(opts.warmup):
             seconds, jobs, most = self._warm_up(loaded)
             log.info("warm-up: %d jobs, up to %d rows at once: %.0f ms", jobs, most, seconds * 1000)
@@ -187,6 +191,10 @@ class Gateway:
         mx.random.seed(int.from_bytes(os.urandom(8), "little"))
         self._make_lanes(loaded, self._stats)
         self.loaded = loaded
+        # What exists now (the model, tokenizer, kernels) lives as long as the engine: kept out of
+        # the collector's full passes, which otherwise walk it all and stall a decode step.
+        gc.collect()
+        gc.freeze()
         log.info("batch width %d, KV budget %d tokens", opts.batch, budget)
         self.on_ready()
         return True

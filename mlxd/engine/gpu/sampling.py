@@ -15,6 +15,8 @@ from mlx_lm.sample_utils import (
     make_sampler,
 )
 
+from mlxd.engine.gpu.batch_bias import LogitBias
+
 # How many recent tokens (prompt and completion) the penalties look at; mlx-lm's default is 20.
 PENALTY_CONTEXT = 256
 # mlx-lm scales logits by 1/temperature: past 65504 (float16's largest) they turn to inf and NaN
@@ -35,8 +37,10 @@ def make_sampling(params: Any, history: list[int]) -> tuple[Sampler, list[Any]]:
     """
     args = sampler_args(params)
     sampler = make_seeded_sampler(args, params.seed) if params.seed is not None else shared_sampler(**args)
-    processors = make_logits_processors(
-        logit_bias=params.logit_bias or None,
+    # mlx-lm's order: the bias first, then the penalties. LogitBias is batch_bias.py's, so the
+    # batch lane can add every row's bias in one op.
+    processors: list[Any] = [LogitBias(params.logit_bias)] if params.logit_bias else []
+    processors += make_logits_processors(
         repetition_penalty=params.repetition_penalty,
         repetition_context_size=PENALTY_CONTEXT,
         presence_penalty=params.presence_penalty,

@@ -4,11 +4,13 @@ For benchmarks and debugging, off by default. Each line: `t` (ms since the engin
 serving), `ms` (the turn's length), `received` (jobs that came in since the last turn),
 `admitted` (jobs started this turn), `serial` and `batch`
 (rows in each lane after the turn), `prefilling` (batch rows with no token yet) and `waiting`
-(jobs queued for room).
+(jobs queued for room), and `gc` (the garbage collector's runs since the last line, all
+generations, in any thread).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -19,6 +21,11 @@ class StepTrace:
     def __init__(self, path: str) -> None:
         self._file: IO[str] = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - lives with the engine
         self._t0 = time.perf_counter()
+        self._gc_runs = self._collections()
+
+    @staticmethod
+    def _collections() -> int:
+        return sum(generation["collections"] for generation in gc.get_stats())
 
     @classmethod
     def from_env(cls) -> StepTrace | None:
@@ -26,5 +33,8 @@ class StepTrace:
         return cls(path) if path else None
 
     def turn(self, started: float, ended: float, **fields: int) -> None:
-        line = {"t": round((started - self._t0) * 1000, 2), "ms": round((ended - started) * 1000, 2), **fields}
+        runs = self._collections()
+        line = {"t": round((started - self._t0) * 1000, 2), "ms": round((ended - started) * 1000, 2), **fields,
+                "gc": runs - self._gc_runs}
+        self._gc_runs = runs
         self._file.write(json.dumps(line) + "\n")

@@ -1,0 +1,78 @@
+"""The fused decode attention's routing (the kernel itself needs CUDA: benchmarks/masked_decode_attention.py
+checks it there, and the engine checks it against MLX's attention before first use)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import base, llama
+from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
+
+from mlxd.engine.gpu import decode_attention as da
+
+
+@pytest.fixture()
+def model(monkeypatch: pytest.MonkeyPatch) -> llama.Model:
+    # install() replaces a module global: put the original back after each test.
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", base.scaled_dot_product_attention)
+    mx.random.seed(5)
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=50)
+    m = llama.Model(args)
+    mx.eval(m.parameters())
+    return m
+
+
+def test_warp_counts_grow_with_the_context() -> None:
+    assert [da.warps_for(n) for n in (1, 1024, 1025, 4096, 4097, 100_000)] == [4, 4, 8, 8, 16, 16]
+
+
+def test_install_routes_the_models_own_module_and_falls_back_where_the_kernel_cannot_run(model: llama.Model) -> None:
+    tokens = mx.array([[3, 4, 5, 6], [7, 8, 9, 10]])
+    before_cache = [BatchKVCache([0, 1]) for _ in model.layers]
+    model(tokens, cache=before_cache)
+    expected = model(mx.array([[11], [12]]), cache=before_cache)
+
+    assert da.install(model) == ["mlx_lm.models.llama"]
+    assert llama.scaled_dot_product_attention is not base.scaled_dot_product_attention
+    assert da.install(model) == []  # once is enough
+    cache = [BatchKVCache([0, 1]) for _ in model.layers]
+    model(tokens, cache=cache)
+    got = model(mx.array([[11], [12]]), cache=cache)  # a batched decode step: on this CPU, MLX's attention serves
+    assert mx.allclose(got, expected, atol=1e-5).item()
+
+
+def test_only_a_batched_single_query_step_suits_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(da._verdicts, (4, 2, 32, mx.float16), True)  # as if checked on a GPU
+    q = mx.zeros((2, 4, 1, 32), dtype=mx.float16)
+    k = v = mx.zeros((2, 2, 9, 32), dtype=mx.float16)
+    mask = mx.ones((2, 1, 1, 9), dtype=mx.bool_)
+    batch = BatchKVCache([0, 3])
+    assert da.suits(q, k, v, batch, mask, None)
+    assert not da.suits(q, k, v, KVCache(), mask, None)  # the serial lane's cache
+    assert not da.suits(q, k, v, batch, "causal", None)  # not an array mask
+    assert not da.suits(q, k, v, batch, mask, mx.zeros((4,)))  # attention sinks
+    assert not da.suits(mx.zeros((2, 4, 3, 32), dtype=mx.float16), k, v, batch, mx.ones((2, 1, 3, 9), dtype=mx.bool_), None)
+    assert not da.suits(q.astype(mx.float32), k, v, batch, mask, None)  # sizes not checked for float32
+    wide = mx.zeros((2, 4, 1, 48), dtype=mx.float16)  # a head size the kernel does not take
+    assert not da.suits(wide, mx.zeros((2, 2, 9, 48), dtype=mx.float16), mx.zeros((2, 2, 9, 48), dtype=mx.float16),
+                        batch, mask, None)
+
+
+@pytest.mark.skipif(mx.cuda.is_available(), reason="on CUDA the kernel builds and passes its check")
+def test_a_kernel_that_cannot_be_built_keeps_mlxs_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(da, "_verdicts", {})
+    assert da.check(6, 3, 64, mx.bfloat16) is False
+    assert da._verdicts == {(6, 3, 64, mx.bfloat16): False}  # asked once, remembered
+
+
+def test_models_with_other_caches_are_left_alone(model: llama.Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(model, "make_cache", lambda: [RotatingKVCache(max_size=16) for _ in model.layers], raising=False)
+    assert not da.plain_causal(model)
+    assert da.install(model) == []
+    assert llama.scaled_dot_product_attention is base.scaled_dot_product_attention
+
+
+def test_off_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(da.ENV, "0")
+    assert da.enabled() is False
