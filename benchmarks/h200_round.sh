@@ -35,7 +35,7 @@ case ${1:-1b} in
   step decode_step_1b 120 bash -c 'for r in 8 16; do python3 benchmarks/decode_step.py /tmp/models/l1b --rows $r; done'
   export MLXD_TRACE_STEPS="$out/trace_1b.jsonl"
   step batching_1b 200 python3 benchmarks/batching.py --model /tmp/models/l1b --widths 1,8,16 --rounds 3 --batch 16 \
-    --only server,mlxd --logs "$out/logs_1b"
+    --only server,mlxd --warmup-tokens 128 --logs "$out/logs_1b"
   unset MLXD_TRACE_STEPS
   step lone_1b 100 python3 benchmarks/engine_decode.py --model /tmp/models/l1b --runs 9 --max-tokens 256 --cold-starts 0
   ;;
@@ -44,7 +44,7 @@ case ${1:-1b} in
   step decode_step_8b4 120 bash -c 'for r in 8 16; do python3 benchmarks/decode_step.py /tmp/models/l8q --rows $r; done'
   export MLXD_TRACE_STEPS="$out/trace_8b4.jsonl"
   step batching_8b4 200 python3 benchmarks/batching.py --model /tmp/models/l8q --widths 1,8,16 --rounds 2 --batch 16 \
-    --only server,mlxd
+    --only server,mlxd --warmup-tokens 128
   unset MLXD_TRACE_STEPS
   [ -x "$pyspy" ] && step profile_8b4 70 python3 benchmarks/profile_step.py /tmp/models/l8q --streams 8 --py-spy "$pyspy"
   ;;

@@ -13,7 +13,7 @@ from mlxd.engine.gpu.batch_bias import BiasedStepBatch, LogitBias, batch_bias
 VOCAB = 96
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture()
 def model() -> llama.Model:
     mx.random.seed(11)
     args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
@@ -38,7 +38,9 @@ def generate(model: llama.Model, processors: list[list], vectorized: bool, steps
     return [out[uid] for uid in uids], batch
 
 
-def test_every_row_gets_its_own_bias_in_one_matrix(model: llama.Model) -> None:
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_every_row_gets_its_own_bias_in_one_matrix(model: llama.Model, dtype: mx.Dtype) -> None:
+    model.set_dtype(dtype)
     biases: list[dict[int, float]] = [{5: 100.0}, {7: 100.0, 5: -100.0}, {}, {3: -100.0}]
     got, batch = generate(model, [[LogitBias(b)] if b else [] for b in biases], vectorized=True)
     assert got[0] == [5] * 12 and got[1] == [7] * 12

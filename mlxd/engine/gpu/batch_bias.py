@@ -51,7 +51,7 @@ class BiasedStepBatch(GenerationBatch):
 
         def biased(inputs: mx.array, cache: Any = None) -> mx.array:
             logits = model(inputs, cache=cache)
-            return logits + self._bias_matrix(processors, logits.shape[-1])[:, None, :]
+            return logits + self._bias_matrix(processors, logits.shape[-1], logits.dtype)[:, None, :]
 
         self.model, self.logits_processors = biased, [[] for _ in processors]  # type: ignore[assignment]
         try:
@@ -59,10 +59,11 @@ class BiasedStepBatch(GenerationBatch):
         finally:
             self.model, self.logits_processors = model, processors
 
-    def _bias_matrix(self, processors: list[list[Any]], vocab: int) -> mx.array:
-        """(rows, vocab): each row's biases summed; rebuilt only when the rows change."""
+    def _bias_matrix(self, processors: list[list[Any]], vocab: int, dtype: Any) -> mx.array:
+        """(rows, vocab) in the logits' dtype (so sums round as mlx-lm's per-row add does): each
+        row's biases summed; rebuilt only when the rows change."""
         built = self._bias_rows
-        if (built is not None and self._bias is not None and self._bias.shape[1] == vocab
+        if (built is not None and self._bias is not None and self._bias.shape[1] == vocab and self._bias.dtype == dtype
                 and len(built) == len(processors) and all(a is b for a, b in zip(built, processors, strict=True))):
             return self._bias
         rows, cols, values = [], [], []
@@ -74,7 +75,7 @@ class BiasedStepBatch(GenerationBatch):
         bias = mx.zeros((len(processors), vocab), dtype=mx.float32)
         if rows:
             bias = bias.at[mx.array(rows), mx.array(cols)].add(mx.array(values, dtype=mx.float32))
-        self._bias_rows, self._bias = list(processors), bias
+        self._bias_rows, self._bias = list(processors), bias.astype(dtype)
         return bias
 
 
