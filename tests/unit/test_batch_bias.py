@@ -83,3 +83,34 @@ def test_a_generator_of_another_shape_is_left_alone() -> None:
         _generation_batch = object()
 
     assert batch_bias(Other()) is False  # type: ignore[arg-type]
+
+
+def staggered(model: llama.Model, vectorized: bool) -> tuple[dict[int, list[int]], set[str]]:
+    """Rows joining a running batch and leaving it at different steps; tokens by row, logprob dtypes."""
+    gen = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8)
+    if vectorized:
+        batch_bias(gen)
+    prompt = lambda r, n: [(i * 3 + r * 17) % (VOCAB - 1) + 1 for i in range(n)]  # noqa: E731
+    bias = lambda b: [LogitBias(b)] if vectorized else make_logits_processors(logit_bias=b)  # noqa: E731
+    uids = gen.insert([prompt(0, 9), prompt(1, 14)], max_tokens=[4, 16],
+                      logits_processors=[bias({5: 3.0, 9: -2.0}), bias({11: 2.5})])
+    seen: dict[int, list[int]] = {}
+    dtypes: set[str] = set()
+    for step in range(24):
+        if step == 3:
+            uids += gen.insert([prompt(2, 6)], max_tokens=[10], logits_processors=[bias({7: 4.0})])
+        for r in gen.next_generated():
+            seen.setdefault(r.uid, []).append(int(r.token))
+            dtypes.add(str(r.logprobs.dtype))
+    gen.close()
+    return {uids.index(uid): tokens for uid, tokens in seen.items()}, dtypes
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_rows_joining_and_leaving_a_running_batch_match_mlx_lm(model: llama.Model, dtype: mx.Dtype) -> None:
+    model.set_dtype(dtype)
+    got, got_dtypes = staggered(model, vectorized=True)
+    want, want_dtypes = staggered(model, vectorized=False)
+    assert [len(got[r]) for r in range(3)] == [4, 16, 10]
+    assert got == want
+    assert got_dtypes == want_dtypes == {str(dtype)}  # every step in the logits' own dtype

@@ -76,3 +76,50 @@ def test_models_with_other_caches_are_left_alone(model: llama.Model, monkeypatch
 def test_off_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(da.ENV, "0")
     assert da.enabled() is False
+
+
+def decode_rows(model: llama.Model) -> tuple[list[list[int]], list[mx.array]]:
+    """Staggered rows through mlx-lm's BatchGenerator: one joins a running batch, one leaves early."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8)
+    prompt = lambda r, n: [(i * 5 + r * 11) % 48 + 1 for i in range(n)]  # noqa: E731
+    uids = gen.insert([prompt(0, 7), prompt(1, 19), prompt(2, 12)], max_tokens=[3, 14, 14])
+    tokens: dict[int, list[int]] = {}
+    logprobs: list[mx.array] = []
+    for step in range(20):
+        if step == 4:
+            uids += gen.insert([prompt(3, 25)], max_tokens=[8])
+        for r in gen.next_generated():
+            tokens.setdefault(r.uid, []).append(int(r.token))
+            logprobs.append(r.logprobs)
+    gen.close()
+    return [tokens[uid] for uid in uids], logprobs
+
+
+def test_row_starts_say_what_mlx_lms_mask_says_through_joins_and_leaves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel's contract, checked where it cannot run: with MLX's masked attention standing in
+    for it, fed only each row's start (the cache's left padding), a batch whose rows join and
+    leave decodes exactly as mlx-lm's own masked path."""
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", base.scaled_dot_product_attention)
+    mx.random.seed(9)
+    args = llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=50)
+    model = llama.Model(args)  # head size 32: one the kernel takes
+    mx.eval(model.parameters())
+    want_tokens, want_logprobs = decode_rows(model)
+
+    routed: list[int] = []
+
+    def stand_in(q: mx.array, k: mx.array, v: mx.array, starts: mx.array, scale: float, warps: int = 0) -> mx.array:
+        routed.append(q.shape[0])
+        return da.reference(q, k, v, starts, scale)
+
+    monkeypatch.setattr(da, "fused", stand_in)
+    monkeypatch.setattr(da, "check", lambda *_: True)
+    assert da.install(model) == ["mlx_lm.models.llama"]
+    got_tokens, got_logprobs = decode_rows(model)
+    assert got_tokens == want_tokens
+    assert [len(t) for t in got_tokens] == [3, 14, 14, 8]
+    assert all(mx.allclose(a, b, atol=1e-5).item() for a, b in zip(got_logprobs, want_logprobs, strict=True))
+    assert set(routed) == {1, 2, 3}  # decode steps of 1, 2 and 3 rows went through the row starts

@@ -76,7 +76,7 @@ class BiasedStepBatch(GenerationBatch):
         if rows:
             bias = bias.at[mx.array(rows), mx.array(cols)].add(mx.array(values, dtype=mx.float32))
         self._bias_rows, self._bias = list(processors), bias.astype(dtype)
-        return bias
+        return self._bias
 
 
 def batch_bias(gen: BatchGenerator) -> bool:

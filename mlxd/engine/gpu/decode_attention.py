@@ -193,6 +193,7 @@ def suits(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, mask:
     Hk = keys.shape[1]
     return (N == 1 and mask.dtype == mx.bool_ and mask.shape[-1] == keys.shape[2] and mask.size == B * keys.shape[2]
             and D % 32 == 0 and D <= 256 and keys.shape[3] == D and values.shape[3] == D and H % Hk == 0
+            and keys.dtype == values.dtype == queries.dtype
             and queries.dtype in TOLERANCE and check(H, Hk, D, queries.dtype))
 
 
