@@ -58,6 +58,22 @@ def defaults(environ: Mapping[str, str], *, cuda: bool, version: str) -> dict[st
     return {name: value for name, value in wanted.items() if name not in environ}
 
 
+def cold_kernel_cache(environ: Mapping[str, str], *, cuda: bool) -> Path | None:
+    """The kernel cache directory when MLX's CUDA backend will fill it from nothing (it holds no
+    file yet): the engine's first start with this MLX version on this machine compiles every
+    kernel it uses (about a minute on an H200), and says so."""
+    path = environ.get("MLX_PTX_CACHE_DIR")
+    if not cuda or not path:
+        return None
+    cache = Path(path)
+    try:
+        if cache.is_dir() and any(p.is_file() for p in cache.rglob("*")):
+            return None
+    except OSError:
+        return None
+    return cache
+
+
 def apply(environ: os._Environ[str] = os.environ) -> dict[str, str]:
     """Set the defaults in this process's environment (before mlx is imported); what was set."""
     added = defaults(environ, cuda=is_cuda_build(), version=mlx_version())

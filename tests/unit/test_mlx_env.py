@@ -45,3 +45,15 @@ def test_the_engine_process_sees_the_settings_before_mlx_loads(tmp_path: Path) -
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split()[:2] == ["0", "7"]
     assert "MLX_CUDA_USE_CUDNN_SDPA" in out and "MLX_MAX_OPS_PER_BUFFER'" not in out
+
+
+def test_a_kernel_cache_with_no_file_yet_is_cold_on_cuda_only(tmp_path: Path) -> None:
+    cache = tmp_path / "mlx-kernels" / "0.32.4"
+    env = {"MLX_PTX_CACHE_DIR": str(cache)}
+    assert mlx_env.cold_kernel_cache(env, cuda=True) == cache  # not there yet
+    (cache / "sub").mkdir(parents=True)
+    assert mlx_env.cold_kernel_cache(env, cuda=True) == cache  # there, but empty
+    (cache / "sub" / "kernel.ptx").write_text("ptx")
+    assert mlx_env.cold_kernel_cache(env, cuda=True) is None  # filled by an earlier start
+    assert mlx_env.cold_kernel_cache({"MLX_PTX_CACHE_DIR": str(tmp_path / "none")}, cuda=False) is None
+    assert mlx_env.cold_kernel_cache({}, cuda=True) is None  # MLX's own default: nothing to say

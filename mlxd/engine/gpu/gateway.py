@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mlxd.engine import mlx_env
 from mlxd.engine.cache.prompt_cache import PromptCache
 from mlxd.engine.gpu import decode_attention
 from mlxd.engine.gpu.batch_lane import BatchLane
@@ -185,6 +186,9 @@ class Gateway:
         if opts.batch > 1 and decode_attention.enabled() and (modules := decode_attention.install(loaded.model)):
             log.info("batched decode attention runs mlxd's kernel (%s)", ", ".join(modules))
         if wanted(opts.warmup):
+            if cold := mlx_env.cold_kernel_cache(os.environ, cuda=bool(mx.cuda.is_available())):
+                log.info("warm-up: the first start on this machine with this MLX version compiles its GPU kernels "
+                         "(about a minute; kept in %s for later starts)", cold)
             seconds, jobs, most = self._warm_up(loaded)
             log.info("warm-up: %d jobs, up to %d rows at once: %.0f ms", jobs, most, seconds * 1000)
         # Unseeded sampling draws from MLX's global generator: fresh entropy for each engine.
