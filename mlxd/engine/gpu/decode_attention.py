@@ -209,7 +209,6 @@ def wrap(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
             return fused(queries, keys, values, starts, scale)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
-    decode_sdpa.mlxd_original = original  # type: ignore[attr-defined]
     return decode_sdpa
 
 
