@@ -73,13 +73,33 @@ def engine_env() -> dict[str, str]:
     return env
 
 
+def parse_cpus(spec: str | None) -> set[int] | None:
+    """'4-7' or '2,3' -> {4, 5, 6, 7} / {2, 3}: the CPUs both sides are pinned to (None: not pinned)."""
+    if not spec:
+        return None
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def pinned(cpus: set[int] | None) -> Any:
+    """A preexec_fn that pins the child to `cpus`: the same cores for raw and engine, so that
+    where the scheduler puts each process (which swings a CPU-bound decode loop by 20%+ on the
+    H200 host) stops differing between the two sides."""
+    if cpus is None:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
 class RawWorker:
     """mlx-lm's stream_generate in a child process, one JSON job per line."""
 
-    def __init__(self, model: Path, bias: dict[str, float]) -> None:
+    def __init__(self, model: Path, bias: dict[str, float], cpus: set[int] | None = None) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", RAW_WORKER, str(model), json.dumps(bias)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            text=True, env=engine_env(),
+            text=True, env=engine_env(), preexec_fn=pinned(cpus),
         )
         self._read()
 
@@ -113,12 +133,12 @@ def timing(t0: float, stamps: list[float], num_tokens: int) -> dict[str, float]:
 class Engine:
     """A real engine process and a streaming client over its socket."""
 
-    def __init__(self, model: Path, model_id: str, sock_dir: Path) -> None:
+    def __init__(self, model: Path, model_id: str, sock_dir: Path, cpus: set[int] | None = None) -> None:
         self.socket = sock_dir / "bench.sock"
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlxd.engine", "--model", str(model), "--model-id", model_id, "--socket", str(self.socket)],
-            env=engine_env(), stderr=subprocess.DEVNULL,
+            env=engine_env(), stderr=subprocess.DEVNULL, preexec_fn=pinned(cpus),
         )
         self.cold_start_s = asyncio.run(self._wait_ready()) - t0
         self.bias: dict[str, float] = {}
@@ -186,6 +206,8 @@ def summarize(raw: list[dict[str, float]], eng: list[dict[str, float]], cold: li
         "raw_decode_tps": med(raw, "decode_tps"),
         "engine_decode_tps": med(eng, "decode_tps"),
         "decode_ratio": med(eng, "decode_tps") / med(raw, "decode_tps"),
+        # each engine run against the raw run just before it: machine drift between runs cancels
+        "paired_ratio_median": statistics.median(e["decode_tps"] / r["decode_tps"] for r, e in zip(raw, eng, strict=True)),
         "raw_ttft_ms": med(raw, "ttft_s") * 1000,
         "engine_ttft_ms": med(eng, "ttft_s") * 1000,
         "ttft_overhead_ms": (med(eng, "ttft_s") - med(raw, "ttft_s")) * 1000,
@@ -218,20 +240,22 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--cold-starts", type=int, default=3)
     p.add_argument("--json", type=Path, help="also write the summary here")
+    p.add_argument("--cpus", help="pin the raw worker and the engine to these CPUs, e.g. 4-7 (Linux)")
     args = p.parse_args()
+    cpus = parse_cpus(args.cpus)
     with tempfile.TemporaryDirectory(prefix="mxb-", dir="/tmp") as tmp:
         work = Path(tmp)
         work.chmod(0o700)
         model, model_id = prepare_model(args, work)
         cold = []
         for _ in range(args.cold_starts - 1):
-            e = Engine(model, model_id, work)
+            e = Engine(model, model_id, work, cpus)
             cold.append(e.cold_start_s)
             e.stop()
-        engine = Engine(model, model_id, work)
+        engine = Engine(model, model_id, work, cpus)
         cold.append(engine.cold_start_s)
         engine.bias = logit_bias(model, ascii_only=bool(args.random_llama))
-        raw = RawWorker(model, engine.bias)
+        raw = RawWorker(model, engine.bias, cpus)
         try:
             raw_rows, eng_rows = asyncio.run(measure(engine, raw, args.runs, args.max_tokens))
         finally:
@@ -239,7 +263,8 @@ def main() -> None:
             engine.stop()
     summary = summarize(raw_rows, eng_rows, cold)
     summary["runs"] = args.runs
-    print(f"model: {model_id}  ({args.runs} runs x {args.max_tokens} tokens, medians)")
+    print(f"model: {model_id}  ({args.runs} runs x {args.max_tokens} tokens, medians; CPUs {args.cpus or 'not pinned'})")
+    print("  per run, decode tok/s raw/engine: " + " ".join(f"{r['decode_tps']:.0f}/{e['decode_tps']:.0f}" for r, e in zip(raw_rows, eng_rows, strict=True)))
     for key, value in summary.items():
         print(f"  {key:20s} {value:10.3f}")
     if args.json:

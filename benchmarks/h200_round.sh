@@ -10,7 +10,10 @@
 # engine), and its lone stream against raw stream_generate. `8b`: the same on the 8B-shaped
 # 4-bit model, and a py-spy profile of the engine's GPU thread at 8 streams. `streams`: only
 # batching.py at 8 and 16 streams on both models, each warmed up with full-length replies
-# (without a 1-stream phase first, mlx_lm.server met its first shapes in its measured rounds). `prefill`: fair_prefill.
+# (without a 1-stream phase first, mlx_lm.server met its first shapes in its measured rounds). `close`: the
+# lone 1B stream and the 1B batching run, twice over. `lone`: the lone 1B stream pinned to
+# two CPU sets, then unpinned. `close8b`: the 8B batching run
+# at 1, 8 and 16 streams. CLOSE_SHORT=1 makes `close` a 1B batching run and a 41-run lone stream. `prefill`: fair_prefill.
 # Each step has its own time limit; results go to $OUT (or ./h200-out) as one text file a step.
 set -u
 out=${OUT:-h200-out}
@@ -59,10 +62,39 @@ streams)
     --only server,mlxd --warmup-tokens 128
   unset MLXD_TRACE_STEPS
   ;;
+close)
+  # issue 10's two closing figures, each measured twice: the lone 1B stream against raw
+  # stream_generate, and batching.py's 1B run at 1, 8 and 16 streams.
+  model 1b-bf16 /tmp/models/l1b
+  step lone_1b 130 python3 benchmarks/engine_decode.py --model /tmp/models/l1b --runs 13 --max-tokens 256 --cold-starts 0
+  export MLXD_TRACE_STEPS="$out/trace_1b.jsonl"
+  step batching_1b 220 python3 benchmarks/batching.py --model /tmp/models/l1b --widths 1,8,16 --rounds 3 --batch 16 \
+    --only server,mlxd --warmup-tokens 128
+  unset MLXD_TRACE_STEPS
+  [ -n "${CLOSE_SHORT:-}" ] && step lone_1b_long 150 python3 benchmarks/engine_decode.py --model /tmp/models/l1b --runs 41 \
+    --max-tokens 256 --cold-starts 0
+  [ -n "${CLOSE_SHORT:-}" ] && exit 0
+  step batching_1b_8 150 python3 benchmarks/batching.py --model /tmp/models/l1b --widths 8 --rounds 3 --batch 16 \
+    --only server,mlxd --warmup-tokens 128
+  ;;
+close8b)
+  # the 8B model's batching run with the final code (server warmed up at full length)
+  model 8b-4bit /tmp/models/l8q
+  step batching_8b4 300 python3 benchmarks/batching.py --model /tmp/models/l8q --widths 1,8,16 --rounds 2 --batch 16 \
+    --only server,mlxd --warmup-tokens 128
+  ;;
+lone)
+  # the lone 1B stream with raw and engine pinned to the same CPUs, on two CPU sets, then unpinned
+  model 1b-bf16 /tmp/models/l1b
+  step cpus 10 bash -c 'nproc; lscpu | grep -i -E "model name|numa|thread|socket|mhz"'
+  step lone_1b_a 150 python3 benchmarks/engine_decode.py --model /tmp/models/l1b --runs 11 --max-tokens 256 --cold-starts 0 --cpus 2-5
+  step lone_1b_b 120 python3 benchmarks/engine_decode.py --model /tmp/models/l1b --runs 11 --max-tokens 256 --cold-starts 0 --cpus 10-13
+  step lone_1b_c 120 python3 benchmarks/engine_decode.py --model /tmp/models/l1b --runs 11 --max-tokens 256 --cold-starts 0
+  ;;
 prefill)
   model 1b-bf16 /tmp/models/l1b
   step fair_prefill 120 python3 benchmarks/fair_prefill.py --model /tmp/models/l1b --streams 8 --batch 16 \
     --long-tokens 8000 --compare-step 8192
   ;;
-*) echo "usage: $0 1b|8b|streams|prefill" >&2; exit 2 ;;
+*) echo "usage: $0 1b|8b|streams|close|close8b|lone|prefill" >&2; exit 2 ;;
 esac

@@ -17,26 +17,34 @@ from mlxd.engine.gpu import batch_lane, gateway, sequence
 real_submit = gateway.Gateway.submit
 real_add = sequence.Sequence.add
 real_step = batch_lane.BatchLane.step
-marked: dict[int, str] = {}  # id(job) -> the fault it asks for
+# id(job) -> (the fault it asks for, the job). The job is held so that its id cannot be reused
+# by a later job while the mark stays (a RAISE mark is never removed): an unmarked request
+# once inherited a finished one's mark that way and failed.
+marked: dict[int, tuple[str, Any]] = {}
+
+
+def mark(job: Any) -> str | None:
+    entry = marked.get(id(job))
+    return entry[0] if entry is not None and entry[1] is job else None
 
 
 def faulty_submit(self: Any, job: Any) -> None:
     text = self.loaded.decode(job.prompt) if self.loaded is not None else ""
     for word in ("RAISE", "BATCHFAIL"):
         if word in text:
-            marked[id(job)] = word
+            marked[id(job)] = (word, job)
     real_submit(self, job)
 
 
 def faulty_add(self: Any, token: int) -> bool:
-    if len(self.generated) == 3 and marked.get(id(self.job)) == "RAISE":
+    if len(self.generated) == 3 and mark(self.job) == "RAISE":
         raise RuntimeError("injected fault")
     return real_add(self, token)
 
 
 def faulty_step(self: Any) -> list[Any]:
     for seq in list(self._rows.values()):
-        if len(self._rows) >= 3 and len(seq.generated) >= 3 and marked.get(id(seq.job)) == "BATCHFAIL":
+        if len(self._rows) >= 3 and len(seq.generated) >= 3 and mark(seq.job) == "BATCHFAIL":
             del marked[id(seq.job)]
             self._gen.next = _raise  # this step raises; fail_all then makes a fresh generator
     return real_step(self)
