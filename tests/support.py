@@ -73,6 +73,8 @@ class EngineProcess:
         self.log_path = Path(tempfile.mkdtemp(prefix="mx-log-")) / "engine.log"
         self._log = self.log_path.open("wb")
         launcher = launcher or [sys.executable, "-m", "mlxd.engine"]
+        if "--ssd-cache-dir" not in extra:  # each engine its own SSD tier unless a test shares one
+            extra = (*extra, "--ssd-cache-dir", str(self.log_path.parent / "kv"))
         argv = [*launcher, "--model", str(model), "--model-id", model_id, "--socket", str(self.socket), *extra]
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self.client = httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket)), base_url="http://engine", timeout=120)

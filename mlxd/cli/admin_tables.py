@@ -114,13 +114,27 @@ def ps_text(listing: Mapping[str, Any]) -> str:
     rows = [
         (e["model"], e.get("state", "-"), format_size(e.get("memory_estimate_bytes")),
          format_size(e.get("rss_bytes")), e.get("pid") or "-", e.get("in_flight", 0), e.get("queued", 0),
-         until_text(e), lease_text(e))
+         cache_text(e.get("prompt_cache")), until_text(e), lease_text(e))
         for e in engines
     ]
-    headers = ("NAME", "STATE", "SIZE", "RSS", "PID", "IN FLIGHT", "QUEUED", "UNTIL", "LEASE")
+    headers = ("NAME", "STATE", "SIZE", "RSS", "PID", "IN FLIGHT", "QUEUED", "PROMPT CACHE", "UNTIL", "LEASE")
     lines = [render_table(headers, rows)] if rows else ["no models loaded"]
     lines += [failure_line(e) for e in engines if e.get("failure")]
     return "\n".join([*lines, budget_line(listing)])
+
+
+def cache_text(cache: Mapping[str, Any] | None) -> str:
+    """`48 MB + 1.2 GB SSD, 75% hit`: what the engine's prompt cache holds, and how often it served."""
+    if not cache:
+        return "-"
+    ram, ssd = cache.get("ram") or {}, cache.get("ssd")
+    text = format_size(ram.get("bytes"))
+    if isinstance(ssd, Mapping):
+        text += f" + {format_size(ssd.get('bytes'))} SSD"
+    hits = sum((cache.get("hits") or {}).values())
+    if looked := hits + int(cache.get("misses") or 0):
+        text += f", {round(100 * hits / looked)}% hit"
+    return text
 
 
 def failure_line(engine: Mapping[str, Any]) -> str:

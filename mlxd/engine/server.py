@@ -11,23 +11,29 @@ import socket
 import sys
 from pathlib import Path
 
+import psutil
 from aiohttp import web
 
 from mlxd.engine import blas
+from mlxd.engine.gpu.gateway import STOPPING as STOPPING_EVENT
 from mlxd.engine.gpu.gateway import Gateway, GatewayOptions
 from mlxd.engine.gpu.stats import Stats
 from mlxd.engine.http.app import make_app
 from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.engine.parent_watch import set_death_signal, watch_parent
 from mlxd.engine.settings import EngineSettings
-from mlxd.paths import check_private_dir
+from mlxd.paths import check_private_dir, data_dir
 from mlxd.protocol.exit_codes import ExitCode
+from mlxd.protocol.memory import default_prompt_cache_bytes
 
 log = logging.getLogger("mlxd.engine")
 MAX_SOCKET_PATH = 104 if sys.platform == "darwin" else 108
 # Open requests are answered at once on stop, so handlers end quickly; aiohttp applies this
 # twice (graceful, then after cancelling), which keeps exit well inside 2 s.
 SHUTDOWN_TIMEOUT_S = 0.3
+# On SIGTERM the prompt cache's RAM entries are written to SSD first, for at most this long
+# (the supervisor drains an engine, which writes them, before it sends SIGTERM).
+STOP_FLUSH_S = 10.0
 
 
 class BootError(Exception):
@@ -103,10 +109,7 @@ async def run(settings: EngineSettings, sock: socket.socket, parent: int) -> int
     loop = asyncio.get_running_loop()
     stats = Stats()
     load = lambda: LoadedModel(settings.model, settings.model_id, settings.max_context)  # noqa: E731
-    options = GatewayOptions(
-        prefill_step=settings.prefill_step, batch=settings.batch, max_context=settings.max_context,
-        kv_budget_tokens=settings.kv_budget_tokens, warmup=settings.warmup, gather_ms=settings.gather_ms,
-    )
+    options = gateway_options(settings)
     gateway = Gateway(load, stats, options)
     stopped: asyncio.Future[ExitCode] = loop.create_future()
 
@@ -136,6 +139,12 @@ async def run(settings: EngineSettings, sock: socket.socket, parent: int) -> int
         loop.add_signal_handler(sig, on_signal)
     watcher = loop.create_task(watch_parent(parent, lambda: stop(ExitCode.PARENT_GONE)))
     code = await stopped
+    if code == ExitCode.OK and gateway.loaded is not None:
+        # SIGTERM drains the prompt cache: requests in flight end now, then RAM entries go to SSD.
+        gateway.abort_open(STOPPING_EVENT)
+        with contextlib.suppress(Exception):
+            report = await asyncio.wait_for(asyncio.wrap_future(gateway.flush_cache(STOP_FLUSH_S)), STOP_FLUSH_S + 1)
+            log.info("on stop: prompt cache %s", report)
     # First, while our SIGTERM handler still stands: a parent that dies sends the death signal
     # again at each reparenting (to each of its threads, then to init), and one landing after
     # the loop has closed would kill us with the socket file left behind
@@ -146,6 +155,23 @@ async def run(settings: EngineSettings, sock: socket.socket, parent: int) -> int
     await runner.cleanup()
     log.info("engine stopped (exit %d)", code)
     return int(code)
+
+
+def gateway_options(settings: EngineSettings) -> GatewayOptions:
+    """The GPU gateway's options from the command line, defaults filled in for this machine."""
+    batch = settings.batch
+    if settings.kv_bits is not None and batch > 1:
+        log.warning("--kv-bits %d: quantized KV runs in the serial lane only; batch width %d -> 1", settings.kv_bits, batch)
+        batch = 1
+    cache_bytes = settings.prompt_cache_bytes
+    if cache_bytes is None:
+        cache_bytes = default_prompt_cache_bytes(psutil.virtual_memory().total)
+    return GatewayOptions(
+        prefill_step=settings.prefill_step, batch=batch, max_context=settings.max_context,
+        kv_budget_tokens=settings.kv_budget_tokens, warmup=settings.warmup, gather_ms=settings.gather_ms,
+        prompt_cache_bytes=cache_bytes, ssd_root=settings.ssd_cache_dir or data_dir() / "kv",
+        ssd_cache_bytes=settings.ssd_cache_bytes, kv_bits=settings.kv_bits, kv_group_size=settings.kv_group_size,
+    )
 
 
 def gpu_exit_code(gateway: Gateway) -> ExitCode:

@@ -23,6 +23,11 @@ class EngineSettings:
     gather_ms: float = 5.0
     max_body: int = DEFAULT_MAX_BODY
     parent_pid: int | None = None
+    prompt_cache_bytes: int | None = None  # None: protocol.memory's default for this machine
+    ssd_cache_bytes: int | None = None  # None: default_ssd_cache_bytes; 0: no SSD tier
+    ssd_cache_dir: Path | None = None  # None: <data dir>/kv
+    kv_bits: int | None = None
+    kv_group_size: int = 64
 
 
 def parse_args(argv: list[str]) -> EngineSettings:
@@ -48,6 +53,20 @@ def parse_args(argv: list[str]) -> EngineSettings:
              "the rest of its burst, so they are prefilled as one batch (0: never wait)",
     )
     p.add_argument("--max-body", type=int, default=DEFAULT_MAX_BODY, help="max request body bytes")
+    p.add_argument(
+        "--prompt-cache-bytes", type=int, default=None,
+        help="RAM for cached prompt prefixes' KV (default: 10%% of memory, 512 MiB to 32 GiB; 0: no prompt cache)",
+    )
+    p.add_argument(
+        "--ssd-cache-bytes", type=int, default=None,
+        help="disk for the prompt cache's SSD tier (default: 25%% of the free space, at most 32 GiB; 0: no SSD tier)",
+    )
+    p.add_argument("--ssd-cache-dir", type=Path, default=None, help="the SSD tier's root (default: <data dir>/kv)")
+    p.add_argument(
+        "--kv-bits", type=int, choices=(2, 3, 4, 5, 6, 8), default=None,
+        help="quantize the KV cache to this many bits (mlx-lm's QuantizedKVCache); runs one sequence at a time",
+    )
+    p.add_argument("--kv-group-size", type=int, choices=(32, 64, 128), default=64, help="group size for --kv-bits")
     default_parent = os.environ.get("MLXD_PARENT_PID")
     p.add_argument(
         "--parent-pid", type=int, default=int(default_parent) if default_parent else None,
@@ -60,8 +79,14 @@ def parse_args(argv: list[str]) -> EngineSettings:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 <= a.gather_ms <= 1000:
         p.error("--gather-ms must be between 0 and 1000")
+    for name in ("prompt_cache_bytes", "ssd_cache_bytes"):
+        value = getattr(a, name)
+        if value is not None and value < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0")
     return EngineSettings(
         model=a.model, model_id=a.model_id, socket=a.socket, max_context=a.max_context,
         batch=a.batch, prefill_step=a.prefill_step, kv_budget_tokens=a.kv_budget_tokens, warmup=a.warmup,
         gather_ms=a.gather_ms, max_body=a.max_body, parent_pid=a.parent_pid,
+        prompt_cache_bytes=a.prompt_cache_bytes, ssd_cache_bytes=a.ssd_cache_bytes, ssd_cache_dir=a.ssd_cache_dir,
+        kv_bits=a.kv_bits, kv_group_size=a.kv_group_size,
     )

@@ -16,12 +16,18 @@ ROW_TOKENS = 4096
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
+def head_size(cfg: dict[str, Any]) -> int:
+    """One attention head's size (0 when the config lacks the sizes)."""
+    heads = int(cfg.get("num_attention_heads") or 0)
+    return int(cfg.get("head_dim") or (int(cfg.get("hidden_size") or 0) // heads if heads else 0))
+
+
 def kv_bytes_per_token(cfg: dict[str, Any]) -> int:
     """Keys and values for one token across all layers (0 when the config lacks the sizes)."""
     layers = int(cfg.get("num_hidden_layers") or 0)
     heads = int(cfg.get("num_attention_heads") or 0)
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or (int(cfg.get("hidden_size") or 0) // heads if heads else 0))
+    head_dim = head_size(cfg)
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float16")
     return 2 * layers * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 2)
 
@@ -34,3 +40,14 @@ def kv_budget_tokens(window: int, batch: int, max_context: int | None = None) ->
     """
     context = max_context or min(window, KV_CONTEXT_CAP)
     return max(context, batch * min(context, ROW_TOKENS))
+
+
+# The prompt cache's RAM tier by default: this share of physical memory, within these bounds.
+PROMPT_CACHE_SHARE = 0.10
+PROMPT_CACHE_MIN = 512 * 1024 * 1024
+PROMPT_CACHE_MAX = 32 * 1024**3
+
+
+def default_prompt_cache_bytes(total_memory: int) -> int:
+    """The RAM tier's byte cap when none is set: 10% of memory, at least 512 MiB, at most 32 GiB."""
+    return int(min(PROMPT_CACHE_MAX, max(PROMPT_CACHE_MIN, total_memory * PROMPT_CACHE_SHARE)))

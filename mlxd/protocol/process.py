@@ -24,5 +24,8 @@ class DrainResult(msgspec.Struct):
     finished: int
     cancelled: int
     waited_ms: float
-    cache_written_bytes: int
+    cache_written_bytes: int  # the prompt cache's RAM entries written to SSD by this drain
     resumed: bool
+    cache_written_entries: int = 0
+    cache_write_ms: float = 0.0
+    cache_complete: bool = True  # False: the writes did not all finish within the timeout

@@ -87,6 +87,7 @@ def engine_info(pool: Pool, slot: Slot, lease: Lease | None) -> dict[str, Any]:
         "retry_in_s": round(retry_in_s, 3) if retry_in_s is not None else None,
         "last_stop": slot.last_stop,
         "lease": {"id": lease.id, "holder": lease.holder, "expires_at": lease.expires_at} if lease else None,
+        "prompt_cache": engine.prompt_cache if engine.state in (EngineState.READY, EngineState.DRAINING) else None,
     }
 
 
@@ -108,6 +109,7 @@ def is_alive(pid: int) -> bool:
 async def engines(request: web.Request) -> web.Response:
     """GET /admin/engines: every engine the pool has seen, with its memory and queue."""
     pool, leases = request.app[POOL], request.app[LEASES]
+    await asyncio.gather(*(s.engine.fetch_prompt_cache() for s in pool.slots()))
     data = [engine_info(pool, s, leases.for_model(s.entry.id)) for s in pool.slots()]
     return web.json_response({
         "object": "list", "budget_bytes": pool.limits.budget_bytes, "used_bytes": pool.used_bytes(),

@@ -80,6 +80,12 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     warmup: Literal["auto", "on", "off"] = "auto"  # engines' --warmup (auto: on CUDA only)
     gather_ms: Annotated[float, msgspec.Meta(ge=0, le=1000)] = DEFAULT_GATHER_MS  # engines' --gather-ms (0: never)
     spare_engine: bool = True  # keep one engine process with its imports done ($MLXD_SPARE_ENGINE=0: off)
+    # The prompt cache (engines' --prompt-cache-bytes / --ssd-cache-bytes; None: their defaults,
+    # 10% of memory and a quarter of the free disk, capped at 32 GiB each; 0: off).
+    prompt_cache_bytes: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    ssd_cache_bytes: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    kv_bits: Literal[2, 3, 4, 5, 6, 8] | None = None  # engines' --kv-bits: quantized KV, one sequence at a time
+    kv_group_size: Literal[32, 64, 128] = 64
     # Crash loops: `crash_limit` exits within `crash_window_s` mark a model failed; it is tried
     # again after a cool-down that starts at `cooldown_s`, doubles on each new failure up to
     # `cooldown_max_s`, and resets after `healthy_reset_s` of serving without a crash.

@@ -120,6 +120,22 @@ class Engine:
         self._log_tail: collections.deque[str] = collections.deque(maxlen=40)
         self.session: aiohttp.ClientSession | None = None
         self._log_task: asyncio.Task[None] | None = None
+        self.prompt_cache: dict[str, Any] | None = None  # its /admin/stats `prompt_cache`, as last fetched
+
+    async def fetch_prompt_cache(self) -> dict[str, Any] | None:
+        """The engine's prompt-cache figures (RAM and SSD tiers), fresh; None unless it serves."""
+        session = self.session
+        if self.state not in (EngineState.READY, EngineState.DRAINING) or session is None:
+            self.prompt_cache = None
+            return None
+        try:
+            async with session.get("http://engine/admin/stats", timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                body = await resp.json()
+            cache = body.get("prompt_cache") if isinstance(body, dict) else None
+            self.prompt_cache = cache if isinstance(cache, dict) else None
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
+            pass  # keep the last figures: a busy engine answers next time
+        return self.prompt_cache
 
     async def ensure_ready(self) -> aiohttp.ClientSession:
         """Start the engine if it is not running, and wait until it answers `ready`."""

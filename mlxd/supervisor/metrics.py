@@ -82,6 +82,47 @@ class PoolCollector:
             restarts.add_metric([engine.model_id], engine.num_restarts)
         yield states
         yield restarts
+        yield from prompt_cache_families([(e.model_id, e.prompt_cache) for e in self._pool.engines() if e.prompt_cache])
+
+
+def prompt_cache_families(caches: list[tuple[str, dict[str, Any]]]) -> Iterator[Any]:
+    """Each serving engine's prompt cache: entries and bytes per tier, hits per tier, misses,
+    tokens reused, SSD writes, restores, their time, quarantined files and write errors."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    entries = GaugeMetricFamily("mlxd_prompt_cache_entries", "Prompt-cache entries held.", labels=["model", "tier"])
+    size = GaugeMetricFamily("mlxd_prompt_cache_bytes", "Prompt-cache bytes held.", labels=["model", "tier"])
+    hits = CounterMetricFamily("mlxd_prompt_cache_hits", "Requests that reused a cached prefix, by tier.",
+                               labels=["model", "tier"])
+    misses = CounterMetricFamily("mlxd_prompt_cache_misses", "Requests with no cached prefix.", labels=["model"])
+    reused = CounterMetricFamily("mlxd_prompt_cache_reused_tokens", "Prompt tokens served from the cache.",
+                                 labels=["model"])
+    ssd_counters = {
+        "writes": ("mlxd_prompt_cache_ssd_writes", "Entries written to SSD."),
+        "written_bytes": ("mlxd_prompt_cache_ssd_written_bytes", "Bytes written to SSD."),
+        "restores": ("mlxd_prompt_cache_ssd_restores", "Entries restored from SSD."),
+        "quarantined": ("mlxd_prompt_cache_ssd_quarantined", "Damaged cache files moved to quarantine."),
+        "write_errors": ("mlxd_prompt_cache_ssd_write_errors", "SSD writes that failed (disk full, I/O error)."),
+    }
+    ssd = {key: CounterMetricFamily(name, text, labels=["model"]) for key, (name, text) in ssd_counters.items()}
+    seconds = CounterMetricFamily("mlxd_prompt_cache_ssd_seconds", "Time spent writing to and restoring from SSD.",
+                                  labels=["model", "op"])
+    for model, cache in caches:
+        tiers = {"ram": cache.get("ram"), "ssd": cache.get("ssd")}
+        for tier, figures in tiers.items():
+            if isinstance(figures, dict):
+                entries.add_metric([model, tier], figures.get("entries", 0))
+                size.add_metric([model, tier], figures.get("bytes", 0))
+        for tier, n in (cache.get("hits") or {}).items():
+            hits.add_metric([model, tier], n)
+        misses.add_metric([model], cache.get("misses", 0))
+        reused.add_metric([model], cache.get("tokens_reused", 0))
+        if isinstance(tiers["ssd"], dict):
+            for key, family in ssd.items():
+                family.add_metric([model], tiers["ssd"].get(key, 0))
+            seconds.add_metric([model, "write"], tiers["ssd"].get("write_ms", 0) / 1000)
+            seconds.add_metric([model, "restore"], tiers["ssd"].get("restore_ms", 0) / 1000)
+    yield from (entries, size, hits, misses, reused, *ssd.values(), seconds)
 
 
 def make_metrics_middleware(lazy: LazyMetrics) -> Middleware:

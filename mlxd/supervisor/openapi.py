@@ -86,6 +86,7 @@ class EngineRow(msgspec.Struct):
     boot: dict[str, float] | None
     last_stop: dict[str, Any] | None
     lease: EngineLease | None
+    prompt_cache: dict[str, Any] | None  # the engine's prompt cache (RAM, SSD, hits); None unless serving
 
 
 class EngineList(msgspec.Struct):
@@ -99,7 +100,7 @@ class EngineList(msgspec.Struct):
     data: list[EngineRow]
 
 
-class ModelDrain(DrainResult):
+class ModelDrain(DrainResult, kw_only=True):
     model: str
 
 

@@ -19,7 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from mlxd.protocol.errors import APIError
+from mlxd.protocol.memory import default_prompt_cache_bytes
 from mlxd.supervisor import policy
 from mlxd.supervisor.config import DEFAULT_GATHER_MS, PoolConfig
 from mlxd.supervisor.engine import Engine, EngineOptions, EngineState
@@ -77,14 +80,30 @@ def crash_limits_from(config: PoolConfig) -> policy.CrashLimits:
                               config.healthy_reset_s)
 
 
-def engine_args_from(config: PoolConfig) -> tuple[str, ...]:
-    """Engine flags from the `[pool]` table: only those that differ from the engine's defaults."""
+def engine_args_from(config: PoolConfig, kv_dir: Path | None = None) -> tuple[str, ...]:
+    """Engine flags from the `[pool]` table (only those that differ from the engine's defaults),
+    and the SSD tier's root in the data dir."""
     args: list[str] = []
     if config.warmup != "auto":
         args += ["--warmup", config.warmup]
     if config.gather_ms != DEFAULT_GATHER_MS:
         args += ["--gather-ms", f"{config.gather_ms:g}"]
+    if config.prompt_cache_bytes is not None:
+        args += ["--prompt-cache-bytes", str(config.prompt_cache_bytes)]
+    if config.ssd_cache_bytes is not None:
+        args += ["--ssd-cache-bytes", str(config.ssd_cache_bytes)]
+    if config.kv_bits is not None:
+        args += ["--kv-bits", str(config.kv_bits), "--kv-group-size", str(config.kv_group_size)]
+    if kv_dir is not None:
+        args += ["--ssd-cache-dir", str(kv_dir)]
     return tuple(args)
+
+
+def prompt_cache_bytes(config: PoolConfig) -> int:
+    """What an engine's prompt cache may hold in RAM (counted in its memory estimate)."""
+    if config.prompt_cache_bytes is not None:
+        return config.prompt_cache_bytes
+    return default_prompt_cache_bytes(psutil.virtual_memory().total)
 
 
 class Pool:
@@ -92,12 +111,12 @@ class Pool:
 
     def __init__(
         self, runtime_dir: Path, options: EngineOptions | None = None, config: PoolConfig | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, kv_dir: Path | None = None,
     ) -> None:
         self._runtime_dir = runtime_dir
         self.config = config or PoolConfig()
         self._options = dataclasses.replace(options or EngineOptions(), crash=crash_limits_from(self.config),
-                                            engine_args=engine_args_from(self.config))
+                                            engine_args=engine_args_from(self.config, kv_dir))
         self.limits = limits_from(self.config)
         self._clock = clock
         self._slots: dict[str, Slot] = {}
@@ -172,6 +191,7 @@ class Pool:
                             batch=entry.batch)
             engine.spare = self.spare
             memory = estimate_bytes(entry.path, entry.size_bytes, entry.max_context, entry.batch)
+            memory += prompt_cache_bytes(self.config)
             ttl = entry.idle_ttl_s if entry.idle_ttl_s is not None else self.config.idle_ttl_s
             slot = Slot(engine, entry, memory, ttl, entry.pin)
             engine.on_change = lambda: self._on_engine_change(slot)

@@ -58,7 +58,7 @@ def serve(config: Config, data_dir: Path) -> int:
     # Engines inherit it: a stream queued inside an engine gets the same keep-alive comments.
     os.environ.setdefault(STREAM_KEEPALIVE_ENV, str(config.server.stream_keepalive_s))
     registry = Registry(config.models, models_dir=models_dir(data_dir), batch=config.pool.batch)
-    app = make_app(config, registry, Pool(runtime, EngineOptions.from_env(), config.pool))
+    app = make_app(config, registry, Pool(runtime, EngineOptions.from_env(), config.pool, kv_dir=data_dir / "kv"))
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         return runner.run(run(app, config.server, started))
 

@@ -62,8 +62,12 @@ def test_drain_lets_a_running_stream_finish_then_resumes(engine: EngineProcess) 
         assert data_events(lines)[-1] == "[DONE]"
         result = drain.result().json()
     assert result["finished"] == 1 and result["cancelled"] == 0
-    assert result["drained"] is True and result["resumed"] is True and result["cache_written_bytes"] == 0
+    assert result["drained"] is True and result["resumed"] is True and result["cache_complete"] is True
     assert isinstance(result["waited_ms"], float) and result["waited_ms"] > 0
+    # The finished stream's KV is on SSD when the drain answers (written by it, or just before
+    # by the idle engine's write-behind).
+    cache = engine.stats()["prompt_cache"]
+    assert cache["writes_pending"] == 0 and cache["ssd"]["writes"] >= 1 and cache["ssd"]["entries"] >= 1
     after = engine.stats()
     assert after["requests"]["total"] == before["requests"]["total"] + 1  # the refusal is not a request
     assert after["admission"]["rejected_draining"] == before["admission"]["rejected_draining"] + 1
@@ -89,6 +93,8 @@ def test_drain_timeout_aborts_a_stream_and_a_queued_request(engine: EngineProces
 
 
 def test_drain_completes_and_resumes_when_its_caller_disconnects(engine: EngineProcess) -> None:
+    line = "1 finished, 0 cancelled; resumed"
+    before = engine.log().count(line)  # an earlier test's drain logged it too
     with engine.client.stream("POST", "/v1/chat/completions", json=SHORT_STREAM) as stream:
         lines = stream.iter_lines()
         assert next(lines).startswith("data: ")
@@ -97,7 +103,7 @@ def test_drain_completes_and_resumes_when_its_caller_disconnects(engine: EngineP
         assert_refused(complete(engine), "draining")
         assert data_events(lines)[-1] == "[DONE]"
     # The drain went on without its caller: it saw the stream finish, then resumed.
-    assert wait_for(lambda: "1 finished, 0 cancelled; resumed" in engine.log())
+    assert wait_for(lambda: engine.log().count(line) == before + 1)
     assert gate(engine)["state"] == "open"
     assert complete(engine).status_code == 200
 
@@ -111,7 +117,8 @@ def test_drain_without_resume_stays_draining_and_overrides_a_lease(tiny_model: P
             assert resp.status_code == 200
             result = resp.json()
             assert result == {"drained": True, "finished": 0, "cancelled": 0, "waited_ms": result["waited_ms"],
-                              "cache_written_bytes": 0, "resumed": False}
+                              "cache_written_bytes": 0, "resumed": False, "cache_written_entries": 0,
+                              "cache_write_ms": result["cache_write_ms"], "cache_complete": True}
             health = engine.client.get("/health")
             assert (health.status_code, health.json()["status"]) == (200, "draining")
             assert_refused(complete(engine), "draining")

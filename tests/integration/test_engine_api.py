@@ -216,9 +216,10 @@ def test_penalties_give_the_same_output_with_a_warm_prompt_cache(client: openai.
     messages = [{"role": "user", "content": "Repeat after me exactly: the cat sat on the mat. " * 3}]
     kwargs = {"model": "tiny", "messages": messages, "max_tokens": 24, "temperature": 0,
               "presence_penalty": 1.5, "frequency_penalty": 1.0, "extra_body": {"repetition_penalty": 1.3}}
-    client.completions.create(model="tiny", prompt="something unrelated", max_tokens=1)  # cold cache
     cold = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
     warm = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
-    assert warm.usage.prompt_tokens_details.cached_tokens > 0
-    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    # Cold: at most the chat template's opening is cached (the engine serves other tests);
+    # warm: all of the prompt but its last token.
+    assert cold.usage.prompt_tokens_details.cached_tokens < 10
+    assert warm.usage.prompt_tokens_details.cached_tokens == warm.usage.prompt_tokens - 1
     assert warm.choices[0].message.content == cold.choices[0].message.content

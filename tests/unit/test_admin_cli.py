@@ -30,7 +30,9 @@ ENGINES: dict[str, Any] = {
         {"model": "tiny", "state": "ready", "pid": 4242, "uptime_s": 12.5, "rss_bytes": 540_000_000,
          "memory_estimate_bytes": 500_000_000, "in_flight": 1, "queued": 3, "last_used": 1.0e9,
          "pinned": False, "restarts": 0, "idle_ttl_s": 300, "expires_in_s": 245.0, "failure": None,
-         "lease": {"id": "l-1", "holder": "mlxd lease: python bench.py --long-flag", "expires_at": 2.0e9}},
+         "lease": {"id": "l-1", "holder": "mlxd lease: python bench.py --long-flag", "expires_at": 2.0e9},
+         "prompt_cache": {"ram": {"entries": 2, "bytes": 48_000_000}, "ssd": {"entries": 9, "bytes": 1_200_000_000},
+                          "hits": {"ram": 2, "ssd": 1}, "misses": 1}},
         {"model": "SmolLM2-135M-Instruct", "state": "ready", "pid": 77, "uptime_s": 3.0, "rss_bytes": None,
          "memory_estimate_bytes": 4_700_000_000, "in_flight": 0, "queued": 0, "last_used": None,
          "pinned": True, "restarts": 1, "idle_ttl_s": 300, "expires_in_s": None, "failure": None, "lease": None},
@@ -83,9 +85,12 @@ def test_ps_shows_only_engines_that_are_not_stopped() -> None:
 
 def test_ps_table() -> None:
     lines = tables.ps_text(ENGINES).splitlines()
-    assert lines[0].split() == ["NAME", "STATE", "SIZE", "RSS", "PID", "IN", "FLIGHT", "QUEUED", "UNTIL", "LEASE"]
+    assert lines[0].split() == ["NAME", "STATE", "SIZE", "RSS", "PID", "IN", "FLIGHT", "QUEUED", "PROMPT", "CACHE",
+                                "UNTIL", "LEASE"]
     tiny, smol, broken = lines[1:4]
     assert tiny.split()[:9] == ["tiny", "ready", "500", "MB", "540", "MB", "4242", "1", "3"]
+    assert "48 MB + 1.2 GB SSD, 75% hit" in tiny
+    assert lines[0].index("PROMPT CACHE") == tiny.index("48 MB") == smol.index("-  ", lines[0].index("PROMPT"))
     assert "4 minutes from now" in tiny and tiny.endswith("   mlxd lease: python bench.py…")
     assert smol.split()[:6] == ["SmolLM2-135M-Instruct", "ready", "4.7", "GB", "-", "77"]
     assert smol.split()[-2:] == ["pinned", "-"]
@@ -338,3 +343,10 @@ def test_load_sends_pin_only_when_asked() -> None:
     ctx = click.Context(cmds.load)
     cmds.load.parse_args(ctx, ["tiny"])
     assert ctx.params["pin"] is None
+
+
+def test_prompt_cache_column() -> None:
+    assert tables.cache_text(None) == "-"
+    assert tables.cache_text({"ram": {"bytes": 5}, "ssd": None, "hits": {"ram": 0, "ssd": 0}, "misses": 0}) == "5 B"
+    assert tables.cache_text({"ram": {"bytes": 0}, "ssd": {"bytes": 0}, "hits": {"ram": 0}, "misses": 3}) == \
+        "0 B + 0 B SSD, 0% hit"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mlxd.engine.settings import EngineSettings
+from mlxd.engine.settings import EngineSettings, parse_args
 from mlxd.supervisor import admin_routes
 from mlxd.supervisor.config import DEFAULT_GATHER_MS, PoolConfig
 from mlxd.supervisor.engine import Engine
@@ -35,10 +35,11 @@ def test_the_pool_gives_the_entry_s_width_to_its_engine_and_estimate(tmp_path: P
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(SMALL))
-    pool = Pool(tmp_path, config=PoolConfig(batch=3))
+    pool = Pool(tmp_path, config=PoolConfig(batch=3, prompt_cache_bytes=7000))
     slot = pool.slot_for(ModelEntry(id="m", path=model, source="config", size_bytes=100, batch=5))
     assert flag(slot.engine.argv(), "--batch") == "5"
-    assert slot.memory_bytes == estimate_bytes(model, 100, None, 5) == 100 + 5 * 4096 * 64
+    # weights, the KV of 5 rows, and the prompt cache's RAM tier
+    assert slot.memory_bytes == estimate_bytes(model, 100, None, 5) + 7000 == 100 + 5 * 4096 * 64 + 7000
     row = admin_routes.engine_info(pool, slot, None)
     assert row["batch"] == 5
     assert "batch" in EngineRow.__struct_fields__
@@ -54,3 +55,16 @@ def test_pool_keys_reach_the_engine_only_when_they_differ_from_its_defaults(tmp_
     slot = pool.slot_for(ModelEntry(id="m", path=tmp_path, source="config", size_bytes=100, batch=2))
     argv = slot.engine.argv()
     assert (flag(argv, "--warmup"), flag(argv, "--gather-ms"), flag(argv, "--batch")) == ("off", "12", "2")
+
+
+def test_prompt_cache_keys_and_the_data_dir_reach_the_engine(tmp_path: Path) -> None:
+    config = PoolConfig(prompt_cache_bytes=0, ssd_cache_bytes=10**9, kv_bits=4, kv_group_size=32)
+    args = engine_args_from(config, tmp_path / "kv")
+    assert args == ("--prompt-cache-bytes", "0", "--ssd-cache-bytes", "1000000000", "--kv-bits", "4",
+                    "--kv-group-size", "32", "--ssd-cache-dir", str(tmp_path / "kv"))
+    settings = parse_args(["--model", "m", "--model-id", "m", "--socket", "s", *args])  # the engine takes them
+    assert (settings.prompt_cache_bytes, settings.ssd_cache_bytes, settings.kv_bits, settings.kv_group_size,
+            settings.ssd_cache_dir) == (0, 10**9, 4, 32, tmp_path / "kv")
+    pool = Pool(tmp_path, config=PoolConfig(), kv_dir=tmp_path / "kv")
+    slot = pool.slot_for(ModelEntry(id="m", path=tmp_path, source="config", size_bytes=100, batch=2))
+    assert flag(slot.engine.argv(), "--ssd-cache-dir") == str(tmp_path / "kv")

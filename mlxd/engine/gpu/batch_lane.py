@@ -15,8 +15,9 @@ import traceback
 from typing import Any
 
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import make_prompt_cache
 
-from mlxd.engine.cache.prompt_cache import PromptCache
+from mlxd.engine.cache.prefix_cache import PrefixCache
 from mlxd.engine.gpu.batch_bias import batch_bias
 from mlxd.engine.gpu.job import Job
 from mlxd.engine.gpu.sampling import make_sampling
@@ -38,7 +39,7 @@ class BatchLane:
     """Up to `width` rows decoding together (the lane interface: see SerialLane)."""
 
     def __init__(
-        self, loaded: LoadedModel, stats: Stats, prefill_step: int, width: int, prompt_cache: PromptCache
+        self, loaded: LoadedModel, stats: Stats, prefill_step: int, width: int, prompt_cache: PrefixCache
     ) -> None:
         self._loaded = loaded
         self._stats = stats
@@ -74,6 +75,8 @@ class BatchLane:
     def admit(self, job: Job) -> Sequence:
         """Queue `job`'s prompt for prefill; it decodes with the others once prefilled."""
         kv, cached = self._prompt_cache.fetch(job.prompt, min_share=MIN_CACHED_SHARE)
+        if kv is None:
+            kv = list(make_prompt_cache(self._loaded.model))
         seq = Sequence(job, self._loaded.tokenizer, self._loaded.eos_token_ids, cached)
         # The generator's processors see each row's whole history (it is given the cached part).
         sampler, processors = make_sampling(job.sampling, [])
@@ -112,7 +115,7 @@ class BatchLane:
         """One generator step; the rows it ends go to `ended` (not yet answered) as they leave."""
         _, responses = self._gen.next()
         leaving: list[int] = []
-        kept: tuple[list[Any], list[int]] | None = None  # the KV of the last row to end, for the prompt cache
+        kept: list[tuple[list[Any], list[int]]] = []  # the KV of rows that ended, for the prompt cache
         for r in responses:
             seq = self._rows.get(r.uid)
             if seq is None:
@@ -127,15 +130,15 @@ class BatchLane:
                 del self._rows[r.uid]
                 seq.finish_reason = seq.finish_reason or "length"
                 if r.prompt_cache is not None and r.all_tokens is not None and seq.finish_reason != "failed":
-                    kept = (r.prompt_cache, r.all_tokens)
+                    kept.append((r.prompt_cache, r.all_tokens))
                 ended.append(seq)
             elif is_done:
                 leaving.append(r.uid)
         if leaving:
-            kept = self._remove(leaving, keep_kv_of=leaving[-1]) or kept
+            kept += self._remove(leaving, keep_kv=True)
             ended += [self._rows.pop(uid) for uid in leaving]
-        if kept is not None:
-            self._prompt_cache.store(*kept)
+        for kv, tokens in kept:
+            self._prompt_cache.store(kv, tokens)
 
     def _drop_cancelled(self) -> list[Sequence]:
         gone = [uid for uid, seq in self._rows.items() if seq.is_cancelled]
@@ -147,12 +150,15 @@ class BatchLane:
             seq.cancel()
         return ended
 
-    def _remove(self, uids: list[int], keep_kv_of: int | None = None) -> tuple[list[Any], list[int]] | None:
-        """Take rows out of the generator; the KV and tokens of `keep_kv_of`, if asked."""
-        kept = None
-        if keep_kv_of is not None and self._rows[keep_kv_of].finish_reason != "failed":
-            kv, tokens = self._gen.extract_cache([keep_kv_of]).get(keep_kv_of, (None, None))
-            kept = (kv, tokens) if kv is not None and tokens is not None else None
+    def _remove(self, uids: list[int], keep_kv: bool = False) -> list[tuple[list[Any], list[int]]]:
+        """Take rows out of the generator; with `keep_kv`, the KV and tokens of those that did
+        not fail (for the prompt cache)."""
+        kept = []
+        if keep_kv:
+            wanted = [uid for uid in uids if self._rows[uid].finish_reason != "failed"]
+            for kv, tokens in self._gen.extract_cache(wanted).values() if wanted else ():
+                if kv is not None and tokens is not None:
+                    kept.append((kv, tokens))
         self._gen.remove(uids)
         return kept
 
@@ -160,7 +166,6 @@ class BatchLane:
         """End every row with an error and start from a fresh generator (its state is unknown)."""
         ended = list(self._rows.values())
         self._rows.clear()
-        self._prompt_cache.clear()
         self._gen = self._new_generator()
         for seq in ended:
             seq.fail(self._stats, message, 500, code)

@@ -9,6 +9,7 @@ leaves at the next one.
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import logging
 import os
@@ -19,12 +20,16 @@ import traceback
 import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 
 from mlxd.engine import mlx_env
-from mlxd.engine.cache.prompt_cache import PromptCache
+from mlxd.engine.cache.fingerprint import tier_dir
+from mlxd.engine.cache.prefix_cache import PrefixCache
+from mlxd.engine.cache.ssd_tier import SsdTier, default_ssd_cache_bytes
 from mlxd.engine.gpu import decode_attention
 from mlxd.engine.gpu.batch_lane import BatchLane
 from mlxd.engine.gpu.flat_rows import FLATTEN_MIN_ROWS, flatten_quantized_rows, wins_here
@@ -39,7 +44,7 @@ from mlxd.engine.gpu.warmup import wanted, waves
 from mlxd.engine.models.loaded_model import LoadedModel, wire_model_memory
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.events import Done, Failed
-from mlxd.protocol.memory import kv_budget_tokens
+from mlxd.protocol.memory import head_size, kv_budget_tokens
 
 log = logging.getLogger("mlxd.engine")
 STOPPING = Failed("The engine is shutting down.", 503, "engine_stopping")
@@ -54,9 +59,16 @@ class Stop:
     """Inbox command: end the GPU thread."""
 
 
-# What the loop thread sends the GPU thread. The KV cache work (spill to SSD, restore) adds
-# its commands here.
-Command = Job | Stop
+@dataclass(frozen=True, slots=True)
+class Flush:
+    """Inbox command: write every prompt-cache entry not yet on SSD; the report goes to `done`."""
+
+    timeout_s: float
+    done: concurrent.futures.Future[dict[str, Any]] = field(default_factory=concurrent.futures.Future)
+
+
+# What the loop thread sends the GPU thread.
+Command = Job | Stop | Flush
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +79,11 @@ class GatewayOptions:
     kv_budget_tokens: int | None = None  # None: protocol.memory's default for the window and batch
     warmup: str = "auto"  # run warm-up jobs through the lanes at load: on, off, auto (CUDA only); warmup.py
     gather_ms: float = 5.0  # in a burst, an idle engine waits this long for the next arrival (0: never)
+    prompt_cache_bytes: int = 512 * 1024 * 1024  # the prompt cache's RAM tier (0: no prompt cache)
+    ssd_root: Path | None = None  # the SSD tier's root (its dir is root/<fingerprint>); None: no SSD tier
+    ssd_cache_bytes: int | None = None  # None: default_ssd_cache_bytes
+    kv_bits: int | None = None  # quantized KV (the serial lane only: batch must be 1)
+    kv_group_size: int = 64
 
 
 class Gateway:
@@ -90,6 +107,8 @@ class Gateway:
         self._serial: SerialLane | None = None
         self._batch: BatchLane | None = None
         self._bursts_until = 0.0  # while now is before this, arrivals have lately come together
+        self._idle = threading.Event()  # set while the GPU thread has nothing to run (the SSD writer works then)
+        self.prompt_cache: PrefixCache | None = None  # set once loaded; snapshot() may be read by the loop
 
     def start(self) -> None:
         """Start the GPU thread: it loads the model, serves jobs, and calls `on_exit` when it ends."""
@@ -120,6 +139,16 @@ class Gateway:
             "kv_budget_tokens": kv.budget_tokens if kv is not None else None,
             "kv_booked_tokens": kv.booked if kv is not None else None,
         }
+
+    def flush_cache(self, timeout_s: float) -> concurrent.futures.Future[dict[str, Any]]:
+        """Loop thread: have the GPU thread write the prompt cache's RAM entries to SSD (a drain,
+        a stop); the future gets the report (entries, bytes, ms, complete)."""
+        command = Flush(timeout_s)
+        if self.loaded is None or not self._thread.is_alive():
+            command.done.set_result({"entries": 0, "bytes": 0, "ms": 0.0, "complete": True})
+        else:
+            self._inbox.put(command)
+        return command.done
 
     def submit(self, job: Job) -> None:
         """Queue a job for the GPU thread (loop thread only); 503 when not serving, 400 if it can never fit."""
@@ -171,14 +200,17 @@ class Gateway:
             self.on_exit()
 
     def _load_model(self) -> bool:
+        opts = self._options
         try:
             loaded = self._load()
             wire_model_memory()
+            if opts.kv_bits is not None and (size := head_size(loaded.config)) % opts.kv_group_size:
+                raise ValueError(f"--kv-bits: this model's attention heads have {size} values, not a multiple of "
+                                 f"--kv-group-size {opts.kv_group_size}; choose a group size that divides {size}")
         except Exception as exc:
             self.load_error = str(exc) or type(exc).__name__
             log.error("model load failed: %s", self.load_error)
             return False
-        opts = self._options
         budget = opts.kv_budget_tokens or kv_budget_tokens(loaded.native_context, opts.batch, opts.max_context)
         self.kv = KvLedger(budget)
         if opts.batch >= FLATTEN_MIN_ROWS and wins_here() and (n := flatten_quantized_rows(loaded.model)):
@@ -193,7 +225,8 @@ class Gateway:
             log.info("warm-up: %d jobs, up to %d rows at once: %.0f ms", jobs, most, seconds * 1000)
         # Unseeded sampling draws from MLX's global generator: fresh entropy for each engine.
         mx.random.seed(int.from_bytes(os.urandom(8), "little"))
-        self._make_lanes(loaded, self._stats)
+        self.prompt_cache = PrefixCache(opts.prompt_cache_bytes, self._ssd_tier(loaded), self._idle)
+        self._make_lanes(loaded, self._stats, self.prompt_cache)
         self.loaded = loaded
         # What exists now (the model, tokenizer, kernels) lives as long as the engine: kept out of
         # the collector's full passes, which otherwise walk it all and stall a decode step.
@@ -203,19 +236,31 @@ class Gateway:
         self.on_ready()
         return True
 
-    def _make_lanes(self, loaded: LoadedModel, stats: Stats) -> None:
+    def _ssd_tier(self, loaded: LoadedModel) -> SsdTier | None:
+        """The SSD tier for this model and KV settings; None when off or its dir is unusable."""
         opts = self._options
-        cache = PromptCache(loaded.model)
-        self._serial = SerialLane(loaded, stats, opts.prefill_step, cache)
+        if opts.ssd_root is None or opts.ssd_cache_bytes == 0 or opts.prompt_cache_bytes == 0:
+            return None
+        try:
+            root = tier_dir(opts.ssd_root, loaded.path, opts.kv_bits, opts.kv_group_size)
+            cap = opts.ssd_cache_bytes if opts.ssd_cache_bytes is not None else default_ssd_cache_bytes(root)
+            return SsdTier(root, cap)
+        except OSError as exc:
+            log.warning("SSD prompt cache off: cannot use %s: %s", opts.ssd_root, exc)
+            return None
+
+    def _make_lanes(self, loaded: LoadedModel, stats: Stats, cache: PrefixCache) -> None:
+        opts = self._options
+        self._serial = SerialLane(loaded, stats, opts.prefill_step, cache, opts.kv_bits, opts.kv_group_size)
         self._batch = BatchLane(loaded, stats, opts.prefill_step, opts.batch, cache) if opts.batch > 1 else None
 
     def _warm_up(self, loaded: LoadedModel) -> tuple[float, int, int]:
         """Run warmup.py's jobs through the lanes' own turns: seconds, jobs, most rows at once.
 
-        The lanes are built for it with their own stats and prompt cache, then built again.
+        The lanes are built for it with their own stats and prompt cache (RAM only), then built again.
         """
         started, busy = time.perf_counter(), self._stats.busy_s
-        self._make_lanes(loaded, Stats())
+        self._make_lanes(loaded, Stats(), PrefixCache(self._options.prompt_cache_bytes))
         jobs, most, level = 0, 0, log.level
         log.setLevel(logging.WARNING)  # its jobs' own lines would read as requests
         for wave in waves(loaded.vocab_size, self._options.batch):
@@ -238,14 +283,45 @@ class Gateway:
         trace = StepTrace.from_env()
         while True:
             idle = not self._has_work()
-            received = self._receive(block=idle)
-            if idle and received and self._in_bursts():
+            if idle:
+                self._idle.set()
+                received = self._receive(block=not self._write_behind())
+                if not received:
+                    continue
+            else:
+                received = self._receive(block=False)
+            if idle and self._in_bursts():
                 received += self._gather(len(received))
+            self._idle.clear()
             for command in received:
                 if isinstance(command, Stop):
                     return
-                self._waiting.append(command)
+                if isinstance(command, Flush):
+                    self._flush(command)
+                else:
+                    self._waiting.append(command)
             self._turn(trace, len(received))
+
+    def _write_behind(self) -> bool:
+        """Idle: hand the SSD writer one prompt-cache entry; False when there is none to write."""
+        cache = self.prompt_cache
+        try:
+            return cache is not None and cache.write_behind()
+        except Exception:
+            log.exception("SSD prompt cache: write-behind failed")
+            return False
+
+    def _flush(self, command: Flush) -> None:
+        cache = self.prompt_cache
+        try:
+            report = cache.flush(command.timeout_s) if cache is not None else {}
+        except Exception as exc:
+            log.exception("SSD prompt cache: flush failed")
+            report = {"entries": 0, "bytes": 0, "ms": 0.0, "complete": False, "error": str(exc)}
+        if report.get("entries"):
+            log.info("prompt cache: wrote %d entries (%.1f MB) to SSD in %.0f ms", report["entries"],
+                     report["bytes"] / 1e6, report["ms"])
+        command.done.set_result(report)
 
     def _turn(self, trace: StepTrace | None, received: int = 0) -> None:
         """Start what fits, then step each lane once."""
@@ -379,3 +455,5 @@ class Gateway:
                 return
             if isinstance(command, Job):
                 command.ticket.emit(STOPPING)
+            elif isinstance(command, Flush):
+                command.done.set_result({"entries": 0, "bytes": 0, "ms": 0.0, "complete": False})

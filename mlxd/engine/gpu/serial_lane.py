@@ -9,9 +9,9 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import trim_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from mlxd.engine.cache.prompt_cache import PromptCache
+from mlxd.engine.cache.prefix_cache import PrefixCache
 from mlxd.engine.gpu.job import Job
 from mlxd.engine.gpu.sampling import make_sampling
 from mlxd.engine.gpu.sequence import Sequence
@@ -32,11 +32,16 @@ class SerialLane:
     sequences that ended, already answered), `has_work`, `num_rows`, `fail_all`.
     """
 
-    def __init__(self, loaded: LoadedModel, stats: Stats, prefill_step: int, prompt_cache: PromptCache) -> None:
+    def __init__(
+        self, loaded: LoadedModel, stats: Stats, prefill_step: int, prompt_cache: PrefixCache,
+        kv_bits: int | None = None, kv_group_size: int = 64,
+    ) -> None:
         self._loaded = loaded
         self._stats = stats
         self._prefill_step = prefill_step
         self._prompt_cache = prompt_cache
+        self._kv_bits = kv_bits  # quantize the KV from the first token (mlx-lm's QuantizedKVCache)
+        self._kv_group_size = kv_group_size
         self._seq: Sequence | None = None
         self._steps: Iterator[tuple[Any, Any]] | None = None
         self._kv: list[Any] = []
@@ -53,6 +58,8 @@ class SerialLane:
         """Start `job` (the lane must be free); its prefill runs in the next step."""
         assert self._seq is None, "the serial lane runs one sequence at a time"
         kv, cached = self._prompt_cache.fetch(job.prompt)
+        if kv is None:
+            kv = list(make_prompt_cache(self._loaded.model))
         seq = Sequence(job, self._loaded.tokenizer, self._loaded.eos_token_ids, cached)
         sampler, processors = make_sampling(job.sampling, job.prompt[:cached])
         self._steps = generate_step(
@@ -64,6 +71,9 @@ class SerialLane:
             prompt_cache=kv,
             prefill_step_size=self._prefill_step,
             prompt_progress_callback=lambda *_: self._check_cancel(job),
+            kv_bits=self._kv_bits,
+            kv_group_size=self._kv_group_size,
+            quantized_kv_start=0,
         )
         self._seq, self._kv = seq, kv
         return seq
@@ -84,7 +94,6 @@ class SerialLane:
             seq.finish_reason = seq.finish_reason or "length"
         except Exception as exc:
             log.error("generation failed:\n%s", traceback.format_exc())
-            self._prompt_cache.clear()
             self._close()
             seq.fail(self._stats, f"generation failed: {type(exc).__name__}: {exc}")
             return [seq]

@@ -7,7 +7,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -85,8 +85,12 @@ _MESSAGES = {
 class Admission:
     """Counts inference requests in flight and decides which may start (drain, lease)."""
 
-    def __init__(self, abort_open: Callable[[Failed], int], stats: Stats) -> None:
+    def __init__(
+        self, abort_open: Callable[[Failed], int], stats: Stats,
+        flush_cache: Callable[[float], Awaitable[dict[str, Any]]] | None = None,
+    ) -> None:
         self._abort_open = abort_open  # Gateway.abort_open: ends the open tickets with an event
+        self._flush_cache = flush_cache  # writes the prompt cache's RAM entries to SSD: its report
         self._stats = stats
         self._slots: set[Slot] = set()
         self._idle = asyncio.Event()
@@ -153,10 +157,16 @@ class Admission:
                 if not is_idle:
                     num_cancelled = self._abort_in_flight()
                     is_idle = await self.wait_idle(ABORT_GRACE_S)
+                # Nothing runs now: the prompt cache's entries go to SSD before the answer.
+                report = await self._flush_cache(timeout_s) if self._flush_cache is not None else {}
             finally:
                 self._is_draining = not resume
             waited_ms = round((time.perf_counter() - started) * 1000, 3)
-            result = DrainResult(is_idle, num_started - num_cancelled, num_cancelled, waited_ms, 0, resume)
+            result = DrainResult(
+                is_idle, num_started - num_cancelled, num_cancelled, waited_ms, int(report.get("bytes", 0)), resume,
+                cache_written_entries=int(report.get("entries", 0)), cache_write_ms=float(report.get("ms", 0.0)),
+                cache_complete=bool(report.get("complete", True)),
+            )
             log.info("drained in %.0f ms: %d finished, %d cancelled; %s", waited_ms, result.finished,
                      num_cancelled, "resumed" if resume else "admitting nothing")
             return result

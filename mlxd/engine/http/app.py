@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import mlx.core as mx
 import msgspec
@@ -29,7 +30,7 @@ def make_app(settings: EngineSettings, gateway: Gateway, stats: Stats) -> web.Ap
     """The engine app; its cleanup context owns the GPU thread."""
     app = web.Application(client_max_size=settings.max_body, middlewares=[make_error_middleware("engine")])
     app[SETTINGS], app[GATEWAY], app[STATS] = settings, gateway, stats
-    app[ADMISSION] = Admission(gateway.abort_open, stats)
+    app[ADMISSION] = Admission(gateway.abort_open, stats, lambda timeout_s: _flush(gateway, timeout_s))
     app.router.add_post("/v1/chat/completions", routes.chat_completions)
     app.router.add_post("/v1/completions", routes.completions)
     app.router.add_get("/v1/models", list_models)
@@ -39,6 +40,11 @@ def make_app(settings: EngineSettings, gateway: Gateway, stats: Stats) -> web.Ap
     app.router.add_post("/admin/lease", admin_lease)
     app.cleanup_ctx.append(gateway_ctx)
     return app
+
+
+async def _flush(gateway: Gateway, timeout_s: float) -> dict[str, Any]:
+    """The prompt cache's RAM entries written to SSD (on the GPU thread): its report."""
+    return await asyncio.wrap_future(gateway.flush_cache(timeout_s))
 
 
 async def gateway_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -83,6 +89,7 @@ async def admin_stats(request: web.Request) -> web.Response:
         "admission": request.app[ADMISSION].snapshot(),
         "lanes": gateway.snapshot(),
         "tokens": {"prompt": s.prompt_tokens, "cached": s.cached_tokens, "completion": s.completion_tokens},
+        "prompt_cache": gateway.prompt_cache.snapshot() if gateway.prompt_cache is not None else None,
         "last": {
             "finish_reason": s.last_finish_reason, "completion_tokens": s.last_completion_tokens,
             "timings_ms": s.last_timings_ms,

@@ -1,0 +1,373 @@
+"""The prompt cache: many prefixes' KV in RAM, and behind it the SSD tier.
+
+Agents resend their whole transcript every turn, and clients share system prompts: the
+longest cached prefix of a new prompt saves its prefill. Entries hold an mlx-lm KV cache and
+the tokens it covers. A lookup compares the prompt with every entry, in RAM and on SSD, and
+takes the one sharing the longest prefix; a trimmable cache (mlx-lm's `KVCache`,
+`QuantizedKVCache`) serves any prefix of itself, so one entry for a whole conversation also
+serves the next turn that re-sends its reply tokenized differently (it shares at least the
+prompt up to that reply). A lane gets a view of an entry (arrays sliced to the shared
+length), never the entry's own objects, so entries never change.
+
+Why not mlx-lm's `LRUPromptCache`: it has no hook when it evicts (an evicted entry here is
+written to SSD first), it deep-copies an entry on every fetch, and its token-level trie holds
+a dict per token of every prefix (100k-token agent transcripts). Entries here are few (the byte
+cap bounds them) and a numpy comparison of a prompt with each takes microseconds.
+
+GPU thread only, except `snapshot` (one read of each counter).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import xxhash
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+from mlxd.engine.cache.kv_files import DTYPES, Tensor
+from mlxd.engine.cache.ssd_tier import DiskEntry, SsdTier, WriteJob, Writer, is_prefix
+
+log = logging.getLogger("mlxd.engine")
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    tokens: np.ndarray  # int64: the tokens the KV covers
+    kv: list[Any]
+    nbytes: int
+    name: str  # its file name on SSD
+    used: int  # the cache's clock at its last use
+    on_ssd: bool = False
+    writing: bool = False  # a write is queued or running
+    unwritable: bool = False  # the SSD format cannot hold this cache kind
+
+
+@dataclass(slots=True)
+class CacheStats:
+    ram_hits: int = 0
+    ssd_hits: int = 0
+    misses: int = 0
+    tokens_reused: int = 0
+    ram_evicted: int = 0
+    evicted_unwritten: int = 0  # evicted from RAM without reaching SSD (no tier, or its queue was full)
+
+
+def entry_name(tokens: np.ndarray) -> str:
+    return xxhash.xxh3_128_hexdigest(tokens.astype("<u4").tobytes()) + ".safetensors"
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+def cache_nbytes(kv: list[Any]) -> int:
+    return sum(int(c.nbytes) for c in kv)
+
+
+def is_trimmable(kv: list[Any]) -> bool:
+    return all(c.is_trimmable() for c in kv)
+
+
+def view(kv: list[Any], n: int) -> list[Any]:
+    """A new cache holding the first `n` tokens of `kv`, sharing its arrays (sliced).
+
+    The lane that gets it appends by writing a new buffer (its arrays are exactly `n` long), so
+    `kv` is never written to. Other cache kinds are deep-copied, then trimmed.
+    """
+    out: list[Any] = []
+    for c in kv:
+        v: Any
+        if type(c) is KVCache:
+            v = KVCache()
+            if c.keys is not None:
+                keys: Any = c.keys
+                v.keys, v.values = keys[..., :n, :], c.values[..., :n, :]  # type: ignore[index]
+            v.offset = n
+        elif type(c) is QuantizedKVCache:
+            v = QuantizedKVCache(group_size=c.group_size, bits=c.bits)
+            if c.keys is not None:
+                v.keys = tuple(x[..., :n, :] for x in c.keys)
+                v.values = tuple(x[..., :n, :] for x in c.values)
+            v.offset = n
+        else:
+            v = copy.deepcopy(c)
+            if (size := v.size()) > n:
+                v.trim(size - n)
+        out.append(v)
+    return out
+
+
+def compact(kv: list[Any]) -> None:
+    """Give a cache's arrays their own contiguous buffers (a view of a larger buffer would keep
+    all of it alive, and must be copied to be written)."""
+    for c in kv:
+        if type(c) is KVCache and c.keys is not None:
+            c.keys, c.values = mx.contiguous(c.keys), mx.contiguous(c.values)  # type: ignore[arg-type]
+        elif type(c) is QuantizedKVCache and c.keys is not None:
+            c.keys = tuple(mx.contiguous(x) for x in c.keys)
+            c.values = tuple(mx.contiguous(x) for x in c.values)
+
+
+def tensors_of(kv: list[Any]) -> tuple[dict[str, str], list[Tensor], list[Any]]:
+    """`kv` laid out as mlx-lm's `save_prompt_cache` lays it out: the metadata it adds (cache
+    classes, which entries are scalars), the tensors as host buffers, and the arrays those
+    buffers point into (keep them alive until written). GPU thread; evaluates the arrays."""
+    flat: list[tuple[str, Any]] = tree_flatten([c.state for c in kv])  # type: ignore[assignment]
+    arrays: list[tuple[str, mx.array]] = []
+    scalars: list[tuple[str, str]] = []
+    for name, value in flat:
+        if isinstance(value, mx.array):
+            arrays.append((name, mx.contiguous(value)))
+        elif isinstance(value, bool | int | float):
+            scalars.append((name, "scalar"))
+            arrays.append((name, mx.array(value)))
+        elif isinstance(value, str):
+            scalars.append((name, "string"))
+            arrays.append((name, mx.array([ord(ch) for ch in value])))
+        elif value is None:
+            scalars.append((name, "none"))
+            arrays.append((name, mx.array([])))
+        else:
+            raise ValueError(f"cache state not serializable: {type(value).__name__}")
+    mx.eval([a for _, a in arrays])
+    tensors = [Tensor(name, DTYPES[str(a.dtype).removeprefix("mlx.core.")], tuple(a.shape), host_bytes(a))
+               for name, a in arrays]
+    meta = {f"1.{i}": type(c).__name__ for i, c in enumerate(kv)}
+    meta["2.0"] = ""  # mlx-lm's scalars list starts with an empty string
+    for i, (name, kind) in enumerate(scalars, start=1):
+        meta[f"2.{i}.0"], meta[f"2.{i}.1"] = name, kind
+    return meta, tensors, [a for _, a in arrays]
+
+
+def host_bytes(a: mx.array) -> memoryview:
+    """An evaluated, contiguous array's bytes (dtypes without a buffer format go as unsigned ints)."""
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)
+    elif a.dtype == mx.bool_:
+        a = a.view(mx.uint8)
+    return memoryview(a).cast("B")  # type: ignore[arg-type]
+
+
+class PrefixCache:
+    """The RAM tier (byte-capped LRU) over an optional SSD tier and its writer."""
+
+    def __init__(
+        self,
+        cap_bytes: int,
+        ssd: SsdTier | None = None,
+        idle: threading.Event | None = None,
+        make_cache: Callable[[], list[Any]] | None = None,
+    ) -> None:
+        self.cap_bytes = cap_bytes
+        self.ssd = ssd
+        self.stats = CacheStats()
+        self._make = make_cache
+        self._entries: dict[str, Entry] = {}
+        self._clock = 0
+        self._ram_bytes = 0
+        self._writer = Writer(ssd, idle or threading.Event()) if ssd is not None else None
+
+    # --- lookups -------------------------------------------------------------------------------
+
+    def fetch(self, prompt: list[int], min_share: float = 0.0) -> tuple[list[Any] | None, int]:
+        """A cache holding the longest cached prefix of `prompt`, and its length; (None, 0) on a
+        miss. At least one prompt token is left to run (its logits give the first new token).
+        A prefix covering less than `min_share` of the prompt is not used."""
+        query = np.asarray(prompt, dtype=np.int64)
+        limit = len(prompt) - 1
+        best: Entry | DiskEntry | None = None
+        best_n = 0
+        for e in self._entries.values():
+            n = self._usable(e.tokens, query, limit, is_trimmable(e.kv))
+            if n > best_n:
+                best, best_n = e, n
+        if self.ssd is not None:
+            for d in self.ssd.entries():
+                if d.name in self._entries:
+                    continue
+                n = self._usable(d.tokens, query, limit, True)
+                if n > best_n:
+                    best, best_n = d, n
+        if best is None or best_n <= 0 or best_n < min_share * len(prompt):
+            self.stats.misses += 1
+            return None, 0
+        if isinstance(best, DiskEntry):
+            entry = self._restore(best)
+            if entry is None or (best_n < len(entry.tokens) and not is_trimmable(entry.kv)):
+                self.stats.misses += 1
+                return None, 0
+            self.stats.ssd_hits += 1
+        else:
+            entry = best
+            self.stats.ram_hits += 1
+            if self.ssd is not None and entry.on_ssd:
+                self.ssd.touch(entry.name)  # its file stays the recently used one too
+        self._clock += 1
+        entry.used = self._clock
+        self.stats.tokens_reused += best_n
+        return view(entry.kv, best_n), best_n
+
+    @staticmethod
+    def _usable(tokens: np.ndarray, query: np.ndarray, limit: int, trimmable: bool) -> int:
+        n = min(common_prefix(tokens, query), limit)
+        if n < len(tokens) and not trimmable:
+            return 0  # a cache that cannot be cut serves only prompts that contain all of it
+        return n
+
+    def _restore(self, d: DiskEntry) -> Entry | None:
+        assert self.ssd is not None
+        kv = self.ssd.restore(d)
+        if kv is None:
+            return None
+        offset = getattr(kv[0], "offset", None)
+        if offset is not None and offset != len(d.tokens):
+            log.warning("SSD prompt cache: %s holds %s tokens of KV, its header says %d; not used",
+                        d.name, offset, len(d.tokens))
+            self.ssd.remove_to_quarantine(d.name, "offset does not match its tokens")
+            return None
+        entry = Entry(d.tokens, kv, cache_nbytes(kv), d.name, self._clock, on_ssd=True)
+        self._put(entry)
+        return entry
+
+    # --- stores --------------------------------------------------------------------------------
+
+    def store(self, kv: list[Any], tokens: list[int]) -> None:
+        """Keep `kv`, which holds KV for a prefix of `tokens` (its offset says how much). The
+        caller gives `kv` up. Entries that are prefixes of it (and can be cut) are dropped."""
+        if self.cap_bytes <= 0 or not kv:
+            return
+        offset = getattr(kv[0], "offset", None)
+        if not isinstance(offset, int) or offset <= 0 or offset > len(tokens):
+            return
+        covered = np.asarray(tokens[:offset], dtype=np.int64)
+        name = entry_name(covered)
+        self._clock += 1
+        if (old := self._entries.get(name)) is not None:
+            old.used = self._clock
+            return
+        kept = view(kv, offset) if is_trimmable(kv) else kv
+        mx.async_eval([x for c in kept for x in _arrays(c)])  # a batch row's copy: frees the batch buffer
+        entry = Entry(covered, kept, cache_nbytes(kept), name, self._clock)
+        if entry.nbytes > self.cap_bytes:
+            self._spill(entry, urgent=False)  # too big for RAM: straight to SSD (when idle)
+            return
+        if is_trimmable(kept):
+            for other in [e for e in self._entries.values() if is_prefix(e.tokens, covered)]:
+                self._drop(other)
+        self._put(entry)
+
+    def _put(self, entry: Entry) -> None:
+        self._entries[entry.name] = entry
+        self._ram_bytes += entry.nbytes
+        while self._ram_bytes > self.cap_bytes and len(self._entries) > 1:
+            victim = min((e for e in self._entries.values() if e is not entry), key=lambda e: e.used)
+            self.stats.ram_evicted += 1
+            if not victim.on_ssd and not victim.writing:
+                # Written now, busy or not, unless the writes already queued hold half the cap
+                # (their arrays live until written): then it is dropped.
+                if self._writer is not None and self._writer.pending_bytes + victim.nbytes <= self.cap_bytes // 2:
+                    self._spill(victim, urgent=True)
+                else:
+                    self.stats.evicted_unwritten += 1
+            self._drop(victim)
+
+    def _drop(self, entry: Entry) -> None:
+        if self._entries.pop(entry.name, None) is not None:
+            self._ram_bytes -= entry.nbytes
+
+    def clear(self) -> None:
+        """Drop every RAM entry (what is on SSD stays)."""
+        self._entries.clear()
+        self._ram_bytes = 0
+
+    # --- the SSD tier --------------------------------------------------------------------------
+
+    def write_behind(self) -> bool:
+        """While the GPU loop is idle: queue the newest RAM entry not yet on SSD; False when
+        there is none."""
+        if self._writer is None:
+            return False
+        todo = [e for e in self._entries.values() if not (e.on_ssd or e.writing or e.unwritable)]
+        if not todo:
+            return False
+        self._spill(max(todo, key=lambda e: e.used), urgent=False)
+        return True
+
+    def flush(self, timeout_s: float) -> dict[str, Any]:
+        """Write every RAM entry not yet on SSD, now, and wait for it (a drain)."""
+        if self._writer is None:
+            return {"entries": 0, "bytes": 0, "ms": 0.0, "complete": True}
+        assert self.ssd is not None
+        started = time.perf_counter()
+        before = self.ssd.stats.written_bytes, self.ssd.stats.writes
+        for e in [e for e in self._entries.values() if not (e.on_ssd or e.writing or e.unwritable)]:
+            self._spill(e, urgent=True)
+        complete = self._writer.flush(timeout_s)
+        return {
+            "entries": self.ssd.stats.writes - before[1],
+            "bytes": self.ssd.stats.written_bytes - before[0],
+            "ms": round((time.perf_counter() - started) * 1000, 3),
+            "complete": complete,
+        }
+
+    def _spill(self, entry: Entry, urgent: bool) -> None:
+        if self._writer is None or entry.unwritable:
+            return
+        try:
+            compact(entry.kv)  # the entry keeps the copy it writes: no second one in memory
+            meta, tensors, owner = tensors_of(entry.kv)
+        except Exception as exc:  # a cache kind the format cannot hold: it stays in RAM only
+            log.warning("SSD prompt cache: cannot write this cache (%s)", exc)
+            entry.unwritable = True
+            return
+        entry.writing = True
+
+        def done(ok: bool) -> None:  # the writer thread; a bool store each
+            entry.writing = False
+            entry.on_ssd = ok
+
+        self._writer.submit(WriteJob(entry.name, entry.tokens, meta, tensors, urgent, owner, done, entry.nbytes))
+
+    @property
+    def writes_pending(self) -> int:
+        return self._writer.pending if self._writer is not None else 0
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.stop()
+
+    # --- visibility ----------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """For /admin/stats (the loop thread: each value is one read)."""
+        s = self.stats
+        return {
+            "ram": {"entries": len(self._entries), "bytes": self._ram_bytes, "cap_bytes": self.cap_bytes},
+            "ssd": self.ssd.snapshot() if self.ssd is not None else None,
+            "hits": {"ram": s.ram_hits, "ssd": s.ssd_hits},
+            "misses": s.misses,
+            "tokens_reused": s.tokens_reused,
+            "ram_evicted": s.ram_evicted,
+            "evicted_unwritten": s.evicted_unwritten,
+            "writes_pending": self.writes_pending,
+        }
+
+
+def _arrays(c: Any) -> list[mx.array]:
+    state = c.state if not isinstance(c, list) else c
+    flat: list[tuple[str, Any]] = tree_flatten(state)  # type: ignore[assignment]
+    return [x for _, x in flat if isinstance(x, mx.array)]

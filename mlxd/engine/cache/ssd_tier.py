@@ -1,0 +1,322 @@
+"""The SSD tier: prompt-cache entries as files, and the thread that writes them.
+
+The tier's dir (`<data dir>/kv/<fingerprint>/`) holds one file an entry (kv_files.py), named
+by a hash of its tokens. The index (tokens, size, last use) lives in memory and is rebuilt at
+start from the files' headers; leftover temp files are deleted, and a file whose header is
+not ours is moved to `quarantine/`. A file that fails its checksum when restored goes there
+too, and the request is served as a miss. Past the byte cap the least recently used files
+are deleted. Disk full or an I/O error: logged, counted, and serving goes on.
+
+Threads: the GPU thread looks entries up and restores them; the writer thread (`Writer`)
+adds the files it writes. The index is guarded by a lock; nothing here touches MLX except
+`restore`, on the GPU thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mlxd.engine.cache import kv_files
+from mlxd.engine.cache.kv_files import CorruptFile, Tensor
+
+log = logging.getLogger("mlxd.engine")
+QUARANTINE = "quarantine"
+QUARANTINE_KEEP = 16  # newest quarantined files kept for a look; older ones are deleted
+DEFAULT_SHARE = 0.25  # of the disk space free for it (free plus what the tier holds)
+DEFAULT_MAX = 32 * 1024**3
+
+
+def default_ssd_cache_bytes(dir_: Path) -> int:
+    """The tier's cap when none is set: a quarter of the space it could use, at most 32 GiB."""
+    held = sum(p.stat().st_size for p in dir_.glob("*" + kv_files.SUFFIX))
+    return int(min(DEFAULT_MAX, (shutil.disk_usage(dir_).free + held) * DEFAULT_SHARE))
+
+
+@dataclass(slots=True, eq=False)
+class DiskEntry:
+    name: str
+    tokens: np.ndarray  # int64
+    size: int
+    used: float  # last use (file mtime at scan)
+
+
+@dataclass(slots=True)
+class TierStats:
+    """The SSD tier's counters (written under the tier's lock or by one thread each)."""
+
+    writes: int = 0
+    written_bytes: int = 0
+    write_s: float = 0.0
+    write_errors: int = 0
+    restores: int = 0
+    restored_bytes: int = 0
+    restore_s: float = 0.0
+    quarantined: int = 0
+    evicted: int = 0
+
+
+class SsdTier:
+    def __init__(self, root: Path, cap_bytes: int) -> None:
+        self.dir = root
+        self.cap_bytes = cap_bytes
+        self.stats = TierStats()
+        self._lock = threading.Lock()
+        self._entries: dict[str, DiskEntry] = {}
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._scan()
+
+    # --- the index ----------------------------------------------------------------------------
+
+    def _scan(self) -> None:
+        """Rebuild the index from the dir: drop temp files, quarantine what is not ours."""
+        for path in sorted(self.dir.iterdir()):
+            if not path.is_file():
+                continue
+            if path.name.startswith(kv_files.TEMP_PREFIX):
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                continue
+            if not path.name.endswith(kv_files.SUFFIX):
+                continue
+            try:
+                header = kv_files.read_header(path)
+                tokens = np.asarray(header.tokens, dtype=np.int64)
+                st = path.stat()
+            except FileNotFoundError:
+                continue  # gone since the listing
+            except (CorruptFile, OSError, ValueError, OverflowError) as exc:
+                self.quarantine(path, str(exc))
+                continue
+            self._entries[path.name] = DiskEntry(path.name, tokens, st.st_size, st.st_mtime)
+        self._evict_over_cap()
+        if self._entries:
+            log.info("SSD prompt cache: %d entries, %.1f MB in %s", len(self._entries), self.bytes / 1e6, self.dir)
+
+    @property
+    def bytes(self) -> int:
+        with self._lock:
+            return sum(e.size for e in self._entries.values())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def entries(self) -> list[DiskEntry]:
+        with self._lock:
+            return list(self._entries.values())
+
+    def __contains__(self, name: str) -> bool:
+        with self._lock:
+            return name in self._entries
+
+    def add(self, name: str, tokens: np.ndarray, size: int) -> None:
+        """A file the writer has just made durable; drop files it makes redundant, then the LRU
+        ones over the cap."""
+        with self._lock:
+            self._entries[name] = DiskEntry(name, tokens, size, time.time())
+            covered = [e for e in self._entries.values() if e.name != name and is_prefix(e.tokens, tokens)]
+        for e in covered:
+            self.remove(e.name)
+        self._evict_over_cap()
+
+    def remove(self, name: str) -> None:
+        with self._lock:
+            self._entries.pop(name, None)
+        with contextlib.suppress(FileNotFoundError):
+            (self.dir / name).unlink()
+
+    def _evict_over_cap(self) -> None:
+        while True:
+            with self._lock:
+                total = sum(e.size for e in self._entries.values())
+                if total <= self.cap_bytes or not self._entries:
+                    return
+                oldest = min(self._entries.values(), key=lambda e: e.used)
+                self.stats.evicted += 1
+            self.remove(oldest.name)
+
+    # --- restore (GPU thread) -----------------------------------------------------------------
+
+    def restore(self, entry: DiskEntry) -> list[Any] | None:
+        """The entry's KV cache, checked against its checksum; None (and quarantined) if the
+        file is damaged or gone."""
+        from mlx_lm.models.cache import load_prompt_cache
+
+        path = self.dir / entry.name
+        started = time.perf_counter()
+        try:
+            kv_files.verify(path)
+            cache, _ = load_prompt_cache(str(path), return_metadata=True)
+        except FileNotFoundError:
+            self.remove(entry.name)
+            return None
+        except Exception as exc:  # CorruptFile, or mlx could not parse what passed the checksum
+            self.remove_to_quarantine(entry.name, str(exc))
+            return None
+        now = time.time()
+        with contextlib.suppress(OSError):
+            os.utime(path, (now, now))
+        with self._lock:
+            entry.used = now
+            self.stats.restores += 1
+            self.stats.restored_bytes += entry.size
+            self.stats.restore_s += time.perf_counter() - started
+        return list(cache)
+
+    def touch(self, name: str) -> None:
+        """Mark an entry used now (its RAM copy served a request)."""
+        with self._lock:
+            if (entry := self._entries.get(name)) is not None:
+                entry.used = time.time()
+
+    # --- quarantine ---------------------------------------------------------------------------
+
+    def remove_to_quarantine(self, name: str, reason: str) -> None:
+        with self._lock:
+            self._entries.pop(name, None)
+        self.quarantine(self.dir / name, reason)
+
+    def quarantine(self, path: Path, reason: str) -> None:
+        """Move a damaged file aside (keeping the newest few for a look) and count it."""
+        log.warning("SSD prompt cache: %s is damaged (%s); moved to %s/", path.name, reason, QUARANTINE)
+        self.stats.quarantined += 1
+        qdir = self.dir / QUARANTINE
+        try:
+            qdir.mkdir(exist_ok=True, mode=0o700)
+            os.replace(path, qdir / f"{time.time_ns()}-{path.name}")
+            kept = sorted(qdir.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
+            for old in kept[QUARANTINE_KEEP:]:
+                old.unlink()
+        except OSError:
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+    def snapshot(self) -> dict[str, Any]:
+        s = self.stats
+        with self._lock:
+            entries, size = len(self._entries), sum(e.size for e in self._entries.values())
+        return {
+            "dir": str(self.dir), "entries": entries, "bytes": size, "cap_bytes": self.cap_bytes,
+            "writes": s.writes, "written_bytes": s.written_bytes, "write_ms": round(s.write_s * 1000, 3),
+            "write_errors": s.write_errors, "restores": s.restores, "restored_bytes": s.restored_bytes,
+            "restore_ms": round(s.restore_s * 1000, 3), "quarantined": s.quarantined, "evicted": s.evicted,
+        }
+
+
+def is_prefix(short: np.ndarray, long: np.ndarray) -> bool:
+    return len(short) <= len(long) and bool(np.array_equal(long[: len(short)], short))
+
+
+@dataclass(slots=True, eq=False)
+class WriteJob:
+    """One entry to write: host buffers taken on the GPU thread (kept alive by `owner`)."""
+
+    name: str
+    tokens: np.ndarray
+    cache_meta: dict[str, str]
+    tensors: list[Tensor]
+    urgent: bool  # an eviction or a drain: write even while the GPU is busy
+    owner: Any = None  # the arrays the buffers point into
+    done: Callable[[bool], None] = field(default=lambda ok: None)  # writer thread, after
+    nbytes: int = 0  # the memory the job holds until written
+
+
+class Writer:
+    """The thread that writes entries to the tier, one at a time.
+
+    Write-behind jobs wait between chunks while the GPU loop is busy (`idle` cleared), so a
+    write never competes with decoding; urgent jobs (evictions, drains) do not wait.
+    """
+
+    def __init__(self, tier: SsdTier, idle: threading.Event) -> None:
+        self.tier = tier
+        self._idle = idle
+        self._jobs: queue.SimpleQueue[WriteJob | None] = queue.SimpleQueue()
+        self._pending = 0  # jobs submitted and not yet done
+        self._pending_bytes = 0
+        self._cond = threading.Condition()
+        self._hurry = 0  # > 0 while a flush waits: every job is urgent
+        self._thread = threading.Thread(target=self._run, name="mlxd-ssd-writer", daemon=True)
+        self._thread.start()
+
+    @property
+    def pending(self) -> int:
+        with self._cond:
+            return self._pending
+
+    @property
+    def pending_bytes(self) -> int:
+        with self._cond:
+            return self._pending_bytes
+
+    def submit(self, job: WriteJob) -> None:
+        with self._cond:
+            self._pending += 1
+            self._pending_bytes += job.nbytes
+        self._jobs.put(job)
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every submitted job is written (writing all of them now); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            self._hurry += 1
+            try:
+                while self._pending:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._cond.wait(left)
+                return True
+            finally:
+                self._hurry -= 1
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            ok = self._write(job)
+            try:
+                job.done(ok)
+            except Exception:
+                log.exception("SSD prompt cache: after-write callback failed")
+            job.owner = job.tensors = None  # type: ignore[assignment]
+            with self._cond:
+                self._pending -= 1
+                self._pending_bytes -= job.nbytes
+                self._cond.notify_all()
+
+    def _pause(self, job: WriteJob) -> None:
+        while not (job.urgent or self._hurry or self._idle.is_set()):
+            self._idle.wait(0.05)
+
+    def _write(self, job: WriteJob) -> bool:
+        tier = self.tier
+        if job.name in tier:
+            return True
+        started = time.perf_counter()
+        try:
+            size = kv_files.write_file(tier.dir, job.name, job.tokens.tolist(), job.cache_meta, job.tensors,
+                                       pause=lambda: self._pause(job))
+        except Exception as exc:  # disk full, I/O error; anything else must not end the writer either
+            tier.stats.write_errors += 1
+            log.warning("SSD prompt cache: could not write an entry (%s: %s); serving goes on",
+                        type(exc).__name__, exc)
+            return False
+        tier.stats.writes += 1
+        tier.stats.written_bytes += size
+        tier.stats.write_s += time.perf_counter() - started
+        tier.add(job.name, job.tokens, size)
+        return True

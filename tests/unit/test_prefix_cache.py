@@ -1,0 +1,264 @@
+"""The prompt cache: longest-prefix reuse over many entries, views that never change an
+entry, the byte-capped LRU, spills to the SSD tier and restores from it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.utils import load
+
+from mlxd.engine.cache.prefix_cache import PrefixCache, common_prefix, view
+from mlxd.engine.cache.ssd_tier import SsdTier
+
+BIG = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model: Path):  # type: ignore[no-untyped-def]
+    return load(str(tiny_model))[0]
+
+
+def filled(model: Any, tokens: list[int], cache: list[Any] | None = None) -> list[Any]:
+    """A fresh cache after running `tokens` through the model (as a lane leaves it)."""
+    cache = cache if cache is not None else list(make_prompt_cache(model))
+    model(mx.array(tokens)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def last_logits(model: Any, tokens: list[int], cache: list[Any] | None = None) -> mx.array:
+    cache = cache if cache is not None else list(make_prompt_cache(model))
+    out = model(mx.array(tokens)[None], cache=cache)[:, -1]
+    mx.eval(out)
+    return out
+
+
+def seq(start: int, n: int) -> list[int]:
+    return [(start + i) % 300 + 3 for i in range(n)]
+
+
+def wait_for(predicate: Any, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_common_prefix() -> None:
+    import numpy as np
+
+    a = np.array([1, 2, 3, 4], dtype=np.int32)
+    assert common_prefix(a, np.array([1, 2, 9], dtype=np.int32)) == 2
+    assert common_prefix(a, np.array([1, 2], dtype=np.int32)) == 2
+    assert common_prefix(a, np.array([], dtype=np.int32)) == 0
+    assert common_prefix(a, np.array([7], dtype=np.int32)) == 0
+    assert common_prefix(a, a) == 4
+
+
+def test_the_entry_sharing_the_longest_prefix_serves(model: Any) -> None:
+    pc = PrefixCache(BIG)
+    system = seq(0, 20)
+    a, b = system + seq(100, 10), system + seq(200, 10)
+    pc.store(filled(model, a), a)
+    pc.store(filled(model, b), b)
+    pc.store(filled(model, seq(50, 15)), seq(50, 15))
+    query = system + seq(200, 6) + seq(7, 5)  # 26 tokens in common with b, 20 with a
+    kv, cached = pc.fetch(query)
+    assert cached == 26 and kv is not None and kv[0].offset == 26
+    warm = last_logits(model, query[cached:], kv)
+    assert mx.allclose(warm, last_logits(model, query), atol=1e-4).item()
+    assert pc.stats.ram_hits == 1 and pc.stats.tokens_reused == 26
+
+
+def test_two_clients_alternating_both_hit_every_turn(model: Any) -> None:
+    pc = PrefixCache(BIG)
+    one, two = seq(0, 40), seq(150, 40)
+    history = {"one": one, "two": two}
+    for turn in range(4):
+        for name in ("one", "two"):
+            prompt = history[name] + seq(turn * 7 + 1, 3)
+            kv, cached = pc.fetch(prompt)
+            if turn == 0:
+                assert cached == 0 and kv is None
+                kv = list(make_prompt_cache(model))
+            else:
+                assert cached == len(history[name]), (turn, name, cached)
+            full = prompt + seq(9, 4)  # the reply
+            model(mx.array(full[cached:])[None], cache=kv)
+            pc.store(kv, full)
+            history[name] = full
+    assert pc.stats.misses == 2 and pc.stats.ram_hits == 6
+
+
+def test_a_served_view_never_changes_the_entry(model: Any) -> None:
+    pc = PrefixCache(BIG)
+    tokens = seq(0, 30)
+    pc.store(filled(model, tokens), tokens)
+    kv, cached = pc.fetch(tokens[:20] + seq(90, 10))
+    assert cached == 20
+    assert kv is not None
+    model(mx.array(seq(90, 10))[None], cache=kv)  # the lane appends its own tokens
+    mx.eval([c.state for c in kv])
+    again, cached = pc.fetch([*tokens, 5])
+    assert cached == 30
+    assert mx.allclose(last_logits(model, [5], again), last_logits(model, [*tokens, 5]), atol=1e-4).item()
+
+
+def test_at_least_one_prompt_token_is_left_to_run(model: Any) -> None:
+    pc = PrefixCache(BIG)
+    tokens = seq(0, 12)
+    pc.store(filled(model, tokens), tokens)
+    _, cached = pc.fetch(tokens)
+    assert cached == 11
+
+
+def test_a_prefix_below_the_wanted_share_is_a_miss_and_stays(model: Any) -> None:
+    pc = PrefixCache(BIG)
+    tokens = seq(0, 10)
+    pc.store(filled(model, tokens), tokens)
+    kv, cached = pc.fetch(tokens[:4] + seq(100, 20), min_share=0.5)
+    assert (kv, cached) == (None, 0)
+    assert pc.fetch(tokens[:4] + seq(100, 2), min_share=0.5)[1] == 4
+
+
+def test_store_refuses_a_cache_claiming_more_than_its_tokens(model: Any) -> None:
+    pc = PrefixCache(BIG)
+    pc.store(filled(model, seq(0, 5)), seq(0, 3))
+    assert pc.fetch(seq(0, 5))[1] == 0
+
+
+def test_entries_a_longer_one_covers_are_dropped(model: Any) -> None:
+    pc = PrefixCache(BIG)
+    short, long = seq(0, 10), seq(0, 25)
+    pc.store(filled(model, short), short)
+    pc.store(filled(model, long), long)
+    assert pc.snapshot()["ram"]["entries"] == 1
+    assert pc.fetch([*short, 9])[1] == 10  # served by the longer one, cut
+
+
+def test_the_byte_cap_evicts_the_least_recently_used(model: Any) -> None:
+    per_entry = sum(c.nbytes for c in view(filled(model, seq(0, 16)), 16))
+    pc = PrefixCache(2 * per_entry)
+    a, b, c = seq(0, 16), seq(100, 16), seq(200, 16)
+    pc.store(filled(model, a), a)
+    pc.store(filled(model, b), b)
+    assert pc.fetch([*a, 1])[1] == 16  # a is now the recently used one
+    pc.store(filled(model, c), c)
+    assert pc.snapshot()["ram"]["entries"] == 2
+    assert pc.snapshot()["ram"]["bytes"] <= 2 * per_entry
+    assert pc.fetch([*b, 1])[1] == 0  # evicted (no SSD tier: gone)
+    assert pc.fetch([*a, 1])[1] == 16 and pc.fetch([*c, 1])[1] == 16
+    assert pc.stats.ram_evicted == 1 and pc.stats.evicted_unwritten == 1
+
+
+def test_a_cache_that_cannot_be_cut_serves_only_prompts_containing_it(model: Any) -> None:
+    pc = PrefixCache(BIG)
+    tokens = seq(0, 12)
+    rotating = filled(model, tokens, [RotatingKVCache(max_size=4) for _ in model.layers])  # wrapped: not trimmable
+    assert not rotating[0].is_trimmable()
+    pc.store(rotating, tokens)
+    assert pc.fetch(tokens[:8] + seq(50, 3))[1] == 0
+    kv, cached = pc.fetch(tokens + seq(50, 3))
+    assert cached == 12 and kv is not None
+
+
+def tier(tmp_path: Path) -> SsdTier:
+    return SsdTier(tmp_path / "kv", BIG)
+
+
+def test_write_behind_and_flush_put_entries_on_ssd_and_a_new_cache_restores_them(model: Any, tmp_path: Path) -> None:
+    idle = threading.Event()
+    idle.set()
+    pc = PrefixCache(BIG, tier(tmp_path), idle)
+    a, b = seq(0, 40), seq(100, 40)
+    pc.store(filled(model, a), a)
+    pc.store(filled(model, b), b)
+    assert pc.write_behind()  # the newest first
+    assert wait_for(lambda: pc.writes_pending == 0)
+    report = pc.flush(10)
+    assert report["complete"] and report["entries"] == 1 and report["bytes"] > 0
+    assert not pc.write_behind()  # nothing left to write
+    assert pc.flush(10)["entries"] == 0
+    pc.close()
+
+    restarted = PrefixCache(BIG, tier(tmp_path), idle)  # a new engine on the same dir
+    assert len(restarted.ssd or []) == 2
+    query = a[:30] + seq(7, 5)
+    kv, cached = restarted.fetch(query)
+    assert cached == 30 and restarted.stats.ssd_hits == 1
+    assert mx.allclose(last_logits(model, query[cached:], kv), last_logits(model, query), atol=1e-4).item()
+    assert restarted.fetch(query)[1] == 30 and restarted.stats.ram_hits == 1  # now in RAM too
+    restarted.close()
+
+
+def test_eviction_spills_to_ssd_and_the_entry_comes_back_from_there(model: Any, tmp_path: Path) -> None:
+    per_entry = sum(c.nbytes for c in view(filled(model, seq(0, 16)), 16))
+    busy = threading.Event()  # never idle: only the eviction's urgent write runs
+    pc = PrefixCache(4 * per_entry, tier(tmp_path), busy)
+    entries = [seq(i * 40, 16) for i in range(6)]
+    for tokens in entries:
+        pc.store(filled(model, tokens), tokens)
+    assert wait_for(lambda: pc.writes_pending == 0)
+    assert pc.snapshot()["ram"]["entries"] == 4
+    assert pc.ssd is not None and len(pc.ssd) == 2  # the two evicted ones, written while busy
+    kv, cached = pc.fetch(entries[0] + [1])
+    assert cached == 16 and pc.stats.ssd_hits == 1
+    assert mx.allclose(last_logits(model, [1], kv), last_logits(model, entries[0] + [1]), atol=1e-4).item()
+    pc.close()
+
+
+def test_quantized_kv_round_trips_through_ssd(tmp_path: Path) -> None:
+    idle = threading.Event()
+    idle.set()
+    pc = PrefixCache(BIG, tier(tmp_path), idle)
+    tokens = seq(0, 64)
+    kv = []
+    for _ in range(3):  # head size 64 (the tiny model's 16 is below every quantization group size)
+        c = KVCache()
+        c.update_and_fetch(mx.random.normal((1, 2, 64, 64)), mx.random.normal((1, 2, 64, 64)))
+        kv.append(c.to_quantized(group_size=32, bits=4))
+    pc.store(kv, tokens)
+    assert pc.flush(10)["entries"] == 1
+    pc.close()
+    restarted = PrefixCache(BIG, tier(tmp_path), idle)
+    back, cached = restarted.fetch([*tokens, 3])
+    assert cached == 64 and back is not None
+    assert type(back[0]).__name__ == "QuantizedKVCache" and (back[0].bits, back[0].group_size) == (4, 32)
+    for got, want in zip(back, kv, strict=True):
+        for x, y in zip(got.keys, want.keys, strict=True):
+            assert mx.array_equal(x, y[..., :64, :]).item()
+    restarted.close()
+
+
+def test_a_corrupt_file_is_a_miss_and_is_quarantined(model: Any, tmp_path: Path) -> None:
+    idle = threading.Event()
+    idle.set()
+    pc = PrefixCache(BIG, tier(tmp_path), idle)
+    tokens = seq(0, 50)
+    pc.store(filled(model, tokens), tokens)
+    assert pc.flush(10)["entries"] == 1
+    pc.close()
+    (path,) = (tmp_path / "kv").glob("*.safetensors")
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x10  # one bit in the KV data
+    path.write_bytes(bytes(data))
+    restarted = PrefixCache(BIG, tier(tmp_path), idle)
+    assert restarted.fetch([*tokens, 1]) == (None, 0)
+    assert restarted.stats.misses == 1
+    assert restarted.ssd is not None and restarted.ssd.stats.quarantined == 1 and len(restarted.ssd) == 0
+    assert len(list((tmp_path / "kv" / "quarantine").iterdir())) == 1
+    restarted.close()
+
+
+def test_no_ram_tier_keeps_nothing(model: Any) -> None:
+    pc = PrefixCache(0)
+    pc.store(filled(model, seq(0, 10)), seq(0, 10))
+    assert pc.fetch([*seq(0, 10), 1]) == (None, 0)
