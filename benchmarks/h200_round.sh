@@ -13,7 +13,8 @@
 # (without a 1-stream phase first, mlx_lm.server met its first shapes in its measured rounds). `close`: the
 # lone 1B stream and the 1B batching run, twice over. `lone`: the lone 1B stream pinned to
 # two CPU sets, then unpinned. `close8b`: the 8B batching run
-# at 1, 8 and 16 streams. CLOSE_SHORT=1 makes `close` a 1B batching run and a 41-run lone stream. `prefill`: fair_prefill.
+# at 1, 8 and 16 streams. CLOSE_SHORT=1 makes `close` a 1B batching run and a 41-run lone stream. `cache`: issue 11's
+# prompt_cache.py on the 8B-shaped model with a 16k-token prefix. `prefill`: fair_prefill.
 # Each step has its own time limit; results go to $OUT (or ./h200-out) as one text file a step.
 set -u
 out=${OUT:-h200-out}
@@ -91,10 +92,16 @@ lone)
   step lone_1b_b 120 python3 benchmarks/engine_decode.py --model /tmp/models/l1b --runs 11 --max-tokens 256 --cold-starts 0 --cpus 10-13
   step lone_1b_c 120 python3 benchmarks/engine_decode.py --model /tmp/models/l1b --runs 11 --max-tokens 256 --cold-starts 0
   ;;
+cache)
+  # issue 11: the prompt cache's figures on the 8B-shaped 4-bit model with a 16k-token prefix
+  model 8b-4bit /tmp/models/l8q
+  MLXD_BENCH_DIR=/tmp step prompt_cache 560 python3 benchmarks/prompt_cache.py --model /tmp/models/l8q \
+    --prefix-tokens 16000 --alt-tokens 4000 --runs 2 --turns 3 --burst 4 --kv-bits 8
+  ;;
 prefill)
   model 1b-bf16 /tmp/models/l1b
   step fair_prefill 120 python3 benchmarks/fair_prefill.py --model /tmp/models/l1b --streams 8 --batch 16 \
     --long-tokens 8000 --compare-step 8192
   ;;
-*) echo "usage: $0 1b|8b|streams|close|close8b|lone|prefill" >&2; exit 2 ;;
+*) echo "usage: $0 1b|8b|streams|close|close8b|lone|cache|prefill" >&2; exit 2 ;;
 esac

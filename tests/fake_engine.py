@@ -73,7 +73,8 @@ def main() -> None:
     p.add_argument("--batch", type=int)
     p.add_argument("--warmup")
     p.add_argument("--gather-ms", type=float)
-    for flag in ("--prompt-cache-bytes", "--ssd-cache-bytes", "--ssd-cache-dir", "--kv-bits", "--kv-group-size"):
+    for flag in ("--prompt-cache-bytes", "--ssd-cache-bytes", "--ssd-cache-dir", "--kv-bits", "--kv-group-size",
+                 "--ssd-write-behind"):
         p.add_argument(flag)  # the prompt cache's flags: taken, unused
     args = p.parse_args()
     if MODE == "boot_crash":

@@ -31,9 +31,11 @@ MAX_SOCKET_PATH = 104 if sys.platform == "darwin" else 108
 # Open requests are answered at once on stop, so handlers end quickly; aiohttp applies this
 # twice (graceful, then after cancelling), which keeps exit well inside 2 s.
 SHUTDOWN_TIMEOUT_S = 0.3
-# On SIGTERM the prompt cache's RAM entries are written to SSD first, for at most this long
-# (the supervisor drains an engine, which writes them, before it sends SIGTERM).
-STOP_FLUSH_S = 10.0
+# On SIGTERM the prompt cache's RAM entries are written to SSD first, for at most this long:
+# within the supervisor's 5 s before SIGKILL. (It drains an engine, which writes them, before
+# a swap or unload; at its own shutdown this is the only write, and write-behind has usually
+# written most entries already.)
+STOP_FLUSH_S = 4.0
 
 
 class BootError(Exception):
@@ -143,7 +145,7 @@ async def run(settings: EngineSettings, sock: socket.socket, parent: int) -> int
         # SIGTERM drains the prompt cache: requests in flight end now, then RAM entries go to SSD.
         gateway.abort_open(STOPPING_EVENT)
         with contextlib.suppress(Exception):
-            report = await asyncio.wait_for(asyncio.wrap_future(gateway.flush_cache(STOP_FLUSH_S)), STOP_FLUSH_S + 1)
+            report = await asyncio.wait_for(asyncio.wrap_future(gateway.flush_cache(STOP_FLUSH_S)), STOP_FLUSH_S + 0.5)
             log.info("on stop: prompt cache %s", report)
     # First, while our SIGTERM handler still stands: a parent that dies sends the death signal
     # again at each reparenting (to each of its threads, then to init), and one landing after
@@ -171,6 +173,7 @@ def gateway_options(settings: EngineSettings) -> GatewayOptions:
         kv_budget_tokens=settings.kv_budget_tokens, warmup=settings.warmup, gather_ms=settings.gather_ms,
         prompt_cache_bytes=cache_bytes, ssd_root=settings.ssd_cache_dir or data_dir() / "kv",
         ssd_cache_bytes=settings.ssd_cache_bytes, kv_bits=settings.kv_bits, kv_group_size=settings.kv_group_size,
+        write_behind=settings.write_behind,
     )
 
 

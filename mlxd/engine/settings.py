@@ -28,6 +28,7 @@ class EngineSettings:
     ssd_cache_dir: Path | None = None  # None: <data dir>/kv
     kv_bits: int | None = None
     kv_group_size: int = 64
+    write_behind: bool = True
 
 
 def parse_args(argv: list[str]) -> EngineSettings:
@@ -67,6 +68,10 @@ def parse_args(argv: list[str]) -> EngineSettings:
         help="quantize the KV cache to this many bits (mlx-lm's QuantizedKVCache); runs one sequence at a time",
     )
     p.add_argument("--kv-group-size", type=int, choices=(32, 64, 128), default=64, help="group size for --kv-bits")
+    p.add_argument(
+        "--ssd-write-behind", choices=("on", "off"), default="on",
+        help="write new prompt-cache entries to SSD while idle (off: only drains, evictions and stops write)",
+    )
     default_parent = os.environ.get("MLXD_PARENT_PID")
     p.add_argument(
         "--parent-pid", type=int, default=int(default_parent) if default_parent else None,
@@ -88,5 +93,5 @@ def parse_args(argv: list[str]) -> EngineSettings:
         batch=a.batch, prefill_step=a.prefill_step, kv_budget_tokens=a.kv_budget_tokens, warmup=a.warmup,
         gather_ms=a.gather_ms, max_body=a.max_body, parent_pid=a.parent_pid,
         prompt_cache_bytes=a.prompt_cache_bytes, ssd_cache_bytes=a.ssd_cache_bytes, ssd_cache_dir=a.ssd_cache_dir,
-        kv_bits=a.kv_bits, kv_group_size=a.kv_group_size,
+        kv_bits=a.kv_bits, kv_group_size=a.kv_group_size, write_behind=a.ssd_write_behind == "on",
     )

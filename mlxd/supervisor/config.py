@@ -86,6 +86,7 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ssd_cache_bytes: Annotated[int, msgspec.Meta(ge=0)] | None = None
     kv_bits: Literal[2, 3, 4, 5, 6, 8] | None = None  # engines' --kv-bits: quantized KV, one sequence at a time
     kv_group_size: Literal[32, 64, 128] = 64
+    ssd_write_behind: bool = True  # engines' --ssd-write-behind: write new entries while idle
     # Crash loops: `crash_limit` exits within `crash_window_s` mark a model failed; it is tried
     # again after a cool-down that starts at `cooldown_s`, doubles on each new failure up to
     # `cooldown_max_s`, and resets after `healthy_reset_s` of serving without a crash.

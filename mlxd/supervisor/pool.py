@@ -94,6 +94,8 @@ def engine_args_from(config: PoolConfig, kv_dir: Path | None = None) -> tuple[st
         args += ["--ssd-cache-bytes", str(config.ssd_cache_bytes)]
     if config.kv_bits is not None:
         args += ["--kv-bits", str(config.kv_bits), "--kv-group-size", str(config.kv_group_size)]
+    if not config.ssd_write_behind:
+        args += ["--ssd-write-behind", "off"]
     if kv_dir is not None:
         args += ["--ssd-cache-dir", str(kv_dir)]
     return tuple(args)

@@ -169,17 +169,21 @@ def test_a_full_disk_is_counted_and_serving_goes_on(tiny_model: Path, tmp_path: 
 
 
 def test_a_drain_writes_what_is_in_ram_and_sigterm_does_too(tiny_model: Path, tmp_path: Path) -> None:
-    kv = ("--ssd-cache-dir", str(tmp_path / "kv"))
+    # Write-behind off: only the drain and the stop write, so what each wrote is exact.
+    kv = ("--ssd-cache-dir", str(tmp_path / "kv"), "--ssd-write-behind", "off")
     with running_engine(tiny_model, "m", *kv) as engine:
         for i in range(3):
             engine.client.post("/v1/completions", json={"prompt": f"{i} {LONG_PROMPT}", "max_tokens": 4})
+        assert engine.stats()["prompt_cache"]["ssd"]["writes"] == 0
         drained = engine.client.post("/admin/drain", json={"resume": True}).json()
         stats = engine.stats()["prompt_cache"]
-        assert drained["cache_complete"] is True and stats["writes_pending"] == 0
-        assert stats["ssd"]["entries"] == stats["ram"]["entries"] == 3
+        assert drained["cache_complete"] is True and drained["cache_written_entries"] == 3
+        assert drained["cache_written_bytes"] == stats["ssd"]["bytes"] > 0 and drained["cache_write_ms"] > 0
+        assert stats["ssd"]["entries"] == stats["ram"]["entries"] == 3 and stats["writes_pending"] == 0
         engine.client.post("/v1/completions", json={"prompt": f"new {LONG_PROMPT}", "max_tokens": 4})
         os.kill(engine.proc.pid, 15)
         assert engine.proc.wait(20) == 0
+        assert "on stop: prompt cache {'entries': 1" in engine.log()
     tiers = list((tmp_path / "kv").iterdir())
     assert len(tiers) == 1 and len(list(tiers[0].glob("*.safetensors"))) == 4  # the last one written on SIGTERM
 

@@ -58,13 +58,15 @@ def test_pool_keys_reach_the_engine_only_when_they_differ_from_its_defaults(tmp_
 
 
 def test_prompt_cache_keys_and_the_data_dir_reach_the_engine(tmp_path: Path) -> None:
-    config = PoolConfig(prompt_cache_bytes=0, ssd_cache_bytes=10**9, kv_bits=4, kv_group_size=32)
+    config = PoolConfig(prompt_cache_bytes=0, ssd_cache_bytes=10**9, kv_bits=4, kv_group_size=32,
+                        ssd_write_behind=False)
     args = engine_args_from(config, tmp_path / "kv")
     assert args == ("--prompt-cache-bytes", "0", "--ssd-cache-bytes", "1000000000", "--kv-bits", "4",
-                    "--kv-group-size", "32", "--ssd-cache-dir", str(tmp_path / "kv"))
+                    "--kv-group-size", "32", "--ssd-write-behind", "off", "--ssd-cache-dir", str(tmp_path / "kv"))
     settings = parse_args(["--model", "m", "--model-id", "m", "--socket", "s", *args])  # the engine takes them
     assert (settings.prompt_cache_bytes, settings.ssd_cache_bytes, settings.kv_bits, settings.kv_group_size,
-            settings.ssd_cache_dir) == (0, 10**9, 4, 32, tmp_path / "kv")
+            settings.ssd_cache_dir, settings.write_behind) == (0, 10**9, 4, 32, tmp_path / "kv", False)
+    assert parse_args(["--model", "m", "--model-id", "m", "--socket", "s"]).write_behind is True
     pool = Pool(tmp_path, config=PoolConfig(), kv_dir=tmp_path / "kv")
     slot = pool.slot_for(ModelEntry(id="m", path=tmp_path, source="config", size_bytes=100, batch=2))
     assert flag(slot.engine.argv(), "--ssd-cache-dir") == str(tmp_path / "kv")

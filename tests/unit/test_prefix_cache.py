@@ -181,11 +181,12 @@ def test_write_behind_and_flush_put_entries_on_ssd_and_a_new_cache_restores_them
     a, b = seq(0, 40), seq(100, 40)
     pc.store(filled(model, a), a)
     pc.store(filled(model, b), b)
-    assert pc.write_behind()  # the newest first
+    assert pc.write_behind() == "queued"  # the newest first, one at a time
+    assert pc.write_behind() in ("busy", "none")  # "busy" while the writer holds it
     assert wait_for(lambda: pc.writes_pending == 0)
     report = pc.flush(10)
     assert report["complete"] and report["entries"] == 1 and report["bytes"] > 0
-    assert not pc.write_behind()  # nothing left to write
+    assert pc.write_behind() == "none"  # nothing left to write
     assert pc.flush(10)["entries"] == 0
     pc.close()
 
@@ -262,3 +263,90 @@ def test_no_ram_tier_keeps_nothing(model: Any) -> None:
     pc = PrefixCache(0)
     pc.store(filled(model, seq(0, 10)), seq(0, 10))
     assert pc.fetch([*seq(0, 10), 1]) == (None, 0)
+
+
+def test_a_failed_write_is_not_retried_by_write_behind_but_by_a_drain(model: Any, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlxd.engine.cache import kv_files
+
+    idle = threading.Event()
+    idle.set()
+    pc = PrefixCache(BIG, tier(tmp_path), idle)
+    real = kv_files.write_file
+
+    def full(*args: Any, **kw: Any) -> int:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(kv_files, "write_file", full)
+    tokens = seq(0, 20)
+    pc.store(filled(model, tokens), tokens)
+    assert pc.write_behind() == "queued"
+    assert wait_for(lambda: pc.writes_pending == 0)
+    assert pc.write_behind() == "none"  # not again and again (the idle loop would spin)
+    assert pc.ssd is not None and pc.ssd.stats.write_errors == 1
+    report = pc.flush(10)  # a drain tries again, and says it did not get it all written
+    assert report["complete"] is False and report["errors"] == 1
+    monkeypatch.setattr(kv_files, "write_file", real)
+    report = pc.flush(10)
+    assert report["complete"] is True and report["entries"] == 1
+    pc.close()
+
+
+def test_an_entry_larger_than_ram_goes_to_ssd_and_serves_from_there_without_filling_ram(
+    model: Any, tmp_path: Path,
+) -> None:
+    small, big = seq(0, 8), seq(100, 64)
+    per_small = sum(c.nbytes for c in view(filled(model, small), 8))
+    idle = threading.Event()
+    idle.set()
+    pc = PrefixCache(2 * per_small, tier(tmp_path), idle)
+    pc.store(filled(model, small), small)
+    pc.store(filled(model, big), big)  # 8x the small one: over the cap
+    assert wait_for(lambda: pc.writes_pending == 0)
+    assert pc.snapshot()["ram"]["entries"] == 1 and pc.ssd is not None and len(pc.ssd) == 1
+    kv, cached = pc.fetch([*big, 1])
+    assert cached == 64 and kv is not None and pc.stats.ssd_hits == 1
+    assert pc.snapshot()["ram"]["entries"] == 1  # served, not kept: the small one stays
+    assert pc.fetch([*small, 1])[1] == 8
+    pc.close()
+
+
+def test_a_stored_entry_does_not_keep_its_lanes_longer_buffer(model: Any) -> None:
+    pc = PrefixCache(BIG)
+    tokens = seq(0, 260)  # a KVCache grows in steps of 256: its buffer holds 512
+    kv = filled(model, tokens)
+    assert kv[0].keys.shape[2] == 512
+    pc.store(kv, tokens)
+    (entry,) = pc._entries.values()
+    assert entry.kv[0].keys.shape[2] == 260 and entry.nbytes == sum(c.nbytes for c in entry.kv)
+
+
+def test_a_cache_that_cannot_be_cut_keeps_its_prefix_files_on_ssd(model: Any, tmp_path: Path) -> None:
+    idle = threading.Event()
+    idle.set()
+    pc = PrefixCache(BIG, tier(tmp_path), idle)
+    system = seq(0, 6)
+    longer = [*system, *seq(50, 8)]
+    for tokens in (system, longer):
+        pc.store(filled(model, tokens, [RotatingKVCache(max_size=4) for _ in model.layers]), tokens)
+    assert pc.flush(10)["entries"] == 2
+    pc.close()
+    restarted = PrefixCache(BIG, tier(tmp_path), idle)
+    assert restarted.ssd is not None and len(restarted.ssd) == 2  # the longer one does not serve the shorter
+    assert not all(d.trimmable for d in restarted.ssd.entries())
+    kv, cached = restarted.fetch([*system, 99, 98])
+    assert cached == 6 and kv is not None  # the exact prefix entry, not the longer one
+    restarted.close()
+
+
+def test_a_flush_answer_to_an_asker_who_gave_up_is_dropped() -> None:
+    import concurrent.futures
+
+    from mlxd.engine.gpu.gateway import answer
+
+    gave_up: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+    gave_up.cancel()
+    answer(gave_up, {"entries": 1})  # must not raise on the GPU thread
+    waiting: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+    answer(waiting, {"entries": 2})
+    assert waiting.result(0) == {"entries": 2}

@@ -8,6 +8,7 @@ fields:
 - `mlxd_format`: this layout's version;
 - `mlxd_tokens`: the token ids the KV covers (base64 of little-endian uint32), so an index of
   the tier is rebuilt at start from the files' headers alone;
+- `mlxd_trimmable`: "1" when the cache can be cut to serve a prefix of itself;
 - `mlxd_checksum`: xxh3-128 over the rest of the header (the other metadata, every tensor's
   name, dtype, shape and offsets) and the whole data section, checked before a file is
   restored: a torn, truncated or flipped file is never loaded.
@@ -78,6 +79,11 @@ class Header:
     def tokens(self) -> list[int]:
         return decode_tokens(self.metadata.get("0.mlxd_tokens", ""))
 
+    @property
+    def trimmable(self) -> bool:
+        """Whether its cache serves a prefix of itself (a sliding window that wrapped does not)."""
+        return self.metadata.get("0.mlxd_trimmable", "1") == "1"
+
 
 def encode_tokens(tokens: Iterable[int]) -> str:
     ids = list(tokens)
@@ -123,21 +129,24 @@ def build_header(tensors: list[Tensor], metadata: dict[str, str]) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
-def file_metadata(tokens: list[int], cache_meta: dict[str, str], tensors: list[Tensor]) -> dict[str, str]:
+def file_metadata(
+    tokens: list[int], cache_meta: dict[str, str], tensors: list[Tensor], trimmable: bool = True,
+) -> dict[str, str]:
     """The full metadata of a file for `tensors`: mlx-lm's fields, ours, and the checksum."""
-    meta = {"0.mlxd_format": FORMAT, "0.mlxd_tokens": encode_tokens(tokens), **cache_meta}
+    meta = {"0.mlxd_format": FORMAT, "0.mlxd_tokens": encode_tokens(tokens),
+            "0.mlxd_trimmable": "1" if trimmable else "0", **cache_meta}
     meta["0.mlxd_checksum"] = checksum(meta, tensor_index(tensors), (t.data for t in tensors))
     return meta
 
 
 def write_file(dir_: Path, name: str, tokens: list[int], cache_meta: dict[str, str], tensors: list[Tensor],
-               pause: Any = None) -> int:
+               pause: Any = None, trimmable: bool = True) -> int:
     """Write `tensors` as `dir_/name` crash-safely; its size in bytes.
 
     `pause`, if given, is called between chunks (the writer waits there while the GPU is busy).
     On any error the temp file is removed and the error raised; nothing under `name` changes.
     """
-    meta = file_metadata(tokens, cache_meta, tensors)
+    meta = file_metadata(tokens, cache_meta, tensors, trimmable)
     header = build_header(tensors, meta)
     temp = dir_ / f"{TEMP_PREFIX}{name}.{os.urandom(6).hex()}{TEMP_SUFFIX}"
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

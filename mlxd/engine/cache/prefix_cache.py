@@ -49,6 +49,8 @@ class Entry:
     on_ssd: bool = False
     writing: bool = False  # a write is queued or running
     unwritable: bool = False  # the SSD format cannot hold this cache kind
+    write_failed: bool = False  # its last write failed (disk full?): write-behind leaves it, a drain retries
+    trimmable: bool = True
 
 
 @dataclass(slots=True)
@@ -109,6 +111,19 @@ def view(kv: list[Any], n: int) -> list[Any]:
                 v.trim(size - n)
         out.append(v)
     return out
+
+
+SLACK_SHARE = 0.1  # a stored cache whose buffers are this much longer than its tokens is copied tight
+
+
+def slack(kv: list[Any], offset: int) -> float:
+    """How much longer than `offset` tokens the cache's buffers are, as a share of it."""
+    c = kv[0]
+    keys = getattr(c, "keys", None)
+    if type(c) is QuantizedKVCache and keys is not None:
+        keys = keys[0]
+    length = keys.shape[2] if keys is not None and hasattr(keys, "shape") and keys.ndim == 4 else offset
+    return (length - offset) / offset if offset else 0.0
 
 
 def compact(kv: list[Any]) -> None:
@@ -199,7 +214,7 @@ class PrefixCache:
             for d in self.ssd.entries():
                 if d.name in self._entries:
                     continue
-                n = self._usable(d.tokens, query, limit, True)
+                n = self._usable(d.tokens, query, limit, d.trimmable)
                 if n > best_n:
                     best, best_n = d, n
         if best is None or best_n <= 0 or best_n < min_share * len(prompt):
@@ -239,8 +254,9 @@ class PrefixCache:
                         d.name, offset, len(d.tokens))
             self.ssd.remove_to_quarantine(d.name, "offset does not match its tokens")
             return None
-        entry = Entry(d.tokens, kv, cache_nbytes(kv), d.name, self._clock, on_ssd=True)
-        self._put(entry)
+        entry = Entry(d.tokens, kv, cache_nbytes(kv), d.name, self._clock, on_ssd=True, trimmable=d.trimmable)
+        if entry.nbytes <= self.cap_bytes:  # one larger than RAM serves this request only
+            self._put(entry)
         return entry
 
     # --- stores --------------------------------------------------------------------------------
@@ -260,10 +276,13 @@ class PrefixCache:
             old.used = self._clock
             return
         kept = view(kv, offset) if is_trimmable(kv) else kv
-        mx.async_eval([x for c in kept for x in _arrays(c)])  # a batch row's copy: frees the batch buffer
+        if slack(kv, offset) > SLACK_SHARE:
+            compact(kept)  # a view would keep the lane's whole buffer alive, uncounted
+        mx.async_eval([x for c in kept for x in _arrays(c)])  # and a batch row's copy frees the batch buffer
         entry = Entry(covered, kept, cache_nbytes(kept), name, self._clock)
-        if entry.nbytes > self.cap_bytes:
-            self._spill(entry, urgent=False)  # too big for RAM: straight to SSD (when idle)
+        if entry.nbytes > self.cap_bytes:  # too big for RAM: to SSD only, if the writer has room
+            if not self._spill_evicted(entry):
+                self.stats.evicted_unwritten += 1
             return
         if is_trimmable(kept):
             for other in [e for e in self._entries.values() if is_prefix(e.tokens, covered)]:
@@ -276,14 +295,17 @@ class PrefixCache:
         while self._ram_bytes > self.cap_bytes and len(self._entries) > 1:
             victim = min((e for e in self._entries.values() if e is not entry), key=lambda e: e.used)
             self.stats.ram_evicted += 1
-            if not victim.on_ssd and not victim.writing:
-                # Written now, busy or not, unless the writes already queued hold half the cap
-                # (their arrays live until written): then it is dropped.
-                if self._writer is not None and self._writer.pending_bytes + victim.nbytes <= self.cap_bytes // 2:
-                    self._spill(victim, urgent=True)
-                else:
-                    self.stats.evicted_unwritten += 1
+            if not victim.on_ssd and not victim.writing and not self._spill_evicted(victim):
+                self.stats.evicted_unwritten += 1
             self._drop(victim)
+
+    def _spill_evicted(self, entry: Entry) -> bool:
+        """Write an entry leaving RAM now, busy or not, unless the writes already queued hold
+        half the cap (their arrays live until written): False then, and it is dropped."""
+        if self._writer is None or entry.unwritable or self._writer.pending_bytes > self.cap_bytes // 2:
+            return False
+        self._spill(entry, urgent=True)
+        return True
 
     def _drop(self, entry: Entry) -> None:
         if self._entries.pop(entry.name, None) is not None:
@@ -296,16 +318,18 @@ class PrefixCache:
 
     # --- the SSD tier --------------------------------------------------------------------------
 
-    def write_behind(self) -> bool:
-        """While the GPU loop is idle: queue the newest RAM entry not yet on SSD; False when
-        there is none."""
+    def write_behind(self) -> str:
+        """While the GPU loop is idle: hand the writer the newest RAM entry not yet on SSD, one
+        at a time. `queued`; `busy` (the writer has one: ask again soon); `none` (nothing to write)."""
         if self._writer is None:
-            return False
-        todo = [e for e in self._entries.values() if not (e.on_ssd or e.writing or e.unwritable)]
+            return "none"
+        todo = [e for e in self._entries.values() if not (e.on_ssd or e.writing or e.unwritable or e.write_failed)]
         if not todo:
-            return False
+            return "none"
+        if self._writer.pending:
+            return "busy"
         self._spill(max(todo, key=lambda e: e.used), urgent=False)
-        return True
+        return "queued"
 
     def flush(self, timeout_s: float) -> dict[str, Any]:
         """Write every RAM entry not yet on SSD, now, and wait for it (a drain)."""
@@ -313,15 +337,17 @@ class PrefixCache:
             return {"entries": 0, "bytes": 0, "ms": 0.0, "complete": True}
         assert self.ssd is not None
         started = time.perf_counter()
-        before = self.ssd.stats.written_bytes, self.ssd.stats.writes
+        before = self.ssd.stats.written_bytes, self.ssd.stats.writes, self.ssd.stats.write_errors
         for e in [e for e in self._entries.values() if not (e.on_ssd or e.writing or e.unwritable)]:
             self._spill(e, urgent=True)
-        complete = self._writer.flush(timeout_s)
+        finished = self._writer.flush(timeout_s)
+        errors = self.ssd.stats.write_errors - before[2]
         return {
             "entries": self.ssd.stats.writes - before[1],
             "bytes": self.ssd.stats.written_bytes - before[0],
             "ms": round((time.perf_counter() - started) * 1000, 3),
-            "complete": complete,
+            "complete": finished and not errors,
+            "errors": errors,
         }
 
     def _spill(self, entry: Entry, urgent: bool) -> None:
@@ -336,11 +362,13 @@ class PrefixCache:
             return
         entry.writing = True
 
-        def done(ok: bool) -> None:  # the writer thread; a bool store each
-            entry.writing = False
+        def done(ok: bool) -> None:  # the writer thread; a bool store each (on_ssd first: no double spill)
             entry.on_ssd = ok
+            entry.write_failed = not ok
+            entry.writing = False
 
-        self._writer.submit(WriteJob(entry.name, entry.tokens, meta, tensors, urgent, owner, done, entry.nbytes))
+        self._writer.submit(WriteJob(entry.name, entry.tokens, meta, tensors, urgent, owner, done, entry.nbytes,
+                                     is_trimmable(entry.kv)))
 
     @property
     def writes_pending(self) -> int:

@@ -50,6 +50,7 @@ class DiskEntry:
     tokens: np.ndarray  # int64
     size: int
     used: float  # last use (file mtime at scan)
+    trimmable: bool = True  # serves a prefix of itself
 
 
 @dataclass(slots=True)
@@ -93,13 +94,14 @@ class SsdTier:
             try:
                 header = kv_files.read_header(path)
                 tokens = np.asarray(header.tokens, dtype=np.int64)
+                trimmable = header.trimmable
                 st = path.stat()
             except FileNotFoundError:
                 continue  # gone since the listing
             except (CorruptFile, OSError, ValueError, OverflowError) as exc:
                 self.quarantine(path, str(exc))
                 continue
-            self._entries[path.name] = DiskEntry(path.name, tokens, st.st_size, st.st_mtime)
+            self._entries[path.name] = DiskEntry(path.name, tokens, st.st_size, st.st_mtime, trimmable)
         self._evict_over_cap()
         if self._entries:
             log.info("SSD prompt cache: %d entries, %.1f MB in %s", len(self._entries), self.bytes / 1e6, self.dir)
@@ -121,12 +123,13 @@ class SsdTier:
         with self._lock:
             return name in self._entries
 
-    def add(self, name: str, tokens: np.ndarray, size: int) -> None:
-        """A file the writer has just made durable; drop files it makes redundant, then the LRU
-        ones over the cap."""
+    def add(self, name: str, tokens: np.ndarray, size: int, trimmable: bool = True) -> None:
+        """A file the writer has just made durable; drop files it makes redundant (when it can
+        serve their prefixes), then the LRU ones over the cap."""
         with self._lock:
-            self._entries[name] = DiskEntry(name, tokens, size, time.time())
-            covered = [e for e in self._entries.values() if e.name != name and is_prefix(e.tokens, tokens)]
+            self._entries[name] = DiskEntry(name, tokens, size, time.time(), trimmable)
+            covered = [e for e in self._entries.values()
+                       if trimmable and e.name != name and is_prefix(e.tokens, tokens)]
         for e in covered:
             self.remove(e.name)
         self._evict_over_cap()
@@ -134,8 +137,12 @@ class SsdTier:
     def remove(self, name: str) -> None:
         with self._lock:
             self._entries.pop(name, None)
-        with contextlib.suppress(FileNotFoundError):
+        try:
             (self.dir / name).unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("SSD prompt cache: cannot delete %s: %s", name, exc)
 
     def _evict_over_cap(self) -> None:
         while True:
@@ -231,6 +238,7 @@ class WriteJob:
     owner: Any = None  # the arrays the buffers point into
     done: Callable[[bool], None] = field(default=lambda ok: None)  # writer thread, after
     nbytes: int = 0  # the memory the job holds until written
+    trimmable: bool = True
 
 
 class Writer:
@@ -248,6 +256,7 @@ class Writer:
         self._pending_bytes = 0
         self._cond = threading.Condition()
         self._hurry = 0  # > 0 while a flush waits: every job is urgent
+        self._urgent_queued = 0  # urgent jobs not yet started: a paused write-behind job gives way
         self._thread = threading.Thread(target=self._run, name="mlxd-ssd-writer", daemon=True)
         self._thread.start()
 
@@ -265,6 +274,7 @@ class Writer:
         with self._cond:
             self._pending += 1
             self._pending_bytes += job.nbytes
+            self._urgent_queued += job.urgent
         self._jobs.put(job)
 
     def flush(self, timeout_s: float) -> bool:
@@ -287,19 +297,28 @@ class Writer:
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
+            if job.urgent:
+                with self._cond:
+                    self._urgent_queued -= 1
             ok = self._write(job)
             try:
                 job.done(ok)
             except Exception:
                 log.exception("SSD prompt cache: after-write callback failed")
-            job.owner = job.tensors = None  # type: ignore[assignment]
+            nbytes = job.nbytes
+            # Its buffers and its callback's entry must not outlive the write (the loop variable
+            # lives on while the next get() blocks).
+            job.owner = job.tensors = job.done = None  # type: ignore[assignment]
+            del job
             with self._cond:
                 self._pending -= 1
-                self._pending_bytes -= job.nbytes
+                self._pending_bytes -= nbytes
                 self._cond.notify_all()
 
     def _pause(self, job: WriteJob) -> None:
-        while not (job.urgent or self._hurry or self._idle.is_set()):
+        # A write-behind job waits while the GPU is busy, unless a flush or an eviction's write
+        # waits behind it (it is finished first: the queue is in order).
+        while not (job.urgent or self._hurry or self._urgent_queued or self._idle.is_set()):
             self._idle.wait(0.05)
 
     def _write(self, job: WriteJob) -> bool:
@@ -309,14 +328,14 @@ class Writer:
         started = time.perf_counter()
         try:
             size = kv_files.write_file(tier.dir, job.name, job.tokens.tolist(), job.cache_meta, job.tensors,
-                                       pause=lambda: self._pause(job))
+                                       pause=lambda: self._pause(job), trimmable=job.trimmable)
+            tier.stats.writes += 1
+            tier.stats.written_bytes += size
+            tier.stats.write_s += time.perf_counter() - started
+            tier.add(job.name, job.tokens, size, job.trimmable)
         except Exception as exc:  # disk full, I/O error; anything else must not end the writer either
             tier.stats.write_errors += 1
             log.warning("SSD prompt cache: could not write an entry (%s: %s); serving goes on",
                         type(exc).__name__, exc)
             return False
-        tier.stats.writes += 1
-        tier.stats.written_bytes += size
-        tier.stats.write_s += time.perf_counter() - started
-        tier.add(job.name, job.tokens, size)
         return True

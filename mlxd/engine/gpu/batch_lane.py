@@ -141,10 +141,13 @@ class BatchLane:
             self._prompt_cache.store(kv, tokens)
 
     def _drop_cancelled(self) -> list[Sequence]:
+        """Rows whose client left: out of the generator; their KV so far goes to the prompt
+        cache (a client that retries finds it)."""
         gone = [uid for uid, seq in self._rows.items() if seq.is_cancelled]
         if not gone:
             return []
-        self._remove(gone)
+        for kv, tokens in self._remove(gone, keep_kv=True):
+            self._prompt_cache.store(kv, tokens)
         ended = [self._rows.pop(uid) for uid in gone]
         for seq in ended:
             seq.cancel()

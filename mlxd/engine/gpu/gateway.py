@@ -69,6 +69,15 @@ class Flush:
 
 # What the loop thread sends the GPU thread.
 Command = Job | Stop | Flush
+# While the SSD writer holds a write-behind entry and more wait, the idle GPU thread checks
+# this often whether it can hand over the next.
+WRITER_POLL_S = 0.05
+
+
+def answer(future: concurrent.futures.Future[dict[str, Any]], report: dict[str, Any]) -> None:
+    """Set a Flush's report unless its asker gave up (a cancelled future refuses a result)."""
+    if future.set_running_or_notify_cancel():
+        future.set_result(report)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +93,7 @@ class GatewayOptions:
     ssd_cache_bytes: int | None = None  # None: default_ssd_cache_bytes
     kv_bits: int | None = None  # quantized KV (the serial lane only: batch must be 1)
     kv_group_size: int = 64
+    write_behind: bool = True  # idle: write new entries to SSD (off: drains, evictions and stops only)
 
 
 class Gateway:
@@ -145,9 +155,9 @@ class Gateway:
         a stop); the future gets the report (entries, bytes, ms, complete)."""
         command = Flush(timeout_s)
         if self.loaded is None or not self._thread.is_alive():
-            command.done.set_result({"entries": 0, "bytes": 0, "ms": 0.0, "complete": True})
+            answer(command.done, {"entries": 0, "bytes": 0, "ms": 0.0, "complete": True})
         else:
-            self._inbox.put(command)
+            self._inbox.put(command)  # the caller bounds its wait: a thread ending now never answers
         return command.done
 
     def submit(self, job: Job) -> None:
@@ -285,7 +295,10 @@ class Gateway:
             idle = not self._has_work()
             if idle:
                 self._idle.set()
-                received = self._receive(block=not self._write_behind())
+                # Write-behind: while there is an entry to write, look at the inbox between
+                # hand-overs (or every 50 ms while the writer is at one) instead of blocking.
+                wrote = self._write_behind()
+                received = self._receive(block=wrote == "none", timeout=WRITER_POLL_S if wrote == "busy" else None)
                 if not received:
                     continue
             else:
@@ -293,35 +306,42 @@ class Gateway:
             if idle and self._in_bursts():
                 received += self._gather(len(received))
             self._idle.clear()
+            stop = False
             for command in received:
                 if isinstance(command, Stop):
-                    return
-                if isinstance(command, Flush):
-                    self._flush(command)
+                    stop = True
+                elif isinstance(command, Flush):
+                    self._flush(command, skip=stop)
                 else:
-                    self._waiting.append(command)
+                    self._waiting.append(command)  # after a Stop: failed by _fail_queued
+            if stop:
+                return
             self._turn(trace, len(received))
 
-    def _write_behind(self) -> bool:
-        """Idle: hand the SSD writer one prompt-cache entry; False when there is none to write."""
+    def _write_behind(self) -> str:
+        """Idle: hand the SSD writer a prompt-cache entry (PrefixCache.write_behind's answer)."""
         cache = self.prompt_cache
+        if cache is None or not self._options.write_behind:
+            return "none"
         try:
-            return cache is not None and cache.write_behind()
+            return cache.write_behind()
         except Exception:
             log.exception("SSD prompt cache: write-behind failed")
-            return False
+            return "none"
 
-    def _flush(self, command: Flush) -> None:
+    def _flush(self, command: Flush, skip: bool = False) -> None:
         cache = self.prompt_cache
+        report: dict[str, Any] = {"entries": 0, "bytes": 0, "ms": 0.0, "complete": not skip}
         try:
-            report = cache.flush(command.timeout_s) if cache is not None else {}
+            if cache is not None and not skip:
+                report = cache.flush(command.timeout_s)
         except Exception as exc:
             log.exception("SSD prompt cache: flush failed")
             report = {"entries": 0, "bytes": 0, "ms": 0.0, "complete": False, "error": str(exc)}
         if report.get("entries"):
             log.info("prompt cache: wrote %d entries (%.1f MB) to SSD in %.0f ms", report["entries"],
                      report["bytes"] / 1e6, report["ms"])
-        command.done.set_result(report)
+        answer(command.done, report)
 
     def _turn(self, trace: StepTrace | None, received: int = 0) -> None:
         """Start what fits, then step each lane once."""
@@ -372,9 +392,17 @@ class Gateway:
                 break
         return more
 
-    def _receive(self, block: bool) -> list[Command]:
-        """What the inbox holds; with `block`, wait for at least one command."""
-        commands: list[Command] = [self._inbox.get()] if block else []
+    def _receive(self, block: bool, timeout: float | None = None) -> list[Command]:
+        """What the inbox holds; with `block`, wait for at least one command; with `timeout`,
+        wait that long for one."""
+        commands: list[Command] = []
+        if block:
+            commands.append(self._inbox.get())
+        elif timeout is not None:
+            try:
+                commands.append(self._inbox.get(timeout=timeout))
+            except queue.Empty:
+                return commands
         while True:
             try:
                 commands.append(self._inbox.get_nowait())
@@ -456,4 +484,4 @@ class Gateway:
             if isinstance(command, Job):
                 command.ticket.emit(STOPPING)
             elif isinstance(command, Flush):
-                command.done.set_result({"entries": 0, "bytes": 0, "ms": 0.0, "complete": False})
+                answer(command.done, {"entries": 0, "bytes": 0, "ms": 0.0, "complete": False})

@@ -23,6 +23,7 @@ DRAIN_TIMEOUT = Failed("The engine drained and its timeout cut this request shor
 # Aborted requests end within a step; this bounds a drain if a handler is stuck writing to a
 # client that stopped reading.
 ABORT_GRACE_S = 5.0
+FLUSH_MIN_S = 1.0  # a drain whose requests used up its timeout still gets this long to write the cache
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
 
 
@@ -157,8 +158,10 @@ class Admission:
                 if not is_idle:
                     num_cancelled = self._abort_in_flight()
                     is_idle = await self.wait_idle(ABORT_GRACE_S)
-                # Nothing runs now: the prompt cache's entries go to SSD before the answer.
-                report = await self._flush_cache(timeout_s) if self._flush_cache is not None else {}
+                # Nothing runs now: the prompt cache's entries go to SSD before the answer, in
+                # what is left of the timeout (at least a second).
+                left = max(FLUSH_MIN_S, timeout_s - (time.perf_counter() - started))
+                report = await self._flush_cache(left) if self._flush_cache is not None else {}
             finally:
                 self._is_draining = not resume
             waited_ms = round((time.perf_counter() - started) * 1000, 3)

@@ -24,6 +24,8 @@ from mlxd.protocol.http_errors import make_error_middleware
 
 # A lease holder that vanished is noticed at the next heartbeat write, if not sooner.
 LEASE_HEARTBEAT_S = 1.0
+# A drain's cache writes are given its timeout; the answer waits this much longer at most.
+FLUSH_SLACK_S = 5.0
 
 
 def make_app(settings: EngineSettings, gateway: Gateway, stats: Stats) -> web.Application:
@@ -43,8 +45,13 @@ def make_app(settings: EngineSettings, gateway: Gateway, stats: Stats) -> web.Ap
 
 
 async def _flush(gateway: Gateway, timeout_s: float) -> dict[str, Any]:
-    """The prompt cache's RAM entries written to SSD (on the GPU thread): its report."""
-    return await asyncio.wrap_future(gateway.flush_cache(timeout_s))
+    """The prompt cache's RAM entries written to SSD (on the GPU thread): its report. The GPU
+    thread may first finish a prefill chunk, and may have died: the wait is bounded."""
+    future = gateway.flush_cache(timeout_s)
+    try:
+        return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s + FLUSH_SLACK_S)
+    except TimeoutError:
+        return {"entries": 0, "bytes": 0, "ms": round((timeout_s + FLUSH_SLACK_S) * 1000, 3), "complete": False}
 
 
 async def gateway_ctx(app: web.Application) -> AsyncIterator[None]:
