@@ -21,3 +21,24 @@ def test_a_bad_gather_ms_is_refused_with_a_message(value: str, capsys: pytest.Ca
         parse_args([*BASE, "--gather-ms", value])
     assert exit_info.value.code == 2
     assert "--gather-ms" in capsys.readouterr().err
+
+
+def test_prompt_cache_flags_default_to_the_machine_and_take_values() -> None:
+    s = parse_args(BASE)
+    assert (s.prompt_cache_bytes, s.ssd_cache_bytes, s.ssd_cache_dir, s.kv_bits, s.kv_group_size, s.write_behind) == (
+        None, None, None, None, 64, True)
+    s = parse_args([*BASE, "--prompt-cache-bytes", "0", "--ssd-cache-bytes", "0", "--kv-bits", "4",
+                    "--kv-group-size", "32", "--ssd-write-behind", "off"])
+    assert (s.prompt_cache_bytes, s.ssd_cache_bytes, s.kv_bits, s.kv_group_size, s.write_behind) == (0, 0, 4, 32, False)
+
+
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--prompt-cache-bytes", "-1"), ("--ssd-cache-bytes", "-5"), ("--prompt-cache-bytes", "lots"),
+    ("--kv-bits", "7"), ("--kv-group-size", "48"), ("--ssd-write-behind", "maybe"),
+])
+def test_bad_prompt_cache_flags_are_refused_with_a_message(flag: str, value: str,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args([*BASE, flag, value])
+    assert exit_info.value.code == 2
+    assert flag in capsys.readouterr().err
