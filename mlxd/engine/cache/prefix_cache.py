@@ -50,7 +50,7 @@ class Entry:
     writing: bool = False  # a write is queued or running
     unwritable: bool = False  # the SSD format cannot hold this cache kind
     write_failed: bool = False  # its last write failed (disk full?): write-behind leaves it, a drain retries
-    trimmable: bool = True
+    trimmable: bool = True  # serves a prefix of itself (fixed when stored)
 
 
 @dataclass(slots=True)
@@ -207,7 +207,7 @@ class PrefixCache:
         best: Entry | DiskEntry | None = None
         best_n = 0
         for e in self._entries.values():
-            n = self._usable(e.tokens, query, limit, is_trimmable(e.kv))
+            n = self._usable(e.tokens, query, limit, e.trimmable)
             if n > best_n:
                 best, best_n = e, n
         if self.ssd is not None:
@@ -222,7 +222,7 @@ class PrefixCache:
             return None, 0
         if isinstance(best, DiskEntry):
             entry = self._restore(best)
-            if entry is None or (best_n < len(entry.tokens) and not is_trimmable(entry.kv)):
+            if entry is None or (best_n < len(entry.tokens) and not entry.trimmable):
                 self.stats.misses += 1
                 return None, 0
             self.stats.ssd_hits += 1
@@ -279,12 +279,12 @@ class PrefixCache:
         if slack(kv, offset) > SLACK_SHARE:
             compact(kept)  # a view would keep the lane's whole buffer alive, uncounted
         mx.async_eval([x for c in kept for x in _arrays(c)])  # and a batch row's copy frees the batch buffer
-        entry = Entry(covered, kept, cache_nbytes(kept), name, self._clock)
+        entry = Entry(covered, kept, cache_nbytes(kept), name, self._clock, trimmable=is_trimmable(kept))
         if entry.nbytes > self.cap_bytes:  # too big for RAM: to SSD only, if the writer has room
             if not self._spill_evicted(entry):
                 self.stats.evicted_unwritten += 1
             return
-        if is_trimmable(kept):
+        if entry.trimmable:
             for other in [e for e in self._entries.values() if is_prefix(e.tokens, covered)]:
                 self._drop(other)
         self._put(entry)
@@ -368,7 +368,7 @@ class PrefixCache:
             entry.writing = False
 
         self._writer.submit(WriteJob(entry.name, entry.tokens, meta, tensors, urgent, owner, done, entry.nbytes,
-                                     is_trimmable(entry.kv)))
+                                     entry.trimmable))
 
     @property
     def writes_pending(self) -> int:
@@ -396,6 +396,5 @@ class PrefixCache:
 
 
 def _arrays(c: Any) -> list[mx.array]:
-    state = c.state if not isinstance(c, list) else c
-    flat: list[tuple[str, Any]] = tree_flatten(state)  # type: ignore[assignment]
+    flat: list[tuple[str, Any]] = tree_flatten(c.state)  # type: ignore[assignment]
     return [x for _, x in flat if isinstance(x, mx.array)]
