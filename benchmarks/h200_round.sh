@@ -25,8 +25,9 @@ step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2
   shift 2
   echo "== $name"
+  local t0=$SECONDS
   timeout "$limit" "$@" > "$out/$name.txt" 2>&1
-  echo "   exit $? ($(wc -l < "$out/$name.txt") lines)"
+  echo "   exit $? after $((SECONDS - t0)) s ($(wc -l < "$out/$name.txt") lines)"
   tail -n 12 "$out/$name.txt"
 }
 model() {  # model SHAPE DIR
@@ -94,9 +95,12 @@ lone)
   ;;
 cache)
   # issue 11: the prompt cache's figures on the 8B-shaped 4-bit model with a 16k-token prefix
-  model 8b-4bit /tmp/models/l8q
-  MLXD_BENCH_DIR=/tmp step prompt_cache 560 python3 benchmarks/prompt_cache.py --model /tmp/models/l8q \
-    --prefix-tokens 16000 --alt-tokens 4000 --runs 2 --turns 3 --burst 4 --kv-bits 8
+  # (TTFT, decode during write-behind and KV quantization first; then alternating clients and drain)
+  t0=$SECONDS; model 8b-4bit /tmp/models/l8q; echo "model ready after $((SECONDS - t0)) s"
+  MLXD_BENCH_DIR=/tmp step prompt_cache 400 python3 benchmarks/prompt_cache.py --model /tmp/models/l8q \
+    --prefix-tokens 16000 --runs 2 --kv-bits 8 --warmup-tokens 16000 --skip alt,drain --logs "$out/logs_cache"
+  MLXD_BENCH_DIR=/tmp step prompt_cache_drain 200 python3 benchmarks/prompt_cache.py --model /tmp/models/l8q \
+    --alt-tokens 4000 --turns 3 --burst 4 --skip ttft,decode,kv
   ;;
 prefill)
   model 1b-bf16 /tmp/models/l1b

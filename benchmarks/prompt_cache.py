@@ -14,6 +14,10 @@ Real engine processes on one model, streaming completions over the engine socket
      against the same request on an engine with no SSD tier (alternating, medians);
   5. with --kv-bits: SSD bytes per token and TTFT after a restart, against full precision.
 
+With --warmup-tokens N every engine of parts 1 and 5 first serves a cold prompt of N tokens of
+its own and a hit on it, so that kernels compiled on first use of a shape (MLX's CUDA backend
+JIT-compiles them) are not timed; its text shares no prefix with anything measured.
+
   python benchmarks/prompt_cache.py                                   # SmolLM2, 6k-token prefix
   python benchmarks/prompt_cache.py --model DIR --prefix-tokens 16000 # e.g. on the GPU
 """
@@ -55,7 +59,9 @@ class Engine:
         import subprocess
 
         self.socket = work / f"e{os.getpid()}-{time.monotonic_ns() % 10**9}.sock"
-        self.log = open(work / f"{self.socket.stem}.log", "wb")  # noqa: SIM115 - closed in stop()
+        logs = Path(os.environ.get("MLXD_BENCH_LOGS") or work)
+        logs.mkdir(parents=True, exist_ok=True)
+        self.log = open(logs / f"{self.socket.stem}.log", "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlxd.engine", "--model", str(model), "--model-id", "m", "--socket",
              str(self.socket), *flags], env=engine_env(), stdout=self.log, stderr=subprocess.STDOUT,
@@ -93,6 +99,8 @@ class Engine:
                     if not line.startswith(b"data: {"):
                         continue
                     chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        raise RuntimeError(f"the engine answered an error: {chunk['error']}")
                     if chunk["choices"] and chunk["choices"][0]["text"]:
                         stamps.append(time.perf_counter())
                     usage = chunk.get("usage") or usage
@@ -133,21 +141,48 @@ def words_for(tokens: int) -> int:
     return int(tokens / 1.04)  # these words are ~1.04 tokens each with SmolLM2's tokenizer
 
 
+WARMUP_TOKENS = 0  # --warmup-tokens
+T0 = time.perf_counter()
+
+
+async def warm_up(engine: Engine, seed: int) -> None:
+    """Kernels are compiled on first use of each shape (MLX's CUDA backend JIT-compiles them):
+    a cold prompt of its own and a hit on it, before anything is timed. Its text shares no
+    prefix with the measured prompts, nor with another engine's warm-up (no SSD restore)."""
+    if WARMUP_TOKENS:
+        text = text_of(words_for(WARMUP_TOKENS), seed=10_000 + seed)
+        await engine.complete(f"{text} warm-up a:")
+        await engine.complete(f"{text} warm-up b:")
+
+
+def bytes_per_token(kv: Path) -> float:
+    """The tier's files: bytes over the tokens they hold (each file's header lists its tokens)."""
+    from mlxd.engine.cache import kv_files
+
+    files = [f for f in kv.glob("*/*.safetensors")]
+    tokens = sum(len(kv_files.read_header(f).tokens) for f in files)
+    return sum(f.stat().st_size for f in files) / max(1, tokens)
+
+
 async def ttft_figures(model: Path, work: Path, kv: Path, prefix: str, runs: int, flags: tuple[str, ...]) -> dict[str, Any]:
     """Cold, RAM-hit and SSD-restore TTFT for prompts sharing `prefix` (medians)."""
     cold, ram, ssd = [], [], []
+    per_token = 0.0
     for run in range(runs):
         shutil.rmtree(kv, ignore_errors=True)
         engine = await Engine.start(model, work, "--ssd-cache-dir", str(kv), *flags)
         try:
+            await warm_up(engine, 2 * run)
             cold.append(await engine.complete(f"{prefix} question {run}a:"))
             ram.append(await engine.complete(f"{prefix} question {run}b:"))
             await engine.admin("POST", "/admin/drain", {"resume": True})
             written = (await engine.admin("GET", "/admin/stats"))["prompt_cache"]["ssd"]  # after the drain
+            per_token = bytes_per_token(kv)
         finally:
             engine.stop()
         engine = await Engine.start(model, work, "--ssd-cache-dir", str(kv), *flags)  # a restart (or a swap back)
         try:
+            await warm_up(engine, 2 * run + 1)
             ssd.append(await engine.complete(f"{prefix} question {run}c:"))
             stats = (await engine.admin("GET", "/admin/stats"))["prompt_cache"]
         finally:
@@ -158,8 +193,7 @@ async def ttft_figures(model: Path, work: Path, kv: Path, prefix: str, runs: int
         "cold_ms": med(cold), "ram_ms": med(ram), "ssd_ms": med(ssd),
         "ram_share": med(ram) / med(cold), "ssd_share": med(ssd) / med(cold),
         "ssd_bytes": written["bytes"], "ssd_entries": written["entries"], "restore_ms": stats["ssd"]["restore_ms"],
-        # each entry holds one prompt (plus a few generated tokens)
-        "bytes_per_token": written["bytes"] / max(1, written["entries"] * cold[0]["prompt"]),
+        "restores": stats["ssd"]["restores"], "bytes_per_token": per_token, "warmup_tokens": WARMUP_TOKENS,
     }
 
 
@@ -193,6 +227,8 @@ async def decode_figures(model: Path, work: Path, kv: Path, prefix: str, runs: i
     on = await Engine.start(model, work, "--ssd-cache-dir", str(kv))
     off = await Engine.start(model, work, "--ssd-cache-bytes", "0")
     try:
+        for engine in (on, off):  # the decode shapes' kernels, compiled before timing
+            await engine.complete("Tell a story, to warm up:", max_tokens=128, bias=bias)
         for run in range(runs):
             for engine, rows in ((on, with_tier), (off, without)):
                 await engine.complete(f"{run} {prefix}")  # a large new entry: written behind once idle
@@ -214,13 +250,13 @@ async def alt_and_drain(model: Path, work: Path, kv: Path, a: argparse.Namespace
     try:
         if "alt" not in skip:
             out["alternating_cached"] = await alternating(engine, a.alt_tokens, a.turns)
-            print("alternating cached tokens (A, B):", out["alternating_cached"], flush=True)
+            print(f"[{time.perf_counter() - T0:.0f} s]", "alternating cached tokens (A, B):", out["alternating_cached"], flush=True)
         if "drain" not in skip:
             drain = await drain_figures(engine, a.alt_tokens, a.burst)
             drain["raw_mb_s"] = raw_write_mb_s(kv, int(drain["mb"] * 1e6))
             drain["share_of_raw"] = drain["mb_s"] / drain["raw_mb_s"]
             out["drain"] = drain
-            print("drain:", json.dumps(drain), flush=True)
+            print(f"[{time.perf_counter() - T0:.0f} s]", "drain:", json.dumps(drain), flush=True)
     finally:
         engine.stop()
 
@@ -234,9 +270,17 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--burst", type=int, default=4)
     p.add_argument("--kv-bits", type=int, default=8)
+    p.add_argument("--warmup-tokens", type=int, default=0,
+                   help="before timing TTFT, each engine serves a cold prompt this long and a hit on it "
+                        "(compiles the kernels of those shapes; 0: none)")
+    p.add_argument("--logs", help="keep the engines' logs in this dir")
     p.add_argument("--skip", default="", help="comma-separated parts to skip: ttft,alt,drain,decode,kv")
     a = p.parse_args()
     skip = set(filter(None, a.skip.split(",")))
+    global WARMUP_TOKENS
+    WARMUP_TOKENS = a.warmup_tokens
+    if a.logs:
+        os.environ["MLXD_BENCH_LOGS"] = a.logs
     if a.model:
         model = Path(a.model)
     else:
@@ -255,17 +299,23 @@ def main() -> None:
         kv = work / "kv"
         if "ttft" not in skip:
             out["ttft"] = asyncio.run(ttft_figures(model, work, kv, prefix, a.runs, ()))
-            print("ttft:", json.dumps(out["ttft"]), flush=True)
+            print(f"[{time.perf_counter() - T0:.0f} s]", "ttft:", json.dumps(out["ttft"]), flush=True)
         if "alt" not in skip or "drain" not in skip:
             shutil.rmtree(kv, ignore_errors=True)
             asyncio.run(alt_and_drain(model, work, kv, a, skip, out))
         if "decode" not in skip:
             shutil.rmtree(kv, ignore_errors=True)
             out["decode"] = asyncio.run(decode_figures(model, work, kv, prefix, a.runs, bias))
-            print("decode while writing behind:", json.dumps(out["decode"]), flush=True)
+            print(f"[{time.perf_counter() - T0:.0f} s]", "decode while writing behind:", json.dumps(out["decode"]), flush=True)
         if "kv" not in skip:
             flags = ("--kv-bits", str(a.kv_bits))
-            quant = asyncio.run(ttft_figures(model, work, work / "kvq", prefix, 1, flags))
+            try:
+                quant = asyncio.run(ttft_figures(model, work, work / "kvq", prefix, 1, flags))
+            except RuntimeError as exc:  # e.g. a backend without the quantized attention's kernels
+                out["kv_quantization"] = {"bits": a.kv_bits, "error": str(exc)}
+                print(f"[{time.perf_counter() - T0:.0f} s]", "kv quantization failed:", exc, flush=True)
+                print(json.dumps(out, indent=2))
+                return
             full = out.get("ttft") or asyncio.run(ttft_figures(model, work, kv, prefix, 1, ()))
             out["kv_quantization"] = {
                 "bits": a.kv_bits, "bytes_per_token": quant["bytes_per_token"],
@@ -273,7 +323,7 @@ def main() -> None:
                 "restore_ttft_ms": quant["ssd_ms"], "full_restore_ttft_ms": full["ssd_ms"],
                 "cold_ms": quant["cold_ms"], "full_cold_ms": full["cold_ms"],
             }
-            print("kv quantization:", json.dumps(out["kv_quantization"]), flush=True)
+            print(f"[{time.perf_counter() - T0:.0f} s]", "kv quantization:", json.dumps(out["kv_quantization"]), flush=True)
     print(json.dumps(out, indent=2))
 
 

@@ -29,7 +29,7 @@ import json
 import os
 import struct
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ TEMP_PREFIX = "tmp-"  # temp files: tmp-<name>.<random>.partial, deleted by a sc
 TEMP_SUFFIX = ".partial"
 # Past this a header is not ours (a token list of 4M tokens is ~22 MB of base64).
 MAX_HEADER_BYTES = 64 * 1024 * 1024
+CHECKSUM_CHARS = 32  # xxh3-128 in hex
 WRITE_CHUNK = 8 * 1024 * 1024
 
 # safetensors' dtype names for the dtypes a KV cache holds
@@ -103,12 +104,18 @@ def decode_tokens(text: str) -> list[int]:
 def checksum(metadata: dict[str, str], index: dict[str, Any], chunks: Iterable[bytes | memoryview]) -> str:
     """xxh3-128 of the header (metadata without the checksum itself, and the tensor index:
     name -> dtype, shape, offsets) and the data section's bytes."""
-    h = xxhash.xxh3_128()
-    fields = {k: v for k, v in metadata.items() if k != "0.mlxd_checksum"}
-    h.update(json.dumps([fields, index], sort_keys=True, separators=(",", ":")).encode())
+    h = _hasher(metadata, index)
     for chunk in chunks:
         h.update(chunk)
     return h.hexdigest()
+
+
+def _hasher(metadata: dict[str, str], index: dict[str, Any]) -> Any:
+    """An xxh3-128 state fed the header's part of the checksum; the data goes in after it."""
+    h = xxhash.xxh3_128()
+    fields = {k: v for k, v in metadata.items() if k != "0.mlxd_checksum"}
+    h.update(json.dumps([fields, index], sort_keys=True, separators=(",", ":")).encode())
+    return h
 
 
 def tensor_index(tensors: list[Tensor]) -> dict[str, Any]:
@@ -133,31 +140,44 @@ def file_metadata(
     tokens: list[int], cache_meta: dict[str, str], tensors: list[Tensor], trimmable: bool = True,
 ) -> dict[str, str]:
     """The full metadata of a file for `tensors`: mlx-lm's fields, ours, and the checksum."""
-    meta = {"0.mlxd_format": FORMAT, "0.mlxd_tokens": encode_tokens(tokens),
-            "0.mlxd_trimmable": "1" if trimmable else "0", **cache_meta}
+    meta = _own_metadata(tokens, cache_meta, trimmable)
     meta["0.mlxd_checksum"] = checksum(meta, tensor_index(tensors), (t.data for t in tensors))
     return meta
+
+
+def _own_metadata(tokens: list[int], cache_meta: dict[str, str], trimmable: bool) -> dict[str, str]:
+    return {"0.mlxd_format": FORMAT, "0.mlxd_tokens": encode_tokens(tokens),
+            "0.mlxd_trimmable": "1" if trimmable else "0", **cache_meta}
 
 
 def write_file(dir_: Path, name: str, tokens: list[int], cache_meta: dict[str, str], tensors: list[Tensor],
                pause: Any = None, trimmable: bool = True) -> int:
     """Write `tensors` as `dir_/name` crash-safely; its size in bytes.
 
-    `pause`, if given, is called between chunks (the writer waits there while the GPU is busy).
-    On any error the temp file is removed and the error raised; nothing under `name` changes.
+    One pass over the data: each chunk is hashed as it is written, behind a header of the
+    final length (the checksum is fixed-width), and the real header goes in last. `pause`, if
+    given, is called before every chunk (the writer waits there while the GPU is busy), so no
+    stretch of reading the arrays outlasts one chunk. On any error the temp file is removed and
+    the error raised; nothing under `name` changes.
     """
-    meta = file_metadata(tokens, cache_meta, tensors, trimmable)
-    header = build_header(tensors, meta)
+    meta = _own_metadata(tokens, cache_meta, trimmable)
+    index = tensor_index(tensors)
+    digest = _hasher(meta, index)
+    placeholder = build_header(tensors, {**meta, "0.mlxd_checksum": "0" * CHECKSUM_CHARS})
     temp = dir_ / f"{TEMP_PREFIX}{name}.{os.urandom(6).hex()}{TEMP_SUFFIX}"
     fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         try:
-            _write_all(fd, header)
+            _write_all(fd, placeholder)
             for t in tensors:
                 for chunk in _chunks(t.data):
                     if pause is not None:
                         pause()
+                    digest.update(chunk)
                     _write_all(fd, chunk)
+            header = build_header(tensors, {**meta, "0.mlxd_checksum": digest.hexdigest()})
+            assert len(header) == len(placeholder)
+            _pwrite_all(fd, header, 0)
             full_fsync(fd)
         finally:
             os.close(fd)
@@ -167,13 +187,20 @@ def write_file(dir_: Path, name: str, tokens: list[int], cache_meta: dict[str, s
             temp.unlink()
         raise
     fsync_dir(dir_)
-    return len(header) + sum(t.data.nbytes for t in tensors)
+    return len(placeholder) + sum(t.data.nbytes for t in tensors)
 
 
 def _chunks(data: memoryview) -> Iterator[memoryview]:
     flat = data.cast("B") if data.ndim != 1 or data.format != "B" else data
     for start in range(0, flat.nbytes, WRITE_CHUNK):
         yield flat[start:start + WRITE_CHUNK]
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view.nbytes:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:
@@ -237,16 +264,45 @@ def read_header(path: Path) -> Header:
 
 def verify(path: Path) -> Header:
     """Read the whole file and check its checksum; its header, or CorruptFile."""
+    header, _ = read_verified(path)
+    return header
+
+
+def read_verified(path: Path, convert: Callable[[str, str, list[int], memoryview], Any] | None = None,
+                  ) -> tuple[Header, dict[str, Any]]:
+    """Read a file once, checking its checksum on the way; its header and, with `convert`,
+    `convert(name, dtype, shape, bytes)` of every tensor (whose bytes are only valid during
+    the call). CorruptFile if anything does not check out, FileNotFoundError if it is gone."""
     header = read_header(path)
+    spans = sorted((int(e["data_offsets"][0]), int(e["data_offsets"][1]), name) for name, e in header.index.items())
+    out: dict[str, Any] = {}
     try:
-        with open(path, "rb") as f:
+        digest = _hasher(header.metadata, header.index)
+        with open(path, "rb", buffering=0) as f:
             f.seek(header.data_start)
-            chunks = iter(lambda: f.read(WRITE_CHUNK), b"")
-            digest = checksum(header.metadata, header.index, chunks)
+            at = 0
+            for start, end, name in spans:
+                if start != at or end < start:
+                    raise CorruptFile("the tensors do not tile the data section")
+                buf = bytearray(end - start)
+                view = memoryview(buf)
+                for part in range(0, len(buf), WRITE_CHUNK):
+                    piece = view[part:part + WRITE_CHUNK]
+                    if f.readinto(piece) != piece.nbytes:
+                        raise CorruptFile("truncated")
+                    digest.update(piece)
+                at = end
+                if convert is not None:
+                    e = header.index[name]
+                    try:
+                        out[name] = convert(name, e["dtype"], list(e["shape"]), view)
+                    except (ValueError, TypeError, KeyError) as exc:
+                        raise CorruptFile(f"tensor {name}: {exc}") from exc
+                del view, buf
     except FileNotFoundError:
         raise
     except OSError as exc:
         raise CorruptFile(f"unreadable: {exc}") from exc
-    if digest != header.metadata.get("0.mlxd_checksum"):
+    if digest.hexdigest() != header.metadata.get("0.mlxd_checksum"):
         raise CorruptFile("checksum mismatch")
-    return header
+    return header, out

@@ -159,13 +159,12 @@ class SsdTier:
     def restore(self, entry: DiskEntry) -> list[Any] | None:
         """The entry's KV cache, checked against its checksum; None (and quarantined) if the
         file is damaged or gone."""
-        from mlx_lm.models.cache import load_prompt_cache
+        from mlxd.engine.cache.kv_arrays import load_cache
 
         path = self.dir / entry.name
         started = time.perf_counter()
         try:
-            kv_files.verify(path)
-            cache, _ = load_prompt_cache(str(path), return_metadata=True)
+            cache = load_cache(path)
         except FileNotFoundError:
             self.remove(entry.name)
             return None
