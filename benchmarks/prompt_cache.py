@@ -267,9 +267,11 @@ def main() -> None:
     p.add_argument("--prefix-tokens", type=int, default=6000)
     p.add_argument("--alt-tokens", type=int, default=4000, help="each alternating client's prefix")
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--decode-runs", type=int, help="runs of the decode part (default: --runs)")
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--burst", type=int, default=4)
     p.add_argument("--kv-bits", type=int, default=8)
+    p.add_argument("--kv-group-size", type=int, default=64)
     p.add_argument("--warmup-tokens", type=int, default=0,
                    help="before timing TTFT, each engine serves a cold prompt this long and a hit on it "
                         "(compiles the kernels of those shapes; 0: none)")
@@ -305,20 +307,20 @@ def main() -> None:
             asyncio.run(alt_and_drain(model, work, kv, a, skip, out))
         if "decode" not in skip:
             shutil.rmtree(kv, ignore_errors=True)
-            out["decode"] = asyncio.run(decode_figures(model, work, kv, prefix, a.runs, bias))
+            out["decode"] = asyncio.run(decode_figures(model, work, kv, prefix, a.decode_runs or a.runs, bias))
             print(f"[{time.perf_counter() - T0:.0f} s]", "decode while writing behind:", json.dumps(out["decode"]), flush=True)
         if "kv" not in skip:
-            flags = ("--kv-bits", str(a.kv_bits))
+            flags = ("--kv-bits", str(a.kv_bits), "--kv-group-size", str(a.kv_group_size))
             try:
                 quant = asyncio.run(ttft_figures(model, work, work / "kvq", prefix, 1, flags))
             except RuntimeError as exc:  # e.g. a backend without the quantized attention's kernels
-                out["kv_quantization"] = {"bits": a.kv_bits, "error": str(exc)}
+                out["kv_quantization"] = {"bits": a.kv_bits, "group_size": a.kv_group_size, "error": str(exc)}
                 print(f"[{time.perf_counter() - T0:.0f} s]", "kv quantization failed:", exc, flush=True)
                 print(json.dumps(out, indent=2))
                 return
             full = out.get("ttft") or asyncio.run(ttft_figures(model, work, kv, prefix, 1, ()))
             out["kv_quantization"] = {
-                "bits": a.kv_bits, "bytes_per_token": quant["bytes_per_token"],
+                "bits": a.kv_bits, "group_size": a.kv_group_size, "bytes_per_token": quant["bytes_per_token"],
                 "full_bytes_per_token": full["bytes_per_token"],
                 "restore_ttft_ms": quant["ssd_ms"], "full_restore_ttft_ms": full["ssd_ms"],
                 "cold_ms": quant["cold_ms"], "full_cold_ms": full["cold_ms"],

@@ -154,6 +154,19 @@ def test_pause_runs_before_every_chunk_and_chunking_does_not_change_the_bytes(
     kv_files.verify(chunked)  # verify reads in (small) chunks too
 
 
+def test_the_one_pass_write_puts_the_checksum_of_the_finished_data_in_its_header(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # write_file hashes each chunk as it writes it and puts the header in last; the header must
+    # equal the one a separate pass over the finished arrays makes
+    monkeypatch.setattr(kv_files, "WRITE_CHUNK", 1000)
+    kv = make_kv(n=300)
+    meta, tensors, _owner = tensors_of(kv)
+    path = write(tmp_path, kv, [7, 8, 9])
+    assert kv_files.read_header(path).metadata == kv_files.file_metadata([7, 8, 9], meta, tensors)
+    kv_files.verify(path)
+
+
 def test_decode_tokens_refuses_a_partial_uint32() -> None:
     with pytest.raises(CorruptFile):
         kv_files.decode_tokens("AAA=")  # two bytes

@@ -29,7 +29,7 @@ import json
 import os
 import struct
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -264,45 +264,16 @@ def read_header(path: Path) -> Header:
 
 def verify(path: Path) -> Header:
     """Read the whole file and check its checksum; its header, or CorruptFile."""
-    header, _ = read_verified(path)
-    return header
-
-
-def read_verified(path: Path, convert: Callable[[str, str, list[int], memoryview], Any] | None = None,
-                  ) -> tuple[Header, dict[str, Any]]:
-    """Read a file once, checking its checksum on the way; its header and, with `convert`,
-    `convert(name, dtype, shape, bytes)` of every tensor (whose bytes are only valid during
-    the call). CorruptFile if anything does not check out, FileNotFoundError if it is gone."""
     header = read_header(path)
-    spans = sorted((int(e["data_offsets"][0]), int(e["data_offsets"][1]), name) for name, e in header.index.items())
-    out: dict[str, Any] = {}
     try:
-        digest = _hasher(header.metadata, header.index)
-        with open(path, "rb", buffering=0) as f:
+        with open(path, "rb") as f:
             f.seek(header.data_start)
-            at = 0
-            for start, end, name in spans:
-                if start != at or end < start:
-                    raise CorruptFile("the tensors do not tile the data section")
-                buf = bytearray(end - start)
-                view = memoryview(buf)
-                for part in range(0, len(buf), WRITE_CHUNK):
-                    piece = view[part:part + WRITE_CHUNK]
-                    if f.readinto(piece) != piece.nbytes:
-                        raise CorruptFile("truncated")
-                    digest.update(piece)
-                at = end
-                if convert is not None:
-                    e = header.index[name]
-                    try:
-                        out[name] = convert(name, e["dtype"], list(e["shape"]), view)
-                    except (ValueError, TypeError, KeyError) as exc:
-                        raise CorruptFile(f"tensor {name}: {exc}") from exc
-                del view, buf
+            chunks = iter(lambda: f.read(WRITE_CHUNK), b"")
+            digest = checksum(header.metadata, header.index, chunks)
     except FileNotFoundError:
         raise
     except OSError as exc:
         raise CorruptFile(f"unreadable: {exc}") from exc
-    if digest.hexdigest() != header.metadata.get("0.mlxd_checksum"):
+    if digest != header.metadata.get("0.mlxd_checksum"):
         raise CorruptFile("checksum mismatch")
-    return header, out
+    return header

@@ -22,6 +22,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,7 @@ class SsdTier:
         self.stats = TierStats()
         self._lock = threading.Lock()
         self._entries: dict[str, DiskEntry] = {}
+        self._checker = ThreadPoolExecutor(1, thread_name_prefix="mlxd-ssd-verify")  # a restore's checksum
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._scan()
 
@@ -158,13 +160,30 @@ class SsdTier:
 
     def restore(self, entry: DiskEntry) -> list[Any] | None:
         """The entry's KV cache, checked against its checksum; None (and quarantined) if the
-        file is damaged or gone."""
-        from mlxd.engine.cache.kv_arrays import load_cache
+        file is damaged or gone.
+
+        The checksum is checked in a thread while MLX loads the arrays (mlx-lm's
+        `load_prompt_cache`, evaluated here: MLX's own reader, which on a GPU fills device
+        memory itself); the cache is handed out only once the checksum agrees. A file whose
+        header does not match its size never reaches MLX's reader."""
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
+        from mlx_lm.models.cache import load_prompt_cache
 
         path = self.dir / entry.name
         started = time.perf_counter()
         try:
-            cache = load_cache(path)
+            kv_files.read_header(path)
+            checking = self._checker.submit(kv_files.verify, path)
+            load_error: Exception | None = None
+            try:
+                cache = load_prompt_cache(str(path))
+                mx.eval([a for _, a in tree_flatten([c.state for c in cache]) if isinstance(a, mx.array)])
+            except Exception as exc:  # mlx could not read what the header promised
+                load_error = exc
+            checking.result()  # the checksum's verdict comes first: CorruptFile, FileNotFoundError
+            if load_error is not None:
+                raise load_error
         except FileNotFoundError:
             self.remove(entry.name)
             return None
