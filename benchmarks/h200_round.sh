@@ -99,14 +99,14 @@ cache)
   # CACHE_PARTS=main runs only the first; the KV quantization uses the first bits/group size
   # that kv_quant_probe.py finds working at every shape (MLX's CUDA backend lacks some).
   t0=$SECONDS; model 8b-4bit /tmp/models/l8q; echo "model ready after $((SECONDS - t0)) s"
-  step kv_quant_probe 60 python3 benchmarks/kv_quant_probe.py
+  step kv_quant_probe 40 python3 benchmarks/kv_quant_probe.py
   kvq="--kv-bits 8 --kv-group-size 64"
   for bg in "8 64" "8 32" "8 128" "4 64" "4 32" "4 128"; do
     set -- $bg
     if [ "$(grep -c "bits $1 group *$2 .*: ok" "$out/kv_quant_probe.txt")" = 3 ]; then kvq="--kv-bits $1 --kv-group-size $2"; break; fi
   done
   echo "kv quantization: $kvq"
-  MLXD_BENCH_DIR=/tmp step prompt_cache 490 python3 benchmarks/prompt_cache.py --model /tmp/models/l8q \
+  MLXD_BENCH_DIR=/tmp step prompt_cache 480 python3 benchmarks/prompt_cache.py --model /tmp/models/l8q \
     --prefix-tokens 16000 --runs "${CACHE_RUNS:-2}" --decode-runs 5 $kvq --warmup-tokens 16000 --skip alt,drain --logs "$out/logs_cache"
   [ "${CACHE_PARTS:-all}" = main ] && exit 0
   MLXD_BENCH_DIR=/tmp step prompt_cache_drain 200 python3 benchmarks/prompt_cache.py --model /tmp/models/l8q \
