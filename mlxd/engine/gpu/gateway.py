@@ -34,6 +34,7 @@ from mlxd.engine.gpu import decode_attention
 from mlxd.engine.gpu.batch_lane import BatchLane
 from mlxd.engine.gpu.flat_rows import FLATTEN_MIN_ROWS, flatten_quantized_rows, wins_here
 from mlxd.engine.gpu.job import Job
+from mlxd.engine.gpu.kv_quant import activation_dtype, check_quantized_kv
 from mlxd.engine.gpu.scheduling import KvLedger, LaneState, choose_lane, kv_tokens
 from mlxd.engine.gpu.sequence import Sequence
 from mlxd.engine.gpu.serial_lane import SerialLane
@@ -44,7 +45,7 @@ from mlxd.engine.gpu.warmup import wanted, waves
 from mlxd.engine.models.loaded_model import LoadedModel, wire_model_memory
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.events import Done, Failed
-from mlxd.protocol.memory import head_size, kv_budget_tokens
+from mlxd.protocol.memory import kv_budget_tokens
 
 log = logging.getLogger("mlxd.engine")
 STOPPING = Failed("The engine is shutting down.", 503, "engine_stopping")
@@ -214,9 +215,8 @@ class Gateway:
         try:
             loaded = self._load()
             wire_model_memory()
-            if opts.kv_bits is not None and (size := head_size(loaded.config)) % opts.kv_group_size:
-                raise ValueError(f"--kv-bits: this model's attention heads have {size} values, not a multiple of "
-                                 f"--kv-group-size {opts.kv_group_size}; choose a group size that divides {size}")
+            if opts.kv_bits is not None:
+                check_quantized_kv(loaded.config, activation_dtype(loaded.model), opts.kv_bits, opts.kv_group_size)
         except Exception as exc:
             self.load_error = str(exc) or type(exc).__name__
             log.error("model load failed: %s", self.load_error)
