@@ -178,7 +178,8 @@ class SsdTier:
             load_error: Exception | None = None
             try:
                 cache = load_prompt_cache(str(path))
-                mx.eval([a for _, a in tree_flatten([c.state for c in cache]) if isinstance(a, mx.array)])
+                flat: list[tuple[str, Any]] = tree_flatten([c.state for c in cache])  # type: ignore[assignment]
+                mx.eval([a for _, a in flat if isinstance(a, mx.array)])
             except Exception as exc:  # mlx could not read what the header promised
                 load_error = exc
             checking.result()  # the checksum's verdict comes first: CorruptFile, FileNotFoundError

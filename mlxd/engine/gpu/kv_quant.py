@@ -23,7 +23,8 @@ FLOATS = (mx.float16, mx.bfloat16, mx.float32)
 def activation_dtype(model: Any) -> mx.Dtype:
     """The dtype the model computes in: its first floating parameter's (a quantized model's
     scales carry it)."""
-    for _, p in tree_flatten(model.parameters()):
+    flat: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    for _, p in flat:
         if isinstance(p, mx.array) and p.dtype in FLOATS:
             return p.dtype
     return mx.float16
@@ -45,8 +46,9 @@ def check_quantized_kv(config: dict[str, Any], dtype: mx.Dtype, bits: int, group
     try:
         for queries in (1, 8):
             q = mx.zeros((1, heads, queries, size), dtype=dtype)
+            causal = mx.arange(64 - queries, 64)[:, None] >= mx.arange(64)[None]
             mx.eval(quantized_scaled_dot_product_attention(
-                q, q_keys, q_keys, scale=size**-0.5, mask="causal" if queries > 1 else None,
+                q, q_keys, q_keys, scale=size**-0.5, mask=causal if queries > 1 else None,
                 group_size=group_size, bits=bits))
     except Exception as exc:  # the backend's own words are the reason
         raise ValueError(f"--kv-bits {bits} --kv-group-size {group_size}: this MLX backend ({mx.default_device()}) "
