@@ -13,6 +13,8 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
+from mlxd.engine.chat.tool_stream import Call, Content, Event, Markup, ToolCallStream
+from mlxd.engine.chat.tools import ToolFormat, ToolRequest, check_tools, template_messages
 from mlxd.engine.gpu.job import Job, SamplingParams
 from mlxd.engine.gpu.ticket import Ticket
 from mlxd.engine.http.admission import Slot
@@ -151,22 +153,45 @@ async def chat_completions(request: web.Request, slot: Slot) -> web.StreamRespon
     """POST /v1/chat/completions."""
     req = await decode_body(request, oa.ChatCompletionRequest)
     oa.check_chat(req)
+    tool_req = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
     loaded = ready_model(request)
-    messages = [chat_message_dict(m, i) for i, m in enumerate(req.messages)]
-    prompt = loaded.chat_prompt(messages, req.tools, req.chat_template_kwargs)
+    fmt = loaded.tool_format
+    messages = template_messages([chat_message_dict(m, i) for i, m in enumerate(req.messages)], fmt,
+                                 tool_req.tools if tool_req else None)
+    prompt = loaded.chat_prompt(messages, tool_req.tools if tool_req and fmt.in_template else None,
+                                req.chat_template_kwargs)
     if not prompt:
         raise APIError(400, "The chat template produced an empty prompt.", param="messages")
+    forced = forced_call(tool_req, fmt)
+    prompt += loaded.encode_text(forced) if forced else []
     budget = req.max_completion_tokens or req.max_tokens
     max_tokens = resolve_max_tokens(budget, len(prompt), loaded.context_window, None, request.app[GATEWAY].kv_budget)
     ticket = submit(request, slot, prompt, max_tokens, req)
     meta = ("chatcmpl-" + uuid.uuid4().hex, int(time.time()), loaded.model_id)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    reply = ChatReply(*meta, tool_req=tool_req, markup=fmt.markup, forced=forced)
     with cancel_on_exit(ticket):
         if req.stream:
-            return await stream(request, ticket, chat_chunk(*meta), include_usage)
+            return await stream(request, ticket, reply, include_usage)
         text, done = await collect(ticket)
-        choice = oa.ChatChoice(0, oa.AssistantMessage(content=text), done.finish_reason)
+        reply.text(text)
+        message, finish = reply.message(done)
+        choice = oa.ChatChoice(0, message, finish)
         return json_response(oa.ChatCompletion(*meta, choices=[choice], usage=usage_of(done)))
+
+
+def forced_call(tool_req: ToolRequest | None, fmt: ToolFormat) -> str:
+    """The start of a call put after the prompt for tool_choice `required` or a named function
+    (a 400 where the model's tool format cannot be steered so)."""
+    if tool_req is None or tool_req.choice not in ("required", "function"):
+        return ""
+    only = next(iter(tool_req.names)) if len(tool_req.names) == 1 else None
+    forced = fmt.forced(tool_req.function or only)  # `required` with one tool names it
+    if forced is None:
+        what = f"naming a function ({tool_req.function!r})" if tool_req.function else "'required'"
+        raise APIError(400, f"tool_choice {what} is not supported with this model's tool format ({fmt.name}); "
+                            "use 'auto'.", param="tool_choice")
+    return forced
 
 
 @admitted
@@ -187,7 +212,7 @@ async def completions(request: web.Request, slot: Slot) -> web.StreamResponse:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     with cancel_on_exit(ticket):
         if req.stream:
-            return await stream(request, ticket, text_chunk(*meta), include_usage, prefix=echo)
+            return await stream(request, ticket, TextReply(*meta, echo=echo), include_usage)
         text, done = await collect(ticket)
         choice = oa.TextChoice(0, echo + text, done.finish_reason)
         return json_response(oa.Completion(*meta, choices=[choice], usage=usage_of(done)))
@@ -203,56 +228,116 @@ def chat_message_dict(msg: oa.ChatMessage, index: int) -> dict[str, Any]:
     return out
 
 
-ChunkMaker = Callable[[str | None, str | None, oa.Usage | None], Any]
+class ChatReply:
+    """One chat reply as it streams: the text goes through the tool-call parser when the
+    request has tools, and comes out as chat.completion.chunk objects (or, at the end, as
+    one message)."""
+
+    def __init__(self, cid: str, created: int, model: str, *, tool_req: ToolRequest | None = None,
+                 markup: Markup | None = None, forced: str = "") -> None:
+        self._meta = (cid, created, model)
+        self._tools = tool_req
+        self._parser = (ToolCallStream(markup, tool_req.tools, tool_names=tool_req.names)
+                        if tool_req is not None and markup is not None else None)
+        self._content: list[str] = []
+        self._calls: list[Call] = []
+        if self._parser is not None and forced:
+            self._take(self._parser.feed(forced))
+
+    def opening(self) -> list[Any]:
+        return [self._chunk(oa.Delta(role="assistant", content=""))]
+
+    def text(self, text: str) -> list[Any]:
+        if self._parser is None:
+            self._content.append(text)
+            return [self._chunk(oa.Delta(content=text))] if text else []
+        return self._take(self._parser.feed(text))
+
+    def closing(self, done: Done) -> list[Any]:
+        chunks = self._take(self._parser.finish()) if self._parser is not None else []
+        return [*chunks, self._chunk(oa.Delta(), self.finish_reason(done))]
+
+    def usage(self, usage: oa.Usage) -> Any:
+        return oa.ChatCompletionChunk(*self._meta, [], usage)
+
+    def finish_reason(self, done: Done) -> str:
+        return "tool_calls" if self._calls and done.finish_reason in ("stop", "length") else done.finish_reason
+
+    def message(self, done: Done) -> tuple[oa.AssistantMessage, str]:
+        """The whole reply (non-streaming), after `text` got all of it."""
+        if self._parser is not None:
+            self._take(self._parser.finish())
+        content = "".join(self._content)
+        if not self._calls:
+            return oa.AssistantMessage(content=content), done.finish_reason
+        calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                 for c in self._calls]
+        return oa.AssistantMessage(content=content or None, tool_calls=calls), self.finish_reason(done)
+
+    def _take(self, events: list[Event]) -> list[Any]:
+        chunks: list[Any] = []
+        for e in events:
+            if isinstance(e, Content):
+                self._content.append(e.text)
+                chunks.append(self._chunk(oa.Delta(content=e.text)))
+            elif self._tools is not None and not self._tools.parallel and self._calls:
+                continue  # parallel_tool_calls: false keeps the first call
+            else:
+                self._calls.append(e)
+                index = len(self._calls) - 1
+                # OpenAI's streaming shape: id, type and name first, then the arguments
+                chunks.append(self._chunk(oa.Delta(tool_calls=[{
+                    "index": index, "id": e.id, "type": "function", "function": {"name": e.name, "arguments": ""}}])))
+                chunks.append(self._chunk(oa.Delta(tool_calls=[{"index": index, "function": {"arguments": e.arguments}}])))
+        return chunks
+
+    def _chunk(self, delta: oa.Delta, finish: str | None = None) -> Any:
+        return oa.ChatCompletionChunk(*self._meta, [oa.ChunkChoice(0, delta, finish)])
 
 
-def chat_chunk(cid: str, created: int, model: str) -> ChunkMaker:
-    """A factory of chat.completion.chunk objects for one response."""
+class TextReply:
+    """A text completion as it streams (`echo` first)."""
 
-    def make(text: str | None, finish: str | None, usage: oa.Usage | None) -> Any:
-        if usage is not None:
-            return oa.ChatCompletionChunk(cid, created, model, [], usage)
-        if text is None and finish is None:
-            delta = oa.Delta(role="assistant", content="")
-        else:  # the closing chunk carries only finish_reason, with an empty delta as OpenAI's does
-            delta = oa.Delta(content=text or None)
-        return oa.ChatCompletionChunk(cid, created, model, [oa.ChunkChoice(0, delta, finish)])
+    def __init__(self, cid: str, created: int, model: str, *, echo: str = "") -> None:
+        self._meta = (cid, created, model)
+        self._echo = echo
 
-    return make
+    def opening(self) -> list[Any]:  # text completions have no role-only opening chunk
+        return [self._chunk(self._echo, None)] if self._echo else []
 
+    def text(self, text: str) -> list[Any]:
+        return [self._chunk(text, None)] if text else []
 
-def text_chunk(cid: str, created: int, model: str) -> ChunkMaker:
-    """A factory of text_completion stream objects for one response."""
+    def closing(self, done: Done) -> list[Any]:
+        return [self._chunk("", done.finish_reason)]
 
-    def make(text: str | None, finish: str | None, usage: oa.Usage | None) -> Any:
-        if usage is not None:
-            return oa.Completion(cid, created, model, [], usage)
-        if text is None and finish is None:
-            return None  # text completions have no role-only opening chunk
-        return oa.Completion(cid, created, model, [oa.TextChoice(0, text or "", finish)])
+    def usage(self, usage: oa.Usage) -> Any:
+        return oa.Completion(*self._meta, [], usage)
 
-    return make
+    def _chunk(self, text: str, finish: str | None) -> Any:
+        return oa.Completion(*self._meta, [oa.TextChoice(0, text, finish)])
 
 
-async def stream(
-    request: web.Request, ticket: Ticket, make: ChunkMaker, include_usage: bool, prefix: str = ""
-) -> web.StreamResponse:
+Reply = ChatReply | TextReply
+
+
+async def stream(request: web.Request, ticket: Ticket, reply: Reply, include_usage: bool) -> web.StreamResponse:
     """Relay a generation as OpenAI SSE chunks, ending with `data: [DONE]`."""
     sse = SSEWriter()
     resp = await sse.start(request)
     # The opening chunks go out with the first generated text, so a client's (and the
     # supervisor's) first chunk marks the first token.
-    opening = [make(None, None, None), make(prefix, None, None) if prefix else None]
+    opening = reply.opening()
     try:
         await keep_alive_until_first_event(sse, ticket)
         async for batch in ticket.events():
-            for chunk in filter(None, opening):
+            for chunk in opening:
                 await sse.send(chunk)
             opening = []
             text = "".join(e.text for e in batch if isinstance(e, Token))
-            if text:
-                await sse.send(make(text, None, None))
-            await finish_stream(sse, make, batch[-1], include_usage)
+            for chunk in reply.text(text):
+                await sse.send(chunk)
+            await finish_stream(sse, reply, batch[-1], include_usage)
     except ConnectionResetError:
         ticket.cancel()  # the client went away mid-stream
     return resp
@@ -268,16 +353,17 @@ async def keep_alive_until_first_event(sse: SSEWriter, ticket: Ticket) -> None:
         await sse.comment("keep-alive")
 
 
-async def finish_stream(sse: SSEWriter, make: ChunkMaker, end: Any, include_usage: bool) -> None:
+async def finish_stream(sse: SSEWriter, reply: Reply, end: Any, include_usage: bool) -> None:
     """Write the closing events for a Done or Failed event; nothing for a Token."""
     if isinstance(end, Failed):
         await sse.send_error(APIError(end.status, end.message, type="server_error", code=end.code))
     elif isinstance(end, Done) and end.finish_reason == "cancelled":
         await sse.send_error(APIError(503, "The engine is shutting down.", type="server_error", code="engine_stopping"))
     elif isinstance(end, Done):
-        await sse.send(make(None, end.finish_reason, None))
+        for chunk in reply.closing(end):
+            await sse.send(chunk)
         if include_usage:
-            await sse.send(make(None, None, usage_of(end)))
+            await sse.send(reply.usage(usage_of(end)))
         await sse.done()
 
 
