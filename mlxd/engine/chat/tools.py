@@ -59,15 +59,20 @@ def _parse_json(text: str, _tools: Any = None) -> Any:
 
 
 def _parse_llama3(text: str, _tools: Any = None) -> Any:
-    """One JSON call, a list of them, or several separated by ';' (Llama 3.1's own habit)."""
+    """One JSON call, a list of them, or several one after another (Llama 3.1 separates
+    them with ';' or nothing)."""
+    decoder = json.JSONDecoder()
     text = text.strip()
-    try:
-        return json.loads(text)
-    except ValueError:
-        parts = [p for p in text.split(";") if p.strip()]
-        if len(parts) < 2:
-            raise
-        return [json.loads(p) for p in parts]
+    calls: list[Any] = []
+    pos = 0
+    while pos < len(text):
+        value, pos = decoder.raw_decode(text, pos)
+        calls.extend(value if isinstance(value, list) else [value])
+        while pos < len(text) and (text[pos].isspace() or text[pos] == ";"):
+            pos += 1
+    if not calls:
+        raise ValueError("no call")
+    return calls
 
 
 def format_of(tokenizer: Any, takes_tools: bool) -> ToolFormat:
@@ -88,6 +93,18 @@ def format_of(tokenizer: Any, takes_tools: bool) -> ToolFormat:
 
 PROBE_TOOL: dict[str, Any] = {"type": "function", "function": {
     "name": "mlxd_probe_tool_7f3a", "description": "probe", "parameters": {"type": "object", "properties": {}}}}
+
+
+def template_takes_tools(tokenizer: Any) -> bool:
+    """Whether the chat template writes the `tools` it is given into the prompt."""
+    if not getattr(tokenizer, "has_chat_template", False):
+        return False
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[PROBE_TOOL],
+                                             add_generation_prompt=True, tokenize=False)
+    except Exception:  # a template that chokes on tools does not take them
+        return False
+    return PROBE_TOOL["function"]["name"] in str(text)
 
 
 # --- request checks ---------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.utils import load
 
-from mlxd.engine.chat.tools import PROBE_TOOL, ToolFormat, format_of
+from mlxd.engine.chat.tools import ToolFormat, format_of, template_takes_tools
 from mlxd.protocol.errors import APIError
 
 DEFAULT_CONTEXT = 4096
@@ -67,18 +67,7 @@ class LoadedModel:
     @functools.cached_property
     def tool_format(self) -> ToolFormat:
         """How this model calls tools (mlxd.engine.chat.tools), found once."""
-        return format_of(self.tokenizer, self._template_takes_tools())
-
-    def _template_takes_tools(self) -> bool:
-        """Whether the chat template writes the `tools` it is given into the prompt."""
-        if not self.tokenizer.has_chat_template:
-            return False
-        try:
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": "hi"}], tools=[PROBE_TOOL], add_generation_prompt=True, tokenize=False)
-        except Exception:  # a template that chokes on tools does not take them
-            return False
-        return PROBE_TOOL["function"]["name"] in str(text)
+        return format_of(self.tokenizer, template_takes_tools(self.tokenizer))
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of `text` to append to a prompt (no BOS)."""
