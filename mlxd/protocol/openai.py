@@ -187,10 +187,11 @@ class Usage(msgspec.Struct):
     prompt_tokens_details: PromptTokensDetails = msgspec.field(default_factory=PromptTokensDetails)
 
 
-class AssistantMessage(msgspec.Struct):
-    role: str = "assistant"
-    content: str | None = None
+class AssistantMessage(msgspec.Struct, omit_defaults=True):
+    role: str  # always there, as content is (null beside tool calls)
+    content: str | None
     tool_calls: list[dict[str, Any]] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -213,6 +214,7 @@ class ChatCompletion(msgspec.Struct):
 class Delta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
 
 

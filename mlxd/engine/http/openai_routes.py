@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
+from mlxd.engine.chat.reasoning import ReasoningSplitter, ThinkMarkers, starts_in_reasoning
 from mlxd.engine.chat.tool_stream import Call, Content, Event, Markup, ToolCallStream
 from mlxd.engine.chat.tools import ToolFormat, ToolRequest, check_tools, template_messages
 from mlxd.engine.gpu.job import Job, SamplingParams
@@ -169,7 +170,9 @@ async def chat_completions(request: web.Request, slot: Slot) -> web.StreamRespon
     ticket = submit(request, slot, prompt, max_tokens, req)
     meta = ("chatcmpl-" + uuid.uuid4().hex, int(time.time()), loaded.model_id)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    reply = ChatReply(*meta, tool_req=tool_req, markup=fmt.markup, forced=forced)
+    think = loaded.think_markers
+    in_reasoning = starts_in_reasoning(loaded.decode(prompt[-64:]), think) if think is not None else False
+    reply = ChatReply(*meta, tool_req=tool_req, markup=fmt.markup, forced=forced, think=think, in_reasoning=in_reasoning)
     with cancel_on_exit(ticket):
         if req.stream:
             return await stream(request, ticket, reply, include_usage)
@@ -234,12 +237,16 @@ class ChatReply:
     one message)."""
 
     def __init__(self, cid: str, created: int, model: str, *, tool_req: ToolRequest | None = None,
-                 markup: Markup | None = None, forced: str = "") -> None:
+                 markup: Markup | None = None, forced: str = "", think: ThinkMarkers | None = None,
+                 in_reasoning: bool = False) -> None:
         self._meta = (cid, created, model)
         self._tools = tool_req
         self._parser = (ToolCallStream(markup, tool_req.tools, tool_names=tool_req.names)
                         if tool_req is not None and markup is not None else None)
+        # a forced call starts the reply: no reasoning before it
+        self._splitter = ReasoningSplitter(think, in_reasoning) if think is not None and not forced else None
         self._content: list[str] = []
+        self._reasoning: list[str] = []
         self._calls: list[Call] = []
         if self._parser is not None and forced:
             self._take(self._parser.feed(forced))
@@ -248,14 +255,37 @@ class ChatReply:
         return [self._chunk(oa.Delta(role="assistant", content=""))]
 
     def text(self, text: str) -> list[Any]:
-        if self._parser is None:
-            self._content.append(text)
-            return [self._chunk(oa.Delta(content=text))] if text else []
-        return self._take(self._parser.feed(text))
+        if self._splitter is None:
+            return self._answer(text)
+        reasoning, content = self._splitter.feed(text)
+        return self._think(reasoning) + self._answer(content)
 
     def closing(self, done: Done) -> list[Any]:
-        chunks = self._take(self._parser.finish()) if self._parser is not None else []
+        chunks = self._flush()
         return [*chunks, self._chunk(oa.Delta(), self.finish_reason(done))]
+
+    def _flush(self) -> list[Any]:
+        chunks: list[Any] = []
+        if self._splitter is not None:
+            reasoning, content = self._splitter.finish()
+            chunks += self._think(reasoning) + self._answer(content)
+        if self._parser is not None:
+            chunks += self._take(self._parser.finish())
+        return chunks
+
+    def _think(self, text: str) -> list[Any]:
+        if not text:
+            return []
+        self._reasoning.append(text)
+        return [self._chunk(oa.Delta(reasoning_content=text))]
+
+    def _answer(self, text: str) -> list[Any]:
+        if self._parser is not None:
+            return self._take(self._parser.feed(text))
+        if not text:
+            return []
+        self._content.append(text)
+        return [self._chunk(oa.Delta(content=text))]
 
     def usage(self, usage: oa.Usage) -> Any:
         return oa.ChatCompletionChunk(*self._meta, [], usage)
@@ -265,14 +295,15 @@ class ChatReply:
 
     def message(self, done: Done) -> tuple[oa.AssistantMessage, str]:
         """The whole reply (non-streaming), after `text` got all of it."""
-        if self._parser is not None:
-            self._take(self._parser.finish())
+        self._flush()
         content = "".join(self._content)
+        reasoning = "".join(self._reasoning) or None
         if not self._calls:
-            return oa.AssistantMessage(content=content), done.finish_reason
+            return oa.AssistantMessage("assistant", content, reasoning_content=reasoning), done.finish_reason
         calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                  for c in self._calls]
-        return oa.AssistantMessage(content=content or None, tool_calls=calls), self.finish_reason(done)
+        return (oa.AssistantMessage("assistant", content or None, tool_calls=calls, reasoning_content=reasoning),
+                self.finish_reason(done))
 
     def _take(self, events: list[Event]) -> list[Any]:
         chunks: list[Any] = []

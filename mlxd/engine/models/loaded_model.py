@@ -10,6 +10,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.utils import load
 
+from mlxd.engine.chat.reasoning import ThinkMarkers, think_markers
 from mlxd.engine.chat.tools import ToolFormat, format_of, template_takes_tools
 from mlxd.protocol.errors import APIError
 
@@ -68,6 +69,11 @@ class LoadedModel:
     def tool_format(self) -> ToolFormat:
         """How this model calls tools (mlxd.engine.chat.tools), found once."""
         return format_of(self.tokenizer, template_takes_tools(self.tokenizer))
+
+    @functools.cached_property
+    def think_markers(self) -> ThinkMarkers | None:
+        """The markers of the model's reasoning block (mlxd.engine.chat.reasoning), if any."""
+        return think_markers(self.tokenizer)
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of `text` to append to a prompt (no BOS)."""

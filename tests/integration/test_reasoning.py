@@ -1,0 +1,68 @@
+"""Reasoning through a real engine with the openai SDK: SmolLM2 with a fixture chat template
+whose generation prompt opens a think block (Qwen3 style), so the whole reply is reasoning
+(`reasoning_content`, streamed as `delta.reasoning_content`); `chat_template_kwargs`
+`enable_thinking: false` reaches the template and the reply is content again."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.support import openai_client, running_engine
+
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is not defined or enable_thinking %}<think>\n{% else %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}"
+)
+ASK = [{"role": "user", "content": "What is the capital of France?"}]
+# mlx-lm passes enable_thinking = whether the vocabulary has think tokens (SmolLM2's has none)
+THINK = {"chat_template_kwargs": {"enable_thinking": True}}
+
+
+@pytest.fixture(scope="module")
+def client(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    model = tmp_path_factory.mktemp("smol-think") / "smol-think"
+    model.mkdir()
+    for f in smollm2.iterdir():
+        if f.name != "tokenizer_config.json":
+            (model / f.name).symlink_to(f)
+    config = json.loads((smollm2 / "tokenizer_config.json").read_text())
+    config["chat_template"] = THINKING_TEMPLATE
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    with running_engine(model, "smol-think") as engine, openai_client(engine) as sdk:
+        yield sdk
+
+
+def test_a_reply_inside_an_open_think_block_is_reasoning(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(model="smol-think", messages=ASK, temperature=0, max_tokens=16,  # type: ignore[arg-type]
+                                         extra_body=THINK)
+    message = out.choices[0].message
+    reasoning = getattr(message, "reasoning_content", None)
+    assert reasoning and reasoning.strip()  # SmolLM2 never closes the block: all of it is reasoning
+    assert message.content == ""
+    assert "<think>" not in reasoning
+
+
+def test_reasoning_streams_as_its_own_delta_and_matches(client: openai.OpenAI) -> None:
+    whole = client.chat.completions.create(model="smol-think", messages=ASK, temperature=0, max_tokens=16,  # type: ignore[arg-type]
+                                           extra_body=THINK)
+    stream = client.chat.completions.create(model="smol-think", messages=ASK, temperature=0, max_tokens=16,  # type: ignore[arg-type]
+                                            stream=True, extra_body=THINK)
+    deltas = [c.choices[0].delta for c in stream if c.choices]
+    streamed = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+    assert streamed == getattr(whole.choices[0].message, "reasoning_content", None)
+    assert "".join(d.content or "" for d in deltas) == ""
+
+
+def test_enable_thinking_false_reaches_the_template_and_the_reply_is_content(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(model="smol-think", messages=ASK, temperature=0, max_tokens=16,  # type: ignore[arg-type]
+                                         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    message = out.choices[0].message
+    assert message.content and message.content.strip()
+    assert getattr(message, "reasoning_content", None) is None
