@@ -72,7 +72,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tools: Any = None  # checked by mlxd.engine.chat.tools.check_tools (a 400 naming the field)
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: Any = None  # checked by mlxd.engine.chat.grammar.response_format_grammar
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
 
@@ -123,9 +123,6 @@ def check_chat(req: ChatCompletionRequest) -> None:
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(req.chat_template_kwargs or {}))
     if reserved:
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}.", param="chat_template_kwargs")
-    fmt = (req.response_format or {}).get("type", "text")
-    if fmt != "text":
-        raise APIError(400, f"response_format type {fmt!r} is not supported yet.", param="response_format")
     if req.logprobs:
         raise APIError(400, "logprobs are not supported yet.", param="logprobs")
 

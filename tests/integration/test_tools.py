@@ -18,7 +18,8 @@ from tests.support import SupervisorProcess
 MODEL = "smol"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                   "additionalProperties": False}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
@@ -47,8 +48,19 @@ def test_a_named_tool_choice_gets_a_call_with_json_arguments(client: openai.Open
     (call,) = choice.message.tool_calls
     assert call.type == "function" and call.function.name == "get_weather"
     assert call.id.startswith("call_")
-    assert isinstance(json.loads(call.function.arguments), dict)
-    assert "<tool_call>" not in (choice.message.content or "")
+    assert json.loads(call.function.arguments) == {"city": "Paris"}  # held to the function's schema
+    assert choice.message.content is None  # the call ends the reply: nothing after it
+
+
+def test_required_with_two_tools_gets_a_call_to_one_of_them_with_its_schema(client: openai.OpenAI) -> None:
+    clock = {"type": "function", "function": {"name": "get_time", "description": "The time now in a city.",
+                                              "parameters": {"type": "object", "properties": {"tz": {"type": "string"}},
+                                                             "required": ["tz"], "additionalProperties": False}}}
+    out = create(client, tools=[WEATHER, clock], tool_choice="required")
+    (call,) = out.choices[0].message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert (call.function.name, sorted(args)) in [("get_weather", ["city"]), ("get_time", ["tz"])]
+    assert out.choices[0].finish_reason == "tool_calls"
 
 
 def test_the_call_and_its_result_go_back_and_the_model_answers_in_text(client: openai.OpenAI) -> None:
@@ -75,10 +87,9 @@ def test_a_streamed_call_comes_in_openais_shape(client: openai.OpenAI) -> None:
     assert (opening.index, opening.type, opening.function.name) == (0, "function", "get_weather")
     assert opening.id and opening.function.arguments == ""
     arguments = "".join(c[0].function.arguments or "" for c in calls[1:] if c[0].index == 0)
-    assert isinstance(json.loads(arguments), dict)
+    assert json.loads(arguments) == {"city": "Paris"}
     assert all(c[0].id is None for c in calls[1:])  # the id comes once
-    content = "".join(d.content or "" for d in deltas)  # SmolLM2 writes a sentence after its call
-    assert "tool_call>" not in content and '"name"' not in content  # no markup leaked as content
+    assert "".join(d.content or "" for d in deltas) == ""  # no markup leaked, and the call ends the reply
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 

@@ -79,7 +79,7 @@ class BatchLane:
             kv = list(make_prompt_cache(self._loaded.model))
         seq = Sequence(job, self._loaded.tokenizer, self._loaded.eos_token_ids, cached)
         # The generator's processors see each row's whole history (it is given the cached part).
-        sampler, processors = make_sampling(job.sampling, [])
+        sampler, processors = make_sampling(job.sampling, [], job.grammar, sorted(self._loaded.eos_token_ids))
         (uid,) = self._gen.insert(
             [job.prompt[cached:]], max_tokens=[job.max_tokens], caches=[kv], all_tokens=[job.prompt[:cached]],
             samplers=[sampler], logits_processors=[processors],
@@ -90,7 +90,8 @@ class BatchLane:
     def adopt(self, seq: Sequence, kv: list[Any]) -> None:
         """Continue a sequence the serial lane handed over: its KV holds all but its last token."""
         history = seq.history
-        sampler, processors = make_sampling(seq.job.sampling, [])  # unseeded: a shared sampler
+        # unseeded: a shared sampler; a grammar's matcher goes on where the serial lane left it
+        sampler, processors = make_sampling(seq.job.sampling, [], seq.job.grammar, sorted(self._loaded.eos_token_ids))
         (uid,) = self._gen.insert(
             [history[-1:]], max_tokens=[seq.job.max_tokens - len(seq.generated)], caches=[kv],
             all_tokens=[history[:-1]], samplers=[sampler], logits_processors=[processors],

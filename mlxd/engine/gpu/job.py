@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from mlxd.engine.gpu.ticket import Ticket
 
@@ -31,3 +32,4 @@ class Job:
     stops: list[str]
     ticket: Ticket
     submitted_at: float = field(default_factory=time.perf_counter)
+    grammar: Any = None  # an llguidance matcher the reply is held to (mlxd.engine.chat.grammar)

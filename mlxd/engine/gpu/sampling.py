@@ -15,6 +15,7 @@ from mlx_lm.sample_utils import (
     make_sampler,
 )
 
+from mlxd.engine.chat.grammar import GrammarMask
 from mlxd.engine.gpu.batch_bias import LogitBias
 
 # How many recent tokens (prompt and completion) the penalties look at; mlx-lm's default is 20.
@@ -26,7 +27,8 @@ Processor = Callable[[mx.array, mx.array], mx.array]
 Sampler = Callable[[mx.array], mx.array]
 
 
-def make_sampling(params: Any, history: list[int]) -> tuple[Sampler, list[Any]]:
+def make_sampling(params: Any, history: list[int], grammar: Any = None,
+                  eos_ids: list[int] | None = None) -> tuple[Sampler, list[Any]]:
     """The sampler and logits processors for one request (GPU thread).
 
     mlx-lm's processors see only the tokens their generator tracks: `history` is what comes
@@ -34,6 +36,7 @@ def make_sampling(params: Any, history: list[int]) -> tuple[Sampler, list[Any]]:
     Requests with equal parameters and no seed share one sampler object, so that the batch
     lane samples all their rows in one call. A seeded request gets a sampler with its own
     random key: its tokens depend on its seed only, not on what else the engine runs.
+    A `grammar` (an llguidance matcher) adds its mask last, after bias and penalties.
     """
     args = sampler_args(params)
     sampler = make_seeded_sampler(args, params.seed) if params.seed is not None else shared_sampler(**args)
@@ -51,6 +54,8 @@ def make_sampling(params: Any, history: list[int]) -> tuple[Sampler, list[Any]]:
     if history and processors:
         prefix = mx.array(history[-PENALTY_CONTEXT:])
         processors = [with_history(p, prefix) for p in processors]
+    if grammar is not None:
+        processors.append(GrammarMask(grammar, eos_ids or []))
     return sampler, processors
 
 

@@ -61,7 +61,8 @@ class SerialLane:
         if kv is None:
             kv = list(make_prompt_cache(self._loaded.model))
         seq = Sequence(job, self._loaded.tokenizer, self._loaded.eos_token_ids, cached)
-        sampler, processors = make_sampling(job.sampling, job.prompt[:cached])
+        sampler, processors = make_sampling(job.sampling, job.prompt[:cached], job.grammar,
+                                            sorted(self._loaded.eos_token_ids))
         self._steps = generate_step(
             mx.array(job.prompt[cached:]),
             self._loaded.model,

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
+from mlxd.engine.chat.grammar import forced_call_grammar, response_format_grammar
 from mlxd.engine.chat.reasoning import ReasoningSplitter, ThinkMarkers, starts_in_reasoning
 from mlxd.engine.chat.tool_stream import Call, Content, Event, Markup, ToolCallStream
 from mlxd.engine.chat.tools import ToolFormat, ToolRequest, check_tools, template_messages
@@ -102,11 +103,12 @@ def sampling_params(req: oa.SamplingFields, loaded: LoadedModel) -> SamplingPara
     )
 
 
-def submit(request: web.Request, slot: Slot, prompt: list[int], max_tokens: int, req: oa.SamplingFields) -> Ticket:
+def submit(request: web.Request, slot: Slot, prompt: list[int], max_tokens: int, req: oa.SamplingFields,
+           grammar: Any = None) -> Ticket:
     """Hand a job to the GPU thread; return the handler's ticket for it."""
     loaded = ready_model(request)
     ticket = Ticket(asyncio.get_running_loop())
-    job = Job(prompt, max_tokens, sampling_params(req, loaded), oa.stop_list(req.stop), ticket)
+    job = Job(prompt, max_tokens, sampling_params(req, loaded), oa.stop_list(req.stop), ticket, grammar=grammar)
     slot.enter_gpu()
     request.app[GATEWAY].submit(job)
     return ticket
@@ -167,7 +169,8 @@ async def chat_completions(request: web.Request, slot: Slot) -> web.StreamRespon
     prompt += loaded.encode_text(forced) if forced else []
     budget = req.max_completion_tokens or req.max_tokens
     max_tokens = resolve_max_tokens(budget, len(prompt), loaded.context_window, None, request.app[GATEWAY].kv_budget)
-    ticket = submit(request, slot, prompt, max_tokens, req)
+    grammar = await constraint(loaded, req, tool_req, fmt, forced)
+    ticket = submit(request, slot, prompt, max_tokens, req, grammar)
     meta = ("chatcmpl-" + uuid.uuid4().hex, int(time.time()), loaded.model_id)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     think = loaded.think_markers
@@ -181,6 +184,22 @@ async def chat_completions(request: web.Request, slot: Slot) -> web.StreamRespon
         message, finish = reply.message(done)
         choice = oa.ChatChoice(0, message, finish)
         return json_response(oa.ChatCompletion(*meta, choices=[choice], usage=usage_of(done)))
+
+
+async def constraint(loaded: LoadedModel, req: oa.ChatCompletionRequest, tool_req: ToolRequest | None,
+                     fmt: ToolFormat, forced: str) -> Any:
+    """The llguidance matcher the reply is held to, or None: a forced tool call's arguments to
+    the function's schema, else `response_format`. Compiled in a worker thread (cached)."""
+    if forced and tool_req is not None:
+        only = next(iter(tool_req.names)) if len(tool_req.names) == 1 else None
+        text = forced_call_grammar(fmt.name, tool_req.tools, tool_req.function or only, fmt.markup.end)
+        param = "tools"
+    else:
+        text = response_format_grammar(req.response_format)
+        param = "response_format"
+    if text is None:
+        return None
+    return await asyncio.get_running_loop().run_in_executor(None, loaded.grammars.matcher, text, param)
 
 
 def forced_call(tool_req: ToolRequest | None, fmt: ToolFormat) -> str:

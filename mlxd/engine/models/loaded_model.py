@@ -10,6 +10,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.utils import load
 
+from mlxd.engine.chat.grammar import Grammars
 from mlxd.engine.chat.reasoning import ThinkMarkers, think_markers
 from mlxd.engine.chat.tools import ToolFormat, format_of, template_takes_tools
 from mlxd.protocol.errors import APIError
@@ -74,6 +75,11 @@ class LoadedModel:
     def think_markers(self) -> ThinkMarkers | None:
         """The markers of the model's reasoning block (mlxd.engine.chat.reasoning), if any."""
         return think_markers(self.tokenizer)
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """Compiled grammars for structured output (mlxd.engine.chat.grammar)."""
+        return Grammars(self.tokenizer._tokenizer, sorted(self.eos_token_ids))
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of `text` to append to a prompt (no BOS)."""

@@ -1,0 +1,177 @@
+"""Structured output: grammars with llguidance, applied as a token mask while decoding.
+
+A request's constraint (`response_format` `json_object` / `json_schema` / mlxd's `regex` and
+`lark`, or the rest of a forced tool call) becomes an llguidance grammar, compiled against
+the model's tokenizer off the event loop and off the GPU thread, and cached per grammar
+text: a request gets a copy of the compiled matcher. On the GPU thread, `GrammarMask` is a
+logits processor (mlx-lm's interface, so it runs in both lanes, per row in the batch lane):
+each step it feeds the matcher the token sampled last, asks it for the bitmask of allowed
+next tokens (llguidance's numpy-level API) and sets every other logit to -inf with portable
+mx ops (llguidance's own `llguidance.mlx` helper is a Metal kernel). Once the grammar is
+complete only the end-of-sequence tokens are allowed, so the reply ends there.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from mlxd.protocol.errors import APIError
+
+CACHE_ENTRIES = 128  # compiled grammars kept per model
+
+
+class Grammars:
+    """One model's llguidance tokenizer (built on first use: ~0.4 s) and compiled grammars."""
+
+    def __init__(self, hf_tokenizer: Any, eos_ids: list[int]) -> None:
+        self._hf = hf_tokenizer
+        self._eos = eos_ids
+        self._lock = threading.Lock()
+        self._tokenizer: Any = None
+        self._cache: OrderedDict[str, Any] = OrderedDict()
+        self.compile_ms: dict[str, float] = {}  # the last compile time of each cached grammar
+
+    def _lltokenizer(self) -> Any:
+        if self._tokenizer is None:
+            import llguidance.hf
+
+            self._tokenizer = llguidance.hf.from_tokenizer(self._hf, eos_token=self._eos)
+        return self._tokenizer
+
+    def matcher(self, grammar: str, param: str) -> Any:
+        """A fresh matcher for `grammar` (llguidance's grammar text); a 400 naming `param` when
+        it does not compile. Blocking (compiles on a miss): call it from a worker thread."""
+        import llguidance
+
+        with self._lock:
+            tok = self._lltokenizer()
+            compiled = self._cache.get(grammar)
+            if compiled is not None:
+                self._cache.move_to_end(grammar)
+                return compiled.deep_copy()
+        started = time.perf_counter()
+        error = llguidance.LLMatcher.validate_grammar(grammar, tok)
+        if error:
+            raise APIError(400, f"The grammar is not usable: {error}", param=param)
+        compiled = llguidance.LLMatcher(tok, grammar)
+        if compiled.is_error():
+            raise APIError(400, f"The grammar is not usable: {compiled.get_error()}", param=param)
+        with self._lock:
+            self._cache[grammar] = compiled
+            self.compile_ms[grammar] = (time.perf_counter() - started) * 1000
+            while len(self._cache) > CACHE_ENTRIES:
+                old, _ = self._cache.popitem(last=False)
+                self.compile_ms.pop(old, None)
+        return compiled.deep_copy()
+
+
+# --- what a request asks for, as grammar text -------------------------------------------------
+
+
+def response_format_grammar(response_format: Any) -> str | None:
+    """The grammar of a chat request's `response_format`; None for plain text. A malformed
+    format is a 400 naming the field."""
+    import llguidance
+
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict):
+        raise APIError(400, "response_format must be an object.", param="response_format")
+    kind = response_format.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return str(llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}))
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict):
+            raise APIError(400, "response_format json_schema needs a 'json_schema' object.",
+                           param="response_format.json_schema")
+        name = spec.get("name")
+        if name is not None and not isinstance(name, str):
+            raise APIError(400, "json_schema.name must be a string.", param="response_format.json_schema.name")
+        schema = spec.get("schema", {})
+        if not isinstance(schema, dict | bool):
+            raise APIError(400, "json_schema.schema must be a JSON Schema object.",
+                           param="response_format.json_schema.schema")
+        return json_schema_grammar(schema, "response_format.json_schema.schema")
+    if kind == "regex":
+        pattern = response_format.get("regex")
+        if not isinstance(pattern, str):
+            raise APIError(400, "response_format regex needs a 'regex' string.", param="response_format.regex")
+        return str(llguidance.LLMatcher.grammar_from_regex(pattern))
+    if kind == "lark":
+        lark = response_format.get("lark")
+        if not isinstance(lark, str):
+            raise APIError(400, "response_format lark needs a 'lark' string (a Lark grammar).",
+                           param="response_format.lark")
+        return str(llguidance.LLMatcher.grammar_from_lark(lark))
+    raise APIError(400, f"response_format type {kind!r} is not supported (text, json_object, json_schema, "
+                        "regex, lark).", param="response_format.type")
+
+
+def json_schema_grammar(schema: Any, param: str) -> str:
+    import llguidance
+
+    try:
+        return str(llguidance.LLMatcher.grammar_from_json_schema(schema))
+    except Exception as exc:  # llguidance refuses what it cannot read
+        raise APIError(400, f"The JSON schema is not usable: {exc}", param=param) from exc
+
+
+def forced_call_grammar(fmt_name: str, tools: list[dict[str, Any]], function: str | None, end: str) -> str | None:
+    """The rest of a forced tool call after the prefix ToolFormat.forced put in the prompt:
+    the arguments held to the function's schema, then the call's closing markup; None for a
+    format mlxd cannot write it for. `function` None: any of `tools`, by name."""
+    schemas = {t["function"]["name"]: (t["function"].get("parameters") or {"type": "object"}) for t in tools}
+    closing = "}" + ("\n" + end if end else "")
+    if fmt_name in ("json_tools", "hermes_fallback"):
+        key = '"arguments": '
+    elif fmt_name == "llama3_json":
+        key = '"parameters": '
+    else:
+        return None
+    if function is not None:
+        return "start: %json " + json.dumps(schemas[function]) + " " + json.dumps(closing)
+    alternatives = " | ".join("(" + json.dumps(name + '", ' + key) + " %json " + json.dumps(schema) + ")"
+                              for name, schema in schemas.items())
+    return f"start: ({alternatives}) {json.dumps(closing)}"
+
+
+# --- the mask on the GPU thread ---------------------------------------------------------------
+
+
+class GrammarMask:
+    """A logits processor holding a row to its grammar (see the module doc). GPU thread."""
+
+    def __init__(self, matcher: Any, eos_ids: list[int]) -> None:
+        self._m = matcher
+        self._eos = eos_ids
+        self._seen: int | None = None
+        self._shifts = mx.arange(32, dtype=mx.uint32)
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        flat = tokens.reshape(-1)
+        n = flat.size
+        if self._seen is not None and n > self._seen:
+            self._m.consume_tokens(flat[self._seen:].tolist())
+        self._seen = n
+        vocab = logits.shape[-1]
+        if self._m.is_error() or self._m.is_stopped():  # done (or lost): only the end of the reply
+            if not self._eos:
+                return logits
+            ends = np.zeros(vocab, dtype=np.bool_)
+            ends[[t for t in self._eos if t < vocab]] = True
+            return mx.where(mx.array(ends), logits, -mx.inf)
+        words = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint32)
+        bits = ((mx.array(words)[:, None] >> self._shifts) & 1).reshape(-1).astype(mx.bool_)
+        if bits.size < vocab:
+            bits = mx.concatenate([bits, mx.zeros((vocab - bits.size,), dtype=mx.bool_)])
+        return mx.where(bits[:vocab], logits, -mx.inf)
