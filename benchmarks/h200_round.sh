@@ -14,7 +14,8 @@
 # lone 1B stream and the 1B batching run, twice over. `lone`: the lone 1B stream pinned to
 # two CPU sets, then unpinned. `close8b`: the 8B batching run
 # at 1, 8 and 16 streams. CLOSE_SHORT=1 makes `close` a 1B batching run and a 41-run lone stream. `cache`: issue 11's
-# prompt_cache.py on the 8B-shaped model with a 16k-token prefix. `prefill`: fair_prefill.
+# prompt_cache.py on the 8B-shaped model with a 16k-token prefix. `structured`: issue 12's
+# structured.py on the 1B-shaped model. `prefill`: fair_prefill.
 # Each step has its own time limit; results go to $OUT (or ./h200-out) as one text file a step.
 set -u
 out=${OUT:-h200-out}
@@ -112,10 +113,15 @@ cache)
   MLXD_BENCH_DIR=/tmp step prompt_cache_drain 200 python3 benchmarks/prompt_cache.py --model /tmp/models/l8q \
     --alt-tokens 4000 --turns 3 --burst 4 --skip ttft,decode,kv
   ;;
+structured)
+  # issue 12: JSON-schema-held decode against free decode, one stream and 8 (half held)
+  model 1b-bf16 /tmp/models/l1b
+  step structured 240 python3 benchmarks/structured.py --model /tmp/models/l1b --runs 5 --rounds 3
+  ;;
 prefill)
   model 1b-bf16 /tmp/models/l1b
   step fair_prefill 120 python3 benchmarks/fair_prefill.py --model /tmp/models/l1b --streams 8 --batch 16 \
     --long-tokens 8000 --compare-step 8192
   ;;
-*) echo "usage: $0 1b|8b|streams|close|close8b|lone|cache|prefill" >&2; exit 2 ;;
+*) echo "usage: $0 1b|8b|streams|close|close8b|lone|cache|structured|prefill" >&2; exit 2 ;;
 esac
