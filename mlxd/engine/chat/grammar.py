@@ -42,7 +42,10 @@ class Grammars:
         if self._tokenizer is None:
             import llguidance.hf
 
-            self._tokenizer = llguidance.hf.from_tokenizer(self._hf, eos_token=self._eos)
+            try:
+                self._tokenizer = llguidance.hf.from_tokenizer(self._hf, eos_token=self._eos)
+            except TypeError:  # llguidance before 1.7 takes one end token (the mask allows them all at the end)
+                self._tokenizer = llguidance.hf.from_tokenizer(self._hf, eos_token=self._eos[0] if self._eos else None)
         return self._tokenizer
 
     def matcher(self, grammar: str, param: str) -> Any:
