@@ -5,10 +5,20 @@ from __future__ import annotations
 import msgspec
 
 
-class Token(msgspec.Struct, tag="token"):
-    """A piece of text that is safe to send (stop strings already held back)."""
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """One generated token's log probability, and the likeliest alternatives if asked for."""
 
     text: str
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+class Token(msgspec.Struct, tag="token"):
+    """A piece of text that is safe to send (stop strings already held back), with the log
+    probabilities of the tokens released with it when the request asked for them."""
+
+    text: str
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Done(msgspec.Struct, tag="done"):

@@ -123,8 +123,8 @@ def check_chat(req: ChatCompletionRequest) -> None:
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(req.chat_template_kwargs or {}))
     if reserved:
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}.", param="chat_template_kwargs")
-    if req.logprobs:
-        raise APIError(400, "logprobs are not supported yet.", param="logprobs")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true.", param="top_logprobs")
 
 
 def check_completion(req: CompletionRequest) -> None:
@@ -134,8 +134,6 @@ def check_completion(req: CompletionRequest) -> None:
         raise APIError(400, "suffix is not supported.", param="suffix")
     if (req.best_of or 1) != 1:
         raise APIError(400, "Only best_of=1 is supported.", param="best_of")
-    if req.logprobs:
-        raise APIError(400, "logprobs are not supported yet.", param="logprobs")
     completion_prompt(req)
 
 
@@ -195,7 +193,7 @@ class ChatChoice(msgspec.Struct):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletion(msgspec.Struct):
@@ -219,7 +217,7 @@ class ChunkChoice(msgspec.Struct):
     index: int
     delta: Delta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -235,7 +233,7 @@ class TextChoice(msgspec.Struct):
     index: int
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class Completion(msgspec.Struct):

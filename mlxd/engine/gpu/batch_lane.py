@@ -122,7 +122,7 @@ class BatchLane:
             if seq is None:
                 continue
             try:
-                is_done = seq.add(int(r.token))
+                is_done = seq.add(int(r.token), getattr(r, "logprobs", None))
             except Exception as exc:  # this row's text handling failed: only this request fails
                 log.error("generation failed for one row:\n%s", traceback.format_exc())
                 seq.fail(self._stats, f"generation failed: {type(exc).__name__}: {exc}")

@@ -33,3 +33,4 @@ class Job:
     ticket: Ticket
     submitted_at: float = field(default_factory=time.perf_counter)
     grammar: Any = None  # an llguidance matcher the reply is held to (mlxd.engine.chat.grammar)
+    logprobs: int | None = None  # None: none; else the chosen token's and this many alternatives (0-20)

@@ -14,7 +14,7 @@ from typing import Any
 
 from mlxd.engine.gpu.job import Job
 from mlxd.engine.gpu.stats import Stats
-from mlxd.protocol.events import Done, Failed, Token
+from mlxd.protocol.events import Done, Failed, Token, TokenLogprob
 from mlxd.protocol.stops import StopMatcher
 
 log = logging.getLogger("mlxd.engine")
@@ -27,7 +27,8 @@ FIRST_RELAY_PAUSE_S = 0.0005
 class Sequence:
     """A job being generated: its text state, its clock, and how it ended."""
 
-    __slots__ = ("_detok", "_eos", "_has_relayed", "_stops", "cached", "clock", "finish_reason", "generated", "job")
+    __slots__ = ("_detok", "_eos", "_has_relayed", "_pending", "_stops", "_tokenizer", "cached", "clock", "finish_reason",
+                 "generated", "job")
 
     def __init__(self, job: Job, tokenizer: Any, eos: set[int], cached: int) -> None:
         self.job = job
@@ -39,6 +40,8 @@ class Sequence:
         self._eos = eos
         self._stops = StopMatcher(job.stops)
         self._has_relayed = False
+        self._tokenizer = tokenizer
+        self._pending: list[TokenLogprob] = []  # log probabilities of tokens whose text is held back
 
     @property
     def is_cancelled(self) -> bool:
@@ -53,12 +56,15 @@ class Sequence:
         """Prompt and generated tokens so far."""
         return self.job.prompt + self.generated
 
-    def add(self, token: int) -> bool:
-        """Take the next generated token; True when the sequence has ended (EOS, stop, length)."""
+    def add(self, token: int, logprobs: Any = None) -> bool:
+        """Take the next generated token (and the step's log probabilities over the vocabulary,
+        for a request that asked for them); True when the sequence has ended (EOS, stop, length)."""
         self.generated.append(token)
         self.clock.token()
         if token in self._eos:
             return self._end("stop")
+        if self.job.logprobs is not None and logprobs is not None:
+            self._pending.append(token_logprob(self._tokenizer, token, logprobs, self.job.logprobs))
         self._detok.add_token(token)
         if text := self._stops.feed(self._detok.last_segment):
             self._emit(text)
@@ -79,7 +85,8 @@ class Sequence:
         return True
 
     def _emit(self, text: str) -> None:
-        self.job.ticket.emit(Token(text))
+        pending, self._pending = self._pending, []
+        self.job.ticket.emit(Token(text, pending or None))
         if not self._has_relayed:
             self._has_relayed = True
             time.sleep(FIRST_RELAY_PAUSE_S)
@@ -114,6 +121,30 @@ class Sequence:
         self.finish_reason = "failed"
         stats.num_failed += 1
         self.job.ticket.emit(Failed(message, status, code))
+
+
+LOWEST_LOGPROB = -9999.0  # what a masked (-inf) or NaN log probability is reported as (JSON has no inf)
+
+
+def token_logprob(tokenizer: Any, token: int, logprobs: Any, top: int) -> TokenLogprob:
+    """`token`'s log probability in `logprobs` (mx, over the vocabulary) and the `top` likeliest."""
+    import mlx.core as mx
+
+    flat = logprobs.reshape(-1)
+    chosen = _finite(float(flat[token].item()))
+    alternatives: list[tuple[str, float]] = []
+    if top > 0:
+        ids = mx.argpartition(-flat, kth=top - 1)[:top]
+        values = flat[ids]
+        order = mx.argsort(-values)
+        pairs: list[tuple[int, float]] = list(zip(ids[order].tolist(), values[order].tolist(), strict=True))  # type: ignore[arg-type]
+        for i, v in pairs:
+            alternatives.append((str(tokenizer.decode([int(i)])), _finite(float(v))))
+    return TokenLogprob(str(tokenizer.decode([token])), chosen, alternatives)
+
+
+def _finite(value: float) -> float:
+    return value if value == value and value > LOWEST_LOGPROB else LOWEST_LOGPROB
 
 
 class Clock:

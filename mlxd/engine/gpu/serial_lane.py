@@ -86,8 +86,8 @@ class SerialLane:
         try:
             if seq.is_cancelled:
                 raise Cancelled
-            token, _ = next(steps)
-            if not seq.add(int(token)):
+            token, logprobs = next(steps)
+            if not seq.add(int(token), logprobs):
                 return []
         except Cancelled:
             seq.cancel()

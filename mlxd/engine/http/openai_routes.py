@@ -25,7 +25,7 @@ from mlxd.engine.http.sse import SSEWriter, keepalive_interval
 from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.protocol import openai as oa
 from mlxd.protocol.errors import APIError
-from mlxd.protocol.events import Done, Failed, Token
+from mlxd.protocol.events import Done, Failed, Token, TokenLogprob
 from mlxd.protocol.json_body import decode_as
 
 T = TypeVar("T")
@@ -104,11 +104,12 @@ def sampling_params(req: oa.SamplingFields, loaded: LoadedModel) -> SamplingPara
 
 
 def submit(request: web.Request, slot: Slot, prompt: list[int], max_tokens: int, req: oa.SamplingFields,
-           grammar: Any = None) -> Ticket:
+           grammar: Any = None, logprobs: int | None = None) -> Ticket:
     """Hand a job to the GPU thread; return the handler's ticket for it."""
     loaded = ready_model(request)
     ticket = Ticket(asyncio.get_running_loop())
-    job = Job(prompt, max_tokens, sampling_params(req, loaded), oa.stop_list(req.stop), ticket, grammar=grammar)
+    job = Job(prompt, max_tokens, sampling_params(req, loaded), oa.stop_list(req.stop), ticket, grammar=grammar,
+              logprobs=logprobs)
     slot.enter_gpu()
     request.app[GATEWAY].submit(job)
     return ticket
@@ -122,18 +123,23 @@ def usage_of(done: Done) -> oa.Usage:
     )
 
 
-async def collect(ticket: Ticket) -> tuple[str, Done]:
-    """Wait for a whole generation; raise an APIError if it failed."""
+async def collect(ticket: Ticket) -> tuple[str, Done, list[TokenLogprob]]:
+    """Wait for a whole generation (its text, end, and token log probabilities if asked for);
+    raise an APIError if it failed."""
     parts: list[str] = []
+    logprobs: list[TokenLogprob] = []
     async for batch in ticket.events():
-        parts.extend(e.text for e in batch if isinstance(e, Token))
+        for e in batch:
+            if isinstance(e, Token):
+                parts.append(e.text)
+                logprobs += e.logprobs or []
         end = batch[-1]
         if isinstance(end, Failed):
             raise APIError(end.status, end.message, type="server_error", code=end.code)
         if isinstance(end, Done):
             if end.finish_reason == "cancelled":
                 raise APIError(503, "The engine is shutting down.", type="server_error", code="engine_stopping")
-            return "".join(parts), end
+            return "".join(parts), end, logprobs
     raise APIError(500, "generation ended without a result", type="server_error")
 
 
@@ -170,7 +176,7 @@ async def chat_completions(request: web.Request, slot: Slot) -> web.StreamRespon
     budget = req.max_completion_tokens or req.max_tokens
     max_tokens = resolve_max_tokens(budget, len(prompt), loaded.context_window, None, request.app[GATEWAY].kv_budget)
     grammar = await constraint(loaded, req, tool_req, fmt, forced)
-    ticket = submit(request, slot, prompt, max_tokens, req, grammar)
+    ticket = submit(request, slot, prompt, max_tokens, req, grammar, (req.top_logprobs or 0) if req.logprobs else None)
     meta = ("chatcmpl-" + uuid.uuid4().hex, int(time.time()), loaded.model_id)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     think = loaded.think_markers
@@ -179,10 +185,10 @@ async def chat_completions(request: web.Request, slot: Slot) -> web.StreamRespon
     with cancel_on_exit(ticket):
         if req.stream:
             return await stream(request, ticket, reply, include_usage)
-        text, done = await collect(ticket)
+        text, done, logprobs = await collect(ticket)
         reply.text(text)
         message, finish = reply.message(done)
-        choice = oa.ChatChoice(0, message, finish)
+        choice = oa.ChatChoice(0, message, finish, chat_logprobs(logprobs) if req.logprobs else None)
         return json_response(oa.ChatCompletion(*meta, choices=[choice], usage=usage_of(done)))
 
 
@@ -228,15 +234,16 @@ async def completions(request: web.Request, slot: Slot) -> web.StreamResponse:
     max_tokens = resolve_max_tokens(
         req.max_tokens, len(prompt), loaded.context_window, LEGACY_COMPLETION_MAX_TOKENS, request.app[GATEWAY].kv_budget
     )
-    ticket = submit(request, slot, prompt, max_tokens, req)
+    ticket = submit(request, slot, prompt, max_tokens, req, logprobs=req.logprobs)
     meta = ("cmpl-" + uuid.uuid4().hex, int(time.time()), loaded.model_id)
     echo = loaded.decode(prompt) if req.echo else ""
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     with cancel_on_exit(ticket):
         if req.stream:
-            return await stream(request, ticket, TextReply(*meta, echo=echo), include_usage)
-        text, done = await collect(ticket)
-        choice = oa.TextChoice(0, echo + text, done.finish_reason)
+            return await stream(request, ticket, TextReply(*meta, echo=echo, logprobs=req.logprobs), include_usage)
+        text, done, logprobs = await collect(ticket)
+        lp = text_logprobs(logprobs, len(echo), req.logprobs) if req.logprobs is not None else None
+        choice = oa.TextChoice(0, echo + text, done.finish_reason, lp)
         return json_response(oa.Completion(*meta, choices=[choice], usage=usage_of(done)))
 
 
@@ -267,21 +274,32 @@ class ChatReply:
         self._content: list[str] = []
         self._reasoning: list[str] = []
         self._calls: list[Call] = []
+        self._logprobs: list[TokenLogprob] = []  # not yet sent: they go with the next chunk
         if self._parser is not None and forced:
             self._take(self._parser.feed(forced))
 
     def opening(self) -> list[Any]:
         return [self._chunk(oa.Delta(role="assistant", content=""))]
 
-    def text(self, text: str) -> list[Any]:
+    def text(self, text: str, logprobs: list[TokenLogprob] | None = None) -> list[Any]:
         if self._splitter is None:
-            return self._answer(text)
-        reasoning, content = self._splitter.feed(text)
-        return self._think(reasoning) + self._answer(content)
+            chunks = self._answer(text)
+        else:
+            reasoning, content = self._splitter.feed(text)
+            chunks = self._think(reasoning) + self._answer(content)
+        return self._with_logprobs(chunks, logprobs)
 
     def closing(self, done: Done) -> list[Any]:
-        chunks = self._flush()
-        return [*chunks, self._chunk(oa.Delta(), self.finish_reason(done))]
+        chunks = [*self._flush(), self._chunk(oa.Delta(), self.finish_reason(done))]
+        return self._with_logprobs(chunks, None)
+
+    def _with_logprobs(self, chunks: list[Any], logprobs: list[TokenLogprob] | None) -> list[Any]:
+        """The tokens' log probabilities ride on the first chunk their text made (or a later one)."""
+        self._logprobs += logprobs or []
+        if chunks and self._logprobs:
+            chunks[0].choices[0].logprobs = chat_logprobs(self._logprobs)
+            self._logprobs = []
+        return chunks
 
     def _flush(self) -> list[Any]:
         chunks: list[Any] = []
@@ -348,15 +366,23 @@ class ChatReply:
 class TextReply:
     """A text completion as it streams (`echo` first)."""
 
-    def __init__(self, cid: str, created: int, model: str, *, echo: str = "") -> None:
+    def __init__(self, cid: str, created: int, model: str, *, echo: str = "", logprobs: int | None = None) -> None:
         self._meta = (cid, created, model)
         self._echo = echo
+        self._top = logprobs
+        self._offset = len(echo)  # where the next token's text starts in the whole text
 
     def opening(self) -> list[Any]:  # text completions have no role-only opening chunk
         return [self._chunk(self._echo, None)] if self._echo else []
 
-    def text(self, text: str) -> list[Any]:
-        return [self._chunk(text, None)] if text else []
+    def text(self, text: str, logprobs: list[TokenLogprob] | None = None) -> list[Any]:
+        if not text:
+            return []
+        chunk = self._chunk(text, None)
+        if self._top is not None:
+            chunk.choices[0].logprobs = text_logprobs(logprobs or [], self._offset, self._top)
+        self._offset += len(text)
+        return [chunk]
 
     def closing(self, done: Done) -> list[Any]:
         return [self._chunk("", done.finish_reason)]
@@ -369,6 +395,24 @@ class TextReply:
 
 
 Reply = ChatReply | TextReply
+
+
+def chat_logprobs(logprobs: list[TokenLogprob]) -> dict[str, Any]:
+    """OpenAI's chat `logprobs` object for these tokens."""
+    return {"content": [
+        {"token": lp.text, "logprob": lp.logprob, "bytes": list(lp.text.encode()),
+         "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in lp.top]}
+        for lp in logprobs], "refusal": None}
+
+
+def text_logprobs(logprobs: list[TokenLogprob], offset: int, top: int) -> dict[str, Any]:
+    """The legacy completions `logprobs` object; `offset`: where the first token's text starts."""
+    offsets = []
+    for lp in logprobs:
+        offsets.append(offset)
+        offset += len(lp.text)
+    return {"tokens": [lp.text for lp in logprobs], "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [dict(lp.top) for lp in logprobs] if top > 0 else None, "text_offset": offsets}
 
 
 async def stream(request: web.Request, ticket: Ticket, reply: Reply, include_usage: bool) -> web.StreamResponse:
@@ -384,8 +428,9 @@ async def stream(request: web.Request, ticket: Ticket, reply: Reply, include_usa
             for chunk in opening:
                 await sse.send(chunk)
             opening = []
-            text = "".join(e.text for e in batch if isinstance(e, Token))
-            for chunk in reply.text(text):
+            tokens = [e for e in batch if isinstance(e, Token)]
+            logprobs = [lp for e in tokens for lp in e.logprobs or []]
+            for chunk in reply.text("".join(e.text for e in tokens), logprobs):
                 await sse.send(chunk)
             await finish_stream(sse, reply, batch[-1], include_usage)
     except ConnectionResetError:
