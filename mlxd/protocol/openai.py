@@ -103,10 +103,13 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 })
 
 
-def check_common(req: SamplingFields) -> None:
+MAX_CHOICES = 16  # n: the rows one request may take in the batch lane
+
+
+def check_common(req: SamplingFields, max_n: int = 1) -> None:
     """Reject what this server cannot honour, rather than silently ignoring it."""
-    if req.n != 1:
-        raise APIError(400, "Only n=1 is supported.", param="n")
+    if not 1 <= req.n <= max_n:
+        raise APIError(400, "Only n=1 is supported here." if max_n == 1 else f"n may be 1 to {max_n}.", param="n")
     for key in req.logit_bias or {}:
         if not is_token_id_key(key):
             raise APIError(400, f"logit_bias keys must be token ids, got {key[:20]!r}.", param="logit_bias")
@@ -119,7 +122,7 @@ def is_token_id_key(key: str) -> bool:
 
 def check_chat(req: ChatCompletionRequest) -> None:
     """Validate a chat request beyond what its types say."""
-    check_common(req)
+    check_common(req, MAX_CHOICES)
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(req.chat_template_kwargs or {}))
     if reserved:
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}.", param="chat_template_kwargs")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import time
 import uuid
@@ -104,22 +105,25 @@ def sampling_params(req: oa.SamplingFields, loaded: LoadedModel) -> SamplingPara
 
 
 def submit(request: web.Request, slot: Slot, prompt: list[int], max_tokens: int, req: oa.SamplingFields,
-           grammar: Any = None, logprobs: int | None = None) -> Ticket:
-    """Hand a job to the GPU thread; return the handler's ticket for it."""
+           grammar: Any = None, logprobs: int | None = None, row: int = 0) -> Ticket:
+    """Hand a job to the GPU thread; return the handler's ticket for it. `row` > 0: another
+    choice of the same request (a seed is offset by it, so seeded choices differ too)."""
     loaded = ready_model(request)
     ticket = Ticket(asyncio.get_running_loop())
-    job = Job(prompt, max_tokens, sampling_params(req, loaded), oa.stop_list(req.stop), ticket, grammar=grammar,
-              logprobs=logprobs)
+    sampling = sampling_params(req, loaded)
+    if row and sampling.seed is not None:
+        sampling = dataclasses.replace(sampling, seed=(sampling.seed + row + 2**63) % 2**64 - 2**63)
+    job = Job(list(prompt), max_tokens, sampling, oa.stop_list(req.stop), ticket, grammar=grammar, logprobs=logprobs)
     slot.enter_gpu()
     request.app[GATEWAY].submit(job)
     return ticket
 
 
-def usage_of(done: Done) -> oa.Usage:
-    """OpenAI usage from a Done event."""
+def usage_of(done: Done, *more: Done) -> oa.Usage:
+    """OpenAI usage from the Done events of a request's choices (the prompt counted once)."""
+    completion = done.completion_tokens + sum(d.completion_tokens for d in more)
     return oa.Usage(
-        done.prompt_tokens, done.completion_tokens, done.prompt_tokens + done.completion_tokens,
-        oa.PromptTokensDetails(done.cached_tokens),
+        done.prompt_tokens, completion, done.prompt_tokens + completion, oa.PromptTokensDetails(done.cached_tokens),
     )
 
 
@@ -175,21 +179,27 @@ async def chat_completions(request: web.Request, slot: Slot) -> web.StreamRespon
     prompt += loaded.encode_text(forced) if forced else []
     budget = req.max_completion_tokens or req.max_tokens
     max_tokens = resolve_max_tokens(budget, len(prompt), loaded.context_window, None, request.app[GATEWAY].kv_budget)
-    grammar = await constraint(loaded, req, tool_req, fmt, forced)
-    ticket = submit(request, slot, prompt, max_tokens, req, grammar, (req.top_logprobs or 0) if req.logprobs else None)
+    grammars = [await constraint(loaded, req, tool_req, fmt, forced) for _ in range(req.n)]  # a matcher a row
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    tickets = [submit(request, slot, prompt, max_tokens, req, grammars[i], top, row=i) for i in range(req.n)]
     meta = ("chatcmpl-" + uuid.uuid4().hex, int(time.time()), loaded.model_id)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     think = loaded.think_markers
     in_reasoning = starts_in_reasoning(loaded.decode(prompt[-64:]), think) if think is not None else False
-    reply = ChatReply(*meta, tool_req=tool_req, markup=fmt.markup, forced=forced, think=think, in_reasoning=in_reasoning)
-    with cancel_on_exit(ticket):
+    replies = [ChatReply(*meta, tool_req=tool_req, markup=fmt.markup, forced=forced, think=think,
+                         in_reasoning=in_reasoning, index=i) for i in range(req.n)]
+    with cancel_all_on_exit(tickets):
         if req.stream:
-            return await stream(request, ticket, reply, include_usage)
-        text, done, logprobs = await collect(ticket)
-        reply.text(text)
-        message, finish = reply.message(done)
-        choice = oa.ChatChoice(0, message, finish, chat_logprobs(logprobs) if req.logprobs else None)
-        return json_response(oa.ChatCompletion(*meta, choices=[choice], usage=usage_of(done)))
+            if req.n == 1:
+                return await stream(request, tickets[0], replies[0], include_usage)
+            return await stream_choices(request, tickets, replies, include_usage)
+        results = await asyncio.gather(*(collect(t) for t in tickets))
+        choices = []
+        for i, (reply, (text, done, logprobs)) in enumerate(zip(replies, results, strict=True)):
+            reply.text(text)
+            message, finish = reply.message(done)
+            choices.append(oa.ChatChoice(i, message, finish, chat_logprobs(logprobs) if req.logprobs else None))
+        return json_response(oa.ChatCompletion(*meta, choices=choices, usage=usage_of(*(r[1] for r in results))))
 
 
 async def constraint(loaded: LoadedModel, req: oa.ChatCompletionRequest, tool_req: ToolRequest | None,
@@ -264,8 +274,9 @@ class ChatReply:
 
     def __init__(self, cid: str, created: int, model: str, *, tool_req: ToolRequest | None = None,
                  markup: Markup | None = None, forced: str = "", think: ThinkMarkers | None = None,
-                 in_reasoning: bool = False) -> None:
+                 in_reasoning: bool = False, index: int = 0) -> None:
         self._meta = (cid, created, model)
+        self.index = index
         self._tools = tool_req
         self._parser = (ToolCallStream(markup, tool_req.tools, tool_names=tool_req.names)
                         if tool_req is not None and markup is not None else None)
@@ -360,7 +371,7 @@ class ChatReply:
         return chunks
 
     def _chunk(self, delta: oa.Delta, finish: str | None = None) -> Any:
-        return oa.ChatCompletionChunk(*self._meta, [oa.ChunkChoice(0, delta, finish)])
+        return oa.ChatCompletionChunk(*self._meta, [oa.ChunkChoice(self.index, delta, finish)])
 
 
 class TextReply:
@@ -460,6 +471,75 @@ async def finish_stream(sse: SSEWriter, reply: Reply, end: Any, include_usage: b
         if include_usage:
             await sse.send(reply.usage(usage_of(end)))
         await sse.done()
+
+
+async def stream_choices(request: web.Request, tickets: list[Ticket], replies: list[ChatReply],
+                         include_usage: bool) -> web.StreamResponse:
+    """Relay `n` choices as one SSE stream: each choice's chunks carry its index, in the order
+    they come; a failure of any ends the stream with an error; usage (all choices) at the end."""
+    sse = SSEWriter()
+    resp = await sse.start(request)
+    events: asyncio.Queue[tuple[int, list[Any] | None]] = asyncio.Queue()
+
+    async def pump(i: int, ticket: Ticket) -> None:
+        async for batch in ticket.events():
+            await events.put((i, batch))
+        await events.put((i, None))
+
+    pumps = [asyncio.create_task(pump(i, t)) for i, t in enumerate(tickets)]
+    opening = [c for r in replies for c in r.opening()]
+    dones: dict[int, Done] = {}
+    try:
+        open_rows = len(tickets)
+        while open_rows:
+            if opening:  # nothing sent yet: keep the client's read timeout at bay while queued
+                try:
+                    i, batch = await asyncio.wait_for(events.get(), KEEPALIVE_S)
+                except TimeoutError:
+                    await sse.comment("keep-alive")
+                    continue
+            else:
+                i, batch = await events.get()
+            if batch is None:
+                open_rows -= 1
+                continue
+            for chunk in opening:
+                await sse.send(chunk)
+            opening = []
+            tokens = [e for e in batch if isinstance(e, Token)]
+            logprobs = [lp for e in tokens for lp in e.logprobs or []]
+            for chunk in replies[i].text("".join(e.text for e in tokens), logprobs):
+                await sse.send(chunk)
+            end = batch[-1]
+            if isinstance(end, Failed) or (isinstance(end, Done) and end.finish_reason == "cancelled"):
+                await finish_stream(sse, replies[i], end, include_usage)
+                return resp
+            if isinstance(end, Done):
+                dones[i] = end
+                for chunk in replies[i].closing(end):
+                    await sse.send(chunk)
+        if include_usage and dones:
+            first, *rest = dones.values()
+            await sse.send(replies[0].usage(usage_of(first, *rest)))
+        await sse.done()
+    except ConnectionResetError:
+        for t in tickets:
+            t.cancel()
+    finally:
+        for task in pumps:
+            task.cancel()
+    return resp
+
+
+@contextlib.contextmanager
+def cancel_all_on_exit(tickets: list[Ticket]) -> Iterator[list[Ticket]]:
+    """Cancel every choice's job still running when the handler leaves."""
+    try:
+        yield tickets
+    finally:
+        for ticket in tickets:
+            if not ticket.is_finished:
+                ticket.cancel()
 
 
 @contextlib.contextmanager
