@@ -248,6 +248,16 @@ class Completion(msgspec.Struct):
     object: str = "text_completion"
 
 
+class RenderedPrompt(msgspec.Struct):
+    """The engine's answer to POST /v1/chat/render: the prompt a chat request becomes."""
+
+    prompt_tokens: int
+    token_ids: list[int]
+    text: str
+    context_window: int
+    model: str
+
+
 class ModelCard(msgspec.Struct):
     id: str
     created: int

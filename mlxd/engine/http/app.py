@@ -35,6 +35,7 @@ def make_app(settings: EngineSettings, gateway: Gateway, stats: Stats) -> web.Ap
     app[ADMISSION] = Admission(gateway.abort_open, stats, lambda timeout_s: _flush(gateway, timeout_s))
     app.router.add_post("/v1/chat/completions", routes.chat_completions)
     app.router.add_post("/v1/completions", routes.completions)
+    app.router.add_post("/v1/chat/render", routes.render)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/health", health)
     app.router.add_get("/admin/stats", admin_stats)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -166,17 +167,9 @@ async def chat_completions(request: web.Request, slot: Slot) -> web.StreamRespon
     """POST /v1/chat/completions."""
     req = await decode_body(request, oa.ChatCompletionRequest)
     oa.check_chat(req)
-    tool_req = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
     loaded = ready_model(request)
-    fmt = loaded.tool_format
-    messages = template_messages([chat_message_dict(m, i) for i, m in enumerate(req.messages)], fmt,
-                                 tool_req.tools if tool_req else None)
-    prompt = loaded.chat_prompt(messages, tool_req.tools if tool_req and fmt.in_template else None,
-                                req.chat_template_kwargs)
-    if not prompt:
-        raise APIError(400, "The chat template produced an empty prompt.", param="messages")
-    forced = forced_call(tool_req, fmt)
-    prompt += loaded.encode_text(forced) if forced else []
+    chat = await asyncio.get_running_loop().run_in_executor(TEMPLATING, render_chat, loaded, req)
+    tool_req, fmt, forced, prompt, in_reasoning = chat.tool_req, chat.fmt, chat.forced, chat.prompt, chat.in_reasoning
     budget = req.max_completion_tokens or req.max_tokens
     max_tokens = resolve_max_tokens(budget, len(prompt), loaded.context_window, None, request.app[GATEWAY].kv_budget)
     grammars = [await constraint(loaded, req, tool_req, fmt, forced) for _ in range(req.n)]  # a matcher a row
@@ -184,9 +177,7 @@ async def chat_completions(request: web.Request, slot: Slot) -> web.StreamRespon
     tickets = [submit(request, slot, prompt, max_tokens, req, grammars[i], top, row=i) for i in range(req.n)]
     meta = ("chatcmpl-" + uuid.uuid4().hex, int(time.time()), loaded.model_id)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    think = loaded.think_markers
-    in_reasoning = starts_in_reasoning(loaded.decode(prompt[-64:]), think) if think is not None else False
-    replies = [ChatReply(*meta, tool_req=tool_req, markup=fmt.markup, forced=forced, think=think,
+    replies = [ChatReply(*meta, tool_req=tool_req, markup=fmt.markup, forced=forced, think=loaded.think_markers,
                          in_reasoning=in_reasoning, index=i) for i in range(req.n)]
     with cancel_all_on_exit(tickets):
         if req.stream:
@@ -200,6 +191,49 @@ async def chat_completions(request: web.Request, slot: Slot) -> web.StreamRespon
             message, finish = reply.message(done)
             choices.append(oa.ChatChoice(i, message, finish, chat_logprobs(logprobs) if req.logprobs else None))
         return json_response(oa.ChatCompletion(*meta, choices=choices, usage=usage_of(*(r[1] for r in results))))
+
+
+# Chat templates are rendered (and prompts tokenized) on this thread: off the event loop, and
+# one at a time (a Hugging Face tokenizer is not meant to be used from two threads at once).
+TEMPLATING = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mlxd-template")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RenderedChat:
+    prompt: list[int]  # token ids, a forced call's start included
+    tool_req: ToolRequest | None
+    fmt: ToolFormat
+    forced: str  # the start of a call put after the template's prompt ("" for none)
+    in_reasoning: bool  # the prompt ends inside an open think block
+
+
+def render_chat(loaded: LoadedModel, req: oa.ChatCompletionRequest) -> RenderedChat:
+    """A chat request's prompt as the model gets it (a 400 for what cannot be rendered).
+    Blocking: run it on TEMPLATING."""
+    tool_req = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    fmt = loaded.tool_format
+    messages = template_messages([chat_message_dict(m, i) for i, m in enumerate(req.messages)], fmt,
+                                 tool_req.tools if tool_req else None)
+    prompt = loaded.chat_prompt(messages, tool_req.tools if tool_req and fmt.in_template else None,
+                                req.chat_template_kwargs)
+    if not prompt:
+        raise APIError(400, "The chat template produced an empty prompt.", param="messages")
+    forced = forced_call(tool_req, fmt)
+    prompt += loaded.encode_text(forced) if forced else []
+    think = loaded.think_markers
+    in_reasoning = starts_in_reasoning(loaded.decode(prompt[-64:]), think) if think is not None and not forced else False
+    return RenderedChat(prompt, tool_req, fmt, forced, in_reasoning)
+
+
+async def render(request: web.Request) -> web.Response:
+    """POST /v1/chat/render: a chat request's prompt, rendered and tokenized without generating
+    (for counting tokens: Anthropic's count_tokens, admission). The body is a chat request."""
+    req = await decode_body(request, oa.ChatCompletionRequest)
+    oa.check_chat(req)
+    loaded = ready_model(request)
+    chat = await asyncio.get_running_loop().run_in_executor(TEMPLATING, render_chat, loaded, req)
+    return json_response(oa.RenderedPrompt(len(chat.prompt), chat.prompt, loaded.decode(chat.prompt),
+                                           loaded.context_window, loaded.model_id))
 
 
 async def constraint(loaded: LoadedModel, req: oa.ChatCompletionRequest, tool_req: ToolRequest | None,
