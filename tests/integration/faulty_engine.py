@@ -36,10 +36,10 @@ def faulty_submit(self: Any, job: Any) -> None:
     real_submit(self, job)
 
 
-def faulty_add(self: Any, token: int) -> bool:
+def faulty_add(self: Any, token: int, logprobs: Any = None) -> bool:
     if len(self.generated) == 3 and mark(self.job) == "RAISE":
         raise RuntimeError("injected fault")
-    return real_add(self, token)
+    return real_add(self, token, logprobs)
 
 
 def faulty_step(self: Any) -> list[Any]:

@@ -138,7 +138,7 @@ def error_of(resp: httpx.Response) -> dict[str, object]:
         (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}', "max_tokens"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "stop": 3}', "stop"),
         (b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}', "messages[0].content[0]"),
-        (b'{"messages": [{"role": "user", "content": "hi"}], "n": 3}', "n"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "n": 17}', "n"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"999999": 1}}', "logit_bias"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"\xc2\xb2": 1}}', "logit_bias"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"1": "x"}}', "logit_bias[...]"),

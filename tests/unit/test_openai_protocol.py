@@ -52,9 +52,8 @@ def chat(**fields: object) -> oa.ChatCompletionRequest:
 @pytest.mark.parametrize(
     ("fields", "param"),
     [
-        ({"n": 2}, "n"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"logprobs": True}, "logprobs"),
+        ({"n": 17}, "n"),  # more choices than the batch lane takes for one request
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
         ({"logit_bias": {"abc": 1.0}}, "logit_bias"),
     ],
 )
@@ -155,7 +154,7 @@ def test_the_edges_of_every_range_are_accepted() -> None:
     body = chat_body(
         top_k=str(2**31 - 1), max_tokens=str(2**31 - 1), max_completion_tokens="1", seed=str(-(2**63)),
         temperature="2", top_p="0", min_p="1", presence_penalty="-2", frequency_penalty="2",
-        repetition_penalty="10", top_logprobs="20", logit_bias='{"0": -100, "7": 100}',
+        repetition_penalty="10", logprobs="true", top_logprobs="20", logit_bias='{"0": -100, "7": 100}', n="16",
         stop='["' + "x" * oa.MAX_STOP_CHARS + '"]',
     )
     req = msgspec.json.decode(body, type=oa.ChatCompletionRequest)
