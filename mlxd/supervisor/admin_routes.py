@@ -146,7 +146,7 @@ async def unload(request: web.Request) -> web.Response:
     was_loaded = slot.engine.state.value in ("starting", "ready", "draining")
     report = await pool.unload(slot) if was_loaded else None  # carries on if the caller leaves
     return web.json_response({"model": entry.id, "state": slot.engine.state.value, "was_loaded": was_loaded,
-                              "drain": report})
+                              "drain": msgspec.to_builtins(report)})
 
 
 async def drain(request: web.Request) -> web.Response:
@@ -158,7 +158,7 @@ async def drain(request: web.Request) -> web.Response:
     else:
         slots = [s for s in pool.slots() if s.engine.state is EngineState.READY]
     reports = await asyncio.gather(*(pool.drain(s) for s in slots))
-    drained = [{"model": s.entry.id, **r} for s, r in zip(slots, reports, strict=True) if r is not None]
+    drained = [{"model": s.entry.id, **msgspec.to_builtins(r)} for s, r in zip(slots, reports, strict=True) if r is not None]
     return web.json_response({"drained": drained})
 
 

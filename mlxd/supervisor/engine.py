@@ -24,9 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.exit_codes import ExitCode
+from mlxd.protocol.process import DrainResult
 from mlxd.supervisor import policy
 from mlxd.supervisor.proxy import connection_gate
 from mlxd.supervisor.spare import Spare
@@ -81,7 +83,7 @@ class _Drain:
 
     timeout_s: float
     resume: bool
-    done: asyncio.Future[dict[str, Any] | None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    done: asyncio.Future[DrainResult | None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
 class Engine:
@@ -176,11 +178,11 @@ class Engine:
         return APIError(503, f"Model {self.model_id} failed: {self.failure} (trying again in {retry_after} s)",
                         type="server_error", code="model_failed", headers={"Retry-After": str(retry_after)})
 
-    async def drain(self, timeout_s: float) -> dict[str, Any] | None:
+    async def drain(self, timeout_s: float) -> DrainResult | None:
         """Drain a READY engine and let it serve again; the engine's report, None if not running."""
         return await self._command(_Drain(timeout_s, resume=True))
 
-    async def retire(self, timeout_s: float) -> dict[str, Any] | None:
+    async def retire(self, timeout_s: float) -> DrainResult | None:
         """Drain, then stop (SIGTERM, SIGKILL after the grace period); the drain report."""
         # This owner's end: once it reports STOPPED, a replan may start the next engine, whose
         # owner must not be waited for here (test_unload_racing_requests_never_stalls_the_model).
@@ -191,7 +193,7 @@ class Engine:
                 await asyncio.shield(owner)
         return report
 
-    async def _command(self, command: _Drain) -> dict[str, Any] | None:
+    async def _command(self, command: _Drain) -> DrainResult | None:
         if self._owner is None or self._owner.done() or self._retry_now is not None:
             return None  # no engine runs (a cooling owner takes no commands)
         self._commands.put_nowait(command)
@@ -375,7 +377,7 @@ class Engine:
         command.done.set_result(report)
         return True
 
-    async def _post_drain(self, timeout_s: float, resume: bool) -> dict[str, Any] | None:
+    async def _post_drain(self, timeout_s: float, resume: bool) -> DrainResult | None:
         """The engine's drain report; None when it has no drain endpoint or does not answer."""
         assert self.session is not None
         body = {"timeout_s": timeout_s, "resume": resume}
@@ -385,9 +387,8 @@ class Engine:
                 if resp.status != 200:
                     log.warning("[%s] drain answered HTTP %d", self.model_id, resp.status)
                     return None
-                report: dict[str, Any] = await resp.json()
-                return report
-        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
+                return msgspec.json.decode(await resp.read(), type=DrainResult)
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError, msgspec.DecodeError) as exc:
             log.warning("[%s] drain failed: %s", self.model_id, exc or type(exc).__name__)
             return None
 

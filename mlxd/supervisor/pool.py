@@ -23,6 +23,7 @@ import psutil
 
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.memory import default_prompt_cache_bytes
+from mlxd.protocol.process import DrainResult
 from mlxd.supervisor import policy
 from mlxd.supervisor.config import DEFAULT_GATHER_MS, PoolConfig
 from mlxd.supervisor.engine import Engine, EngineOptions, EngineState
@@ -49,7 +50,7 @@ class Slot:
     last_used_wall: float | None = None
     closing: str | None = None  # why it admits nothing new
     retiring: asyncio.Task[None] | None = None
-    last_drain: dict[str, Any] | None = None  # the engine's report from its last retirement
+    last_drain: DrainResult | None = None  # the engine's report from its last retirement
     last_stop: dict[str, Any] | None = None  # its reason and timings (drain_ms, stop_ms)
     lease_id: str | None = None  # a model lease holds it
     engine_lease_token: str | None = None  # the engine's own lease, sent along with the holder's requests
@@ -240,7 +241,7 @@ class Pool:
         """Admin loads and leases wait for a cold start, however short the request queue's timeout."""
         return max(self.limits.queue_timeout_s, self._options.boot_timeout_s)
 
-    async def unload(self, slot: Slot) -> dict[str, Any] | None:
+    async def unload(self, slot: Slot) -> DrainResult | None:
         """Drain (bounded), then stop the engine; its drain report."""
         slot.closing = "unloaded by an admin"
         self._schedule_replan()
@@ -249,7 +250,7 @@ class Pool:
         await asyncio.shield(slot.retiring)
         return slot.last_drain
 
-    async def drain(self, slot: Slot) -> dict[str, Any] | None:
+    async def drain(self, slot: Slot) -> DrainResult | None:
         """Drain a READY engine and keep it serving; the engine's report (None if not READY)."""
         if slot.engine.state is not EngineState.READY:
             return None
