@@ -8,6 +8,8 @@
   flood         stream `max_tokens` numbered 8 KiB chunks as fast as the socket takes them
   cued          while the file `MLXD_FAKE_CUE` exists, exit at start with the code it holds;
                 else serve as `ok` (a test breaks the model and mends it on cue)
+  bad_drain     serve as `ok`, but answer POST /admin/drain with a report of the wrong shape
+Other modes answer POST /admin/drain with a well-formed report of nothing drained.
 """
 
 from __future__ import annotations
@@ -52,6 +54,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+async def drain(request: web.Request) -> web.Response:
+    if MODE == "bad_drain":
+        return web.json_response({"drained": "yes", "finished": "all"})
+    return web.json_response({"drained": True, "finished": 0, "cancelled": 0, "waited_ms": 0.5,
+                              "cache_written_bytes": 0, "resumed": True})
+
+
 def exit_on_cue(cue: str) -> None:
     """Exit with the code the cue file holds, if it exists."""
     try:
@@ -88,6 +97,7 @@ def main() -> None:
     app.router.add_get("/health", health)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", completions)
+    app.router.add_post("/admin/drain", drain)
     web.run_app(app, path=args.socket, print=None, handle_signals=True)
 
 

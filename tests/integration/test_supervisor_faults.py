@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 
 from tests.support import SupervisorProcess, httpx, wait_for
 
@@ -96,6 +97,26 @@ def test_a_crash_loop_fails_the_model_which_heals_by_itself_after_a_doubling_coo
         loaded = sup.client.post("/admin/load", json={"model": "fake"})  # no waiting out the cool-down
         assert loaded.status_code == 200 and loaded.json()["state"] == "ready"
         assert ask().status_code == 200
+    finally:
+        sup.stop()
+
+
+@pytest.mark.parametrize("mode", ["ok", "bad_drain"])
+def test_an_engines_drain_report_is_read_as_its_type_and_a_malformed_one_is_dropped(tmp_path: Path, mode: str) -> None:
+    sup = start(tmp_path, mode)
+    try:
+        assert sup.client.post("/v1/completions", json={"model": "fake", "prompt": "x"}).status_code == 200
+        resp = sup.client.post("/admin/drain", json={"model": "fake"})
+        assert resp.status_code == 200
+        drained = resp.json()["drained"]
+        if mode == "ok":
+            assert drained == [{"model": "fake", "drained": True, "finished": 0, "cancelled": 0, "waited_ms": 0.5,
+                                "cache_written_bytes": 0, "resumed": True, "cache_written_entries": 0,
+                                "cache_write_ms": 0.0, "cache_complete": True}]
+        else:
+            assert drained == []
+            assert "drain failed" in sup.log()
+        assert sup.client.post("/v1/completions", json={"model": "fake", "prompt": "x"}).status_code == 200
     finally:
         sup.stop()
 
