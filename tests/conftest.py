@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 
-from tests.support import EngineProcess, running_engine
+from tests.support import EngineProcess, openai_client, running_engine
 
 
 @pytest.fixture(scope="session")
@@ -54,3 +55,17 @@ def smol_engine(smollm2: Path) -> Iterator[EngineProcess]:
     """One engine on SmolLM2, shared by tests that check real text."""
     with running_engine(smollm2, "SmolLM2-135M-Instruct") as engine:
         yield engine
+
+
+@pytest.fixture(scope="module")
+def smol_batch_engine(smollm2: Path) -> Iterator[EngineProcess]:
+    """An engine on SmolLM2 with four batch rows, one per test module (model id `smol`)."""
+    with running_engine(smollm2, "smol", "--batch", "4") as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def smol_batch_client(smol_batch_engine: EngineProcess) -> Iterator[openai.OpenAI]:
+    """The openai SDK on `smol_batch_engine`."""
+    with openai_client(smol_batch_engine) as sdk:
+        yield sdk

@@ -4,53 +4,39 @@ choices differ from one another and repeat with the seed."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
-from tests.support import EngineProcess, openai_client, running_engine
+from tests.support import EngineProcess
 
 ASK = [{"role": "user", "content": "Tell me a fun fact."}]
 
 
-@pytest.fixture(scope="module")
-def engine(smollm2: Path) -> Iterator[EngineProcess]:
-    with running_engine(smollm2, "smol", "--batch", "4") as proc:
-        yield proc
+def chat(smol_batch_client: openai.OpenAI, **kw: Any) -> Any:
+    return smol_batch_client.chat.completions.create(**{"model": "smol", "messages": ASK, "max_tokens": 12, **kw})
 
 
-@pytest.fixture(scope="module")
-def client(engine: EngineProcess) -> Iterator[openai.OpenAI]:
-    with openai_client(engine) as sdk:
-        yield sdk
-
-
-def chat(client: openai.OpenAI, **kw: Any) -> Any:
-    return client.chat.completions.create(**{"model": "smol", "messages": ASK, "max_tokens": 12, **kw})
-
-
-def test_two_greedy_choices_are_the_same_answer_with_their_indexes(client: openai.OpenAI) -> None:
-    one = chat(client, temperature=0)
-    two = chat(client, temperature=0, n=2)
+def test_two_greedy_choices_are_the_same_answer_with_their_indexes(smol_batch_client: openai.OpenAI) -> None:
+    one = chat(smol_batch_client, temperature=0)
+    two = chat(smol_batch_client, temperature=0, n=2)
     assert [c.index for c in two.choices] == [0, 1]
     assert {c.message.content for c in two.choices} == {one.choices[0].message.content}
     assert two.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counted once
     assert two.usage.completion_tokens == 2 * one.usage.completion_tokens
 
 
-def test_seeded_choices_differ_and_repeat_with_the_seed(client: openai.OpenAI) -> None:
-    a = [c.message.content for c in chat(client, temperature=1.0, seed=7, n=3).choices]
-    b = [c.message.content for c in chat(client, temperature=1.0, seed=7, n=3).choices]
+def test_seeded_choices_differ_and_repeat_with_the_seed(smol_batch_client: openai.OpenAI) -> None:
+    a = [c.message.content for c in chat(smol_batch_client, temperature=1.0, seed=7, n=3).choices]
+    b = [c.message.content for c in chat(smol_batch_client, temperature=1.0, seed=7, n=3).choices]
     assert a == b
     assert len(set(a)) > 1
 
 
-def test_streamed_choices_carry_their_index_and_match(client: openai.OpenAI) -> None:
-    whole = chat(client, temperature=1.0, seed=3, n=3)
-    chunks = list(chat(client, temperature=1.0, seed=3, n=3, stream=True, stream_options={"include_usage": True}))
+def test_streamed_choices_carry_their_index_and_match(smol_batch_client: openai.OpenAI) -> None:
+    whole = chat(smol_batch_client, temperature=1.0, seed=3, n=3)
+    chunks = list(chat(smol_batch_client, temperature=1.0, seed=3, n=3, stream=True, stream_options={"include_usage": True}))
     texts = {i: "" for i in range(3)}
     finishes = {}
     for c in chunks:
@@ -64,11 +50,11 @@ def test_streamed_choices_carry_their_index_and_match(client: openai.OpenAI) -> 
 
 
 @pytest.mark.parametrize("n", [0, 17])
-def test_n_out_of_range_is_a_400(engine: EngineProcess, n: int) -> None:
-    resp = engine.client.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, "n": n})
+def test_n_out_of_range_is_a_400(smol_batch_engine: EngineProcess, n: int) -> None:
+    resp = smol_batch_engine.client.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, "n": n})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "n"
 
 
-def test_completions_keep_one_choice(engine: EngineProcess) -> None:
-    resp = engine.client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "n": 2})
+def test_completions_keep_one_choice(smol_batch_engine: EngineProcess) -> None:
+    resp = smol_batch_engine.client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "n": 2})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "n"

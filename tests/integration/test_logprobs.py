@@ -4,33 +4,19 @@ the legacy completions `logprobs`; out-of-range values are 400s naming the field
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
-from tests.support import EngineProcess, openai_client, running_engine
+from tests.support import EngineProcess
 
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def engine(smollm2: Path) -> Iterator[EngineProcess]:
-    with running_engine(smollm2, "smol", "--batch", "4") as proc:
-        yield proc
-
-
-@pytest.fixture(scope="module")
-def client(engine: EngineProcess) -> Iterator[openai.OpenAI]:
-    with openai_client(engine) as sdk:
-        yield sdk
-
-
-def chat(client: openai.OpenAI, **kw: Any) -> Any:
-    return client.chat.completions.create(**{"model": "smol", "messages": ASK, "temperature": 0, "max_tokens": 12, **kw})
+def chat(smol_batch_client: openai.OpenAI, **kw: Any) -> Any:
+    return smol_batch_client.chat.completions.create(**{"model": "smol", "messages": ASK, "temperature": 0, "max_tokens": 12, **kw})
 
 
 def check_tokens(content: str, tokens: list[Any], top: int) -> None:
@@ -44,36 +30,36 @@ def check_tokens(content: str, tokens: list[Any], top: int) -> None:
             assert t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == pytest.approx(t.logprob)
 
 
-def test_chat_logprobs_with_alternatives(client: openai.OpenAI) -> None:
-    out = chat(client, logprobs=True, top_logprobs=3)
+def test_chat_logprobs_with_alternatives(smol_batch_client: openai.OpenAI) -> None:
+    out = chat(smol_batch_client, logprobs=True, top_logprobs=3)
     check_tokens(out.choices[0].message.content, out.choices[0].logprobs.content, 3)
 
 
-def test_chat_logprobs_without_alternatives_and_none_unasked(client: openai.OpenAI) -> None:
-    out = chat(client, logprobs=True)
+def test_chat_logprobs_without_alternatives_and_none_unasked(smol_batch_client: openai.OpenAI) -> None:
+    out = chat(smol_batch_client, logprobs=True)
     check_tokens(out.choices[0].message.content, out.choices[0].logprobs.content, 0)
-    assert chat(client).choices[0].logprobs is None
+    assert chat(smol_batch_client).choices[0].logprobs is None
 
 
-def test_streamed_logprobs_cover_the_streamed_text(client: openai.OpenAI) -> None:
-    chunks = [c for c in chat(client, logprobs=True, top_logprobs=2, stream=True) if c.choices]
+def test_streamed_logprobs_cover_the_streamed_text(smol_batch_client: openai.OpenAI) -> None:
+    chunks = [c for c in chat(smol_batch_client, logprobs=True, top_logprobs=2, stream=True) if c.choices]
     content = "".join(c.choices[0].delta.content or "" for c in chunks)
     tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     check_tokens(content, tokens, 2)
-    assert content == chat(client).choices[0].message.content
+    assert content == chat(smol_batch_client).choices[0].message.content
 
 
-def test_rows_of_the_batch_lane_each_get_their_own(client: openai.OpenAI) -> None:
+def test_rows_of_the_batch_lane_each_get_their_own(smol_batch_client: openai.OpenAI) -> None:
     questions = ["What is the capital of France?", "What is 2+2?", "Name a color.", "Say hello."]
     with ThreadPoolExecutor(4) as pool:
-        outs = list(pool.map(lambda q: chat(client, messages=[{"role": "user", "content": q}], logprobs=True,
+        outs = list(pool.map(lambda q: chat(smol_batch_client, messages=[{"role": "user", "content": q}], logprobs=True,
                                             top_logprobs=1), questions))
     for out in outs:
         check_tokens(out.choices[0].message.content, out.choices[0].logprobs.content, 1)
 
 
-def test_completions_logprobs_in_the_legacy_shape(client: openai.OpenAI) -> None:
-    out = client.completions.create(model="smol", prompt="The capital of France is", temperature=0, max_tokens=6, logprobs=2)
+def test_completions_logprobs_in_the_legacy_shape(smol_batch_client: openai.OpenAI) -> None:
+    out = smol_batch_client.completions.create(model="smol", prompt="The capital of France is", temperature=0, max_tokens=6, logprobs=2)
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
     assert "".join(lp.tokens).strip() == out.choices[0].text.strip()
@@ -87,7 +73,7 @@ def test_completions_logprobs_in_the_legacy_shape(client: openai.OpenAI) -> None
     ("/v1/chat/completions", {"messages": ASK, "logprobs": "yes"}, "logprobs"),
     ("/v1/completions", {"prompt": "Hi", "logprobs": 6}, "logprobs"),
 ])
-def test_bad_logprobs_values_get_a_400(engine: EngineProcess, path: str, body: dict[str, Any], param: str) -> None:
-    resp = engine.client.post(path, json={"max_tokens": 2, **body})
+def test_bad_logprobs_values_get_a_400(smol_batch_engine: EngineProcess, path: str, body: dict[str, Any], param: str) -> None:
+    resp = smol_batch_engine.client.post(path, json={"max_tokens": 2, **body})
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
-from tests.support import EngineProcess, openai_client, running_engine
+from tests.support import EngineProcess
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                            "city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]}},
@@ -22,22 +20,10 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
 SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
 
 
-@pytest.fixture(scope="module")
-def engine(smollm2: Path) -> Iterator[EngineProcess]:
-    with running_engine(smollm2, "smol", "--batch", "4") as proc:
-        yield proc
-
-
-@pytest.fixture(scope="module")
-def client(engine: EngineProcess) -> Iterator[openai.OpenAI]:
-    with openai_client(engine) as sdk:
-        yield sdk
-
-
-def ask(client: openai.OpenAI, content: str, fmt: Any, **kw: Any) -> Any:
+def ask(smol_batch_client: openai.OpenAI, content: str, fmt: Any, **kw: Any) -> Any:
     args = {"model": "smol", "messages": [{"role": "user", "content": content}], "temperature": 0, "max_tokens": 80,
             "response_format": fmt, **kw}
-    return client.chat.completions.create(**args)
+    return smol_batch_client.chat.completions.create(**args)
 
 
 def check_person(text: str) -> None:
@@ -46,31 +32,31 @@ def check_person(text: str) -> None:
     assert isinstance(person["name"], str) and type(person["age"]) is int and person["city"] in PERSON["properties"]["city"]["enum"]
 
 
-def test_a_json_schema_is_held_and_the_reply_ends_with_it(client: openai.OpenAI) -> None:
-    out = ask(client, "Describe a person.", SCHEMA_FORMAT)
+def test_a_json_schema_is_held_and_the_reply_ends_with_it(smol_batch_client: openai.OpenAI) -> None:
+    out = ask(smol_batch_client, "Describe a person.", SCHEMA_FORMAT)
     assert out.choices[0].finish_reason == "stop"
     check_person(out.choices[0].message.content)
 
 
-def test_streamed_the_same(client: openai.OpenAI) -> None:
-    whole = ask(client, "Describe a person.", SCHEMA_FORMAT).choices[0].message.content
-    chunks = ask(client, "Describe a person.", SCHEMA_FORMAT, stream=True)
+def test_streamed_the_same(smol_batch_client: openai.OpenAI) -> None:
+    whole = ask(smol_batch_client, "Describe a person.", SCHEMA_FORMAT).choices[0].message.content
+    chunks = ask(smol_batch_client, "Describe a person.", SCHEMA_FORMAT, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
 
 
-def test_different_schemas_at_once_each_hold_in_the_batch_lane(client: openai.OpenAI) -> None:
+def test_different_schemas_at_once_each_hold_in_the_batch_lane(smol_batch_client: openai.OpenAI) -> None:
     formats = [SCHEMA_FORMAT, {"type": "regex", "regex": "(yes|no), [a-z]+"}, SCHEMA_FORMAT, None]
     prompts = ["Describe a person.", "Is Paris in France?", "Describe someone from Oslo.", "Say hi."]
     with ThreadPoolExecutor(4) as pool:
-        outs = list(pool.map(lambda a: ask(client, a[0], a[1], max_tokens=60), zip(prompts, formats, strict=True)))
+        outs = list(pool.map(lambda a: ask(smol_batch_client, a[0], a[1], max_tokens=60), zip(prompts, formats, strict=True)))
     check_person(outs[0].choices[0].message.content)
     assert re.fullmatch("(yes|no), [a-z]+", outs[1].choices[0].message.content)
     check_person(outs[2].choices[0].message.content)
     assert outs[3].choices[0].message.content  # unconstrained beside them
 
 
-def test_json_object_gives_an_object(client: openai.OpenAI) -> None:
-    out = ask(client, "Describe a person as JSON.", {"type": "json_object"}, max_tokens=200)
+def test_json_object_gives_an_object(smol_batch_client: openai.OpenAI) -> None:
+    out = ask(smol_batch_client, "Describe a person as JSON.", {"type": "json_object"}, max_tokens=200)
     if out.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(out.choices[0].message.content), dict)
     else:  # cut by max_tokens: still the start of an object
@@ -93,8 +79,8 @@ BAD: list[tuple[str, Any, str]] = [
 
 
 @pytest.mark.parametrize(("fmt", "param"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])
-def test_bad_formats_get_a_400_naming_the_field(engine: EngineProcess, fmt: Any, param: str) -> None:
-    resp = engine.client.post("/v1/chat/completions", json={
+def test_bad_formats_get_a_400_naming_the_field(smol_batch_engine: EngineProcess, fmt: Any, param: str) -> None:
+    resp = smol_batch_engine.client.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "response_format": fmt})
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
