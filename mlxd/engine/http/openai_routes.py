@@ -174,12 +174,14 @@ async def chat_completions(request: web.Request, slot: Slot) -> web.StreamRespon
     max_tokens = resolve_max_tokens(budget, len(prompt), loaded.context_window, None, request.app[GATEWAY].kv_budget)
     grammars = [await constraint(loaded, req, tool_req, fmt, forced) for _ in range(req.n)]  # a matcher a row
     top = (req.top_logprobs or 0) if req.logprobs else None
-    tickets = [submit(request, slot, prompt, max_tokens, req, grammars[i], top, row=i) for i in range(req.n)]
     meta = ("chatcmpl-" + uuid.uuid4().hex, int(time.time()), loaded.model_id)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     replies = [ChatReply(*meta, tool_req=tool_req, markup=fmt.markup, forced=forced, think=loaded.think_markers,
                          in_reasoning=in_reasoning, index=i) for i in range(req.n)]
-    with cancel_all_on_exit(tickets):
+    tickets: list[Ticket] = []
+    with cancel_all_on_exit(tickets):  # rows submitted before a later one is refused are cancelled too
+        for i in range(req.n):
+            tickets.append(submit(request, slot, prompt, max_tokens, req, grammars[i], top, row=i))
         if req.stream:
             if req.n == 1:
                 return await stream(request, tickets[0], replies[0], include_usage)
