@@ -136,16 +136,8 @@ def build_header(tensors: list[Tensor], metadata: dict[str, str]) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
-def file_metadata(
-    tokens: list[int], cache_meta: dict[str, str], tensors: list[Tensor], trimmable: bool = True,
-) -> dict[str, str]:
-    """The full metadata of a file for `tensors`: mlx-lm's fields, ours, and the checksum."""
-    meta = _own_metadata(tokens, cache_meta, trimmable)
-    meta["0.mlxd_checksum"] = checksum(meta, tensor_index(tensors), (t.data for t in tensors))
-    return meta
-
-
-def _own_metadata(tokens: list[int], cache_meta: dict[str, str], trimmable: bool) -> dict[str, str]:
+def own_metadata(tokens: list[int], cache_meta: dict[str, str], trimmable: bool) -> dict[str, str]:
+    """A file's metadata but its checksum: mlxd's fields and mlx-lm's (`cache_meta`)."""
     return {"0.mlxd_format": FORMAT, "0.mlxd_tokens": encode_tokens(tokens),
             "0.mlxd_trimmable": "1" if trimmable else "0", **cache_meta}
 
@@ -160,7 +152,7 @@ def write_file(dir_: Path, name: str, tokens: list[int], cache_meta: dict[str, s
     stretch of reading the arrays outlasts one chunk. On any error the temp file is removed and
     the error raised; nothing under `name` changes.
     """
-    meta = _own_metadata(tokens, cache_meta, trimmable)
+    meta = own_metadata(tokens, cache_meta, trimmable)
     index = tensor_index(tensors)
     digest = _hasher(meta, index)
     placeholder = build_header(tensors, {**meta, "0.mlxd_checksum": "0" * CHECKSUM_CHARS})

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mlxd.engine.chat.tool_stream import _held_prefix
+from mlxd.engine.chat.tool_stream import held_prefix
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +65,7 @@ class ReasoningSplitter:
                 self._fresh = self._in
                 self._after_end = not self._in
                 continue
-            keep = _held_prefix(self._buf, marker)
+            keep = held_prefix(self._buf, marker)
             self._emit(self._buf[: len(self._buf) - keep], reasoning, content)
             self._buf = self._buf[len(self._buf) - keep:]
             break

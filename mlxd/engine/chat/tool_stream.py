@@ -79,7 +79,7 @@ def normalize(parsed: Any) -> list[tuple[str, str, str | None]]:
     return out
 
 
-def _held_prefix(text: str, marker: str) -> int:
+def held_prefix(text: str, marker: str) -> int:
     """How many characters at the end of `text` could begin `marker` (kept back until known)."""
     for k in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-k:]):
@@ -140,7 +140,7 @@ class ToolCallStream:
                 self._buf = self._buf[i + len(start):]
                 self._in_call = True
                 continue
-            keep = _held_prefix(self._buf, start)
+            keep = held_prefix(self._buf, start)
             out += self._content(self._buf[: len(self._buf) - keep])
             self._buf = self._buf[len(self._buf) - keep:]
             break
