@@ -118,6 +118,11 @@ class ToolRequest:
     function: str | None  # the named function of tool_choice
     parallel: bool
 
+    @property
+    def forced_function(self) -> str | None:
+        """The function a forced call is to: the named one, or for `required` the only tool."""
+        return self.function or (next(iter(self.names)) if len(self.names) == 1 else None)
+
 
 def check_tools(tools: Any, tool_choice: Any, parallel: bool | None) -> ToolRequest | None:
     """The request's tools and tool_choice, checked (a 400 naming the field); None when the

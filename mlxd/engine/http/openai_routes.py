@@ -172,7 +172,7 @@ async def chat_completions(request: web.Request, slot: Slot) -> web.StreamRespon
     tool_req, fmt, forced, prompt, in_reasoning = chat.tool_req, chat.fmt, chat.forced, chat.prompt, chat.in_reasoning
     budget = req.max_completion_tokens or req.max_tokens
     max_tokens = resolve_max_tokens(budget, len(prompt), loaded.context_window, None, request.app[GATEWAY].kv_budget)
-    grammars = [await constraint(loaded, req, tool_req, fmt, forced) for _ in range(req.n)]  # a matcher a row
+    grammars = await constraints(loaded, req, tool_req, fmt, forced)
     top = (req.top_logprobs or 0) if req.logprobs else None
     meta = ("chatcmpl-" + uuid.uuid4().hex, int(time.time()), loaded.model_id)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -238,20 +238,21 @@ async def render(request: web.Request) -> web.Response:
                                            loaded.context_window, loaded.model_id))
 
 
-async def constraint(loaded: LoadedModel, req: oa.ChatCompletionRequest, tool_req: ToolRequest | None,
-                     fmt: ToolFormat, forced: str) -> Any:
-    """The llguidance matcher the reply is held to, or None: a forced tool call's arguments to
-    the function's schema, else `response_format`. Compiled in a worker thread (cached)."""
+async def constraints(loaded: LoadedModel, req: oa.ChatCompletionRequest, tool_req: ToolRequest | None,
+                      fmt: ToolFormat, forced: str) -> list[Any]:
+    """For each of the `n` rows, the llguidance matcher its reply is held to, or None: a forced
+    tool call's arguments to the function's schema, else `response_format`. Compiled in a
+    worker thread (once; cached), a matcher a row."""
     if forced and tool_req is not None:
-        only = next(iter(tool_req.names)) if len(tool_req.names) == 1 else None
-        text = forced_call_grammar(fmt.name, tool_req.tools, tool_req.function or only, fmt.markup.end)
+        text = forced_call_grammar(fmt.name, tool_req.tools, tool_req.forced_function, fmt.markup.end)
         param = "tools"
     else:
         text = response_format_grammar(req.response_format)
         param = "response_format"
     if text is None:
-        return None
-    return await asyncio.get_running_loop().run_in_executor(None, loaded.grammars.matcher, text, param)
+        return [None] * req.n
+    loop = asyncio.get_running_loop()
+    return [await loop.run_in_executor(None, loaded.grammars.matcher, text, param) for _ in range(req.n)]
 
 
 def forced_call(tool_req: ToolRequest | None, fmt: ToolFormat) -> str:
@@ -259,8 +260,7 @@ def forced_call(tool_req: ToolRequest | None, fmt: ToolFormat) -> str:
     (a 400 where the model's tool format cannot be steered so)."""
     if tool_req is None or tool_req.choice not in ("required", "function"):
         return ""
-    only = next(iter(tool_req.names)) if len(tool_req.names) == 1 else None
-    forced = fmt.forced(tool_req.function or only)  # `required` with one tool names it
+    forced = fmt.forced(tool_req.forced_function)
     if forced is None:
         what = f"naming a function ({tool_req.function!r})" if tool_req.function else "'required'"
         raise APIError(400, f"tool_choice {what} is not supported with this model's tool format ({fmt.name}); "
