@@ -58,3 +58,37 @@ def test_n_out_of_range_is_a_400(smol_batch_engine: EngineProcess, n: int) -> No
 def test_completions_keep_one_choice(smol_batch_engine: EngineProcess) -> None:
     resp = smol_batch_engine.client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "n": 2})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "n"
+
+
+LONG = [{"role": "user", "content": "Here are my notes. " + " ".join(f"Item {i} is a {w}." for i, w in
+                                                                     enumerate(["cat", "dog", "hat", "cup"] * 40))
+         + " Which item is first?"}]
+
+
+def cached_tokens(engine: EngineProcess) -> int:
+    return int(engine.client.get("/admin/stats").json()["tokens"]["cached"])
+
+
+def test_choices_share_one_prefill_of_the_prompt(smol_batch_engine: EngineProcess, smol_batch_client: openai.OpenAI) -> None:
+    """A prompt longer than a prefill chunk (512 tokens), new to the engine: it runs once, and
+    the other two choices start from its KV; greedy, all three give the answer a lone request does."""
+    before = cached_tokens(smol_batch_engine)
+    three = chat(smol_batch_client, messages=LONG, temperature=0, n=3, max_tokens=8)
+    prompt = three.usage.prompt_tokens
+    assert prompt > 512
+    assert cached_tokens(smol_batch_engine) - before >= 2 * (prompt - 1)  # two choices did not prefill it again
+    one = chat(smol_batch_client, messages=LONG, temperature=0, max_tokens=8)
+    assert [c.message.content for c in three.choices] == [one.choices[0].message.content] * 3
+
+
+def test_choices_whose_client_left_during_the_shared_prefill_free_the_engine(
+    smol_batch_engine: EngineProcess, smol_batch_client: openai.OpenAI
+) -> None:
+    """A client gone while its choices wait for their shared prefill: they end, and the engine
+    serves the next request at once (no row or KV left booked)."""
+    messages = [{"role": "user", "content": LONG[0]["content"] + " Answer briefly."}]
+    with pytest.raises(openai.APITimeoutError):
+        chat(smol_batch_client.with_options(timeout=0.3, max_retries=0), messages=messages, n=4, max_tokens=64)
+    assert chat(smol_batch_client, max_tokens=2).choices[0].finish_reason in ("length", "stop")
+    stats = smol_batch_engine.client.get("/admin/stats").json()
+    assert stats["lanes"]["batch"] == 0 and stats["lanes"]["kv_booked_tokens"] == 0

@@ -3,7 +3,8 @@
 Rows join and leave between steps. Each step decodes one token for every generating row, then
 runs one prefill chunk (`--prefill-step` tokens) of the prompts being admitted: a long prompt
 arriving while others decode is prefilled a chunk at a time, and the running rows keep getting
-a token every step meanwhile. Per-row sampling, penalties and logit bias are mlx-lm's (rows
+a token every step meanwhile. The choices of one request (n > 1) share a prompt: it is
+prefilled once, a chunk a step, and each choice starts as a row from a view of that KV. Per-row sampling, penalties and logit bias are mlx-lm's (rows
 with equal parameters share one sampler, so they are sampled in one call; logit biases are
 added as one matrix, batch_bias.py); stop strings, EOS and max_tokens are each row's Sequence.
 """
@@ -14,12 +15,13 @@ import logging
 import traceback
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxd.engine.cache.prefix_cache import PrefixCache
+from mlxd.engine.cache.prefix_cache import PrefixCache, view
 from mlxd.engine.gpu.batch_bias import batch_bias
-from mlxd.engine.gpu.job import Job
+from mlxd.engine.gpu.job import Job, PrefillGroup
 from mlxd.engine.gpu.sampling import make_sampling
 from mlxd.engine.gpu.sequence import Sequence
 from mlxd.engine.gpu.stats import Stats
@@ -47,6 +49,7 @@ class BatchLane:
         self._width = width
         self._prompt_cache = prompt_cache
         self._rows: dict[int, Sequence] = {}
+        self._groups: list[PrefillGroup] = []  # shared prompts being prefilled, their choices waiting
         self._gen = self._new_generator()
 
     def _new_generator(self) -> BatchGenerator:
@@ -61,19 +64,26 @@ class BatchLane:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._rows)
+        return bool(self._rows or self._groups)
 
     @property
     def num_rows(self) -> int:
-        return len(self._rows)
+        return len(self._rows) + self._num_grouped()
 
     @property
     def num_prefilling(self) -> int:
         """Rows with no token yet (their prompts are being prefilled)."""
-        return sum(not seq.generated for seq in self._rows.values())
+        return sum(not seq.generated for seq in self._rows.values()) + self._num_grouped()
 
-    def admit(self, job: Job) -> Sequence:
+    def _num_grouped(self) -> int:
+        return sum(len(g.waiting) for g in self._groups)
+
+    def admit(self, job: Job) -> None:
         """Queue `job`'s prompt for prefill; it decodes with the others once prefilled."""
+        group = job.group
+        if group is not None and group.size > 1:
+            self._admit_choice(job, group)
+            return
         kv, cached = self._prompt_cache.fetch(job.prompt, min_share=MIN_CACHED_SHARE)
         if kv is None:
             kv = list(make_prompt_cache(self._loaded.model))
@@ -85,7 +95,77 @@ class BatchLane:
             samplers=[sampler], logits_processors=[processors],
         )
         self._rows[uid] = seq
-        return seq
+
+    def _admit_choice(self, job: Job, group: PrefillGroup) -> None:
+        """A choice of an n > 1 request: it starts from its group's prefill, run once."""
+        if group.is_prefilled:
+            self._start_choice(job, group)
+            return
+        if group.kv is None:
+            kv, group.cached = self._prompt_cache.fetch(job.prompt)
+            group.kv, group.done = kv if kv is not None else list(make_prompt_cache(self._loaded.model)), group.cached
+        group.waiting.append(job)
+        if group not in self._groups:
+            self._groups.append(group)
+
+    def _start_choice(self, job: Job, group: PrefillGroup) -> None:
+        """Insert a choice as a row whose KV is a view of the group's (its last prompt token to run)."""
+        assert group.kv is not None
+        n = group.target
+        seq = Sequence(job, self._loaded.tokenizer, self._loaded.eos_token_ids, group.cached if not group.inserted else n)
+        group.inserted += 1
+        sampler, processors = make_sampling(job.sampling, [], job.grammar, sorted(self._loaded.eos_token_ids))
+        (uid,) = self._gen.insert(
+            [job.prompt[n:]], max_tokens=[job.max_tokens], caches=[view(group.kv, n)], all_tokens=[job.prompt[:n]],
+            samplers=[sampler], logits_processors=[processors],
+        )
+        self._rows[uid] = seq
+        if group.inserted >= group.size:
+            group.kv = None  # every choice has its view: the group's own cache can go
+
+    def _prefill_groups(self) -> list[Sequence]:
+        """Drop choices whose client left; run one prefill chunk of the first group; start the
+        choices of a group whose prefill is done. Returns the choices that ended here."""
+        ended: list[Sequence] = []
+        for group in list(self._groups):
+            for job in [j for j in group.waiting if j.ticket.is_cancelled]:
+                group.waiting.remove(job)
+                seq = Sequence(job, self._loaded.tokenizer, self._loaded.eos_token_ids, 0)
+                seq.cancel()
+                ended.append(seq)
+            if not group.waiting:
+                self._groups.remove(group)  # its KV so far stays on it for a choice admitted later
+        if not self._groups:
+            return ended
+        group = self._groups[0]
+        try:
+            if not group.is_prefilled:
+                assert group.kv is not None
+                end = min(group.done + self._prefill_step, group.target)
+                self._loaded.model(mx.array(group.waiting[0].prompt[group.done:end])[None], cache=group.kv)
+                mx.eval([c.state for c in group.kv])
+                group.done = end
+            if group.is_prefilled:
+                self._groups.remove(group)
+                for job in group.waiting:
+                    self._start_choice(job, group)
+                group.waiting.clear()
+        except Exception as exc:
+            log.error("prefill of a shared prompt failed:\n%s", traceback.format_exc())
+            ended += self._fail_group(group, f"generation failed: {type(exc).__name__}: {exc}", "generation_failed")
+        return ended
+
+    def _fail_group(self, group: PrefillGroup, message: str, code: str) -> list[Sequence]:
+        if group in self._groups:
+            self._groups.remove(group)
+        failed = []
+        for job in group.waiting:
+            seq = Sequence(job, self._loaded.tokenizer, self._loaded.eos_token_ids, 0)
+            seq.fail(self._stats, message, 500, code)
+            failed.append(seq)
+        group.waiting.clear()
+        group.kv = None
+        return failed
 
     def adopt(self, seq: Sequence, kv: list[Any]) -> None:
         """Continue a sequence the serial lane handed over: its KV holds all but its last token."""
@@ -101,6 +181,8 @@ class BatchLane:
     def step(self) -> list[Sequence]:
         """Drop cancelled rows, decode one token for each generating row, prefill one chunk."""
         ended = self._drop_cancelled()
+        if self._groups:
+            ended += self._prefill_groups()
         if self._rows:
             try:
                 self._decode(ended)
@@ -173,4 +255,6 @@ class BatchLane:
         self._gen = self._new_generator()
         for seq in ended:
             seq.fail(self._stats, message, 500, code)
+        for group in list(self._groups):
+            ended += self._fail_group(group, message, code)
         return ended

@@ -421,6 +421,8 @@ class Gateway:
             need = kv_tokens(len(job.prompt), job.max_tokens)
             batch_rows = self._batch.num_rows if self._batch is not None else 0
             behind = len(self._waiting) - 1  # the jobs before this one have left the queue
+            if job.group is not None:  # a choice of n: the batch lane prefills their prompt once
+                behind = max(behind, job.group.size - 1)
             state = LaneState(self._options.batch, self._serial.has_work, batch_rows, self.kv.free, behind)
             lane = choose_lane(need, state)
             if lane is None and not self._serial.has_work and not batch_rows:

@@ -22,6 +22,27 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
 
 
+@dataclass(slots=True, eq=False)
+class PrefillGroup:
+    """The choices of one request (n > 1): the same prompt, prefilled once for all of them.
+
+    The batch lane runs the prompt, all but its last token, once into `kv`; each choice then
+    starts as a row from a view of it. GPU thread only, after the loop thread made it.
+    """
+
+    size: int
+    target: int  # tokens prefilled once: the prompt but its last (each row runs that one for its first logits)
+    kv: list[Any] | None = None  # the prompt's KV so far (None: not started)
+    done: int = 0  # prompt tokens in `kv`
+    cached: int = 0  # of those, served from the prompt cache
+    inserted: int = 0  # choices started from it
+    waiting: list[Job] = field(default_factory=list)  # choices admitted to the lane, waiting for the prefill
+
+    @property
+    def is_prefilled(self) -> bool:
+        return self.kv is not None and self.done >= self.target
+
+
 @dataclass(slots=True)
 class Job:
     """Everything the GPU thread needs: prompt ids, limits, and where to send events."""
@@ -34,3 +55,4 @@ class Job:
     submitted_at: float = field(default_factory=time.perf_counter)
     grammar: Any = None  # an llguidance matcher the reply is held to (mlxd.engine.chat.grammar)
     logprobs: int | None = None  # None: none; else the chosen token's and this many alternatives (0-20)
+    group: PrefillGroup | None = None  # a choice of an n > 1 request: its prompt is prefilled once

@@ -19,7 +19,7 @@ from mlxd.engine.chat.grammar import forced_call_grammar, response_format_gramma
 from mlxd.engine.chat.reasoning import ReasoningSplitter, ThinkMarkers, starts_in_reasoning
 from mlxd.engine.chat.tool_stream import Call, Content, Event, Markup, ToolCallStream
 from mlxd.engine.chat.tools import ToolFormat, ToolRequest, check_tools, template_messages
-from mlxd.engine.gpu.job import Job, SamplingParams
+from mlxd.engine.gpu.job import Job, PrefillGroup, SamplingParams
 from mlxd.engine.gpu.ticket import Ticket
 from mlxd.engine.http.admission import Slot
 from mlxd.engine.http.keys import ADMISSION, GATEWAY
@@ -106,15 +106,17 @@ def sampling_params(req: oa.SamplingFields, loaded: LoadedModel) -> SamplingPara
 
 
 def submit(request: web.Request, slot: Slot, prompt: list[int], max_tokens: int, req: oa.SamplingFields,
-           grammar: Any = None, logprobs: int | None = None, row: int = 0) -> Ticket:
+           grammar: Any = None, logprobs: int | None = None, row: int = 0, group: PrefillGroup | None = None) -> Ticket:
     """Hand a job to the GPU thread; return the handler's ticket for it. `row` > 0: another
-    choice of the same request (a seed is offset by it, so seeded choices differ too)."""
+    choice of the same request (a seed is offset by it, so seeded choices differ too); the
+    choices share `group`, so their prompt is prefilled once."""
     loaded = ready_model(request)
     ticket = Ticket(asyncio.get_running_loop())
     sampling = sampling_params(req, loaded)
     if row and sampling.seed is not None:
         sampling = dataclasses.replace(sampling, seed=(sampling.seed + row + 2**63) % 2**64 - 2**63)
-    job = Job(list(prompt), max_tokens, sampling, oa.stop_list(req.stop), ticket, grammar=grammar, logprobs=logprobs)
+    job = Job(list(prompt), max_tokens, sampling, oa.stop_list(req.stop), ticket, grammar=grammar, logprobs=logprobs,
+              group=group)
     slot.enter_gpu()
     request.app[GATEWAY].submit(job)
     return ticket
@@ -180,8 +182,9 @@ async def chat_completions(request: web.Request, slot: Slot) -> web.StreamRespon
                          in_reasoning=in_reasoning, index=i) for i in range(req.n)]
     tickets: list[Ticket] = []
     with cancel_all_on_exit(tickets):  # rows submitted before a later one is refused are cancelled too
+        group = PrefillGroup(req.n, len(prompt) - 1) if req.n > 1 else None
         for i in range(req.n):
-            tickets.append(submit(request, slot, prompt, max_tokens, req, grammars[i], top, row=i))
+            tickets.append(submit(request, slot, prompt, max_tokens, req, grammars[i], top, row=i, group=group))
         if req.stream:
             if req.n == 1:
                 return await stream(request, tickets[0], replies[0], include_usage)
