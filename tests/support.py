@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
+import msgspec
 import openai
 
 # The tiny random model's EOS (<|im_end|>), biased away so sampled requests always reach max_tokens.
@@ -94,7 +95,7 @@ class EngineProcess:
         return self.log_path.read_text(errors="replace")
 
     def stats(self) -> dict[str, Any]:
-        return self.client.get("/admin/stats").json()  # type: ignore[no-any-return]
+        return checked_stats(self.client.get("/admin/stats").content)
 
     def stop(self) -> int:
         """SIGTERM, then SIGKILL after 10 s; return the exit code."""
@@ -183,7 +184,7 @@ class SupervisorProcess:
 
         transport = httpx.HTTPTransport(uds=str(socket_path(self.runtime, model_id)))
         with httpx.Client(transport=transport, base_url="http://engine") as client:
-            return dict(client.get("/admin/stats").json())
+            return checked_stats(client.get("/admin/stats").content)
 
     def openai(self, api_key: str = "unused") -> openai.OpenAI:
         """An SDK client on the supervisor; closed by stop() (an unclosed one leaks its sockets)."""
@@ -199,3 +200,12 @@ class SupervisorProcess:
             client.close()
         self._log.close()
         return self.proc.returncode
+
+
+def checked_stats(body: bytes) -> dict[str, Any]:
+    """An engine's /admin/stats body as a dict, once it decodes as the protocol's EngineStats
+    (strictly: every read of the stats in the tests checks the contract the supervisor reads)."""
+    from mlxd.protocol.stats import EngineStats
+
+    msgspec.json.decode(body, type=EngineStats)
+    return dict(msgspec.json.decode(body))

@@ -146,9 +146,8 @@ async def run(settings: EngineSettings, sock: socket.socket, parent: int) -> int
         gateway.abort_open(STOPPING_EVENT)
         with contextlib.suppress(Exception):
             report = await asyncio.wait_for(asyncio.wrap_future(gateway.flush_cache(STOP_FLUSH_S)), STOP_FLUSH_S + 0.5)
-            log.info("on stop: prompt cache to SSD: %d written (%.1f MB, %.0f ms)%s", report.get("entries", 0),
-                     report.get("bytes", 0) / 1e6, report.get("ms", 0.0),
-                     "" if report.get("complete", True) else "; some not written")
+            log.info("on stop: prompt cache to SSD: %d written (%.1f MB, %.0f ms)%s", report.entries,
+                     report.bytes / 1e6, report.ms, "" if report.complete else "; some not written")
     # First, while our SIGTERM handler still stands: a parent that dies sends the death signal
     # again at each reparenting (to each of its threads, then to init), and one landing after
     # the loop has closed would kill us with the socket file left behind

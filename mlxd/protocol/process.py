@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import msgspec
 
 # `python -m mlxd.engine --spare`: import everything, print SPARE_READY, then read the real
@@ -15,6 +17,12 @@ LEASE_HEADER = "X-MLXD-Lease"
 # Seconds between SSE comments to a stream still waiting for its first token. The supervisor
 # sets it from `server.stream_keepalive_s` (unless set already); engines inherit it.
 STREAM_KEEPALIVE_ENV = "MLXD_STREAM_KEEPALIVE_S"
+
+
+# An engine's 503 `error.code` for a request refused before anything ran (a drain; a lease
+# held by another): nothing happened, so the supervisor may hold the request and retry it.
+Refusal = Literal["draining", "leased"]
+REFUSALS: frozenset[str] = frozenset(get_args(Refusal))
 
 
 class DrainResult(msgspec.Struct):

@@ -87,7 +87,8 @@ def engine_info(pool: Pool, slot: Slot, lease: Lease | None) -> dict[str, Any]:
         "retry_in_s": round(retry_in_s, 3) if retry_in_s is not None else None,
         "last_stop": slot.last_stop,
         "lease": {"id": lease.id, "holder": lease.holder, "expires_at": lease.expires_at} if lease else None,
-        "prompt_cache": engine.prompt_cache if engine.state in (EngineState.READY, EngineState.DRAINING) else None,
+        "prompt_cache": msgspec.to_builtins(engine.prompt_cache)
+        if engine.state in (EngineState.READY, EngineState.DRAINING) else None,
     }
 
 

@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import msgspec
@@ -29,6 +28,7 @@ import msgspec
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.exit_codes import ExitCode
 from mlxd.protocol.process import DrainResult
+from mlxd.protocol.stats import EngineHealth, PromptCacheStats, PromptCacheView
 from mlxd.supervisor import policy
 from mlxd.supervisor.proxy import connection_gate
 from mlxd.supervisor.spare import Spare
@@ -122,9 +122,9 @@ class Engine:
         self._log_tail: collections.deque[str] = collections.deque(maxlen=40)
         self.session: aiohttp.ClientSession | None = None
         self._log_task: asyncio.Task[None] | None = None
-        self.prompt_cache: dict[str, Any] | None = None  # its /admin/stats `prompt_cache`, as last fetched
+        self.prompt_cache: PromptCacheStats | None = None  # its /admin/stats `prompt_cache`, as last fetched
 
-    async def fetch_prompt_cache(self) -> dict[str, Any] | None:
+    async def fetch_prompt_cache(self) -> PromptCacheStats | None:
         """The engine's prompt-cache figures (RAM and SSD tiers), fresh; None unless it serves."""
         session = self.session
         if self.state not in (EngineState.READY, EngineState.DRAINING) or session is None:
@@ -132,11 +132,12 @@ class Engine:
             return None
         try:
             async with session.get("http://engine/admin/stats", timeout=aiohttp.ClientTimeout(total=2)) as resp:
-                body = await resp.json()
-            cache = body.get("prompt_cache") if isinstance(body, dict) else None
-            self.prompt_cache = cache if isinstance(cache, dict) else None
-        except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
+                if resp.status == 200:
+                    self.prompt_cache = msgspec.json.decode(await resp.read(), type=PromptCacheView).prompt_cache
+        except (TimeoutError, aiohttp.ClientError, OSError):
             pass  # keep the last figures: a busy engine answers next time
+        except msgspec.DecodeError as exc:
+            log.warning("[%s] the engine's /admin/stats did not decode: %s", self.model_id, exc)
         return self.prompt_cache
 
     async def ensure_ready(self) -> aiohttp.ClientSession:
@@ -319,8 +320,8 @@ class Engine:
         assert self.session is not None
         try:
             async with self.session.get("http://engine/health", timeout=aiohttp.ClientTimeout(total=2)) as resp:
-                return str((await resp.json()).get("status"))
-        except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
+                return msgspec.json.decode(await resp.read(), type=EngineHealth).status
+        except (TimeoutError, aiohttp.ClientError, OSError, msgspec.DecodeError):
             return None
 
     async def _watch(self, proc: asyncio.subprocess.Process) -> int | None:

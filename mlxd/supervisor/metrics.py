@@ -15,6 +15,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from mlxd.protocol.http_errors import Handler
+from mlxd.protocol.stats import PromptCacheStats, RamTierStats, SsdTierStats
 from mlxd.supervisor.engine import EngineState
 from mlxd.supervisor.pool import Pool
 
@@ -85,7 +86,7 @@ class PoolCollector:
         yield from prompt_cache_families([(e.model_id, e.prompt_cache) for e in self._pool.engines() if e.prompt_cache])
 
 
-def prompt_cache_families(caches: list[tuple[str, dict[str, Any]]]) -> Iterator[Any]:
+def prompt_cache_families(caches: list[tuple[str, PromptCacheStats]]) -> Iterator[Any]:
     """Each serving engine's prompt cache: entries and bytes per tier, hits per tier, misses,
     tokens reused, SSD writes, restores, their time, quarantined files and write errors."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -108,20 +109,20 @@ def prompt_cache_families(caches: list[tuple[str, dict[str, Any]]]) -> Iterator[
     seconds = CounterMetricFamily("mlxd_prompt_cache_ssd_seconds", "Time spent writing to and restoring from SSD.",
                                   labels=["model", "op"])
     for model, cache in caches:
-        tiers = {"ram": cache.get("ram"), "ssd": cache.get("ssd")}
+        tiers: dict[str, RamTierStats | SsdTierStats | None] = {"ram": cache.ram, "ssd": cache.ssd}
         for tier, figures in tiers.items():
-            if isinstance(figures, dict):
-                entries.add_metric([model, tier], figures.get("entries", 0))
-                size.add_metric([model, tier], figures.get("bytes", 0))
-        for tier, n in (cache.get("hits") or {}).items():
-            hits.add_metric([model, tier], n)
-        misses.add_metric([model], cache.get("misses", 0))
-        reused.add_metric([model], cache.get("tokens_reused", 0))
-        if isinstance(tiers["ssd"], dict):
+            if figures is not None:
+                entries.add_metric([model, tier], figures.entries)
+                size.add_metric([model, tier], figures.bytes)
+        hits.add_metric([model, "ram"], cache.hits.ram)
+        hits.add_metric([model, "ssd"], cache.hits.ssd)
+        misses.add_metric([model], cache.misses)
+        reused.add_metric([model], cache.tokens_reused)
+        if cache.ssd is not None:
             for key, family in ssd.items():
-                family.add_metric([model], tiers["ssd"].get(key, 0))
-            seconds.add_metric([model, "write"], tiers["ssd"].get("write_ms", 0) / 1000)
-            seconds.add_metric([model, "restore"], tiers["ssd"].get("restore_ms", 0) / 1000)
+                family.add_metric([model], getattr(cache.ssd, key))
+            seconds.add_metric([model, "write"], cache.ssd.write_ms / 1000)
+            seconds.add_metric([model, "restore"], cache.ssd.restore_ms / 1000)
     yield from (entries, size, hits, misses, reused, *ssd.values(), seconds)
 
 

@@ -19,6 +19,7 @@ from mlxd import __version__
 from mlxd.protocol import openai
 from mlxd.protocol.errors import ErrorBody
 from mlxd.protocol.process import LEASE_HEADER, DrainResult
+from mlxd.protocol.stats import PromptCacheStats
 from mlxd.supervisor import admin_routes as admin
 from mlxd.supervisor.engine import EngineState
 from mlxd.supervisor.leases import Lease
@@ -86,7 +87,7 @@ class EngineRow(msgspec.Struct):
     boot: dict[str, float] | None
     last_stop: dict[str, Any] | None
     lease: EngineLease | None
-    prompt_cache: dict[str, Any] | None  # the engine's prompt cache (RAM, SSD, hits); None unless serving
+    prompt_cache: PromptCacheStats | None  # the engine's prompt cache (RAM, SSD, hits); None unless serving
 
 
 class EngineList(msgspec.Struct):

@@ -25,6 +25,7 @@ import msgspec
 from aiohttp import web
 
 from mlxd.protocol.errors import APIError
+from mlxd.protocol.process import REFUSALS
 
 log = logging.getLogger("mlxd.supervisor")
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
@@ -382,7 +383,7 @@ def is_busy(data: bytes) -> bool:
         code = msgspec.json.decode(data).get("error", {}).get("code")
     except (msgspec.DecodeError, AttributeError):
         return False
-    return code in ("draining", "leased")
+    return code in REFUSALS
 
 
 async def relay_stream(

@@ -66,7 +66,7 @@ LONG = [{"role": "user", "content": "Here are my notes. " + " ".join(f"Item {i} 
 
 
 def cached_tokens(engine: EngineProcess) -> int:
-    return int(engine.client.get("/admin/stats").json()["tokens"]["cached"])
+    return int(engine.stats()["tokens"]["cached"])
 
 
 def test_choices_share_one_prefill_of_the_prompt(smol_batch_engine: EngineProcess, smol_batch_client: openai.OpenAI) -> None:
@@ -90,5 +90,5 @@ def test_choices_whose_client_left_during_the_shared_prefill_free_the_engine(
     with pytest.raises(openai.APITimeoutError):
         chat(smol_batch_client.with_options(timeout=0.3, max_retries=0), messages=messages, n=4, max_tokens=64)
     assert chat(smol_batch_client, max_tokens=2).choices[0].finish_reason in ("length", "stop")
-    stats = smol_batch_engine.client.get("/admin/stats").json()
+    stats = smol_batch_engine.stats()
     assert stats["lanes"]["batch"] == 0 and stats["lanes"]["kv_booked_tokens"] == 0

@@ -6,9 +6,11 @@ import json
 from collections.abc import Iterator
 
 import httpx2 as httpx
+import msgspec
 import openai
 import pytest
 
+from mlxd.protocol.stats import EngineHealth
 from tests.support import NO_EOS, EngineProcess, openai_client
 
 MSG = [{"role": "user", "content": "Hello there"}]
@@ -21,7 +23,9 @@ def client(tiny_engine: EngineProcess) -> Iterator[openai.OpenAI]:
 
 
 def test_health_and_models(tiny_engine: EngineProcess, client: openai.OpenAI) -> None:
-    assert tiny_engine.client.get("/health").json() == {"status": "ready", "model": "tiny"}
+    health = tiny_engine.client.get("/health")
+    assert health.json() == {"status": "ready", "model": "tiny"}
+    assert msgspec.json.decode(health.content, type=EngineHealth).status == "ready"
     assert [m.id for m in client.models.list()] == ["tiny"]
 
 

@@ -140,7 +140,7 @@ def test_entries_a_longer_one_covers_are_dropped(model: Any) -> None:
     short, long = seq(0, 10), seq(0, 25)
     pc.store(filled(model, short), short)
     pc.store(filled(model, long), long)
-    assert pc.snapshot()["ram"]["entries"] == 1
+    assert pc.snapshot().ram.entries == 1
     assert pc.fetch([*short, 9])[1] == 10  # served by the longer one, cut
 
 
@@ -152,8 +152,8 @@ def test_the_byte_cap_evicts_the_least_recently_used(model: Any) -> None:
     pc.store(filled(model, b), b)
     assert pc.fetch([*a, 1])[1] == 16  # a is now the recently used one
     pc.store(filled(model, c), c)
-    assert pc.snapshot()["ram"]["entries"] == 2
-    assert pc.snapshot()["ram"]["bytes"] <= 2 * per_entry
+    assert pc.snapshot().ram.entries == 2
+    assert pc.snapshot().ram.bytes <= 2 * per_entry
     assert pc.fetch([*b, 1])[1] == 0  # evicted (no SSD tier: gone)
     assert pc.fetch([*a, 1])[1] == 16 and pc.fetch([*c, 1])[1] == 16
     assert pc.stats.ram_evicted == 1 and pc.stats.evicted_unwritten == 1
@@ -185,9 +185,9 @@ def test_write_behind_and_flush_put_entries_on_ssd_and_a_new_cache_restores_them
     assert pc.write_behind() in ("busy", "none")  # "busy" while the writer holds it
     assert wait_for(lambda: pc.writes_pending == 0)
     report = pc.flush(10)
-    assert report["complete"] and report["entries"] == 1 and report["bytes"] > 0
+    assert report.complete and report.entries == 1 and report.bytes > 0
     assert pc.write_behind() == "none"  # nothing left to write
-    assert pc.flush(10)["entries"] == 0
+    assert pc.flush(10).entries == 0
     pc.close()
 
     restarted = PrefixCache(BIG, tier(tmp_path), idle)  # a new engine on the same dir
@@ -208,7 +208,7 @@ def test_eviction_spills_to_ssd_and_the_entry_comes_back_from_there(model: Any, 
     for tokens in entries:
         pc.store(filled(model, tokens), tokens)
     assert wait_for(lambda: pc.writes_pending == 0)
-    assert pc.snapshot()["ram"]["entries"] == 4
+    assert pc.snapshot().ram.entries == 4
     assert pc.ssd is not None and len(pc.ssd) == 2  # the two evicted ones, written while busy
     kv, cached = pc.fetch(entries[0] + [1])
     assert cached == 16 and pc.stats.ssd_hits == 1
@@ -227,7 +227,7 @@ def test_quantized_kv_round_trips_through_ssd(tmp_path: Path) -> None:
         c.update_and_fetch(mx.random.normal((1, 2, 64, 64)), mx.random.normal((1, 2, 64, 64)))
         kv.append(c.to_quantized(group_size=32, bits=4))
     pc.store(kv, tokens)
-    assert pc.flush(10)["entries"] == 1
+    assert pc.flush(10).entries == 1
     pc.close()
     restarted = PrefixCache(BIG, tier(tmp_path), idle)
     back, cached = restarted.fetch([*tokens, 3])
@@ -245,7 +245,7 @@ def test_a_corrupt_file_is_a_miss_and_is_quarantined(model: Any, tmp_path: Path)
     pc = PrefixCache(BIG, tier(tmp_path), idle)
     tokens = seq(0, 50)
     pc.store(filled(model, tokens), tokens)
-    assert pc.flush(10)["entries"] == 1
+    assert pc.flush(10).entries == 1
     pc.close()
     (path,) = (tmp_path / "kv").glob("*.safetensors")
     data = bytearray(path.read_bytes())
@@ -285,10 +285,10 @@ def test_a_failed_write_is_not_retried_by_write_behind_but_by_a_drain(model: Any
     assert pc.write_behind() == "none"  # not again and again (the idle loop would spin)
     assert pc.ssd is not None and pc.ssd.stats.write_errors == 1
     report = pc.flush(10)  # a drain tries again, and says it did not get it all written
-    assert report["complete"] is False and report["errors"] == 1
+    assert report.complete is False and report.errors == 1
     monkeypatch.setattr(kv_files, "write_file", real)
     report = pc.flush(10)
-    assert report["complete"] is True and report["entries"] == 1
+    assert report.complete is True and report.entries == 1
     pc.close()
 
 
@@ -303,10 +303,10 @@ def test_an_entry_larger_than_ram_goes_to_ssd_and_serves_from_there_without_fill
     pc.store(filled(model, small), small)
     pc.store(filled(model, big), big)  # 8x the small one: over the cap
     assert wait_for(lambda: pc.writes_pending == 0)
-    assert pc.snapshot()["ram"]["entries"] == 1 and pc.ssd is not None and len(pc.ssd) == 1
+    assert pc.snapshot().ram.entries == 1 and pc.ssd is not None and len(pc.ssd) == 1
     kv, cached = pc.fetch([*big, 1])
     assert cached == 64 and kv is not None and pc.stats.ssd_hits == 1
-    assert pc.snapshot()["ram"]["entries"] == 1  # served, not kept: the small one stays
+    assert pc.snapshot().ram.entries == 1  # served, not kept: the small one stays
     assert pc.fetch([*small, 1])[1] == 8
     pc.close()
 
@@ -329,7 +329,7 @@ def test_a_cache_that_cannot_be_cut_keeps_its_prefix_files_on_ssd(model: Any, tm
     longer = [*system, *seq(50, 8)]
     for tokens in (system, longer):
         pc.store(filled(model, tokens, [RotatingKVCache(max_size=4) for _ in model.layers]), tokens)
-    assert pc.flush(10)["entries"] == 2
+    assert pc.flush(10).entries == 2
     pc.close()
     restarted = PrefixCache(BIG, tier(tmp_path), idle)
     assert restarted.ssd is not None and len(restarted.ssd) == 2  # the longer one does not serve the shorter

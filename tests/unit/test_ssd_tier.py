@@ -464,7 +464,7 @@ def test_the_writer_writes_a_job_and_the_tier_then_holds_it(tmp_path: Path) -> N
     assert (tier.stats.writes, tier.stats.written_bytes, tier.stats.write_errors) == (1, entry.size, 0)
     assert temp_files(tmp_path) == []
     snap = tier.snapshot()
-    assert (snap["entries"], snap["bytes"], snap["writes"]) == (1, entry.size, 1)
+    assert (snap.entries, snap.bytes, snap.writes) == (1, entry.size, 1)
     restored = tier.restore(entry)
     assert restored is not None and restored[0].offset == 3
 
@@ -618,7 +618,7 @@ def test_a_disk_full_write_is_counted_and_the_writer_goes_on(tmp_path: Path, mon
         assert second.wait() == [True]
     assert [e.name for e in tier.entries()] == ["b.safetensors"]
     assert (tier.stats.write_errors, tier.stats.writes) == (1, 1)
-    assert tier.snapshot()["write_errors"] == 1
+    assert tier.snapshot().write_errors == 1
 
 
 def test_a_disk_full_mid_file_leaves_no_temp_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

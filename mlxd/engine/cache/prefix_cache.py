@@ -35,6 +35,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from mlxd.engine.cache.kv_files import DTYPES, Tensor
 from mlxd.engine.cache.ssd_tier import DiskEntry, SsdTier, WriteJob, Writer, is_prefix
+from mlxd.protocol.stats import CacheHits, PromptCacheStats, RamTierStats
 
 log = logging.getLogger("mlxd.engine")
 
@@ -51,6 +52,17 @@ class Entry:
     unwritable: bool = False  # the SSD format cannot hold this cache kind
     write_failed: bool = False  # its last write failed (disk full?): write-behind leaves it, a drain retries
     trimmable: bool = True  # serves a prefix of itself (fixed when stored)
+
+
+@dataclass(frozen=True, slots=True)
+class FlushReport:
+    """What writing the RAM entries to SSD did (a drain, a stop)."""
+
+    entries: int = 0
+    bytes: int = 0
+    ms: float = 0.0
+    complete: bool = True  # False: not all written within the timeout, or some failed
+    errors: int = 0
 
 
 @dataclass(slots=True)
@@ -331,10 +343,10 @@ class PrefixCache:
         self._spill(max(todo, key=lambda e: e.used), urgent=False)
         return "queued"
 
-    def flush(self, timeout_s: float) -> dict[str, Any]:
+    def flush(self, timeout_s: float) -> FlushReport:
         """Write every RAM entry not yet on SSD, now, and wait for it (a drain)."""
         if self._writer is None:
-            return {"entries": 0, "bytes": 0, "ms": 0.0, "complete": True}
+            return FlushReport()
         assert self.ssd is not None
         started = time.perf_counter()
         before = self.ssd.stats.written_bytes, self.ssd.stats.writes, self.ssd.stats.write_errors
@@ -342,13 +354,10 @@ class PrefixCache:
             self._spill(e, urgent=True)
         finished = self._writer.flush(timeout_s)
         errors = self.ssd.stats.write_errors - before[2]
-        return {
-            "entries": self.ssd.stats.writes - before[1],
-            "bytes": self.ssd.stats.written_bytes - before[0],
-            "ms": round((time.perf_counter() - started) * 1000, 3),
-            "complete": finished and not errors,
-            "errors": errors,
-        }
+        return FlushReport(
+            self.ssd.stats.writes - before[1], self.ssd.stats.written_bytes - before[0],
+            round((time.perf_counter() - started) * 1000, 3), finished and not errors, errors,
+        )
 
     def _spill(self, entry: Entry, urgent: bool) -> None:
         if self._writer is None or entry.unwritable:
@@ -380,19 +389,15 @@ class PrefixCache:
 
     # --- visibility ----------------------------------------------------------------------------
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> PromptCacheStats:
         """For /admin/stats (the loop thread: each value is one read)."""
         s = self.stats
-        return {
-            "ram": {"entries": len(self._entries), "bytes": self._ram_bytes, "cap_bytes": self.cap_bytes},
-            "ssd": self.ssd.snapshot() if self.ssd is not None else None,
-            "hits": {"ram": s.ram_hits, "ssd": s.ssd_hits},
-            "misses": s.misses,
-            "tokens_reused": s.tokens_reused,
-            "ram_evicted": s.ram_evicted,
-            "evicted_unwritten": s.evicted_unwritten,
-            "writes_pending": self.writes_pending,
-        }
+        return PromptCacheStats(
+            RamTierStats(len(self._entries), self._ram_bytes, self.cap_bytes),
+            self.ssd.snapshot() if self.ssd is not None else None,
+            CacheHits(s.ram_hits, s.ssd_hits), s.misses, s.tokens_reused, s.ram_evicted, s.evicted_unwritten,
+            self.writes_pending,
+        )
 
 
 def _arrays(c: Any) -> list[mx.array]:

@@ -31,6 +31,7 @@ import numpy as np
 
 from mlxd.engine.cache import kv_files
 from mlxd.engine.cache.kv_files import CorruptFile, Tensor
+from mlxd.protocol.stats import SsdTierStats
 
 log = logging.getLogger("mlxd.engine")
 QUARANTINE = "quarantine"
@@ -229,16 +230,16 @@ class SsdTier:
             with contextlib.suppress(OSError):
                 path.unlink()
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> SsdTierStats:
         s = self.stats
         with self._lock:
             entries, size = len(self._entries), sum(e.size for e in self._entries.values())
-        return {
-            "dir": str(self.dir), "entries": entries, "bytes": size, "cap_bytes": self.cap_bytes,
-            "writes": s.writes, "written_bytes": s.written_bytes, "write_ms": round(s.write_s * 1000, 3),
-            "write_errors": s.write_errors, "restores": s.restores, "restored_bytes": s.restored_bytes,
-            "restore_ms": round(s.restore_s * 1000, 3), "quarantined": s.quarantined, "evicted": s.evicted,
-        }
+        return SsdTierStats(
+            dir=str(self.dir), entries=entries, bytes=size, cap_bytes=self.cap_bytes, writes=s.writes,
+            written_bytes=s.written_bytes, write_ms=round(s.write_s * 1000, 3), write_errors=s.write_errors,
+            restores=s.restores, restored_bytes=s.restored_bytes, restore_ms=round(s.restore_s * 1000, 3),
+            quarantined=s.quarantined, evicted=s.evicted,
+        )
 
 
 def is_prefix(short: np.ndarray, long: np.ndarray) -> bool:

@@ -22,13 +22,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 
 from mlxd.engine import mlx_env
 from mlxd.engine.cache.fingerprint import tier_dir
-from mlxd.engine.cache.prefix_cache import PrefixCache
+from mlxd.engine.cache.prefix_cache import FlushReport, PrefixCache
 from mlxd.engine.cache.ssd_tier import SsdTier, default_ssd_cache_bytes
 from mlxd.engine.gpu import decode_attention
 from mlxd.engine.gpu.batch_lane import BatchLane
@@ -46,6 +45,7 @@ from mlxd.engine.models.loaded_model import LoadedModel, wire_model_memory
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.events import Done, Failed
 from mlxd.protocol.memory import kv_budget_tokens
+from mlxd.protocol.stats import LaneStats
 
 log = logging.getLogger("mlxd.engine")
 STOPPING = Failed("The engine is shutting down.", 503, "engine_stopping")
@@ -65,7 +65,7 @@ class Flush:
     """Inbox command: write every prompt-cache entry not yet on SSD; the report goes to `done`."""
 
     timeout_s: float
-    done: concurrent.futures.Future[dict[str, Any]] = field(default_factory=concurrent.futures.Future)
+    done: concurrent.futures.Future[FlushReport] = field(default_factory=concurrent.futures.Future)
 
 
 # What the loop thread sends the GPU thread.
@@ -75,7 +75,7 @@ Command = Job | Stop | Flush
 WRITER_POLL_S = 0.05
 
 
-def answer(future: concurrent.futures.Future[dict[str, Any]], report: dict[str, Any]) -> None:
+def answer(future: concurrent.futures.Future[FlushReport], report: FlushReport) -> None:
     """Set a Flush's report unless its asker gave up (a cancelled future refuses a result)."""
     if future.set_running_or_notify_cancel():
         future.set_result(report)
@@ -139,24 +139,24 @@ class Gateway:
         """Tokens of KV the engine books for running sequences at most (None until loaded)."""
         return self.kv.budget_tokens if self.kv is not None else None
 
-    def snapshot(self) -> dict[str, int | None]:
+    def snapshot(self) -> LaneStats:
         """The lanes for /admin/stats (read on the loop thread; each value is one read)."""
         kv = self.kv
-        return {
-            "width": self._options.batch,
-            "serial": self._serial.num_rows if self._serial is not None else 0,
-            "batch": self._batch.num_rows if self._batch is not None else 0,
-            "waiting": len(self._waiting) + self._inbox.qsize(),
-            "kv_budget_tokens": kv.budget_tokens if kv is not None else None,
-            "kv_booked_tokens": kv.booked if kv is not None else None,
-        }
+        return LaneStats(
+            width=self._options.batch,
+            serial=self._serial.num_rows if self._serial is not None else 0,
+            batch=self._batch.num_rows if self._batch is not None else 0,
+            waiting=len(self._waiting) + self._inbox.qsize(),
+            kv_budget_tokens=kv.budget_tokens if kv is not None else None,
+            kv_booked_tokens=kv.booked if kv is not None else None,
+        )
 
-    def flush_cache(self, timeout_s: float) -> concurrent.futures.Future[dict[str, Any]]:
+    def flush_cache(self, timeout_s: float) -> concurrent.futures.Future[FlushReport]:
         """Loop thread: have the GPU thread write the prompt cache's RAM entries to SSD (a drain,
         a stop); the future gets the report (entries, bytes, ms, complete)."""
         command = Flush(timeout_s)
         if self.loaded is None or not self._thread.is_alive():
-            answer(command.done, {"entries": 0, "bytes": 0, "ms": 0.0, "complete": True})
+            answer(command.done, FlushReport())
         else:
             self._inbox.put(command)  # the caller bounds its wait: a thread ending now never answers
         return command.done
@@ -331,16 +331,16 @@ class Gateway:
 
     def _flush(self, command: Flush, skip: bool = False) -> None:
         cache = self.prompt_cache
-        report: dict[str, Any] = {"entries": 0, "bytes": 0, "ms": 0.0, "complete": not skip}
+        report = FlushReport(complete=not skip)
         try:
             if cache is not None and not skip:
                 report = cache.flush(command.timeout_s)
-        except Exception as exc:
+        except Exception:
             log.exception("SSD prompt cache: flush failed")
-            report = {"entries": 0, "bytes": 0, "ms": 0.0, "complete": False, "error": str(exc)}
-        if report.get("entries"):
-            log.info("prompt cache: wrote %d entries (%.1f MB) to SSD in %.0f ms", report["entries"],
-                     report["bytes"] / 1e6, report["ms"])
+            report = FlushReport(complete=False, errors=1)
+        if report.entries:
+            log.info("prompt cache: wrote %d entries (%.1f MB) to SSD in %.0f ms", report.entries,
+                     report.bytes / 1e6, report.ms)
         answer(command.done, report)
 
     def _turn(self, trace: StepTrace | None, received: int = 0) -> None:
@@ -486,4 +486,4 @@ class Gateway:
             if isinstance(command, Job):
                 command.ticket.emit(STOPPING)
             elif isinstance(command, Flush):
-                answer(command.done, {"entries": 0, "bytes": 0, "ms": 0.0, "complete": False})
+                answer(command.done, FlushReport(complete=False))

@@ -9,14 +9,16 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated
 
 import msgspec
 
+from mlxd.engine.cache.prefix_cache import FlushReport
 from mlxd.engine.gpu.stats import Stats
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.events import Failed
-from mlxd.protocol.process import LEASE_HEADER, DrainResult
+from mlxd.protocol.process import LEASE_HEADER, DrainResult, Refusal
+from mlxd.protocol.stats import AdmissionStats, GateState
 
 log = logging.getLogger("mlxd.engine")
 DRAIN_TIMEOUT = Failed("The engine drained and its timeout cut this request short.", 503, "drain_timeout")
@@ -63,7 +65,7 @@ class Slot:
         self.is_submitted = True
 
 
-def rejection(is_draining: bool, lease: Lease | None, presented: str | None) -> str | None:
+def rejection(is_draining: bool, lease: Lease | None, presented: str | None) -> Refusal | None:
     """Why a request may not start (`draining` / `leased`), or None to admit it."""
     if is_draining:
         return "draining"  # a drain overrides a lease: the holder is refused too
@@ -72,12 +74,12 @@ def rejection(is_draining: bool, lease: Lease | None, presented: str | None) -> 
     return None
 
 
-def state_name(is_draining: bool, lease: Lease | None) -> str:
+def state_name(is_draining: bool, lease: Lease | None) -> GateState:
     """The gate's state as /admin/stats reports it."""
     return "draining" if is_draining else "leased" if lease is not None else "open"
 
 
-_MESSAGES = {
+_MESSAGES: dict[Refusal, str] = {
     "draining": "The engine is draining and admits no new requests.",
     "leased": "The engine is leased for exclusive use.",
 }
@@ -88,7 +90,7 @@ class Admission:
 
     def __init__(
         self, abort_open: Callable[[Failed], int], stats: Stats,
-        flush_cache: Callable[[float], Awaitable[dict[str, Any]]] | None = None,
+        flush_cache: Callable[[float], Awaitable[FlushReport]] | None = None,
     ) -> None:
         self._abort_open = abort_open  # Gateway.abort_open: ends the open tickets with an event
         self._flush_cache = flush_cache  # writes the prompt cache's RAM entries to SSD: its report
@@ -126,7 +128,7 @@ class Admission:
             if not self._slots:
                 self._idle.set()
 
-    def _count_rejection(self, code: str) -> None:
+    def _count_rejection(self, code: Refusal) -> None:
         if code == "draining":
             self._stats.num_rejected_draining += 1
         else:
@@ -161,14 +163,13 @@ class Admission:
                 # Nothing runs now: the prompt cache's entries go to SSD before the answer, in
                 # what is left of the timeout (at least a second).
                 left = max(FLUSH_MIN_S, timeout_s - (time.perf_counter() - started))
-                report = await self._flush_cache(left) if self._flush_cache is not None else {}
+                report = await self._flush_cache(left) if self._flush_cache is not None else FlushReport()
             finally:
                 self._is_draining = not resume
             waited_ms = round((time.perf_counter() - started) * 1000, 3)
             result = DrainResult(
-                is_idle, num_started - num_cancelled, num_cancelled, waited_ms, int(report.get("bytes", 0)), resume,
-                cache_written_entries=int(report.get("entries", 0)), cache_write_ms=float(report.get("ms", 0.0)),
-                cache_complete=bool(report.get("complete", True)),
+                is_idle, num_started - num_cancelled, num_cancelled, waited_ms, report.bytes, resume,
+                cache_written_entries=report.entries, cache_write_ms=report.ms, cache_complete=report.complete,
             )
             log.info("drained in %.0f ms: %d finished, %d cancelled; %s", waited_ms, result.finished,
                      num_cancelled, "resumed" if resume else "admitting nothing")
@@ -199,15 +200,12 @@ class Admission:
             self._lease = None
             self._lease_lock.release()
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> AdmissionStats:
         """The gate for /admin/stats."""
-        return {
-            "state": state_name(self._is_draining, self._lease),
-            "in_flight": self.num_in_flight,
-            "rejected_draining": self._stats.num_rejected_draining,
-            "rejected_leased": self._stats.num_rejected_leased,
-            "lease_holder": self._lease.holder if self._lease else None,
-        }
+        return AdmissionStats(
+            state_name(self._is_draining, self._lease), self.num_in_flight, self._stats.num_rejected_draining,
+            self._stats.num_rejected_leased, self._lease.holder if self._lease else None,
+        )
 
 
 def _lease_error(code: str, message: str) -> APIError:

@@ -6,13 +6,13 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import mlx.core as mx
 import msgspec
 import psutil
 from aiohttp import web
 
+from mlxd.engine.cache.prefix_cache import FlushReport
 from mlxd.engine.gpu.gateway import Gateway
 from mlxd.engine.gpu.stats import Stats
 from mlxd.engine.http import openai_routes as routes
@@ -21,6 +21,15 @@ from mlxd.engine.http.keys import ADMISSION, GATEWAY, SETTINGS, STATS
 from mlxd.engine.settings import EngineSettings
 from mlxd.protocol import openai as oa
 from mlxd.protocol.http_errors import make_error_middleware
+from mlxd.protocol.stats import (
+    EngineHealth,
+    EngineStats,
+    HealthStatus,
+    LastRequest,
+    MemoryStats,
+    RequestCounts,
+    TokenCounts,
+)
 
 # A lease holder that vanished is noticed at the next heartbeat write, if not sooner.
 LEASE_HEARTBEAT_S = 1.0
@@ -45,14 +54,14 @@ def make_app(settings: EngineSettings, gateway: Gateway, stats: Stats) -> web.Ap
     return app
 
 
-async def _flush(gateway: Gateway, timeout_s: float) -> dict[str, Any]:
+async def _flush(gateway: Gateway, timeout_s: float) -> FlushReport:
     """The prompt cache's RAM entries written to SSD (on the GPU thread): its report. The GPU
     thread may first finish a prefill chunk, and may have died: the wait is bounded."""
     future = gateway.flush_cache(timeout_s)
     try:
         return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s + FLUSH_SLACK_S)
     except TimeoutError:
-        return {"entries": 0, "bytes": 0, "ms": round((timeout_s + FLUSH_SLACK_S) * 1000, 3), "complete": False}
+        return FlushReport(ms=round((timeout_s + FLUSH_SLACK_S) * 1000, 3), complete=False)
 
 
 async def gateway_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -72,11 +81,10 @@ async def list_models(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     """GET /health: `loading` until the model is loaded, then `ready`; `draining` during (and after) a drain."""
     gateway = request.app[GATEWAY]
-    status = "ready" if gateway.loaded is not None else "failed" if gateway.load_error else "loading"
+    status: HealthStatus = "ready" if gateway.loaded is not None else "failed" if gateway.load_error else "loading"
     if status != "failed" and request.app[ADMISSION].is_draining:
         status = "draining"
-    body = {"status": status, "model": request.app[SETTINGS].model_id}
-    return web.json_response(body, status=503 if status == "failed" else 200)
+    return routes.json_response(EngineHealth(status, request.app[SETTINGS].model_id), 503 if status == "failed" else 200)
 
 
 async def admin_stats(request: web.Request) -> web.Response:
@@ -84,32 +92,22 @@ async def admin_stats(request: web.Request) -> web.Response:
     s, settings = request.app[STATS], request.app[SETTINGS]
     gateway = request.app[GATEWAY]
     loaded = gateway.loaded
-    body = {
-        "model": settings.model_id,
-        "status": "ready" if loaded else "failed" if gateway.load_error else "loading",
-        "uptime_s": round(time.time() - s.started_at, 3),
-        "busy_s": round(s.busy_s, 6),
-        "context_window": loaded.context_window if loaded else None,
-        "requests": {
-            "total": s.num_requests, "active": s.num_active, "completed": s.num_completed,
-            "cancelled": s.num_cancelled, "failed": s.num_failed,
-        },
-        "admission": request.app[ADMISSION].snapshot(),
-        "lanes": gateway.snapshot(),
-        "tokens": {"prompt": s.prompt_tokens, "cached": s.cached_tokens, "completion": s.completion_tokens},
-        "prompt_cache": gateway.prompt_cache.snapshot() if gateway.prompt_cache is not None else None,
-        "last": {
-            "finish_reason": s.last_finish_reason, "completion_tokens": s.last_completion_tokens,
-            "timings_ms": s.last_timings_ms,
-        },
-        "memory": {
-            "rss_bytes": psutil.Process().memory_info().rss,
-            "mlx_active_bytes": mx.get_active_memory(),
-            "mlx_peak_bytes": mx.get_peak_memory(),
-            "mlx_cache_bytes": mx.get_cache_memory(),
-        },
-    }
-    return web.json_response(body)
+    body = EngineStats(
+        model=settings.model_id,
+        status="ready" if loaded else "failed" if gateway.load_error else "loading",
+        uptime_s=round(time.time() - s.started_at, 3),
+        busy_s=round(s.busy_s, 6),
+        context_window=loaded.context_window if loaded else None,
+        requests=RequestCounts(s.num_requests, s.num_active, s.num_completed, s.num_cancelled, s.num_failed),
+        admission=request.app[ADMISSION].snapshot(),
+        lanes=gateway.snapshot(),
+        tokens=TokenCounts(s.prompt_tokens, s.cached_tokens, s.completion_tokens),
+        prompt_cache=gateway.prompt_cache.snapshot() if gateway.prompt_cache is not None else None,
+        last=LastRequest(s.last_finish_reason, s.last_completion_tokens, dict(s.last_timings_ms)),
+        memory=MemoryStats(psutil.Process().memory_info().rss, mx.get_active_memory(), mx.get_peak_memory(),
+                           mx.get_cache_memory()),
+    )
+    return routes.json_response(body)
 
 
 async def admin_drain(request: web.Request) -> web.Response:

@@ -1,0 +1,124 @@
+"""An engine's GET /health and GET /admin/stats bodies: written by the engine, read by the
+supervisor (its pool's health checks, `/metrics`, `GET /admin/engines`) and by tooling."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+# /health `status`: `loading` until the model is loaded, then `ready`; `draining` during (and
+# after) a drain; `failed` (with a 503) when the model could not load.
+HealthStatus = Literal["loading", "ready", "draining", "failed"]
+# The admission gate: `open`, or refusing new requests while `draining` or `leased`.
+GateState = Literal["open", "draining", "leased"]
+
+
+class EngineHealth(msgspec.Struct):
+    status: HealthStatus
+    model: str
+
+
+class RequestCounts(msgspec.Struct):
+    total: int
+    active: int  # submitted and not yet finished (queued or running)
+    completed: int
+    cancelled: int
+    failed: int
+
+
+class AdmissionStats(msgspec.Struct):
+    state: GateState
+    in_flight: int
+    rejected_draining: int
+    rejected_leased: int
+    lease_holder: str | None
+
+
+class LaneStats(msgspec.Struct):
+    width: int  # --batch
+    serial: int  # rows in the serial lane (0 or 1)
+    batch: int  # rows in the batch lane (choices waiting for their shared prefill included)
+    waiting: int  # jobs not yet started
+    kv_budget_tokens: int | None
+    kv_booked_tokens: int | None
+
+
+class TokenCounts(msgspec.Struct):
+    prompt: int
+    cached: int  # prompt tokens served from the prompt cache (or a shared prefill)
+    completion: int
+
+
+class RamTierStats(msgspec.Struct):
+    entries: int
+    bytes: int
+    cap_bytes: int
+
+
+class SsdTierStats(msgspec.Struct):
+    dir: str
+    entries: int
+    bytes: int
+    cap_bytes: int
+    writes: int
+    written_bytes: int
+    write_ms: float
+    write_errors: int
+    restores: int
+    restored_bytes: int
+    restore_ms: float
+    quarantined: int
+    evicted: int
+
+
+class CacheHits(msgspec.Struct):
+    ram: int
+    ssd: int
+
+
+class PromptCacheStats(msgspec.Struct):
+    ram: RamTierStats
+    ssd: SsdTierStats | None  # None: no SSD tier
+    hits: CacheHits
+    misses: int
+    tokens_reused: int
+    ram_evicted: int
+    evicted_unwritten: int  # evicted from RAM without reaching SSD
+    writes_pending: int
+
+
+class LastRequest(msgspec.Struct):
+    finish_reason: str | None
+    completion_tokens: int
+    timings_ms: dict[str, float]
+
+
+class MemoryStats(msgspec.Struct):
+    rss_bytes: int
+    mlx_active_bytes: int
+    mlx_peak_bytes: int
+    mlx_cache_bytes: int
+
+
+class EngineStats(msgspec.Struct):
+    """GET /admin/stats."""
+
+    model: str
+    status: Literal["loading", "ready", "failed"]
+    uptime_s: float
+    busy_s: float  # the GPU thread's time at work
+    context_window: int | None
+    requests: RequestCounts
+    admission: AdmissionStats
+    lanes: LaneStats
+    tokens: TokenCounts
+    prompt_cache: PromptCacheStats | None  # None until loaded, or with no prompt cache
+    last: LastRequest
+    memory: MemoryStats
+
+
+class PromptCacheView(msgspec.Struct):
+    """The part of /admin/stats the supervisor reads (the rest is ignored when decoding)."""
+
+    prompt_cache: PromptCacheStats | None = None
