@@ -15,7 +15,7 @@
 # two CPU sets, then unpinned. `close8b`: the 8B batching run
 # at 1, 8 and 16 streams. CLOSE_SHORT=1 makes `close` a 1B batching run and a 41-run lone stream. `cache`: issue 11's
 # prompt_cache.py on the 8B-shaped model with a 16k-token prefix. `structured`: issue 12's
-# structured.py on the 1B-shaped model. `prefill`: fair_prefill.
+# structured.py on the 1B-shaped model; `grammar`: grammar_step.py, then structured.py. `prefill`: fair_prefill.
 # Each step has its own time limit; results go to $OUT (or ./h200-out) as one text file a step.
 set -u
 out=${OUT:-h200-out}
@@ -116,6 +116,12 @@ cache)
 structured)
   # issue 12: JSON-schema-held decode against free decode, one stream and 8 (half held)
   model 1b-bf16 /tmp/models/l1b
+  step structured 240 python3 benchmarks/structured.py --model /tmp/models/l1b --runs 5 --rounds 3
+  ;;
+grammar)
+  # issue 12: where a held row's time goes (no HTTP), then structured.py again
+  model 1b-bf16 /tmp/models/l1b
+  step grammar_step 150 python3 benchmarks/grammar_step.py /tmp/models/l1b --runs 3
   step structured 240 python3 benchmarks/structured.py --model /tmp/models/l1b --runs 5 --rounds 3
   ;;
 prefill)

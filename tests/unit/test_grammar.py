@@ -89,3 +89,65 @@ def test_the_mask_allows_only_what_the_grammar_allows_then_only_the_end(grammars
     tokens = mx.concatenate([prompt, mx.array(yes)])
     after = mx.isfinite(mask(tokens, logits)).reshape(-1)
     assert [i for i, ok in enumerate(after.tolist()) if ok] == sorted(tok.eos_token_ids)
+
+
+def batch_tokens(grammars: Grammars, tok: Any, one_op: bool) -> list[list[int]]:
+    """Four rows on a random model with SmolLM2's vocabulary, greedy: two held to `yes|no` (one
+    also biased), one biased only, one with a repetition penalty that leaves after 3 tokens
+    (while it runs, the step takes mlx-lm's row-by-row path; after, the one-op one)."""
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.models import llama
+    from mlx_lm.sample_utils import make_logits_processors
+
+    from mlxd.engine.gpu.batch_bias import LogitBias, batch_bias
+
+    mx.random.seed(5)
+    args = llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=1, intermediate_size=64,
+                           num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=49152)
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    grammar = response_format_grammar({"type": "regex", "regex": "(yes|no)( (yes|no))*"})
+    assert grammar is not None
+    eos = sorted(tok.eos_token_ids)
+    rows = [
+        [GrammarMask(grammars.matcher(grammar, "p"), eos)],
+        [LogitBias({tok.encode("no", add_special_tokens=False)[0]: 5.0}), GrammarMask(grammars.matcher(grammar, "p"), eos)],
+        [LogitBias({7: 100.0})],
+        make_logits_processors(repetition_penalty=1.5),
+    ]
+    gen = BatchGenerator(model, completion_batch_size=8, prefill_batch_size=8)
+    if one_op:
+        assert batch_bias(gen)
+    prompts = [tok.encode(f"Answer {i}:", add_special_tokens=False) for i in range(4)]
+    uids = gen.insert(prompts, max_tokens=[10, 10, 10, 3], logits_processors=rows)
+    out: dict[int, list[int]] = {uid: [] for uid in uids}
+    for _ in range(12):
+        for r in gen.next_generated():
+            out[r.uid].append(int(r.token))
+    gen.close()
+    return [out[uid] for uid in uids]
+
+
+def test_the_batch_lanes_one_op_mask_gives_what_row_by_row_masks_give(grammars: Grammars, tok: Any) -> None:
+    got = batch_tokens(grammars, tok, one_op=True)
+    want = batch_tokens(grammars, tok, one_op=False)
+    assert got == want
+    assert [len(r) for r in got] == [10, 10, 10, 3]
+    for held in got[:2]:
+        text = tok.decode([t for t in held if t not in tok.eos_token_ids])
+        assert text and set(text.split()) <= {"yes", "no"}, text
+    assert set(got[2]) == {7}
+
+
+def test_device_words_upload_a_bitmask_once_per_content_and_keep_the_last_few() -> None:
+    import numpy as np
+
+    from mlxd.engine.chat.grammar import DeviceWords
+
+    cache = DeviceWords(size=2)
+    a, b, c = (np.full((1, 3), v, dtype=np.uint32) for v in (1, 2, 3))
+    first = cache.get(a)
+    assert cache.get(a.copy()) is first  # same content: the array already on the device
+    assert cache.get(b) is not first and cache.get(b).tolist() == [[2, 2, 2]]
+    cache.get(c)  # a third content: the least recently used (a) goes
+    assert cache.get(a) is not first and cache.get(a).tolist() == [[1, 1, 1]]

@@ -6,8 +6,10 @@ the model's tokenizer off the event loop and off the GPU thread, and cached per 
 text: a request gets a copy of the compiled matcher. On the GPU thread, `GrammarMask` is a
 logits processor (mlx-lm's interface, so it runs in both lanes, per row in the batch lane):
 each step it feeds the matcher the token sampled last, asks it for the bitmask of allowed
-next tokens (llguidance's numpy-level API) and sets every other logit to -inf with portable
-mx ops (llguidance's own `llguidance.mlx` helper is a Metal kernel). Once the grammar is
+next tokens (llguidance's numpy-level API) and sets every other logit to -inf with one
+compiled mx kernel, portable (llguidance's own `llguidance.mlx` helper is a Metal kernel).
+Bitmasks repeat (a JSON string's, step after step), so they stay on the device by content.
+The batch lane masks all its held rows in one op (batch_bias.py). Once the grammar is
 complete only the end-of-sequence tokens are allowed, so the reply ends there.
 """
 
@@ -21,6 +23,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+import xxhash
 
 from mlxd.protocol.errors import APIError
 
@@ -151,30 +154,101 @@ def forced_call_grammar(fmt_name: str, tools: list[dict[str, Any]], function: st
 # --- the mask on the GPU thread ---------------------------------------------------------------
 
 
+ALL_ALLOWED = np.uint32(0xFFFFFFFF)
+
+
+@mx.compile
+def apply_words(logits: mx.array, words: mx.array) -> mx.array:
+    """`logits` (rows, vocab) with every token whose bit is clear in its row of `words`
+    (rows, ceil(vocab / 32) uint32, bit i of word j: token 32 j + i) set to -inf; one fused
+    kernel for all rows (compiled per shape)."""
+    bits = (words[:, :, None] >> mx.arange(32, dtype=mx.uint32)) & 1  # (an array made at import would
+    # belong to the importing thread's stream: CUDA refuses it on the GPU thread)
+    allowed = bits.reshape(words.shape[0], -1)[:, : logits.shape[-1]]
+    return mx.where(allowed.astype(mx.bool_), logits, -mx.inf)
+
+
+class DeviceWords:
+    """Bitmasks already on the device, by content: a JSON string's or a number's mask repeats
+    step after step, so most steps upload nothing (GPU thread)."""
+
+    def __init__(self, size: int = 16) -> None:
+        self._size = size
+        self._arrays: OrderedDict[int, mx.array] = OrderedDict()
+
+    def get(self, words: np.ndarray) -> mx.array:
+        key = xxhash.xxh3_64_intdigest(words.tobytes()) ^ words.shape[0]
+        array = self._arrays.get(key)
+        if array is None:
+            array = self._arrays[key] = mx.array(words)
+            if len(self._arrays) > self._size:
+                self._arrays.popitem(last=False)
+        else:
+            self._arrays.move_to_end(key)
+        return array
+
+
+EARLY_READ = True  # read_early's queueing (benchmarks/grammar_step.py measures without it too)
+
+
+def read_early(sampled: mx.array, logits: mx.array) -> list[int]:
+    """The host's copy of the tokens sampled last, read once this step's forward pass (which
+    `logits` comes from, and which needs those tokens only on the GPU) is queued behind them:
+    the GPU runs it while the host waits for the tokens and works out the mask. Without it
+    the GPU sat idle meanwhile, every step: a held lone stream on the H200 decoded at 0.83 of
+    a free one. `sampled` is queued first: the stream runs in order, and a read of an array
+    queued after the forward pass would wait for that too."""
+    if EARLY_READ:
+        mx.async_eval(sampled)
+        mx.async_eval(logits)
+    return sampled.tolist()  # type: ignore[return-value]
+
+
 class GrammarMask:
-    """A logits processor holding a row to its grammar (see the module doc). GPU thread."""
+    """A logits processor holding a row to its grammar (see the module doc). GPU thread.
+
+    `words` is the host half (feed the matcher, get its bitmask), shared with the batch lane's
+    one-op step (batch_bias.py), which masks all held rows at once instead of row by row.
+    """
 
     def __init__(self, matcher: Any, eos_ids: list[int]) -> None:
         self._m = matcher
         self._eos = eos_ids
-        self._seen: int | None = None
-        self._shifts = mx.arange(32, dtype=mx.uint32)
+        self._seen: int | None = None  # tokens in the history at the last call (None: not called yet)
+        self._device = DeviceWords()
+
+    @property
+    def started(self) -> bool:
+        """Called once: the row's prompt is in, and each later step brings one sampled token."""
+        return self._seen is not None
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         flat = tokens.reshape(-1)
         n = flat.size
+        new: list[int] = []
         if self._seen is not None and n > self._seen:
-            self._m.consume_tokens(flat[self._seen:].tolist())
+            new = read_early(flat[self._seen:], logits)
         self._seen = n
         vocab = logits.shape[-1]
-        if self._m.is_error() or self._m.is_stopped():  # done (or lost): only the end of the reply
+        words = self._device.get(self.words(new, vocab)[None])
+        return apply_words(logits.reshape(1, vocab), words).reshape(logits.shape)
+
+    def words(self, new_tokens: list[int], vocab: int) -> np.ndarray:
+        """Host: feed the matcher the tokens sampled since the last step; the allowed next
+        tokens as ceil(vocab / 32) uint32 words. Once the grammar is complete (or lost): only
+        the end-of-sequence tokens."""
+        if new_tokens:
+            self._m.consume_tokens(new_tokens)
+        size = -(-vocab // 32)
+        if self._m.is_error() or self._m.is_stopped():
             if not self._eos:
-                return logits
-            ends = np.zeros(vocab, dtype=np.bool_)
-            ends[[t for t in self._eos if t < vocab]] = True
-            return mx.where(mx.array(ends), logits, -mx.inf)
+                return np.full(size, ALL_ALLOWED, dtype=np.uint32)
+            out = np.zeros(size, dtype=np.uint32)
+            for t in self._eos:
+                if t < vocab:
+                    out[t >> 5] |= np.uint32(1 << (t & 31))
+            return out
         words = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint32)
-        bits = ((mx.array(words)[:, None] >> self._shifts) & 1).reshape(-1).astype(mx.bool_)
-        if bits.size < vocab:
-            bits = mx.concatenate([bits, mx.zeros((vocab - bits.size,), dtype=mx.bool_)])
-        return mx.where(bits[:vocab], logits, -mx.inf)
+        if words.size >= size:
+            return words[:size]
+        return np.concatenate([words, np.zeros(size - words.size, dtype=np.uint32)])  # tokens past the tokenizer's
