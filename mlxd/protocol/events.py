@@ -31,6 +31,7 @@ class Done(msgspec.Struct, tag="done"):
     queue_ms: float = 0.0  # submitted -> the GPU thread picked it up
     prefill_ms: float = 0.0  # picked up -> first token sampled
     decode_ms: float = 0.0  # first token -> last token
+    stop_sequence: str | None = None  # the stop string that ended it (finish_reason "stop")
 
 
 class Failed(msgspec.Struct, tag="failed"):

@@ -69,6 +69,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: TokenCount | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: Annotated[str, Meta(max_length=32)] | None = None  # passed to the chat template
     tools: Any = None  # checked by mlxd.engine.chat.tools.check_tools (a 400 naming the field)
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -197,6 +198,7 @@ class ChatChoice(msgspec.Struct):
     message: AssistantMessage
     finish_reason: str | None
     logprobs: dict[str, Any] | None = None
+    stop_reason: str | None = None  # vLLM's extension: the stop string that ended the reply
 
 
 class ChatCompletion(msgspec.Struct):
@@ -221,6 +223,7 @@ class ChunkChoice(msgspec.Struct):
     delta: Delta
     finish_reason: str | None = None
     logprobs: dict[str, Any] | None = None
+    stop_reason: str | None = None  # on the closing chunk: as ChatChoice's
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -237,6 +240,7 @@ class TextChoice(msgspec.Struct):
     text: str
     finish_reason: str | None = None
     logprobs: dict[str, Any] | None = None
+    stop_reason: str | None = None  # as ChatChoice's
 
 
 class Completion(msgspec.Struct):

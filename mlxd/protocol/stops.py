@@ -14,6 +14,7 @@ class StopMatcher:
         self._stops = [s for s in stops if s]
         self._pending = ""
         self.is_stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def feed(self, text: str) -> str:
         """Add `text`; return what can be emitted now. Sets `is_stopped` on a match."""
@@ -45,6 +46,7 @@ class StopMatcher:
             start = buf.find(stop)
             if start >= 0 and (best is None or (start + len(stop), start) < best):
                 best = (start + len(stop), start)
+                self.matched = stop
         return best[1] if best else None
 
     def _partial_suffix_len(self, buf: str) -> int:

@@ -273,9 +273,11 @@ def test_a_lease_waits_for_rows_in_flight(batched: EngineProcess) -> None:
 
 def test_kv_budget_refuses_what_can_never_fit_and_queues_what_does_not_fit_now(tiny_model: Path) -> None:
     with running_engine(tiny_model, "tiny", "--batch", "4", "--kv-budget-tokens", "600") as engine:
-        too_big = complete(engine, "hello", max_tokens=700)
+        clamped = complete(engine, "hello", max_tokens=700, logit_bias=NO_EOS)
+        assert clamped["usage"]["total_tokens"] == 600  # max_tokens clamped to what the budget leaves
+        too_big = complete(engine, " ".join(["hello"] * 700), max_tokens=4)  # the prompt alone is over it
         assert too_big["status"] == 400
-        assert too_big["error"]["code"] == "kv_budget_exceeded" and too_big["error"]["param"] == "max_tokens"
+        assert too_big["error"]["code"] == "kv_budget_exceeded" and too_big["error"]["param"] == "messages"
         body = {"messages": [{"role": "user", "content": "hello"}], "logit_bias": NO_EOS}  # no max_tokens
         unbounded = engine.client.post("/v1/chat/completions", json=body)
         assert unbounded.status_code == 200

@@ -164,12 +164,13 @@ def test_malformed_bodies_are_400(tiny_engine: EngineProcess, body: bytes) -> No
     assert error_of(resp)["type"] == "invalid_request_error"
 
 
-def test_context_overflow_names_both_numbers(tiny_engine: EngineProcess) -> None:
-    resp = tiny_engine.client.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 600})
-    assert resp.status_code == 400
-    err = error_of(resp)
-    assert err["code"] == "context_length_exceeded"
-    assert "600" in str(err["message"]) and "512" in str(err["message"])
+def test_max_tokens_past_the_window_is_clamped_and_a_prompt_that_fills_it_is_a_400(tiny_engine: EngineProcess) -> None:
+    body = {"messages": MSG, "max_tokens": 32000, "logit_bias": NO_EOS}
+    resp = tiny_engine.client.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    assert out["choices"][0]["finish_reason"] == "length"
+    assert out["usage"]["total_tokens"] == 512  # ran to the end of the window
     long_prompt = list(range(3, 300)) * 2
     resp = tiny_engine.client.post("/v1/completions", json={"prompt": long_prompt})
     assert resp.status_code == 400 and "594" in str(error_of(resp)["message"])

@@ -15,6 +15,7 @@ import pytest
 from tests.support import openai_client, running_engine
 
 THINKING_TEMPLATE = (
+    "{% if reasoning_effort is defined %}<|im_start|>system\nReasoning: {{ reasoning_effort }}<|im_end|>\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is not defined or enable_thinking %}<think>\n{% else %}<think>\n\n</think>\n\n{% endif %}"
@@ -66,3 +67,15 @@ def test_enable_thinking_false_reaches_the_template_and_the_reply_is_content(cli
     message = out.choices[0].message
     assert message.content and message.content.strip()
     assert getattr(message, "reasoning_content", None) is None
+
+
+def test_reasoning_effort_reaches_the_template(client: openai.OpenAI) -> None:
+    def rendered(**extra: object) -> str:
+        out = client.post("/chat/render", body={"messages": ASK, **extra}, cast_to=object)
+        assert isinstance(out, dict)
+        return str(out["text"])
+
+    assert "Reasoning: low" in rendered(reasoning_effort="low")
+    assert "Reasoning:" not in rendered()
+    # chat_template_kwargs, the more specific, wins over the field
+    assert "Reasoning: high" in rendered(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"})

@@ -18,15 +18,15 @@ def test_requested_budget_that_fits() -> None:
     assert resolve_max_tokens(900, 100, 1000, None) == 900
 
 
-def test_over_the_window_names_both_numbers() -> None:
-    with pytest.raises(APIError) as info:
-        resolve_max_tokens(901, 100, 1000, None)
-    assert info.value.status == 400
-    assert "100" in info.value.message and "901" in info.value.message and "1000" in info.value.message
-    assert info.value.code == "context_length_exceeded"
+def test_a_budget_past_the_window_is_clamped_to_the_room_left() -> None:
+    assert resolve_max_tokens(901, 100, 1000, None) == 900
+    assert resolve_max_tokens(32000, 100, 1000, 16) == 900  # an explicit one wins over the default
+    assert resolve_max_tokens(32000, 100, 8192, None, kv_budget=2048) == 1948  # the KV budget ends first
 
 
 def test_prompt_alone_too_long() -> None:
     with pytest.raises(APIError) as info:
         resolve_max_tokens(None, 1000, 1000, None)
-    assert "1000" in info.value.message
+    assert "1000" in info.value.message and info.value.code == "context_length_exceeded"
+    with pytest.raises(APIError):
+        resolve_max_tokens(5, 1000, 1000, None)

@@ -83,3 +83,14 @@ def test_matches_the_whole_text_answer_however_it_is_split(text: str, stops: lis
     for part in out:
         emitted += part
         assert not any(s in emitted for s in stops)
+
+
+def test_the_matcher_names_the_stop_string_that_ended_the_text() -> None:
+    m = StopMatcher(["x", "axa", "never"])
+    assert m.matched is None
+    m.feed("a")
+    m.feed("xa")  # "x" completes before "axa" could
+    assert m.is_stopped and m.matched == "x"
+    free = StopMatcher(["END"])
+    free.feed("no stop here")
+    assert free.matched is None

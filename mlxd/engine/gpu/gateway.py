@@ -170,8 +170,9 @@ class Gateway:
             raise APIError(
                 400,
                 f"This request needs {need} tokens of KV cache (a {len(job.prompt)}-token prompt plus max_tokens "
-                f"{job.max_tokens}), more than this engine's budget of {self.kv.budget_tokens}; lower max_tokens.",
-                param="max_tokens", code="kv_budget_exceeded",
+                f"{job.max_tokens}), more than this engine's budget of {self.kv.budget_tokens} "
+                "(a shorter prompt fits; --kv-budget-tokens raises it).",
+                param="messages", code="kv_budget_exceeded",
             )
         self._stats.num_requests += 1
         self._stats.prompt_tokens += len(job.prompt)

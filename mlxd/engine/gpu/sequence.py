@@ -106,7 +106,8 @@ class Sequence:
             stats.num_cancelled += 1
         else:
             stats.num_completed += 1
-        done = Done(finish, len(self.job.prompt), num, self.cached, *self.clock.split_ms())
+        done = Done(finish, len(self.job.prompt), num, self.cached, *self.clock.split_ms(),
+                    stop_sequence=self._stops.matched if finish == "stop" else None)
         stats.last_timings_ms = {"queue": done.queue_ms, "prefill": done.prefill_ms, "decode": done.decode_ms}
         self.job.ticket.emit(done)
         log.info(

@@ -57,27 +57,23 @@ def ready_model(request: web.Request) -> LoadedModel:
 def resolve_max_tokens(
     requested: int | None, num_prompt: int, window: int, default: int | None, kv_budget: int | None = None
 ) -> int:
-    """The completion budget; 400 when the prompt plus it cannot fit the context window.
+    """The completion budget: what the caller asked for, clamped to what the context leaves.
 
-    Without `max_tokens`, a reply may run to the end of the window, or of the engine's KV
-    budget (`kv_budget` tokens, which bounds what one sequence can book) if that ends first.
+    The room is the window, or the engine's KV budget (`kv_budget` tokens, which bounds what
+    one sequence can book) if that ends first, less the prompt. Without `max_tokens`, a reply
+    may run to the end of it; a `max_tokens` past it is clamped to it (agents send the API's
+    largest, 32000 say, to any model: the reply then ends with `length`). Only a prompt that
+    fills the window by itself is a 400.
     """
     if num_prompt >= window:
         raise APIError(
             400, f"The prompt is {num_prompt} tokens, but the model's context window is {window} tokens.",
             param="messages", code="context_length_exceeded",
         )
+    room = window - num_prompt if kv_budget is None else max(1, min(window, kv_budget) - num_prompt)
     if requested is None:
-        room = window - num_prompt if kv_budget is None else max(1, min(window, kv_budget) - num_prompt)
         return min(default, room) if default else room
-    if num_prompt + requested > window:
-        raise APIError(
-            400,
-            f"The prompt ({num_prompt} tokens) plus max_tokens ({requested}) is "
-            f"{num_prompt + requested} tokens, over the model's context window of {window} tokens.",
-            param="max_tokens", code="context_length_exceeded",
-        )
-    return requested
+    return min(requested, room)
 
 
 def sampling_params(req: oa.SamplingFields, loaded: LoadedModel) -> SamplingParams:
@@ -194,7 +190,8 @@ async def chat_completions(request: web.Request, slot: Slot) -> web.StreamRespon
         for i, (reply, (text, done, logprobs)) in enumerate(zip(replies, results, strict=True)):
             reply.text(text)
             message, finish = reply.message(done)
-            choices.append(oa.ChatChoice(i, message, finish, chat_logprobs(logprobs) if req.logprobs else None))
+            choices.append(oa.ChatChoice(i, message, finish, chat_logprobs(logprobs) if req.logprobs else None,
+                                         done.stop_sequence))
         return json_response(oa.ChatCompletion(*meta, choices=choices, usage=usage_of(*(r[1] for r in results))))
 
 
@@ -219,8 +216,9 @@ def render_chat(loaded: LoadedModel, req: oa.ChatCompletionRequest) -> RenderedC
     fmt = loaded.tool_format
     messages = template_messages([chat_message_dict(m, i) for i, m in enumerate(req.messages)], fmt,
                                  tool_req.tools if tool_req else None)
+    kwargs = {"reasoning_effort": req.reasoning_effort} if req.reasoning_effort is not None else {}
     prompt = loaded.chat_prompt(messages, tool_req.tools if tool_req and fmt.in_template else None,
-                                req.chat_template_kwargs)
+                                {**kwargs, **(req.chat_template_kwargs or {})})
     if not prompt:
         raise APIError(400, "The chat template produced an empty prompt.", param="messages")
     forced = forced_call(tool_req, fmt)
@@ -292,7 +290,7 @@ async def completions(request: web.Request, slot: Slot) -> web.StreamResponse:
             return await stream(request, ticket, TextReply(*meta, echo=echo, logprobs=req.logprobs), include_usage)
         text, done, logprobs = await collect(ticket)
         lp = text_logprobs(logprobs, len(echo), req.logprobs) if req.logprobs is not None else None
-        choice = oa.TextChoice(0, echo + text, done.finish_reason, lp)
+        choice = oa.TextChoice(0, echo + text, done.finish_reason, lp, done.stop_sequence)
         return json_response(oa.Completion(*meta, choices=[choice], usage=usage_of(done)))
 
 
@@ -340,7 +338,7 @@ class ChatReply:
         return self._with_logprobs(chunks, logprobs)
 
     def closing(self, done: Done) -> list[Any]:
-        chunks = [*self._flush(), self._chunk(oa.Delta(), self.finish_reason(done))]
+        chunks = [*self._flush(), self._chunk(oa.Delta(), self.finish_reason(done), done.stop_sequence)]
         return self._with_logprobs(chunks, None)
 
     def _with_logprobs(self, chunks: list[Any], logprobs: list[TokenLogprob] | None) -> list[Any]:
@@ -409,8 +407,8 @@ class ChatReply:
                 chunks.append(self._chunk(oa.Delta(tool_calls=[{"index": index, "function": {"arguments": e.arguments}}])))
         return chunks
 
-    def _chunk(self, delta: oa.Delta, finish: str | None = None) -> Any:
-        return oa.ChatCompletionChunk(*self._meta, [oa.ChunkChoice(self.index, delta, finish)])
+    def _chunk(self, delta: oa.Delta, finish: str | None = None, stop: str | None = None) -> Any:
+        return oa.ChatCompletionChunk(*self._meta, [oa.ChunkChoice(self.index, delta, finish, stop_reason=stop)])
 
 
 class TextReply:
@@ -435,13 +433,13 @@ class TextReply:
         return [chunk]
 
     def closing(self, done: Done) -> list[Any]:
-        return [self._chunk("", done.finish_reason)]
+        return [self._chunk("", done.finish_reason, done.stop_sequence)]
 
     def usage(self, usage: oa.Usage) -> Any:
         return oa.Completion(*self._meta, [], usage)
 
-    def _chunk(self, text: str, finish: str | None) -> Any:
-        return oa.Completion(*self._meta, [oa.TextChoice(0, text, finish)])
+    def _chunk(self, text: str, finish: str | None, stop: str | None = None) -> Any:
+        return oa.Completion(*self._meta, [oa.TextChoice(0, text, finish, stop_reason=stop)])
 
 
 Reply = ChatReply | TextReply
