@@ -44,12 +44,19 @@ async def completions(request: web.Request) -> web.StreamResponse:
             await resp.write(b"data: " + json.dumps({"i": i, "pad": pad}).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         return resp
+    chat = request.path == "/v1/chat/completions"
     for i in range(int(body.get("max_tokens", 5))):
-        chunk = {"object": "text_completion", "choices": [{"index": 0, "text": f"t{i} ", "finish_reason": None}]}
+        if chat:
+            chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": f"t{i} "}}]}
+        else:
+            chunk = {"object": "text_completion", "choices": [{"index": 0, "text": f"t{i} ", "finish_reason": None}]}
         await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         if MODE == "exit_midway" and i == 2:
             os._exit(0)
         await asyncio.sleep(0.01)
+    if chat:
+        end = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
+        await resp.write(b"data: " + json.dumps(end).encode() + b"\n\n")
     await resp.write(b"data: [DONE]\n\n")
     return resp
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx2 as httpx
 import msgspec
 import openai
@@ -163,7 +164,7 @@ class SupervisorProcess:
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self.url = f"http://127.0.0.1:{self.port}"
         self.client = httpx.Client(base_url=self.url, timeout=120)
-        self._sdk_clients: list[openai.OpenAI] = []
+        self._sdk_clients: list[openai.OpenAI | anthropic.Anthropic] = []
 
     def wait_up(self, timeout: float = 30.0) -> SupervisorProcess:
         deadline = time.monotonic() + timeout
@@ -189,6 +190,12 @@ class SupervisorProcess:
     def openai(self, api_key: str = "unused") -> openai.OpenAI:
         """An SDK client on the supervisor; closed by stop() (an unclosed one leaks its sockets)."""
         client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0)
+        self._sdk_clients.append(client)
+        return client
+
+    def anthropic(self, api_key: str = "unused") -> anthropic.Anthropic:
+        """The anthropic SDK on the supervisor; closed by stop()."""
+        client = anthropic.Anthropic(base_url=self.url, api_key=api_key, max_retries=0)
         self._sdk_clients.append(client)
         return client
 

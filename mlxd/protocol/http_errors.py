@@ -13,23 +13,27 @@ from mlxd.protocol.errors import APIError, encode_openai_error
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def make_error_middleware(component: str) -> Middleware:
-    """A middleware turning APIError, aiohttp's HTTP errors and anything unexpected into JSON."""
+def make_error_middleware(
+    component: str, render: Callable[[web.Request, APIError], web.Response] | None = None
+) -> Middleware:
+    """A middleware turning APIError, aiohttp's HTTP errors and anything unexpected into JSON
+    (OpenAI's format, or what `render` makes of the error for the request)."""
     log = logging.getLogger(f"mlxd.{component}")
+    out = render or (lambda request, err: error_response(err))
 
     @web.middleware
     async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
             return await handler(request)
         except APIError as err:
-            return error_response(err)
+            return out(request, err)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            return error_response(http_error(exc))
+            return out(request, http_error(exc))
         except Exception:
             log.exception("unhandled error on %s %s", request.method, request.path)
-            return error_response(APIError(500, f"Internal error in the {component}.", type="server_error"))
+            return out(request, APIError(500, f"Internal error in the {component}.", type="server_error"))
 
     return error_middleware
 

@@ -10,9 +10,11 @@ from mlxd.protocol.errors import APIError
 from mlxd.protocol.http_errors import Handler, make_error_middleware
 from mlxd.supervisor import routes
 from mlxd.supervisor.admin_routes import setup_admin_routes
+from mlxd.supervisor.anthropic_routes import setup_anthropic_routes
 from mlxd.supervisor.auth import Auth
 from mlxd.supervisor.config import Config
 from mlxd.supervisor.connections import make_body_middleware
+from mlxd.supervisor.dialects import render_error
 from mlxd.supervisor.guard import HostPolicy, add_cors_headers, machine_names, make_guard_middleware
 from mlxd.supervisor.keys import AUTH, CONFIG, LEASES, METRICS, POOL, REGISTRY
 from mlxd.supervisor.leases import Leases
@@ -31,7 +33,7 @@ def make_app(config: Config, registry: Registry, pool: Pool) -> web.Application:
     hosts = HostPolicy.make(server.host, server.allowed_hosts, server.allowed_origins, machine_names())
     app = web.Application(
         client_max_size=server.max_body_bytes,
-        middlewares=[make_metrics_middleware(metrics), make_error_middleware("supervisor"), make_guard_middleware(hosts),
+        middlewares=[make_metrics_middleware(metrics), make_error_middleware("supervisor", render_error), make_guard_middleware(hosts),
                      auth_middleware, make_body_middleware(server.max_body_bytes, server.head_timeout_s * BODY_TIMEOUTS_PER_HEAD)],
     )
     app.on_response_prepare.append(add_cors_headers)
@@ -41,6 +43,7 @@ def make_app(config: Config, registry: Registry, pool: Pool) -> web.Application:
     app.router.add_post("/v1/chat/completions", routes.inference)
     app.router.add_post("/v1/completions", routes.inference)
     app.router.add_get("/v1/models", routes.list_models)
+    setup_anthropic_routes(app)
     app.router.add_get("/health", routes.health)
     app.router.add_get("/metrics", routes.metrics)
     app.router.add_get("/openapi.json", openapi_json)

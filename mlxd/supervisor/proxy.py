@@ -26,6 +26,7 @@ from aiohttp import web
 
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.process import REFUSALS
+from mlxd.supervisor.dialects import StreamTranslator, Translation, engine_error
 
 log = logging.getLogger("mlxd.supervisor")
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
@@ -317,16 +318,19 @@ def connection_gate() -> asyncio.Semaphore:
 async def forward(
     request: web.Request, socket: Path, gate: asyncio.Semaphore, body: bytes, headers: Mapping[str, str],
     on_first_chunk: Callable[[], None] = lambda: None, prepared: web.StreamResponse | None = None,
+    translation: Translation | None = None,
 ) -> web.StreamResponse:
     """POST `body` to the same path on the engine at `socket` (holding one of `gate`'s slots);
-    relay its answer chunk by chunk (an event stream into `prepared` when the SSE head is out)."""
+    relay its answer chunk by chunk (an event stream into `prepared` when the SSE head is out).
+    With a `translation`, the body goes to its engine route, and the answer is decoded and
+    re-encoded in the caller's API on the way."""
     async with gate:
-        return await _forward(request, socket, body, headers, on_first_chunk, prepared)
+        return await _forward(request, socket, body, headers, on_first_chunk, prepared, translation)
 
 
 async def _forward(
     request: web.Request, socket: Path, body: bytes, headers: Mapping[str, str], on_first_chunk: Callable[[], None],
-    prepared: web.StreamResponse | None,
+    prepared: web.StreamResponse | None, translation: Translation | None,
 ) -> web.StreamResponse:
     loop = asyncio.get_running_loop()
     try:
@@ -341,7 +345,8 @@ async def _forward(
             # Lost between connect and write (the engine died): nothing was sent. uvloop's
             # write on a closed transport raises RuntimeError where asyncio's only warns.
             raise EngineUnreachable(was_sent=False)
-        transport.write(request_bytes(request.path_qs, body, headers))
+        path = translation.path if translation is not None else request.path_qs
+        transport.write(request_bytes(path, body, headers))
         while up.head is None and not up.lost:
             await up.changed()
         if up.head is None:
@@ -349,8 +354,11 @@ async def _forward(
                 raise EngineUnreachable(was_sent=True)
             raise crashed_error()
         if up.head.is_event_stream and up.head.status == 200:
+            if translation is not None and translation.stream is not None:
+                return await relay_translated(request, up, translation, on_first_chunk, prepared)
             return await relay_stream(request, up, on_first_chunk, prepared)
-        return await relay_whole(up)
+        whole = await relay_whole(up)
+        return translate_whole(whole, translation) if translation is not None else whole
     finally:
         up.close()
         if up.error:
@@ -445,6 +453,102 @@ async def _write_payloads(
         if up.ended or up.lost or (sent and until_first):
             return
         await up.changed()
+
+
+def translate_whole(resp: web.Response, translation: Translation) -> web.Response:
+    """A whole answer in the caller's API: a success converted, an error re-encoded."""
+    data = resp.body if isinstance(resp.body, bytes) else b""
+    retry = {"Retry-After": resp.headers["Retry-After"]} if "Retry-After" in resp.headers else {}
+    if resp.status != 200:
+        err = engine_error(resp.status, data)
+        err.headers.update(retry)
+        return translation.dialect.error_response(err)
+    status, body = translation.whole(resp.status, data)
+    return web.Response(status=status, body=body, content_type="application/json", headers=retry)
+
+
+async def relay_translated(
+    request: web.Request, up: Upstream, translation: Translation, on_first_chunk: Callable[[], None],
+    prepared: web.StreamResponse | None = None,
+) -> web.StreamResponse:
+    """The engine's chat stream decoded event by event and re-encoded in the caller's API.
+
+    Backpressure is aiohttp's: `write` waits while the caller's buffer is full, meanwhile
+    nothing is taken from the engine, whose socket stops being read past HIGH_WATER. A caller
+    gone ends the upstream (the engine cancels); an engine gone, or an error event from it,
+    becomes the caller's API's error event.
+    """
+    assert translation.stream is not None
+    resp = prepared or web.StreamResponse(headers=SSE_HEADERS)
+    if prepared is None:
+        await resp.prepare(request)
+    translator = translation.stream()
+    events = SseEvents()
+    sent = False
+    try:
+        await resp.write(translator.start())
+        while True:
+            out: list[bytes] = []
+            for payload in up.take_body():
+                for data in events.feed(payload):
+                    out.append(_translate_event(data, translator, translation))
+            if out:
+                if not sent:
+                    sent = True
+                    on_first_chunk()
+                await resp.write(b"".join(out))
+            if up.body:
+                continue
+            if up.ended or up.lost:
+                break
+            await up.changed()
+        if not translator.ended:  # the engine went away, or its stream ended with no [DONE]
+            translator.ended = True
+            await resp.write(translation.dialect.error_event(crashed_error()))
+        await resp.write_eof()
+    except ConnectionResetError:
+        pass
+    return resp
+
+
+def _translate_event(data: bytes | None, translator: StreamTranslator, translation: Translation) -> bytes:
+    """One SSE event from the engine (its data; None for a comment, a keep-alive) in the caller's API."""
+    if data is None:
+        return b": keep-alive\n\n"
+    if translator.ended:
+        return b""
+    if data == b"[DONE]":
+        return translator.finish()
+    try:
+        chunk = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        log.warning("engine sent an SSE event that is not JSON: %r", data[:80])
+        return b""
+    if not isinstance(chunk, dict):
+        return b""
+    if "error" in chunk:
+        translator.ended = True
+        return translation.dialect.error_event(engine_error(500, data))
+    return translator.feed(chunk)
+
+
+class SseEvents:
+    """Splits an SSE byte stream into events as pieces arrive: each event's data (its `data:`
+    lines joined), or None for a comment-only event."""
+
+    def __init__(self) -> None:
+        self._rest = b""
+
+    def feed(self, piece: bytes) -> list[bytes | None]:
+        buf = self._rest + piece
+        *blocks, self._rest = buf.split(b"\n\n")
+        out: list[bytes | None] = []
+        for block in blocks:
+            lines = block.split(b"\n")
+            data = [line[5:].lstrip(b" ") if line.startswith(b"data:") else None for line in lines]
+            kept = [d for d in data if d is not None]
+            out.append(b"\n".join(kept) if kept else None)
+        return out
 
 
 def _direct_writer(transport: asyncio.Transport, up: Upstream) -> Callable[[bytes], None]:

@@ -9,9 +9,11 @@ import msgspec
 from aiohttp import web
 
 from mlxd import __version__
+from mlxd.protocol import anthropic
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.json_body import decode_json
 from mlxd.protocol.process import LEASE_HEADER
+from mlxd.supervisor.dialects import OPENAI, Translation, engine_error
 from mlxd.supervisor.keys import CONFIG, METRICS, POOL, REGISTRY
 from mlxd.supervisor.metrics import MODEL_KEY
 from mlxd.supervisor.proxy import EngineBusy, EngineUnreachable, crashed_error, forward
@@ -39,19 +41,26 @@ def routing_fields(body: bytes) -> RoutingFields:
 
 
 async def inference(request: web.Request) -> web.StreamResponse:
-    """POST /v1/chat/completions and /v1/completions: start the model's engine if needed, relay.
-
-    A stream that waits long for its engine gets SSE comments meanwhile (waiting.py); its
-    errors then come as an SSE error event.
-    """
+    """POST /v1/chat/completions and /v1/completions: start the model's engine if needed, relay."""
     started = time.perf_counter()
     body = await request.read()
     fields = routing_fields(body)
     entry = request.app[REGISTRY].resolve(fields.model, request.app[POOL].loaded_ids())
+    return await serve(request, entry, body, bool(fields.stream), started)
+
+
+async def serve(
+    request: web.Request, entry: ModelEntry, body: bytes, stream: bool, started: float,
+    translation: Translation | None = None,
+) -> web.StreamResponse:
+    """Queue for `entry`'s engine and relay `body` to it (through `translation`, for a caller
+    in another API). A stream that waits long for its engine gets SSE comments meanwhile
+    (waiting.py); its errors then come as an SSE error event in the caller's API."""
     request[MODEL_KEY] = entry.id
-    waiting = WaitingStream(request, request.app[CONFIG].server.stream_keepalive_s) if fields.stream else None
+    dialect = translation.dialect if translation is not None else OPENAI
+    waiting = WaitingStream(request, request.app[CONFIG].server.stream_keepalive_s, dialect) if stream else None
     try:
-        return await _route(request, entry, body, started, waiting)
+        return await _route(request, entry, body, started, waiting, translation)
     except APIError as err:
         if waiting is None or waiting.response is None:
             raise
@@ -63,7 +72,8 @@ async def inference(request: web.Request) -> web.StreamResponse:
 
 
 async def _route(
-    request: web.Request, entry: ModelEntry, body: bytes, started: float, waiting: WaitingStream | None
+    request: web.Request, entry: ModelEntry, body: bytes, started: float, waiting: WaitingStream | None,
+    translation: Translation | None,
 ) -> web.StreamResponse:
     pool = request.app[POOL]
     ttft = request.app[METRICS].get().ttft.labels(entry.id)
@@ -79,6 +89,7 @@ async def _route(
             resp = await forward(
                 request, slot.engine.socket, slot.engine.connections, body, headers,
                 on_first_chunk=lambda: ttft.observe(time.perf_counter() - started), prepared=prepared,
+                translation=translation,
             )
         except EngineUnreachable as dead:
             if dead.was_sent and num_resent:
@@ -91,16 +102,22 @@ async def _route(
         finally:
             pool.release(slot)
         if waiting is not None and waiting.response is not None and isinstance(resp, web.Response):
-            return await waiting.fail_with(resp.body if isinstance(resp.body, bytes) else b"{}")  # the engine's error
+            data = resp.body if isinstance(resp.body, bytes) else b"{}"
+            return await waiting.fail(engine_error(resp.status, data))  # an error, after the SSE head went out
         return resp
     raise APIError(503, f"Model {entry.id} stayed busy or unreachable; try again.", type="server_error",
                    code="engine_busy", headers={"Retry-After": "1"})
 
 
 async def list_models(request: web.Request) -> web.Response:
-    """GET /v1/models: every model that exists, in OpenAI's shape, with whether it is loaded."""
+    """GET /v1/models: every model that exists, in OpenAI's shape, with whether it is loaded
+    (in Anthropic's shape for a caller that sends `anthropic-version`)."""
     registry, pool = request.app[REGISTRY], request.app[POOL]
     registry.refresh()
+    if "anthropic-version" in request.headers:
+        cards = [anthropic.model_card(m.id) for m in registry.entries()]
+        return web.json_response({"data": cards, "has_more": False, "first_id": cards[0]["id"] if cards else None,
+                                  "last_id": cards[-1]["id"] if cards else None})
     states = {e.model_id: e.state.value for e in pool.engines()}
     data = [
         {

@@ -14,10 +14,10 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-import msgspec
 from aiohttp import web
 
 from mlxd.protocol.errors import APIError
+from mlxd.supervisor.dialects import OPENAI, Dialect
 from mlxd.supervisor.proxy import SSE_HEADERS
 
 T = TypeVar("T")
@@ -27,8 +27,9 @@ COMMENT = b": waiting for the model\n\n"
 class WaitingStream:
     """One streaming request's caller while it waits: the SSE head and comments, once needed."""
 
-    def __init__(self, request: web.Request, keepalive_s: float) -> None:
+    def __init__(self, request: web.Request, keepalive_s: float, dialect: Dialect = OPENAI) -> None:
         self._request = request
+        self._dialect = dialect
         self._keepalive_s = keepalive_s
         self.response: web.StreamResponse | None = None  # prepared once the wait got long
 
@@ -61,13 +62,9 @@ class WaitingStream:
         await self.response.write(COMMENT)
 
     async def fail(self, err: APIError) -> web.StreamResponse:
-        """End the started stream with `err` as an SSE error event (OpenAI's error shape)."""
-        return await self.fail_with(msgspec.json.encode(err.to_openai()))
-
-    async def fail_with(self, error_json: bytes) -> web.StreamResponse:
-        """End the started stream with an error body (already JSON) as its last event."""
+        """End the started stream with `err` as an SSE error event, in the caller's API."""
         assert self.response is not None
         with contextlib.suppress(ConnectionResetError):
-            await self.response.write(b"data: " + error_json.strip() + b"\n\n")
+            await self.response.write(self._dialect.error_event(err))
             await self.response.write_eof()
         return self.response

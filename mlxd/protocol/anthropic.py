@@ -1,0 +1,451 @@
+"""Anthropic's Messages API, translated to and from the engine's OpenAI chat API.
+
+The supervisor takes `POST /v1/messages` in Anthropic's shape, sends the engine the same
+request as an OpenAI chat completion (`to_chat`), and turns the answer back: a whole
+`chat.completion` with `from_chat`, a stream of `chat.completion.chunk` events with
+`MessageStream`, which emits Anthropic's event sequence (`message_start`, then for each
+content block `content_block_start`, its deltas and `content_block_stop`, then
+`message_delta` with the stop reason and usage, and `message_stop`). Pure functions and
+types: no I/O.
+
+What maps to what:
+  * `system` (a string or text blocks) is the system message;
+  * a user message's `tool_result` blocks become `tool` messages (before its text); their
+    content (a string or text blocks) is the tool's answer, prefixed `Error: ` when
+    `is_error`; an assistant's `tool_use` blocks become `tool_calls` (the input as a JSON
+    string) and its `thinking` blocks `reasoning_content`;
+  * `tools` become function tools (`input_schema` is the parameters); server tools (those
+    with a `type` other than `custom`) cannot run here and are left out;
+  * `tool_choice` auto / any / tool / none is auto / required / the named function / none,
+    and `disable_parallel_tool_use` is `parallel_tool_calls: false`;
+  * `thinking` is the template's `enable_thinking` (false only for `disabled`);
+    `output_config.effort` is `reasoning_effort`, `output_config.format` (a JSON schema) is
+    `response_format`;
+  * `stop_sequences` are `stop`; `top_k` passes as is; `metadata` is accepted and unused.
+Image and document blocks are a 400 (no vision yet). Unknown fields are ignored (clients
+send beta fields such as `context_management`); an unknown block type is a 400.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from mlxd.protocol.errors import APIError
+
+# ---- requests ----
+
+
+class CacheControl(msgspec.Struct):
+    type: str = "ephemeral"
+
+
+class TextBlock(msgspec.Struct, tag="text", kw_only=True):
+    text: str
+    cache_control: Any = None
+    citations: Any = None
+
+
+class ImageBlock(msgspec.Struct, tag="image", kw_only=True):
+    source: Any = None
+    cache_control: Any = None
+
+
+class DocumentBlock(msgspec.Struct, tag="document", kw_only=True):
+    source: Any = None
+    cache_control: Any = None
+
+
+class ToolUseBlock(msgspec.Struct, tag="tool_use", kw_only=True):
+    id: str
+    name: str
+    input: Any = None
+    cache_control: Any = None
+
+
+class ToolResultBlock(msgspec.Struct, tag="tool_result", kw_only=True):
+    tool_use_id: str
+    content: str | list[TextBlock | ImageBlock | DocumentBlock] | None = None
+    is_error: bool = False
+    cache_control: Any = None
+
+
+class ThinkingBlock(msgspec.Struct, tag="thinking", kw_only=True):
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(msgspec.Struct, tag="redacted_thinking", kw_only=True):
+    data: str = ""
+
+
+Block = TextBlock | ImageBlock | DocumentBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
+
+
+class Message(msgspec.Struct, kw_only=True):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class Tool(msgspec.Struct, kw_only=True):
+    name: Annotated[str, Meta(min_length=1)]
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+    type: str | None = None  # None / "custom": a function; anything else is a server tool
+    cache_control: Any = None
+
+
+class ToolChoice(msgspec.Struct, kw_only=True):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Thinking(msgspec.Struct, kw_only=True):
+    type: Annotated[str, Meta(max_length=64)]  # enabled, disabled, adaptive, between_tools, ...
+    budget_tokens: int | None = None
+    display: str | None = None
+
+
+class OutputFormat(msgspec.Struct, kw_only=True):
+    type: Literal["json_schema"]
+    schema: dict[str, Any]
+
+
+class OutputConfig(msgspec.Struct, kw_only=True):
+    effort: Annotated[str, Meta(max_length=32)] | None = None
+    format: OutputFormat | None = None
+
+
+MaxTokens = Annotated[int, Meta(ge=1, le=2**31 - 1)]
+
+
+class MessagesRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    messages: Annotated[list[Message], Meta(min_length=1)]
+    max_tokens: MaxTokens
+    system: str | list[TextBlock] | None = None
+    stop_sequences: Annotated[list[Annotated[str, Meta(max_length=512)]], Meta(max_length=16)] | None = None
+    stream: bool = False
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=0, le=2**31 - 1)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class CountTokensRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    messages: Annotated[list[Message], Meta(min_length=1)]
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+
+
+def to_chat(req: MessagesRequest | CountTokensRequest, stream: bool = False) -> dict[str, Any]:
+    """The engine's OpenAI chat request for an Anthropic one (a 400 for what it cannot say)."""
+    messages: list[dict[str, Any]] = []
+    if system := system_text(req.system):
+        messages.append({"role": "system", "content": system})
+    for i, msg in enumerate(req.messages):
+        messages += chat_messages(msg, i)
+    body: dict[str, Any] = {"messages": messages}
+    if req.model is not None:
+        body["model"] = req.model
+    tools = [t for t in req.tools or [] if t.type in (None, "custom")]
+    if tools:
+        body["tools"] = [{"type": "function", "function": {
+            "name": t.name, "description": t.description or "", "parameters": t.input_schema or {"type": "object"}}}
+            for t in tools]
+    if req.tool_choice is not None and (tools or req.tool_choice.type == "none"):
+        body["tool_choice"] = chat_tool_choice(req.tool_choice, {t.name for t in tools})
+        if req.tool_choice.disable_parallel_tool_use:
+            body["parallel_tool_calls"] = False
+    if req.thinking is not None:
+        body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
+    if isinstance(req, MessagesRequest):
+        if req.output_config is not None and req.output_config.effort is not None:
+            body["reasoning_effort"] = req.output_config.effort
+        if req.output_config is not None and req.output_config.format is not None:
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": "output", "schema": req.output_config.format.schema, "strict": True}}
+        body["max_tokens"] = req.max_tokens
+        for name in ("temperature", "top_p", "top_k"):
+            if (value := getattr(req, name)) is not None:
+                body[name] = value
+        if req.stop_sequences:
+            body["stop"] = req.stop_sequences
+        if stream:
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def system_text(system: str | list[TextBlock] | None) -> str:
+    if system is None or isinstance(system, str):
+        return system or ""
+    return "\n\n".join(b.text for b in system)
+
+
+def chat_messages(msg: Message, index: int) -> list[dict[str, Any]]:
+    """One Anthropic message as OpenAI chat messages (tool results are messages of their own)."""
+    where = f"messages[{index}].content"
+    if isinstance(msg.content, str):
+        return [{"role": msg.role, "content": msg.content}]
+    out: list[dict[str, Any]] = []
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    thinking: list[str] = []
+    for j, block in enumerate(msg.content):
+        at = f"{where}[{j}]"
+        if isinstance(block, TextBlock):
+            texts.append(block.text)
+        elif isinstance(block, ImageBlock | DocumentBlock):
+            kind = "image" if isinstance(block, ImageBlock) else "document"
+            raise APIError(400, f"{kind} content blocks are not supported: this server has no vision or document "
+                                "input yet.", param=at)
+        elif isinstance(block, ToolResultBlock):
+            if msg.role != "user":
+                raise APIError(400, "tool_result blocks belong in user messages.", param=at)
+            out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": tool_result_text(block, at)})
+        elif isinstance(block, ToolUseBlock):
+            if msg.role != "assistant":
+                raise APIError(400, "tool_use blocks belong in assistant messages.", param=at)
+            calls.append({"id": block.id, "type": "function",
+                          "function": {"name": block.name, "arguments": json.dumps(block.input or {})}})
+        elif isinstance(block, ThinkingBlock):
+            thinking.append(block.thinking)
+        # redacted_thinking: nothing a local model can read
+    if msg.role == "assistant":
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+        if calls:
+            message["tool_calls"] = calls
+        if thinking:
+            message["reasoning_content"] = "".join(thinking)
+        if message["content"] is None and not calls:
+            message["content"] = ""
+        return [message]
+    if texts or not out:
+        out.append({"role": "user", "content": "".join(texts)})
+    return out
+
+
+def tool_result_text(block: ToolResultBlock, where: str) -> str:
+    if block.content is None or isinstance(block.content, str):
+        text = block.content or ""
+    else:
+        parts = []
+        for k, part in enumerate(block.content):
+            if not isinstance(part, TextBlock):
+                raise APIError(400, "Only text blocks are supported in a tool_result's content.",
+                               param=f"{where}.content[{k}]")
+            parts.append(part.text)
+        text = "\n".join(parts)
+    return "Error: " + text if block.is_error else text
+
+
+def chat_tool_choice(choice: ToolChoice, names: set[str]) -> Any:
+    if choice.type == "tool":
+        if not choice.name:
+            raise APIError(400, "tool_choice of type 'tool' needs a 'name'.", param="tool_choice.name")
+        if choice.name not in names:
+            raise APIError(400, f"tool_choice names {choice.name!r}, which is not in tools.", param="tool_choice.name")
+        return {"type": "function", "function": {"name": choice.name}}
+    return {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+
+
+# ---- responses ----
+
+
+def new_message_id() -> str:
+    return "msg_" + uuid.uuid4().hex[:24]
+
+
+def stop_reason(finish_reason: str | None, stop_sequence: str | None) -> str:
+    if finish_reason == "tool_calls":
+        return "tool_use"
+    if finish_reason == "length":
+        return "max_tokens"
+    if finish_reason == "stop" and stop_sequence:
+        return "stop_sequence"
+    return "end_turn"
+
+
+def usage_of(usage: dict[str, Any] | None) -> dict[str, int]:
+    usage = usage or {}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0
+    prompt = usage.get("prompt_tokens", 0) or 0
+    return {"input_tokens": prompt - cached, "output_tokens": usage.get("completion_tokens", 0) or 0,
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+
+
+def from_chat(completion: dict[str, Any], model: str) -> dict[str, Any]:
+    """An Anthropic message from the engine's whole chat completion."""
+    choice = (completion.get("choices") or [{}])[0]
+    msg = choice.get("message") or {}
+    content: list[dict[str, Any]] = []
+    if msg.get("reasoning_content"):
+        content.append({"type": "thinking", "thinking": msg["reasoning_content"], "signature": ""})
+    if msg.get("content"):
+        content.append({"type": "text", "text": msg["content"]})
+    for call in msg.get("tool_calls") or []:
+        fn = call.get("function") or {}
+        content.append({"type": "tool_use", "id": call.get("id") or "toolu_" + uuid.uuid4().hex[:24],
+                        "name": fn.get("name", ""), "input": parse_arguments(fn.get("arguments"))})
+    stop = choice.get("stop_reason") if isinstance(choice.get("stop_reason"), str) else None
+    reason = stop_reason(choice.get("finish_reason"), stop)
+    return {
+        "id": new_message_id(), "type": "message", "role": "assistant", "model": model, "content": content,
+        "stop_reason": reason, "stop_sequence": stop if reason == "stop_sequence" else None,
+        "usage": usage_of(completion.get("usage")),
+    }
+
+
+def parse_arguments(arguments: Any) -> Any:
+    """A call's arguments (a JSON string) as the `input` object; text that is not JSON stays a string."""
+    if not isinstance(arguments, str):
+        return arguments if arguments is not None else {}
+    try:
+        return json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        return {"_raw": arguments}
+
+
+def sse(event: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + event.encode() + b"\ndata: " + msgspec.json.encode(data) + b"\n\n"
+
+
+PING = sse("ping", {"type": "ping"})
+
+
+class MessageStream:
+    """Turns the engine's chat chunks (decoded JSON) into Anthropic's stream events (SSE bytes).
+
+    Blocks are numbered as they open; a block closes when another kind begins (text after
+    thinking, a new tool call) and at the end. The stop reason comes with the chunk that
+    carries `finish_reason`; usage with the last chunk (the engine is asked for it), so
+    `message_delta` and `message_stop` go out at the end.
+    """
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.id = new_message_id()
+        self._started = False
+        self._block: str | None = None  # "text" | "thinking" | "tool_use" | None
+        self._index = -1
+        self._tool_index: int | None = None  # the engine's index of the open tool call
+        self._finish: str | None = None
+        self._stop: str | None = None
+        self._usage: dict[str, Any] | None = None
+        self.ended = False
+
+    def start(self) -> bytes:
+        """`message_start` and a ping (sent once, before anything else)."""
+        if self._started:
+            return b""
+        self._started = True
+        message: dict[str, Any] = {
+            "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
+            "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0},
+        }
+        return sse("message_start", {"type": "message_start", "message": message}) + PING
+
+    def feed(self, chunk: dict[str, Any]) -> bytes:
+        """The events for one chunk of the engine's stream."""
+        out = [self.start()]
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if text := delta.get("reasoning_content"):
+                out.append(self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""}))
+                out.append(self._delta({"type": "thinking_delta", "thinking": text}))
+            if text := delta.get("content"):
+                out.append(self._open("text", {"type": "text", "text": ""}))
+                out.append(self._delta({"type": "text_delta", "text": text}))
+            for call in delta.get("tool_calls") or []:
+                out.append(self._call(call))
+            if choice.get("finish_reason"):
+                self._finish = choice["finish_reason"]
+                stop = choice.get("stop_reason")
+                self._stop = stop if isinstance(stop, str) else None
+        if chunk.get("usage"):
+            self._usage = chunk["usage"]
+        return b"".join(out)
+
+    def finish(self) -> bytes:
+        """The closing events (after the engine's last chunk)."""
+        if self.ended:
+            return b""
+        self.ended = True
+        reason = stop_reason(self._finish, self._stop)
+        usage = usage_of(self._usage)
+        delta = {"type": "message_delta",
+                 "delta": {"stop_reason": reason, "stop_sequence": self._stop if reason == "stop_sequence" else None},
+                 "usage": usage}
+        return b"".join([self.start(), self._close(), sse("message_delta", delta),
+                         sse("message_stop", {"type": "message_stop"})])
+
+    def _call(self, call: dict[str, Any]) -> bytes:
+        out = []
+        index = call.get("index", 0)
+        fn = call.get("function") or {}
+        if self._block != "tool_use" or index != self._tool_index:
+            out.append(self._close())
+            self._index += 1
+            self._block, self._tool_index = "tool_use", index
+            block = {"type": "tool_use", "id": call.get("id") or "toolu_" + uuid.uuid4().hex[:24],
+                     "name": fn.get("name", ""), "input": {}}
+            out.append(sse("content_block_start", {"type": "content_block_start", "index": self._index,
+                                                   "content_block": block}))
+        if args := fn.get("arguments"):
+            out.append(self._delta({"type": "input_json_delta", "partial_json": args}))
+        return b"".join(out)
+
+    def _open(self, kind: str, block: dict[str, Any]) -> bytes:
+        if self._block == kind:
+            return b""
+        out = self._close()
+        self._index += 1
+        self._block = kind
+        return out + sse("content_block_start", {"type": "content_block_start", "index": self._index,
+                                                 "content_block": block})
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return sse("content_block_delta", {"type": "content_block_delta", "index": self._index, "delta": delta})
+
+    def _close(self) -> bytes:
+        if self._block is None:
+            return b""
+        self._block, self._tool_index = None, None
+        return sse("content_block_stop", {"type": "content_block_stop", "index": self._index})
+
+
+# ---- errors and models ----
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
+               503: "overloaded_error", 529: "overloaded_error"}
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error shape for an HTTP status."""
+    kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_event(status: int, message: str) -> bytes:
+    """An error in the middle of a stream."""
+    return sse("error", error_body(status, message))
+
+
+def model_card(model_id: str, created: float | None = None) -> dict[str, Any]:
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created or time.time()))
+    return {"type": "model", "id": model_id, "display_name": model_id, "created_at": stamp}

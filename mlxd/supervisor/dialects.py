@@ -1,0 +1,104 @@
+"""The APIs callers speak to the supervisor, and what differs between them for the relay.
+
+Every route answers errors in its caller's API: OpenAI's `{"error": {...}}` on the OpenAI
+routes (and the Responses API, which shares it), Anthropic's `{"type": "error", ...}` under
+`/v1/messages` (auth failures, unknown routes and oversize bodies included, so the path
+decides). A stream already under way ends with the same error as an SSE event.
+
+A `Translation` is how one request in another API goes through an engine that speaks
+OpenAI chat: the engine route it is sent to, the translator of a streamed answer (chat
+chunks in, the caller's events out), and the converter of a whole one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgspec
+from aiohttp import web
+
+from mlxd.protocol import anthropic
+from mlxd.protocol.errors import APIError, encode_openai_error
+
+
+class Dialect(Protocol):
+    name: str
+
+    def error_response(self, err: APIError) -> web.Response: ...
+
+    def error_event(self, err: APIError) -> bytes: ...
+
+
+class OpenAIDialect:
+    name = "openai"
+
+    def error_response(self, err: APIError) -> web.Response:
+        return web.Response(status=err.status, body=encode_openai_error(err), content_type="application/json",
+                            headers=err.headers)
+
+    def error_event(self, err: APIError) -> bytes:
+        return b"data: " + encode_openai_error(err) + b"\n\n"
+
+
+class AnthropicDialect:
+    name = "anthropic"
+
+    def error_response(self, err: APIError) -> web.Response:
+        body = anthropic.error_body(err.status, err.message)
+        return web.Response(status=err.status, body=msgspec.json.encode(body), content_type="application/json",
+                            headers=err.headers)
+
+    def error_event(self, err: APIError) -> bytes:
+        return anthropic.error_event(err.status, err.message)
+
+
+OPENAI = OpenAIDialect()
+ANTHROPIC = AnthropicDialect()
+
+
+def dialect_of(request: web.Request) -> Dialect:
+    """The caller's API, by path."""
+    path = request.path
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return ANTHROPIC
+    return OPENAI
+
+
+def render_error(request: web.Request, err: APIError) -> web.Response:
+    """The error middleware's answer: `err` in the caller's API."""
+    return dialect_of(request).error_response(err)
+
+
+class StreamTranslator(Protocol):
+    """Chat chunks in, the caller's stream events out (SSE bytes)."""
+
+    ended: bool
+
+    def start(self) -> bytes: ...
+
+    def feed(self, chunk: dict[str, Any]) -> bytes: ...
+
+    def finish(self) -> bytes: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Translation:
+    path: str  # the engine route the translated body goes to
+    dialect: Dialect
+    stream: Callable[[], StreamTranslator] | None  # None: the answer is never a stream
+    whole: Callable[[int, bytes], tuple[int, bytes]]  # the engine's status and body -> the caller's
+
+
+def engine_error(status: int, data: bytes) -> APIError:
+    """An engine's OpenAI-shaped error answer as an APIError (to re-encode in another API)."""
+    try:
+        detail = msgspec.json.decode(data).get("error") or {}
+    except (msgspec.DecodeError, AttributeError):
+        detail = {}
+    message = detail.get("message") if isinstance(detail, dict) else None
+    return APIError(status, str(message or f"The engine answered {status}."),
+                    type=str(detail.get("type") or "server_error") if isinstance(detail, dict) else "server_error",
+                    param=detail.get("param") if isinstance(detail, dict) else None,
+                    code=detail.get("code") if isinstance(detail, dict) else None)
