@@ -9,7 +9,8 @@ content block `content_block_start`, its deltas and `content_block_stop`, then
 types: no I/O.
 
 What maps to what:
-  * `system` (a string or text blocks) is the system message;
+  * `system` (a string or text blocks) is the system message, and `system` turns in
+    `messages` are added to it;
   * a user message's `tool_result` blocks become `tool` messages (before its text); their
     content (a string or text blocks) is the tool's answer, prefixed `Error: ` when
     `is_error`; an assistant's `tool_use` blocks become `tool_calls` (the input as a JSON
@@ -88,7 +89,7 @@ Block = TextBlock | ImageBlock | DocumentBlock | ToolUseBlock | ToolResultBlock 
 
 
 class Message(msgspec.Struct, kw_only=True):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # Claude Code sends `system` turns too
     content: str | list[Block]
 
 
@@ -154,10 +155,15 @@ class CountTokensRequest(msgspec.Struct, kw_only=True):
 def to_chat(req: MessagesRequest | CountTokensRequest, stream: bool = False) -> dict[str, Any]:
     """The engine's OpenAI chat request for an Anthropic one (a 400 for what it cannot say)."""
     messages: list[dict[str, Any]] = []
-    if system := system_text(req.system):
-        messages.append({"role": "system", "content": system})
+    # `system` and any system turns make one system message first: many chat templates take
+    # a system message only there.
+    system = [system_text(req.system)] + [system_text(message_text(m, i)) for i, m in enumerate(req.messages)
+                                          if m.role == "system"]
+    if text := "\n\n".join(s for s in system if s):
+        messages.append({"role": "system", "content": text})
     for i, msg in enumerate(req.messages):
-        messages += chat_messages(msg, i)
+        if msg.role != "system":
+            messages += chat_messages(msg, i)
     body: dict[str, Any] = {"messages": messages}
     if req.model is not None:
         body["model"] = req.model
@@ -194,6 +200,16 @@ def system_text(system: str | list[TextBlock] | None) -> str:
     if system is None or isinstance(system, str):
         return system or ""
     return "\n\n".join(b.text for b in system)
+
+
+def message_text(msg: Message, index: int) -> list[TextBlock] | str:
+    """A system turn's text blocks (anything else in it is a 400)."""
+    if isinstance(msg.content, str):
+        return msg.content
+    for j, block in enumerate(msg.content):
+        if not isinstance(block, TextBlock):
+            raise APIError(400, "A system message may hold only text blocks.", param=f"messages[{index}].content[{j}]")
+    return [b for b in msg.content if isinstance(b, TextBlock)]
 
 
 def chat_messages(msg: Message, index: int) -> list[dict[str, Any]]:

@@ -16,7 +16,7 @@ import msgspec
 from aiohttp import web
 
 from mlxd import __version__
-from mlxd.protocol import openai
+from mlxd.protocol import anthropic, openai
 from mlxd.protocol.errors import ErrorBody
 from mlxd.protocol.process import LEASE_HEADER, DrainResult
 from mlxd.protocol.stats import PromptCacheStats
@@ -137,11 +137,48 @@ class LeaseDeleted(msgspec.Struct):
     deleted: bool
 
 
+class AnthropicErrorDetail(msgspec.Struct):
+    type: str
+    message: str
+
+
+class AnthropicErrorBody(msgspec.Struct):
+    """An error on the Anthropic routes, in Anthropic's shape."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+class AnthropicUsage(msgspec.Struct):
+    input_tokens: int  # prompt tokens computed
+    output_tokens: int
+    cache_read_input_tokens: int  # prompt tokens served from the prompt cache
+    cache_creation_input_tokens: int
+
+
+class AnthropicMessage(msgspec.Struct):
+    """A message: `content` holds `thinking`, `text` and `tool_use` blocks."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+    stop_sequence: str | None
+    usage: AnthropicUsage
+
+
+class InputTokens(msgspec.Struct):
+    input_tokens: int
+
+
 SCHEMA_TYPES: tuple[Any, ...] = (
     openai.ChatCompletionRequest, openai.CompletionRequest, openai.ChatCompletion,
     openai.ChatCompletionChunk, openai.Completion, ErrorBody, admin.LoadBody, admin.UnloadBody,
     admin.DrainBody, admin.LeaseBody, admin.RenewBody, ModelInfoList, Health, EngineList,
-    LoadAnswer, UnloadAnswer, DrainAnswer, Lease, LeaseList, LeaseDeleted,
+    LoadAnswer, UnloadAnswer, DrainAnswer, Lease, LeaseList, LeaseDeleted, anthropic.MessagesRequest,
+    anthropic.CountTokensRequest, AnthropicMessage, AnthropicErrorBody, InputTokens,
 )
 
 def prompt_schema() -> dict[str, Any]:
@@ -187,9 +224,9 @@ def json_content(schema: dict[str, Any]) -> dict[str, Any]:
     return {"application/json": {"schema": schema}}
 
 
-def error_response(status: int) -> dict[str, Any]:
-    """An error in OpenAI's `{"error": {...}}` shape."""
-    response: dict[str, Any] = {"description": ERRORS[status], "content": json_content(ref("ErrorBody"))}
+def error_response(status: int, body: str = "ErrorBody") -> dict[str, Any]:
+    """An error in OpenAI's `{"error": {...}}` shape (or Anthropic's, `body`)."""
+    response: dict[str, Any] = {"description": ERRORS[status], "content": json_content(ref(body))}
     if status in (502, 503):
         response["headers"] = {"Retry-After": {"description": "Seconds to wait", "schema": {"type": "string"}}}
     return response
@@ -198,6 +235,7 @@ def error_response(status: int) -> dict[str, Any]:
 def operation(
     op_id: str, summary: str, ok: dict[str, Any], errors: tuple[int, ...], *, tag: str,
     body: str | None = None, body_required: bool = True, parameters: list[dict[str, Any]] | None = None,
+    error_body: str = "ErrorBody",
 ) -> dict[str, Any]:
     """One OpenAPI operation; `ok` is the 200 answer's content."""
     op: dict[str, Any] = {"operationId": op_id, "summary": summary, "tags": [tag]}
@@ -205,7 +243,7 @@ def operation(
         op["parameters"] = parameters
     if body is not None:
         op["requestBody"] = {"required": body_required, "content": json_content(ref(body))}
-    responses = {str(s): error_response(s) for s in sorted(errors)}
+    responses = {str(s): error_response(s, error_body) for s in sorted(errors)}
     op["responses"] = {"200": {"description": "OK", "content": ok}, **responses}
     return op
 
@@ -241,8 +279,19 @@ def make_paths() -> dict[str, Any]:
         "/v1/completions": {"post": inference(
             "createCompletion", "Text completion (no chat template), routed by `model`",
             "CompletionRequest", "Completion", "Completion")},
-        "/v1/models": {"get": operation("listModels", "Every model that exists", json_content(ref("ModelInfoList")),
+        "/v1/models": {"get": operation("listModels", "Every model that exists (Anthropic's list shape when "
+                                        "`anthropic-version` is sent)", json_content(ref("ModelInfoList")),
                                         GUARDED, tag="OpenAI")},
+        "/v1/messages": {"post": operation(
+            "createMessage", "Anthropic Messages, translated onto the model's engine (docs/anthropic.md)",
+            {**json_content(ref("AnthropicMessage")), "text/event-stream": {"schema": {
+                "type": "string", "description": "Anthropic's events: message_start, content_block_start/delta/stop, "
+                                                 "message_delta, message_stop, ping; error"}}},
+            INFERENCE_ERRORS, tag="Anthropic", body="MessagesRequest", error_body="AnthropicErrorBody")},
+        "/v1/messages/count_tokens": {"post": operation(
+            "countTokens", "The prompt a Messages request becomes, counted by the model's engine",
+            json_content(ref("InputTokens")), INFERENCE_ERRORS, tag="Anthropic", body="CountTokensRequest",
+            error_body="AnthropicErrorBody")},
         "/health": {"get": {**operation("health", "The supervisor is up (never needs a key)",
                                         json_content(ref("Health")), ANY, tag="Service"), "security": []}},
         "/metrics": {"get": operation("metrics", "Prometheus text format", text, GUARDED, tag="Service")},

@@ -199,3 +199,17 @@ def test_errors_in_anthropics_shape() -> None:
     assert an.error_body(502, "crashed")["error"]["type"] == "api_error"
     name, body = events(an.error_event(500, "boom"))[0]
     assert name == "error" and body == {"type": "error", "error": {"type": "api_error", "message": "boom"}}
+
+
+def test_system_turns_join_the_system_prompt_first() -> None:
+    """Claude Code 2.1 sends `system` turns among its messages; most chat templates take a
+    system message only first."""
+    chat = an.to_chat(request(system="Base.", messages=[
+        {"role": "user", "content": "hi"},
+        {"role": "system", "content": [{"type": "text", "text": "Reminder."}]},
+        {"role": "assistant", "content": "hello"}]))
+    assert chat["messages"] == [{"role": "system", "content": "Base.\n\nReminder."}, {"role": "user", "content": "hi"},
+                                {"role": "assistant", "content": "hello"}]
+    with pytest.raises(APIError) as info:
+        an.to_chat(request(messages=[{"role": "system", "content": [{"type": "tool_use", "id": "x", "name": "f"}]}]))
+    assert info.value.param == "messages[0].content[0]"

@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import Case, GenerationMode
 
-from mlxd.protocol import openai
+from mlxd.protocol import anthropic, openai
 from mlxd.protocol.json_body import decode_as
 from mlxd.supervisor import admin_routes as admin
 from mlxd.supervisor.app import make_app
@@ -29,6 +29,8 @@ from mlxd.supervisor.registry import Registry
 BODIES: dict[tuple[str, str], type[Any]] = {
     ("POST", "/v1/chat/completions"): openai.ChatCompletionRequest,
     ("POST", "/v1/completions"): openai.CompletionRequest,
+    ("POST", "/v1/messages"): anthropic.MessagesRequest,
+    ("POST", "/v1/messages/count_tokens"): anthropic.CountTokensRequest,
     ("POST", "/admin/load"): admin.LoadBody,
     ("POST", "/admin/unload"): admin.UnloadBody,
     ("POST", "/admin/drain"): admin.DrainBody,
@@ -73,12 +75,13 @@ def test_keys_are_documented_and_health_needs_none() -> None:
     assert doc["paths"]["/health"]["get"]["security"] == []
 
 
-def test_every_error_answer_is_openai_error_json() -> None:
+def test_every_error_answer_is_json_in_the_routes_api() -> None:
     for path, item in make_openapi()["paths"].items():
+        body = "AnthropicErrorBody" if path.startswith("/v1/messages") else "ErrorBody"
         for method, op in item.items():
             for status, answer in op["responses"].items():
                 if int(status) >= 400:
-                    assert answer["content"] == {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}, (method, path, status)
+                    assert answer["content"] == {"application/json": {"schema": {"$ref": f"#/components/schemas/{body}"}}}, (method, path, status)
 
 
 def _integral_floats_as_ints(value: Any) -> Any:
