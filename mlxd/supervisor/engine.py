@@ -22,7 +22,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
 import msgspec
 
 from mlxd.protocol.errors import APIError
@@ -30,7 +29,7 @@ from mlxd.protocol.exit_codes import ExitCode
 from mlxd.protocol.process import DrainResult
 from mlxd.protocol.stats import EngineHealth, PromptCacheStats, PromptCacheView
 from mlxd.supervisor import policy
-from mlxd.supervisor.proxy import connection_gate
+from mlxd.supervisor.proxy import UpstreamError, call, connection_gate
 from mlxd.supervisor.spare import Spare
 
 log = logging.getLogger("mlxd.supervisor")
@@ -87,7 +86,7 @@ class _Drain:
 
 
 class Engine:
-    """The engine child for one model, and an aiohttp session bound to its socket."""
+    """The engine child for one model (talked to over its socket with proxy.py's client)."""
 
     def __init__(
         self, model_id: str, model_dir: Path, runtime_dir: Path, max_context: int | None = None,
@@ -120,35 +119,31 @@ class Engine:
         self._ready: asyncio.Future[None] | None = None
         self._stop_requested = False
         self._log_tail: collections.deque[str] = collections.deque(maxlen=40)
-        self.session: aiohttp.ClientSession | None = None
         self._log_task: asyncio.Task[None] | None = None
         self.prompt_cache: PromptCacheStats | None = None  # its /admin/stats `prompt_cache`, as last fetched
 
     async def fetch_prompt_cache(self) -> PromptCacheStats | None:
         """The engine's prompt-cache figures (RAM and SSD tiers), fresh; None unless it serves."""
-        session = self.session
-        if self.state not in (EngineState.READY, EngineState.DRAINING) or session is None:
+        if self.state not in (EngineState.READY, EngineState.DRAINING):
             self.prompt_cache = None
             return None
         try:
-            async with session.get("http://engine/admin/stats", timeout=aiohttp.ClientTimeout(total=2)) as resp:
-                if resp.status == 200:
-                    self.prompt_cache = msgspec.json.decode(await resp.read(), type=PromptCacheView).prompt_cache
-        except (TimeoutError, aiohttp.ClientError, OSError):
+            status, data = await call(self.socket, "GET", "/admin/stats")
+            if status == 200:
+                self.prompt_cache = msgspec.json.decode(data, type=PromptCacheView).prompt_cache
+        except (TimeoutError, OSError, UpstreamError):
             pass  # keep the last figures: a busy engine answers next time
         except msgspec.DecodeError as exc:
             log.warning("[%s] the engine's /admin/stats did not decode: %s", self.model_id, exc)
         return self.prompt_cache
 
-    async def ensure_ready(self) -> aiohttp.ClientSession:
+    async def ensure_ready(self) -> None:
         """Start the engine if it is not running, and wait until it answers `ready`."""
         if self.state is EngineState.FAILED:
             raise self.failed_error()
         self.start()
         assert self._ready is not None
         await asyncio.shield(self._ready)
-        assert self.session is not None
-        return self.session
 
     def start(self) -> None:
         """Start the owner task unless it runs (it waits out the restart backoff first)."""
@@ -245,7 +240,6 @@ class Engine:
         finally:
             self._resolve_ready(APIError(503, "The engine is stopping.", type="server_error", code="engine_stopping"))
             self._finish_commands()
-            await self._close_session()
             self.pid = None
             self.on_change()
 
@@ -283,9 +277,6 @@ class Engine:
 
     async def _boot(self, proc: asyncio.subprocess.Process) -> None:
         """Wait for `/health` to say ready; a boot failure is a clear error, not a restart storm."""
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.UnixConnector(path=str(self.socket)), timeout=aiohttp.ClientTimeout(total=None, sock_connect=5)
-        )
         deadline = time.monotonic() + self.options.boot_timeout_s
         while time.monotonic() < deadline:
             if proc.returncode is not None:
@@ -317,11 +308,10 @@ class Engine:
         return detail if code is not None else f"no ready answer within {self.options.boot_timeout_s:.0f} s"
 
     async def _health(self) -> str | None:
-        assert self.session is not None
         try:
-            async with self.session.get("http://engine/health", timeout=aiohttp.ClientTimeout(total=2)) as resp:
-                return msgspec.json.decode(await resp.read(), type=EngineHealth).status
-        except (TimeoutError, aiohttp.ClientError, OSError, msgspec.DecodeError):
+            _, data = await call(self.socket, "GET", "/health")
+            return msgspec.json.decode(data, type=EngineHealth).status
+        except (TimeoutError, OSError, UpstreamError, msgspec.DecodeError):
             return None
 
     async def _watch(self, proc: asyncio.subprocess.Process) -> int | None:
@@ -371,7 +361,6 @@ class Engine:
             command.done.set_result(report)
             return False
         self._set(EngineState.STOPPING)
-        await self._close_session()  # no idle keep-alive connection for its shutdown to wait on
         await kill_engine(proc, self.options.grace_s)
         self.stop_timings = {"drain_ms": _ms(drained - started), "stop_ms": _ms(time.perf_counter() - drained)}
         self._set(EngineState.STOPPED)
@@ -380,16 +369,14 @@ class Engine:
 
     async def _post_drain(self, timeout_s: float, resume: bool) -> DrainResult | None:
         """The engine's drain report; None when it has no drain endpoint or does not answer."""
-        assert self.session is not None
-        body = {"timeout_s": timeout_s, "resume": resume}
+        body = msgspec.json.encode({"timeout_s": timeout_s, "resume": resume})
         try:
-            async with self.session.post("http://engine/admin/drain", json=body,
-                                         timeout=aiohttp.ClientTimeout(total=timeout_s + 10)) as resp:
-                if resp.status != 200:
-                    log.warning("[%s] drain answered HTTP %d", self.model_id, resp.status)
-                    return None
-                return msgspec.json.decode(await resp.read(), type=DrainResult)
-        except (TimeoutError, aiohttp.ClientError, OSError, ValueError, msgspec.DecodeError) as exc:
+            status, data = await call(self.socket, "POST", "/admin/drain", body, timeout_s=timeout_s + 10)
+            if status != 200:
+                log.warning("[%s] drain answered HTTP %d", self.model_id, status)
+                return None
+            return msgspec.json.decode(data, type=DrainResult)
+        except (TimeoutError, OSError, UpstreamError, msgspec.DecodeError) as exc:
             log.warning("[%s] drain failed: %s", self.model_id, exc or type(exc).__name__)
             return None
 
@@ -446,12 +433,6 @@ class Engine:
                 self._ready.set_result(None)
             else:
                 self._ready.set_exception(err)
-
-    async def _close_session(self) -> None:
-        if self.session is not None:
-            await self.session.close()
-            self.session = None
-
 
 def _ms(seconds: float) -> float:
     return round(seconds * 1000, 1)

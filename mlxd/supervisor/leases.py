@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import json
 import logging
 import secrets
@@ -21,11 +20,11 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import msgspec
 
 from mlxd.protocol.errors import APIError
 from mlxd.supervisor.pool import Pool, Slot
+from mlxd.supervisor.proxy import Upstream, open_upstream
 from mlxd.supervisor.registry import ModelEntry
 
 log = logging.getLogger("mlxd.supervisor")
@@ -51,7 +50,7 @@ class _Hold:
     lease: Lease
     slot: Slot | None  # None: the machine
     expiry: asyncio.TimerHandle | None = None
-    engine_stream: aiohttp.ClientResponse | None = None
+    engine_stream: Upstream | None = None
     watcher: asyncio.Task[None] | None = None
 
 
@@ -139,37 +138,40 @@ class Leases:
 
     async def _hold_engine(self, hold: _Hold) -> None:
         """Open the engine's exclusive-execution lease stream and wait for its `held` line."""
-        assert hold.slot is not None and hold.slot.engine.session is not None
-        body = {"holder": hold.lease.holder, "wait_s": ENGINE_LEASE_WAIT_S}
+        assert hold.slot is not None
+        body = msgspec.json.encode({"holder": hold.lease.holder, "wait_s": ENGINE_LEASE_WAIT_S})
         try:
-            resp = await hold.slot.engine.session.post("http://engine/admin/lease", json=body)
-        except (aiohttp.ClientError, OSError) as exc:
-            raise APIError(503, f"The engine could not be leased: {exc}", type="server_error",
+            up = await open_upstream(hold.slot.engine.socket, "POST", "/admin/lease", body)
+        except (TimeoutError, OSError) as exc:
+            raise APIError(503, f"The engine could not be leased: {exc or type(exc).__name__}", type="server_error",
                            code="lease_failed") from None
         try:
-            first = await resp.content.readline() if resp.status == 200 else b""
-        except (aiohttp.ClientError, OSError) as exc:
-            resp.close()
-            raise APIError(503, f"The engine died while being leased: {exc}", type="server_error",
-                           code="lease_failed") from None
+            first = await _first_line(up)
         except BaseException:  # our caller left: don't keep the engine's lease open
-            resp.close()
+            up.close()
             raise
-        held = json.loads(first) if first.strip() else {}
-        if held.get("status") != "held":
-            detail = (await resp.text())[:200] if resp.status != 200 else "no held line"
-            resp.close()
+        if up.head is None or (up.lost and not first):
+            up.close()
+            raise APIError(503, "The engine died while being leased.", type="server_error", code="lease_failed")
+        try:
+            held = json.loads(first) if up.head.status == 200 and first.strip() else {}
+        except ValueError:
+            held = {}
+        if not isinstance(held, dict) or held.get("status") != "held":
+            detail = first[:200].decode(errors="replace") or "no held line"
+            up.close()
             raise APIError(503, f"The engine refused the lease: {detail}", type="server_error", code="lease_failed")
         hold.slot.engine_lease_token = str(held.get("token", ""))
-        hold.engine_stream = resp
+        hold.engine_stream = up
         hold.watcher = self._spawn(self._watch_engine(hold))
 
     async def _watch_engine(self, hold: _Hold) -> None:
         """The engine's lease stream ends only when the engine goes: then so does the lease."""
-        assert hold.engine_stream is not None
-        with contextlib.suppress(aiohttp.ClientError, OSError):
-            async for _ in hold.engine_stream.content:
-                pass
+        up = hold.engine_stream
+        assert up is not None
+        while not (up.ended or up.lost):  # heartbeats, read and dropped
+            up.take_body()
+            await up.changed()
         if hold.lease.id in self._held:
             self.end(hold.lease.id, "engine_crashed")
 
@@ -193,6 +195,18 @@ class Leases:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+
+async def _first_line(up: Upstream) -> bytes:
+    """The first line of an answer (for an error answer, its whole body, up to 64 KB)."""
+    buf = b""
+    while True:
+        buf += b"".join(up.take_body())
+        if (up.head is not None and up.head.status == 200 and b"\n" in buf) or len(buf) > 65536:
+            return buf.split(b"\n", 1)[0]
+        if up.ended or up.lost:
+            return buf
+        await up.changed()
 
 
 def _not_found(lease_id: str) -> APIError:

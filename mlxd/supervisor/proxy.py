@@ -299,15 +299,53 @@ class Upstream(asyncio.Protocol):
             self._waiter.set_result(None)
 
 
-def request_bytes(path_qs: str, body: bytes, headers: Mapping[str, str]) -> bytes:
-    """The upstream request: a POST of `body`, closing the connection after the answer."""
-    lines = [f"POST {path_qs} HTTP/1.1", "Host: engine", "Content-Type: application/json",
+def request_bytes(path_qs: str, body: bytes, headers: Mapping[str, str], method: str = "POST") -> bytes:
+    """The upstream request: `body` (JSON), closing the connection after the answer."""
+    lines = [f"{method} {path_qs} HTTP/1.1", "Host: engine", "Content-Type: application/json",
              f"Content-Length: {len(body)}", "Connection: close"]
     for name, value in headers.items():
         if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
             raise ValueError(f"header {name!r} has a line break")
         lines.append(f"{name}: {value}")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+async def open_upstream(
+    socket: Path, method: str, path: str, body: bytes = b"", headers: Mapping[str, str] | None = None,
+) -> Upstream:
+    """Connect to the engine at `socket` and send one request; the answer fills the returned
+    Upstream as it comes (the caller closes it). OSError when nothing listens there."""
+    loop = asyncio.get_running_loop()
+    transport, up = await asyncio.wait_for(loop.create_unix_connection(Upstream, str(socket)), CONNECT_TIMEOUT_S)
+    if up.lost or transport.is_closing():
+        raise ConnectionResetError("the engine closed the connection at once")
+    transport.write(request_bytes(path, body, headers or {}, method))
+    return up
+
+
+async def call(socket: Path, method: str, path: str, body: bytes = b"", timeout_s: float = 2.0) -> tuple[int, bytes]:
+    """One whole request to an engine (its health, stats, drain): the status and body.
+
+    The supervisor's one engine client is this module's: relayed requests, these calls and
+    the lease stream all go through Upstream. Raises TimeoutError, OSError, or UpstreamError
+    for an answer cut short or not HTTP.
+    """
+    async with asyncio.timeout(timeout_s):
+        up = await open_upstream(socket, method, path, body)
+        try:
+            parts: list[bytes] = []
+            while True:
+                parts += up.take_body()
+                if up.ended or up.lost:
+                    break
+                await up.changed()
+            if up.error:
+                raise UpstreamError(up.error)
+            if up.head is None or not up.ended:
+                raise UpstreamError("the engine closed the connection before its answer ended")
+            return up.head.status, b"".join(parts)
+        finally:
+            up.close()
 
 
 def connection_gate() -> asyncio.Semaphore:
