@@ -1,0 +1,151 @@
+"""What speaking another API costs: the same stream as OpenAI chat and as Anthropic Messages,
+through one supervisor and one engine (issue 13).
+
+Figures:
+  * decode tokens/s of an Anthropic stream / an OpenAI chat stream (target >= 0.98)
+  * added time to first token of an Anthropic stream, p50 (target <= 2 ms)
+  * the supervisor's own cost per streamed event for each: splitting the engine's SSE,
+    decoding the chunk and writing the caller's events (MessageStream), in this process
+
+The two kinds alternate, and which goes first alternates too, so machine noise hits both
+alike. Every request gets its own prompt (a leading request number, the same length for
+all) so the prompt cache helps neither. Both ask for the same number of tokens, greedy; a
+random-weight model almost never samples EOS, and a reply that ends early is left out of
+the decode figure. Decode is timed from the first content event to the last, over the
+tokens the answer's usage counts. Warm-up rounds come first.
+
+  python benchmarks/api_overhead.py                       # random llama 256x2, built in a temp dir
+  python benchmarks/api_overhead.py --model DIR --rounds 30 --tokens 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx2 as httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def openai_stream(client: httpx.Client, model: str, prompt: str, tokens: int) -> dict[str, Any]:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    sent = time.perf_counter()
+    stamps, used = [], 0
+    with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        for line in resp.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                stamps.append(time.perf_counter())
+            if chunk.get("usage"):
+                used = chunk["usage"]["completion_tokens"]
+    return {"ttft": stamps[0] - sent, "stamps": stamps, "tokens": used}
+
+
+def anthropic_stream(client: httpx.Client, model: str, prompt: str, tokens: int) -> dict[str, Any]:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens,
+            "temperature": 0, "stream": True}
+    sent = time.perf_counter()
+    stamps, used = [], 0
+    with client.stream("POST", "/v1/messages", json=body, headers={"anthropic-version": "2023-06-01"}) as resp:
+        for line in resp.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event["type"] == "content_block_delta" and event["delta"].get("text"):
+                stamps.append(time.perf_counter())
+            elif event["type"] == "message_delta":
+                used = event["usage"]["output_tokens"]
+    return {"ttft": stamps[0] - sent, "stamps": stamps, "tokens": used}
+
+
+def decode_tps(run: dict[str, Any]) -> float | None:
+    spread = run["stamps"][-1] - run["stamps"][0]
+    return (run["tokens"] - 1) / spread if spread > 0 and len(run["stamps"]) > 1 else None
+
+
+def translation_cost(events: int = 20000) -> dict[str, float]:
+    """Microseconds per event for the supervisor's work on a stream, each API."""
+    from mlxd.protocol.anthropic import MessageStream
+    from mlxd.supervisor.proxy import SseEvents
+
+    chunk = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 1, "model": "m",
+             "choices": [{"index": 0, "delta": {"content": " word"}, "finish_reason": None, "logprobs": None}]}
+    wire = b"data: " + json.dumps(chunk).encode() + b"\n\n"
+    import msgspec
+
+    sse = SseEvents()
+    started = time.perf_counter()
+    for _ in range(events):
+        for data in sse.feed(wire):
+            assert data is not None
+    split_us = (time.perf_counter() - started) / events * 1e6
+    stream, sse = MessageStream("m"), SseEvents()
+    started = time.perf_counter()
+    for _ in range(events):
+        for data in sse.feed(wire):
+            assert data is not None
+            stream.feed(msgspec.json.decode(data))
+    anthropic_us = (time.perf_counter() - started) / events * 1e6
+    return {"sse_split_us": round(split_us, 2), "anthropic_event_us": round(anthropic_us, 2)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="MLX model dir (default: a random llama 256x2 built in a temp dir)")
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=128)
+    a = p.parse_args()
+
+    from tests.support import SupervisorProcess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(a.model) if a.model else Path(tmp) / "model"
+        if not a.model:
+            from mlxd.engine.models.random_model import build_random_llama
+
+            build_random_llama(model, hidden_size=256, num_layers=2, num_heads=2, num_kv_heads=1,
+                               intermediate_size=704, vocab_size=4096, context=8192)
+        sup = SupervisorProcess(f'[models.bench]\npath = "{model}"\n', Path(tmp) / "data").wait_up()
+        try:
+            client = httpx.Client(base_url=sup.url, timeout=600)
+            kinds = {"openai": openai_stream, "anthropic": anthropic_stream}
+            runs: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
+            for i in range(a.warmup + a.rounds):
+                order = list(kinds) if i % 2 == 0 else list(reversed(kinds))
+                for kind in order:
+                    prompt = f"Request {i:04d}{kind[0]}: write a long story about the sea."
+                    run = kinds[kind](client, "bench", prompt, a.tokens)
+                    if i >= a.warmup:
+                        runs[kind].append(run)
+            client.close()
+        finally:
+            sup.stop()
+    full = {k: [r for r in v if r["tokens"] == a.tokens] for k, v in runs.items()}
+    tps = {k: statistics.median([t for r in v if (t := decode_tps(r)) is not None]) for k, v in full.items()}
+    ttft = {k: statistics.median(r["ttft"] for r in v) for k, v in runs.items()}
+    out = {
+        "model": str(a.model or "random llama 256x2"), "rounds": a.rounds, "tokens": a.tokens,
+        "full_length_runs": {k: len(v) for k, v in full.items()},
+        "decode_tps": {k: round(v, 2) for k, v in tps.items()},
+        "decode_ratio": round(tps["anthropic"] / tps["openai"], 4),
+        "ttft_ms_p50": {k: round(v * 1000, 2) for k, v in ttft.items()},
+        "added_ttft_ms_p50": round((ttft["anthropic"] - ttft["openai"]) * 1000, 2),
+        "per_event": translation_cost(),
+    }
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
