@@ -131,31 +131,37 @@ class ResponseStore:
     def get(self, id: str) -> Stored | None:
         """The response, or None if it never was, was deleted or has expired; marks it used."""
         now = self._clock()
-        row = self._db.execute(
-            "SELECT id, previous_id, model, created_at, input, output, response FROM responses "
-            "WHERE id = ? AND expires_at > ?", (id, now)).fetchone()
-        if row is None:
-            return None
-        self._db.execute("UPDATE responses SET used_at = ? WHERE id = ?", (now, id))
-        return _stored(row)
+        stored = self._fetch(id, now)
+        if stored is not None:
+            self._db.execute("UPDATE responses SET used_at = ? WHERE id = ?", (now, id))
+        return stored
 
     def chain(self, id: str) -> list[Stored]:
         """The responses from the first of the chain to `id`, in order; ChainBroken naming the
-        first one missing (`id` itself included)."""
+        first one missing (`id` itself included). All are marked used, in one commit."""
+        now = self._clock()
         out: list[Stored] = []
         seen: set[str] = set()
         current: str | None = id
-        while current is not None:
-            if current in seen or len(out) >= MAX_CHAIN:
-                raise ChainBroken(current)
-            seen.add(current)
-            stored = self.get(current)
-            if stored is None:
-                raise ChainBroken(current)
-            out.append(stored)
-            current = stored.previous_id
+        with self._transaction():
+            while current is not None:
+                if current in seen or len(out) >= MAX_CHAIN:
+                    raise ChainBroken(current)
+                seen.add(current)
+                stored = self._fetch(current, now)
+                if stored is None:
+                    raise ChainBroken(current)
+                out.append(stored)
+                current = stored.previous_id
+            self._db.executemany("UPDATE responses SET used_at = ? WHERE id = ?", [(now, s.id) for s in out])
         out.reverse()
         return out
+
+    def _fetch(self, id: str, now: float) -> Stored | None:
+        row = self._db.execute(
+            "SELECT id, previous_id, model, created_at, input, output, response FROM responses "
+            "WHERE id = ? AND expires_at > ?", (id, now)).fetchone()
+        return _stored(row) if row is not None else None
 
     def delete(self, id: str) -> bool:
         with self._transaction():
