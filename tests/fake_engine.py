@@ -35,6 +35,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if MODE == "hang":
         time.sleep(3600)  # block the loop: /health stops answering too
     if not body.get("stream"):
+        if request.path == "/v1/chat/completions":
+            return web.json_response({"object": "chat.completion", "choices": [{
+                "index": 0, "message": {"role": "assistant", "content": "fake"}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})
         return web.json_response({"object": "text_completion", "choices": [{"index": 0, "text": "fake", "finish_reason": "stop"}]})
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)

@@ -409,6 +409,13 @@ class MessageStream:
         return b"".join([self.start(), self._close(), sse("message_delta", delta),
                          sse("message_stop", {"type": "message_stop"})])
 
+    def fail(self, status: int, message: str, code: str | None = None) -> bytes:
+        """An error mid-stream: Anthropic's `error` event, the stream's last."""
+        if self.ended:
+            return b""
+        self.ended = True
+        return error_event(status, message)
+
     def _call(self, call: dict[str, Any]) -> bytes:
         out = []
         index = call.get("index", 0)

@@ -32,7 +32,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     entry = _entry(request, req.model)
     model = req.model or entry.id
 
-    def whole(status: int, data: bytes) -> tuple[int, bytes]:
+    async def whole(status: int, data: bytes) -> tuple[int, bytes]:
         return status, msgspec.json.encode(anthropic.from_chat(msgspec.json.decode(data), model))
 
     stream = (lambda: anthropic.MessageStream(model)) if req.stream else None
@@ -48,7 +48,7 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
     chat = anthropic.to_chat(req)
     entry = _entry(request, req.model)
 
-    def whole(status: int, data: bytes) -> tuple[int, bytes]:
+    async def whole(status: int, data: bytes) -> tuple[int, bytes]:
         rendered = msgspec.json.decode(data)
         return status, msgspec.json.encode({"input_tokens": int(rendered["prompt_tokens"])})
 

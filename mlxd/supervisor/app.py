@@ -22,12 +22,14 @@ from mlxd.supervisor.metrics import LazyMetrics, make_metrics_middleware
 from mlxd.supervisor.openapi import openapi_json
 from mlxd.supervisor.pool import Pool
 from mlxd.supervisor.registry import Registry
+from mlxd.supervisor.response_store import ResponseStore
+from mlxd.supervisor.responses_routes import setup_responses_routes
 
 OPEN_PATHS = frozenset({"/health"})
 BODY_TIMEOUTS_PER_HEAD = 6  # a request body must arrive within 6 head deadlines (60 s by default)
 
 
-def make_app(config: Config, registry: Registry, pool: Pool) -> web.Application:
+def make_app(config: Config, registry: Registry, pool: Pool, store: ResponseStore | None = None) -> web.Application:
     """The supervisor app; its cleanup context stops every engine."""
     metrics, server = LazyMetrics(pool), config.server
     hosts = HostPolicy.make(server.host, server.allowed_hosts, server.allowed_origins, machine_names())
@@ -44,6 +46,7 @@ def make_app(config: Config, registry: Registry, pool: Pool) -> web.Application:
     app.router.add_post("/v1/completions", routes.inference)
     app.router.add_get("/v1/models", routes.list_models)
     setup_anthropic_routes(app)
+    setup_responses_routes(app, store)
     app.router.add_get("/health", routes.health)
     app.router.add_get("/metrics", routes.metrics)
     app.router.add_get("/openapi.json", openapi_json)

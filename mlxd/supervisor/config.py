@@ -97,11 +97,19 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     healthy_reset_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
 
 
+class ResponsesConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The `[responses]` table: the Responses API's store (responses.sqlite3 in the data dir)."""
+
+    ttl_s: Annotated[float, msgspec.Meta(gt=0)] = 30 * 24 * 3600.0  # a stored response lives this long
+    max_bytes: Annotated[int, msgspec.Meta(ge=1)] = 1024 * MIB  # then the least recently used go
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The whole config file."""
 
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     pool: PoolConfig = msgspec.field(default_factory=PoolConfig)
+    responses: ResponsesConfig = msgspec.field(default_factory=ResponsesConfig)
     models: dict[str, ModelConfig] = msgspec.field(default_factory=dict)
 
 

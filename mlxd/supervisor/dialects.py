@@ -12,7 +12,7 @@ chunks in, the caller's events out), and the converter of a whole one.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -82,13 +82,17 @@ class StreamTranslator(Protocol):
 
     def finish(self) -> bytes: ...
 
+    def fail(self, status: int, message: str, code: str | None) -> bytes: ...
+
 
 @dataclass(frozen=True, slots=True)
 class Translation:
     path: str  # the engine route the translated body goes to
     dialect: Dialect
     stream: Callable[[], StreamTranslator] | None  # None: the answer is never a stream
-    whole: Callable[[int, bytes], tuple[int, bytes]]  # the engine's status and body -> the caller's
+    whole: Callable[[int, bytes], Awaitable[tuple[int, bytes]]]  # the engine's status and body -> the caller's
+    # After `finish` and before its events are sent (the Responses store writes then)
+    on_final: Callable[[StreamTranslator], Awaitable[None]] | None = None
 
 
 def engine_error(status: int, data: bytes) -> APIError:

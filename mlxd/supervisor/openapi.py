@@ -16,7 +16,7 @@ import msgspec
 from aiohttp import web
 
 from mlxd import __version__
-from mlxd.protocol import anthropic, openai
+from mlxd.protocol import anthropic, openai, responses
 from mlxd.protocol.errors import ErrorBody
 from mlxd.protocol.process import LEASE_HEADER, DrainResult
 from mlxd.protocol.stats import PromptCacheStats
@@ -173,12 +173,47 @@ class InputTokens(msgspec.Struct):
     input_tokens: int
 
 
+class ResponseObject(msgspec.Struct):
+    """A Response (OpenAI's Responses API): `output` holds reasoning, message and
+    function_call items; the request's settings are echoed."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    completed_at: int | None
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any] | None
+    previous_response_id: str | None
+    instructions: str | None
+    error: dict[str, Any] | None
+    incomplete_details: dict[str, Any] | None
+    store: bool
+    metadata: dict[str, Any]
+
+
+class ResponseDeleted(msgspec.Struct):
+    id: str
+    object: Literal["response"]
+    deleted: bool
+
+
+class InputItemList(msgspec.Struct):
+    object: Literal["list"]
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 SCHEMA_TYPES: tuple[Any, ...] = (
     openai.ChatCompletionRequest, openai.CompletionRequest, openai.ChatCompletion,
     openai.ChatCompletionChunk, openai.Completion, ErrorBody, admin.LoadBody, admin.UnloadBody,
     admin.DrainBody, admin.LeaseBody, admin.RenewBody, ModelInfoList, Health, EngineList,
     LoadAnswer, UnloadAnswer, DrainAnswer, Lease, LeaseList, LeaseDeleted, anthropic.MessagesRequest,
-    anthropic.CountTokensRequest, AnthropicMessage, AnthropicErrorBody, InputTokens,
+    anthropic.CountTokensRequest, AnthropicMessage, AnthropicErrorBody, InputTokens, responses.ResponsesRequest,
+    ResponseObject, ResponseDeleted, InputItemList,
 )
 
 def prompt_schema() -> dict[str, Any]:
@@ -265,6 +300,10 @@ def event_schema(chunk: str) -> dict[str, Any]:
                            "the stream closes."}
 
 
+def response_id_param() -> dict[str, Any]:
+    return {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+
+
 def lease_id_param() -> dict[str, Any]:
     return {"name": "lease_id", "in": "path", "required": True, "schema": {"type": "string"}}
 
@@ -282,6 +321,28 @@ def make_paths() -> dict[str, Any]:
         "/v1/models": {"get": operation("listModels", "Every model that exists (Anthropic's list shape when "
                                         "`anthropic-version` is sent)", json_content(ref("ModelInfoList")),
                                         GUARDED, tag="OpenAI")},
+        "/v1/responses": {"post": operation(
+            "createResponse", "Responses API, translated onto the model's engine; stored for chaining "
+            "(docs/responses.md)",
+            {**json_content(ref("ResponseObject")), "text/event-stream": {"schema": {
+                "type": "string", "description": "The Responses events (response.created ... response.completed), "
+                                                 "each with its sequence_number; then `data: [DONE]`"}}},
+            INFERENCE_ERRORS, tag="Responses", body="ResponsesRequest")},
+        "/v1/responses/{response_id}": {
+            "get": operation("getResponse", "A stored response (`?stream=true`: as the events of a stream)",
+                             json_content(ref("ResponseObject")), (*GUARDED, 404), tag="Responses",
+                             parameters=[response_id_param(), {"name": "stream", "in": "query", "required": False,
+                                                               "schema": {"type": "string", "enum": ["true", "false"]}}]),
+            "delete": operation("deleteResponse", "Delete a stored response", json_content(ref("ResponseDeleted")),
+                                (*GUARDED, 404), tag="Responses", parameters=[response_id_param()]),
+        },
+        "/v1/responses/{response_id}/input_items": {"get": operation(
+            "listInputItems", "A stored response's own input items", json_content(ref("InputItemList")),
+            (*GUARDED, 404), tag="Responses", parameters=[response_id_param(), *[
+                {"name": "limit", "in": "query", "required": False,
+                 "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
+                {"name": "order", "in": "query", "required": False, "schema": {"type": "string", "enum": ["asc", "desc"]}},
+                {"name": "after", "in": "query", "required": False, "schema": {"type": "string"}}]])},
         "/v1/messages": {"post": operation(
             "createMessage", "Anthropic Messages, translated onto the model's engine (docs/anthropic.md)",
             {**json_content(ref("AnthropicMessage")), "text/event-stream": {"schema": {

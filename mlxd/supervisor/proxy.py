@@ -396,7 +396,7 @@ async def _forward(
                 return await relay_translated(request, up, translation, on_first_chunk, prepared)
             return await relay_stream(request, up, on_first_chunk, prepared)
         whole = await relay_whole(up)
-        return translate_whole(whole, translation) if translation is not None else whole
+        return await translate_whole(whole, translation) if translation is not None else whole
     finally:
         up.close()
         if up.error:
@@ -493,7 +493,7 @@ async def _write_payloads(
         await up.changed()
 
 
-def translate_whole(resp: web.Response, translation: Translation) -> web.Response:
+async def translate_whole(resp: web.Response, translation: Translation) -> web.Response:
     """A whole answer in the caller's API: a success converted, an error re-encoded."""
     data = resp.body if isinstance(resp.body, bytes) else b""
     retry = {"Retry-After": resp.headers["Retry-After"]} if "Retry-After" in resp.headers else {}
@@ -501,7 +501,7 @@ def translate_whole(resp: web.Response, translation: Translation) -> web.Respons
         err = engine_error(resp.status, data)
         err.headers.update(retry)
         return translation.dialect.error_response(err)
-    status, body = translation.whole(resp.status, data)
+    status, body = await translation.whole(resp.status, data)
     return web.Response(status=status, body=body, content_type="application/json", headers=retry)
 
 
@@ -527,36 +527,43 @@ async def relay_translated(
         await resp.write(translator.start())
         while True:
             out: list[bytes] = []
+            done = False
             for payload in up.take_body():
                 for data in events.feed(payload):
-                    out.append(_translate_event(data, translator, translation))
+                    if data == b"[DONE]":
+                        done = True
+                    else:
+                        out.append(_translate_event(data, translator))
             if out:
                 if not sent:
                     sent = True
                     on_first_chunk()
                 await resp.write(b"".join(out))
+            if done and not translator.ended:
+                closing = translator.finish()
+                if translation.on_final is not None:
+                    await translation.on_final(translator)
+                await resp.write(closing)
             if up.body:
                 continue
             if up.ended or up.lost:
                 break
             await up.changed()
         if not translator.ended:  # the engine went away, or its stream ended with no [DONE]
-            translator.ended = True
-            await resp.write(translation.dialect.error_event(crashed_error()))
+            err = crashed_error()
+            await resp.write(translator.fail(err.status, err.message, err.code))
         await resp.write_eof()
     except ConnectionResetError:
         pass
     return resp
 
 
-def _translate_event(data: bytes | None, translator: StreamTranslator, translation: Translation) -> bytes:
+def _translate_event(data: bytes | None, translator: StreamTranslator) -> bytes:
     """One SSE event from the engine (its data; None for a comment, a keep-alive) in the caller's API."""
     if data is None:
         return b": keep-alive\n\n"
     if translator.ended:
         return b""
-    if data == b"[DONE]":
-        return translator.finish()
     try:
         chunk = msgspec.json.decode(data)
     except msgspec.DecodeError:
@@ -565,8 +572,8 @@ def _translate_event(data: bytes | None, translator: StreamTranslator, translati
     if not isinstance(chunk, dict):
         return b""
     if "error" in chunk:
-        translator.ended = True
-        return translation.dialect.error_event(engine_error(500, data))
+        err = engine_error(500, data)
+        return translator.fail(err.status, err.message, err.code)
     return translator.feed(chunk)
 
 

@@ -82,15 +82,17 @@ class Stored:
 class ResponseStore:
     """The store itself: blocking calls, one thread at a time (see AsyncStore)."""
 
-    def __init__(self, path: Path, ttl_s: float = DEFAULT_TTL_S, cap_bytes: int = DEFAULT_CAP_BYTES,
+    def __init__(self, path: Path | None, ttl_s: float = DEFAULT_TTL_S, cap_bytes: int = DEFAULT_CAP_BYTES,
                  clock: Callable[[], float] = time.time) -> None:
+        """`path` None: in memory (an app made without a data dir, in tests)."""
         self.path = path
         self.ttl_s = ttl_s
         self.cap_bytes = cap_bytes
         self._clock = clock
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+            self._db = sqlite3.connect(str(path or ":memory:"), isolation_level=None, check_same_thread=False)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
             version = self._db.execute("PRAGMA user_version").fetchone()[0]

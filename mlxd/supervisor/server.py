@@ -25,6 +25,7 @@ from mlxd.supervisor.connections import ConnectionTable, GuardedSite
 from mlxd.supervisor.engine import EngineOptions
 from mlxd.supervisor.pool import Pool
 from mlxd.supervisor.registry import Registry
+from mlxd.supervisor.response_store import ResponseStore, StoreError
 
 log = logging.getLogger("mlxd.supervisor")
 # In-flight requests get this long to finish at shutdown before engines are stopped.
@@ -58,7 +59,13 @@ def serve(config: Config, data_dir: Path) -> int:
     # Engines inherit it: a stream queued inside an engine gets the same keep-alive comments.
     os.environ.setdefault(STREAM_KEEPALIVE_ENV, str(config.server.stream_keepalive_s))
     registry = Registry(config.models, models_dir=models_dir(data_dir), batch=config.pool.batch)
-    app = make_app(config, registry, Pool(runtime, EngineOptions.from_env(), config.pool, kv_dir=data_dir / "kv"))
+    try:
+        store = ResponseStore(data_dir / "responses.sqlite3", config.responses.ttl_s, config.responses.max_bytes)
+    except StoreError as exc:
+        log.error("cannot open the response store: %s (move the file away to start a new one)", exc)
+        return 1
+    pool = Pool(runtime, EngineOptions.from_env(), config.pool, kv_dir=data_dir / "kv")
+    app = make_app(config, registry, pool, store)
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         return runner.run(run(app, config.server, started))
 

@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import Case, GenerationMode
 
-from mlxd.protocol import anthropic, openai
+from mlxd.protocol import anthropic, openai, responses
 from mlxd.protocol.json_body import decode_as
 from mlxd.supervisor import admin_routes as admin
 from mlxd.supervisor.app import make_app
@@ -31,6 +31,7 @@ BODIES: dict[tuple[str, str], type[Any]] = {
     ("POST", "/v1/completions"): openai.CompletionRequest,
     ("POST", "/v1/messages"): anthropic.MessagesRequest,
     ("POST", "/v1/messages/count_tokens"): anthropic.CountTokensRequest,
+    ("POST", "/v1/responses"): responses.ResponsesRequest,
     ("POST", "/admin/load"): admin.LoadBody,
     ("POST", "/admin/unload"): admin.UnloadBody,
     ("POST", "/admin/drain"): admin.DrainBody,
