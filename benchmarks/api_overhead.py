@@ -1,18 +1,22 @@
-"""What speaking another API costs: the same stream as OpenAI chat and as Anthropic Messages,
-through one supervisor and one engine (issue 13).
+"""What speaking another API costs: the same stream as OpenAI chat, as Anthropic Messages and
+as a Responses stream, through one supervisor and one engine (issue 13).
 
-Figures:
-  * decode tokens/s of an Anthropic stream / an OpenAI chat stream (target >= 0.98)
-  * added time to first token of an Anthropic stream, p50 (target <= 2 ms)
-  * the supervisor's own cost per streamed event for each: splitting the engine's SSE,
-    decoding the chunk and writing the caller's events (MessageStream), in this process
+Figures, for Anthropic and for Responses against OpenAI chat:
+  * decode tokens/s of the stream / an OpenAI chat stream's (target >= 0.98)
+  * added time to first token, p50 (target <= 2 ms)
+  * the supervisor's own cost per streamed event: splitting the engine's SSE, decoding the
+    chunk and writing the caller's events (MessageStream, ResponseStream), in this process
 
-The two kinds alternate, and which goes first alternates too, so machine noise hits both
-alike. Every request gets its own prompt (a leading request number, the same length for
-all) so the prompt cache helps neither. Both ask for the same number of tokens, greedy; a
-random-weight model almost never samples EOS, and a reply that ends early is left out of
-the decode figure. Decode is timed from the first content event to the last, over the
-tokens the answer's usage counts. Warm-up rounds come first.
+(A Responses request is stored, so its figure includes the store's write before the last
+event: the end of its stream, not its first token or its decode rate.)
+
+The three kinds take turns, each going first in turn, so machine noise hits all alike. In
+a round all three send the same prompt (a leading round number), so they generate the same
+tokens, greedy, and the engine runs with no prompt cache (`[pool] prompt_cache_bytes = 0`),
+so none starts from another's prefill. A random-weight model almost never samples EOS; a
+reply that ends early is left out of the decode figure. Decode is timed from the first
+content event to the last, over the tokens the answer's usage counts. Warm-up rounds come
+first.
 
   python benchmarks/api_overhead.py                       # random llama 256x2, built in a temp dir
   python benchmarks/api_overhead.py --model DIR --rounds 30 --tokens 256
@@ -69,6 +73,22 @@ def anthropic_stream(client: httpx.Client, model: str, prompt: str, tokens: int)
     return {"ttft": stamps[0] - sent, "stamps": stamps, "tokens": used}
 
 
+def responses_stream(client: httpx.Client, model: str, prompt: str, tokens: int) -> dict[str, Any]:
+    body = {"model": model, "input": prompt, "max_output_tokens": tokens, "temperature": 0, "stream": True}
+    sent = time.perf_counter()
+    stamps, used = [], 0
+    with client.stream("POST", "/v1/responses", json=body) as resp:
+        for line in resp.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event["type"] == "response.output_text.delta" and event["delta"]:
+                stamps.append(time.perf_counter())
+            elif event["type"] in ("response.completed", "response.incomplete"):
+                used = event["response"]["usage"]["output_tokens"]
+    return {"ttft": stamps[0] - sent, "stamps": stamps, "tokens": used}
+
+
 def decode_tps(run: dict[str, Any]) -> float | None:
     spread = run["stamps"][-1] - run["stamps"][0]
     return (run["tokens"] - 1) / spread if spread > 0 and len(run["stamps"]) > 1 else None
@@ -77,6 +97,7 @@ def decode_tps(run: dict[str, Any]) -> float | None:
 def translation_cost(events: int = 20000) -> dict[str, float]:
     """Microseconds per event for the supervisor's work on a stream, each API."""
     from mlxd.protocol.anthropic import MessageStream
+    from mlxd.protocol.responses import ResponsesRequest, ResponseStream, Shell
     from mlxd.supervisor.proxy import SseEvents
 
     chunk = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 1, "model": "m",
@@ -90,14 +111,17 @@ def translation_cost(events: int = 20000) -> dict[str, float]:
         for data in sse.feed(wire):
             assert data is not None
     split_us = (time.perf_counter() - started) / events * 1e6
-    stream, sse = MessageStream("m"), SseEvents()
-    started = time.perf_counter()
-    for _ in range(events):
-        for data in sse.feed(wire):
-            assert data is not None
-            stream.feed(msgspec.json.decode(data))
-    anthropic_us = (time.perf_counter() - started) / events * 1e6
-    return {"sse_split_us": round(split_us, 2), "anthropic_event_us": round(anthropic_us, 2)}
+    costs = {"sse_split_us": round(split_us, 2)}
+    for name, translator in (("anthropic_event_us", MessageStream("m")),
+                             ("responses_event_us", ResponseStream(Shell(ResponsesRequest(), "m")))):
+        sse = SseEvents()
+        started = time.perf_counter()
+        for _ in range(events):
+            for data in sse.feed(wire):
+                assert data is not None
+                translator.feed(msgspec.json.decode(data))
+        costs[name] = round((time.perf_counter() - started) / events * 1e6, 2)
+    return costs
 
 
 def main() -> None:
@@ -117,15 +141,16 @@ def main() -> None:
 
             build_random_llama(model, hidden_size=256, num_layers=2, num_heads=2, num_kv_heads=1,
                                intermediate_size=704, vocab_size=4096, context=8192)
-        sup = SupervisorProcess(f'[models.bench]\npath = "{model}"\n', Path(tmp) / "data").wait_up()
+        config = f'[pool]\nprompt_cache_bytes = 0\n\n[models.bench]\npath = "{model}"\n'
+        sup = SupervisorProcess(config, Path(tmp) / "data").wait_up()
         try:
             client = httpx.Client(base_url=sup.url, timeout=600)
-            kinds = {"openai": openai_stream, "anthropic": anthropic_stream}
+            kinds = {"openai": openai_stream, "anthropic": anthropic_stream, "responses": responses_stream}
             runs: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
             for i in range(a.warmup + a.rounds):
-                order = list(kinds) if i % 2 == 0 else list(reversed(kinds))
+                order = list(kinds)[i % 3:] + list(kinds)[:i % 3]  # each kind goes first in turn
                 for kind in order:
-                    prompt = f"Request {i:04d}{kind[0]}: write a long story about the sea."
+                    prompt = f"Request {i:04d}: write a long story about the sea."
                     run = kinds[kind](client, "bench", prompt, a.tokens)
                     if i >= a.warmup:
                         runs[kind].append(run)
@@ -139,9 +164,9 @@ def main() -> None:
         "model": str(a.model or "random llama 256x2"), "rounds": a.rounds, "tokens": a.tokens,
         "full_length_runs": {k: len(v) for k, v in full.items()},
         "decode_tps": {k: round(v, 2) for k, v in tps.items()},
-        "decode_ratio": round(tps["anthropic"] / tps["openai"], 4),
+        "decode_ratio": {k: round(tps[k] / tps["openai"], 4) for k in ("anthropic", "responses")},
         "ttft_ms_p50": {k: round(v * 1000, 2) for k, v in ttft.items()},
-        "added_ttft_ms_p50": round((ttft["anthropic"] - ttft["openai"]) * 1000, 2),
+        "added_ttft_ms_p50": {k: round((ttft[k] - ttft["openai"]) * 1000, 2) for k in ("anthropic", "responses")},
         "per_event": translation_cost(),
     }
     print(json.dumps(out, indent=2))

@@ -163,6 +163,8 @@ class Upstream(asyncio.Protocol):
         self.lost = False  # the connection closed before that
         self.error: str | None = None
         self.sink: Callable[[bytes], None] | None = None
+        # or: each read's complete payloads, unframed (the translating relay's)
+        self.payload_sink: Callable[[list[bytes]], None] | None = None
         self.paused = False
         self._head_buf = b""
         self._chunked: ChunkedBody | None = None
@@ -187,7 +189,7 @@ class Upstream(asyncio.Protocol):
             self.close()
             self._wake()
             return
-        if self.sink is None or self.ended:  # with a sink, the relaying task sleeps until the end
+        if (self.sink is None and self.payload_sink is None) or self.ended:  # with a sink, the task sleeps
             self._wake()
 
     def eof_received(self) -> bool | None:
@@ -220,7 +222,7 @@ class Upstream(asyncio.Protocol):
     def take_body(self) -> list[bytes]:
         """The payloads that arrived since the last call (reading resumes if they had paused it)."""
         body, self.body, self._held = self.body, [], 0
-        if self.sink is None:
+        if self.sink is None and self.payload_sink is None:
             self.resume()
         return body
 
@@ -267,6 +269,11 @@ class Upstream(asyncio.Protocol):
             if self.sink is not None:
                 if framed := self._chunked.feed(data):
                     self.sink(framed)
+            elif self.payload_sink is not None:
+                payloads: list[bytes] = []
+                self._chunked.feed(data, payloads)
+                if payloads:
+                    self.payload_sink(payloads)
             else:
                 before = len(self.body)
                 self._chunked.feed(data, self.body)
@@ -293,6 +300,10 @@ class Upstream(asyncio.Protocol):
         self._held += num_bytes
         if self._held > HIGH_WATER:
             self.pause()
+
+    def wake(self) -> None:
+        """Wake the relaying task (a sink that needs it to act)."""
+        self._wake()
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
@@ -511,44 +522,52 @@ async def relay_translated(
 ) -> web.StreamResponse:
     """The engine's chat stream decoded event by event and re-encoded in the caller's API.
 
-    Backpressure is aiohttp's: `write` waits while the caller's buffer is full, meanwhile
-    nothing is taken from the engine, whose socket stops being read past HIGH_WATER. A caller
-    gone ends the upstream (the engine cancels); an engine gone, or an error event from it,
-    becomes the caller's API's error event.
+    As on the direct path, when both sides speak chunked HTTP the work happens in the callback
+    that read the engine's bytes: its events are translated and written, framed, to the
+    caller's transport, with no task wake-up per token (a caller over HIGH_WATER unsent bytes
+    pauses reading from the engine). The task wakes to wait out a slow caller, and for the end:
+    the closing events (after the Responses store's write, `on_final`), or the caller's API's
+    error event when the engine went away. Otherwise (an HTTP/1.0 caller, compression) each
+    batch goes through aiohttp's `write`. A caller gone ends the upstream: the engine cancels.
     """
     assert translation.stream is not None
     resp = prepared or web.StreamResponse(headers=SSE_HEADERS)
     if prepared is None:
         await resp.prepare(request)
     translator = translation.stream()
-    events = SseEvents()
-    sent = False
+    relay = _Translating(translator, on_first_chunk)
     try:
         await resp.write(translator.start())
-        while True:
-            out: list[bytes] = []
-            done = False
-            for payload in up.take_body():
-                for data in events.feed(payload):
-                    if data == b"[DONE]":
-                        done = True
-                    else:
-                        out.append(_translate_event(data, translator))
-            if out:
-                if not sent:
-                    sent = True
-                    on_first_chunk()
-                await resp.write(b"".join(out))
-            if done and not translator.ended:
-                closing = translator.finish()
-                if translation.on_final is not None:
-                    await translation.on_final(translator)
-                await resp.write(closing)
-            if up.body:
-                continue
-            if up.ended or up.lost:
-                break
-            await up.changed()
+        direct = up.is_chunked and resp.headers.get("Transfer-Encoding", "").lower() == "chunked" and not resp.compression
+        transport = request.transport
+        if direct and transport is not None and not transport.is_closing():
+            first = relay.translate(up.take_body())  # what came before the sink was in place
+            if first:
+                await resp.write(first)
+            up.payload_sink = relay.writer(transport, up)
+            while not (up.ended or up.lost or relay.done):
+                await up.changed()
+                if transport.is_closing():
+                    return resp
+                if up.paused:
+                    while transport.get_write_buffer_size() > LOW_WATER and not transport.is_closing():
+                        await asyncio.sleep(DRAIN_POLL_S)
+                    up.resume()
+        else:
+            while not relay.done:
+                out = relay.translate(up.take_body())
+                if out:
+                    await resp.write(out)
+                if up.body:
+                    continue
+                if up.ended or up.lost:
+                    break
+                await up.changed()
+        if relay.done and not translator.ended:
+            closing = translator.finish()
+            if translation.on_final is not None:
+                await translation.on_final(translator)
+            await resp.write(closing)
         if not translator.ended:  # the engine went away, or its stream ended with no [DONE]
             err = crashed_error()
             await resp.write(translator.fail(err.status, err.message, err.code))
@@ -556,6 +575,48 @@ async def relay_translated(
     except ConnectionResetError:
         pass
     return resp
+
+
+class _Translating:
+    """One translated stream's state: its SSE splitter, and whether [DONE] came."""
+
+    def __init__(self, translator: StreamTranslator, on_first_chunk: Callable[[], None]) -> None:
+        self.translator = translator
+        self.events = SseEvents()
+        self.on_first_chunk = on_first_chunk
+        self.sent = False
+        self.done = False  # the engine's [DONE] arrived: the task closes the stream
+
+    def translate(self, payloads: list[bytes]) -> bytes:
+        out: list[bytes] = []
+        for payload in payloads:
+            for data in self.events.feed(payload):
+                if data == b"[DONE]":
+                    self.done = True
+                elif not self.done:
+                    out.append(_translate_event(data, self.translator))
+        blob = b"".join(out)
+        if blob and not self.sent:
+            self.sent = True
+            self.on_first_chunk()
+        return blob
+
+    def writer(self, transport: asyncio.Transport, up: Upstream) -> Callable[[list[bytes]], None]:
+        """The payload sink: translate, frame and write to the caller, in the read callback."""
+
+        def write(payloads: list[bytes]) -> None:
+            if transport.is_closing():
+                up.close()
+                return
+            blob = self.translate(payloads)
+            if blob:
+                transport.write(b"%x\r\n" % len(blob) + blob + b"\r\n")
+                if transport.get_write_buffer_size() > HIGH_WATER:
+                    up.pause()
+            if self.done or self.translator.ended:
+                up.wake()
+
+        return write
 
 
 def _translate_event(data: bytes | None, translator: StreamTranslator) -> bytes:
