@@ -213,3 +213,26 @@ def test_system_turns_join_the_system_prompt_first() -> None:
     with pytest.raises(APIError) as info:
         an.to_chat(request(messages=[{"role": "system", "content": [{"type": "tool_use", "id": "x", "name": "f"}]}]))
     assert info.value.param == "messages[0].content[0]"
+
+
+def full_stream() -> list[dict[str, Any]]:
+    return [chunk(role="assistant"), chunk(reasoning_content="Hm."), chunk(content="Sure"),
+            chunk(tool_calls=[{"index": 0, "id": "c0", "function": {"name": "f", "arguments": '{"a"'}}]),
+            chunk(tool_calls=[{"index": 0, "function": {"arguments": ": 1}"}}]),
+            {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+            {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4}}]
+
+
+@pytest.mark.parametrize("cut", range(len(full_stream()) + 1))
+def test_a_stream_cut_after_any_chunk_ends_with_an_error_event(cut: int) -> None:
+    """The engine gone after `cut` chunks (the relay then calls `fail`): every event before
+    is well formed and in order, and the last is Anthropic's error event."""
+    s = an.MessageStream("m")
+    data = s.start() + b"".join(s.feed(c) for c in full_stream()[:cut]) + s.fail(502, "The engine crashed.")
+    evs = events(data)
+    assert [n for n, _ in evs[:2]] == ["message_start", "ping"]
+    assert evs[-1] == ("error", {"type": "error", "error": {"type": "api_error", "message": "The engine crashed."}})
+    assert "message_stop" not in [n for n, _ in evs]
+    opened = [e["index"] for n, e in evs if n == "content_block_start"]
+    assert opened == list(range(len(opened)))
+    assert s.finish() == b""  # nothing after the error

@@ -225,3 +225,21 @@ def test_a_stored_response_replays_as_a_valid_stream() -> None:
     events = parse(rs.replay(s.response))
     assert events[-1]["response"] == s.response
     assert [e["item"]["type"] for e in events if e["type"] == "response.output_item.done"] == ["message", "function_call"]
+
+
+def full_stream() -> list[dict[str, Any]]:
+    return [chunk(role="assistant"), chunk(reasoning_content="Hm."), chunk(content="Sure"), chunk(content="."),
+            chunk(tool_calls=[{"index": 0, "id": "c0", "function": {"name": "get_weather", "arguments": '{"ci'}}]),
+            chunk(tool_calls=[{"index": 0, "function": {"arguments": 'ty": "Oslo"}'}}]),
+            {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+            {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4}}]
+
+
+@pytest.mark.parametrize("cut", range(len(full_stream()) + 1))
+def test_a_stream_cut_after_any_chunk_still_ends_as_a_valid_failed_stream(cut: int) -> None:
+    """The engine gone after `cut` chunks (the relay then calls `fail`): the caller still gets
+    a valid event sequence, ending with `error` and `response.failed`."""
+    s = rs.ResponseStream(rs.Shell(request(tools=[WEATHER]), "m"))
+    data = s.start() + b"".join(s.feed(c) for c in full_stream()[:cut])
+    events = parse(data + s.fail(502, "The engine crashed.", "engine_crashed"))
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
