@@ -185,8 +185,11 @@ def to_chat(req: ResponsesRequest, history: list[dict[str, Any]], items: list[di
         body["parallel_tool_calls"] = req.parallel_tool_calls
     if (fmt := chat_format(req.text)) is not None:
         body["response_format"] = fmt
-    if req.reasoning and isinstance(req.reasoning.get("effort"), str):
-        body["reasoning_effort"] = req.reasoning["effort"]
+    if req.reasoning is not None:  # asked for: a template that can think does (effort "none": it does not)
+        effort = req.reasoning.get("effort")
+        body["chat_template_kwargs"] = {"enable_thinking": effort != "none"}
+        if isinstance(effort, str):
+            body["reasoning_effort"] = effort
     for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                          ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty")):
         if (value := getattr(req, ours)) is not None:

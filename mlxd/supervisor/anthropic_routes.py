@@ -17,6 +17,9 @@ from mlxd.supervisor.registry import ModelEntry
 from mlxd.supervisor.routes import serve
 
 _messages = msgspec.json.Decoder(anthropic.MessagesRequest)
+# the engine's chat field names, as this API calls them (in error messages' `param`)
+PARAMS = (("response_format.json_schema.schema", "output_config.format.schema"),
+          ("response_format", "output_config.format"), ("stop", "stop_sequences"))
 _count = msgspec.json.Decoder(anthropic.CountTokensRequest)
 
 
@@ -36,7 +39,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
         return status, msgspec.json.encode(anthropic.from_chat(msgspec.json.decode(data), model))
 
     stream = (lambda: anthropic.MessageStream(model)) if req.stream else None
-    translation = Translation("/v1/chat/completions", ANTHROPIC, stream, whole)
+    translation = Translation("/v1/chat/completions", ANTHROPIC, stream, whole, params=PARAMS)
     return await serve(request, entry, msgspec.json.encode(chat), req.stream, started, translation)
 
 
@@ -52,7 +55,7 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
         rendered = msgspec.json.decode(data)
         return status, msgspec.json.encode({"input_tokens": int(rendered["prompt_tokens"])})
 
-    translation = Translation("/v1/chat/render", ANTHROPIC, None, whole)
+    translation = Translation("/v1/chat/render", ANTHROPIC, None, whole, params=PARAMS)
     return await serve(request, entry, msgspec.json.encode(chat), False, started, translation)
 
 

@@ -93,6 +93,17 @@ class Translation:
     whole: Callable[[int, bytes], Awaitable[tuple[int, bytes]]]  # the engine's status and body -> the caller's
     # After `finish` and before its events are sent (the Responses store writes then)
     on_final: Callable[[StreamTranslator], Awaitable[None]] | None = None
+    # The engine's error `param` names a chat field: (chat prefix, the caller's) renames it
+    params: tuple[tuple[str, str], ...] = ()
+
+    def error(self, status: int, data: bytes) -> APIError:
+        """The engine's error answer, its `param` in the caller's field names."""
+        err = engine_error(status, data)
+        for chat, theirs in self.params:
+            if err.param is not None and (err.param == chat or err.param.startswith(chat + ".")):
+                err.param = theirs + err.param[len(chat):]
+                break
+        return err
 
 
 def engine_error(status: int, data: bytes) -> APIError:

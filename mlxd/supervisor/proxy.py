@@ -509,7 +509,7 @@ async def translate_whole(resp: web.Response, translation: Translation) -> web.R
     data = resp.body if isinstance(resp.body, bytes) else b""
     retry = {"Retry-After": resp.headers["Retry-After"]} if "Retry-After" in resp.headers else {}
     if resp.status != 200:
-        err = engine_error(resp.status, data)
+        err = translation.error(resp.status, data)
         err.headers.update(retry)
         return translation.dialect.error_response(err)
     status, body = await translation.whole(resp.status, data)

@@ -74,7 +74,9 @@ async def create(request: web.Request) -> web.StreamResponse:
         await keep(translator.response)
 
     stream = (lambda: responses.ResponseStream(shell)) if req.stream else None
-    translation = Translation("/v1/chat/completions", OPENAI, stream, whole, on_final)
+    translation = Translation("/v1/chat/completions", OPENAI, stream, whole, on_final, params=(
+        ("response_format.json_schema.schema", "text.format.schema"), ("response_format", "text.format"),
+        ("max_tokens", "max_output_tokens"), ("messages", "input")))
     return await serve(request, entry, msgspec.json.encode(chat), req.stream, started, translation)
 
 

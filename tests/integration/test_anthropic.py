@@ -243,3 +243,9 @@ def test_an_http10_caller_gets_the_translated_stream_unframed_and_its_error_even
     assert names[:3] == ["message_start", "ping", "content_block_start"]
     assert names.count("content_block_delta") == 3  # the fake engine sends three tokens, then dies
     assert names[-1] == "error"
+
+
+def test_a_bad_output_schema_is_an_anthropic_400(client: anthropic.Anthropic) -> None:
+    with pytest.raises(anthropic.BadRequestError, match="not usable"):
+        client.messages.create(model=MODEL, max_tokens=5, messages=COUNT, output_config={
+            "format": {"type": "json_schema", "schema": {"type": "object", "properties": {"a": {"type": 12}}}}})

@@ -242,3 +242,11 @@ def test_an_engine_dying_mid_stream_is_an_error_event_then_response_failed(tmp_p
         assert [e["sequence_number"] for e in events] == list(range(len(events)))
     finally:
         sup.stop()
+
+
+def test_a_schema_llguidance_cannot_use_is_a_400(sup: SupervisorProcess) -> None:
+    bad = {"type": "json_schema", "name": "x", "schema": {"type": "object", "properties": {"a": {"type": 12}}}}
+    resp = sup.client.post("/v1/responses", json={"model": MODEL, "input": "x", "text": {"format": bad}})
+    assert resp.status_code == 400
+    error = resp.json()["error"]
+    assert "not usable" in error["message"] and error["param"].startswith("text.format")

@@ -89,7 +89,9 @@ def test_text_format_and_reasoning_effort() -> None:
     chat = chat_of(request(text={"format": {"type": "json_schema", "name": "x", "schema": schema, "strict": True}},
                            reasoning={"effort": "low"}))
     assert chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
-    assert chat["reasoning_effort"] == "low"
+    assert chat["reasoning_effort"] == "low" and chat["chat_template_kwargs"] == {"enable_thinking": True}
+    assert chat_of(request(reasoning={"effort": "none"}))["chat_template_kwargs"] == {"enable_thinking": False}
+    assert "chat_template_kwargs" not in chat_of(request())  # the model's own default
     assert "response_format" not in chat_of(request(text={"format": {"type": "text"}}))
 
 
