@@ -216,3 +216,32 @@ def checked_stats(body: bytes) -> dict[str, Any]:
 
     msgspec.json.decode(body, type=EngineStats)
     return dict(msgspec.json.decode(body))
+
+
+def model_with_template(model: Path, dest: Path, template: str) -> Path:
+    """`model`'s files linked into `dest`, but for its tokenizer config, which gets `template`
+    as its chat template."""
+    import json
+
+    dest.mkdir(parents=True)
+    for f in model.iterdir():
+        if f.name != "tokenizer_config.json":
+            (dest / f.name).symlink_to(f)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (dest / "tokenizer_config.json").write_text(json.dumps(config))
+    return dest
+
+
+def http10_post(port: int, path: str, body: bytes, *headers: bytes) -> tuple[bytes, bytes]:
+    """POST `body` over HTTP/1.0 (no chunked encoding: the answer runs to the close); the
+    answer's head and body."""
+    lines = b"".join(h + b"\r\n" for h in headers)
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+        conn.sendall(b"POST %b HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n%b"
+                     b"Content-Length: %d\r\n\r\n%b" % (path.encode(), lines, len(body), body))
+        raw = b""
+        while chunk := conn.recv(65536):
+            raw += chunk
+    head, _, payload = raw.partition(b"\r\n\r\n")
+    return head, payload

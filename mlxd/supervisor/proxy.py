@@ -344,19 +344,24 @@ async def call(socket: Path, method: str, path: str, body: bytes = b"", timeout_
     async with asyncio.timeout(timeout_s):
         up = await open_upstream(socket, method, path, body)
         try:
-            parts: list[bytes] = []
-            while True:
-                parts += up.take_body()
-                if up.ended or up.lost:
-                    break
-                await up.changed()
+            data = await whole_body(up)
             if up.error:
                 raise UpstreamError(up.error)
             if up.head is None or not up.ended:
                 raise UpstreamError("the engine closed the connection before its answer ended")
-            return up.head.status, b"".join(parts)
+            return up.head.status, data
         finally:
             up.close()
+
+
+async def whole_body(up: Upstream) -> bytes:
+    """The answer's body, once it ended or the connection was lost (then what came)."""
+    parts: list[bytes] = []
+    while True:
+        parts += up.take_body()
+        if up.ended or up.lost:
+            return b"".join(parts)
+        await up.changed()
 
 
 def connection_gate() -> asyncio.Semaphore:
@@ -416,16 +421,10 @@ async def _forward(
 
 async def relay_whole(up: Upstream) -> web.Response:
     """A non-streaming answer, passed through as-is."""
-    parts: list[bytes] = []
-    while True:
-        parts += up.take_body()
-        if up.ended or up.lost:
-            break
-        await up.changed()
+    data = await whole_body(up)
     if up.lost:
         raise crashed_error()
     assert up.head is not None
-    data = b"".join(parts)
     if up.head.status == 503 and is_busy(data):
         raise EngineBusy
     headers = {"Content-Type": up.head.headers.get("content-type", "application/octet-stream")}

@@ -14,7 +14,7 @@ import anthropic
 import httpx2 as httpx
 import pytest
 
-from tests.support import SupervisorProcess
+from tests.support import SupervisorProcess, http10_post
 
 MODEL = "smol"
 COUNT = [{"role": "user", "content": "Count from 1 to 10."}]
@@ -228,16 +228,8 @@ def test_an_http10_caller_gets_the_translated_stream_unframed_and_its_error_even
     """HTTP/1.0 (nginx's default upstream protocol) has no chunked encoding, so the translated
     stream goes through aiohttp's writer instead of the read callback: the same events, the
     body running to the close, and the engine's death mid-stream is the error event."""
-    import socket
-
     body = json.dumps({"model": "fake", "stream": True, "max_tokens": 8, "messages": COUNT}).encode()
-    with socket.create_connection(("127.0.0.1", fake.port), timeout=30) as conn:
-        conn.sendall(b"POST /v1/messages HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     b"x-api-key: sk-a\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body))
-        raw = b""
-        while chunk := conn.recv(65536):
-            raw += chunk
-    head, _, payload = raw.partition(b"\r\n\r\n")
+    head, payload = http10_post(fake.port, "/v1/messages", body, b"x-api-key: sk-a")
     assert head.startswith(b"HTTP/1.0 200") and b"chunked" not in head.lower()
     names = [block.split("\n")[0].removeprefix("event: ") for block in payload.decode().split("\n\n") if block]
     assert names[:3] == ["message_start", "ping", "content_block_start"]

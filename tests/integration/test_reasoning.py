@@ -5,14 +5,13 @@ whose generation prompt opens a think block (Qwen3 style), so the whole reply is
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 
-from tests.support import openai_client, running_engine
+from tests.support import model_with_template, openai_client, running_engine
 
 THINKING_TEMPLATE = (
     "{% if reasoning_effort is defined %}<|im_start|>system\nReasoning: {{ reasoning_effort }}<|im_end|>\n{% endif %}"
@@ -28,14 +27,7 @@ THINK = {"chat_template_kwargs": {"enable_thinking": True}}
 
 @pytest.fixture(scope="module")
 def client(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    model = tmp_path_factory.mktemp("smol-think") / "smol-think"
-    model.mkdir()
-    for f in smollm2.iterdir():
-        if f.name != "tokenizer_config.json":
-            (model / f.name).symlink_to(f)
-    config = json.loads((smollm2 / "tokenizer_config.json").read_text())
-    config["chat_template"] = THINKING_TEMPLATE
-    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    model = model_with_template(smollm2, tmp_path_factory.mktemp("smol-think") / "smol-think", THINKING_TEMPLATE)
     with running_engine(model, "smol-think") as engine, openai_client(engine) as sdk:
         yield sdk
 

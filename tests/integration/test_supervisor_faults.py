@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.support import SupervisorProcess, httpx, wait_for
+from tests.support import SupervisorProcess, http10_post, httpx, wait_for
 
 FAST = {"MLXD_ENGINE_MODULE": "tests.fake_engine", "MLXD_ENGINE_BACKOFF_S": "0.05",
         "MLXD_ENGINE_HEALTH_EVERY_S": "0.2", "MLXD_ENGINE_HEALTH_DEADLINE_S": "1"}
@@ -187,13 +186,7 @@ def test_an_http10_client_gets_a_clean_stream(tmp_path: Path) -> None:
     sup = start(tmp_path, "ok")
     try:
         body = json.dumps({"model": "fake", "stream": True, "max_tokens": 6}).encode()
-        with socket.create_connection(("127.0.0.1", sup.port), timeout=30) as conn:
-            conn.sendall(b"POST /v1/completions HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
-            raw = b""
-            while chunk := conn.recv(65536):
-                raw += chunk
-        head, _, payload = raw.partition(b"\r\n\r\n")
+        head, payload = http10_post(sup.port, "/v1/completions", body)
         assert head.startswith(b"HTTP/1.0 200") and b"chunked" not in head.lower()
         events = [e for e in payload.decode().split("\n\n") if e]
         assert events[-1] == "data: [DONE]"

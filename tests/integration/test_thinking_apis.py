@@ -6,14 +6,13 @@ chained turn passes it back."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.integration.test_reasoning import THINKING_TEMPLATE
-from tests.support import SupervisorProcess
+from tests.support import SupervisorProcess, model_with_template
 
 MODEL = "smol-think"
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
@@ -22,14 +21,7 @@ ASK = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def sup(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SupervisorProcess]:
     root = tmp_path_factory.mktemp("thinking-apis")
-    model = root / MODEL
-    model.mkdir()
-    for f in smollm2.iterdir():
-        if f.name != "tokenizer_config.json":
-            (model / f.name).symlink_to(f)
-    config = json.loads((smollm2 / "tokenizer_config.json").read_text())
-    config["chat_template"] = THINKING_TEMPLATE
-    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    model = model_with_template(smollm2, root / MODEL, THINKING_TEMPLATE)
     proc = SupervisorProcess(f'[models.{MODEL}]\npath = "{model}"\n', root / "data").wait_up()
     yield proc
     proc.stop()
