@@ -109,11 +109,10 @@ class Translation:
 def engine_error(status: int, data: bytes) -> APIError:
     """An engine's OpenAI-shaped error answer as an APIError (to re-encode in another API)."""
     try:
-        detail = msgspec.json.decode(data).get("error") or {}
+        detail = msgspec.json.decode(data).get("error")
     except (msgspec.DecodeError, AttributeError):
+        detail = None
+    if not isinstance(detail, dict):
         detail = {}
-    message = detail.get("message") if isinstance(detail, dict) else None
-    return APIError(status, str(message or f"The engine answered {status}."),
-                    type=str(detail.get("type") or "server_error") if isinstance(detail, dict) else "server_error",
-                    param=detail.get("param") if isinstance(detail, dict) else None,
-                    code=detail.get("code") if isinstance(detail, dict) else None)
+    return APIError(status, str(detail.get("message") or f"The engine answered {status}."),
+                    type=str(detail.get("type") or "server_error"), param=detail.get("param"), code=detail.get("code"))
