@@ -39,54 +39,46 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def openai_stream(client: httpx.Client, model: str, prompt: str, tokens: int) -> dict[str, Any]:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+def timed_stream(client: httpx.Client, path: str, body: dict[str, Any], headers: dict[str, str],
+                 text: Any, used: Any) -> dict[str, Any]:
+    """One stream: when it was sent, when each event with text came (`text(event)`), and the
+    tokens its usage counted (`used(event)`, None for events without it)."""
     sent = time.perf_counter()
-    stamps, used = [], 0
-    with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+    stamps, tokens = [], 0
+    with client.stream("POST", path, json=body, headers=headers) as resp:
         for line in resp.iter_lines():
             if not line.startswith("data: {"):
                 continue
-            chunk = json.loads(line[6:])
-            if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+            event = json.loads(line[6:])
+            if text(event):
                 stamps.append(time.perf_counter())
-            if chunk.get("usage"):
-                used = chunk["usage"]["completion_tokens"]
-    return {"ttft": stamps[0] - sent, "stamps": stamps, "tokens": used}
+            if (n := used(event)) is not None:
+                tokens = n
+    return {"ttft": stamps[0] - sent, "stamps": stamps, "tokens": tokens}
+
+
+def openai_stream(client: httpx.Client, model: str, prompt: str, tokens: int) -> dict[str, Any]:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    return timed_stream(client, "/v1/chat/completions", body, {},
+                        lambda c: c["choices"] and c["choices"][0]["delta"].get("content"),
+                        lambda c: c["usage"]["completion_tokens"] if c.get("usage") else None)
 
 
 def anthropic_stream(client: httpx.Client, model: str, prompt: str, tokens: int) -> dict[str, Any]:
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": tokens,
             "temperature": 0, "stream": True}
-    sent = time.perf_counter()
-    stamps, used = [], 0
-    with client.stream("POST", "/v1/messages", json=body, headers={"anthropic-version": "2023-06-01"}) as resp:
-        for line in resp.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            if event["type"] == "content_block_delta" and event["delta"].get("text"):
-                stamps.append(time.perf_counter())
-            elif event["type"] == "message_delta":
-                used = event["usage"]["output_tokens"]
-    return {"ttft": stamps[0] - sent, "stamps": stamps, "tokens": used}
+    return timed_stream(client, "/v1/messages", body, {"anthropic-version": "2023-06-01"},
+                        lambda e: e["type"] == "content_block_delta" and e["delta"].get("text"),
+                        lambda e: e["usage"]["output_tokens"] if e["type"] == "message_delta" else None)
 
 
 def responses_stream(client: httpx.Client, model: str, prompt: str, tokens: int) -> dict[str, Any]:
     body = {"model": model, "input": prompt, "max_output_tokens": tokens, "temperature": 0, "stream": True}
-    sent = time.perf_counter()
-    stamps, used = [], 0
-    with client.stream("POST", "/v1/responses", json=body) as resp:
-        for line in resp.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            if event["type"] == "response.output_text.delta" and event["delta"]:
-                stamps.append(time.perf_counter())
-            elif event["type"] in ("response.completed", "response.incomplete"):
-                used = event["response"]["usage"]["output_tokens"]
-    return {"ttft": stamps[0] - sent, "stamps": stamps, "tokens": used}
+    done = ("response.completed", "response.incomplete")
+    return timed_stream(client, "/v1/responses", body, {},
+                        lambda e: e["type"] == "response.output_text.delta" and e["delta"],
+                        lambda e: e["response"]["usage"]["output_tokens"] if e["type"] in done else None)
 
 
 def decode_tps(run: dict[str, Any]) -> float | None:

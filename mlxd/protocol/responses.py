@@ -300,9 +300,11 @@ class Shell:
         self.model = model
         self.id = response_id or new_id("resp")
         self.created_at = int(time.time())
-        tools, _ = function_tools(req.tools or [])
+        tools, self.dropped = function_tools(req.tools or [])  # dropped: the hosted tools' types
         # a namespace's function, called, says its namespace (Codex groups MCP tools so)
         self.namespaces = {t["function"]["name"]: t["namespace"] for t in tools if "namespace" in t}
+        self.tools = [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
+                       "parameters": t["function"]["parameters"], "strict": None} for t in tools]  # as echoed
 
     def call(self, call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
         item = call_item(call_id, name, arguments, status)
@@ -313,9 +315,6 @@ class Shell:
     def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
                  error: dict[str, Any] | None = None, incomplete: str | None = None) -> dict[str, Any]:
         req = self.req
-        tools = [{"type": "function", "name": t["function"]["name"], "description": t["function"]["description"],
-                  "parameters": t["function"]["parameters"], "strict": None}
-                 for t in function_tools(req.tools or [])[0]]
         fmt = (req.text or {}).get("format") or {"type": "text"}
         done = status in ("completed", "incomplete", "failed")
         return {
@@ -323,7 +322,7 @@ class Shell:
             "completed_at": int(time.time()) if done else None, "status": status,
             "incomplete_details": {"reason": incomplete} if incomplete else None,
             "model": self.model, "previous_response_id": req.previous_response_id,
-            "instructions": req.instructions, "output": output, "error": error, "tools": tools,
+            "instructions": req.instructions, "output": output, "error": error, "tools": self.tools,
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "truncation": req.truncation or "disabled",
             "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,

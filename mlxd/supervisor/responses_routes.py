@@ -48,12 +48,12 @@ async def create(request: web.Request) -> web.StreamResponse:
             raise APIError(404, f"Previous response with id '{gone.missing}' not found.",
                            param="previous_response_id", code="previous_response_not_found") from None
         history = [item for turn in chain for item in (*turn.input, *turn.output)]
-    _, dropped = responses.function_tools(req.tools or [])
-    if dropped:
-        log.info("responses: tools of type %s cannot run here; the model does not see them", ", ".join(sorted(set(dropped))))
     chat = responses.to_chat(req, history, items, stream=req.stream)
     entry = request.app[REGISTRY].resolve(req.model, request.app[POOL].loaded_ids())
     shell = responses.Shell(req, req.model or entry.id)
+    if shell.dropped:
+        log.info("responses: tools of type %s cannot run here; the model does not see them",
+                 ", ".join(sorted(set(shell.dropped))))
 
     async def keep(response: dict[str, Any]) -> None:
         if not req.store:
