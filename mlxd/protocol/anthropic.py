@@ -42,10 +42,6 @@ from mlxd.protocol.errors import APIError
 # ---- requests ----
 
 
-class CacheControl(msgspec.Struct):
-    type: str = "ephemeral"
-
-
 class TextBlock(msgspec.Struct, tag="text", kw_only=True):
     text: str
     cache_control: Any = None
