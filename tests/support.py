@@ -87,8 +87,11 @@ class EngineProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"engine exited with {self.proc.returncode}:\n{self.log()}")
-            if is_listening(self.socket) and self.client.get("/health").json().get("status") == "ready":
-                return self
+            try:
+                if is_listening(self.socket) and self.client.get("/health").json().get("status") == "ready":
+                    return self
+            except httpx.TransportError:
+                pass  # it went away mid-check (an engine failing its load exits): the next poll sees it
             time.sleep(0.05)
         raise TimeoutError(f"engine not ready in {timeout}s:\n{self.log()}")
 

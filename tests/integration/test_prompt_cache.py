@@ -223,7 +223,9 @@ def test_kv_bits_that_do_not_fit_the_model_fail_its_load_clearly(tiny_model: Pat
     from tests.support import EngineProcess as Proc
 
     engine = Proc(tiny_model, "m", "--kv-bits", "8")  # the tiny model's heads have 16 values; groups are 64
-    with pytest.raises(RuntimeError) as err:
-        engine.wait_ready()
-    engine.stop()
+    try:
+        with pytest.raises(RuntimeError) as err:
+            engine.wait_ready()
+    finally:
+        engine.stop()
     assert "--kv-group-size 64" in str(err.value)
