@@ -14,14 +14,14 @@ comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3
 
-.PHONY: run test setup lint bench openblas clean
+.PHONY: run test setup lint bench openblas browser clean
 
 run: setup
 	$(BIN)/mlxd import-default
 	$(BIN)/mlxd serve
 
 # In-process MLX work in the tests gets OpenBLAS too (engines preload it by themselves).
-test: setup lint
+test: setup lint browser
 	$(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS)) $(BIN)/pytest
 
 lint: setup
@@ -52,6 +52,19 @@ openblas:
 	    $$SUDO apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1 || \
 	    { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q libopenblas0-pthread >/dev/null; } || \
 	    echo "note: could not install libopenblas0-pthread; CPU inference will be slow"; \
+	  fi; \
+	fi
+
+# The web page's tests drive Debian's Chromium (Playwright uses it; it downloads no browser).
+browser:
+	@if [ "$(UNAME_S)" = Linux ] && ! command -v chromium >/dev/null && command -v apt-get >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=no; fi; \
+	  if [ "$$SUDO" = no ]; then \
+	    echo "note: install chromium (apt-get) to run the browser tests"; \
+	  else \
+	    $$SUDO apt-get install -y -q chromium >/dev/null 2>&1 || \
+	    { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q chromium >/dev/null; } || \
+	    echo "note: could not install chromium; the browser tests will be skipped"; \
 	  fi; \
 	fi
 

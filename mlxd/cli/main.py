@@ -17,10 +17,12 @@ from mlxd.paths import PrivateDirError
 
 # name -> "module:attribute", in the order `mlxd --help` lists them.
 COMMANDS = {
+    "run": "mlxd.cli.run_cmd:run",
     "serve": "mlxd.cli.serve_cmds:serve",
     "start": "mlxd.cli.service_cmds:start",
     "stop": "mlxd.cli.service_cmds:stop",
     "status": "mlxd.cli.service_cmds:status",
+    "logs": "mlxd.cli.logs_cmd:logs",
     "service": "mlxd.cli.service_cmds:service",
     "models": "mlxd.cli.admin_cmds:models",
     "ps": "mlxd.cli.admin_cmds:ps",
@@ -28,6 +30,8 @@ COMMANDS = {
     "unload": "mlxd.cli.admin_cmds:unload",
     "drain": "mlxd.cli.admin_cmds:drain",
     "lease": "mlxd.cli.admin_cmds:lease",
+    "pull": "mlxd.cli.pull_cmds:pull",
+    "rm": "mlxd.cli.pull_cmds:rm",
     "import-default": "mlxd.cli.import_cmds:import_default",
     "import-gguf": "mlxd.cli.import_cmds:import_gguf",
     "engine": "mlxd.cli.serve_cmds:engine",
