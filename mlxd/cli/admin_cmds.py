@@ -11,6 +11,7 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -320,10 +321,14 @@ def ps(as_json: bool, url: str | None, config_file: Path | None, data_dir: Path 
 @daemon_options
 def load(model: str, pin: bool | None, as_json: bool, url: str | None, config_file: Path | None,
          data_dir: Path | None) -> None:
-    """Load MODEL and wait until it is ready."""
+    """Load MODEL and wait until it is ready (its progress shown on a terminal)."""
+    from mlxd.cli.load_progress import LoadProgress, engine_load
+
     client = make_client(url, config_file, data_dir)
-    with failures_as_click(client):
-        emit(client.post("/admin/load", load_body(model, pin), timeout=None), as_json, load_text)
+    shown = not as_json and sys.stderr.isatty()
+    with failures_as_click(client), LoadProgress(model, engine_load(client, model), shown):
+        answer = client.post("/admin/load", load_body(model, pin), timeout=None)
+    emit(answer, as_json, load_text)
 
 
 @click.command("unload")

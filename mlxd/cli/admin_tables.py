@@ -112,7 +112,7 @@ def ps_text(listing: Mapping[str, Any]) -> str:
     """`mlxd ps`: the live engines, why failed ones failed, and the memory budget."""
     engines = running_engines(listing)
     rows = [
-        (e["model"], e.get("state", "-"), format_size(e.get("memory_estimate_bytes")),
+        (e["model"], state_text(e), format_size(e.get("memory_estimate_bytes")),
          format_size(e.get("rss_bytes")), e.get("pid") or "-", e.get("in_flight", 0), e.get("queued", 0),
          cache_text(e.get("prompt_cache")), until_text(e), lease_text(e))
         for e in engines
@@ -121,6 +121,17 @@ def ps_text(listing: Mapping[str, Any]) -> str:
     lines = [render_table(headers, rows)] if rows else ["no models loaded"]
     lines += [failure_line(e) for e in engines if e.get("failure")]
     return "\n".join([*lines, budget_line(listing)])
+
+
+def state_text(engine: Mapping[str, Any]) -> str:
+    """`ready`, or `starting (reading weights 45%)` while it loads."""
+    state = str(engine.get("state", "-"))
+    load = engine.get("load")
+    if isinstance(load, Mapping):
+        from mlxd.cli.load_progress import phase_text
+
+        return f"{state} ({phase_text(load)})"
+    return state
 
 
 def cache_text(cache: Mapping[str, Any] | None) -> str:

@@ -19,6 +19,7 @@ from mlxd.engine.gpu.gateway import STOPPING as STOPPING_EVENT
 from mlxd.engine.gpu.gateway import Gateway, GatewayOptions
 from mlxd.engine.gpu.stats import Stats
 from mlxd.engine.http.app import make_app
+from mlxd.engine.models.load_meter import LoadMeter
 from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.engine.parent_watch import set_death_signal, watch_parent
 from mlxd.engine.settings import EngineSettings
@@ -110,9 +111,10 @@ async def run(settings: EngineSettings, sock: socket.socket, parent: int) -> int
     """The engine's event loop: serve, load the model, wait for a reason to stop."""
     loop = asyncio.get_running_loop()
     stats = Stats()
-    load = lambda: LoadedModel(settings.model, settings.model_id, settings.max_context)  # noqa: E731
+    meter = LoadMeter()
+    load = lambda: LoadedModel(settings.model, settings.model_id, settings.max_context, meter)  # noqa: E731
     options = gateway_options(settings)
-    gateway = Gateway(load, stats, options)
+    gateway = Gateway(load, stats, options, meter)
     stopped: asyncio.Future[ExitCode] = loop.create_future()
 
     def stop(code: ExitCode) -> None:

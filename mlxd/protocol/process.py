@@ -37,3 +37,22 @@ class DrainResult(msgspec.Struct):
     cache_written_entries: int = 0
     cache_write_ms: float = 0.0
     cache_complete: bool = True  # False: the writes did not all finish within the timeout
+
+
+# Every generation tells the supervisor what it cost, for its request log and charts: a whole
+# answer in the USAGE_HEADER header, a stream in an SSE comment (`: mlxd-usage {json}`) just
+# before `data: [DONE]`. SSE clients skip comments, so the stream stays OpenAI's.
+USAGE_HEADER = "X-MLXD-Usage"
+USAGE_COMMENT = b": mlxd-usage "
+
+
+class RequestUsage(msgspec.Struct):
+    """One request's tokens and engine-side timings (a request of `n` choices: their sum, and the longest decode)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    queue_ms: float  # submitted -> the GPU thread picked it up
+    prefill_ms: float  # picked up -> first token
+    decode_ms: float  # first token -> last token
+    finish_reason: str

@@ -14,9 +14,25 @@ HealthStatus = Literal["loading", "ready", "draining", "failed"]
 GateState = Literal["open", "draining", "leased"]
 
 
-class EngineHealth(msgspec.Struct):
+# What a starting engine is doing: `spawn` (the supervisor's: the process imports, no answer
+# yet), `weights` (bytes read into memory), `tokenizer`, `warmup` (jobs run to compile kernels).
+LoadPhase = Literal["spawn", "weights", "tokenizer", "warmup"]
+
+
+class LoadProgress(msgspec.Struct):
+    """A starting engine's progress: `done` of `total` (None: unknown) in `unit` (None: steps)."""
+
+    phase: LoadPhase
+    done: int = 0
+    total: int | None = None
+    unit: Literal["bytes"] | None = None
+    elapsed_s: float = 0.0  # since the phase began (the supervisor reports it since the spawn)
+
+
+class EngineHealth(msgspec.Struct, omit_defaults=True):
     status: HealthStatus
     model: str
+    load: LoadProgress | None = None  # while `loading`
 
 
 class RequestCounts(msgspec.Struct):

@@ -13,7 +13,7 @@ from aiohttp import web
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.json_body import decode_as
 from mlxd.supervisor.engine import EngineState
-from mlxd.supervisor.keys import LEASES, POOL, REGISTRY
+from mlxd.supervisor.keys import LEASES, POOL, REGISTRY, TIMELINE
 from mlxd.supervisor.leases import Lease
 from mlxd.supervisor.pool import Pool, Slot
 from mlxd.supervisor.registry import ModelEntry
@@ -89,6 +89,7 @@ def engine_info(pool: Pool, slot: Slot, lease: Lease | None) -> dict[str, Any]:
         "lease": {"id": lease.id, "holder": lease.holder, "expires_at": lease.expires_at} if lease else None,
         "prompt_cache": msgspec.to_builtins(engine.prompt_cache)
         if engine.state in (EngineState.READY, EngineState.DRAINING) else None,
+        "load": msgspec.to_builtins(engine.load_progress()),
     }
 
 
@@ -118,6 +119,12 @@ async def engines(request: web.Request) -> web.Response:
         "evictions": pool.num_evictions, "spare": spare_info(pool.spare),
         "data": data,
     })
+
+
+async def timeline(request: web.Request) -> web.Response:
+    """GET /admin/timeline: each model's generated tokens, requests and time to first token, in
+    buckets over the last minutes (the web page's charts)."""
+    return web.json_response(request.app[TIMELINE].view(time.time()))
 
 
 async def load(request: web.Request) -> web.Response:
@@ -193,6 +200,7 @@ async def end_lease(request: web.Request) -> web.Response:
 def setup_admin_routes(app: web.Application) -> None:
     """Wire the /admin/* routes."""
     app.router.add_get("/admin/engines", engines)
+    app.router.add_get("/admin/timeline", timeline)
     app.router.add_post("/admin/load", load)
     app.router.add_post("/admin/unload", unload)
     app.router.add_post("/admin/drain", drain)

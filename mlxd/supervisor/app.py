@@ -16,7 +16,7 @@ from mlxd.supervisor.config import Config
 from mlxd.supervisor.connections import make_body_middleware
 from mlxd.supervisor.dialects import render_error
 from mlxd.supervisor.guard import HostPolicy, add_cors_headers, machine_names, make_guard_middleware
-from mlxd.supervisor.keys import AUTH, CONFIG, LEASES, METRICS, POOL, REGISTRY
+from mlxd.supervisor.keys import AUTH, CONFIG, LEASES, METRICS, POOL, REGISTRY, TIMELINE
 from mlxd.supervisor.leases import Leases
 from mlxd.supervisor.metrics import LazyMetrics, make_metrics_middleware
 from mlxd.supervisor.openapi import openapi_json
@@ -24,22 +24,24 @@ from mlxd.supervisor.pool import Pool
 from mlxd.supervisor.registry import Registry
 from mlxd.supervisor.response_store import ResponseStore
 from mlxd.supervisor.responses_routes import setup_responses_routes
+from mlxd.supervisor.timeline import Timeline
+from mlxd.supervisor.web_routes import setup_web_routes
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/"})  # and the web page's files, under /ui/: the page asks for a key itself
 BODY_TIMEOUTS_PER_HEAD = 6  # a request body must arrive within 6 head deadlines (60 s by default)
 
 
 def make_app(config: Config, registry: Registry, pool: Pool, store: ResponseStore | None = None) -> web.Application:
     """The supervisor app; its cleanup context stops every engine."""
-    metrics, server = LazyMetrics(pool), config.server
+    metrics, server, timeline = LazyMetrics(pool), config.server, Timeline()
     hosts = HostPolicy.make(server.host, server.allowed_hosts, server.allowed_origins, machine_names())
     app = web.Application(
         client_max_size=server.max_body_bytes,
-        middlewares=[make_metrics_middleware(metrics), make_error_middleware("supervisor", render_error), make_guard_middleware(hosts),
+        middlewares=[make_metrics_middleware(metrics, timeline), make_error_middleware("supervisor", render_error), make_guard_middleware(hosts),
                      auth_middleware, make_body_middleware(server.max_body_bytes, server.head_timeout_s * BODY_TIMEOUTS_PER_HEAD)],
     )
     app.on_response_prepare.append(add_cors_headers)
-    app[CONFIG], app[REGISTRY], app[POOL], app[METRICS] = config, registry, pool, metrics
+    app[CONFIG], app[REGISTRY], app[POOL], app[METRICS], app[TIMELINE] = config, registry, pool, metrics, timeline
     app[LEASES] = Leases(pool)
     app[AUTH] = Auth(config.server.api_keys, config.server.admin_keys)
     app.router.add_post("/v1/chat/completions", routes.inference)
@@ -51,6 +53,7 @@ def make_app(config: Config, registry: Registry, pool: Pool, store: ResponseStor
     app.router.add_get("/metrics", routes.metrics)
     app.router.add_get("/openapi.json", openapi_json)
     setup_admin_routes(app)
+    setup_web_routes(app)
     app.cleanup_ctx.append(engines_ctx)
     return app
 
@@ -63,10 +66,15 @@ async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
     await app[POOL].stop_all()
 
 
+def is_open(request: web.Request) -> bool:
+    """A path any caller may GET without a key: the liveness probe and the web page's own files."""
+    return request.path in OPEN_PATHS or (request.method in ("GET", "HEAD") and request.path.startswith("/ui/"))
+
+
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every route but /health needs a key when keys are configured (admin routes, an admin key)."""
-    if request.path not in OPEN_PATHS and not request.app[AUTH].check(
+    if not is_open(request) and not request.app[AUTH].check(
         request.headers, admin=request.path.startswith("/admin/")
     ):
         raise APIError(401, "Missing or invalid API key (send `Authorization: Bearer KEY` or `x-api-key`).",

@@ -27,7 +27,7 @@ import msgspec
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.exit_codes import ExitCode
 from mlxd.protocol.process import DrainResult
-from mlxd.protocol.stats import EngineHealth, PromptCacheStats, PromptCacheView
+from mlxd.protocol.stats import EngineHealth, LoadProgress, PromptCacheStats, PromptCacheView
 from mlxd.supervisor import policy
 from mlxd.supervisor.proxy import UpstreamError, call, connection_gate
 from mlxd.supervisor.spare import Spare
@@ -121,6 +121,7 @@ class Engine:
         self._log_tail: collections.deque[str] = collections.deque(maxlen=40)
         self._log_task: asyncio.Task[None] | None = None
         self.prompt_cache: PromptCacheStats | None = None  # its /admin/stats `prompt_cache`, as last fetched
+        self._load: LoadProgress | None = None  # while it starts: its /health `load`, as last polled
 
     async def fetch_prompt_cache(self) -> PromptCacheStats | None:
         """The engine's prompt-cache figures (RAM and SSD tiers), fresh; None unless it serves."""
@@ -136,6 +137,13 @@ class Engine:
         except msgspec.DecodeError as exc:
             log.warning("[%s] the engine's /admin/stats did not decode: %s", self.model_id, exc)
         return self.prompt_cache
+
+    def load_progress(self) -> LoadProgress | None:
+        """How far a starting engine has got (None unless it starts), timed from its spawn."""
+        if self.state is not EngineState.STARTING or self._load is None:
+            return None
+        elapsed = round(time.perf_counter() - self._spawned_at, 3)
+        return msgspec.structs.replace(self._load, elapsed_s=elapsed)
 
     async def ensure_ready(self) -> None:
         """Start the engine if it is not running, and wait until it answers `ready`."""
@@ -255,6 +263,7 @@ class Engine:
         """A spare process given this model, else a new one."""
         self.boot_timings = {}
         self._spawned_at = time.perf_counter()
+        self._load = LoadProgress("spawn")
         args = self.argv()
         proc = await self.spare.take(args) if self.spare is not None else None
         how = "from the spare" if proc is not None else "spawned"
@@ -281,11 +290,14 @@ class Engine:
         while time.monotonic() < deadline:
             if proc.returncode is not None:
                 break
-            status = await self._health()
-            if status is not None and "spawn_ms" not in self.boot_timings:
+            health = await self._health()
+            if health is not None and "spawn_ms" not in self.boot_timings:
                 self.boot_timings["spawn_ms"] = self._ms_since_spawn()  # answering: imports done
-            if status == "ready":
+            if health is not None and health.load is not None:
+                self._load = health.load
+            if health is not None and health.status == "ready":
                 self.boot_timings["load_ms"] = self._ms_since_spawn() - self.boot_timings["spawn_ms"]
+                self._load = None
                 return
             await asyncio.sleep(BOOT_POLL_S)
         code = await _wait_code(proc, 1.0)
@@ -307,10 +319,10 @@ class Engine:
         detail = last.split(": ", 1)[-1] if last else f"exit code {code}"
         return detail if code is not None else f"no ready answer within {self.options.boot_timeout_s:.0f} s"
 
-    async def _health(self) -> str | None:
+    async def _health(self) -> EngineHealth | None:
         try:
             _, data = await call(self.socket, "GET", "/health")
-            return msgspec.json.decode(data, type=EngineHealth).status
+            return msgspec.json.decode(data, type=EngineHealth)
         except (TimeoutError, OSError, UpstreamError, msgspec.DecodeError):
             return None
 

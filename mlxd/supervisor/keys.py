@@ -10,6 +10,7 @@ from mlxd.supervisor.leases import Leases
 from mlxd.supervisor.metrics import LazyMetrics
 from mlxd.supervisor.pool import Pool
 from mlxd.supervisor.registry import Registry
+from mlxd.supervisor.timeline import Timeline
 
 AUTH = web.AppKey("auth", Auth)
 CONFIG = web.AppKey("config", Config)
@@ -17,3 +18,4 @@ LEASES = web.AppKey("leases", Leases)
 METRICS = web.AppKey("metrics", LazyMetrics)
 POOL = web.AppKey("pool", Pool)
 REGISTRY = web.AppKey("registry", Registry)
+TIMELINE = web.AppKey("timeline", Timeline)

@@ -16,12 +16,14 @@ from aiohttp.typedefs import Middleware
 
 from mlxd.protocol.http_errors import Handler
 from mlxd.protocol.stats import PromptCacheStats, RamTierStats, SsdTierStats
+from mlxd.supervisor import access
 from mlxd.supervisor.engine import EngineState
 from mlxd.supervisor.pool import Pool
+from mlxd.supervisor.timeline import Timeline
 
 LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
-MODEL_KEY = "mlxd.model"  # request key: the model id a handler routed to
+MODEL_KEY = access.MODEL_KEY
 UNMETERED = frozenset({"/health"})  # liveness probes would drown the request counts
 
 
@@ -126,8 +128,9 @@ def prompt_cache_families(caches: list[tuple[str, PromptCacheStats]]) -> Iterato
     yield from (entries, size, hits, misses, reused, *ssd.values(), seconds)
 
 
-def make_metrics_middleware(lazy: LazyMetrics) -> Middleware:
-    """Count and time every request but health probes (outermost, so it sees error responses)."""
+def make_metrics_middleware(lazy: LazyMetrics, timeline: Timeline) -> Middleware:
+    """Count, time and log every request but health probes (outermost, so it sees error
+    responses); an answer's tokens go to the timeline."""
 
     @web.middleware
     async def metrics_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -146,5 +149,6 @@ def make_metrics_middleware(lazy: LazyMetrics) -> Middleware:
             metrics = lazy.get()
             metrics.requests.labels(route, model, status).inc()
             metrics.latency.labels(route, model).observe(time.perf_counter() - started)
+            access.log_request(request, int(status), started, timeline)
 
     return metrics_middleware

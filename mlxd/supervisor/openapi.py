@@ -19,7 +19,7 @@ from mlxd import __version__
 from mlxd.protocol import anthropic, openai, responses
 from mlxd.protocol.errors import ErrorBody
 from mlxd.protocol.process import LEASE_HEADER, DrainResult
-from mlxd.protocol.stats import PromptCacheStats
+from mlxd.protocol.stats import LoadProgress, PromptCacheStats
 from mlxd.supervisor import admin_routes as admin
 from mlxd.supervisor.engine import EngineState
 from mlxd.supervisor.leases import Lease
@@ -39,6 +39,7 @@ class ModelInfo(msgspec.Struct):
     state: EngineState
     source: Source
     size_bytes: int
+    load: LoadProgress | None  # while its engine starts: phase, done of total
 
 
 class ModelInfoList(msgspec.Struct):
@@ -88,6 +89,7 @@ class EngineRow(msgspec.Struct):
     last_stop: dict[str, Any] | None
     lease: EngineLease | None
     prompt_cache: PromptCacheStats | None  # the engine's prompt cache (RAM, SSD, hits); None unless serving
+    load: LoadProgress | None  # while it starts: phase, done of total (bytes of weights), elapsed since spawn
 
 
 class EngineList(msgspec.Struct):
@@ -207,13 +209,31 @@ class InputItemList(msgspec.Struct):
     has_more: bool
 
 
+class ModelTimeline(msgspec.Struct):
+    """One model's buckets, oldest first: tokens generated (a request's spread over its decode),
+    requests ended, and the median time to first token of those whose first token came then."""
+
+    completion_tokens: list[float]
+    requests: list[int]
+    ttft_ms: list[float | None]
+
+
+class TimelineView(msgspec.Struct):
+    """The last minutes of work, in `buckets` buckets of `step_s` seconds ending at `end` (unix time)."""
+
+    step_s: float
+    end: float
+    buckets: int
+    models: dict[str, ModelTimeline]
+
+
 SCHEMA_TYPES: tuple[Any, ...] = (
     openai.ChatCompletionRequest, openai.CompletionRequest, openai.ChatCompletion,
     openai.ChatCompletionChunk, openai.Completion, ErrorBody, admin.LoadBody, admin.UnloadBody,
     admin.DrainBody, admin.LeaseBody, admin.RenewBody, ModelInfoList, Health, EngineList,
     LoadAnswer, UnloadAnswer, DrainAnswer, Lease, LeaseList, LeaseDeleted, anthropic.MessagesRequest,
     anthropic.CountTokensRequest, AnthropicMessage, AnthropicErrorBody, InputTokens, responses.ResponsesRequest,
-    ResponseObject, ResponseDeleted, InputItemList,
+    ResponseObject, ResponseDeleted, InputItemList, TimelineView,
 )
 
 def prompt_schema() -> dict[str, Any]:
@@ -356,6 +376,14 @@ def make_paths() -> dict[str, Any]:
         "/health": {"get": {**operation("health", "The supervisor is up (never needs a key)",
                                         json_content(ref("Health")), ANY, tag="Service"), "security": []}},
         "/metrics": {"get": operation("metrics", "Prometheus text format", text, GUARDED, tag="Service")},
+        "/": {"get": {**operation("webPage", "The web page: dashboard and chat (docs/web.md; it asks for a key "
+                                  "itself)", {"text/html": {"schema": {"type": "string"}}}, ANY, tag="Web"),
+                      "security": []}},
+        "/ui/{name}": {"get": {**operation(
+            "webAsset", "A file of the web page (script, style sheet, icon)",
+            {t: {"schema": {"type": "string"}} for t in ("text/javascript", "text/css", "image/svg+xml")},
+            (*ANY, 404), tag="Web", parameters=[{"name": "name", "in": "path", "required": True,
+                                                 "schema": {"type": "string"}}]), "security": []}},
         "/openapi.json": {"get": operation("openapi", "This document", json_content({"type": "object"}), GUARDED,
                                            tag="Service")},
         **make_admin_paths(),
@@ -368,6 +396,9 @@ def make_admin_paths() -> dict[str, Any]:
     return {
         "/admin/engines": {"get": operation("listEngines", "Every engine the pool has seen",
                                             json_content(ref("EngineList")), GUARDED, tag="Admin")},
+        "/admin/timeline": {"get": operation("timeline", "Tokens, requests and time to first token per model "
+                                             "over the last minutes (the web page's charts)",
+                                             json_content(ref("TimelineView")), GUARDED, tag="Admin")},
         "/admin/load": {"post": operation("loadModel", "Start a model; answers once it is ready",
                                           json_content(ref("LoadAnswer")), ADMIN_BODY_ERRORS, tag="Admin",
                                           body="LoadBody")},

@@ -14,6 +14,7 @@ connection's bookkeeping, and a connection never outlives the request that owns 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import re
@@ -25,7 +26,7 @@ import msgspec
 from aiohttp import web
 
 from mlxd.protocol.errors import APIError
-from mlxd.protocol.process import REFUSALS
+from mlxd.protocol.process import REFUSALS, USAGE_COMMENT, USAGE_HEADER, RequestUsage
 from mlxd.supervisor.dialects import StreamTranslator, Translation, engine_error
 
 log = logging.getLogger("mlxd.supervisor")
@@ -43,6 +44,10 @@ HIGH_WATER = 256 * 1024  # the caller's unsent bytes past which the engine's soc
 LOW_WATER = 64 * 1024  # ... and below which it is read again
 DRAIN_POLL_S = 0.005
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+USAGE_KEY = web.RequestKey("mlxd.usage", RequestUsage)  # the engine's report of the answer relayed (if any)
+_usage_decoder = msgspec.json.Decoder(RequestUsage)
 
 
 class EngineBusy(Exception):
@@ -171,6 +176,7 @@ class Upstream(asyncio.Protocol):
         self._length: int | None = None  # bytes of a Content-Length body still to come
         self._waiter: asyncio.Future[None] | None = None
         self.num_received = 0
+        self._recent: collections.deque[bytes] = collections.deque(maxlen=4)  # the last reads, for usage()
 
     # asyncio.Protocol
 
@@ -179,6 +185,7 @@ class Upstream(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.num_received += len(data)
+        self._recent.append(data)
         try:
             if self.head is None:
                 data = self._take_head(data)
@@ -240,6 +247,19 @@ class Upstream(asyncio.Protocol):
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+    def usage(self) -> RequestUsage | None:
+        """What the generation cost, as the engine reported it (process.USAGE_HEADER / USAGE_COMMENT)."""
+        raw: bytes | None = None
+        if self.head is not None and (header := self.head.headers.get(USAGE_HEADER.lower())):
+            raw = header.encode()
+        elif self.ended and (tail := b"".join(self._recent)) and (at := tail.rfind(USAGE_COMMENT)) >= 0:
+            start = at + len(USAGE_COMMENT)
+            raw = tail[start:tail.find(b"\n", start)]
+        try:
+            return _usage_decoder.decode(raw) if raw else None
+        except msgspec.DecodeError:
+            return None
 
     # parsing
 
@@ -415,6 +435,8 @@ async def _forward(
         return await translate_whole(whole, translation) if translation is not None else whole
     finally:
         up.close()
+        if (usage := up.usage()) is not None:
+            request[USAGE_KEY] = usage
         if up.error:
             log.warning("engine at %s sent a malformed answer to %s: %s", socket, request.path, up.error)
 

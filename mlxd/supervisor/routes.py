@@ -13,9 +13,9 @@ from mlxd.protocol import anthropic
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.json_body import decode_json
 from mlxd.protocol.process import LEASE_HEADER
+from mlxd.supervisor.access import FIRST_CHUNK_KEY, MODEL_KEY
 from mlxd.supervisor.dialects import OPENAI, Translation, engine_error
 from mlxd.supervisor.keys import CONFIG, METRICS, POOL, REGISTRY
-from mlxd.supervisor.metrics import MODEL_KEY
 from mlxd.supervisor.proxy import EngineBusy, EngineUnreachable, crashed_error, forward
 from mlxd.supervisor.registry import ModelEntry
 from mlxd.supervisor.waiting import WaitingStream
@@ -77,6 +77,11 @@ async def _route(
 ) -> web.StreamResponse:
     pool = request.app[POOL]
     ttft = request.app[METRICS].get().ttft.labels(entry.id)
+
+    def on_first_chunk() -> None:
+        request[FIRST_CHUNK_KEY] = time.perf_counter()
+        ttft.observe(request[FIRST_CHUNK_KEY] - started)
+
     lease_id = request.headers.get(LEASE_HEADER)
     pause_s, num_resent = 0.0, 0
     for _ in range(MAX_REQUEUES):
@@ -88,7 +93,7 @@ async def _route(
             prepared = waiting.response if waiting is not None else None
             resp = await forward(
                 request, slot.engine.socket, slot.engine.connections, body, headers,
-                on_first_chunk=lambda: ttft.observe(time.perf_counter() - started), prepared=prepared,
+                on_first_chunk=on_first_chunk, prepared=prepared,
                 translation=translation,
             )
         except EngineUnreachable as dead:
@@ -118,12 +123,14 @@ async def list_models(request: web.Request) -> web.Response:
         cards = [anthropic.model_card(m.id) for m in registry.entries()]
         return web.json_response({"data": cards, "has_more": False, "first_id": cards[0]["id"] if cards else None,
                                   "last_id": cards[-1]["id"] if cards else None})
-    states = {e.model_id: e.state.value for e in pool.engines()}
+    engines = {e.model_id: e for e in pool.engines()}
+    states = {model_id: e.state.value for model_id, e in engines.items()}
     data = [
         {
             "id": m.id, "object": "model", "created": int(time.time()), "owned_by": "mlxd",
             "loaded": states.get(m.id) == "ready", "state": states.get(m.id, "stopped"),
             "source": m.source, "size_bytes": m.size_bytes,
+            "load": msgspec.to_builtins(engines[m.id].load_progress()) if m.id in engines else None,
         }
         for m in registry.entries()
     ]

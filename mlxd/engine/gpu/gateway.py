@@ -41,6 +41,7 @@ from mlxd.engine.gpu.stats import Stats
 from mlxd.engine.gpu.ticket import Ticket
 from mlxd.engine.gpu.trace import StepTrace
 from mlxd.engine.gpu.warmup import wanted, waves
+from mlxd.engine.models.load_meter import LoadMeter
 from mlxd.engine.models.loaded_model import LoadedModel, wire_model_memory
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.events import Done, Failed
@@ -100,8 +101,11 @@ class GatewayOptions:
 class Gateway:
     """Owns the GPU thread: loads the model on it, then runs the lanes step by step."""
 
-    def __init__(self, load: Callable[[], LoadedModel], stats: Stats, options: GatewayOptions) -> None:
+    def __init__(
+        self, load: Callable[[], LoadedModel], stats: Stats, options: GatewayOptions, meter: LoadMeter | None = None
+    ) -> None:
         self._load = load
+        self.meter = meter or LoadMeter()  # the load's progress, for /health
         self._stats = stats
         self._options = options
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -221,6 +225,7 @@ class Gateway:
         except Exception as exc:
             self.load_error = str(exc) or type(exc).__name__
             log.error("model load failed: %s", self.load_error)
+            self.meter.end()
             return False
         budget = opts.kv_budget_tokens or kv_budget_tokens(loaded.native_context, opts.batch, opts.max_context)
         self.kv = KvLedger(budget)
@@ -238,6 +243,7 @@ class Gateway:
         mx.random.seed(int.from_bytes(os.urandom(8), "little"))
         self.prompt_cache = PrefixCache(opts.prompt_cache_bytes, self._ssd_tier(loaded), self._idle)
         self._make_lanes(loaded, self._stats, self.prompt_cache)
+        self.meter.end()
         self.loaded = loaded
         # What exists now (the model, tokenizer, kernels) lives as long as the engine: kept out of
         # the collector's full passes, which otherwise walk it all and stall a decode step.
@@ -274,7 +280,9 @@ class Gateway:
         self._make_lanes(loaded, Stats(), PrefixCache(self._options.prompt_cache_bytes))
         jobs, most, level = 0, 0, log.level
         log.setLevel(logging.WARNING)  # its jobs' own lines would read as requests
-        for wave in waves(loaded.vocab_size, self._options.batch):
+        all_waves = waves(loaded.vocab_size, self._options.batch)
+        self.meter.begin("warmup", sum(len(wave) for wave in all_waves))
+        for wave in all_waves:
             jobs += len(wave)
             self._waiting.append(wave[0])
             self._turn(None)  # the first job of a wave starts alone
@@ -282,6 +290,7 @@ class Gateway:
             while self._has_work():
                 self._turn(None)
                 most = max(most, self._rows_running())
+            self.meter.advance(len(wave))
         mx.synchronize()
         log.setLevel(level)
         self._stats.busy_s, self._bursts_until = busy, 0.0

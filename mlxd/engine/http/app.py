@@ -84,7 +84,8 @@ async def health(request: web.Request) -> web.Response:
     status: HealthStatus = "ready" if gateway.loaded is not None else "failed" if gateway.load_error else "loading"
     if status != "failed" and request.app[ADMISSION].is_draining:
         status = "draining"
-    return routes.json_response(EngineHealth(status, request.app[SETTINGS].model_id), 503 if status == "failed" else 200)
+    load = gateway.meter.snapshot() if status == "loading" else None
+    return routes.json_response(EngineHealth(status, request.app[SETTINGS].model_id, load), 503 if status == "failed" else 200)
 
 
 async def admin_stats(request: web.Request) -> web.Response:

@@ -29,6 +29,7 @@ from mlxd.protocol import openai as oa
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.events import Done, Failed, Token, TokenLogprob
 from mlxd.protocol.json_body import decode_as
+from mlxd.protocol.process import USAGE_HEADER, RequestUsage
 
 T = TypeVar("T")
 LEGACY_COMPLETION_MAX_TOKENS = 16
@@ -118,6 +119,20 @@ def submit(request: web.Request, slot: Slot, prompt: list[int], max_tokens: int,
     return ticket
 
 
+def summary_of(done: Done, *more: Done) -> RequestUsage:
+    """The request's cost, for the supervisor (process.USAGE_HEADER / USAGE_COMMENT)."""
+    every = (done, *more)
+    return RequestUsage(
+        done.prompt_tokens, done.cached_tokens, sum(d.completion_tokens for d in every), done.queue_ms,
+        done.prefill_ms, max(d.decode_ms for d in every), done.finish_reason,
+    )
+
+
+def usage_headers(done: Done, *more: Done) -> dict[str, str]:
+    """A whole answer's usage header."""
+    return {USAGE_HEADER: _encoder.encode(summary_of(done, *more)).decode()}
+
+
 def usage_of(done: Done, *more: Done) -> oa.Usage:
     """OpenAI usage from the Done events of a request's choices (the prompt counted once)."""
     completion = done.completion_tokens + sum(d.completion_tokens for d in more)
@@ -192,7 +207,8 @@ async def chat_completions(request: web.Request, slot: Slot) -> web.StreamRespon
             message, finish = reply.message(done)
             choices.append(oa.ChatChoice(i, message, finish, chat_logprobs(logprobs) if req.logprobs else None,
                                          done.stop_sequence))
-        return json_response(oa.ChatCompletion(*meta, choices=choices, usage=usage_of(*(r[1] for r in results))))
+        dones = [r[1] for r in results]
+        return json_response(oa.ChatCompletion(*meta, choices=choices, usage=usage_of(*dones)), headers=usage_headers(*dones))
 
 
 # Chat templates are rendered (and prompts tokenized) on this thread: off the event loop, and
@@ -291,7 +307,7 @@ async def completions(request: web.Request, slot: Slot) -> web.StreamResponse:
         text, done, logprobs = await collect(ticket)
         lp = text_logprobs(logprobs, len(echo), req.logprobs) if req.logprobs is not None else None
         choice = oa.TextChoice(0, echo + text, done.finish_reason, lp, done.stop_sequence)
-        return json_response(oa.Completion(*meta, choices=[choice], usage=usage_of(done)))
+        return json_response(oa.Completion(*meta, choices=[choice], usage=usage_of(done)), headers=usage_headers(done))
 
 
 def chat_message_dict(msg: oa.ChatMessage, index: int) -> dict[str, Any]:
@@ -507,6 +523,7 @@ async def finish_stream(sse: SSEWriter, reply: Reply, end: Any, include_usage: b
             await sse.send(chunk)
         if include_usage:
             await sse.send(reply.usage(usage_of(end)))
+        await sse.usage(summary_of(end))
         await sse.done()
 
 
@@ -555,9 +572,11 @@ async def stream_choices(request: web.Request, tickets: list[Ticket], replies: l
                 dones[i] = end
                 for chunk in replies[i].closing(end):
                     await sse.send(chunk)
-        if include_usage and dones:
+        if dones:
             first, *rest = dones.values()
-            await sse.send(replies[0].usage(usage_of(first, *rest)))
+            if include_usage:
+                await sse.send(replies[0].usage(usage_of(first, *rest)))
+            await sse.usage(summary_of(first, *rest))
         await sse.done()
     except ConnectionResetError:
         for t in tickets:
@@ -592,6 +611,6 @@ def cancel_on_exit(ticket: Ticket) -> Iterator[Ticket]:
 _encoder = msgspec.json.Encoder()
 
 
-def json_response(obj: Any, status: int = 200) -> web.Response:
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     """A JSON response encoded with msgspec."""
-    return web.Response(body=_encoder.encode(obj), status=status, content_type="application/json")
+    return web.Response(body=_encoder.encode(obj), status=status, content_type="application/json", headers=headers)

@@ -12,7 +12,7 @@ import msgspec
 from aiohttp import web
 
 from mlxd.protocol.errors import APIError
-from mlxd.protocol.process import STREAM_KEEPALIVE_ENV
+from mlxd.protocol.process import STREAM_KEEPALIVE_ENV, USAGE_COMMENT, RequestUsage
 
 _encoder = msgspec.json.Encoder()
 log = logging.getLogger("mlxd.engine")
@@ -55,6 +55,10 @@ class SSEWriter:
     async def comment(self, text: str) -> None:
         """An SSE comment line: clients' event decoders skip it, but it shows the connection lives."""
         await self._resp.write(b": " + text.encode() + b"\n\n")
+
+    async def usage(self, usage: RequestUsage) -> None:
+        """The request's cost, as the comment the supervisor reads (process.USAGE_COMMENT)."""
+        await self._resp.write(USAGE_COMMENT + _encoder.encode(usage) + b"\n\n")
 
     async def send_error(self, err: APIError) -> None:
         """An error event in OpenAI's error shape, then end the stream (no [DONE])."""

@@ -8,14 +8,19 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.utils import load
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.utils import load_model, load_tokenizer
 
 from mlxd.engine.chat.grammar import Grammars
 from mlxd.engine.chat.reasoning import ThinkMarkers, think_markers
 from mlxd.engine.chat.tools import ToolFormat, format_of, template_takes_tools
+from mlxd.engine.models.load_meter import LoadMeter
 from mlxd.protocol.errors import APIError
 
 DEFAULT_CONTEXT = 4096
+WEIGHT_CHUNK_BYTES = 64 << 20  # weights are read this much per step of the load's progress
 
 
 class ModelLoadError(Exception):
@@ -25,12 +30,13 @@ class ModelLoadError(Exception):
 class LoadedModel:
     """The weights and tokenizer of one model; runs only on the GPU thread (load) or pure CPU."""
 
-    def __init__(self, path: Path, model_id: str, max_context: int | None = None) -> None:
+    def __init__(
+        self, path: Path, model_id: str, max_context: int | None = None, meter: LoadMeter | None = None
+    ) -> None:
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} is not an MLX model dir (no config.json)")
         try:
-            loaded = load(str(path))
-            self.model, self.tokenizer = loaded[0], loaded[1]
+            self.model, self.tokenizer = load_with_progress(path, meter or LoadMeter())
         except Exception as exc:  # mlx-lm raises many kinds; all mean "cannot load"
             raise ModelLoadError(f"cannot load {path}: {type(exc).__name__}: {exc}") from exc
         self.path = path
@@ -97,6 +103,31 @@ class LoadedModel:
     def decode(self, ids: list[int]) -> str:
         """Text for token ids (used for `echo`)."""
         return str(self.tokenizer.decode(ids))
+
+
+def load_with_progress(path: Path, meter: LoadMeter) -> tuple[nn.Module, TokenizerWrapper]:
+    """mlx-lm's load, its weights read a chunk at a time so that `meter` can say how far it got."""
+    model, config = load_model(path, lazy=True)
+    arrays: list[mx.array] = [array for _, array in tree_flatten(model.parameters())]  # type: ignore[misc, str-unpack]
+    meter.begin("weights", sum(a.nbytes for a in arrays), "bytes")
+    for chunk in _chunks(arrays, WEIGHT_CHUNK_BYTES):
+        mx.eval(chunk)
+        meter.advance(sum(a.nbytes for a in chunk))
+    meter.begin("tokenizer")
+    return model, load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+
+
+def _chunks(arrays: list[mx.array], max_bytes: int) -> list[list[mx.array]]:
+    """`arrays` in runs of about `max_bytes` (a larger array is a run of its own)."""
+    runs: list[list[mx.array]] = [[]]
+    size = 0
+    for array in arrays:
+        if runs[-1] and size + array.nbytes > max_bytes:
+            runs.append([])
+            size = 0
+        runs[-1].append(array)
+        size += array.nbytes
+    return [run for run in runs if run]
 
 
 def wire_model_memory() -> None:

@@ -1,0 +1,106 @@
+"""A starting model's progress on the terminal: a bar where the total is known, else a spinner.
+
+The daemon reports it in the `load` field of each `GET /admin/engines` row and `GET /v1/models`
+entry (phase, done, total, unit, elapsed_s). `LoadProgress` polls one of them on a thread while
+the caller waits for something else (the model's load, the first token) and draws it with rich,
+on stderr, only when stderr is a terminal.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from types import TracebackType
+from typing import Any
+
+from mlxd.cli.admin_client import AdminClient, AdminError
+
+POLL_S = 0.25
+PHASES = {"spawn": "starting the engine", "weights": "reading weights", "tokenizer": "loading the tokenizer",
+          "warmup": "warming up GPU kernels"}
+
+Reader = Callable[[], Mapping[str, Any] | None]  # the model's `load` now (None: not starting)
+
+
+def engine_load(client: AdminClient, model: str) -> Reader:
+    """A reader of `model`'s load progress from GET /admin/engines (admin key)."""
+    return lambda: _row_load(client.get("/admin/engines", timeout=5.0).get("data", []), "model", model)
+
+
+def model_load(client: AdminClient, model: str) -> Reader:
+    """A reader of `model`'s load progress from GET /v1/models (any API key)."""
+    return lambda: _row_load(client.get("/v1/models", timeout=5.0).get("data", []), "id", model)
+
+
+def _row_load(rows: list[Mapping[str, Any]], key: str, model: str) -> Mapping[str, Any] | None:
+    row = next((r for r in rows if r.get(key) == model), None)
+    load = row.get("load") if row else None
+    return load if isinstance(load, Mapping) else None
+
+
+def phase_text(load: Mapping[str, Any]) -> str:
+    """`reading weights 45%` or `starting the engine 1.2 s`, for `mlxd ps` and the plain display."""
+    text = PHASES.get(str(load.get("phase")), str(load.get("phase")))
+    total, done = load.get("total"), load.get("done") or 0
+    if isinstance(total, int) and total > 0:
+        return f"{text} {min(100, round(100 * done / total))}%"
+    return f"{text} {float(load.get('elapsed_s') or 0):.1f} s"
+
+
+class LoadProgress:
+    """While in its `with` block, polls `read` and draws the model's progress on stderr (a TTY)."""
+
+    def __init__(self, model: str, read: Reader, enabled: bool) -> None:
+        self.model, self._read, self._enabled = model, read, enabled
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="load-progress", daemon=True)
+        self._progress: Any = None
+
+    def __enter__(self) -> LoadProgress:
+        if self._enabled:
+            from rich.console import (
+                Console,  # imported only when drawn: `mlxd load --json` stays light
+            )
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                SpinnerColumn,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self._progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                                      DownloadColumn(), TimeElapsedColumn(), console=Console(stderr=True),
+                                      transient=True)
+            self._progress.start()
+            self._task = self._progress.add_task(f"{self.model}: waiting", total=None)
+            self._phase: object = None
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
+        self._stop.set()
+        if self._progress is not None:
+            self._thread.join(timeout=1.0)
+            self._progress.stop()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                load = self._read()
+            except AdminError:
+                load = None  # the wait itself reports a daemon that stopped answering
+            if load is not None and not self._stop.is_set():
+                self._show(load)
+            self._stop.wait(POLL_S)
+
+    def _show(self, load: Mapping[str, Any]) -> None:
+        phase = load.get("phase")
+        if phase != self._phase:  # a task per phase: rich keeps a task's total once set
+            self._phase = phase
+            self._progress.remove_task(self._task)
+            total = load.get("total") if load.get("unit") == "bytes" else None
+            description = f"{self.model}: {PHASES.get(str(phase), phase)}"
+            self._task = self._progress.add_task(description, total=total)
+        self._progress.update(self._task, completed=load.get("done") or 0)
