@@ -14,10 +14,9 @@ from types import TracebackType
 from typing import Any
 
 from mlxd.cli.admin_client import AdminClient, AdminError
+from mlxd.protocol.stats import PHASE_NAMES
 
 POLL_S = 0.25
-PHASES = {"spawn": "starting the engine", "weights": "reading weights", "tokenizer": "loading the tokenizer",
-          "warmup": "warming up GPU kernels"}
 
 Reader = Callable[[], Mapping[str, Any] | None]  # the model's `load` now (None: not starting)
 
@@ -40,7 +39,7 @@ def _row_load(rows: list[Mapping[str, Any]], key: str, model: str) -> Mapping[st
 
 def phase_text(load: Mapping[str, Any]) -> str:
     """`reading weights 45%` or `starting the engine 1.2 s`, for `mlxd ps` and the plain display."""
-    text = PHASES.get(str(load.get("phase")), str(load.get("phase")))
+    text = PHASE_NAMES.get(str(load.get("phase")), str(load.get("phase")))
     total, done = load.get("total"), load.get("done") or 0
     if isinstance(total, int) and total > 0:
         return f"{text} {min(100, round(100 * done / total))}%"
@@ -101,6 +100,6 @@ class LoadProgress:
             self._phase = phase
             self._progress.remove_task(self._task)
             total = load.get("total") if load.get("unit") == "bytes" else None
-            description = f"{self.model}: {PHASES.get(str(phase), phase)}"
+            description = f"{self.model}: {PHASE_NAMES.get(str(phase), phase)}"
             self._task = self._progress.add_task(description, total=total)
         self._progress.update(self._task, completed=load.get("done") or 0)

@@ -17,6 +17,8 @@ GateState = Literal["open", "draining", "leased"]
 # What a starting engine is doing: `spawn` (the supervisor's: the process imports, no answer
 # yet), `weights` (bytes read into memory), `tokenizer`, `warmup` (jobs run to compile kernels).
 LoadPhase = Literal["spawn", "weights", "tokenizer", "warmup"]
+PHASE_NAMES: dict[str, str] = {"spawn": "starting the engine", "weights": "reading weights",
+                               "tokenizer": "loading the tokenizer", "warmup": "warming up GPU kernels"}
 
 
 class LoadProgress(msgspec.Struct):

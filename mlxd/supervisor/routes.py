@@ -58,7 +58,9 @@ async def serve(
     (waiting.py); its errors then come as an SSE error event in the caller's API."""
     request[MODEL_KEY] = entry.id
     dialect = translation.dialect if translation is not None else OPENAI
-    waiting = WaitingStream(request, request.app[CONFIG].server.stream_keepalive_s, dialect) if stream else None
+    engine = request.app[POOL].slot_for(entry).engine
+    keepalive_s = request.app[CONFIG].server.stream_keepalive_s
+    waiting = WaitingStream(request, keepalive_s, dialect, engine.load_progress) if stream else None
     try:
         return await _route(request, entry, body, started, waiting, translation)
     except APIError as err:

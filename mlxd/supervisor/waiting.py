@@ -3,8 +3,10 @@
 A stream queued behind a swap, a lease or other requests would otherwise get nothing for as
 long as it waits, and a client with a read timeout (10 s is common) gives up. Once it has
 waited `keepalive_s`, the caller gets the SSE head and a comment line (`: waiting`) every
-`keepalive_s`; SSE clients ignore comments. From then on every error, the pool's or the
-engine's, reaches it as an SSE error event, since the 200 has been sent.
+`keepalive_s`; SSE clients ignore comments. While the model loads, the comment says how far
+it has got (`: waiting for the model: reading weights 45%`), for a person watching `curl -N`.
+From then on every error, the pool's or the engine's, reaches it as an SSE error event, since
+the 200 has been sent.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import TypeVar
 from aiohttp import web
 
 from mlxd.protocol.errors import APIError
+from mlxd.protocol.stats import PHASE_NAMES, LoadProgress
 from mlxd.supervisor.dialects import OPENAI, Dialect
 from mlxd.supervisor.proxy import SSE_HEADERS
 
@@ -27,9 +30,11 @@ COMMENT = b": waiting for the model\n\n"
 class WaitingStream:
     """One streaming request's caller while it waits: the SSE head and comments, once needed."""
 
-    def __init__(self, request: web.Request, keepalive_s: float, dialect: Dialect = OPENAI) -> None:
+    def __init__(self, request: web.Request, keepalive_s: float, dialect: Dialect = OPENAI,
+                 progress: Callable[[], LoadProgress | None] = lambda: None) -> None:
         self._request = request
         self._dialect = dialect
+        self._progress = progress  # the model's load progress, while it starts
         self._keepalive_s = keepalive_s
         self.response: web.StreamResponse | None = None  # prepared once the wait got long
 
@@ -59,7 +64,7 @@ class WaitingStream:
         if self.response is None:
             self.response = web.StreamResponse(headers=SSE_HEADERS)
             await self.response.prepare(self._request)
-        await self.response.write(COMMENT)
+        await self.response.write(comment(self._progress()))
 
     async def fail(self, err: APIError) -> web.StreamResponse:
         """End the started stream with `err` as an SSE error event, in the caller's API."""
@@ -68,3 +73,13 @@ class WaitingStream:
             await self.response.write(self._dialect.error_event(err))
             await self.response.write_eof()
         return self.response
+
+
+def comment(load: LoadProgress | None) -> bytes:
+    """The waiting comment; with the model's load progress while it starts."""
+    if load is None:
+        return COMMENT
+    text = PHASE_NAMES.get(load.phase, load.phase)
+    if load.total:
+        text += f" {min(100, round(100 * load.done / load.total))}%"
+    return f": waiting for the model: {text} ({load.elapsed_s:.0f} s)\n\n".encode()

@@ -115,3 +115,16 @@ def test_ps_names_the_phase() -> None:
                                                       "unit": None, "elapsed_s": 1.25}}) \
         == "starting (starting the engine 1.2 s)"
     assert state_text({"state": "ready", "load": None}) == "ready"
+
+
+def test_a_stream_waiting_for_a_cold_model_hears_its_progress(tiny_model: Path, tmp_path: Path) -> None:
+    config = f'[server]\nstream_keepalive_s = 0.2\n\n[models.tiny]\npath = "{tiny_model}"\n'
+    sup = SupervisorProcess(config, tmp_path / "data").wait_up()
+    try:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+        raw = sup.client.post("/v1/chat/completions", json=body).text
+    finally:
+        sup.stop()
+    # the engine's imports take far longer than 0.2 s: the first comments name that phase
+    assert ": waiting for the model: starting the engine (" in raw, raw[:300]
+    assert raw.rstrip().endswith("data: [DONE]")
