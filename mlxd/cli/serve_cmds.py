@@ -26,13 +26,22 @@ def resolve_model(model: str) -> tuple[Path, str]:
     raise click.ClickException(f"No model {model!r}: not a dir and not in {models_dir()}.{hint}")
 
 
+def start_logging() -> None:
+    """Log to stderr in $MLXD_LOG_FORMAT (set by --log-format) at $MLXD_LOG_LEVEL."""
+    from mlxd.logformat import setup_logging
+
+    level = os.environ.get("MLXD_LOG_LEVEL") or "INFO"
+    try:
+        setup_logging(os.environ.get("MLXD_LOG_FORMAT") or "text", level.upper())
+    except ValueError as exc:  # an unknown level; the format was checked by its option
+        raise click.ClickException(f"$MLXD_LOG_LEVEL: {exc}") from None
+
+
 @click.command("serve")
 @serve_options
 @click.option("--insecure-no-auth", is_flag=True, help="allow a non-loopback bind with no API keys")
 def serve(host: str | None, port: int | None, config_file: Path | None, data_dir: Path | None, insecure_no_auth: bool) -> None:
     """Run the mlxd supervisor in the foreground: OpenAI API on TCP, one engine per model."""
-    import logging
-
     from mlxd.supervisor.quick_import import import_aiohttp
 
     import_aiohttp()  # first, before any module below imports it
@@ -49,7 +58,7 @@ def serve(host: str | None, port: int | None, config_file: Path | None, data_dir
 
     if data_dir is not None:
         os.environ["MLXD_DATA_DIR"] = str(data_dir.expanduser().resolve())
-    logging.basicConfig(level=os.environ.get("MLXD_LOG_LEVEL", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    start_logging()
     try:
         named = str(config_file) if config_file else None
         config = apply_overrides(load_config(config_path(named), explicit=is_explicit_config(named)), host=host, port=port)

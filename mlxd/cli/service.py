@@ -26,69 +26,9 @@ PID_FILE_NAME = "mlxd.pid"
 LOG_FILE_NAME = "mlxd.log"
 PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600  # logs and pid file: readable by their owner only
 
-DEPLOY_DIR = Path(__file__).resolve().parents[2] / "deploy"
-
-# Fallback copies of deploy/*.in for an install without the source tree;
-# tests/unit/test_service.py pins them equal to the files.
-PLIST_TEMPLATE = """\
-<?xml version="1.0" encoding="UTF-8"?>
-<!DOCTYPE plist PUBLIC "-//Apple//DTD PLIST 1.0//EN" "http://www.apple.com/DTDs/PropertyList-1.0.dtd">
-<!-- mlxd launchd agent, written by `mlxd service install`; `mlxd service uninstall` removes it. -->
-<plist version="1.0">
-<dict>
-  <key>Label</key>
-  <string>$label</string>
-  <key>ProgramArguments</key>
-  <array>
-$program_arguments
-  </array>
-  <key>EnvironmentVariables</key>
-  <dict>
-$environment
-  </dict>
-  <key>RunAtLoad</key>
-  <true/>
-  <key>KeepAlive</key>
-  <true/>
-  <!-- launchd sends SIGKILL this long after SIGTERM: longer than mlxd's graceful shutdown. -->
-  <key>ExitTimeOut</key>
-  <integer>$stop_timeout</integer>
-  <!-- Files the agent creates (its log, if it was removed) are private to the user: 077. -->
-  <key>Umask</key>
-  <integer>63</integer>
-  <key>StandardOutPath</key>
-  <string>$log_file</string>
-  <key>StandardErrorPath</key>
-  <string>$log_file</string>
-</dict>
-</plist>
-"""
-
-UNIT_TEMPLATE = """\
-# mlxd systemd user unit, written by `mlxd service install`; `mlxd service uninstall` removes it.
-[Unit]
-Description=mlxd: local LLM inference daemon on MLX
-
-[Service]
-Type=simple
-ExecStart=$exec_start
-$environment
-Restart=on-failure
-RestartSec=2
-# SIGTERM to the supervisor only, SIGKILL to what is left after the timeout, which is
-# longer than the supervisor's graceful shutdown (10 s for requests + 5 s for engines).
-KillMode=mixed
-TimeoutStopSec=$stop_timeout
-# Files the service creates (its log, if it was removed) are private to the user.
-UMask=0077
-StandardOutput=append:$log_file
-StandardError=append:$log_file
-
-[Install]
-WantedBy=default.target
-"""
-
-_FALLBACKS = {"mlxd.plist.in": PLIST_TEMPLATE, "mlxd.service.in": UNIT_TEMPLATE}
+# The service templates ship as package data (mlxd/deploy/*.in): one copy, read the same way
+# from a checkout and from an installed wheel (tests/integration/test_install_tool.py).
+DEPLOY_DIR = Path(__file__).resolve().parents[1] / "deploy"
 
 
 @dataclass(frozen=True)
@@ -99,6 +39,7 @@ class ServeOptions:
     port: int | None = None
     config: Path | None = None
     data_dir: Path | None = None
+    log_format: str | None = None  # travels as $MLXD_LOG_FORMAT, like the files
 
     def address_args(self) -> list[str]:
         """`--host`/`--port` for `mlxd serve`, only those given."""
@@ -119,8 +60,8 @@ class ServeOptions:
         return [python, "-m", "mlxd", "serve", *self.address_args()]
 
     def service_env(self) -> dict[str, str]:
-        """MLXD_DATA_DIR / MLXD_CONFIG for the service, only those given."""
-        env = {"MLXD_DATA_DIR": self.data_dir, "MLXD_CONFIG": self.config}
+        """MLXD_DATA_DIR / MLXD_CONFIG / MLXD_LOG_FORMAT for the service, only those given."""
+        env = {"MLXD_DATA_DIR": self.data_dir, "MLXD_CONFIG": self.config, "MLXD_LOG_FORMAT": self.log_format}
         return {key: str(value) for key, value in env.items() if value is not None}
 
 
@@ -130,12 +71,14 @@ def absolute(path: Path | str | None) -> Path | None:
 
 
 def from_env(opts: ServeOptions, env: Mapping[str, str]) -> ServeOptions:
-    """Fill the files from $MLXD_DATA_DIR / $MLXD_CONFIG: a service does not see the shell's env."""
+    """Fill the files and log format from $MLXD_DATA_DIR / $MLXD_CONFIG / $MLXD_LOG_FORMAT: a service
+    does not see the shell's env (`--log-format` is put there by its option)."""
     return ServeOptions(
         host=opts.host,
         port=opts.port,
         config=absolute(opts.config or env.get("MLXD_CONFIG") or None),
         data_dir=absolute(opts.data_dir or env.get("MLXD_DATA_DIR") or None),
+        log_format=opts.log_format or env.get("MLXD_LOG_FORMAT") or None,
     )
 
 
@@ -148,6 +91,7 @@ def options_from_argv(argv: list[str], env: Mapping[str, str]) -> ServeOptions:
         port=int(port) if port else None,
         config=absolute(env.get("MLXD_CONFIG")),
         data_dir=absolute(env.get("MLXD_DATA_DIR")),
+        log_format=env.get("MLXD_LOG_FORMAT") or None,
     )
 
 
@@ -190,11 +134,8 @@ def base_url(host: str, port: int) -> str:
 
 
 def load_template(name: str, deploy_dir: Path = DEPLOY_DIR) -> Template:
-    """deploy/<name> from the source tree, else the copy embedded here."""
-    try:
-        return Template((deploy_dir / name).read_text())
-    except OSError:
-        return Template(_FALLBACKS[name])
+    """mlxd/deploy/<name>, the template shipped in the package."""
+    return Template((deploy_dir / name).read_text())
 
 
 def render_plist(argv: list[str], env: Mapping[str, str], log: Path, deploy_dir: Path = DEPLOY_DIR) -> str:
@@ -259,6 +200,16 @@ def parse_unit(text: str) -> tuple[list[str], dict[str, str]]:
                 name, _, val = word.partition("=")
                 env[name] = val
     return argv, env
+
+
+def unit_log_file(text: str) -> Path | None:
+    """The file a unit's StandardOutput= appends or writes to; None when it logs to the journal."""
+    for line in text.splitlines():
+        key, _, value = line.strip().partition("=")
+        kind, _, path = value.partition(":")
+        if key == "StandardOutput" and kind in ("append", "file", "truncate") and path:
+            return Path(path.replace("%%", "%"))
+    return None
 
 
 # --- pid file ----------------------------------------------------------------

@@ -31,6 +31,14 @@ def run_command(argv: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, capture_output=True, text=True, check=False, timeout=60)
 
 
+def run_on_terminal(argv: list[str]) -> int:
+    """Run a command on this terminal (`journalctl -f`): its output is the user's; its exit code."""
+    try:
+        return subprocess.run(argv, check=False).returncode
+    except FileNotFoundError:
+        return 127
+
+
 def fetch_health(url: str, timeout: float = 2.0) -> Health | None:
     """`GET url/health` as JSON when an mlxd answers there, else None."""
     import urllib.request  # here, not at import: `mlxd serve` starts faster (~45 ms)
@@ -54,6 +62,7 @@ class System:
     uid: int = field(default_factory=os.getuid)
     python: str = sys.executable
     run: Runner = run_command
+    run_attached: Callable[[list[str]], int] = run_on_terminal
     which: Callable[[str], str | None] = shutil.which
     probe: Callable[[str], Health | None] = fetch_health
     sleep: Callable[[float], None] = time.sleep
@@ -135,6 +144,13 @@ class Launchd:
         self.stop()
         return []
 
+    def log_path(self) -> Path | None:
+        """The file the agent's stdout goes to (the plist's StandardOutPath)."""
+        import plistlib
+
+        path = plistlib.loads(self.path.read_bytes()).get("StandardOutPath")
+        return Path(path) if isinstance(path, str) and path else None
+
     def pid(self) -> int | None:
         out = self._launchctl("print", self.target)
         for line in out.stdout.splitlines() if out.returncode == 0 else []:
@@ -213,6 +229,14 @@ class Systemd:
     def after_remove(self) -> None:
         if self.has_user_bus():
             self._systemctl("daemon-reload")
+
+    def log_path(self) -> Path | None:
+        """The file the unit's stdout goes to; None when it goes to the journal."""
+        return svc.unit_log_file(self.path.read_text())
+
+    def journal_argv(self, num_lines: int, follow: bool) -> list[str]:
+        """`journalctl` showing the unit's lines as logged (no journal prefix)."""
+        return ["journalctl", "--user", "-u", svc.UNIT_NAME, "-o", "cat", "-n", str(num_lines), *(["-f"] if follow else [])]
 
     def pid(self) -> int | None:
         out = self._systemctl("show", "--property=MainPID", "--value", "mlxd")

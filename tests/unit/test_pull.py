@@ -1,0 +1,96 @@
+"""The pure parts of `mlxd pull`: repo specs, which files, which model types, the pull record."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mlxd.pull_record import PullRecord
+from mlxd.puller import (
+    MlxLmModels,
+    PullError,
+    find_mlx_lm,
+    mlx_model_type,
+    parse_spec,
+    select_files,
+)
+
+MODELS = MlxLmModels(
+    frozenset({"llama", "qwen3", "bailing_moe_v3", "bailing_hybrid"}),
+    {"mistral": "llama"},
+    {("bailing_hybrid", "BailingMoeV3ForCausalLM"): "bailing_moe_v3"},
+)
+
+
+def test_a_spec_is_a_repo_and_a_revision_main_by_default() -> None:
+    assert parse_spec("mlx-community/Qwen3-0.6B-4bit") == ("mlx-community/Qwen3-0.6B-4bit", "main")
+    assert parse_spec(" org/name@v1.0 ") == ("org/name", "v1.0")
+    assert parse_spec("gpt2@" + "a" * 40) == ("gpt2", "a" * 40)
+
+
+@pytest.mark.parametrize("spec", ["org/name@", "not a repo", "a/b/c", "", "org/name..x"])
+def test_a_bad_spec_is_refused(spec: str) -> None:
+    with pytest.raises(PullError):
+        parse_spec(spec)
+
+
+def test_only_the_files_mlx_lm_reads_are_selected() -> None:
+    names = ["config.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json", "tokenizer.json",
+             "tokenizer.model", "merges.txt", "vocab.json", "chat_template.jinja", "generation_config.json",
+             "qwen.tiktoken", "pytorch_model.bin", "model.gguf", "consolidated.safetensors", "onnx/model.onnx",
+             "onnx/config.json", "original/params.json", "README.md", ".gitattributes", "modeling_x.py",
+             "model.pth"]
+    assert [f.name for f in select_files((n, 1) for n in names)] == [
+        "config.json", "model-00001-of-00002.safetensors", "model.safetensors.index.json", "tokenizer.json",
+        "tokenizer.model", "merges.txt", "vocab.json", "chat_template.jinja", "generation_config.json",
+        "qwen.tiktoken",
+    ]
+
+
+def test_model_types_resolve_as_mlx_lm_resolves_them() -> None:
+    assert mlx_model_type({"model_type": "llama"}, MODELS) == "llama"
+    assert mlx_model_type({"model_type": "mistral"}, MODELS) == "llama"
+    arch = {"model_type": "bailing_hybrid", "architectures": ["BailingMoeV3ForCausalLM"]}
+    assert mlx_model_type(arch, MODELS) == "bailing_moe_v3"
+    assert mlx_model_type({"model_type": "bailing_hybrid", "architectures": "Other"}, MODELS) == "bailing_hybrid"
+
+
+@pytest.mark.parametrize(("config", "reason"), [
+    ({"model_type": "bert"}, "model_type 'bert' is not supported by the installed mlx-lm"),
+    ({}, "its config.json has no model_type, so mlx-lm cannot load it"),
+    ({"model_type": 3}, "its config.json has no model_type, so mlx-lm cannot load it"),
+])
+def test_other_model_types_are_refused(config: dict[str, object], reason: str) -> None:
+    with pytest.raises(PullError, match=f"^{reason}$"):
+        mlx_model_type(config, MODELS)
+
+
+def test_the_installed_mlx_lm_is_read_without_importing_it() -> None:
+    models = find_mlx_lm()
+    assert models is not None
+    assert {"llama", "qwen2", "mistral3"} <= models.types
+    assert models.remapping["mistral"] == "llama"
+    assert mlx_model_type({"model_type": "mistral"}, models) == "llama"
+
+
+def test_the_record_keeps_pulls_per_cache(tmp_path: Path) -> None:
+    record = PullRecord(tmp_path / "data")
+    cache_a, cache_b = tmp_path / "a", tmp_path / "b"
+    assert record.find("org/x", cache_a) is None
+    record.add("org/x", cache_a, "main", "c" * 40)
+    record.add("org/x", cache_a, "v2", "d" * 40)  # a second pull replaces the first record
+    record.add("org/y", cache_b, "main", "e" * 40)
+    pull = record.find("org/x", tmp_path / "b" / ".." / "a")
+    assert pull is not None and (pull.revision, pull.commit) == ("v2", "d" * 40)
+    assert record.find("org/x", cache_b) is None
+    record.remove("org/x", cache_a)
+    assert [p.repo for p in record.pulls()] == ["org/y"]
+
+
+def test_a_damaged_record_owns_nothing(tmp_path: Path) -> None:
+    record = PullRecord(tmp_path)
+    record.path.write_text("{not json")
+    assert record.pulls() == []
+    record.path.write_text('{"version": 1, "pulls": [{"repo": 3}]}')
+    assert record.find("3", tmp_path) is None
