@@ -2,12 +2,15 @@
 
 The page is plain HTML, CSS and JS modules (no build step, no CDN). Every file is sent with
 `Cache-Control: no-cache` and an ETag: a revisit costs one 304 per file, and an upgraded
-mlxd never leaves a browser running stale modules that import each other by name.
+mlxd never leaves a browser running stale modules that import each other by name. Files are
+gzipped once, when first asked for: the first load is ~22 KB instead of ~55 KB
+(benchmarks/web_first_load.py), which a phone on Wi-Fi notices.
 """
 
 from __future__ import annotations
 
 import functools
+import gzip
 import hashlib
 import re
 from dataclasses import dataclass
@@ -35,6 +38,7 @@ class Asset:
     body: bytes
     content_type: str
     etag: str
+    gzipped: bytes | None  # None where gzip would not make it smaller (the PNG screenshots)
 
 
 @functools.cache
@@ -45,18 +49,25 @@ def load_asset(name: str) -> Asset | None:
         return None
     body = path.read_bytes()
     suffix = name[name.rfind("."):]
-    return Asset(body, CONTENT_TYPES[suffix], '"' + hashlib.sha256(body).hexdigest()[:20] + '"')
+    packed = gzip.compress(body, mtime=0)
+    return Asset(body, CONTENT_TYPES[suffix], hashlib.sha256(body).hexdigest()[:20],
+                 packed if len(packed) < len(body) else None)
 
 
 def asset_response(request: web.Request, asset: Asset) -> web.Response:
-    """200 with the file, or 304 when the browser's copy is current."""
-    headers = {"Cache-Control": "no-cache", "ETag": asset.etag, "X-Content-Type-Options": "nosniff",
-               "Referrer-Policy": "no-referrer"}
+    """200 with the file (gzipped when the browser takes it), or 304 when its copy is current."""
+    use_gzip = asset.gzipped is not None and "gzip" in request.headers.get("Accept-Encoding", "")
+    etag = f'"{asset.etag}-gz"' if use_gzip else f'"{asset.etag}"'  # one tag per encoding
+    headers = {"Cache-Control": "no-cache", "ETag": etag, "Vary": "Accept-Encoding",
+               "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"}
     if asset.content_type.startswith("text/html"):
         headers |= {"Content-Security-Policy": CSP, "X-Frame-Options": "DENY"}
-    if request.headers.get("If-None-Match") == asset.etag:
+    if request.headers.get("If-None-Match") == etag:
         return web.Response(status=304, headers=headers)
-    return web.Response(body=asset.body, headers=headers | {"Content-Type": asset.content_type})
+    headers["Content-Type"] = asset.content_type
+    if use_gzip:
+        headers["Content-Encoding"] = "gzip"
+    return web.Response(body=asset.gzipped if use_gzip else asset.body, headers=headers)
 
 
 async def index(request: web.Request) -> web.Response:

@@ -1,0 +1,98 @@
+// Calls from the page to mlxd: the API key (kept in localStorage) and errors as ApiError.
+const KEY_ITEM = "mlxd.apiKey";
+const keyListeners = new Set();
+let asking = null;  // the open key dialog: concurrent 401s share one question
+let declined = false;  // cancelled: background polls stop asking until the user chooses to
+
+export class ApiError extends Error {
+  constructor(status, message, code) {
+    super(message);
+    this.status = status;
+    this.code = code;
+  }
+}
+
+export function getKey() {
+  return localStorage.getItem(KEY_ITEM) || "";
+}
+
+export function forgetKey() {
+  localStorage.removeItem(KEY_ITEM);
+  keyListeners.forEach((fn) => fn());
+}
+
+export function onKeyChange(fn) {
+  keyListeners.add(fn);
+}
+
+/** Ask for a key in the key dialog; true once one is saved. */
+export function askKey(reason) {
+  if (!asking) asking = showKeyDialog(reason).finally(() => { asking = null; });
+  return asking;
+}
+
+function showKeyDialog(reason) {
+  const dialog = document.getElementById("key-dialog");
+  const input = document.getElementById("key-input");
+  dialog.querySelector(".reason").textContent = reason;
+  const form = dialog.querySelector("form");
+  let choice = "";  // Enter in the field submits with no submitter (returnValue stays empty): that is "save"
+  const onSubmit = (ev) => { choice = ev.submitter?.value || "save"; };
+  input.value = "";
+  form.addEventListener("submit", onSubmit);
+  dialog.showModal();
+  return new Promise((resolve) => {
+    dialog.addEventListener("close", () => {
+      form.removeEventListener("submit", onSubmit);
+      const key = choice === "save" ? input.value.trim() : "";
+      if (key) localStorage.setItem(KEY_ITEM, key);
+      declined = !key;
+      keyListeners.forEach((fn) => fn());
+      resolve(Boolean(key));
+    }, { once: true });
+  });
+}
+
+function keyReason(path) {
+  return path.startsWith("/admin/")
+    ? "This needs an admin key (one of server.admin_keys, or an API key when no admin keys are set)."
+    : "mlxd needs an API key (server.api_keys).";
+}
+
+function headersFor(body) {
+  const headers = {};
+  const key = getKey();
+  if (key) headers.Authorization = `Bearer ${key}`;
+  if (body !== undefined) headers["Content-Type"] = "application/json";
+  return headers;
+}
+
+/** The server's error as an ApiError: its `error.message` when it sent one. */
+export async function errorOf(resp) {
+  let text = "";
+  try { text = await resp.text(); } catch { /* the body broke off: the status still says enough */ }
+  try {
+    const err = JSON.parse(text).error;
+    if (err && err.message) return new ApiError(resp.status, err.message, err.code);
+  } catch { /* not JSON */ }
+  return new ApiError(resp.status, `${resp.status} ${resp.statusText} ${text.slice(0, 200)}`.trim());
+}
+
+/**
+ * fetch() with the key; on a 401 ask for a key once and retry. `quiet` calls (background
+ * polls) do not ask again after the user cancelled the dialog.
+ */
+export async function api(path, { method = "GET", body, signal, quiet = false } = {}) {
+  for (let attempt = 0; ; attempt++) {
+    const resp = await fetch(path, {
+      method, signal, headers: headersFor(body), body: body === undefined ? undefined : JSON.stringify(body),
+    });
+    if (resp.status === 401 && attempt === 0 && !(quiet && declined) && await askKey(keyReason(path))) continue;
+    if (!resp.ok) throw await errorOf(resp);
+    return resp;
+  }
+}
+
+export async function apiJson(path, options) {
+  return (await api(path, options)).json();
+}

@@ -1,0 +1,355 @@
+"""The web page at `/` (dashboard and chat) in a real headless Chromium against a real supervisor.
+
+Browser tests skip where Debian's Chromium is missing (`apt-get install chromium`); the
+tests of the static files themselves need no browser.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import Browser, Page, Playwright, sync_playwright
+
+from tests.support import SupervisorProcess, wait_for
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+USER_KEY, ADMIN_KEY = "user-sekret", "admin-sekret"
+PHONE = {"width": 390, "height": 844}
+# Records every length the answer's text has on screen, so a test can tell that it grew.
+WATCH_ANSWER = """() => {
+  window.lengths = [];
+  new MutationObserver(() => {
+    const content = document.querySelector('.message.assistant .content');
+    if (content) window.lengths.push(content.textContent.length);
+  }).observe(document.getElementById('messages'), {childList: true, subtree: true, characterData: true});
+}"""
+EVIL = [
+    "<script>window.pwned = 1</script>",
+    "<img src=x onerror=\"window.pwned = 2\">",
+    "[click](javascript:window.pwned=3)",
+    '[x](https://example.com/"onmouseover="window.pwned=4)',
+    "```html\n<img src=x onerror=window.pwned=5>\n```",
+    "`<svg onload=window.pwned=6>`",
+    "**<iframe src=javascript:window.pwned=7>**",
+    "- <a href=javascript:1>item</a>\n  <b onclick=x>y</b>",
+]
+
+
+class Watched:
+    """A page whose console errors, failed requests and HTTP errors are collected."""
+
+    def __init__(self, page: Page) -> None:
+        self.page = page
+        self.problems: list[str] = []
+        page.on("console", lambda m: m.type in ("error", "warning") and self.problems.append(f"console: {m.text}"))
+        page.on("pageerror", lambda e: self.problems.append(f"page error: {e}"))
+        page.on("requestfailed", lambda r: self.problems.append(f"failed: {r.url} {r.failure}"))
+        page.on("response", lambda r: r.status >= 400 and self.problems.append(f"HTTP {r.status}: {r.url}"))
+
+    def open(self, url: str) -> Page:
+        self.page.goto(url)
+        self.page.wait_for_selector("body[data-ready='1']")
+        return self.page
+
+
+@pytest.fixture(scope="module")
+def playwright() -> Iterator[Playwright]:
+    if not CHROMIUM.exists():
+        pytest.skip("needs Debian's Chromium at /usr/bin/chromium (apt-get install chromium)")
+    with sync_playwright() as pw:
+        yield pw
+
+
+@pytest.fixture(scope="module")
+def browser(playwright: Playwright) -> Iterator[Browser]:
+    # `make test` preloads OpenBLAS for MLX; in Chromium's GPU process it is fatal.
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS, env=env)
+    yield browser
+    browser.close()
+
+
+@pytest.fixture(scope="module")
+def sup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SupervisorProcess]:
+    proc = SupervisorProcess(f'[models.tiny]\npath = "{tiny_model}"\n', tmp_path_factory.mktemp("web")).wait_up()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def watched(browser: Browser) -> Iterator[Watched]:
+    context = browser.new_context()
+    context.set_default_timeout(30_000)
+    yield Watched(context.new_page())
+    context.close()
+
+
+def ask(page: Page, text: str, max_tokens: int) -> None:
+    """Send `text` from the chat view, greedy (the tiny model then never stops early)."""
+    page.fill("#chat-temperature", "0")
+    page.fill("#chat-max-tokens", str(max_tokens))
+    page.fill("#chat-prompt", text)
+    page.press("#chat-prompt", "Enter")
+
+
+def until(page: Page, js: str, timeout: float = 30) -> None:
+    """Wait until `js` (an expression) holds in the page; polled from here, since the page's
+    CSP forbids the eval that Playwright's wait_for_function uses."""
+    assert wait_for(lambda: page.evaluate(js), timeout), js
+
+
+def answer_text(page: Page) -> str:
+    return page.inner_text(".message.assistant >> nth=-1 >> .content")
+
+
+def test_the_page_and_its_files_are_served_with_a_strict_policy(sup: SupervisorProcess) -> None:
+    page = sup.client.get("/")
+    assert page.status_code == 200 and page.headers["content-type"] == "text/html; charset=utf-8"
+    csp = page.headers["content-security-policy"]
+    assert "default-src 'self'" in csp and "script-src 'self';" in csp and "unsafe" not in csp
+    assert page.headers["x-frame-options"] == "DENY" and page.headers["cache-control"] == "no-cache"
+    script = sup.client.get("/ui/app.js")
+    assert script.headers["content-type"] == "text/javascript; charset=utf-8"
+    assert script.headers["content-encoding"] == "gzip"  # httpx asked for it, and unpacked it
+    plain = sup.client.get("/ui/app.js", headers={"Accept-Encoding": "identity"})
+    assert "content-encoding" not in plain.headers and plain.content == script.content
+    assert plain.headers["etag"] != script.headers["etag"]
+    again = sup.client.get("/ui/app.js", headers={"If-None-Match": script.headers["etag"]})
+    assert again.status_code == 304 and again.content == b""
+    for bad in ("/ui/nothing.js", "/ui/..%2f__init__.py", "/ui/__init__.py", "/ui/index.html"):
+        missing = sup.client.get(bad)
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found", bad
+
+
+def test_the_dashboard_loads_with_no_errors(sup: SupervisorProcess, watched: Watched) -> None:
+    page = watched.open(sup.url + "/")
+    page.wait_for_selector("[data-model=tiny] .badge")
+    assert page.title() == "Dashboard · mlxd"
+    assert page.locator("#budget-text").inner_text().endswith("budget")
+    assert page.locator("#chart-tps").get_attribute("aria-label", timeout=1000)
+    assert watched.problems == []
+
+
+def test_a_chat_answer_streams_in(sup: SupervisorProcess, watched: Watched) -> None:
+    page = watched.open(sup.url + "/#chat")
+    page.evaluate(WATCH_ANSWER)
+    ask(page, "Hello", 1500)
+    page.wait_for_selector(".message.assistant[data-done=done]", timeout=120_000)
+    lengths = page.evaluate("window.lengths")  # not monotonic: "**bo" shows its stars until "**bold**" closes
+    assert len(set(lengths)) >= 5 and lengths[0] < lengths[-1]
+    assert re.fullmatch(r"1500 tokens · [\d.]+ tokens/s · first token after \d+ ms", page.inner_text(".stats"))
+    assert page.locator("#chat-send").is_enabled() and page.locator("#chat-stop").is_disabled()
+    assert watched.problems == []
+
+
+def test_stop_keeps_the_partial_answer_and_the_chat_goes_on(sup: SupervisorProcess, watched: Watched) -> None:
+    page = watched.open(sup.url + "/#chat")
+    ask(page, "Hello", 3000)
+    until(page, "document.querySelector('.message.assistant .content').textContent.length > 40")
+    page.click("#chat-stop")
+    page.wait_for_selector(".message.assistant[data-done=stopped]")
+    partial = answer_text(page)
+    assert len(partial) > 40 and page.inner_text(".stats").startswith("Stopped · ~")
+    # The engine stops generating too: nothing stays in flight.
+    assert wait_for(lambda: sup.client.get("/admin/engines").json()["data"][0]["in_flight"] == 0, 30)
+    assert page.locator("#chat-send").is_enabled() and page.locator("#chat-stop").is_disabled()
+    ask(page, "Again", 5)
+    page.wait_for_selector(".message.assistant >> nth=1 >> xpath=self::*[@data-done='done']")
+    assert answer_text(page) and page.inner_text(".message.assistant >> nth=0 >> .content") == partial
+    # The stream the Stop cut is the only request that did not finish.
+    assert [p for p in watched.problems if "/v1/chat/completions" not in p] == []
+
+
+def test_the_dashboard_loads_pins_and_unloads_a_model(sup: SupervisorProcess, watched: Watched) -> None:
+    sup.client.post("/admin/unload", json={"model": "tiny", "force": True})
+    page = watched.open(sup.url + "/")
+    card = page.locator("[data-model=tiny]")
+    page.wait_for_selector("[data-model=tiny][data-state=stopped]")
+    card.locator("button[data-act=load]").click()
+    page.wait_for_selector("[data-model=tiny][data-state=ready]", timeout=60_000)
+    until(page, "document.getElementById('status').textContent.startsWith('tiny is ready')")
+    card.locator("button[data-act=pin]").click()
+    until(page, "document.getElementById('status').textContent === 'tiny is loaded and pinned.'")
+    page.wait_for_selector("[data-model=tiny] .tag:not([hidden])")
+    assert sup.client.get("/admin/engines").json()["data"][0]["pinned"] is True
+    card.locator("button[data-act=unload]").click()  # asked first; Cancel keeps it
+    page.locator("#confirm-dialog button[value=no]").click()
+    assert sup.client.get("/admin/engines").json()["data"][0]["state"] == "ready"
+    card.locator("button[data-act=unload]").click()
+    assert "pinned" in page.inner_text("#confirm-dialog .question")
+    page.locator("#confirm-dialog button[value=yes]").click()
+    page.wait_for_selector("[data-model=tiny][data-state=stopped]")
+    assert page.inner_text("#status") == "tiny is unloaded."
+    assert watched.problems == []
+
+
+def test_a_refused_action_shows_the_servers_message(sup: SupervisorProcess, watched: Watched) -> None:
+    sup.client.post("/admin/load", json={"model": "tiny"})
+    lease = sup.client.post("/admin/leases", json={"model": "tiny", "holder": "test"}).json()
+    try:
+        page = watched.open(sup.url + "/")
+        page.wait_for_selector("[data-model=tiny][data-state=ready]")
+        page.locator("[data-model=tiny] button[data-act=unload]").click()
+        page.locator("#confirm-dialog button[value=yes]").click()
+        page.wait_for_selector("#status[data-kind=error]")
+        assert page.inner_text("#status") == f"Unloading tiny failed: Model tiny is leased ({lease['id']}); end the lease first."
+    finally:
+        sup.client.delete(f"/admin/leases/{lease['id']}")
+    assert [p for p in watched.problems if "409" not in p] == []
+
+
+def test_with_keys_the_page_asks_for_one_and_keeps_it(tiny_model: Path, tmp_path: Path, watched: Watched) -> None:
+    config = f'[server]\napi_keys = ["{USER_KEY}"]\nadmin_keys = ["{ADMIN_KEY}"]\n\n[models.tiny]\npath = "{tiny_model}"\n'
+    keyed = SupervisorProcess(config, tmp_path / "data").wait_up()
+    try:
+        page = watched.page
+        page.goto(keyed.url + "/")
+        page.wait_for_selector("#key-dialog[open]")
+        assert "admin key" in page.inner_text("#key-dialog .reason")
+        page.fill("#key-input", ADMIN_KEY)
+        page.press("#key-input", "Enter")
+        page.wait_for_selector("[data-model=tiny] .badge")
+        page.reload()
+        page.wait_for_selector("body[data-ready='1']")
+        assert page.locator("#key-dialog[open]").count() == 0 and page.locator("[data-model=tiny]").count() == 1
+        assert page.evaluate("localStorage.getItem('mlxd.apiKey')") == ADMIN_KEY
+        page.click("#key-button")  # "Forget key"
+        assert page.evaluate("localStorage.getItem('mlxd.apiKey')") is None
+        assert page.inner_text("#key-button") == "Enter key"
+    finally:
+        keyed.stop()
+    # Only the first, keyless calls were refused.
+    assert watched.problems and all("401" in p for p in watched.problems)
+
+
+def test_a_wrong_key_shows_the_servers_error(tiny_model: Path, tmp_path: Path, watched: Watched) -> None:
+    config = f'[server]\napi_keys = ["{USER_KEY}"]\n\n[models.tiny]\npath = "{tiny_model}"\n'
+    keyed = SupervisorProcess(config, tmp_path / "data").wait_up()
+    try:
+        page = watched.page
+        page.goto(keyed.url + "/#chat")
+        page.wait_for_selector("#key-dialog[open]")
+        page.fill("#key-input", "wrong")
+        page.click("#key-dialog button[value=save]")
+        page.wait_for_selector("#status[data-kind=error]")
+        assert "Missing or invalid API key" in page.inner_text("#status")
+    finally:
+        keyed.stop()
+
+
+def test_a_phone_screen_has_no_horizontal_scroll(sup: SupervisorProcess, browser: Browser) -> None:
+    context = browser.new_context(viewport=PHONE, device_scale_factor=2, is_mobile=True, has_touch=True)
+    try:
+        page = Watched(context.new_page()).open(sup.url + "/")
+        page.wait_for_selector("[data-model=tiny] .badge")
+        overflow = "document.documentElement.scrollWidth - document.documentElement.clientWidth"
+        assert page.evaluate(overflow) == 0
+        page.goto(sup.url + "/#chat")
+        page.wait_for_selector("body[data-ready='1']")
+        ask(page, "Hello", 60)
+        page.wait_for_selector(".message.assistant[data-done=done]", timeout=60_000)
+        page.evaluate("""async () => {
+          const {renderMarkdown} = await import('/ui/markdown.js');
+          const li = document.createElement('li');
+          li.className = 'message assistant';
+          li.innerHTML = '<div class="content">' + renderMarkdown('x'.repeat(400) + '\\n```\\n' + 'y'.repeat(400) + '\\n```') + '</div>';
+          document.getElementById('messages').append(li);
+        }""")
+        assert page.evaluate(overflow) == 0
+    finally:
+        context.close()
+
+
+def test_model_output_is_shown_as_text(sup: SupervisorProcess, watched: Watched) -> None:
+    page = watched.open(sup.url + "/#chat")
+    result = page.evaluate("""async (evil) => {
+      const {renderMarkdown} = await import('/ui/markdown.js');
+      const box = document.createElement('div');
+      document.body.append(box);
+      box.innerHTML = evil.map(renderMarkdown).join('');
+      await new Promise((r) => setTimeout(r, 200));  // an onerror would have fired by now
+      const attrs = [...box.querySelectorAll('*')].flatMap((e) => [...e.attributes].map((a) => a.name));
+      return {tags: [...new Set([...box.querySelectorAll('*')].map((e) => e.tagName.toLowerCase()))].sort(),
+              attrs: [...new Set(attrs)].sort(), hrefs: [...box.querySelectorAll('a')].map((a) => a.href),
+              text: box.textContent, pwned: window.pwned ?? null};
+    }""", EVIL)
+    assert result["pwned"] is None
+    assert set(result["tags"]) <= {"p", "div", "button", "pre", "code", "span", "strong", "ul", "li", "br", "a"}
+    assert set(result["attrs"]) <= {"class", "type", "href", "target", "rel"}
+    assert result["hrefs"] == ["https://example.com/%22onmouseover=%22window.pwned=4"]
+    for shown in ("<script>window.pwned = 1</script>", '<img src=x onerror="window.pwned = 2">',
+                  "[click](javascript:window.pwned=3)", "<img src=x onerror=window.pwned=5>", "<svg onload=window.pwned=6>"):
+        assert shown in result["text"]
+
+
+def test_markdown_renders_the_usual_forms(sup: SupervisorProcess, watched: Watched) -> None:
+    page = watched.open(sup.url + "/#chat")
+    html = page.evaluate("""async () => {
+      const {renderMarkdown} = await import('/ui/markdown.js');
+      return renderMarkdown('# Title\\nSome **bold**, *it*, `code` and [a link](https://example.com/a_b_c).\\n\\n'
+        + '1. one\\n2. two\\n   - nested\\n\\n> quoted\\n\\n```python\\ndef f(x):  # note\\n    return "s" + 1\\n```');
+    }""")
+    assert "<h3>Title</h3>" in html
+    assert "<strong>bold</strong>, <em>it</em>, <code>code</code>" in html
+    assert '<a href="https://example.com/a_b_c" target="_blank" rel="noopener noreferrer">a link</a>' in html
+    assert "<ol><li>one</li><li>two<ul><li>nested</li></ul></li></ol>" in html
+    assert "<blockquote><p>quoted</p></blockquote>" in html
+    assert '<span class="tok-kw">def</span> f(x):  <span class="tok-com"># note</span>' in html
+    assert '<span class="tok-str">&quot;s&quot;</span> + <span class="tok-num">1</span>' in html
+    assert watched.problems == []
+
+
+def test_a_hidden_tab_stops_polling(sup: SupervisorProcess, watched: Watched) -> None:
+    page = watched.open(sup.url + "/")
+    polls: list[str] = []
+    page.on("request", lambda r: "/admin/engines" in r.url and polls.append(r.url))
+    visibility = """(hidden) => {
+      Object.defineProperty(document, 'hidden', {configurable: true, get: () => hidden});
+      document.dispatchEvent(new Event('visibilitychange'));
+    }"""
+    page.evaluate(visibility, True)
+    page.wait_for_timeout(5000)  # two and a half polling periods: an absence takes a window to see
+    assert polls == []
+    with page.expect_request(lambda r: "/admin/engines" in r.url, timeout=10_000):
+        page.evaluate(visibility, False)  # shown again: refreshed at once
+    assert watched.problems == []
+
+
+def test_a_cold_model_shows_its_load_while_the_answer_waits(sup: SupervisorProcess, watched: Watched) -> None:
+    sup.client.post("/admin/unload", json={"model": "tiny", "force": True})
+    page = watched.open(sup.url + "/#chat")
+    page.evaluate("""() => {
+      window.waits = [];
+      new MutationObserver(() => {
+        const text = document.querySelector('.message.assistant .waiting .load-text');
+        if (text) window.waits.push(text.textContent);
+      }).observe(document.getElementById('messages'), {childList: true, subtree: true});
+    }""")
+    ask(page, "Hello", 5)
+    page.wait_for_selector(".message.assistant[data-done=done]", timeout=60_000)
+    waits = page.evaluate("window.waits")
+    assert any(w != "Waiting for the first token…" for w in waits), waits  # starting, or a load phase
+    assert page.locator(".message.assistant .waiting").is_hidden()
+    assert watched.problems == []
+
+
+def test_a_server_error_is_shown_in_the_answer(sup: SupervisorProcess, watched: Watched) -> None:
+    page = watched.open(sup.url + "/#chat")
+    # A model that went away after the list was read: the server's 404 reaches the page.
+    page.evaluate("""() => {
+      const option = new Option('gone', 'gone');
+      document.getElementById('chat-model').append(option);
+      option.selected = true;
+    }""")
+    ask(page, "Hello", 5)
+    page.wait_for_selector(".message.assistant[data-done=error]")
+    error = page.inner_text(".message.assistant .error")
+    assert error.startswith("Error: ") and "gone" in error and "tiny" in error  # the message lists what exists
+    assert page.locator("#chat-send").is_enabled()
+    assert [p for p in watched.problems if "404" not in p] == []
