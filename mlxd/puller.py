@@ -1,11 +1,15 @@
 """`mlxd pull`: an MLX model repo from the Hugging Face hub into the hub cache mlxd scans.
 
 Files come one at a time through `hf_hub_download`, pinned to the commit the revision names
-when the pull starts: a branch that moves mid-pull cannot mix two commits, a
-dropped connection is resumed (Range requests) within the run, and a file already cached costs
-no request. huggingface_hub (2.x) deletes a partial file when a run gives up, so a second run
-fetches again only the files the first did not finish, each from its start.
-`config.json` comes first, so a repo mlx-lm cannot load is refused before its weights.
+when the pull starts: a branch that moves mid-pull cannot mix two commits, and a file already
+cached costs no request. `config.json` comes first, so a repo mlx-lm cannot load is refused
+before its weights.
+
+Weights (and any file of 8 MiB or more) come down through `PartialDownload` instead:
+huggingface_hub 2.x writes each file to a temp file unique to the process and deletes it when the
+run gives up, so an interrupted pull would start the file over. `PartialDownload` appends to
+`blobs/<etag>.mlxd-partial`, a name the next run finds, with Range requests, checks the size and
+sha256, and renames it to `blobs/<etag>`; `hf_hub_download` then only links it into the snapshot.
 """
 
 from __future__ import annotations
@@ -23,7 +27,14 @@ from typing import Any, Protocol
 
 import httpx2
 import msgspec
-from huggingface_hub import HfApi, constants, hf_hub_download, try_to_load_from_cache
+from huggingface_hub import (
+    HfApi,
+    constants,
+    get_hf_file_metadata,
+    hf_hub_download,
+    hf_hub_url,
+    try_to_load_from_cache,
+)
 from huggingface_hub.errors import (
     GatedRepoError,
     HfHubHTTPError,
@@ -33,8 +44,17 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
-from huggingface_hub.utils import tqdm, validate_repo_id
+from huggingface_hub.utils import (
+    tqdm,
+    validate_repo_id,
+)
 
+from mlxd.partial_download import (
+    PartialDownload,
+    PullError,
+    download_headers,
+    exclusive,
+)
 from mlxd.pull_record import PullRecord
 from mlxd.supervisor.registry import is_mlx_model_dir, scan_hf_cache
 
@@ -47,10 +67,12 @@ ALLOW_PATTERNS = (
 WEIGHT_PATTERN = "model*.safetensors"
 DEFAULT_REVISION = "main"
 COMMIT_RE = re.compile(r"[0-9a-f]{40}")
+RESUMABLE_MIN_BYTES = 8 * 1024 * 1024
+FINAL_STATUSES = (401, 403, 404)  # no access, or gone: trying again will not help
 
 
-class PullError(Exception):
-    """A pull that cannot go on; `str()` is the one line for the user."""
+class PullInterrupted(Exception):
+    """Ctrl-C stopped a pull in the middle of a file it can resume; `str()` says how to go on."""
 
 
 class RemoteFile(msgspec.Struct, frozen=True):
@@ -78,6 +100,7 @@ class PullEvents(Protocol):
 
     def started(self, repo: str, revision: str, commit: str, files: list[RemoteFile]) -> None: ...
     def fetching(self, file: RemoteFile, is_cached: bool) -> None: ...
+    def resuming(self, file: RemoteFile, num_fetched: int, why: str | None) -> None: ...
     def fetched(self, file: RemoteFile) -> None: ...
     def warn(self, text: str) -> None: ...
 
@@ -105,6 +128,11 @@ def select_files(names: Iterable[tuple[str, int | None]]) -> list[RemoteFile]:
 def is_weight_file(name: str) -> bool:
     """Whether mlx-lm loads `name` as weights."""
     return fnmatch.fnmatch(name, WEIGHT_PATTERN)
+
+
+def is_resumable(file: RemoteFile) -> bool:
+    """Whether `file` comes through a `PartialDownload`, which a later run resumes."""
+    return is_weight_file(file.name) or (file.size or 0) >= RESUMABLE_MIN_BYTES
 
 
 # --- what mlx-lm can load, read from its source (importing it would import mlx) -------
@@ -160,6 +188,9 @@ def mlx_model_type(config: Mapping[str, Any], models: MlxLmModels) -> str:
     if remapped not in models.types:
         raise PullError(f"model_type '{model_type}' is not supported by the installed mlx-lm")
     return remapped
+
+
+# --- one file, resumable across runs ----------------------------------------------------
 
 
 # --- the pull ---------------------------------------------------------------------------
@@ -227,23 +258,58 @@ class Puller:
             raise PullError(f"{repo} cannot be served: {exc}") from None
 
     def _fetch_counted(self, repo: str, commit: str, file: RemoteFile) -> int:
-        """Fetch one file; the bytes it cost (0 when cached)."""
+        """Fetch one file; the bytes it cost this run (0 when cached)."""
         is_cached = self._is_cached(repo, commit, file.name)
-        self._fetch(repo, commit, file, is_cached)
-        return 0 if is_cached else file.size or 0
+        return self._fetch(repo, commit, file, is_cached)
 
-    def _fetch(self, repo: str, commit: str, file: RemoteFile, is_cached: bool) -> None:
-        """One file into the cache (huggingface_hub resumes a dropped connection within the call)."""
+    def _fetch(self, repo: str, commit: str, file: RemoteFile, is_cached: bool) -> int:
+        """One file into the cache; the bytes fetched."""
         self.events.fetching(file, is_cached)
+        num_bytes = 0 if is_cached else file.size or 0
         try:
+            if not is_cached and is_resumable(file):
+                num_bytes = self._fetch_blob(repo, commit, file)
+            # A blob already there is only linked into the snapshot (after one HEAD).
             hf_hub_download(repo, file.name, revision=commit, cache_dir=self.cache, tqdm_class=named_bar(file.name))
         except HfHubHTTPError as exc:
-            if _status(exc) in (401, 403, 404):  # no access, or gone: trying again will not help
+            if _status(exc) in FINAL_STATUSES:
                 raise PullError(describe_hub_error(exc, repo, commit)) from None
             raise PullError(_stopped(repo, file, exc)) from None
         except (OSError, httpx2.HTTPError) as exc:
             raise PullError(_stopped(repo, file, exc)) from None
         self.events.fetched(file)
+        return num_bytes
+
+    def _fetch_blob(self, repo: str, commit: str, file: RemoteFile) -> int:
+        """Fetch `file` into its blob as a `PartialDownload` a later run resumes; the bytes this run fetched."""
+        url = hf_hub_url(repo, file.name, revision=commit)
+        meta = get_hf_file_metadata(url)  # the final location: the hub sends LFS files to a CDN
+        size = meta.size if meta.size is not None else file.size
+        if meta.etag is None or size is None:
+            return file.size or 0  # nothing to resume against: hf_hub_download fetches it whole
+        download = PartialDownload(file.name, self._storage(repo) / "blobs" / meta.etag, meta.location,
+                                   download_headers(url, meta.location), size)
+        lock = self.cache / ".locks" / self._storage(repo).name / (download.partial.name + ".lock")
+        with exclusive(lock, lambda: self.events.warn(f"another mlxd pull is fetching {file.name}; waiting for it")):
+            if download.blob.exists():  # the other pull finished it
+                return 0
+            if download.num_fetched():
+                self.events.resuming(file, download.num_fetched(), None)
+            self._run_download(repo, file, download)
+        return download.num_new_bytes
+
+    def _run_download(self, repo: str, file: RemoteFile, download: PartialDownload) -> None:
+        """`download.run()`, its failures told with how much is kept for the next run."""
+        def on_retry(exc: BaseException) -> None:
+            self.events.resuming(file, download.num_fetched(), _reason(exc))
+
+        try:
+            download.run(named_bar(file.name), on_retry)
+        except KeyboardInterrupt:
+            raise PullInterrupted(_resume_hint(download)) from None
+        except (OSError, httpx2.HTTPError) as exc:
+            # Even a 403: the HEAD just now had access, and a CDN's signed URL expires; the next run gets a new one.
+            raise PullError(_stopped(repo, file, exc, _resume_hint(download))) from None
 
     def _is_cached(self, repo: str, commit: str, name: str) -> bool:
         return isinstance(try_to_load_from_cache(repo, name, cache_dir=self.cache, revision=commit), str)
@@ -326,9 +392,13 @@ def describe_hub_error(exc: BaseException, repo: str, revision: str) -> str:
     return f"{repo}@{revision}: {type(exc).__name__}: {_reason(exc)}"
 
 
-def _stopped(repo: str, file: RemoteFile, exc: BaseException) -> str:
-    return (f"download of {repo} stopped at {file.name} ({_reason(exc)}); "
-            "run the same command again to go on (the files already fetched are kept)")
+def _stopped(repo: str, file: RemoteFile, exc: BaseException,
+             hint: str = "run the same command again to go on (the files already fetched are kept)") -> str:
+    return f"download of {repo} stopped at {file.name} ({_reason(exc)}); {hint}"
+
+
+def _resume_hint(download: PartialDownload) -> str:
+    return f"run the same command again to resume ({download.progress()})"
 
 
 def _status(exc: HfHubHTTPError) -> int | None:

@@ -4,7 +4,9 @@ It answers what huggingface_hub 2.x asks (model_info, the tree listing, HEAD/GET
 `/{repo}/resolve/{rev}/{path}` with Range) with the headers it reads (X-Repo-Commit, ETag,
 Content-Length), errors as the hub words them (404 + X-Error-Code RepoNotFound,
 RevisionNotFound, EntryNotFound; 401 + GatedRepo), and never a xet header. It can cut one
-file's download short on cue, the way a dropped connection would.
+file's download short on cue, the way a dropped connection would, answer a Range with the
+whole file, as some proxies do, and send `*.safetensors` to a "CDN" (the same server under
+another host name, so another origin) as the hub sends LFS files.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class Seen:
     method: str
     path: str
     range: str | None
+    has_auth: bool = False
 
 
 @dataclass
@@ -66,6 +69,9 @@ class HubStub:
     seen: list[Seen] = field(default_factory=list)
     cut: Cut | None = None
     url: str = ""
+    cdn_url: str = ""  # `url` under another host name: another origin, as a CDN is
+    ignores_range: bool = False  # answer a Range request 200, with the whole file
+    uses_cdn: bool = False  # redirect `*.safetensors` to `cdn_url`
     lock: threading.Lock = field(default_factory=threading.Lock)
     stalled: threading.Event = field(default_factory=threading.Event)
     healed: threading.Event = field(default_factory=threading.Event)
@@ -92,14 +98,20 @@ class HubStub:
         self.cut = Cut(name, after_bytes, then_fail=False, is_stall=True)
 
     def heal(self) -> None:
-        """Serve every file whole again (and let a stalled download end)."""
+        """Serve every file whole again, from the hub, Range requests as asked (and let a stalled download end)."""
         self.cut = None
+        self.ignores_range = self.uses_cdn = False
         self.healed.set()
 
     def ranges(self, name: str) -> list[str]:
         """The Range headers of the GETs of file `name` so far."""
         with self.lock:
             return [s.range for s in self.seen if s.method == "GET" and s.path.endswith("/" + name) and s.range]
+
+    def find_blob(self, sha256: str) -> bytes | None:
+        """The file with this sha256, in any repo."""
+        found = (d for r in self.repos.values() for d in r.files.values() if hashlib.sha256(d).hexdigest() == sha256)
+        return next(found, None)
 
     def find_repo(self, path: str) -> tuple[str, str] | None:
         """The known repo `path` starts with, and what follows it."""
@@ -128,8 +140,10 @@ class Handler(BaseHTTPRequestHandler):
         hub = self.server.hub
         path = unquote(urlsplit(self.path).path)
         with hub.lock:
-            hub.seen.append(Seen(method, path, self.headers.get("Range")))
-        if path.startswith("/api/models/"):
+            hub.seen.append(Seen(method, path, self.headers.get("Range"), "Authorization" in self.headers))
+        if path.startswith("/cdn/"):  # /cdn/<sha256>/<name>
+            self._cdn(method, *path.removeprefix("/cdn/").split("/", 1))
+        elif path.startswith("/api/models/"):
             self._api(path.removeprefix("/api/models/"))
         elif (found := hub.find_repo(path.lstrip("/"))) and found[1].startswith("resolve/"):
             self._file(method, found[0], found[1].removeprefix("resolve/"))
@@ -165,8 +179,28 @@ class Handler(BaseHTTPRequestHandler):
             self._error(401, "GatedRepo", "Access to model is restricted")
         elif name not in repo.files:
             self._error(404, "EntryNotFound", f"{name} does not exist on {revision}")
+        elif self.server.hub.uses_cdn and name.endswith(".safetensors"):
+            self._redirect_to_cdn(commit, name, repo.files[name])
         else:
             self._send_file(method, commit, name, repo.files[name])
+
+    def _redirect_to_cdn(self, commit: str, name: str, data: bytes) -> None:
+        """The hub's answer for an LFS file: its metadata, and where to get it."""
+        sha256 = hashlib.sha256(data).hexdigest()
+        self.send_response(302)
+        self.send_header("X-Repo-Commit", commit)
+        self.send_header("X-Linked-Etag", f'"{sha256}"')
+        self.send_header("X-Linked-Size", str(len(data)))
+        self.send_header("Location", f"{self.server.hub.cdn_url}/cdn/{sha256}/{name}")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def _cdn(self, method: str, sha256: str, name: str) -> None:
+        data = self.server.hub.find_blob(sha256)
+        if data is None:
+            self._error(404, None, "no such blob")
+        else:
+            self._send_file(method, "", name, data)
 
     def _send_file(self, method: str, commit: str, name: str, data: bytes) -> None:
         cut = self.server.hub.cut
@@ -175,9 +209,10 @@ class Handler(BaseHTTPRequestHandler):
                 self._error(500, None, "hub down")
                 return
             cut = None
-        start = _range_start(self.headers.get("Range"), len(data))
+        start = 0 if self.server.hub.ignores_range else _range_start(self.headers.get("Range"), len(data))
         self.send_response(206 if start else 200)
-        self.send_header("X-Repo-Commit", commit)
+        if commit:  # the hub's own answers; a CDN's know no commit
+            self.send_header("X-Repo-Commit", commit)
         self.send_header("ETag", f'"{hashlib.sha256(data).hexdigest()}"')
         self.send_header("Accept-Ranges", "bytes")
         self.send_header("Content-Length", str(len(data) - start))
@@ -235,6 +270,7 @@ def running_hub() -> Iterator[HubStub]:
     hub = HubStub()
     server = StubServer(hub)
     hub.url = f"http://127.0.0.1:{server.server_address[1]}"
+    hub.cdn_url = f"http://localhost:{server.server_address[1]}"
     thread = threading.Thread(target=server.serve_forever, name="hub-stub", daemon=True)
     thread.start()
     try:

@@ -47,6 +47,11 @@ class PullLines:
         elif not self.is_tty:  # on a terminal the file's own bar names it
             click.echo(f"  {file.name}: fetching {format_size(file.size)}", err=True)
 
+    def resuming(self, file: RemoteFile, num_fetched: int, why: str | None) -> None:
+        because = f" ({why})" if why else ""
+        click.echo(f"  {file.name}: resuming at {format_size(num_fetched)} of {format_size(file.size)}{because}",
+                   err=True)
+
     def fetched(self, file: RemoteFile) -> None:
         pass
 
@@ -59,7 +64,7 @@ class PullLines:
 @data_dir_option
 def pull(spec: str, data_dir: Path | None) -> None:
     """Download an MLX model from the Hugging Face hub into the hub cache mlxd serves from."""
-    from mlxd.puller import Puller, PullError, parse_spec
+    from mlxd.puller import Puller, PullError, PullInterrupted, parse_spec
     from mlxd.supervisor.registry import hf_cache_dir
 
     # huggingface_hub logs through a handler of its own; the root's would print each warning twice.
@@ -69,6 +74,9 @@ def pull(spec: str, data_dir: Path | None) -> None:
         result = puller.pull(*parse_spec(spec))
     except PullError as exc:
         raise click.ClickException(str(exc)) from None
+    except PullInterrupted as exc:  # in the middle of a file whose partial download is kept
+        click.echo(f"\ninterrupted: {exc}", err=True)
+        sys.exit(EXIT_INTERRUPTED)
     except KeyboardInterrupt:
         click.echo("\ninterrupted: run the same command again to go on (the files already fetched are kept)",
                    err=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -67,6 +68,26 @@ def snapshot_files(env: dict[str, str], repo: str = REPO) -> set[str]:
     return {p.relative_to(s).as_posix() for s in (storage / "snapshots").iterdir() for p in s.rglob("*")}
 
 
+def blob(env: dict[str, str], data: bytes, repo: str = REPO, suffix: str = "") -> Path:
+    """Where the hub cache keeps (or fetches, with `suffix` ".mlxd-partial") the file holding `data`."""
+    storage = Path(env["HF_HUB_CACHE"]) / ("models--" + repo.replace("/", "--"))
+    return storage / "blobs" / (hashlib.sha256(data).hexdigest() + suffix)
+
+
+@pytest.fixture
+def weights(tiny_model: Path) -> bytes:
+    return (tiny_model / "model.safetensors").read_bytes()
+
+
+def stop_pull_after(hub: HubStub, env: dict[str, str], num_bytes: int) -> subprocess.CompletedProcess[str]:
+    """A pull of REPO whose weights' connection drops after `num_bytes`, the hub down after that."""
+    hub.cut_after("model.safetensors", num_bytes, then_fail=True)
+    try:
+        return mlxd(env, "pull", REPO)
+    finally:
+        hub.heal()
+
+
 def pulled(env: dict[str, str]) -> list[str]:
     return [p["repo"] for p in json.loads((Path(env["MLXD_DATA_DIR"]) / "pulled.json").read_text())["pulls"]]
 
@@ -108,39 +129,123 @@ def test_a_dropped_connection_is_resumed_with_a_range_request(hub: HubStub, env:
     finally:
         hub.heal()
     assert out.returncode == 0, out.stderr
-    assert "Trying to resume download..." in out.stderr
-    assert hub.ranges("model.safetensors") == [f"bytes={10 * 1024 * 1024}-"]
+    assert "  model.safetensors: resuming at 11 MB of 12 MB (" in out.stderr
+    assert hub.ranges("model.safetensors") == ["bytes=11000000-"]  # every byte received is kept
     big = Path(env["HF_HUB_CACHE"]) / "models--test-org--big" / "snapshots"
     [weights] = big.glob("*/model.safetensors")
     assert weights.read_bytes() == bytes(range(256)) * (44 * 1024)
 
 
-def test_a_pull_that_gives_up_goes_on_when_run_again(hub: HubStub, env: dict[str, str]) -> None:
-    hub.cut_after("model.safetensors", 100_000, then_fail=True)
-    try:
-        out = mlxd(env, "pull", REPO)
-    finally:
-        hub.heal()
+def test_a_pull_that_gives_up_resumes_where_it_stopped_when_run_again(hub: HubStub, env: dict[str, str],
+                                                                     weights: bytes) -> None:
+    out = stop_pull_after(hub, env, 100_000)
     assert out.returncode == 1
     last = out.stderr.splitlines()[-1]
     assert last.startswith(f"Error: download of {REPO} stopped at model.safetensors ("), out.stderr
-    assert last.endswith("); run the same command again to go on (the files already fetched are kept)")
+    assert last.endswith("); run the same command again to resume (100 KB of 495 KB fetched)")
     assert snapshot_files(env) == NEEDED - {"model.safetensors"}
+    assert blob(env, weights, suffix=".mlxd-partial").read_bytes() == weights[:100_000]
     hub.seen.clear()
     again = mlxd(env, "pull", REPO)
     assert again.returncode == 0, again.stderr
+    assert again.stdout == f"{REPO}\n"  # listed, under the id mlxd serves it as
     assert "  tokenizer.json: already here" in again.stderr
+    assert "  model.safetensors: resuming at 100 KB of 495 KB\n" in again.stderr
     assert [s.path.rpartition("/")[2] for s in hub.seen if s.method == "GET"] == ["main", "model.safetensors"]
+    assert hub.ranges("model.safetensors") == ["bytes=100000-"]
+    assert hashlib.sha256(blob(env, weights).read_bytes()).digest() == hashlib.sha256(weights).digest()
+    assert not blob(env, weights, suffix=".mlxd-partial").exists()
     assert snapshot_files(env) == NEEDED
 
 
-def test_ctrl_c_stops_a_pull_with_one_line(hub: HubStub, env: dict[str, str]) -> None:
+def test_a_corrupt_partial_file_is_deleted_and_fetched_again(hub: HubStub, env: dict[str, str],
+                                                             weights: bytes) -> None:
+    assert stop_pull_after(hub, env, 100_000).returncode == 1
+    partial = blob(env, weights, suffix=".mlxd-partial")
+    with partial.open("r+b") as f:
+        f.write(b"\0" * 100)
+    corrupt = mlxd(env, "pull", REPO)
+    assert corrupt.returncode == 1
+    assert corrupt.stderr.splitlines()[-1] == (
+        f"Error: model.safetensors came down corrupt (its sha256 is not {hashlib.sha256(weights).hexdigest()}, "
+        "the one the hub gives); deleted it: run the same command again to fetch it from the start")
+    assert not partial.exists() and not blob(env, weights).exists()
+    hub.seen.clear()
+    again = mlxd(env, "pull", REPO)
+    assert again.returncode == 0, again.stderr
+    assert hub.ranges("model.safetensors") == []
+    assert blob(env, weights).read_bytes() == weights
+
+
+def test_a_hub_that_ignores_range_gives_the_whole_file_again(hub: HubStub, env: dict[str, str],
+                                                             weights: bytes) -> None:
+    assert stop_pull_after(hub, env, 100_000).returncode == 1
+    hub.ignores_range = True
+    try:
+        again = mlxd(env, "pull", REPO)
+    finally:
+        hub.heal()
+    assert again.returncode == 0, again.stderr
+    assert hub.ranges("model.safetensors")[-1] == "bytes=100000-"
+    assert blob(env, weights).read_bytes() == weights
+    assert snapshot_files(env) == NEEDED
+
+
+def test_weights_on_a_cdn_come_without_the_token(hub: HubStub, env: dict[str, str], weights: bytes) -> None:
+    hub.uses_cdn = True
+    hub.seen.clear()
+    try:
+        out = mlxd({**env, "HF_TOKEN": "hf_secret"}, "pull", REPO)
+    finally:
+        hub.heal()
+    assert out.returncode == 0, out.stderr
+    cdn = [s for s in hub.seen if s.path.startswith("/cdn/")]
+    assert [s.method for s in cdn] == ["GET"]  # the HEADs stop at the hub's redirect
+    assert not cdn[0].has_auth
+    assert all(s.has_auth for s in hub.seen if "/resolve/" in s.path)
+    assert blob(env, weights).read_bytes() == weights
+
+
+def test_two_pulls_of_one_repo_fetch_its_weights_once(hub: HubStub, env: dict[str, str], tmp_path: Path,
+                                                      weights: bytes) -> None:
+    hub.healed.clear()
+    hub.stall_after("model.safetensors", 1000)
+    first_err, second_err = (tmp_path / "first.err").open("w+"), (tmp_path / "second.err").open("w+")
+    procs = []
+    try:
+        # A read timeout longer than the test: the first pull must not go on before the heal.
+        procs.append(subprocess.Popen([sys.executable, "-m", "mlxd", "pull", REPO], stdout=subprocess.DEVNULL,
+                                      stderr=first_err, stdin=subprocess.DEVNULL,
+                                      env={**env, "HF_HUB_DOWNLOAD_TIMEOUT": "120"}))
+        assert wait_for(hub.stalled.is_set, timeout=60)
+        procs.append(subprocess.Popen([sys.executable, "-m", "mlxd", "pull", REPO], stdout=subprocess.DEVNULL,
+                                      stderr=second_err, stdin=subprocess.DEVNULL, env=env))
+        waiting = "warning: another mlxd pull is fetching model.safetensors; waiting for it\n"
+        assert wait_for(lambda: waiting in (tmp_path / "second.err").read_text(), timeout=60)
+        hub.heal()
+        assert [p.wait(timeout=60) for p in procs] == [0, 0], (tmp_path / "first.err").read_text()
+    finally:
+        hub.heal()
+        hub.stalled.clear()
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        first_err.close()
+        second_err.close()
+    assert hub.ranges("model.safetensors") == ["bytes=1000-"]  # the first pull's, after the cut; the second fetched none
+    assert blob(env, weights).read_bytes() == weights
+    assert snapshot_files(env) == NEEDED
+
+
+def test_ctrl_c_stops_a_pull_with_one_line(hub: HubStub, env: dict[str, str], weights: bytes) -> None:
     hub.healed.clear()
     hub.stall_after("model.safetensors", 1000)
     proc = subprocess.Popen([sys.executable, "-m", "mlxd", "pull", REPO], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env)
     try:
-        assert wait_for(hub.stalled.is_set, timeout=60)
+        partial = blob(env, weights, suffix=".mlxd-partial")
+        assert wait_for(lambda: partial.exists() and partial.stat().st_size == 1000, timeout=60)
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:
@@ -150,7 +255,8 @@ def test_ctrl_c_stops_a_pull_with_one_line(hub: HubStub, env: dict[str, str]) ->
             proc.kill()
             proc.wait()
     assert (proc.returncode, out) == (130, "")
-    assert err.endswith("\ninterrupted: run the same command again to go on (the files already fetched are kept)\n")
+    assert err.endswith("\ninterrupted: run the same command again to resume (1.0 KB of 495 KB fetched)\n"), err
+    assert partial.read_bytes() == weights[:1000]
 
 
 def test_a_repo_without_config_json_is_refused(env: dict[str, str]) -> None:

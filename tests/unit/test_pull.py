@@ -1,16 +1,22 @@
-"""The pure parts of `mlxd pull`: repo specs, which files, which model types, the pull record."""
+"""The pure parts of `mlxd pull`: repo specs, which files, which model types, the pull record, what a
+range answer means, and the check of a finished partial download."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
+from huggingface_hub import constants
+from huggingface_hub.utils import tqdm
 
+from mlxd.partial_download import PartialDownload, PullError, answer_start, download_headers
 from mlxd.pull_record import PullRecord
 from mlxd.puller import (
     MlxLmModels,
-    PullError,
+    RemoteFile,
     find_mlx_lm,
+    is_resumable,
     mlx_model_type,
     parse_spec,
     select_files,
@@ -94,3 +100,46 @@ def test_a_damaged_record_owns_nothing(tmp_path: Path) -> None:
     assert record.pulls() == []
     record.path.write_text('{"version": 1, "pulls": [{"repo": 3}]}')
     assert record.find("3", tmp_path) is None
+
+
+def test_weights_and_big_files_are_resumable() -> None:
+    assert is_resumable(RemoteFile("model-00001-of-00002.safetensors", 100))
+    assert is_resumable(RemoteFile("tokenizer.json", 8 * 1024 * 1024))
+    assert not is_resumable(RemoteFile("tokenizer.json", 8 * 1024 * 1024 - 1))
+    assert not is_resumable(RemoteFile("config.json", None))
+
+
+@pytest.mark.parametrize(("status", "content_range", "start"), [
+    (200, None, 0),
+    (206, "bytes 100-999/1000", 100),
+    (206, "bytes 100-999/*", 100),
+    (206, None, None),
+    (206, "bytes */1000", None),
+    (416, "bytes */1000", None),
+    (500, None, None),
+])
+def test_an_answer_starts_where_its_status_and_content_range_say(status: int, content_range: str | None,
+                                                                 start: int | None) -> None:
+    assert answer_start(status, content_range) == start
+
+
+def test_the_token_goes_to_the_hub_but_not_to_a_cdn(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    url = f"{constants.ENDPOINT}/org/model/resolve/{'a' * 40}/model.safetensors"
+    assert download_headers(url, url)["authorization"] == "Bearer hf_secret"
+    cdn = download_headers(url, "https://cas-bridge.xethub.hf.co/xet-bridge-us/abc?X-Amz-Signature=x")
+    assert "authorization" not in cdn
+    assert cdn["Accept-Encoding"] == "identity"
+
+
+def test_a_partial_file_that_is_not_the_hubs_is_deleted(tmp_path: Path) -> None:
+    data = b"weights" * 1000
+    blob = tmp_path / hashlib.sha256(data).hexdigest()
+    download = PartialDownload("model.safetensors", blob, "http://unused", {}, len(data))
+    download.partial.write_bytes(data[:-1] + b"!")
+    with pytest.raises(PullError, match=r"^model.safetensors came down corrupt \(its sha256 is not "):
+        download.run(tqdm, lambda exc: None)  # nothing to fetch: it has every byte
+    assert not download.partial.exists() and not blob.exists()
+    download.partial.write_bytes(data)
+    download.run(tqdm, lambda exc: None)
+    assert blob.read_bytes() == data and not download.partial.exists()
