@@ -98,6 +98,16 @@ def traffic(url: str, num: int) -> None:
         time.sleep(1)
 
 
+def fit_to_content(page: Page, width: int) -> None:
+    """Make the viewport as tall as the page: only main scrolls (the header and the status line
+    hold their rows), so a full-page screenshot would show just the viewport."""
+    height = page.evaluate("""() => {
+      const main = document.getElementById('main');
+      return document.body.clientHeight - main.clientHeight + main.scrollHeight;
+    }""")
+    page.set_viewport_size({"width": width, "height": height})
+
+
 def screenshots(browser: Browser, url: str, out: Path) -> None:
     """The docs' screenshots: dashboard after some traffic, and a real chat (SmolLM2)."""
     traffic(url, 5)
@@ -109,11 +119,16 @@ def screenshots(browser: Browser, url: str, out: Path) -> None:
         page.select_option("#chat-model", "SmolLM2-135M-Instruct")
         ask(page, "What is MLX, in two sentences?")
         ask(page, "Write a Python function that reverses a string, with a short explanation.")
-        page.screenshot(path=str(out / f"web-chat{name}.png"), full_page=name == "")
+        if name == "":
+            fit_to_content(page, viewport["width"])
+        page.screenshot(path=str(out / f"web-chat{name}.png"))
         page.goto(url + "/#dashboard")
         page.wait_for_selector("[data-model=tiny] .badge")
         time.sleep(2.5)  # one more poll, so the charts hold the chat's traffic
-        page.screenshot(path=str(out / f"web-dashboard{name}.png"), full_page=name == "")
+        if name == "":
+            page.set_viewport_size(viewport)
+            fit_to_content(page, viewport["width"])
+        page.screenshot(path=str(out / f"web-dashboard{name}.png"))
         context.close()
 
 

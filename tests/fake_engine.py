@@ -9,6 +9,8 @@
   cued          while the file `MLXD_FAKE_CUE` exists, exit at start with the code it holds;
                 else serve as `ok` (a test breaks the model and mends it on cue)
   bad_drain     serve as `ok`, but answer POST /admin/drain with a report of the wrong shape
+  tool_calls    serve as `ok`, but a streamed chat answer is one tool call, `get_weather`, its
+                arguments split over chunks (the web page's tool-call view)
 Other modes answer POST /admin/drain with a well-formed report of nothing drained.
 """
 
@@ -49,6 +51,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
         await resp.write(b"data: [DONE]\n\n")
         return resp
     chat = request.path == "/v1/chat/completions"
+    if MODE == "tool_calls" and chat:
+        await stream_tool_call(resp)
+        return resp
     for i in range(int(body.get("max_tokens", 5))):
         if chat:
             chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": f"t{i} "}}]}
@@ -63,6 +68,19 @@ async def completions(request: web.Request) -> web.StreamResponse:
         await resp.write(b"data: " + json.dumps(end).encode() + b"\n\n")
     await resp.write(b"data: [DONE]\n\n")
     return resp
+
+
+async def stream_tool_call(resp: web.StreamResponse) -> None:
+    """One call as OpenAI streams it: id and name first, then the arguments in pieces, then the finish."""
+    call = {"index": 0, "id": "call_0", "type": "function", "function": {"name": "get_weather", "arguments": ""}}
+    deltas: list[dict[str, object]] = [{"role": "assistant", "tool_calls": [call]}]
+    deltas += [{"tool_calls": [{"index": 0, "function": {"arguments": a}}]} for a in ('{"city": ', '"Paris"}')]
+    for i, delta in enumerate([*deltas, {}]):
+        finish = "tool_calls" if i == len(deltas) else None
+        chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await asyncio.sleep(0.01)
+    await resp.write(b"data: [DONE]\n\n")
 
 
 async def drain(request: web.Request) -> web.Response:

@@ -26,7 +26,10 @@ function route() {
 }
 
 function showKeyButton() {
-  document.getElementById("key-button").textContent = getKey() ? "Forget key" : "Enter key";
+  const button = document.getElementById("key-button");
+  const label = getKey() ? "Forget key" : "Enter key";
+  button.querySelector(".key-label").textContent = label;  // the accessible name, also on a phone
+  button.title = label;
 }
 
 document.getElementById("key-button").addEventListener("click", async () => {

@@ -83,7 +83,7 @@ async function send() {
   history.push({ role: "user", content: text });
   const answer = makeAnswer(model);
   $("messages").append(userView(text), answer.item);
-  answer.item.scrollIntoView({ block: "end" });
+  scrollToEnd();
   controller = new AbortController();
   setBusy(true);
   const watch = watchLoad(model, answer);
@@ -97,7 +97,7 @@ async function send() {
     finish(answer);
     controller = null;
     setBusy(false);
-    prompt.focus();
+    prompt.focus({ preventScroll: true });  // a reader scrolled up to an older answer stays there
   }
 }
 
@@ -153,13 +153,24 @@ function scheduleRender(a) {
 }
 
 function paint(a) {
-  const atBottom = window.innerHeight + window.scrollY >= document.documentElement.scrollHeight - 80;
+  const atEnd = isAtEnd();
   a.waiting.hidden = Boolean(a.firstAt) || !a.item.hasAttribute("aria-busy");
   a.content.innerHTML = renderMarkdown(a.text);  // safe: the renderer escapes all text first
   a.reasoning.hidden = !a.thinking;
   a.reasoningText.textContent = a.thinking;
   a.tools.replaceChildren(...a.calls.map(toolView));
-  if (atBottom) a.item.scrollIntoView({ block: "end" });
+  if (atEnd) scrollToEnd();
+}
+
+// main is the page's scroller (app.css); at its end the composer, under the answer, stays in view.
+function isAtEnd() {
+  const main = $("main");
+  return main.scrollTop + main.clientHeight >= main.scrollHeight - 80;
+}
+
+function scrollToEnd() {
+  const main = $("main");
+  main.scrollTop = main.scrollHeight;
 }
 
 function toolView(call) {
@@ -181,8 +192,8 @@ function finish(a) {
   cancelAnimationFrame(a.frame);
   a.item.removeAttribute("aria-busy");
   a.item.dataset.done = a.stopped ? "stopped" : a.error.hidden ? "done" : "error";
+  a.stats.textContent = speedLine(a, performance.now());  // before the paint, which scrolls to the new end
   paint(a);
-  a.stats.textContent = speedLine(a, performance.now());
   if (a.text) history.push({ role: "assistant", content: a.text });
   if (a.error.hidden) announce(a.stopped ? "Stopped; the partial answer is kept." : "Answer finished.");
 }

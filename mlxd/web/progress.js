@@ -3,11 +3,13 @@
 import { el } from "./page.js";
 import { formatBytes, formatSeconds } from "./units.js";
 
+// The names of mlxd/protocol/stats.py's PHASE_NAMES, as `mlxd load` and the stream's waiting comments say them.
 const PHASES = {
-  spawn: "Starting the engine", weights: "Loading weights", tokenizer: "Loading the tokenizer", warmup: "Warming up",
+  spawn: "Starting the engine", weights: "Reading weights", tokenizer: "Loading the tokenizer",
+  warmup: "Warming up GPU kernels",
 };
 
-/** A one-line description of `load`, e.g. "Loading weights: 1.2 GiB of 4.0 GiB (30%), 3.1 s". */
+/** A one-line description of `load`, e.g. "Reading weights: 1.2 GiB of 4.0 GiB (30%), 3.1 s". */
 export function describeLoad(load) {
   const phase = PHASES[load.phase] || `Loading (${load.phase})`;
   const time = formatSeconds(load.elapsed_s || 0);
