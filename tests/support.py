@@ -248,3 +248,15 @@ def http10_post(port: int, path: str, body: bytes, *headers: bytes) -> tuple[byt
             raw += chunk
     head, _, payload = raw.partition(b"\r\n\r\n")
     return head, payload
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """This environment without any mlxd address or key, plus `extra`."""
+    drop = {"MLXD_URL", "MLXD_ADMIN_KEY", "MLXD_API_KEY", "MLXD_CONFIG", "MLXD_HOST", "MLXD_PORT"}
+    return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
+
+
+def mlxd(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """`python -m mlxd ARGS` to completion."""
+    argv = [sys.executable, "-m", "mlxd", *args]
+    return subprocess.run(argv, capture_output=True, text=True, env=env or cli_env(), timeout=timeout, check=False)

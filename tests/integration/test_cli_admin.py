@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.support import SupervisorProcess, free_port
+from tests.support import SupervisorProcess, cli_env, free_port, mlxd
 
 ADMIN_KEY = "admin-sekret"
 PRINT_LEASE = "import os; print('lease', os.environ['MLXD_LEASE_ID'], os.environ['MLXD_URL'])"
@@ -28,18 +28,6 @@ with urllib.request.urlopen(req, timeout=60) as resp:
     print("status", resp.status, json.load(resp)["usage"]["completion_tokens"], flush=True)
 """
 WAIT_FOR_SIGNAL = "import os, time; print('ready', os.environ['MLXD_LEASE_ID'], flush=True); time.sleep(120)"
-
-
-def cli_env(**extra: str) -> dict[str, str]:
-    """This environment without any mlxd address or key, plus `extra`."""
-    drop = {"MLXD_URL", "MLXD_ADMIN_KEY", "MLXD_API_KEY", "MLXD_CONFIG", "MLXD_HOST", "MLXD_PORT"}
-    return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
-
-
-def mlxd(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """`python -m mlxd ARGS` to completion."""
-    argv = [sys.executable, "-m", "mlxd", *args]
-    return subprocess.run(argv, capture_output=True, text=True, env=env or cli_env(), timeout=timeout, check=False)
 
 
 def spawn_lease(url: str, *args: str) -> subprocess.Popen[str]:
