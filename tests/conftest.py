@@ -8,6 +8,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from tests.package_index import index, use_index  # noqa: F401  (fixtures: a stand-in package index)
 from tests.support import EngineProcess, openai_client, running_engine
 
 

