@@ -65,8 +65,10 @@ def test_sse_framing_ends_with_bare_done(tiny_engine: EngineProcess) -> None:
         raw = resp.read().decode()
     events = [e for e in raw.split("\n\n") if e]
     assert events[-1] == "data: [DONE]"
-    assert all(e.startswith("data: ") for e in events)
-    for e in events[:-1]:
+    # The usage comment for the supervisor's request log comes last before [DONE] (process.USAGE_COMMENT).
+    assert events[-2].startswith(": mlxd-usage {") and json.loads(events[-2].removeprefix(": mlxd-usage "))
+    assert all(e.startswith("data: ") for e in events[:-2])
+    for e in events[:-2]:
         json.loads(e[len("data: "):])
 
 

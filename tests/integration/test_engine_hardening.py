@@ -167,12 +167,13 @@ def test_a_queued_stream_gets_keepalive_comments_until_its_first_token(engine: E
         chunks = sdk.result(timeout=60)
     num_comments = events.index(next(e for e in events if e.startswith("data: ")))
     assert num_comments >= 1 and set(events[:num_comments]) == {": keep-alive"}
-    assert all(e.startswith("data: ") for e in events[num_comments:])  # none once tokens flow
+    # none once tokens flow, but the usage report before [DONE] (process.USAGE_COMMENT)
+    assert all(e.startswith("data: ") for e in events[num_comments:-2]) and events[-2].startswith(": mlxd-usage ")
     assert events[-1] == "data: [DONE]"
     first = json.loads(events[num_comments].removeprefix("data: "))
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     text = expected.json()["choices"][0]["message"]["content"]
-    assert "".join(json.loads(e[6:])["choices"][0]["delta"].get("content") or "" for e in events[num_comments:-1]) == text
+    assert "".join(json.loads(e[6:])["choices"][0]["delta"].get("content") or "" for e in events[num_comments:-2]) == text
     # The SDK's decoder skips the comments.
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text

@@ -322,9 +322,10 @@ def test_stream_queued_inside_the_engine_gets_comments_through_the_relay(tiny_mo
             lines = [line for line in resp.iter_lines() if line]
         holder.join(60)
         data = [i for i, line in enumerate(lines) if line.startswith("data: ")]
-        comments = [i for i, line in enumerate(lines) if line.startswith(":")]
+        comments = [i for i, line in enumerate(lines) if line.startswith(":") and not line.startswith(": mlxd-usage ")]
         assert comments and comments[0] < data[0]  # the engine's keep-alives, relayed while it waited
         assert all(i < data[0] for i in comments)
+        assert lines[-2].startswith(": mlxd-usage ")  # the engine's report, passed on (SSE clients skip it)
         assert lines[-1] == "data: [DONE]"
         assert [line for line in long_lines if line][-1] == "data: [DONE]"
     finally:
