@@ -7,12 +7,15 @@ import asyncio
 import json
 from pathlib import Path
 
+import pytest
+
 from benchmarks.chaos import ChaosOptions, run_chaos
 from tests.support import SupervisorProcess
 
 POOL = "[pool]\ncrash_limit = 3\ncrash_window_s = 30\ncooldown_s = 1\ncooldown_max_s = 2\n"
 
 
+@pytest.mark.slow  # about 18 s on 2 cores
 def test_five_kills_under_eight_streams_end_every_request_cleanly_and_heal(tiny_model: Path, tmp_path: Path) -> None:
     env = {"MLXD_SPARE_ENGINE": "1", "MLXD_ENGINE_BACKOFF_S": "0.1"}
     sup = SupervisorProcess(f'{POOL}\n[models.tiny]\npath = "{tiny_model}"\n', tmp_path, env=env).wait_up()

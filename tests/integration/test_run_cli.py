@@ -118,7 +118,8 @@ def test_greedy_answers_repeat_after_clear(sup: SupervisorProcess) -> None:
 
 @pytest.mark.slow  # SmolLM2 loads, then writes real text: about 10 s on a CPU
 def test_ctrl_c_stops_an_answer_and_the_next_question_works(sup: SupervisorProcess) -> None:
-    chat = Chat(sup, "smol", "--max-tokens", "3000")
+    # Greedy: SmolLM2's story runs to the 3000 tokens (sampled, it may end before the Ctrl-C comes).
+    chat = Chat(sup, "smol", "--max-tokens", "3000", "--temperature", "0")
     cancelled = num_cancelled(sup, "smol")
     chat.child.sendline("Write a very long story about a dragon who learns to bake bread.")
     chat.read_until(lambda seen: len(answer_part(seen, "bread.").split()) >= 3)  # the answer is streaming
@@ -191,7 +192,8 @@ def test_ctrl_c_stops_a_one_shot_answer_with_130(sup: SupervisorProcess) -> None
     question = "Write a very long story about a cat who learns to sail."
     cancelled = num_cancelled(sup, "smol")
     child = pexpect.spawn(sys.executable, ["-m", "mlxd", "run", "--url", sup.url, "smol", question, "--max-tokens",
-                                           "3000"], env=cli_env(), encoding="utf-8", timeout=60, dimensions=(50, 200))
+                                           "3000", "--temperature", "0"],  # greedy: it runs to 3000 tokens
+                          env=cli_env(), encoding="utf-8", timeout=60, dimensions=(50, 200))
     seen = ""
     deadline = time.monotonic() + 120
     while len(SPINNER_FRAME.sub("", plain(seen)).split()) < 3:  # the answer is streaming
