@@ -6,7 +6,10 @@ serves `/`; each run opens it in a fresh browser context (cold cache) and report
     any compression), and the headers separately;
   * domInteractive: navigation start to the HTML parsed (the browser's own timing);
   * ready: navigation start to the page's own mark `mlxd-ready`, set once the first data
-    (the pool, or the model list for the chat) is on screen.
+    (the pool, or the model list for the chat) is on screen;
+  * baseline_ms: in the same run, before each load, a fresh context's navigation to `/health`
+    (a few bytes of JSON), to its load event: the floor of any page from the daemon; and
+    ready_over_baseline, the ratio of the medians.
 Medians over the runs, for the dashboard (`/`) and the chat (`/#chat`).
 
 `--screenshots DIR` also writes the docs' screenshots (dashboard and chat, desktop and phone)
@@ -72,11 +75,28 @@ def first_load(browser: Browser, url: str) -> dict[str, float]:
             "header_bytes": sum(s["responseHeadersSize"] for s in sizes), **timings}
 
 
+def floor_load(browser: Browser, base: str) -> float:
+    """The baseline: a fresh context's navigation to `/health` (a few bytes of JSON from the same
+    daemon), navigation start to its load event: what any page from mlxd costs at the least."""
+    context = browser.new_context()
+    page = context.new_page()
+    page.goto(base + "/health")
+    loaded = float(page.evaluate("performance.getEntriesByType('navigation')[0].loadEventEnd"))
+    context.close()
+    return loaded
+
+
 def measure(browser: Browser, url: str, runs: int) -> dict[str, float]:
-    """Medians of `runs` cold loads (one warm-up load first, not counted)."""
+    """Medians of `runs` cold loads (one warm-up load first, not counted), each after a baseline load."""
+    base = url.split("/#")[0].rstrip("/")
     first_load(browser, url)
-    rows = [first_load(browser, url) for _ in range(runs)]
-    return {key: round(statistics.median(r[key] for r in rows), 1) for key in rows[0]}
+    rows = []
+    for _ in range(runs):
+        floor = floor_load(browser, base)
+        rows.append({**first_load(browser, url), "baseline_ms": floor})
+    medians = {key: round(statistics.median(r[key] for r in rows), 1) for key in rows[0]}
+    medians["ready_over_baseline"] = round(medians["ready"] / medians["baseline_ms"], 2)
+    return medians
 
 
 def ask(page: Page, text: str) -> None:
