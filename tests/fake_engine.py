@@ -127,7 +127,21 @@ def main() -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", completions)
     app.router.add_post("/admin/drain", drain)
+    if args.parent_pid:
+        app.on_startup.append(lambda app: watch_parent(app, args.parent_pid))
     web.run_app(app, path=args.socket, print=None, handle_signals=True)
+
+
+async def watch_parent(app: web.Application, parent: int) -> None:
+    """Exit when the supervisor dies, as a real engine does (a SIGKILLed supervisor left this
+    process running after test_a_stored_response_survives_a_sigkilled_supervisor)."""
+
+    async def watch() -> None:
+        while os.getppid() == parent:
+            await asyncio.sleep(0.2)
+        os._exit(0)
+
+    app["parent_watch"] = asyncio.get_running_loop().create_task(watch())  # held: a task nobody holds can vanish
 
 
 if __name__ == "__main__":

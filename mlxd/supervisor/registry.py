@@ -245,8 +245,8 @@ class Registry:
         ids = list(self._entries)
         if not ids:
             return (
-                "No models are available: add a [models.NAME] entry to the config file "
-                "or import one with `mlxd import-default`."
+                "No models are available: add a [models.NAME] entry to the config file, "
+                "import one with `mlxd import-default`, or fetch one with `mlxd pull REPO`."
             )
         close = difflib.get_close_matches(near, ids, n=NUM_LISTED_IDS, cutoff=0.5) if near else []
         shown = list(dict.fromkeys([*close, *ids]))[:NUM_LISTED_IDS]
