@@ -15,7 +15,8 @@
 # two CPU sets, then unpinned. `close8b`: the 8B batching run
 # at 1, 8 and 16 streams. CLOSE_SHORT=1 makes `close` a 1B batching run and a 41-run lone stream. `cache`: issue 11's
 # prompt_cache.py on the 8B-shaped model with a 16k-token prefix. `structured`: issue 12's
-# structured.py on the 1B-shaped model; `grammar`: grammar_step.py, then structured.py. `prefill`: fair_prefill.
+# structured.py on the 1B-shaped model; `grammar`: grammar_step.py, then structured.py. `prefill`: fair_prefill. `load`: issue 14's
+# load_progress.py (mlxd's chunked load against mlx_lm.load, and an engine's load phases) on both.
 # Each step has its own time limit; results go to $OUT (or ./h200-out) as one text file a step.
 set -u
 out=${OUT:-h200-out}
@@ -129,5 +130,11 @@ prefill)
   step fair_prefill 120 python3 benchmarks/fair_prefill.py --model /tmp/models/l1b --streams 8 --batch 16 \
     --long-tokens 8000 --compare-step 8192
   ;;
-*) echo "usage: $0 1b|8b|streams|close|close8b|lone|cache|structured|prefill" >&2; exit 2 ;;
+load)
+  model 1b-bf16 /tmp/models/l1b
+  step load_1b 200 python3 benchmarks/load_progress.py --model /tmp/models/l1b --rounds 5
+  model 8b-4bit /tmp/models/l8q
+  step load_8b4 300 python3 benchmarks/load_progress.py --model /tmp/models/l8q --rounds 5
+  ;;
+*) echo "usage: $0 1b|8b|streams|close|close8b|lone|cache|structured|prefill|load" >&2; exit 2 ;;
 esac

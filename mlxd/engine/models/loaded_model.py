@@ -20,7 +20,8 @@ from mlxd.engine.models.load_meter import LoadMeter
 from mlxd.protocol.errors import APIError
 
 DEFAULT_CONTEXT = 4096
-WEIGHT_CHUNK_BYTES = 64 << 20  # weights are read this much per step of the load's progress
+MIN_CHUNK_BYTES = 256 << 20  # weights are read at least this much per step of the load's progress
+MAX_CHUNKS = 32  # ... and in at most about this many steps (each step's sync costs: benchmarks/load_progress.py)
 
 
 class ModelLoadError(Exception):
@@ -109,8 +110,9 @@ def load_with_progress(path: Path, meter: LoadMeter) -> tuple[nn.Module, Tokeniz
     """mlx-lm's load, its weights read a chunk at a time so that `meter` can say how far it got."""
     model, config = load_model(path, lazy=True)
     arrays: list[mx.array] = [array for _, array in tree_flatten(model.parameters())]  # type: ignore[misc, str-unpack]
-    meter.begin("weights", sum(a.nbytes for a in arrays), "bytes")
-    for chunk in _chunks(arrays, WEIGHT_CHUNK_BYTES):
+    total = sum(a.nbytes for a in arrays)
+    meter.begin("weights", total, "bytes")
+    for chunk in _chunks(arrays, max(MIN_CHUNK_BYTES, total // MAX_CHUNKS)):
         mx.eval(chunk)
         meter.advance(sum(a.nbytes for a in chunk))
     meter.begin("tokenizer")
