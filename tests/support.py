@@ -260,3 +260,13 @@ def mlxd(*args: str, env: dict[str, str] | None = None, timeout: float = 120) ->
     """`python -m mlxd ARGS` to completion."""
     argv = [sys.executable, "-m", "mlxd", *args]
     return subprocess.run(argv, capture_output=True, text=True, env=env or cli_env(), timeout=timeout, check=False)
+
+
+@contextlib.contextmanager
+def serving(model: Path, model_id: str, data_dir: Path) -> Iterator[SupervisorProcess]:
+    """A supervisor serving `model` as `model_id` (a `[models.ID]` entry), up until the block ends."""
+    proc = SupervisorProcess(f'[models.{model_id}]\npath = "{model}"\n', data_dir).wait_up()
+    try:
+        yield proc
+    finally:
+        proc.stop()

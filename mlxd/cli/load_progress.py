@@ -1,9 +1,9 @@
 """A starting model's progress on the terminal: a bar where the total is known, else a spinner.
 
-The daemon reports it in the `load` field of each `GET /admin/engines` row and `GET /v1/models`
-entry (phase, done, total, unit, elapsed_s). `LoadProgress` polls one of them on a thread while
-the caller waits for something else (the model's load, the first token) and draws it with rich,
-on stderr, only when stderr is a terminal.
+The daemon reports it in the `load` field of each `GET /admin/engines` row (phase, done, total,
+unit, elapsed_s). `LoadProgress` polls it on a thread while `mlxd load` waits for the model and
+draws it with rich, on stderr, only when stderr is a terminal. (`mlxd run` draws its own wait,
+from `/v1/models`: chat_wait.py.)
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from types import TracebackType
 from typing import Any
 
 from mlxd.cli.admin_client import AdminClient, AdminError
-from mlxd.protocol.stats import PHASE_NAMES
+from mlxd.protocol.stats import PHASE_NAMES, phase_words
 
 POLL_S = 0.25
 
@@ -23,26 +23,22 @@ Reader = Callable[[], Mapping[str, Any] | None]  # the model's `load` now (None:
 
 def engine_load(client: AdminClient, model: str) -> Reader:
     """A reader of `model`'s load progress from GET /admin/engines (admin key)."""
-    return lambda: _row_load(client.get("/admin/engines", timeout=5.0).get("data", []), "model", model)
 
+    def read() -> Mapping[str, Any] | None:
+        rows = client.get("/admin/engines", timeout=5.0).get("data", [])
+        row = next((r for r in rows if r.get("model") == model), None)
+        load = row.get("load") if row else None
+        return load if isinstance(load, Mapping) else None
 
-def model_load(client: AdminClient, model: str) -> Reader:
-    """A reader of `model`'s load progress from GET /v1/models (any API key)."""
-    return lambda: _row_load(client.get("/v1/models", timeout=5.0).get("data", []), "id", model)
-
-
-def _row_load(rows: list[Mapping[str, Any]], key: str, model: str) -> Mapping[str, Any] | None:
-    row = next((r for r in rows if r.get(key) == model), None)
-    load = row.get("load") if row else None
-    return load if isinstance(load, Mapping) else None
+    return read
 
 
 def phase_text(load: Mapping[str, Any]) -> str:
     """`reading weights 45%` or `starting the engine 1.2 s`, for `mlxd ps` and the plain display."""
-    text = PHASE_NAMES.get(str(load.get("phase")), str(load.get("phase")))
-    total, done = load.get("total"), load.get("done") or 0
+    total = load.get("total")
     if isinstance(total, int) and total > 0:
-        return f"{text} {min(100, round(100 * done / total))}%"
+        return phase_words(str(load.get("phase")), int(load.get("done") or 0), total)
+    text = phase_words(str(load.get("phase")), 0, None)
     return f"{text} {float(load.get('elapsed_s') or 0):.1f} s"
 
 

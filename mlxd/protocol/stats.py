@@ -21,6 +21,12 @@ PHASE_NAMES: dict[str, str] = {"spawn": "starting the engine", "weights": "readi
                                "tokenizer": "loading the tokenizer", "warmup": "warming up GPU kernels"}
 
 
+def phase_words(phase: str, done: int, total: int | None) -> str:
+    """`reading weights 45%`, or the phase's name alone where the total is unknown."""
+    text = PHASE_NAMES.get(phase, phase)
+    return f"{text} {min(100, round(100 * done / total))}%" if total else text
+
+
 class LoadProgress(msgspec.Struct):
     """A starting engine's progress: `done` of `total` (None: unknown) in `unit` (None: steps)."""
 

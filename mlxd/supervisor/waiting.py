@@ -19,7 +19,7 @@ from typing import TypeVar
 from aiohttp import web
 
 from mlxd.protocol.errors import APIError
-from mlxd.protocol.stats import PHASE_NAMES, LoadProgress
+from mlxd.protocol.stats import LoadProgress, phase_words
 from mlxd.supervisor.dialects import OPENAI, Dialect
 from mlxd.supervisor.proxy import SSE_HEADERS
 
@@ -79,7 +79,5 @@ def comment(load: LoadProgress | None) -> bytes:
     """The waiting comment; with the model's load progress while it starts."""
     if load is None:
         return COMMENT
-    text = PHASE_NAMES.get(load.phase, load.phase)
-    if load.total:
-        text += f" {min(100, round(100 * load.done / load.total))}%"
+    text = phase_words(load.phase, load.done, load.total)
     return f": waiting for the model: {text} ({load.elapsed_s:.0f} s)\n\n".encode()

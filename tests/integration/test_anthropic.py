@@ -14,7 +14,7 @@ import anthropic
 import httpx2 as httpx
 import pytest
 
-from tests.support import SupervisorProcess, http10_post
+from tests.support import SupervisorProcess, http10_post, serving
 
 MODEL = "smol"
 COUNT = [{"role": "user", "content": "Count from 1 to 10."}]
@@ -27,9 +27,8 @@ ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def sup(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SupervisorProcess]:
-    proc = SupervisorProcess(f'[models.{MODEL}]\npath = "{smollm2}"\n', tmp_path_factory.mktemp("anthropic")).wait_up()
-    yield proc
-    proc.stop()
+    with serving(smollm2, MODEL, tmp_path_factory.mktemp("anthropic")) as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.support import SupervisorProcess
+from tests.support import SupervisorProcess, serving
 
 MODEL = "smol"
 WEATHER = {"type": "function", "name": "get_weather", "description": "The current weather in a city.",
@@ -24,9 +24,8 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The curren
 
 @pytest.fixture(scope="module")
 def sup(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SupervisorProcess]:
-    proc = SupervisorProcess(f'[models.{MODEL}]\npath = "{smollm2}"\n', tmp_path_factory.mktemp("responses")).wait_up()
-    yield proc
-    proc.stop()
+    with serving(smollm2, MODEL, tmp_path_factory.mktemp("responses")) as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.support import SupervisorProcess
+from tests.support import SupervisorProcess, serving
 
 MODEL = "smol"
 WEATHER = {"type": "function", "function": {
@@ -26,9 +26,8 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 @pytest.fixture(scope="module")
 def sup(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SupervisorProcess]:
-    proc = SupervisorProcess(f'[models.{MODEL}]\npath = "{smollm2}"\n', tmp_path_factory.mktemp("tools")).wait_up()
-    yield proc
-    proc.stop()
+    with serving(smollm2, MODEL, tmp_path_factory.mktemp("tools")) as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")
