@@ -90,7 +90,7 @@ def translation_cost(events: int = 20000) -> dict[str, float]:
     """Microseconds per event for the supervisor's work on a stream, each API."""
     from mlxd.protocol.anthropic import MessageStream
     from mlxd.protocol.responses import ResponsesRequest, ResponseStream, Shell
-    from mlxd.supervisor.proxy import SseEvents
+    from mlxd.supervisor.relay.sse import SseEvents
 
     chunk = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 1, "model": "m",
              "choices": [{"index": 0, "delta": {"content": " word"}, "finish_reason": None, "logprobs": None}]}

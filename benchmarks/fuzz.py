@@ -1,6 +1,6 @@
 """Fuzz a real supervisor from its own OpenAPI document: thousands of generated requests.
 
-The fuzzer of tests/integration/test_fuzz.py (schemathesis on mlxd/supervisor/openapi.py's
+The fuzzer of tests/integration/test_fuzz.py (schemathesis on mlxd/supervisor/http/openapi.py's
 document, valid and invalid requests for every route, some aimed at the real model, short
 leases) runs against `mlxd serve` with one engine on a tiny random-weight model (context 128,
 so generations stay short). The figure: requests sent, and how many answers were 500 or more,

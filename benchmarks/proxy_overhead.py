@@ -59,7 +59,7 @@ from common import logit_bias
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mlxd.supervisor.engine import socket_path  # noqa: E402  (after the sys.path line; never imports mlx)
+from mlxd.supervisor.engines.engine import socket_path  # noqa: E402  (after the sys.path line; never imports mlx)
 
 PROMPT = (
     "{n:04d}. Here is a short story about a lighthouse keeper who finds a message in a bottle "

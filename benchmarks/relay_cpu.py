@@ -2,7 +2,7 @@
 
 A stand-in engine (an aiohttp app on a Unix socket) streams `--chunks` SSE chunks of the size
 the engine sends, `--gap-ms` apart. Two relay processes sit in front of it, each an aiohttp
-server on uvloop as the supervisor is: `mlxd` relays with `mlxd.supervisor.proxy.forward`,
+server on uvloop as the supervisor is: `mlxd` relays with `mlxd.supervisor.relay.forward.forward`,
 `aiohttp` with an aiohttp `ClientSession` over the same socket, reading `iter_any()` and writing
 `StreamResponse.write()` per chunk (how mlxd relayed before). Rounds alternate between them; the
 figure is each relay process's CPU time (user + system) per chunk, and the ratio.
@@ -55,7 +55,9 @@ import sys
 import aiohttp, uvloop
 from aiohttp import web
 sys.path.insert(0, {root!r})
-from mlxd.supervisor.proxy import connection_gate, forward
+from mlxd.supervisor.engines.upstream import connection_gate
+from mlxd.supervisor.relay.dialects import OPENAI
+from mlxd.supervisor.relay.forward import forward
 GATE = connection_gate()
 SOCK, PORT, MODE = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 async def session(app):
@@ -65,7 +67,7 @@ async def session(app):
 async def relay(request):
     body = await request.read()
     if MODE == "mlxd":
-        return await forward(request, SOCK, GATE, body, {{}})
+        return await forward(request, SOCK, GATE, body, {{}}, OPENAI)
     async with request.app["session"].post("http://engine" + request.path_qs, data=body) as up:
         resp = web.StreamResponse(headers={{"Content-Type": "text/event-stream"}})
         await resp.prepare(request)

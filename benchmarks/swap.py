@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from proxy_overhead import Supervisor, private_dir  # noqa: E402
 
-from mlxd.supervisor.engine import socket_path  # noqa: E402
+from mlxd.supervisor.engines.engine import socket_path  # noqa: E402
 
 MODELS = ("tiny", "smol")
 

@@ -30,7 +30,7 @@ from relay_cpu import RELAY
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mlxd.supervisor.engine import socket_path  # noqa: E402  (after the sys.path line)
+from mlxd.supervisor.engines.engine import socket_path  # noqa: E402  (after the sys.path line)
 from tests.support import SupervisorProcess, free_port  # noqa: E402
 
 WARMUP = 20

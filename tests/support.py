@@ -184,7 +184,7 @@ class SupervisorProcess:
 
     def engine_stats(self, model_id: str) -> dict[str, Any]:
         """The model's engine's own /admin/stats, straight over its socket."""
-        from mlxd.supervisor.engine import socket_path
+        from mlxd.supervisor.engines.engine import socket_path
 
         transport = httpx.HTTPTransport(uds=str(socket_path(self.runtime, model_id)))
         with httpx.Client(transport=transport, base_url="http://engine") as client:

@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING
 import click
 
 from mlxd import paths
-from mlxd.cli.admin_client import AdminError, Unreachable
-from mlxd.cli.admin_cmds import daemon_options, describe_failure, make_client
-from mlxd.cli.admin_tables import format_size
+from mlxd.cli.admin.client import AdminError, Unreachable
+from mlxd.cli.admin.cmds import daemon_options, describe_failure, make_client
 from mlxd.cli.options import data_dir_option
-from mlxd.pull_record import PullRecord
+from mlxd.hub.pull_record import PullRecord
+from mlxd.protocol.units import format_size
 
 if TYPE_CHECKING:
-    from mlxd.puller import PullResult, RemoteFile
+    from mlxd.hub.puller import PullResult, RemoteFile
     from mlxd.supervisor.registry import ModelEntry, Registry
 
 EXIT_INTERRUPTED = 130
@@ -64,7 +64,7 @@ class PullLines:
 @data_dir_option
 def pull(spec: str, data_dir: Path | None) -> None:
     """Download an MLX model from the Hugging Face hub into the hub cache mlxd serves from."""
-    from mlxd.puller import Puller, PullError, PullInterrupted, parse_spec
+    from mlxd.hub.puller import Puller, PullError, PullInterrupted, parse_spec
     from mlxd.supervisor.registry import hf_cache_dir
 
     # huggingface_hub logs through a handler of its own; the root's would print each warning twice.

@@ -46,7 +46,6 @@ def serve(host: str | None, port: int | None, config_file: Path | None, data_dir
 
     import_aiohttp()  # first, before any module below imports it
 
-    from mlxd.supervisor.auth import check_bind
     from mlxd.supervisor.config import (
         ConfigError,
         apply_overrides,
@@ -54,6 +53,7 @@ def serve(host: str | None, port: int | None, config_file: Path | None, data_dir
         is_explicit_config,
         load_config,
     )
+    from mlxd.supervisor.http.auth import check_bind
     from mlxd.supervisor.server import serve as run_server
 
     if data_dir is not None:

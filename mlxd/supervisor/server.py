@@ -19,11 +19,11 @@ from aiohttp import web
 from mlxd.fdlimit import raise_open_file_limit
 from mlxd.paths import ensure_private_dir, models_dir, runtime_dir
 from mlxd.protocol.process import STREAM_KEEPALIVE_ENV
-from mlxd.supervisor.app import make_app
 from mlxd.supervisor.config import Config, ServerConfig
-from mlxd.supervisor.connections import ConnectionTable, GuardedSite
-from mlxd.supervisor.engine import EngineOptions
-from mlxd.supervisor.pool import Pool
+from mlxd.supervisor.engines.engine import EngineOptions
+from mlxd.supervisor.engines.pool import Pool
+from mlxd.supervisor.http.app import make_app
+from mlxd.supervisor.http.connections import ConnectionTable, GuardedSite
 from mlxd.supervisor.registry import Registry
 from mlxd.supervisor.response_store import ResponseStore, StoreError
 

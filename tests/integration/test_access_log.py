@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from mlxd.protocol.process import USAGE_COMMENT, USAGE_HEADER, RequestUsage
-from mlxd.supervisor.access import access_line, decode_speed
+from mlxd.supervisor.http.access import access_line, decode_speed
 from tests.support import NO_EOS, SupervisorProcess, wait_for
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 24,

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mlxd.cli import service as svc
+from mlxd.cli.service import spec as svc
 from tests.support import free_port
 
 

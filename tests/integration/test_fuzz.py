@@ -1,6 +1,6 @@
 """Property-based fuzzing of a real supervisor from its own OpenAPI document (schemathesis).
 
-Schemathesis turns mlxd/supervisor/openapi.py's document into Hypothesis strategies, valid
+Schemathesis turns mlxd/supervisor/http/openapi.py's document into Hypothesis strategies, valid
 (positive) and invalid (negative) requests for every route, and each request goes to a real
 `mlxd serve` with a real engine on the tiny random model. Every answer must be below 500, have
 a documented status and content type, match its documented schema, and, when it is an error,
@@ -41,7 +41,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from mlxd.protocol.errors import ErrorBody
-from mlxd.supervisor.openapi import make_openapi
+from mlxd.supervisor.http.openapi import make_openapi
 from tests.support import SupervisorProcess
 
 KEY = "fuzz-key"

@@ -12,7 +12,7 @@ from typing import Any
 import pexpect
 import pytest
 
-from mlxd.cli.admin_tables import state_text
+from mlxd.cli.admin.tables import state_text
 from mlxd.engine.models.load_meter import LoadMeter
 from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.protocol.stats import LoadPhase

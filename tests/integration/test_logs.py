@@ -17,7 +17,7 @@ from typing import Any
 import httpx2 as httpx
 import pytest
 
-from mlxd.cli import service as svc
+from mlxd.cli.service import spec as svc
 from tests.support import NO_EOS, SupervisorProcess, free_port, private_socket_dir, wait_for
 
 # Contract 3: the keys every access line carries (values may be null).

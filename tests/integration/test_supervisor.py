@@ -210,7 +210,7 @@ def test_sigkill_of_the_supervisor_takes_engines_down_within_2s(tiny_model: Path
 
 def test_the_supervisor_never_imports_mlx() -> None:
     code = (
-        "import sys, mlxd.cli.main, mlxd.cli.serve_cmds, mlxd.cli.service_cmds, mlxd.supervisor.server\n"
+        "import sys, mlxd.cli.main, mlxd.cli.serve_cmds, mlxd.cli.service.cmds, mlxd.supervisor.server\n"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'transformers')]\n"
         "print(bad)\n"
     )

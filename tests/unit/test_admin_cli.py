@@ -11,9 +11,8 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from mlxd.cli import admin_cmds as cmds
-from mlxd.cli import admin_tables as tables
-from mlxd.cli.admin_client import (
+from mlxd.cli.admin import cmds, tables
+from mlxd.cli.admin.client import (
     AdminClient,
     HTTPFailure,
     Unreachable,
@@ -22,7 +21,7 @@ from mlxd.cli.admin_client import (
     resolve_key,
 )
 from mlxd.cli.main import main
-from mlxd.cli.service_managers import System
+from mlxd.cli.service.managers import System
 
 ENGINES: dict[str, Any] = {
     "object": "list", "budget_bytes": 12_000_000_000, "used_bytes": 1_234_000_000, "max_loaded": 2,
@@ -188,7 +187,7 @@ def test_url_flag_beats_env_beats_config(tmp_path: Path) -> None:
 
 
 def test_a_stale_pid_file_is_ignored_for_the_address(tmp_path: Path) -> None:
-    from mlxd.cli import service as svc
+    from mlxd.cli.service import spec as svc
 
     data = tmp_path / "data"
     svc.write_pid_file(svc.pid_file(data), svc.new_record(2**22 + 12345, "127.0.0.1", 9555))

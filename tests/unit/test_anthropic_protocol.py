@@ -11,7 +11,7 @@ import pytest
 
 from mlxd.protocol import anthropic as an
 from mlxd.protocol.errors import APIError
-from mlxd.supervisor.proxy import SseEvents
+from mlxd.supervisor.relay.sse import SseEvents
 
 
 def request(**kw: Any) -> an.MessagesRequest:

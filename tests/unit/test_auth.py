@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mlxd.supervisor.auth import Auth, check_bind, is_loopback, presented_keys
 from mlxd.supervisor.config import ConfigError
+from mlxd.supervisor.http.auth import Auth, check_bind, is_loopback, presented_keys
 
 
 def bearer(key: str) -> dict[str, str]:

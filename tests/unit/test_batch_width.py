@@ -6,12 +6,12 @@ import json
 from pathlib import Path
 
 from mlxd.engine.settings import EngineSettings, parse_args
-from mlxd.supervisor import admin_routes
 from mlxd.supervisor.config import DEFAULT_GATHER_MS, PoolConfig
-from mlxd.supervisor.engine import Engine
-from mlxd.supervisor.footprint import estimate_bytes
-from mlxd.supervisor.openapi import EngineRow
-from mlxd.supervisor.pool import Pool, engine_args_from
+from mlxd.supervisor.engines.engine import Engine
+from mlxd.supervisor.engines.footprint import estimate_bytes
+from mlxd.supervisor.engines.pool import Pool, engine_args_from
+from mlxd.supervisor.http import admin_routes
+from mlxd.supervisor.http.openapi import EngineRow
 from mlxd.supervisor.registry import ModelEntry
 
 # 2 layers x 2 KV heads x dim 4, float16: 64 bytes a token; an 8k window.

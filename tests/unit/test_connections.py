@@ -9,7 +9,7 @@ import pytest
 from aiohttp import http_exceptions
 
 from mlxd.protocol.errors import APIError
-from mlxd.supervisor.connections import (
+from mlxd.supervisor.http.connections import (
     Admit,
     ConnView,
     RateLimitedLog,

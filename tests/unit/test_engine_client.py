@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxd.supervisor.proxy import UpstreamError, call
+from mlxd.supervisor.engines.upstream import UpstreamError, call
 
 Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mlxd.supervisor.guard import HostPolicy, check, needs_json, split_host
+from mlxd.supervisor.http.guard import HostPolicy, check, needs_json, split_host
 
 POLICY = HostPolicy.make("127.0.0.1", ["mlxd.lan", "*.example.org"], ["http://app.example.com", "http://localhost:*"],
                          machine_names=["studio", "studio.local"])

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from mlxd.cli import logs_cmd
-from mlxd.cli import service as svc
-from mlxd.cli.service import ServeOptions
-from mlxd.cli.service_managers import System
+from mlxd.cli.service import logs_cmd
+from mlxd.cli.service import spec as svc
+from mlxd.cli.service.managers import System
+from mlxd.cli.service.spec import ServeOptions
 from mlxd.logformat import TEXT_FORMAT, JsonFormatter, iso_time, make_formatter
 
 PY = "/opt/py/bin/python3"

@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mlxd.protocol.memory import KV_CONTEXT_CAP, ROW_TOKENS, kv_budget_tokens, kv_bytes_per_token
-from mlxd.supervisor import footprint
-from mlxd.supervisor.footprint import estimate_bytes
+from mlxd.supervisor.engines import footprint
+from mlxd.supervisor.engines.footprint import estimate_bytes
 
 # Qwen2.5-7B's shape: 28 layers, 4 KV heads of dim 128 (3584 / 28), bfloat16: 56 KiB a token.
 QWEN_7B = {"num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "hidden_size": 3584,

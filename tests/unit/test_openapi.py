@@ -19,11 +19,11 @@ from schemathesis import Case, GenerationMode
 
 from mlxd.protocol import anthropic, openai, responses
 from mlxd.protocol.json_body import decode_as
-from mlxd.supervisor import admin_routes as admin
-from mlxd.supervisor.app import make_app
 from mlxd.supervisor.config import Config
-from mlxd.supervisor.openapi import make_openapi, openapi_bytes, openapi_json, prompt_schema
-from mlxd.supervisor.pool import Pool
+from mlxd.supervisor.engines.pool import Pool
+from mlxd.supervisor.http import admin_routes as admin
+from mlxd.supervisor.http.app import make_app
+from mlxd.supervisor.http.openapi import make_openapi, openapi_bytes, openapi_json, prompt_schema
 from mlxd.supervisor.registry import Registry
 
 BODIES: dict[tuple[str, str], type[Any]] = {
@@ -125,6 +125,6 @@ def test_the_handler_serves_the_document_as_json() -> None:
 
 
 def test_the_document_is_built_without_importing_mlx() -> None:
-    code = "import sys, mlxd.supervisor.openapi as o; o.openapi_bytes(); print(any(m.split('.')[0] == 'mlx' for m in sys.modules))"
+    code = "import sys, mlxd.supervisor.http.openapi as o; o.openapi_bytes(); print(any(m.split('.')[0] == 'mlx' for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlxd.supervisor.policy import (
+from mlxd.supervisor.engines.policy import (
     LIVE,
     Action,
     Admit,

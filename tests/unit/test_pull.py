@@ -10,9 +10,9 @@ import pytest
 from huggingface_hub import constants
 from huggingface_hub.utils import tqdm
 
-from mlxd.partial_download import PartialDownload, PullError, answer_start, download_headers
-from mlxd.pull_record import PullRecord
-from mlxd.puller import (
+from mlxd.hub.partial_download import PartialDownload, PullError, answer_start, download_headers
+from mlxd.hub.pull_record import PullRecord
+from mlxd.hub.puller import (
     MlxLmModels,
     RemoteFile,
     find_mlx_lm,

@@ -11,13 +11,15 @@ import pytest
 from aiohttp.test_utils import make_mocked_request
 
 from mlxd.protocol.errors import APIError
-from mlxd.supervisor.proxy import EngineUnreachable, connection_gate, forward
+from mlxd.supervisor.engines.upstream import EngineUnreachable, connection_gate
+from mlxd.supervisor.relay.dialects import OPENAI
+from mlxd.supervisor.relay.forward import forward
 
 
 def run_forward(path: Path) -> None:
     async def go() -> None:
         request = make_mocked_request("POST", "/v1/completions")
-        await forward(request, path, connection_gate(), b"{}", {})
+        await forward(request, path, connection_gate(), b"{}", {}, OPENAI)
 
     asyncio.run(go())
 
@@ -41,7 +43,7 @@ def test_a_connection_dropped_at_once_is_unreachable_but_sent(tmp_path: Path) ->
         server = await asyncio.start_unix_server(drop, str(path))
         async with server:
             request = make_mocked_request("POST", "/v1/completions")
-            await forward(request, path, connection_gate(), b"{}", {})
+            await forward(request, path, connection_gate(), b"{}", {}, OPENAI)
 
     with pytest.raises(EngineUnreachable) as info:
         asyncio.run(go())
@@ -60,7 +62,7 @@ def test_a_connection_lost_after_a_while_is_a_crash(tmp_path: Path) -> None:
         server = await asyncio.start_unix_server(slow_death, str(path))
         async with server:
             request = make_mocked_request("POST", "/v1/completions")
-            await forward(request, path, connection_gate(), b"{}", {})
+            await forward(request, path, connection_gate(), b"{}", {}, OPENAI)
 
     with pytest.raises(APIError) as info:
         asyncio.run(go())
@@ -90,7 +92,7 @@ def test_a_connection_lost_before_the_request_is_written_is_unreachable_and_noth
         server = await asyncio.start_unix_server(drop, str(path))
         async with server:
             request = make_mocked_request("POST", "/v1/completions")
-            await forward(request, path, connection_gate(), b"{}", {})
+            await forward(request, path, connection_gate(), b"{}", {}, OPENAI)
 
     with pytest.raises(EngineUnreachable) as info:
         uvloop.run(go())

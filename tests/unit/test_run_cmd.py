@@ -8,9 +8,9 @@ import click
 import pytest
 from rich.console import Console
 
-from mlxd.cli.admin_client import HTTPFailure
-from mlxd.cli.chat_answer import Answer, format_duration
-from mlxd.cli.chat_commands import (
+from mlxd.cli.admin.client import HTTPFailure
+from mlxd.cli.chat.answer import Answer, format_duration
+from mlxd.cli.chat.commands import (
     Command,
     CommandError,
     Settings,
@@ -19,10 +19,10 @@ from mlxd.cli.chat_commands import (
     opens_block,
     parse_command,
 )
-from mlxd.cli.chat_session import CONTROLS, AnswerView, Conversation
-from mlxd.cli.chat_stream import DONE, Chunk, StreamFailure, chat_body, parse_sse_line
-from mlxd.cli.chat_wait import LoadStatus, find_model, load_status, wait_text
-from mlxd.cli.run_cmd import chat_key, compose_prompt, describe_error, params_from
+from mlxd.cli.chat.run_cmd import chat_key, compose_prompt, describe_error, params_from
+from mlxd.cli.chat.session import CONTROLS, AnswerView, Conversation
+from mlxd.cli.chat.stream import DONE, Chunk, StreamFailure, chat_body, parse_sse_line
+from mlxd.cli.chat.wait import LoadStatus, find_model, load_status, wait_text
 
 # --- slash commands ---------------------------------------------------------------
 

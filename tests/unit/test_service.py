@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from mlxd.cli import service as svc
-from mlxd.cli import service_cmds as cmds
-from mlxd.cli.service import ServeOptions
-from mlxd.cli.service_cmds import System
+from mlxd.cli.service import cmds
+from mlxd.cli.service import spec as svc
+from mlxd.cli.service.cmds import System
+from mlxd.cli.service.spec import ServeOptions
 
 PY = "/opt/py env/bin/python3"
 HEALTH = {"status": "ok", "version": "0.1.0", "engines": {"tiny": "ready"}}
@@ -65,7 +65,7 @@ def fake_system(tmp_path: Path, platform: str, run: FakeOS, probe: Callable[[str
 
 def test_the_templates_ship_in_the_package() -> None:
     # Package data (pyproject's [tool.setuptools.package-data]); test_install_tool.py renders them from a wheel.
-    assert Path(svc.__file__).resolve().parent.parent / "deploy" == svc.DEPLOY_DIR
+    assert Path(svc.__file__).resolve().parents[2] / "deploy" == svc.DEPLOY_DIR  # mlxd/deploy
     assert sorted(p.name for p in svc.DEPLOY_DIR.glob("*.in")) == ["mlxd.plist.in", "mlxd.service.in"]
 
 

@@ -245,7 +245,7 @@ def test_bad_cli_port() -> None:
 def test_supervisor_modules_do_not_import_mlx() -> None:
     code = (
         "import sys\n"
-        "import mlxd.supervisor.config, mlxd.supervisor.registry, mlxd.supervisor.auth\n"
+        "import mlxd.supervisor.config, mlxd.supervisor.registry, mlxd.supervisor.http.auth\n"
         "banned = ('mlx', 'mlx_lm', 'transformers', 'huggingface_hub')\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in banned))\n"
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlxd.supervisor.timeline import Timeline
+from mlxd.supervisor.http.timeline import Timeline
 
 
 def test_tokens_spread_over_the_buckets_the_decode_spanned() -> None:

@@ -19,8 +19,8 @@ from mlxd.engine.http import openai_routes as routes
 from mlxd.engine.http.admission import Admission, DrainRequest, LeaseRequest
 from mlxd.engine.http.keys import ADMISSION, GATEWAY, SETTINGS, STATS
 from mlxd.engine.settings import EngineSettings
+from mlxd.http_errors import make_error_middleware
 from mlxd.protocol import openai as oa
-from mlxd.protocol.http_errors import make_error_middleware
 from mlxd.protocol.stats import (
     EngineHealth,
     EngineStats,

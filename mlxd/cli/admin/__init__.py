@@ -1,0 +1,1 @@
+"""The admin commands (`mlxd models|ps|load|unload|drain|lease`) and their client."""

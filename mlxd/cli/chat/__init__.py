@@ -1,0 +1,1 @@
+"""`mlxd run`: chat with a model in the terminal."""

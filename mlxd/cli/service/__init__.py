@@ -1,0 +1,1 @@
+"""`mlxd start|stop|status|logs|service`: the daemon as a background service."""

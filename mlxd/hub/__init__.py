@@ -1,0 +1,1 @@
+"""Pulling models from the Hugging Face hub (used by the CLI)."""

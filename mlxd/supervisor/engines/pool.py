@@ -1,0 +1,476 @@
+"""The engines that live right now, one per model, and the queue of requests waiting for them.
+
+`Pool` carries out what `policy.plan` decides: every event (a request arrives or ends, an
+engine changes state, a lease starts or ends, a timer fires) schedules one replan on the loop,
+which snapshots the pool, asks the policy, and applies its actions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from mlxd.protocol.errors import APIError
+from mlxd.protocol.memory import default_prompt_cache_bytes
+from mlxd.protocol.process import DrainResult
+from mlxd.supervisor.config import DEFAULT_GATHER_MS, PoolConfig
+from mlxd.supervisor.engines import policy
+from mlxd.supervisor.engines.engine import Engine, EngineOptions, EngineState
+from mlxd.supervisor.engines.footprint import default_budget_bytes, estimate_bytes
+from mlxd.supervisor.engines.spare import Spare
+from mlxd.supervisor.registry import ModelEntry
+
+log = logging.getLogger("mlxd.supervisor")
+LIVE_STATES = (EngineState.STARTING, EngineState.READY)
+SPARE_AFTER_QUIET_S = 1.0  # no request or start for this long before a spare engine is made
+
+
+@dataclass(eq=False)
+class Slot:
+    """The pool's bookkeeping for one model's engine."""
+
+    engine: Engine
+    entry: ModelEntry
+    memory_bytes: int
+    idle_ttl_s: int
+    pinned: bool
+    in_flight: int = 0
+    last_used: float = 0.0  # monotonic
+    last_used_wall: float | None = None
+    closing: str | None = None  # why it admits nothing new
+    retiring: asyncio.Task[None] | None = None
+    last_drain: DrainResult | None = None  # the engine's report from its last retirement
+    last_stop: dict[str, Any] | None = None  # its reason and timings (drain_ms, stop_ms)
+    lease_id: str | None = None  # a model lease holds it
+    engine_lease_token: str | None = None  # the engine's own lease, sent along with the holder's requests
+    on_lease_lost: Callable[[str], None] | None = None
+
+
+@dataclass(eq=False)
+class Waiter:
+    id: int
+    slot: Slot
+    since: float
+    holds_lease: bool
+    timeout_s: float | None
+    future: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+def limits_from(config: PoolConfig) -> policy.Limits:
+    """The policy's limits from the `[pool]` table."""
+    budget = (
+        int(config.memory_budget_gb * 1024**3) if config.memory_budget_gb else default_budget_bytes(config.memory_fraction)
+    )
+    return policy.Limits(budget, config.max_loaded, config.max_queue, config.queue_timeout_s)
+
+
+def crash_limits_from(config: PoolConfig) -> policy.CrashLimits:
+    """The crash-loop rules' limits from the `[pool]` table."""
+    return policy.CrashLimits(config.crash_limit, config.crash_window_s, config.cooldown_s, config.cooldown_max_s,
+                              config.healthy_reset_s)
+
+
+def engine_args_from(config: PoolConfig, kv_dir: Path | None = None) -> tuple[str, ...]:
+    """Engine flags from the `[pool]` table (only those that differ from the engine's defaults),
+    and the SSD tier's root in the data dir."""
+    args: list[str] = []
+    if config.warmup != "auto":
+        args += ["--warmup", config.warmup]
+    if config.gather_ms != DEFAULT_GATHER_MS:
+        args += ["--gather-ms", f"{config.gather_ms:g}"]
+    if config.prompt_cache_bytes is not None:
+        args += ["--prompt-cache-bytes", str(config.prompt_cache_bytes)]
+    if config.ssd_cache_bytes is not None:
+        args += ["--ssd-cache-bytes", str(config.ssd_cache_bytes)]
+    if config.kv_bits is not None:
+        args += ["--kv-bits", str(config.kv_bits), "--kv-group-size", str(config.kv_group_size)]
+    if not config.ssd_write_behind:
+        args += ["--ssd-write-behind", "off"]
+    if kv_dir is not None:
+        args += ["--ssd-cache-dir", str(kv_dir)]
+    return tuple(args)
+
+
+def prompt_cache_bytes(config: PoolConfig) -> int:
+    """What an engine's prompt cache may hold in RAM (counted in its memory estimate)."""
+    if config.prompt_cache_bytes is not None:
+        return config.prompt_cache_bytes
+    return default_prompt_cache_bytes(psutil.virtual_memory().total)
+
+
+class Pool:
+    """Engines by model, the wait queue, and the leases' hold on them."""
+
+    def __init__(
+        self, runtime_dir: Path, options: EngineOptions | None = None, config: PoolConfig | None = None,
+        clock: Callable[[], float] = time.monotonic, kv_dir: Path | None = None,
+    ) -> None:
+        self._runtime_dir = runtime_dir
+        self.config = config or PoolConfig()
+        self._options = dataclasses.replace(options or EngineOptions(), crash=crash_limits_from(self.config),
+                                            engine_args=engine_args_from(self.config, kv_dir))
+        self.limits = limits_from(self.config)
+        self._clock = clock
+        self._slots: dict[str, Slot] = {}
+        self._queue: list[Waiter] = []
+        self._ids = itertools.count(1)
+        self._replan_scheduled = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._machine_leased = False
+        self._machine_free = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._spare_timer: asyncio.TimerHandle | None = None
+        self.spare = Spare(self._options.module, self.config.spare_engine and spare_allowed(self._options),
+                           on_exit=self._on_spare_exit)
+        self.num_evictions = 0  # engines stopped to make room for another model
+
+    # --- requests -------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def use(self, entry: ModelEntry, lease_id: str | None = None) -> AsyncIterator[Slot]:
+        """Wait for the model's engine (queued as the policy says); its slot, counted in flight."""
+        slot = await self.acquire(entry, lease_id)
+        try:
+            yield slot
+        finally:
+            self.release(slot)
+
+    async def acquire(self, entry: ModelEntry, lease_id: str | None = None, timeout_s: float | None = None) -> Slot:
+        """Queue for the model's engine until the policy admits; counted in flight from then."""
+        slot = self.slot_for(entry)
+        self._check_admissible(slot)
+        holds_lease = lease_id is not None and lease_id == slot.lease_id
+        waiter = Waiter(next(self._ids), slot, self._clock(), holds_lease, timeout_s)
+        self._queue.append(waiter)
+        self._schedule_replan()
+        try:
+            await waiter.future
+        except asyncio.CancelledError:
+            if waiter in self._queue:
+                self._queue.remove(waiter)
+            elif waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
+                self.release(slot)  # admitted just as the client left
+            self._schedule_replan()
+            raise
+        return slot
+
+    def release(self, slot: Slot) -> None:
+        """A request admitted by `acquire` has ended."""
+        slot.in_flight -= 1
+        slot.last_used, slot.last_used_wall = self._clock(), time.time()
+        self._schedule_replan()
+
+    def _check_admissible(self, slot: Slot) -> None:
+        if slot.engine.state is EngineState.FAILED:
+            raise slot.engine.failed_error()
+        if policy.never_fits(slot.memory_bytes, self.limits):
+            raise too_big(slot, self.limits)
+        if not policy.can_queue(len(self._queue), self.limits) and self._replan_scheduled:
+            # A burst arrives faster than the coalesced replan runs: admit whom it can first,
+            # so that requests a ready engine takes at once do not count as waiting.
+            self._replan()
+        if not policy.can_queue(len(self._queue), self.limits):
+            raise APIError(503, f"Too many requests are waiting for a model ({self.limits.max_queue}); try again.",
+                           type="server_error", code="queue_full", headers={"Retry-After": "1"})
+
+    # --- the pool's contents ----------------------------------------------------------------
+
+    def slot_for(self, entry: ModelEntry) -> Slot:
+        """The model's slot, made (engine not started) on first use."""
+        slot = self._slots.get(entry.id)
+        if slot is None:
+            engine = Engine(entry.id, entry.path, self._runtime_dir, entry.max_context, self._options,
+                            batch=entry.batch)
+            engine.spare = self.spare
+            memory = estimate_bytes(entry.path, entry.size_bytes, entry.max_context, entry.batch)
+            memory += prompt_cache_bytes(self.config)
+            ttl = entry.idle_ttl_s if entry.idle_ttl_s is not None else self.config.idle_ttl_s
+            slot = Slot(engine, entry, memory, ttl, entry.pin)
+            engine.on_change = lambda: self._on_engine_change(slot)
+            self._slots[entry.id] = slot
+        return slot
+
+    def slots(self) -> list[Slot]:
+        """Every model the pool has seen, in any state."""
+        return list(self._slots.values())
+
+    def engines(self) -> list[Engine]:
+        """Every engine the pool knows, in any state."""
+        return [s.engine for s in self._slots.values()]
+
+    def loaded_ids(self) -> list[str]:
+        """Models whose engine is starting or ready."""
+        return [m for m, s in self._slots.items() if s.engine.state in LIVE_STATES]
+
+    def num_queued(self, model_id: str) -> int:
+        return sum(1 for w in self._queue if w.slot.entry.id == model_id)
+
+    def used_bytes(self) -> int:
+        return sum(s.memory_bytes for s in self._slots.values() if s.engine.state.value in policy.LIVE)
+
+    def next_expiry(self, slot: Slot) -> float | None:
+        """Seconds until the idle TTL unloads this engine (None: it won't, as things stand)."""
+        view = self._engine_view(slot)
+        if not policy.may_expire(view):
+            return None
+        return max(0.0, slot.last_used + slot.idle_ttl_s - self._clock())
+
+    # --- admin ----------------------------------------------------------------------------
+
+    async def load(self, entry: ModelEntry, pin: bool | None = None) -> Slot:
+        """Start the model's engine (as the policy allows) and wait until it is READY."""
+        slot = self.slot_for(entry)
+        await slot.engine.reset()
+        if pin is not None:
+            slot.pinned = pin
+        self.release(await self.acquire(entry, timeout_s=self._admin_wait_s()))
+        return slot
+
+    def _admin_wait_s(self) -> float:
+        """Admin loads and leases wait for a cold start, however short the request queue's timeout."""
+        return max(self.limits.queue_timeout_s, self._options.boot_timeout_s)
+
+    async def unload(self, slot: Slot) -> DrainResult | None:
+        """Drain (bounded), then stop the engine; its drain report."""
+        slot.closing = "unloaded by an admin"
+        self._schedule_replan()
+        if slot.retiring is None:
+            slot.retiring = asyncio.create_task(self._retire(slot))
+        await asyncio.shield(slot.retiring)
+        return slot.last_drain
+
+    async def drain(self, slot: Slot) -> DrainResult | None:
+        """Drain a READY engine and keep it serving; the engine's report (None if not READY)."""
+        if slot.engine.state is not EngineState.READY:
+            return None
+        return await slot.engine.drain(self.config.drain_timeout_s)
+
+    # --- leases ---------------------------------------------------------------------------
+
+    async def hold(self, entry: ModelEntry, lease_id: str, on_lost: Callable[[str], None]) -> Slot:
+        """Bring the model up and hold it for a lease: only `lease_id`'s requests run on it."""
+        slot = self.slot_for(entry)
+        if slot.lease_id is not None:
+            raise APIError(409, f"Model {entry.id} is already leased.", code="lease_conflict")
+        await slot.engine.reset()
+        await self.acquire(entry, timeout_s=self._admin_wait_s())
+        slot.in_flight -= 1  # the lease itself is not a request in flight
+        slot.lease_id, slot.on_lease_lost = lease_id, on_lost
+        self._schedule_replan()
+        return slot
+
+    def unhold(self, slot: Slot) -> None:
+        """The lease on this model ended."""
+        slot.lease_id, slot.on_lease_lost, slot.engine_lease_token = None, None, None
+        slot.last_used, slot.last_used_wall = self._clock(), time.time()
+        self._schedule_replan()
+
+    async def hold_machine(self) -> None:
+        """Stop every engine (each drained first) and start none until `unhold_machine`."""
+        if self._machine_leased:
+            raise APIError(409, "The machine is already leased.", code="lease_conflict")
+        self._machine_leased = True
+        self._machine_free.clear()
+        self._schedule_replan()
+        await self.spare.stop()  # the job gets the whole machine: no engine process at all
+        try:
+            await self._machine_free.wait()
+        except asyncio.CancelledError:
+            self.unhold_machine()
+            raise
+
+    def unhold_machine(self) -> None:
+        self._machine_leased = False
+        self._schedule_replan()
+
+    @property
+    def machine_leased(self) -> bool:
+        return self._machine_leased
+
+    # --- the plan -------------------------------------------------------------------------
+
+    def _schedule_replan(self) -> None:
+        if not self._replan_scheduled:
+            self._replan_scheduled = True
+            asyncio.get_running_loop().call_soon(self._replan)
+
+    def _replan(self) -> None:
+        self._replan_scheduled = False
+        view = self._view()
+        by_id = {w.id: w for w in self._queue}
+        for action in policy.plan(view):
+            self._apply(action, by_id)
+        if self._machine_leased and not any(s.engine.state.value in policy.LIVE for s in self._slots.values()):
+            self._machine_free.set()
+        self._arm_timer(policy.next_deadline(self._view()))
+        self._arm_spare()
+
+    def _arm_spare(self) -> None:
+        """Refill the spare once the pool has been quiet a moment (its imports would slow work),
+        longer after spares that died young."""
+        if not self._is_quiet():
+            self._disarm_spare()
+        elif self._spare_timer is None:
+            delay = policy.spare_delay_s(self.spare.num_young_deaths, SPARE_AFTER_QUIET_S)
+            self._spare_timer = asyncio.get_running_loop().call_later(delay, self._refill_spare)
+
+    def _disarm_spare(self) -> None:
+        if self._spare_timer is not None:
+            self._spare_timer.cancel()
+            self._spare_timer = None
+
+    def _on_spare_exit(self) -> None:
+        """The idle spare died (and is reaped): another comes after the quiet delay, backed off."""
+        self._disarm_spare()  # a refill armed before the death would not wait out the back-off
+        self._schedule_replan()
+
+    def _refill_spare(self) -> None:
+        self._spare_timer = None
+        if self._is_quiet():
+            self.spare.refill()
+
+    def _is_quiet(self) -> bool:
+        """Nothing queued, in flight or starting."""
+        busy = (s.in_flight or s.engine.state is EngineState.STARTING for s in self._slots.values())
+        return not self._queue and not self._machine_leased and not any(busy)
+
+    def _apply(self, action: policy.Action, waiters: dict[int, Waiter]) -> None:
+        match action:
+            case policy.Admit(waiter=wid):
+                waiter = waiters[wid]
+                self._queue.remove(waiter)
+                if not waiter.future.done():
+                    waiter.slot.in_flight += 1
+                    waiter.future.set_result(None)
+            case policy.Reject(waiter=wid, reason=reason):
+                waiter = waiters[wid]
+                self._queue.remove(waiter)
+                self._fail(waiter, too_big(waiter.slot, self.limits) if reason == "too_big" else queue_timeout(waiter))
+            case policy.Start(model=model):
+                self._start(self._slots[model])
+            case policy.Close(model=model, reason=reason):
+                slot = self._slots[model]
+                if slot.closing is None:
+                    slot.closing = reason
+                    self.num_evictions += reason.startswith("making room")
+                    log.info("[%s] closing: %s", model, reason)
+            case policy.Retire(model=model):
+                slot = self._slots[model]
+                if slot.retiring is None:
+                    slot.retiring = asyncio.create_task(self._retire(slot))
+
+    def _start(self, slot: Slot) -> None:
+        if slot.engine.state is EngineState.FAILED:  # its waiters queued before it failed
+            self._fail_waiters(slot, slot.engine.boot_error or slot.engine.failed_error())
+            return
+        slot.engine.start()
+        task = asyncio.create_task(self._watch_boot(slot))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _watch_boot(self, slot: Slot) -> None:
+        """A boot failure reaches the requests that waited for it, as the error it is."""
+        try:
+            await slot.engine.ensure_ready()
+        except APIError as err:
+            self._fail_waiters(slot, err)
+
+    def _fail_waiters(self, slot: Slot, err: APIError) -> None:
+        for waiter in [w for w in self._queue if w.slot is slot]:
+            self._queue.remove(waiter)
+            self._fail(waiter, err)
+
+    async def _retire(self, slot: Slot) -> None:
+        started = time.perf_counter()
+        try:
+            slot.last_drain = await slot.engine.retire(self.config.drain_timeout_s)
+            took_ms = round((time.perf_counter() - started) * 1000, 1)
+            slot.last_stop = {"reason": slot.closing, "ms": took_ms, **slot.engine.stop_timings}
+            log.info("[%s] unloaded (%s) in %.0f ms", slot.entry.id, slot.closing, took_ms)
+        finally:
+            slot.closing, slot.retiring = None, None
+            self._schedule_replan()
+
+    def _on_engine_change(self, slot: Slot) -> None:
+        # A FAILED engine's waiters get its error from _watch_boot (the Start the policy asks for).
+        state = slot.engine.state
+        if slot.lease_id is not None and state not in (EngineState.READY, EngineState.DRAINING):
+            lost, slot.lease_id = slot.lease_id, None
+            if slot.on_lease_lost is not None:
+                slot.on_lease_lost(lost)
+        self._schedule_replan()
+
+    def _fail(self, waiter: Waiter, err: APIError) -> None:
+        if not waiter.future.done():
+            waiter.future.set_exception(err)
+
+    def _arm_timer(self, deadline: float | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if deadline is not None:
+            delay = max(0.0, deadline - self._clock()) + 0.001
+            self._timer = asyncio.get_running_loop().call_later(delay, self._schedule_replan)
+
+    def _view(self) -> policy.PoolView:
+        engines = {m: self._engine_view(s) for m, s in self._slots.items()}
+        waiters = [
+            policy.WaiterView(w.id, w.slot.entry.id, w.since, w.slot.memory_bytes, w.holds_lease, w.timeout_s)
+            for w in self._queue
+        ]
+        return policy.PoolView(engines, waiters, self.limits, self._clock(), self._machine_leased)
+
+    def _engine_view(self, slot: Slot) -> policy.EngineView:
+        return policy.EngineView(
+            model=slot.entry.id, state=slot.engine.state.value, memory_bytes=slot.memory_bytes,
+            in_flight=slot.in_flight, last_used=slot.last_used, pinned=slot.pinned,
+            leased=slot.lease_id is not None, closing=slot.closing is not None, idle_ttl_s=slot.idle_ttl_s,
+        )
+
+    async def stop_all(self) -> None:
+        """Stop every engine (SIGTERM, then SIGKILL after the grace period), in parallel."""
+        for timer in (self._timer, self._spare_timer):
+            if timer is not None:
+                timer.cancel()
+        for waiter in self._queue:
+            self._fail(waiter, APIError(503, "mlxd is shutting down.", type="server_error", code="shutting_down"))
+        self._queue.clear()
+        self.spare.enabled = False  # the engines' last state changes must not make a new spare
+        await asyncio.gather(self.spare.stop(), *(s.engine.stop() for s in self._slots.values()))
+
+    def start_spare(self) -> None:
+        """At start-up: a spare engine for the first model, once start-up is over (1 s quiet)."""
+        self._arm_spare()
+
+
+def spare_allowed(options: EngineOptions, env: Mapping[str, str] = os.environ) -> bool:
+    """Spares are real engines only (not a test's fake), and `MLXD_SPARE_ENGINE=0` turns them off."""
+    return options.module == "mlxd.engine" and env.get("MLXD_SPARE_ENGINE", "1") != "0"
+
+
+def too_big(slot: Slot, limits: policy.Limits) -> APIError:
+    gib = 1024**3
+    return APIError(
+        400,
+        f"Model {slot.entry.id} needs about {slot.memory_bytes / gib:.1f} GiB, more than mlxd's memory budget "
+        f"of {limits.budget_bytes / gib:.1f} GiB ([pool] memory_budget_gb, or the model's max_context or batch).",
+        param="model", code="model_too_large",
+    )
+
+
+def queue_timeout(waiter: Waiter) -> APIError:
+    return APIError(
+        503, f"Timed out waiting for model {waiter.slot.entry.id} to become available; try again.",
+        type="server_error", code="queue_timeout", headers={"Retry-After": "5"},
+    )

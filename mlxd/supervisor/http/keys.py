@@ -1,0 +1,21 @@
+"""Typed aiohttp AppKeys for the supervisor app."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from mlxd.supervisor.config import Config
+from mlxd.supervisor.engines.leases import Leases
+from mlxd.supervisor.engines.pool import Pool
+from mlxd.supervisor.http.auth import Auth
+from mlxd.supervisor.http.metrics import LazyMetrics
+from mlxd.supervisor.http.timeline import Timeline
+from mlxd.supervisor.registry import Registry
+
+AUTH = web.AppKey("auth", Auth)
+CONFIG = web.AppKey("config", Config)
+LEASES = web.AppKey("leases", Leases)
+METRICS = web.AppKey("metrics", LazyMetrics)
+POOL = web.AppKey("pool", Pool)
+REGISTRY = web.AppKey("registry", Registry)
+TIMELINE = web.AppKey("timeline", Timeline)

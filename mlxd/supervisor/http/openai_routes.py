@@ -1,0 +1,56 @@
+"""OpenAI's chat and text completions, relayed by `model` to its engine as they are; the model list."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+from aiohttp import web
+
+from mlxd.protocol.json_body import decode_json
+from mlxd.supervisor.http.keys import POOL, REGISTRY
+from mlxd.supervisor.http.relaying import relay, resolve
+from mlxd.supervisor.relay.dialect import ModelRow
+from mlxd.supervisor.relay.dialects import dialect_of, models_dialect
+
+
+class RoutingFields(msgspec.Struct):
+    """Only the fields the supervisor routes by; the engine validates the rest of the body."""
+
+    model: str | None = None
+    stream: bool | None = None
+
+
+_routing_decoder = msgspec.json.Decoder(RoutingFields)
+
+
+def routing_fields(body: bytes) -> RoutingFields:
+    """The body's `model` and `stream`; 400 when the body is not a JSON object or they have the wrong type."""
+    fields: RoutingFields = decode_json(_routing_decoder, body)
+    return fields
+
+
+async def inference(request: web.Request) -> web.StreamResponse:
+    """POST /v1/chat/completions and /v1/completions: start the model's engine if needed, relay."""
+    started = time.perf_counter()
+    body = await request.read()
+    fields = routing_fields(body)
+    entry = resolve(request, fields.model)
+    return await relay(request, entry, body, dialect_of(request), stream=bool(fields.stream), started=started)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """GET /v1/models: every model that exists, with whether it is loaded, in OpenAI's shape
+    (Anthropic's for a caller that sends `anthropic-version`)."""
+    registry, pool = request.app[REGISTRY], request.app[POOL]
+    registry.refresh()
+    engines = {e.model_id: e for e in pool.engines()}
+    rows = [ModelRow(m, engines[m.id].state.value, engines[m.id].load_progress()) if m.id in engines else ModelRow(m)
+            for m in registry.entries()]
+    return web.json_response(models_dialect(request).model_list(rows, int(time.time())))
+
+
+def setup_openai_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/chat/completions", inference)
+    app.router.add_post("/v1/completions", inference)
+    app.router.add_get("/v1/models", list_models)

@@ -1,0 +1,457 @@
+"""The OpenAPI 3.1 document of the supervisor's HTTP API, served at `GET /openapi.json`.
+
+Request schemas are the msgspec Structs the handlers decode with, through
+`msgspec.json.schema_components` (JSON Schema 2020-12, which OpenAPI 3.1 uses as is), so a
+range added to a Struct reaches the document with no edit here. The supervisor builds most of
+its own answers as dicts: the Structs below describe them, and the fuzz test
+(tests/integration/test_fuzz.py) checks real answers against them.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Literal
+
+import msgspec
+from aiohttp import web
+
+from mlxd import __version__
+from mlxd.protocol import anthropic, openai, responses
+from mlxd.protocol.errors import ErrorBody
+from mlxd.protocol.process import LEASE_HEADER, DrainResult
+from mlxd.protocol.stats import LoadProgress, PromptCacheStats
+from mlxd.supervisor.engines.engine import EngineState
+from mlxd.supervisor.engines.leases import Lease
+from mlxd.supervisor.http import admin_routes as admin
+from mlxd.supervisor.registry import Source
+
+# ---- the supervisor's answers (documentation only: the handlers build dicts) ----
+
+
+class ModelInfo(msgspec.Struct):
+    """A model that exists, in OpenAI's shape plus where it comes from and its state."""
+
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    loaded: bool
+    state: EngineState
+    source: Source
+    size_bytes: int
+    load: LoadProgress | None  # while its engine starts: phase, done of total
+
+
+class ModelInfoList(msgspec.Struct):
+    object: Literal["list"]
+    data: list[ModelInfo]
+
+
+class Health(msgspec.Struct):
+    status: Literal["ok"]
+    version: str
+    engines: dict[str, EngineState]
+
+
+class EngineLease(msgspec.Struct):
+    id: str
+    holder: str
+    expires_at: float
+
+
+class Spare(msgspec.Struct):
+    """The engine process kept ready for the next model start (pid null: none)."""
+
+    pid: int | None
+    warm: bool
+
+
+class EngineRow(msgspec.Struct):
+    """One model the pool has seen; `boot` and `last_stop` hold timings in ms."""
+
+    model: str
+    state: EngineState
+    pid: int | None
+    uptime_s: float | None
+    rss_bytes: int | None
+    memory_estimate_bytes: int
+    in_flight: int
+    queued: int
+    last_used: float | None
+    pinned: bool
+    restarts: int
+    idle_ttl_s: int
+    expires_in_s: float | None
+    batch: int  # sequences the engine decodes at once ([pool] batch, or the model's own)
+    closing: str | None
+    failure: str | None
+    boot: dict[str, float] | None
+    last_stop: dict[str, Any] | None
+    lease: EngineLease | None
+    prompt_cache: PromptCacheStats | None  # the engine's prompt cache (RAM, SSD, hits); None unless serving
+    load: LoadProgress | None  # while it starts: phase, done of total (bytes of weights), elapsed since spawn
+
+
+class EngineList(msgspec.Struct):
+    object: Literal["list"]
+    budget_bytes: int
+    used_bytes: int
+    max_loaded: int | None
+    machine_leased: bool
+    evictions: int
+    spare: Spare
+    data: list[EngineRow]
+
+
+class ModelDrain(DrainResult, kw_only=True):
+    model: str
+
+
+class DrainAnswer(msgspec.Struct):
+    drained: list[ModelDrain]
+
+
+class LoadAnswer(msgspec.Struct):
+    model: str
+    state: EngineState
+    pinned: bool
+    load_ms: float
+
+
+class UnloadAnswer(msgspec.Struct):
+    """`drain` is null when the model was not loaded."""
+
+    model: str
+    state: EngineState
+    was_loaded: bool
+    drain: DrainResult | None
+
+
+class LeaseList(msgspec.Struct):
+    """Held leases first, then the last ended ones, newest first."""
+
+    object: Literal["list"]
+    data: list[Lease]
+
+
+class LeaseDeleted(msgspec.Struct):
+    id: str
+    deleted: bool
+
+
+class AnthropicErrorDetail(msgspec.Struct):
+    type: str
+    message: str
+
+
+class AnthropicErrorBody(msgspec.Struct):
+    """An error on the Anthropic routes, in Anthropic's shape."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+class AnthropicUsage(msgspec.Struct):
+    input_tokens: int  # prompt tokens computed
+    output_tokens: int
+    cache_read_input_tokens: int  # prompt tokens served from the prompt cache
+    cache_creation_input_tokens: int
+
+
+class AnthropicMessage(msgspec.Struct):
+    """A message: `content` holds `thinking`, `text` and `tool_use` blocks."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+    stop_sequence: str | None
+    usage: AnthropicUsage
+
+
+class InputTokens(msgspec.Struct):
+    input_tokens: int
+
+
+class ResponseObject(msgspec.Struct):
+    """A Response (OpenAI's Responses API): `output` holds reasoning, message and
+    function_call items; the request's settings are echoed."""
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    completed_at: int | None
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any] | None
+    previous_response_id: str | None
+    instructions: str | None
+    error: dict[str, Any] | None
+    incomplete_details: dict[str, Any] | None
+    store: bool
+    metadata: dict[str, Any]
+
+
+class ResponseDeleted(msgspec.Struct):
+    id: str
+    object: Literal["response"]
+    deleted: bool
+
+
+class InputItemList(msgspec.Struct):
+    object: Literal["list"]
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class ModelTimeline(msgspec.Struct):
+    """One model's buckets, oldest first: tokens generated (a request's spread over its decode),
+    requests ended, and the median time to first token of those whose first token came then."""
+
+    completion_tokens: list[float]
+    requests: list[int]
+    ttft_ms: list[float | None]
+
+
+class TimelineView(msgspec.Struct):
+    """The last minutes of work, in `buckets` buckets of `step_s` seconds ending at `end` (unix time)."""
+
+    step_s: float
+    end: float
+    buckets: int
+    models: dict[str, ModelTimeline]
+
+
+SCHEMA_TYPES: tuple[Any, ...] = (
+    openai.ChatCompletionRequest, openai.CompletionRequest, openai.ChatCompletion,
+    openai.ChatCompletionChunk, openai.Completion, ErrorBody, admin.LoadBody, admin.UnloadBody,
+    admin.DrainBody, admin.LeaseBody, admin.RenewBody, ModelInfoList, Health, EngineList,
+    LoadAnswer, UnloadAnswer, DrainAnswer, Lease, LeaseList, LeaseDeleted, anthropic.MessagesRequest,
+    anthropic.CountTokensRequest, AnthropicMessage, AnthropicErrorBody, InputTokens, responses.ResponsesRequest,
+    ResponseObject, ResponseDeleted, InputItemList, TimelineView,
+)
+
+def prompt_schema() -> dict[str, Any]:
+    """CompletionRequest.prompt as the engine checks it (openai.completion_prompt): msgspec can't
+    union two list types, so the Struct says only `str | list[Any]`."""
+    token_ids = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+    one = {"minItems": 1, "maxItems": 1}
+    return {
+        "anyOf": [{"type": "string"}, token_ids, {"type": "array", "items": {"type": "string"}, **one},
+                  {"type": "array", "items": token_ids, **one}],
+        "description": "Text, token ids, or a one-element list of either (one prompt per request).",
+    }
+
+
+# ---- operations ----
+
+ERRORS = {
+    400: "The body is not JSON, or a field has the wrong type or range (`param` names it); on any route, "
+         "HTTP that cannot be parsed (`bad_http_request`).",
+    401: "Keys are configured and the request carries none that is valid (admin routes: an admin key).",
+    403: "A `Host` that does not name this server, or a browser `Origin` that is not allowed.",
+    404: "No such model (the message lists some that exist), or no such lease.",
+    408: "The request head or body arrived too slowly.",
+    409: "The model or the machine is leased, or the model is pinned.",
+    413: "The body is larger than `server.max_body_bytes`.",
+    415: "An admin POST without `Content-Type: application/json`.",
+    500: "Generation raised in the engine (`generation_failed`); the engine keeps serving.",
+    502: "The engine crashed while serving the request (`engine_crashed`).",
+    503: "Too many connections, the model queue full or waited out, the model loading or failing, or "
+         "mlxd stopping; `Retry-After` says when to try again.",
+}
+ANY = (400, 403, 408, 503)  # malformed HTTP, the Host check and connection limits: every route
+GUARDED = (401, *ANY)
+INFERENCE_ERRORS = (*GUARDED, 404, 413, 500, 502)
+ADMIN_BODY_ERRORS = (*GUARDED, 404, 413, 415)
+
+
+def ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def json_content(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"application/json": {"schema": schema}}
+
+
+def error_response(status: int, body: str = "ErrorBody") -> dict[str, Any]:
+    """An error in OpenAI's `{"error": {...}}` shape (or Anthropic's, `body`)."""
+    response: dict[str, Any] = {"description": ERRORS[status], "content": json_content(ref(body))}
+    if status in (502, 503):
+        response["headers"] = {"Retry-After": {"description": "Seconds to wait", "schema": {"type": "string"}}}
+    return response
+
+
+def operation(
+    op_id: str, summary: str, ok: dict[str, Any], errors: tuple[int, ...], *, tag: str,
+    body: str | None = None, body_required: bool = True, parameters: list[dict[str, Any]] | None = None,
+    error_body: str = "ErrorBody",
+) -> dict[str, Any]:
+    """One OpenAPI operation; `ok` is the 200 answer's content."""
+    op: dict[str, Any] = {"operationId": op_id, "summary": summary, "tags": [tag]}
+    if parameters:
+        op["parameters"] = parameters
+    if body is not None:
+        op["requestBody"] = {"required": body_required, "content": json_content(ref(body))}
+    responses = {str(s): error_response(s, error_body) for s in sorted(errors)}
+    op["responses"] = {"200": {"description": "OK", "content": ok}, **responses}
+    return op
+
+
+def inference(op_id: str, summary: str, body: str, answer: str, chunk: str) -> dict[str, Any]:
+    """A relayed OpenAI route: JSON, or with `"stream": true` server-sent events."""
+    lease = {"name": LEASE_HEADER, "in": "header", "required": False, "schema": {"type": "string"},
+             "description": "A model lease's id: the request is the lease holder's and runs on the leased model."}
+    ok = {**json_content(ref(answer)), "text/event-stream": {"schema": event_schema(chunk)}}
+    return operation(op_id, summary, ok, INFERENCE_ERRORS, tag="OpenAI", body=body, parameters=[lease])
+
+
+def event_schema(chunk: str) -> dict[str, Any]:
+    """One server-sent event of a stream: a chunk, an error (the stream then ends), or `[DONE]`."""
+    payload = {"contentMediaType": "application/json", "contentSchema": {"anyOf": [ref(chunk), ref("ErrorBody")]}}
+    done_or_json = {"type": "string", "if": {"const": "[DONE]"}, "else": payload}
+    return {"type": "object", "required": ["data"], "properties": {"data": done_or_json},
+            "description": f"Each event: `data: {{{chunk}}}`; the last `data: [DONE]`, or an error after which "
+                           "the stream closes."}
+
+
+def response_id_param() -> dict[str, Any]:
+    return {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+
+
+def lease_id_param() -> dict[str, Any]:
+    return {"name": "lease_id", "in": "path", "required": True, "schema": {"type": "string"}}
+
+
+def make_paths() -> dict[str, Any]:
+    """Every route of the supervisor's TCP surface."""
+    text = {"text/plain": {"schema": {"type": "string"}}}
+    return {
+        "/v1/chat/completions": {"post": inference(
+            "createChatCompletion", "Chat completion, routed by `model` to that model's engine",
+            "ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk")},
+        "/v1/completions": {"post": inference(
+            "createCompletion", "Text completion (no chat template), routed by `model`",
+            "CompletionRequest", "Completion", "Completion")},
+        "/v1/models": {"get": operation("listModels", "Every model that exists (Anthropic's list shape when "
+                                        "`anthropic-version` is sent)", json_content(ref("ModelInfoList")),
+                                        GUARDED, tag="OpenAI")},
+        "/v1/responses": {"post": operation(
+            "createResponse", "Responses API, translated onto the model's engine; stored for chaining "
+            "(docs/responses.md)",
+            {**json_content(ref("ResponseObject")), "text/event-stream": {"schema": {
+                "type": "string", "description": "The Responses events (response.created ... response.completed), "
+                                                 "each with its sequence_number; then `data: [DONE]`"}}},
+            INFERENCE_ERRORS, tag="Responses", body="ResponsesRequest")},
+        "/v1/responses/{response_id}": {
+            "get": operation("getResponse", "A stored response (`?stream=true`: as the events of a stream)",
+                             json_content(ref("ResponseObject")), (*GUARDED, 404), tag="Responses",
+                             parameters=[response_id_param(), {"name": "stream", "in": "query", "required": False,
+                                                               "schema": {"type": "string", "enum": ["true", "false"]}}]),
+            "delete": operation("deleteResponse", "Delete a stored response", json_content(ref("ResponseDeleted")),
+                                (*GUARDED, 404), tag="Responses", parameters=[response_id_param()]),
+        },
+        "/v1/responses/{response_id}/input_items": {"get": operation(
+            "listInputItems", "A stored response's own input items", json_content(ref("InputItemList")),
+            (*GUARDED, 404), tag="Responses", parameters=[response_id_param(), *[
+                {"name": "limit", "in": "query", "required": False,
+                 "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
+                {"name": "order", "in": "query", "required": False, "schema": {"type": "string", "enum": ["asc", "desc"]}},
+                {"name": "after", "in": "query", "required": False, "schema": {"type": "string"}}]])},
+        "/v1/messages": {"post": operation(
+            "createMessage", "Anthropic Messages, translated onto the model's engine (docs/anthropic.md)",
+            {**json_content(ref("AnthropicMessage")), "text/event-stream": {"schema": {
+                "type": "string", "description": "Anthropic's events: message_start, content_block_start/delta/stop, "
+                                                 "message_delta, message_stop, ping; error"}}},
+            INFERENCE_ERRORS, tag="Anthropic", body="MessagesRequest", error_body="AnthropicErrorBody")},
+        "/v1/messages/count_tokens": {"post": operation(
+            "countTokens", "The prompt a Messages request becomes, counted by the model's engine",
+            json_content(ref("InputTokens")), INFERENCE_ERRORS, tag="Anthropic", body="CountTokensRequest",
+            error_body="AnthropicErrorBody")},
+        "/health": {"get": {**operation("health", "The supervisor is up (never needs a key)",
+                                        json_content(ref("Health")), ANY, tag="Service"), "security": []}},
+        "/metrics": {"get": operation("metrics", "Prometheus text format", text, GUARDED, tag="Service")},
+        "/": {"get": {**operation("webPage", "The web page: dashboard and chat (docs/web.md; it asks for a key "
+                                  "itself)", {"text/html": {"schema": {"type": "string"}}}, ANY, tag="Web"),
+                      "security": []}},
+        "/ui/{name}": {"get": {**operation(
+            "webAsset", "A file of the web page (script, style sheet, icon)",
+            {t: {"schema": {"type": "string"}} for t in ("text/javascript", "text/css", "image/svg+xml")},
+            (*ANY, 404), tag="Web", parameters=[{"name": "name", "in": "path", "required": True,
+                                                 "schema": {"type": "string"}}]), "security": []}},
+        "/openapi.json": {"get": operation("openapi", "This document", json_content({"type": "object"}), GUARDED,
+                                           tag="Service")},
+        **make_admin_paths(),
+    }
+
+
+def make_admin_paths() -> dict[str, Any]:
+    """The /admin routes: the model pool and job leases."""
+    lease = json_content(ref("Lease"))
+    return {
+        "/admin/engines": {"get": operation("listEngines", "Every engine the pool has seen",
+                                            json_content(ref("EngineList")), GUARDED, tag="Admin")},
+        "/admin/timeline": {"get": operation("timeline", "Tokens, requests and time to first token per model "
+                                             "over the last minutes (the web page's charts)",
+                                             json_content(ref("TimelineView")), GUARDED, tag="Admin")},
+        "/admin/load": {"post": operation("loadModel", "Start a model; answers once it is ready",
+                                          json_content(ref("LoadAnswer")), ADMIN_BODY_ERRORS, tag="Admin",
+                                          body="LoadBody")},
+        "/admin/unload": {"post": operation("unloadModel", "Drain a model, then stop its engine",
+                                            json_content(ref("UnloadAnswer")), (*ADMIN_BODY_ERRORS, 409), tag="Admin",
+                                            body="UnloadBody")},
+        "/admin/drain": {"post": operation("drain", "Drain one engine (or every ready one); they keep serving",
+                                           json_content(ref("DrainAnswer")), ADMIN_BODY_ERRORS, tag="Admin",
+                                           body="DrainBody", body_required=False)},
+        "/admin/leases": {
+            "get": operation("listLeases", "Held leases, then recently ended ones", json_content(ref("LeaseList")),
+                             GUARDED, tag="Admin"),
+            "post": operation("takeLease", "Take a model lease (or, with `model: null`, a machine lease); "
+                              "answers once held", lease, (*ADMIN_BODY_ERRORS, 409), tag="Admin",
+                              body="LeaseBody"),
+        },
+        "/admin/leases/{lease_id}/renew": {"post": operation(
+            "renewLease", "Expire the lease `ttl_s` from now", lease, ADMIN_BODY_ERRORS, tag="Admin",
+            body="RenewBody", body_required=False, parameters=[lease_id_param()])},
+        "/admin/leases/{lease_id}": {"delete": operation(
+            "endLease", "End a held lease", json_content(ref("LeaseDeleted")), (*GUARDED, 404), tag="Admin",
+            parameters=[lease_id_param()])},
+    }
+
+
+def make_openapi() -> dict[str, Any]:
+    """The OpenAPI 3.1 document (a fresh dict each call)."""
+    _, schemas = msgspec.json.schema_components(SCHEMA_TYPES, ref_template="#/components/schemas/{name}")
+    schemas["CompletionRequest"]["properties"]["prompt"] = prompt_schema()
+    security_schemes = {
+        "bearer": {"type": "http", "scheme": "bearer", "description": "`Authorization: Bearer KEY`"},
+        "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "mlxd", "version": __version__,
+            "description": "A local LLM inference daemon on MLX: OpenAI's API, one engine process per model. "
+                           "Keys are needed only when `api_keys`/`admin_keys` are configured; admin routes "
+                           "then take an admin key. Errors are always JSON in OpenAI's shape.",
+        },
+        "paths": make_paths(),
+        "components": {"schemas": schemas, "securitySchemes": security_schemes},
+        "security": [{"bearer": []}, {"apiKey": []}],
+    }
+
+
+@functools.cache
+def openapi_bytes() -> bytes:
+    """The document as JSON, built once per process."""
+    return msgspec.json.encode(make_openapi())
+
+
+async def openapi_json(request: web.Request) -> web.Response:
+    """GET /openapi.json: this API's OpenAPI 3.1 document."""
+    return web.Response(body=openapi_bytes(), content_type="application/json")

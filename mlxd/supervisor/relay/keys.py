@@ -1,0 +1,11 @@
+"""What the relay records on a request, for the access log and metrics to read."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from mlxd.protocol.process import RequestUsage
+
+MODEL_KEY = web.RequestKey("mlxd.model", str)  # the model id a handler routed to
+FIRST_CHUNK_KEY = web.RequestKey("mlxd.first_chunk", float)  # perf_counter() when the first streamed event went out
+USAGE_KEY = web.RequestKey("mlxd.usage", RequestUsage)  # the engine's report of the answer relayed (if any)

@@ -1,0 +1,87 @@
+"""A request's way to its engine: queue for a slot, forward, and try again where nothing ran.
+
+A streaming request that waits long for its engine gets SSE comments meanwhile (waiting.py);
+its errors then come as the dialect's error events, since the 200 has gone out. An engine
+that turned the request away before starting it (draining, leased) or died before taking it
+puts the request back in the queue, a bounded number of times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from aiohttp import web
+
+from mlxd.protocol.errors import APIError
+from mlxd.protocol.process import LEASE_HEADER
+from mlxd.supervisor.engines.pool import Pool
+from mlxd.supervisor.engines.upstream import EngineBusy, EngineUnreachable, crashed_error
+from mlxd.supervisor.registry import ModelEntry
+from mlxd.supervisor.relay.dialect import Dialect
+from mlxd.supervisor.relay.forward import forward
+from mlxd.supervisor.relay.keys import FIRST_CHUNK_KEY, MODEL_KEY
+from mlxd.supervisor.relay.waiting import WaitingStream
+
+MAX_REQUEUES = 5
+UNREACHABLE_PAUSE_S = 0.05
+
+
+async def serve(
+    request: web.Request, pool: Pool, entry: ModelEntry, body: bytes, dialect: Dialect, *, stream: bool,
+    keepalive_s: float, on_first_chunk: Callable[[float], None] = lambda at: None,
+) -> web.StreamResponse:
+    """Queue for `entry`'s engine and relay `body` to it, answering in `dialect`.
+    `on_first_chunk` hears when the first streamed event went out (perf_counter())."""
+    request[MODEL_KEY] = entry.id
+    engine = pool.slot_for(entry).engine
+    waiting = WaitingStream(request, keepalive_s, dialect, engine.load_progress) if stream else None
+
+    def first_chunk() -> None:
+        request[FIRST_CHUNK_KEY] = time.perf_counter()
+        on_first_chunk(request[FIRST_CHUNK_KEY])
+
+    try:
+        return await _route(request, pool, entry, body, dialect, waiting, first_chunk)
+    except APIError as err:
+        if waiting is None or waiting.response is None:
+            raise
+        return await waiting.fail(err)
+    except ConnectionResetError:
+        if waiting is None or waiting.response is None:
+            raise
+        return waiting.response  # the caller left while it waited: nothing more to say
+
+
+async def _route(
+    request: web.Request, pool: Pool, entry: ModelEntry, body: bytes, dialect: Dialect,
+    waiting: WaitingStream | None, on_first_chunk: Callable[[], None],
+) -> web.StreamResponse:
+    lease_id = request.headers.get(LEASE_HEADER)
+    pause_s, num_resent = 0.0, 0
+    for _ in range(MAX_REQUEUES):
+        await asyncio.sleep(pause_s)  # after an unreachable engine: its owner sees the exit meanwhile
+        acquire = pool.acquire(entry, lease_id)
+        slot = await (waiting.wait(acquire, pool.release) if waiting is not None else acquire)
+        try:
+            headers = {LEASE_HEADER: slot.engine_lease_token} if lease_id and slot.engine_lease_token else {}
+            prepared = waiting.response if waiting is not None else None
+            resp = await forward(request, slot.engine.socket, slot.engine.connections, body, headers, dialect,
+                                 on_first_chunk=on_first_chunk, prepared=prepared)
+        except EngineUnreachable as dead:
+            if dead.was_sent and num_resent:
+                raise crashed_error() from None
+            num_resent += dead.was_sent
+            pause_s = UNREACHABLE_PAUSE_S
+            continue  # it died before it took the request: wait in the queue for its restart
+        except EngineBusy:
+            continue  # raced a drain or lease at the engine: wait in the queue again
+        finally:
+            pool.release(slot)
+        if waiting is not None and waiting.response is not None and isinstance(resp, web.Response):
+            data = resp.body if isinstance(resp.body, bytes) else b"{}"
+            raise dialect.engine_error(resp.status, data)  # an error, after the SSE head went out
+        return resp
+    raise APIError(503, f"Model {entry.id} stayed busy or unreachable; try again.", type="server_error",
+                   code="engine_busy", headers={"Retry-After": "1"})
