@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import enum
 import hashlib
 import logging
 import os
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import msgspec
 
+from mlxd.protocol.engine_state import EngineState
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.exit_codes import ExitCode
 from mlxd.protocol.process import DrainResult
@@ -60,15 +60,6 @@ class EngineOptions:
 _TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ")
 BOOT_POLL_S = 0.01  # /health polls while an engine starts (a swap waits on this)
 NO_RETRY = {ExitCode.ENGINE_BOOT_ERROR, ExitCode.MODEL_LOAD_ERROR, 2}
-
-
-class EngineState(enum.Enum):
-    STARTING = "starting"
-    READY = "ready"
-    DRAINING = "draining"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
-    FAILED = "failed"
 
 
 def socket_path(runtime_dir: Path, model_id: str) -> Path:

@@ -84,15 +84,15 @@ class Leases:
         lease = Lease(id=f"lease_{secrets.token_hex(8)}", model=entry.id if entry else None, holder=holder,
                       ttl_s=ttl_s, created_at=now, expires_at=now + ttl_s)
         if entry is None:
-            await self._pool.hold_machine()
+            await self._pool.machine.acquire()
             hold = _Hold(lease, None)
         else:
-            slot = await self._pool.hold(entry, lease.id, self._on_engine_lost)
+            slot = await self._pool.admin.hold(entry, lease.id, self._on_engine_lost)
             hold = _Hold(lease, slot)
             try:
                 await self._hold_engine(hold)
             except BaseException:
-                self._pool.unhold(slot)
+                self._pool.admin.unhold(slot)
                 raise
         lease.expires_at = time.time() + ttl_s  # the wait to get it does not eat into it
         self._held[lease.id] = hold
@@ -123,9 +123,9 @@ class Leases:
         if hold.engine_stream is not None:
             hold.engine_stream.close()
         if hold.slot is None:
-            self._pool.unhold_machine()
+            self._pool.machine.release()
         elif hold.slot.lease_id == lease_id:
-            self._pool.unhold(hold.slot)
+            self._pool.admin.unhold(hold.slot)
         hold.lease.state, hold.lease.ended_reason = "ended", reason
         self._ended.append(hold.lease)
         log.info("lease %s ended: %s", lease_id, reason)

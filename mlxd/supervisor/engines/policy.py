@@ -29,15 +29,15 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-LIVE = frozenset({"starting", "ready", "draining", "stopping"})
+from mlxd.protocol.engine_state import ACCEPTING, LEAVING, LIVE, EngineState
 
 
 @dataclass(frozen=True, slots=True)
 class EngineView:
-    """One model's engine as the policy sees it. `state` is an EngineState value."""
+    """One model's engine as the policy sees it."""
 
     model: str
-    state: str
+    state: EngineState  # a StrEnum: a test may write "ready"
     memory_bytes: int
     in_flight: int = 0
     last_used: float = 0.0
@@ -194,7 +194,7 @@ def _admit(view: PoolView, waiters: list[WaiterView], out: _Plan) -> list[Waiter
     left = []
     for w in waiters:
         e = view.engines.get(w.model)
-        runnable = e is not None and e.state == "ready" and e.model not in out.closing
+        runnable = e is not None and e.state == EngineState.READY and e.model not in out.closing
         if runnable and e is not None and (not e.leased or w.holds_lease):
             out.actions.append(Admit(w.id))
         else:
@@ -238,7 +238,7 @@ def _wanted(waiters: Iterable[WaiterView]) -> list[tuple[str, int]]:
 def _make_room(view: PoolView, waiters: list[WaiterView], model: str, need: int, out: _Plan) -> None:
     """Close the fewest least-recently-used engines that let `model` start; none if that can't work."""
     live = [e for e in view.engines.values() if e.state in LIVE]
-    freeing = [e for e in live if e.model in out.closing or e.state in ("draining", "stopping")]
+    freeing = [e for e in live if e.model in out.closing or e.state in LEAVING]
     used = sum(e.memory_bytes for e in live) - sum(e.memory_bytes for e in freeing)
     num_live = len(live) - len(freeing)
     room = _Room(used, num_live, view.limits)
@@ -264,11 +264,11 @@ def _make_room(view: PoolView, waiters: list[WaiterView], model: str, need: int,
 
 
 def _can_evict(e: EngineView, queued_for: set[str]) -> bool:
-    return e.state == "ready" and not e.pinned and not e.leased and e.model not in queued_for
+    return e.state == EngineState.READY and not e.pinned and not e.leased and e.model not in queued_for
 
 
 def may_expire(e: EngineView) -> bool:
-    return e.state == "ready" and e.idle_ttl_s >= 0 and e.in_flight == 0 and not e.pinned and not e.leased
+    return e.state == EngineState.READY and e.idle_ttl_s >= 0 and e.in_flight == 0 and not e.pinned and not e.leased
 
 
 def _expire_idle(view: PoolView, waiters: list[WaiterView], out: _Plan) -> None:
@@ -283,7 +283,7 @@ def _expire_idle(view: PoolView, waiters: list[WaiterView], out: _Plan) -> None:
 def _retire_closing(view: PoolView, out: _Plan) -> None:
     for model in sorted(out.closing):
         e = view.engines.get(model)
-        if e is not None and e.in_flight == 0 and not e.leased and e.state in ("starting", "ready"):
+        if e is not None and e.in_flight == 0 and not e.leased and e.state in ACCEPTING:
             out.actions.append(Retire(model, "closing"))
 
 

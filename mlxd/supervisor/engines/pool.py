@@ -21,19 +21,21 @@ from typing import Any
 
 import psutil
 
+from mlxd.protocol.engine_state import ACCEPTING, LIVE, SERVING, EngineState
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.memory import default_prompt_cache_bytes
 from mlxd.protocol.process import DrainResult
 from mlxd.supervisor.config import DEFAULT_GATHER_MS, PoolConfig
 from mlxd.supervisor.engines import policy
-from mlxd.supervisor.engines.engine import Engine, EngineOptions, EngineState
+from mlxd.supervisor.engines.engine import Engine, EngineOptions
 from mlxd.supervisor.engines.footprint import default_budget_bytes, estimate_bytes
+from mlxd.supervisor.engines.machine_hold import MachineHold
+from mlxd.supervisor.engines.pool_admin import PoolAdmin
 from mlxd.supervisor.engines.spare import Spare
+from mlxd.supervisor.engines.spare_timing import SpareTiming
 from mlxd.supervisor.registry import ModelEntry
 
 log = logging.getLogger("mlxd.supervisor")
-LIVE_STATES = (EngineState.STARTING, EngineState.READY)
-SPARE_AFTER_QUIET_S = 1.0  # no request or start for this long before a spare engine is made
 
 
 @dataclass(eq=False)
@@ -121,18 +123,18 @@ class Pool:
         self._options = dataclasses.replace(options or EngineOptions(), crash=crash_limits_from(self.config),
                                             engine_args=engine_args_from(self.config, kv_dir))
         self.limits = limits_from(self.config)
-        self._clock = clock
+        self.clock = clock
         self._slots: dict[str, Slot] = {}
         self._queue: list[Waiter] = []
         self._ids = itertools.count(1)
         self._replan_scheduled = False
         self._timer: asyncio.TimerHandle | None = None
-        self._machine_leased = False
-        self._machine_free = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._spare_timer: asyncio.TimerHandle | None = None
         self.spare = Spare(self._options.module, self.config.spare_engine and spare_allowed(self._options),
                            on_exit=self._on_spare_exit)
+        self.spare_timing = SpareTiming(self.spare, self._is_quiet)
+        self.admin = PoolAdmin(self)  # loads, unloads, drains, a lease's hold
+        self.machine = MachineHold(self.schedule_replan, self.spare.stop)  # `mlxd lease --all`
         self.num_evictions = 0  # engines stopped to make room for another model
 
     # --- requests -------------------------------------------------------------------------
@@ -151,9 +153,9 @@ class Pool:
         slot = self.slot_for(entry)
         self._check_admissible(slot)
         holds_lease = lease_id is not None and lease_id == slot.lease_id
-        waiter = Waiter(next(self._ids), slot, self._clock(), holds_lease, timeout_s)
+        waiter = Waiter(next(self._ids), slot, self.clock(), holds_lease, timeout_s)
         self._queue.append(waiter)
-        self._schedule_replan()
+        self.schedule_replan()
         try:
             await waiter.future
         except asyncio.CancelledError:
@@ -161,15 +163,15 @@ class Pool:
                 self._queue.remove(waiter)
             elif waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
                 self.release(slot)  # admitted just as the client left
-            self._schedule_replan()
+            self.schedule_replan()
             raise
         return slot
 
     def release(self, slot: Slot) -> None:
         """A request admitted by `acquire` has ended."""
         slot.in_flight -= 1
-        slot.last_used, slot.last_used_wall = self._clock(), time.time()
-        self._schedule_replan()
+        slot.last_used, slot.last_used_wall = self.clock(), time.time()
+        self.schedule_replan()
 
     def _check_admissible(self, slot: Slot) -> None:
         if slot.engine.state is EngineState.FAILED:
@@ -211,96 +213,35 @@ class Pool:
 
     def loaded_ids(self) -> list[str]:
         """Models whose engine is starting or ready."""
-        return [m for m, s in self._slots.items() if s.engine.state in LIVE_STATES]
+        return [m for m, s in self._slots.items() if s.engine.state in ACCEPTING]
 
     def num_queued(self, model_id: str) -> int:
         return sum(1 for w in self._queue if w.slot.entry.id == model_id)
 
     def used_bytes(self) -> int:
-        return sum(s.memory_bytes for s in self._slots.values() if s.engine.state.value in policy.LIVE)
+        return sum(s.memory_bytes for s in self._slots.values() if s.engine.state in LIVE)
 
     def next_expiry(self, slot: Slot) -> float | None:
         """Seconds until the idle TTL unloads this engine (None: it won't, as things stand)."""
         view = self._engine_view(slot)
         if not policy.may_expire(view):
             return None
-        return max(0.0, slot.last_used + slot.idle_ttl_s - self._clock())
+        return max(0.0, slot.last_used + slot.idle_ttl_s - self.clock())
 
-    # --- admin ----------------------------------------------------------------------------
+    def retire(self, slot: Slot) -> asyncio.Task[None]:
+        """Drain (bounded) and stop the slot's engine, once: the task doing it."""
+        if slot.retiring is None:
+            slot.retiring = asyncio.create_task(self._retire(slot))
+        return slot.retiring
 
-    async def load(self, entry: ModelEntry, pin: bool | None = None) -> Slot:
-        """Start the model's engine (as the policy allows) and wait until it is READY."""
-        slot = self.slot_for(entry)
-        await slot.engine.reset()
-        if pin is not None:
-            slot.pinned = pin
-        self.release(await self.acquire(entry, timeout_s=self._admin_wait_s()))
-        return slot
-
-    def _admin_wait_s(self) -> float:
+    def admin_wait_s(self) -> float:
         """Admin loads and leases wait for a cold start, however short the request queue's timeout."""
         return max(self.limits.queue_timeout_s, self._options.boot_timeout_s)
 
-    async def unload(self, slot: Slot) -> DrainResult | None:
-        """Drain (bounded), then stop the engine; its drain report."""
-        slot.closing = "unloaded by an admin"
-        self._schedule_replan()
-        if slot.retiring is None:
-            slot.retiring = asyncio.create_task(self._retire(slot))
-        await asyncio.shield(slot.retiring)
-        return slot.last_drain
-
-    async def drain(self, slot: Slot) -> DrainResult | None:
-        """Drain a READY engine and keep it serving; the engine's report (None if not READY)."""
-        if slot.engine.state is not EngineState.READY:
-            return None
-        return await slot.engine.drain(self.config.drain_timeout_s)
-
-    # --- leases ---------------------------------------------------------------------------
-
-    async def hold(self, entry: ModelEntry, lease_id: str, on_lost: Callable[[str], None]) -> Slot:
-        """Bring the model up and hold it for a lease: only `lease_id`'s requests run on it."""
-        slot = self.slot_for(entry)
-        if slot.lease_id is not None:
-            raise APIError(409, f"Model {entry.id} is already leased.", code="lease_conflict")
-        await slot.engine.reset()
-        await self.acquire(entry, timeout_s=self._admin_wait_s())
-        slot.in_flight -= 1  # the lease itself is not a request in flight
-        slot.lease_id, slot.on_lease_lost = lease_id, on_lost
-        self._schedule_replan()
-        return slot
-
-    def unhold(self, slot: Slot) -> None:
-        """The lease on this model ended."""
-        slot.lease_id, slot.on_lease_lost, slot.engine_lease_token = None, None, None
-        slot.last_used, slot.last_used_wall = self._clock(), time.time()
-        self._schedule_replan()
-
-    async def hold_machine(self) -> None:
-        """Stop every engine (each drained first) and start none until `unhold_machine`."""
-        if self._machine_leased:
-            raise APIError(409, "The machine is already leased.", code="lease_conflict")
-        self._machine_leased = True
-        self._machine_free.clear()
-        self._schedule_replan()
-        await self.spare.stop()  # the job gets the whole machine: no engine process at all
-        try:
-            await self._machine_free.wait()
-        except asyncio.CancelledError:
-            self.unhold_machine()
-            raise
-
-    def unhold_machine(self) -> None:
-        self._machine_leased = False
-        self._schedule_replan()
-
-    @property
-    def machine_leased(self) -> bool:
-        return self._machine_leased
-
     # --- the plan -------------------------------------------------------------------------
 
-    def _schedule_replan(self) -> None:
+    def schedule_replan(self) -> None:
+        """Replan soon (once, however many changes come before it runs)."""
         if not self._replan_scheduled:
             self._replan_scheduled = True
             asyncio.get_running_loop().call_soon(self._replan)
@@ -311,39 +252,20 @@ class Pool:
         by_id = {w.id: w for w in self._queue}
         for action in policy.plan(view):
             self._apply(action, by_id)
-        if self._machine_leased and not any(s.engine.state.value in policy.LIVE for s in self._slots.values()):
-            self._machine_free.set()
+        if not any(s.engine.state in LIVE for s in self._slots.values()):
+            self.machine.engines_gone()
         self._arm_timer(policy.next_deadline(self._view()))
-        self._arm_spare()
-
-    def _arm_spare(self) -> None:
-        """Refill the spare once the pool has been quiet a moment (its imports would slow work),
-        longer after spares that died young."""
-        if not self._is_quiet():
-            self._disarm_spare()
-        elif self._spare_timer is None:
-            delay = policy.spare_delay_s(self.spare.num_young_deaths, SPARE_AFTER_QUIET_S)
-            self._spare_timer = asyncio.get_running_loop().call_later(delay, self._refill_spare)
-
-    def _disarm_spare(self) -> None:
-        if self._spare_timer is not None:
-            self._spare_timer.cancel()
-            self._spare_timer = None
+        self.spare_timing.arm()
 
     def _on_spare_exit(self) -> None:
         """The idle spare died (and is reaped): another comes after the quiet delay, backed off."""
-        self._disarm_spare()  # a refill armed before the death would not wait out the back-off
-        self._schedule_replan()
-
-    def _refill_spare(self) -> None:
-        self._spare_timer = None
-        if self._is_quiet():
-            self.spare.refill()
+        self.spare_timing.disarm()  # a refill armed before the death would not wait out the back-off
+        self.schedule_replan()
 
     def _is_quiet(self) -> bool:
         """Nothing queued, in flight or starting."""
         busy = (s.in_flight or s.engine.state is EngineState.STARTING for s in self._slots.values())
-        return not self._queue and not self._machine_leased and not any(busy)
+        return not self._queue and not self.machine.is_held and not any(busy)
 
     def _apply(self, action: policy.Action, waiters: dict[int, Waiter]) -> None:
         match action:
@@ -367,8 +289,7 @@ class Pool:
                     log.info("[%s] closing: %s", model, reason)
             case policy.Retire(model=model):
                 slot = self._slots[model]
-                if slot.retiring is None:
-                    slot.retiring = asyncio.create_task(self._retire(slot))
+                self.retire(slot)
 
     def _start(self, slot: Slot) -> None:
         if slot.engine.state is EngineState.FAILED:  # its waiters queued before it failed
@@ -400,16 +321,16 @@ class Pool:
             log.info("[%s] unloaded (%s) in %.0f ms", slot.entry.id, slot.closing, took_ms)
         finally:
             slot.closing, slot.retiring = None, None
-            self._schedule_replan()
+            self.schedule_replan()
 
     def _on_engine_change(self, slot: Slot) -> None:
         # A FAILED engine's waiters get its error from _watch_boot (the Start the policy asks for).
         state = slot.engine.state
-        if slot.lease_id is not None and state not in (EngineState.READY, EngineState.DRAINING):
+        if slot.lease_id is not None and state not in SERVING:
             lost, slot.lease_id = slot.lease_id, None
             if slot.on_lease_lost is not None:
                 slot.on_lease_lost(lost)
-        self._schedule_replan()
+        self.schedule_replan()
 
     def _fail(self, waiter: Waiter, err: APIError) -> None:
         if not waiter.future.done():
@@ -420,8 +341,8 @@ class Pool:
             self._timer.cancel()
             self._timer = None
         if deadline is not None:
-            delay = max(0.0, deadline - self._clock()) + 0.001
-            self._timer = asyncio.get_running_loop().call_later(delay, self._schedule_replan)
+            delay = max(0.0, deadline - self.clock()) + 0.001
+            self._timer = asyncio.get_running_loop().call_later(delay, self.schedule_replan)
 
     def _view(self) -> policy.PoolView:
         engines = {m: self._engine_view(s) for m, s in self._slots.items()}
@@ -429,30 +350,25 @@ class Pool:
             policy.WaiterView(w.id, w.slot.entry.id, w.since, w.slot.memory_bytes, w.holds_lease, w.timeout_s)
             for w in self._queue
         ]
-        return policy.PoolView(engines, waiters, self.limits, self._clock(), self._machine_leased)
+        return policy.PoolView(engines, waiters, self.limits, self.clock(), self.machine.is_held)
 
     def _engine_view(self, slot: Slot) -> policy.EngineView:
         return policy.EngineView(
-            model=slot.entry.id, state=slot.engine.state.value, memory_bytes=slot.memory_bytes,
+            model=slot.entry.id, state=slot.engine.state, memory_bytes=slot.memory_bytes,
             in_flight=slot.in_flight, last_used=slot.last_used, pinned=slot.pinned,
             leased=slot.lease_id is not None, closing=slot.closing is not None, idle_ttl_s=slot.idle_ttl_s,
         )
 
     async def stop_all(self) -> None:
         """Stop every engine (SIGTERM, then SIGKILL after the grace period), in parallel."""
-        for timer in (self._timer, self._spare_timer):
-            if timer is not None:
-                timer.cancel()
+        if self._timer is not None:
+            self._timer.cancel()
+        self.spare_timing.disarm()
         for waiter in self._queue:
             self._fail(waiter, APIError(503, "mlxd is shutting down.", type="server_error", code="shutting_down"))
         self._queue.clear()
         self.spare.enabled = False  # the engines' last state changes must not make a new spare
         await asyncio.gather(self.spare.stop(), *(s.engine.stop() for s in self._slots.values()))
-
-    def start_spare(self) -> None:
-        """At start-up: a spare engine for the first model, once start-up is over (1 s quiet)."""
-        self._arm_spare()
-
 
 def spare_allowed(options: EngineOptions, env: Mapping[str, str] = os.environ) -> bool:
     """Spares are real engines only (not a test's fake), and `MLXD_SPARE_ENGINE=0` turns them off."""

@@ -10,9 +10,9 @@ import msgspec
 import psutil
 from aiohttp import web
 
+from mlxd.protocol.engine_state import LOADED, SERVING, EngineState
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.json_body import decode_as
-from mlxd.supervisor.engines.engine import EngineState
 from mlxd.supervisor.engines.leases import Lease
 from mlxd.supervisor.engines.pool import Pool, Slot
 from mlxd.supervisor.engines.spare import Spare
@@ -88,7 +88,7 @@ def engine_info(pool: Pool, slot: Slot, lease: Lease | None) -> dict[str, Any]:
         "last_stop": slot.last_stop,
         "lease": {"id": lease.id, "holder": lease.holder, "expires_at": lease.expires_at} if lease else None,
         "prompt_cache": msgspec.to_builtins(engine.prompt_cache)
-        if engine.state in (EngineState.READY, EngineState.DRAINING) else None,
+        if engine.state in SERVING else None,
         "load": msgspec.to_builtins(engine.load_progress()),
     }
 
@@ -115,7 +115,7 @@ async def engines(request: web.Request) -> web.Response:
     data = [engine_info(pool, s, leases.for_model(s.entry.id)) for s in pool.slots()]
     return web.json_response({
         "object": "list", "budget_bytes": pool.limits.budget_bytes, "used_bytes": pool.used_bytes(),
-        "max_loaded": pool.limits.max_loaded, "machine_leased": pool.machine_leased,
+        "max_loaded": pool.limits.max_loaded, "machine_leased": pool.machine.is_held,
         "evictions": pool.num_evictions, "spare": spare_info(pool.spare),
         "data": data,
     })
@@ -132,7 +132,7 @@ async def load(request: web.Request) -> web.Response:
     body = await decode(request, LoadBody)
     entry = resolve(request, body.model)
     started = time.perf_counter()
-    slot = await request.app[POOL].load(entry, body.pin)
+    slot = await request.app[POOL].admin.load(entry, body.pin)
     return web.json_response({
         "model": entry.id, "state": slot.engine.state.value, "pinned": slot.pinned,
         "load_ms": round((time.perf_counter() - started) * 1000, 1),
@@ -151,8 +151,8 @@ async def unload(request: web.Request) -> web.Response:
         raise APIError(409, f"Model {entry.id} is pinned; unload it with force (`mlxd unload --force`).",
                        code="model_pinned")
     slot.pinned = slot.pinned and not body.force
-    was_loaded = slot.engine.state.value in ("starting", "ready", "draining")
-    report = await pool.unload(slot) if was_loaded else None  # carries on if the caller leaves
+    was_loaded = slot.engine.state in LOADED
+    report = await pool.admin.unload(slot) if was_loaded else None  # carries on if the caller leaves
     return web.json_response({"model": entry.id, "state": slot.engine.state.value, "was_loaded": was_loaded,
                               "drain": msgspec.to_builtins(report)})
 
@@ -165,7 +165,7 @@ async def drain(request: web.Request) -> web.Response:
         slots = [pool.slot_for(resolve(request, body.model))]
     else:
         slots = [s for s in pool.slots() if s.engine.state is EngineState.READY]
-    reports = await asyncio.gather(*(pool.drain(s) for s in slots))
+    reports = await asyncio.gather(*(pool.admin.drain(s) for s in slots))
     drained = [{"model": s.entry.id, **msgspec.to_builtins(r)} for s, r in zip(slots, reports, strict=True) if r is not None]
     return web.json_response({"drained": drained})
 

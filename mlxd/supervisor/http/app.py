@@ -63,7 +63,7 @@ def make_app(config: Config, registry: Registry, pool: Pool, store: ResponseStor
 
 async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
     """Engines live while the app does: all are stopped (gracefully, then killed) at shutdown."""
-    app[POOL].start_spare()
+    app[POOL].spare_timing.arm()  # a spare engine for the first model, once start-up is over (1 s quiet)
     yield
     app[LEASES].end_all()
     await app[POOL].stop_all()

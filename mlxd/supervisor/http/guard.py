@@ -27,17 +27,15 @@ from aiohttp.typedefs import Middleware
 
 from mlxd.http_errors import Handler
 from mlxd.protocol.errors import APIError
+from mlxd.protocol.process import LEASE_HEADER
 from mlxd.supervisor.http.auth import is_loopback
+from mlxd.supervisor.relay.dialects import ANTHROPIC, OPENAI
 
 ALLOW_METHODS = "GET, POST, DELETE, OPTIONS"
-# Headers a browser client of mlxd's APIs sends: OpenAI's and Anthropic's SDKs, and mlxd's own.
-ALLOW_HEADERS = (
-    "Authorization, Content-Type, X-API-Key, Anthropic-Version, Anthropic-Beta, "
-    "Anthropic-Dangerous-Direct-Browser-Access, OpenAI-Organization, OpenAI-Project, "
-    "X-Stainless-Arch, X-Stainless-Lang, X-Stainless-OS, X-Stainless-Package-Version, "
-    "X-Stainless-Runtime, X-Stainless-Runtime-Version, X-Stainless-Retry-Count, "
-    "X-Stainless-Timeout, X-MLXD-Lease"
-)
+# Headers a browser client of mlxd's APIs sends: the keys, each API's SDK's own (its dialect
+# names them), and mlxd's lease header.
+ALLOW_HEADERS = ", ".join(("Authorization", "Content-Type", "X-API-Key", *ANTHROPIC.request_headers,
+                           *OPENAI.request_headers, LEASE_HEADER))
 EXPOSE_HEADERS = "Retry-After, X-Request-Id"
 PREFLIGHT_MAX_AGE_S = "600"
 CROSS_SITE = ("cross-site", "same-site")  # Sec-Fetch-Site values for another site's page

@@ -15,8 +15,8 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from mlxd.http_errors import Handler
+from mlxd.protocol.engine_state import EngineState
 from mlxd.protocol.stats import PromptCacheStats, RamTierStats, SsdTierStats
-from mlxd.supervisor.engines.engine import EngineState
 from mlxd.supervisor.engines.pool import Pool
 from mlxd.supervisor.http import access
 from mlxd.supervisor.http.timeline import Timeline

@@ -45,7 +45,7 @@ async def list_models(request: web.Request) -> web.Response:
     registry, pool = request.app[REGISTRY], request.app[POOL]
     registry.refresh()
     engines = {e.model_id: e for e in pool.engines()}
-    rows = [ModelRow(m, engines[m.id].state.value, engines[m.id].load_progress()) if m.id in engines else ModelRow(m)
+    rows = [ModelRow(m, engines[m.id].state, engines[m.id].load_progress()) if m.id in engines else ModelRow(m)
             for m in registry.entries()]
     return web.json_response(models_dialect(request).model_list(rows, int(time.time())))
 

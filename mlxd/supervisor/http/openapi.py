@@ -17,10 +17,10 @@ from aiohttp import web
 
 from mlxd import __version__
 from mlxd.protocol import anthropic, openai, responses
+from mlxd.protocol.engine_state import EngineState
 from mlxd.protocol.errors import ErrorBody
 from mlxd.protocol.process import LEASE_HEADER, DrainResult
 from mlxd.protocol.stats import LoadProgress, PromptCacheStats
-from mlxd.supervisor.engines.engine import EngineState
 from mlxd.supervisor.engines.leases import Lease
 from mlxd.supervisor.http import admin_routes as admin
 from mlxd.supervisor.registry import Source

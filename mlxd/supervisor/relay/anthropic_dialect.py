@@ -22,6 +22,7 @@ class AnthropicMessages(Dialect):
     name = "anthropic"
     engine_path = "/v1/chat/completions"
     params = PARAMS
+    request_headers = ("Anthropic-Version", "Anthropic-Beta", "Anthropic-Dangerous-Direct-Browser-Access")
 
     def __init__(self, model: str = "") -> None:
         self.model = model

@@ -1,8 +1,8 @@
 """A dialect: one API a caller speaks, and everything the relay must know of it.
 
 A dialect owns its error body, its stream's error events, its stream translator, the
-whole-answer converter, its names for the engine's chat fields (an error's `param`) and its
-model list's shape. Every error path (auth, unknown routes, oversize bodies, queue timeouts,
+whole-answer converter, its names for the engine's chat fields (an error's `param`), its
+model list's shape and the headers its SDKs send (for CORS). Every error path (auth, unknown routes, oversize bodies, queue timeouts,
 waiting streams, an engine dying mid-stream) asks the request's dialect, so a caller always
 reads errors in its own API. The base class is OpenAI's shape; the OpenAI routes pass the
 engine's answer through as it is (`engine_path` None). A translated dialect (Anthropic
@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import msgspec
 from aiohttp import web
 
+from mlxd.protocol.engine_state import EngineState
 from mlxd.protocol.errors import APIError, encode_openai_error
 from mlxd.supervisor.registry import ModelEntry
 
@@ -42,7 +43,7 @@ class ModelRow(msgspec.Struct, frozen=True):
     """One model for a model list: what exists, and its engine's state if it has one."""
 
     entry: ModelEntry
-    state: str = "stopped"
+    state: EngineState = EngineState.STOPPED
     load: Any = None  # the engine's load progress (protocol.stats.LoadProgress) while it starts
 
 
@@ -53,6 +54,11 @@ class Dialect:
     engine_path: str | None = None  # the engine route a translated body goes to; None: the same path
     # The engine's error `param` names a chat field: (chat prefix, the caller's name for it)
     params: tuple[tuple[str, str], ...] = ()
+    # Headers this API's SDKs send from a browser (the CORS preflight allows them)
+    request_headers: tuple[str, ...] = (
+        "OpenAI-Organization", "OpenAI-Project", "X-Stainless-Arch", "X-Stainless-Lang", "X-Stainless-OS",
+        "X-Stainless-Package-Version", "X-Stainless-Runtime", "X-Stainless-Runtime-Version",
+        "X-Stainless-Retry-Count", "X-Stainless-Timeout")
 
     def error_body(self, err: APIError) -> bytes:
         return encode_openai_error(err)
@@ -90,7 +96,7 @@ class Dialect:
         data = [
             {
                 "id": row.entry.id, "object": "model", "created": now, "owned_by": "mlxd",
-                "loaded": row.state == "ready", "state": row.state,
+                "loaded": row.state is EngineState.READY, "state": row.state.value,
                 "source": row.entry.source, "size_bytes": row.entry.size_bytes,
                 "load": msgspec.to_builtins(row.load) if row.load is not None else None,
             }
