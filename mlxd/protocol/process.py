@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
 
 import msgspec
+
+# The engine's routes, on its socket (never on TCP).
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+RENDER_PATH = "/v1/chat/render"  # a chat request's prompt, rendered and counted, not generated
+MODELS_PATH = "/v1/models"
+HEALTH_PATH = "/health"
+STATS_PATH = "/admin/stats"
+DRAIN_PATH = "/admin/drain"
+LEASE_PATH = "/admin/lease"
 
 # `python -m mlxd.engine --spare`: import everything, print SPARE_READY, then read the real
 # command line (a JSON list) from stdin.
@@ -23,6 +33,32 @@ STREAM_KEEPALIVE_ENV = "MLXD_STREAM_KEEPALIVE_S"
 # held by another): nothing happened, so the supervisor may hold the request and retry it.
 Refusal = Literal["draining", "leased"]
 REFUSALS: frozenset[str] = frozenset(get_args(Refusal))
+
+
+Seconds = Annotated[float, msgspec.Meta(gt=0)]
+
+
+class DrainRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """Body of the engine's POST /admin/drain (all optional)."""
+
+    timeout_s: Seconds = 30.0
+    resume: bool = False  # serve again afterwards (a drain), or stay closed (a stop follows)
+
+
+class LeaseRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """Body of the engine's POST /admin/lease (all optional)."""
+
+    holder: str = ""
+    wait_s: Seconds = 300.0
+
+
+class LeaseLine(msgspec.Struct, omit_defaults=True):
+    """One line of the engine's lease stream (NDJSON): the first carries the token to present
+    in LEASE_HEADER, then a heartbeat each second while the lease is held."""
+
+    status: Literal["held"]
+    token: str | None = None
+    holder: str | None = None
 
 
 class DrainResult(msgspec.Struct):

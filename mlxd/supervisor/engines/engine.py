@@ -26,7 +26,7 @@ import msgspec
 from mlxd.protocol.engine_state import EngineState
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.exit_codes import ExitCode
-from mlxd.protocol.process import DrainResult
+from mlxd.protocol.process import DRAIN_PATH, HEALTH_PATH, STATS_PATH, DrainRequest, DrainResult
 from mlxd.protocol.stats import EngineHealth, LoadProgress, PromptCacheStats, PromptCacheView
 from mlxd.supervisor.engines import policy
 from mlxd.supervisor.engines.spare import Spare
@@ -77,7 +77,7 @@ class _Drain:
 
 
 class Engine:
-    """The engine child for one model (talked to over its socket with proxy.py's client)."""
+    """The engine child for one model (talked to over its socket with upstream.py's client)."""
 
     def __init__(
         self, model_id: str, model_dir: Path, runtime_dir: Path, max_context: int | None = None,
@@ -87,7 +87,7 @@ class Engine:
         self.model_id = model_id
         self.model_dir = model_dir
         self.socket = socket_path(runtime_dir, model_id)
-        self.connections = connection_gate()  # requests connected to it at once (proxy.py)
+        self.connections = connection_gate()  # requests connected to it at once (upstream.py)
         self.max_context = max_context
         self.batch = batch  # sequences the engine decodes at once (`--batch`)
         self.state = EngineState.STOPPED
@@ -120,7 +120,7 @@ class Engine:
             self.prompt_cache = None
             return None
         try:
-            status, data = await call(self.socket, "GET", "/admin/stats")
+            status, data = await call(self.socket, "GET", STATS_PATH)
             if status == 200:
                 self.prompt_cache = msgspec.json.decode(data, type=PromptCacheView).prompt_cache
         except (TimeoutError, OSError, UpstreamError):
@@ -312,7 +312,7 @@ class Engine:
 
     async def _health(self) -> EngineHealth | None:
         try:
-            _, data = await call(self.socket, "GET", "/health")
+            _, data = await call(self.socket, "GET", HEALTH_PATH)
             return msgspec.json.decode(data, type=EngineHealth)
         except (TimeoutError, OSError, UpstreamError, msgspec.DecodeError):
             return None
@@ -372,9 +372,9 @@ class Engine:
 
     async def _post_drain(self, timeout_s: float, resume: bool) -> DrainResult | None:
         """The engine's drain report; None when it has no drain endpoint or does not answer."""
-        body = msgspec.json.encode({"timeout_s": timeout_s, "resume": resume})
+        body = msgspec.json.encode(DrainRequest(timeout_s, resume))
         try:
-            status, data = await call(self.socket, "POST", "/admin/drain", body, timeout_s=timeout_s + 10)
+            status, data = await call(self.socket, "POST", DRAIN_PATH, body, timeout_s=timeout_s + 10)
             if status != 200:
                 log.warning("[%s] drain answered HTTP %d", self.model_id, status)
                 return None

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import logging
 import secrets
 import time
@@ -23,11 +22,13 @@ from typing import Any
 import msgspec
 
 from mlxd.protocol.errors import APIError
+from mlxd.protocol.process import LEASE_PATH, LeaseLine, LeaseRequest
 from mlxd.supervisor.engines.pool import Pool, Slot
 from mlxd.supervisor.engines.upstream import Upstream, open_upstream
 from mlxd.supervisor.registry import ModelEntry
 
 log = logging.getLogger("mlxd.supervisor")
+_lease_line = msgspec.json.Decoder(LeaseLine)
 NUM_ENDED_KEPT = 50
 ENGINE_LEASE_WAIT_S = 300.0
 
@@ -139,9 +140,9 @@ class Leases:
     async def _hold_engine(self, hold: _Hold) -> None:
         """Open the engine's exclusive-execution lease stream and wait for its `held` line."""
         assert hold.slot is not None
-        body = msgspec.json.encode({"holder": hold.lease.holder, "wait_s": ENGINE_LEASE_WAIT_S})
+        body = msgspec.json.encode(LeaseRequest(hold.lease.holder, ENGINE_LEASE_WAIT_S))
         try:
-            up = await open_upstream(hold.slot.engine.socket, "POST", "/admin/lease", body)
+            up = await open_upstream(hold.slot.engine.socket, "POST", LEASE_PATH, body)
         except (TimeoutError, OSError) as exc:
             raise APIError(503, f"The engine could not be leased: {exc or type(exc).__name__}", type="server_error",
                            code="lease_failed") from None
@@ -153,15 +154,12 @@ class Leases:
         if up.head is None or (up.lost and not first):
             up.close()
             raise APIError(503, "The engine died while being leased.", type="server_error", code="lease_failed")
-        try:
-            held = json.loads(first) if up.head.status == 200 and first.strip() else {}
-        except ValueError:
-            held = {}
-        if not isinstance(held, dict) or held.get("status") != "held":
+        held = _held_line(first) if up.head.status == 200 else None
+        if held is None:
             detail = first[:200].decode(errors="replace") or "no held line"
             up.close()
             raise APIError(503, f"The engine refused the lease: {detail}", type="server_error", code="lease_failed")
-        hold.slot.engine_lease_token = str(held.get("token", ""))
+        hold.slot.engine_lease_token = held.token or ""
         hold.engine_stream = up
         hold.watcher = self._spawn(self._watch_engine(hold))
 
@@ -207,6 +205,14 @@ async def _first_line(up: Upstream) -> bytes:
         if up.ended or up.lost:
             return buf
         await up.changed()
+
+
+def _held_line(line: bytes) -> LeaseLine | None:
+    """The engine's first lease line, if it says the lease is held."""
+    try:
+        return _lease_line.decode(line)
+    except msgspec.DecodeError:  # a ValidationError too: not `held`
+        return None
 
 
 def _not_found(lease_id: str) -> APIError:

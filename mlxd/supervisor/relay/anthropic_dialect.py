@@ -9,6 +9,7 @@ import msgspec
 
 from mlxd.protocol import anthropic
 from mlxd.protocol.errors import APIError
+from mlxd.protocol.process import CHAT_PATH, RENDER_PATH
 from mlxd.supervisor.relay.dialect import Dialect, ModelRow, StreamTranslator
 
 # the engine's chat field names, as this API calls them (in error messages' `param`)
@@ -20,7 +21,7 @@ class AnthropicMessages(Dialect):
     """POST /v1/messages, for `model` (the name the caller gave, echoed in its answer)."""
 
     name = "anthropic"
-    engine_path = "/v1/chat/completions"
+    engine_path = CHAT_PATH
     params = PARAMS
     request_headers = ("Anthropic-Version", "Anthropic-Beta", "Anthropic-Dangerous-Direct-Browser-Access")
 
@@ -54,7 +55,7 @@ class AnthropicCountTokens(AnthropicMessages):
     """POST /v1/messages/count_tokens: the prompt rendered and counted by the engine."""
 
     name = "anthropic.count_tokens"
-    engine_path = "/v1/chat/render"
+    engine_path = RENDER_PATH
 
     async def whole(self, status: int, data: bytes) -> tuple[int, bytes]:
         rendered = msgspec.json.decode(data)

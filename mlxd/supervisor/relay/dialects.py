@@ -8,6 +8,7 @@ from aiohttp import web
 from mlxd.protocol.errors import APIError
 from mlxd.supervisor.relay.anthropic_dialect import AnthropicMessages
 from mlxd.supervisor.relay.dialect import Dialect, OpenAIChat, OpenAICompletions
+from mlxd.supervisor.relay.keys import DIALECT_KEY
 from mlxd.supervisor.relay.responses_dialect import Responses
 
 OPENAI = OpenAIChat()
@@ -34,5 +35,6 @@ def models_dialect(request: web.Request) -> Dialect:
 
 
 def render_error(request: web.Request, err: APIError) -> web.Response:
-    """The error middleware's answer: `err` in the caller's API."""
-    return dialect_of(request).error_response(err)
+    """The error middleware's answer: `err` in the caller's API (the route's own dialect once
+    it has one, else the path's)."""
+    return (request.get(DIALECT_KEY) or dialect_of(request)).error_response(err)

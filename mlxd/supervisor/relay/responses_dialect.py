@@ -14,6 +14,7 @@ import msgspec
 
 from mlxd.protocol import responses
 from mlxd.protocol.errors import APIError
+from mlxd.protocol.process import CHAT_PATH
 from mlxd.supervisor.relay.dialect import Dialect, StreamTranslator
 
 PARAMS = (("response_format.json_schema.schema", "text.format.schema"), ("response_format", "text.format"),
@@ -29,7 +30,7 @@ class Responses(Dialect):
     """POST /v1/responses: one request's response `shell`, and `keep` to store what it became."""
 
     name = "responses"
-    engine_path = "/v1/chat/completions"
+    engine_path = CHAT_PATH
     params = PARAMS
 
     def __init__(self, shell: responses.Shell | None = None, keep: Keep = _keep_nothing) -> None:

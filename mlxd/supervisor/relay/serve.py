@@ -21,7 +21,7 @@ from mlxd.supervisor.engines.upstream import EngineBusy, EngineUnreachable, cras
 from mlxd.supervisor.registry import ModelEntry
 from mlxd.supervisor.relay.dialect import Dialect
 from mlxd.supervisor.relay.forward import forward
-from mlxd.supervisor.relay.keys import FIRST_CHUNK_KEY, MODEL_KEY
+from mlxd.supervisor.relay.keys import DIALECT_KEY, FIRST_CHUNK_KEY, MODEL_KEY
 from mlxd.supervisor.relay.waiting import WaitingStream
 
 MAX_REQUEUES = 5
@@ -34,7 +34,7 @@ async def serve(
 ) -> web.StreamResponse:
     """Queue for `entry`'s engine and relay `body` to it, answering in `dialect`.
     `on_first_chunk` hears when the first streamed event went out (perf_counter())."""
-    request[MODEL_KEY] = entry.id
+    request[MODEL_KEY], request[DIALECT_KEY] = entry.id, dialect
     engine = pool.slot_for(entry).engine
     waiting = WaitingStream(request, keepalive_s, dialect, engine.load_progress) if stream else None
 
