@@ -62,7 +62,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         if MODE == "exit_midway" and i == 2:
             os._exit(0)
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # a token every 10 ms, as an engine paces them
     if chat:
         end = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
         await resp.write(b"data: " + json.dumps(end).encode() + b"\n\n")
@@ -79,7 +79,7 @@ async def stream_tool_call(resp: web.StreamResponse) -> None:
         finish = "tool_calls" if i == len(deltas) else None
         chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
         await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)  # paced as a real stream
     await resp.write(b"data: [DONE]\n\n")
 
 
@@ -138,7 +138,7 @@ async def watch_parent(app: web.Application, parent: int) -> None:
 
     async def watch() -> None:
         while os.getppid() == parent:
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.2)  # a reparenting sends no event: polled, as the real engine does
         os._exit(0)
 
     app["parent_watch"] = asyncio.get_running_loop().create_task(watch())  # held: a task nobody holds can vanish

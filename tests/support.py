@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -12,7 +13,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anthropic
 import httpx2 as httpx
@@ -25,14 +26,31 @@ NO_EOS = {"2": -100}
 FAULTY_ENGINE = [sys.executable, str(Path(__file__).parent / "integration" / "faulty_engine.py")]
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
-    """Poll `predicate` until it holds or `timeout` passes; its last answer."""
+T = TypeVar("T")
+
+
+def wait_for(probe: Callable[[], T], timeout: float = 5.0, *, interval: float = 0.01,
+             message: str | Callable[[], str] | None = None) -> T:
+    """Poll `probe` every `interval` s until its answer is truthy or `timeout` passes; its last
+    answer. With `message` (a callable is called at the timeout, e.g. for a log), a timeout
+    fails the test with it instead of returning the falsy answer."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
+    while not (value := probe()) and time.monotonic() < deadline:
+        time.sleep(interval)
+    if not value and message is not None:
+        raise AssertionError(message() if callable(message) else message)
+    return value
+
+
+async def wait_for_async(probe: Callable[[], T], timeout: float = 5.0, *, interval: float = 0.01,
+                         message: str | Callable[[], str] | None = None) -> T:
+    """wait_for on an event loop: the loop runs between polls."""
+    deadline = time.monotonic() + timeout
+    while not (value := probe()) and time.monotonic() < deadline:
+        await asyncio.sleep(interval)
+    if not value and message is not None:
+        raise AssertionError(message() if callable(message) else message)
+    return value
 
 
 def private_socket_dir() -> Path:
@@ -83,17 +101,16 @@ class EngineProcess:
 
     def wait_ready(self, timeout: float = 60.0) -> EngineProcess:
         """Block until /health says ready; raise with the engine's log if it dies first."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"engine exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if is_listening(self.socket) and self.client.get("/health").json().get("status") == "ready":
-                    return self
-            except httpx.TransportError:
-                pass  # it went away mid-check (an engine failing its load exits): the next poll sees it
-            time.sleep(0.05)
-        raise TimeoutError(f"engine not ready in {timeout}s:\n{self.log()}")
+        wait_for(self._is_ready, timeout, interval=0.05, message=lambda: f"engine not ready in {timeout}s:\n{self.log()}")
+        return self
+
+    def _is_ready(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"engine exited with {self.proc.returncode}:\n{self.log()}")
+        try:
+            return is_listening(self.socket) and self.client.get("/health").json().get("status") == "ready"
+        except httpx.TransportError:
+            return False  # it went away mid-check (an engine failing its load exits): the next poll sees it
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -170,14 +187,13 @@ class SupervisorProcess:
         self._sdk_clients: list[openai.OpenAI | anthropic.Anthropic] = []
 
     def wait_up(self, timeout: float = 30.0) -> SupervisorProcess:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"supervisor exited with {self.proc.returncode}:\n{self.log()}")
-            if port_open(self.port) and self.client.get("/health").status_code == 200:
-                return self
-            time.sleep(0.05)
-        raise TimeoutError(f"supervisor not up in {timeout}s:\n{self.log()}")
+        wait_for(self._is_up, timeout, interval=0.05, message=lambda: f"supervisor not up in {timeout}s:\n{self.log()}")
+        return self
+
+    def _is_up(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"supervisor exited with {self.proc.returncode}:\n{self.log()}")
+        return port_open(self.port) and self.client.get("/health").status_code == 200
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -219,6 +235,17 @@ def checked_stats(body: bytes) -> dict[str, Any]:
 
     msgspec.json.decode(body, type=EngineStats)
     return dict(msgspec.json.decode(body))
+
+
+# A Qwen3-style chat template for SmolLM2: its generation prompt opens a think block, so the
+# reply is reasoning (test_reasoning.py, test_thinking_apis.py).
+THINKING_TEMPLATE = (
+    "{% if reasoning_effort is defined %}<|im_start|>system\nReasoning: {{ reasoning_effort }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is not defined or enable_thinking %}<think>\n{% else %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}"
+)
 
 
 def model_with_template(model: Path, dest: Path, template: str) -> Path:
@@ -263,10 +290,41 @@ def mlxd(*args: str, env: dict[str, str] | None = None, timeout: float = 120) ->
 
 
 @contextlib.contextmanager
-def serving(model: Path, model_id: str, data_dir: Path) -> Iterator[SupervisorProcess]:
-    """A supervisor serving `model` as `model_id` (a `[models.ID]` entry), up until the block ends."""
-    proc = SupervisorProcess(f'[models.{model_id}]\npath = "{model}"\n', data_dir).wait_up()
+def serving(model: Path, model_id: str, data_dir: Path, *args: str, model_config: str = "",
+            env: dict[str, str] | None = None) -> Iterator[SupervisorProcess]:
+    """A supervisor serving `model` alone as `model_id` (a `[models.ID]` entry, with
+    `model_config`'s lines), up until the block ends; `args` go to `mlxd serve`."""
+    proc = SupervisorProcess(f'[models.{model_id}]\npath = "{model}"\n{model_config}', data_dir, *args, env=env)
     try:
-        yield proc
+        yield proc.wait_up()
     finally:
         proc.stop()
+
+
+HEAD_TIMEOUT_S = 1.0
+# A supervisor's [server] table with every guard tight (test_hardening.py, test_browser.py).
+HARDENED_CONFIG = f"""[server]
+head_timeout_s = {HEAD_TIMEOUT_S}
+keepalive_timeout_s = 2
+max_connections = 40
+max_connections_per_peer = 30
+stream_keepalive_s = 0.2
+allowed_hosts = ["mlxd.lan", "*.example.org"]
+allowed_origins = ["http://app.example.com", "http://localhost:*"]
+"""
+# The fake engine (tests/fake_engine.py) behind a real supervisor, restarted and health-checked quickly.
+FAKE_ENGINE_ENV = {"MLXD_ENGINE_MODULE": "tests.fake_engine", "MLXD_ENGINE_BACKOFF_S": "0.05",
+                   "MLXD_ENGINE_HEALTH_EVERY_S": "0.2", "MLXD_ENGINE_HEALTH_DEADLINE_S": "1",
+                   "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+
+
+def fake_supervisor(root: Path, mode: str = "ok", model_config: str = "", *, config: str = "",
+                    **env: str) -> SupervisorProcess:
+    """A supervisor, up, serving model `fake` on the fake engine in `mode` (MLXD_FAKE_MODE);
+    `config` goes before the `[models.fake]` table, `model_config` after its path."""
+    model = root / "fake-model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
+    toml = f'{config}\n[models.fake]\npath = "{model}"\n{model_config}'
+    return SupervisorProcess(toml, root / "data", env={**FAKE_ENGINE_ENV, "MLXD_FAKE_MODE": mode, **env}).wait_up()

@@ -11,7 +11,7 @@ import pytest
 
 from mlxd.protocol.process import USAGE_COMMENT, USAGE_HEADER, RequestUsage
 from mlxd.supervisor.http.access import access_line, decode_speed
-from tests.support import NO_EOS, SupervisorProcess, wait_for
+from tests.support import NO_EOS, SupervisorProcess, serving, wait_for
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 24,
         "logit_bias": NO_EOS}  # all 24 tokens: the random model never ends on its own
@@ -19,9 +19,8 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}
 
 @pytest.fixture
 def supervisor(tiny_model: Path, tmp_path: Path) -> Iterator[SupervisorProcess]:
-    sup = SupervisorProcess(f'[models.tiny]\npath = "{tiny_model}"\n', tmp_path / "data").wait_up()
-    yield sup
-    sup.stop()
+    with serving(tiny_model, "tiny", tmp_path / "data") as sup:
+        yield sup
 
 
 def access_lines(sup: SupervisorProcess) -> list[str]:

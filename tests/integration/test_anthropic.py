@@ -14,7 +14,7 @@ import anthropic
 import httpx2 as httpx
 import pytest
 
-from tests.support import SupervisorProcess, http10_post, serving
+from tests.support import SupervisorProcess, fake_supervisor, http10_post, serving
 
 MODEL = "smol"
 COUNT = [{"role": "user", "content": "Count from 1 to 10."}]
@@ -176,20 +176,10 @@ def test_an_unknown_route_under_messages_is_an_anthropic_404(sup: SupervisorProc
 
 # --- on a fake engine: keys, sizes and a crash mid-stream ---
 
-FAST = {"MLXD_ENGINE_MODULE": "tests.fake_engine", "MLXD_ENGINE_BACKOFF_S": "0.05",
-        "MLXD_ENGINE_HEALTH_EVERY_S": "0.2", "MLXD_ENGINE_HEALTH_DEADLINE_S": "1"}
-
-
 @pytest.fixture(scope="module")
 def fake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SupervisorProcess]:
-    root = tmp_path_factory.mktemp("anthropic-fake")
-    model = root / "fake-model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    (model / "model.safetensors").write_bytes(b"")
-    env = {**FAST, "MLXD_FAKE_MODE": "exit_midway", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    config = f'[server]\napi_keys = ["sk-a"]\nmax_body_bytes = 65536\n\n[models.fake]\npath = "{model}"\n'
-    proc = SupervisorProcess(config, root / "data", env=env).wait_up()
+    config = '[server]\napi_keys = ["sk-a"]\nmax_body_bytes = 65536\n'
+    proc = fake_supervisor(tmp_path_factory.mktemp("anthropic-fake"), "exit_midway", config=config)
     yield proc
     proc.stop()
 

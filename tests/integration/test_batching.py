@@ -128,7 +128,7 @@ def test_rows_beyond_the_width_wait_in_the_engine_queue_and_all_complete(tiny_mo
         def watch() -> None:
             while not stop.is_set():
                 seen.append(lanes(engine))
-                time.sleep(0.01)
+                time.sleep(0.01)  # a sample every 10 ms while the rows run, not a wait
 
         watcher = threading.Thread(target=watch)
         watcher.start()
@@ -287,7 +287,7 @@ def test_kv_budget_refuses_what_can_never_fit_and_queues_what_does_not_fit_now(t
             rows = [pool.submit(complete, engine, p, max_tokens=250, logit_bias=NO_EOS) for p in ["a", "b", "c"]]
             while not all(f.done() for f in rows):
                 seen.append(lanes(engine))
-                time.sleep(0.005)
+                time.sleep(0.005)  # a sample every 5 ms until the rows end, not a wait
             results = [f.result() for f in rows]
     assert [r["usage"]["completion_tokens"] for r in results] == [250] * 3
     assert max(s["kv_booked_tokens"] for s in seen) <= 600
@@ -327,7 +327,7 @@ def staggered(engine: EngineProcess, prompts: list[str], gap_s: float, **body: A
         futures = []
         for p in prompts:
             futures.append(pool.submit(complete, engine, p, **body))
-            time.sleep(gap_s)
+            time.sleep(gap_s)  # on purpose: arrivals `gap_s` apart
         return [f.result() for f in futures]
 
 

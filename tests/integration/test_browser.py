@@ -16,8 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tests.integration.test_hardening import start
-from tests.support import SupervisorProcess, free_port
+from tests.support import HARDENED_CONFIG, SupervisorProcess, fake_supervisor, free_port
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Chromium (apt-get install chromium)")
@@ -61,7 +60,7 @@ class Page(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def sup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SupervisorProcess]:
-    proc = start(tmp_path_factory.mktemp("browser"))
+    proc = fake_supervisor(tmp_path_factory.mktemp("browser"), config=HARDENED_CONFIG)
     try:
         yield proc
     finally:

@@ -7,14 +7,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support import SupervisorProcess, cli_env, free_port, mlxd
+from tests.support import SupervisorProcess, cli_env, free_port, mlxd, serving, wait_for
 
 ADMIN_KEY = "admin-sekret"
 PRINT_LEASE = "import os; print('lease', os.environ['MLXD_LEASE_ID'], os.environ['MLXD_URL'])"
@@ -54,9 +53,8 @@ def kill_session(proc: subprocess.Popen[str]) -> None:
 
 @pytest.fixture(scope="module")
 def sup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SupervisorProcess]:
-    proc = SupervisorProcess(f'[models.tiny]\npath = "{tiny_model}"\n', tmp_path_factory.mktemp("sup")).wait_up()
-    yield proc
-    proc.stop()
+    with serving(tiny_model, "tiny", tmp_path_factory.mktemp("sup")) as proc:
+        yield proc
 
 
 def lease_record(sup: SupervisorProcess, lease_id: str) -> dict[str, Any]:
@@ -68,10 +66,9 @@ def lease_record(sup: SupervisorProcess, lease_id: str) -> dict[str, Any]:
 
 
 def wait_lease_ended(sup: SupervisorProcess, lease_id: str, timeout: float = 15) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while (record := lease_record(sup, lease_id))["state"] != "ended" and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return record
+    wait_for(lambda: lease_record(sup, lease_id)["state"] == "ended", timeout, interval=0.1,
+             message=lambda: f"the lease did not end: {lease_record(sup, lease_id)}")
+    return lease_record(sup, lease_id)
 
 
 def ps_rows(sup: SupervisorProcess) -> dict[str, list[str]]:
@@ -238,7 +235,8 @@ def test_a_sigkilled_mlxd_lease_leaves_the_lease_to_expire(sup: SupervisorProces
     with spawn_lease(sup.url, "tiny", "--ttl", "2", "--", sys.executable, "-c", WAIT_FOR_SIGNAL) as proc:
         try:
             lease_id = read_ready(proc)
-            time.sleep(1.5)  # a renewal happens
+            first = lease_record(sup, lease_id)["expires_at"]
+            assert wait_for(lambda: lease_record(sup, lease_id)["expires_at"] > first, 10, interval=0.1)  # renewed
             assert lease_record(sup, lease_id)["state"] == "held"
         finally:
             kill_session(proc)  # mlxd lease and its command: nothing releases the lease

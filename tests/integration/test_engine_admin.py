@@ -77,15 +77,17 @@ def test_drain_lets_a_running_stream_finish_then_resumes(engine: EngineProcess) 
 
 
 def test_drain_timeout_aborts_a_stream_and_a_queued_request(engine: EngineProcess) -> None:
-    with engine.client.stream("POST", "/v1/chat/completions", json={**LONG, "stream": True}) as stream, ThreadPoolExecutor(1) as pool:
+    with engine.client.stream("POST", "/v1/chat/completions", json={**LONG, "stream": True}) as stream, ThreadPoolExecutor(2) as pool:
         lines = stream.iter_lines()
         assert next(lines).startswith("data: ")
         queued = pool.submit(engine.client.post, "/v1/chat/completions", json=LONG)
         assert wait_for(lambda: gate(engine)["in_flight"] == 2)
-        result = engine.client.post("/admin/drain", json={"timeout_s": 0.3, "resume": True}).json()
+        # The stream is read while the drain runs: unread, ~500 events fill its socket and the
+        # aborted handler stays stuck writing, so the drain times out its 5 s grace (drained: false).
+        drain = pool.submit(engine.client.post, "/admin/drain", json={"timeout_s": 0.3, "resume": True})
         last = json.loads(data_events(lines)[-1])
         assert last["error"]["code"] == "drain_timeout"
-        resp = queued.result()
+        result, resp = drain.result().json(), queued.result()
     assert (result["finished"], result["cancelled"], result["drained"]) == (0, 2, True)
     assert 300 <= result["waited_ms"] < 5000
     assert resp.status_code == 503 and error_of(resp)["code"] == "drain_timeout"

@@ -5,12 +5,20 @@ may land at any point of the engine's exit."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
-import time
+import subprocess
 from pathlib import Path
 
-from tests.support import EngineProcess
+from tests.support import EngineProcess, wait_for
+
+
+def sigterm_again(proc: subprocess.Popen[bytes]) -> bool:
+    """Another SIGTERM, unless it has exited (reaped after the signal: the pid is never reused under it)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(proc.pid, signal.SIGTERM)
+    return proc.poll() is not None
 
 
 def test_sigterm_again_and_again_while_it_stops_leaves_no_socket(tiny_model: Path) -> None:
@@ -20,12 +28,7 @@ def test_sigterm_again_and_again_while_it_stops_leaves_no_socket(tiny_model: Pat
         engine = EngineProcess(tiny_model, "tiny").wait_ready()
         try:
             engine.proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + 30
-            while engine.proc.poll() is None and time.monotonic() < deadline:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(engine.proc.pid, signal.SIGTERM)
-                time.sleep(0.0002)
-            assert engine.proc.poll() is not None, "the engine did not exit"
+            assert wait_for(functools.partial(sigterm_again, engine.proc), 30, interval=0.0002), "the engine did not exit"
             assert not engine.socket.exists(), f"exit {engine.proc.returncode} left the socket behind"
         finally:
             engine.stop()

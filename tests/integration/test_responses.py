@@ -14,7 +14,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.support import SupervisorProcess, serving
+from tests.support import SupervisorProcess, fake_supervisor, serving
 
 MODEL = "smol"
 WEATHER = {"type": "function", "name": "get_weather", "description": "The current weather in a city.",
@@ -178,19 +178,6 @@ def test_unknown_ids_and_bad_pages_get_openai_errors(sup: SupervisorProcess) -> 
 
 
 # --- on a fake engine: durability, concurrent chains, a crash mid-stream ---
-
-FAST = {"MLXD_ENGINE_MODULE": "tests.fake_engine", "MLXD_ENGINE_BACKOFF_S": "0.05",
-        "MLXD_ENGINE_HEALTH_EVERY_S": "0.2", "MLXD_ENGINE_HEALTH_DEADLINE_S": "1"}
-
-
-def fake_supervisor(root: Path, mode: str = "ok") -> SupervisorProcess:
-    model = root / "fake-model"
-    model.mkdir(exist_ok=True)
-    (model / "config.json").write_text("{}")
-    (model / "model.safetensors").write_bytes(b"")
-    env = {**FAST, "MLXD_FAKE_MODE": mode, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    return SupervisorProcess(f'[models.fake]\npath = "{model}"\n', root / "data", env=env).wait_up()
-
 
 def test_a_stored_response_survives_a_sigkilled_supervisor(tmp_path: Path) -> None:
     sup = fake_supervisor(tmp_path)

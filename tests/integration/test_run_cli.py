@@ -6,14 +6,13 @@ import contextlib
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pexpect
 import pytest
 
-from tests.support import SupervisorProcess, cli_env, free_port, mlxd, private_socket_dir
+from tests.support import SupervisorProcess, cli_env, free_port, mlxd, private_socket_dir, wait_for
 
 STATS = re.compile(r"~?(\d+) tokens? · (?:[\d.]+ tokens/s · )?first token [\d.]+ m?s( · stopped)?")
 CSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[()][0-9A-Za-z]|\x1b[=>]")
@@ -73,13 +72,7 @@ class Chat:
 
     def read_until(self, is_done: Callable[[str], bool], timeout: float = 60) -> str:
         """Read what comes until `is_done` holds for its text (escape sequences removed)."""
-        seen = ""
-        deadline = time.monotonic() + timeout
-        while not is_done(plain(seen)):
-            assert time.monotonic() < deadline, f"timed out; saw {plain(seen)!r}"
-            with contextlib.suppress(pexpect.TIMEOUT):
-                seen += self.child.read_nonblocking(4096, timeout=1)
-        return plain(seen)
+        return read_until(self.child, is_done, timeout)
 
     def bye(self) -> int:
         self.child.sendline("/bye")
@@ -137,6 +130,19 @@ def test_ctrl_c_stops_an_answer_and_the_next_question_works(sup: SupervisorProce
     assert chat.bye() == 0
 
 
+def read_until(child: pexpect.spawn, is_done: Callable[[str], bool], timeout: float) -> str:
+    """Read what `child` writes until `is_done` holds for its text (escape sequences removed)."""
+    seen = [""]
+
+    def read_more() -> bool:
+        with contextlib.suppress(pexpect.TIMEOUT):
+            seen[0] += child.read_nonblocking(4096, timeout=1)  # the poll's pause: up to 1 s
+        return is_done(plain(seen[0]))
+
+    wait_for(read_more, timeout, interval=0, message=lambda: f"timed out; saw {plain(seen[0])!r}")
+    return plain(seen[0])
+
+
 def num_cancelled(sup: SupervisorProcess, model: str) -> int:
     """Requests the model's engine has cancelled; 0 while it does not run (asking a socket nobody
     listens on would leak one: see tests.support.is_listening)."""
@@ -146,13 +152,11 @@ def num_cancelled(sup: SupervisorProcess, model: str) -> int:
 
 def wait_cancelled(sup: SupervisorProcess, model: str, before: int, timeout: float = 20) -> bool:
     """Whether the model's engine, within `timeout`, runs nothing and has cancelled one more request."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def is_cancelled() -> bool:
         requests = sup.engine_stats(model)["requests"]
-        if requests["active"] == 0 and requests["cancelled"] > before:
-            return True
-        time.sleep(0.1)
-    return False
+        return bool(requests["active"] == 0 and requests["cancelled"] > before)
+
+    return wait_for(is_cancelled, timeout, interval=0.1)
 
 
 def test_a_cold_model_shows_a_spinner_while_it_starts(sup: SupervisorProcess) -> None:
@@ -194,12 +198,7 @@ def test_ctrl_c_stops_a_one_shot_answer_with_130(sup: SupervisorProcess) -> None
     child = pexpect.spawn(sys.executable, ["-m", "mlxd", "run", "--url", sup.url, "smol", question, "--max-tokens",
                                            "3000", "--temperature", "0"],  # greedy: it runs to 3000 tokens
                           env=cli_env(), encoding="utf-8", timeout=60, dimensions=(50, 200))
-    seen = ""
-    deadline = time.monotonic() + 120
-    while len(SPINNER_FRAME.sub("", plain(seen)).split()) < 3:  # the answer is streaming
-        assert time.monotonic() < deadline, plain(seen)
-        with contextlib.suppress(pexpect.TIMEOUT):
-            seen += child.read_nonblocking(4096, timeout=1)
+    read_until(child, lambda seen: len(SPINNER_FRAME.sub("", seen).split()) >= 3, 120)  # the answer is streaming
     child.sendintr()
     child.expect(pexpect.EOF)
     child.close()

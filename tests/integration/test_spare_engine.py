@@ -6,14 +6,13 @@ import contextlib
 import json
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 
 from mlxd.protocol.exit_codes import ExitCode
-from tests.support import engine_env, httpx, is_listening, private_socket_dir, terminate
+from tests.support import engine_env, httpx, is_listening, private_socket_dir, terminate, wait_for
 
 
 @contextlib.contextmanager
@@ -42,13 +41,10 @@ def test_a_spare_serves_the_model_it_is_given(tiny_model: Path) -> None:
         argv = ["--model", str(tiny_model), "--model-id", "tiny", "--socket", str(sock)]
         spare.stdin.write(json.dumps(argv).encode() + b"\n")
         spare.stdin.close()
-        deadline = time.monotonic() + 60
-        while not is_listening(sock) and time.monotonic() < deadline:
-            time.sleep(0.05)
         transport = httpx.HTTPTransport(uds=str(sock))
         with httpx.Client(transport=transport, base_url="http://engine", timeout=60) as client:
-            while client.get("/health").json()["status"] != "ready" and time.monotonic() < deadline:
-                time.sleep(0.05)
+            assert wait_for(lambda: is_listening(sock) and client.get("/health").json()["status"] == "ready", 60,
+                            interval=0.05)
             out = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert out.status_code == 200 and out.json()["model"] == "tiny"
         assert title(spare.pid) == "mlxd engine tiny"  # not `... --spare` any more

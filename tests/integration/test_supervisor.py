@@ -17,7 +17,7 @@ import openai
 import psutil
 import pytest
 
-from tests.support import NO_EOS, SupervisorProcess, wait_for
+from tests.support import NO_EOS, SupervisorProcess, serving, wait_for
 
 LONG = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 3000, "logit_bias": {"2": -100}}
 
@@ -166,10 +166,10 @@ def test_bad_config_stops_startup_naming_file_and_key(tmp_path: Path, toml: str 
 
 
 def test_sigterm_stops_engines_and_removes_their_sockets(tiny_model: Path, tmp_path: Path) -> None:
-    sup = SupervisorProcess(f'[models.tiny]\npath = "{tiny_model}"\n', tmp_path).wait_up()
-    sup.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
-    [pid] = engine_pids(sup)
-    assert sup.stop() == 0
+    with serving(tiny_model, "tiny", tmp_path) as sup:
+        sup.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+        [pid] = engine_pids(sup)
+        assert sup.stop() == 0
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert list(sup.runtime.glob("*.sock")) == []
 
@@ -191,10 +191,7 @@ def test_sigkill_of_the_supervisor_takes_engines_down_within_2s(tiny_model: Path
     [pid] = engine_pids(sup)
     sup.proc.send_signal(signal.SIGKILL)
     sup.proc.wait()
-    killed = time.monotonic()
-    while is_running(pid):
-        assert time.monotonic() - killed < 2.0, "engine outlived the supervisor by 2 s"
-        time.sleep(0.02)
+    wait_for(lambda: not is_running(pid), 2.0, interval=0.02, message="engine outlived the supervisor by 2 s")
     sup.stop()
     assert not list(sup.runtime.glob("e-*.sock"))  # the engine removed its own on the way out
     stale = sup.runtime / "e-0123456789ab.sock"  # as a SIGKILLed engine would leave it
@@ -221,8 +218,7 @@ def test_the_supervisor_never_imports_mlx() -> None:
 def test_concurrent_first_requests_start_exactly_one_engine(tiny_model: Path, tmp_path: Path) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    sup = SupervisorProcess(f'[models.tiny]\npath = "{tiny_model}"\n', tmp_path).wait_up()
-    try:
+    with serving(tiny_model, "tiny", tmp_path) as sup:
         def ask(i: int) -> int:
             body = {"model": "tiny", "prompt": f"request {i}", "max_tokens": 3}
             return sup.client.post("/v1/completions", json=body).status_code
@@ -231,8 +227,6 @@ def test_concurrent_first_requests_start_exactly_one_engine(tiny_model: Path, tm
             assert list(pool.map(ask, range(6))) == [200] * 6
         assert len(re.findall(r"engine pid \d+ starting", sup.log())) == 1
         assert len(engine_pids(sup)) == 1
-    finally:
-        sup.stop()
 
 
 def test_client_disconnect_through_the_supervisor_cancels_the_engine(sup: SupervisorProcess) -> None:
@@ -242,10 +236,8 @@ def test_client_disconnect_through_the_supervisor_cancels_the_engine(sup: Superv
         lines = resp.iter_lines()
         for _ in range(3):
             next(lines)
-    deadline = time.monotonic() + 3
-    while sup.engine_stats("tiny")["requests"]["cancelled"] == before:
-        assert time.monotonic() < deadline, "the engine kept generating for a client that left"
-        time.sleep(0.05)
+    wait_for(lambda: sup.engine_stats("tiny")["requests"]["cancelled"] != before, 3, interval=0.05,
+             message="the engine kept generating for a client that left")
     last = sup.engine_stats("tiny")["last"]
     assert last["finish_reason"] == "cancelled"
 

@@ -11,19 +11,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.support import SupervisorProcess, http10_post, httpx, wait_for
-
-FAST = {"MLXD_ENGINE_MODULE": "tests.fake_engine", "MLXD_ENGINE_BACKOFF_S": "0.05",
-        "MLXD_ENGINE_HEALTH_EVERY_S": "0.2", "MLXD_ENGINE_HEALTH_DEADLINE_S": "1"}
-
-
-def start(tmp_path: Path, mode: str, extra_config: str = "", **extra_env: str) -> SupervisorProcess:
-    model = tmp_path / "fake-model"
-    model.mkdir(exist_ok=True)
-    (model / "config.json").write_text("{}")
-    (model / "model.safetensors").write_bytes(b"")
-    env = {**FAST, "MLXD_FAKE_MODE": mode, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), **extra_env}
-    return SupervisorProcess(f'[models.fake]\npath = "{model}"\n{extra_config}', tmp_path / "data", env=env).wait_up()
+from tests.support import fake_supervisor, http10_post, httpx, wait_for
 
 
 def test_each_engine_gets_its_model_s_batch_width_else_the_pool_s(tmp_path: Path) -> None:
@@ -31,7 +19,7 @@ def test_each_engine_gets_its_model_s_batch_width_else_the_pool_s(tmp_path: Path
     scanned.mkdir(parents=True)
     (scanned / "config.json").write_text("{}")
     (scanned / "model.safetensors").write_bytes(b"")
-    sup = start(tmp_path, "ok", "batch = 2\n[pool]\nbatch = 3\n")  # the first line ends [models.fake]
+    sup = fake_supervisor(tmp_path, "ok", "batch = 2\n[pool]\nbatch = 3\n")  # the first line ends [models.fake]
     try:
         for model in ("fake", "scanned"):
             assert sup.client.post("/admin/load", json={"model": model}).status_code == 200
@@ -43,7 +31,7 @@ def test_each_engine_gets_its_model_s_batch_width_else_the_pool_s(tmp_path: Path
 
 
 def test_crash_at_boot_backs_off_then_marks_the_model_failed(tmp_path: Path) -> None:
-    sup = start(tmp_path, "boot_crash")
+    sup = fake_supervisor(tmp_path, "boot_crash")
     try:
         answers = [sup.client.post("/v1/completions", json={"model": "fake", "prompt": "x"}) for _ in range(6)]
         codes = [a.json()["error"]["code"] for a in answers]
@@ -66,7 +54,7 @@ def test_a_crash_loop_fails_the_model_which_heals_by_itself_after_a_doubling_coo
     cue = tmp_path / "cue"
     cue.write_text("1")  # each start exits 1: a crash
     pool = "\n[pool]\ncrash_limit = 3\ncooldown_s = 3\ncooldown_max_s = 60\n"
-    sup = start(tmp_path, "cued", pool, MLXD_FAKE_CUE=str(cue))
+    sup = fake_supervisor(tmp_path, "cued", pool, MLXD_FAKE_CUE=str(cue))
 
     def ask() -> httpx.Response:
         return sup.client.post("/v1/completions", json={"model": "fake", "prompt": "x"})
@@ -102,7 +90,7 @@ def test_a_crash_loop_fails_the_model_which_heals_by_itself_after_a_doubling_coo
 
 @pytest.mark.parametrize("mode", ["ok", "bad_drain"])
 def test_an_engines_drain_report_is_read_as_its_type_and_a_malformed_one_is_dropped(tmp_path: Path, mode: str) -> None:
-    sup = start(tmp_path, mode)
+    sup = fake_supervisor(tmp_path, mode)
     try:
         assert sup.client.post("/v1/completions", json={"model": "fake", "prompt": "x"}).status_code == 200
         resp = sup.client.post("/admin/drain", json={"model": "fake"})
@@ -121,7 +109,7 @@ def test_an_engines_drain_report_is_read_as_its_type_and_a_malformed_one_is_drop
 
 
 def test_hung_engine_is_killed_and_its_request_gets_a_clean_error(tmp_path: Path) -> None:
-    sup = start(tmp_path, "hang")
+    sup = fake_supervisor(tmp_path, "hang")
     try:
         started = time.monotonic()
         resp = sup.client.post("/v1/completions", json={"model": "fake", "prompt": "x"})
@@ -134,7 +122,7 @@ def test_hung_engine_is_killed_and_its_request_gets_a_clean_error(tmp_path: Path
 
 
 def test_engine_exiting_mid_stream_gives_an_sse_error_and_metrics_count_the_restart(tmp_path: Path) -> None:
-    sup = start(tmp_path, "exit_midway")
+    sup = fake_supervisor(tmp_path, "exit_midway")
     try:
         with sup.client.stream("POST", "/v1/completions", json={"model": "fake", "stream": True, "max_tokens": 10}) as r:
             lines = [line for line in r.iter_lines() if line.startswith("data: ")]
@@ -148,10 +136,8 @@ def test_engine_exiting_mid_stream_gives_an_sse_error_and_metrics_count_the_rest
             'mlxd_time_to_first_token_seconds_count{model="fake"} 1.0',
             'mlxd_engine_state{model="fake",state="stopped"} 1.0',
         ]
-        deadline = time.monotonic() + 5
-        while not all(line in (metrics := sup.client.get("/metrics").text) for line in expected):
-            assert time.monotonic() < deadline, metrics
-            time.sleep(0.05)
+        wait_for(lambda: all(line in sup.client.get("/metrics").text for line in expected), 5, interval=0.05,
+                 message=lambda: sup.client.get("/metrics").text)
     finally:
         sup.stop()
 
@@ -160,7 +146,7 @@ def test_a_slow_reader_pauses_the_engine_and_still_gets_every_chunk_in_order(tmp
     """4000 chunks of 8 KiB (about 33 MB) from an engine that writes as fast as it can, to a
     client that stops reading for a while: the supervisor stops reading the engine instead of
     buffering the stream, and nothing is lost or reordered when the client reads on."""
-    sup = start(tmp_path, "flood")
+    sup = fake_supervisor(tmp_path, "flood")
     try:
         sup.client.post("/v1/completions", json={"model": "fake"})  # the engine is up: its start is not measured
         supervisor = psutil.Process(sup.proc.pid)
@@ -183,7 +169,7 @@ def test_a_slow_reader_pauses_the_engine_and_still_gets_every_chunk_in_order(tmp
 def test_an_http10_client_gets_a_clean_stream(tmp_path: Path) -> None:
     """HTTP/1.0 (nginx's default upstream protocol) has no chunked encoding: the stream's body
     runs to the close, and must carry the engine's events without its chunk framing."""
-    sup = start(tmp_path, "ok")
+    sup = fake_supervisor(tmp_path, "ok")
     try:
         body = json.dumps({"model": "fake", "stream": True, "max_tokens": 6}).encode()
         head, payload = http10_post(sup.port, "/v1/completions", body)
@@ -205,7 +191,7 @@ def test_a_burst_of_400_streams_all_complete(tmp_path: Path) -> None:
 
     import aiohttp
 
-    sup = start(tmp_path, "ok", "\n[pool]\nmax_queue = 8\n")
+    sup = fake_supervisor(tmp_path, "ok", "\n[pool]\nmax_queue = 8\n")
 
     async def one(session: aiohttp.ClientSession) -> int | str:
         body = {"model": "fake", "stream": True, "max_tokens": 5}

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_reasoning import THINKING_TEMPLATE
-from tests.support import SupervisorProcess, model_with_template
+from tests.support import THINKING_TEMPLATE, SupervisorProcess, model_with_template
 
 MODEL = "smol-think"
 ASK = [{"role": "user", "content": "What is the capital of France?"}]

@@ -16,7 +16,7 @@ import pytest
 from playwright.sync_api import Browser, Page, Playwright, sync_playwright
 
 from mlxd.protocol.stats import PHASE_NAMES
-from tests.support import SupervisorProcess, model_with_template, wait_for
+from tests.support import SupervisorProcess, model_with_template, serving, wait_for
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -98,9 +98,8 @@ def browser(playwright: Playwright) -> Iterator[Browser]:
 
 @pytest.fixture(scope="module")
 def sup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SupervisorProcess]:
-    proc = SupervisorProcess(f'[models.tiny]\npath = "{tiny_model}"\n', tmp_path_factory.mktemp("web")).wait_up()
-    yield proc
-    proc.stop()
+    with serving(tiny_model, "tiny", tmp_path_factory.mktemp("web")) as proc:
+        yield proc
 
 
 @pytest.fixture

@@ -70,7 +70,7 @@ def test_nothing_listening_is_an_os_error(tmp_path: Path) -> None:
 def test_an_engine_that_never_answers_times_out(tmp_path: Path) -> None:
     async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            await asyncio.sleep(5)
+            await asyncio.sleep(5)  # on purpose: an engine that says nothing past the 0.2 s timeout
         finally:
             writer.close()
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -11,123 +10,18 @@ import pytest
 
 from mlxd.engine.models.gguf import GGUFError, GGUFFile
 from mlxd.engine.models.gguf_tokenizer import Vocab, build_tokenizer, special_tokens, tokenizer_json
-
-# ggml type id -> (bytes per block, elements per block), for sizing tensor data.
-_BLOCKS = {0: (4, 1), 1: (2, 1), 2: (18, 32), 3: (20, 32), 8: (34, 32), 14: (210, 256)}
-F32, F16, Q4_0, Q4_1, Q8_0, Q6_K = 0, 1, 2, 3, 8, 14
-
-
-class U64(int):
-    """An int the writer stores as uint64 (the default is uint32, or int32 when negative)."""
-
-
-class I32(int):
-    """An int the writer stores as int32 (llama.cpp wants token types as int32)."""
-
-
-def _string(s: str) -> bytes:
-    raw = s.encode("utf-8")
-    return struct.pack("<Q", len(raw)) + raw
-
-
-def _typed(value: Any) -> tuple[int, bytes]:
-    """(GGUF value type, encoded payload) for a Python value."""
-    if isinstance(value, bool):
-        return 7, struct.pack("<?", value)
-    if isinstance(value, U64):
-        return 10, struct.pack("<Q", value)
-    if isinstance(value, I32):
-        return 5, struct.pack("<i", value)
-    if isinstance(value, int):
-        return (4, struct.pack("<I", value)) if value >= 0 else (5, struct.pack("<i", value))
-    if isinstance(value, float):
-        return 6, struct.pack("<f", value)
-    if isinstance(value, str):
-        return 8, _string(value)
-    item_type = _typed(value[0])[0] if value else 4
-    items = b"".join(_typed(v)[1] for v in value)
-    return 9, struct.pack("<IQ", item_type, len(value)) + items
-
-
-def write_gguf(
-    path: Path,
-    metadata: dict[str, Any],
-    tensors: Sequence[tuple[str, tuple[int, ...], int, bytes | None]] = (),
-    *,
-    magic: bytes = b"GGUF",
-    version: int = 3,
-) -> Path:
-    """Write a GGUF file; tensor shapes are row-major, data defaults to zeros of the right size."""
-    out = [magic, struct.pack("<IQQ", version, len(tensors), len(metadata))]
-    for key, value in metadata.items():
-        vtype, payload = _typed(value)
-        out += [_string(key), struct.pack("<I", vtype), payload]
-    blobs, offset = [], 0
-    for name, shape, ggml_type, data in tensors:
-        size, per = _BLOCKS[ggml_type]
-        count = 1
-        for dim in shape:
-            count *= dim
-        blob = data if data is not None else bytes(count // per * size)
-        out += [_string(name), struct.pack("<I", len(shape))]
-        out += [struct.pack("<Q", d) for d in reversed(shape)]  # GGUF lists dims innermost first
-        out.append(struct.pack("<IQ", ggml_type, offset))
-        pad = -len(blob) % 32
-        blobs.append(blob + bytes(pad))
-        offset += len(blob) + pad
-    header = b"".join(out)
-    path.write_bytes(header + bytes(-len(header) % 32) + b"".join(blobs))
-    return path
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character table."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-
-
-def byte_level_vocab(pre: str = "smollm") -> dict[str, Any]:
-    """Tokenizer metadata for a tiny byte-level BPE: 3 specials, 256 bytes, a few merges."""
-    merges = ["Ġ t", "h e", "Ġt he", "1 2", "Ġ 1"]
-    tokens = [*SPECIALS, *_bytes_to_unicode().values(), "Ġt", "he", "Ġthe", "12", "Ġ1"]
-    types = [3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS))
-    return {
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": pre,
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": [I32(t) for t in types],
-        "tokenizer.ggml.merges": merges,
-        "tokenizer.ggml.bos_token_id": 1,
-        "tokenizer.ggml.eos_token_id": 2,
-        "tokenizer.ggml.add_bos_token": False,
-        "tokenizer.chat_template": "{{ messages[0]['content'] }}",
-    }
-
-
-def llama_metadata(arch: str = "llama") -> dict[str, Any]:
-    """Model hyperparameters of a tiny llama."""
-    return {
-        "general.architecture": arch,
-        "general.name": "tiny",
-        f"{arch}.block_count": 1,
-        f"{arch}.context_length": 64,
-        f"{arch}.embedding_length": 8,
-        f"{arch}.feed_forward_length": 16,
-        f"{arch}.attention.head_count": 2,
-        f"{arch}.attention.head_count_kv": 1,
-        f"{arch}.attention.layer_norm_rms_epsilon": 1e-5,
-        f"{arch}.rope.freq_base": 10000.0,
-    }
+from tests.gguf_files import (
+    F32,
+    I32,
+    Q6_K,
+    Q8_0,
+    SPECIALS,
+    U64,
+    byte_level_vocab,
+    encode_string,
+    llama_metadata,
+    write_gguf,
+)
 
 
 def test_header_metadata_and_tensor_infos(tmp_path: Path) -> None:
@@ -179,7 +73,7 @@ def test_malformed_files_are_refused(tmp_path: Path, content: bytes, message: st
 
 def _raw_kv(key: str, vtype: int, payload: bytes) -> bytes:
     """One metadata entry, with a payload the writer would never produce."""
-    return _string(key) + struct.pack("<I", vtype) + payload
+    return encode_string(key) + struct.pack("<I", vtype) + payload
 
 
 def _nested_arrays(depth: int) -> bytes:
@@ -196,7 +90,7 @@ def _nested_arrays(depth: int) -> bytes:
         (_raw_kv("huge.string", 8, struct.pack("<Q", 2**63)), "truncated"),
         (_raw_kv("deep", 9, _nested_arrays(5000)), "nested deeper than 8"),
         (_raw_kv("bad.item", 9, struct.pack("<IQ", 77, 1)), "unknown GGUF array item type 77"),
-        (_raw_kv("bad.utf8", 8, _string("x")[:8] + b"\xff"), "invalid UTF-8"),
+        (_raw_kv("bad.utf8", 8, encode_string("x")[:8] + b"\xff"), "invalid UTF-8"),
     ],
     ids=["u32-count", "string-count", "array-count", "string-len", "deep", "item-type", "utf8"],
 )
@@ -234,7 +128,7 @@ def test_custom_alignment_is_used(tmp_path: Path) -> None:
     [
         ((2**62, 0), b""),  # tensor count
         ((0, 2**62), b""),  # metadata count
-        ((1, 0), _string("t") + struct.pack("<I", 2**31)),  # a tensor with 2**31 dims
+        ((1, 0), encode_string("t") + struct.pack("<I", 2**31)),  # a tensor with 2**31 dims
     ],
     ids=["tensors", "kvs", "dims"],
 )

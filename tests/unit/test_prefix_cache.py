@@ -4,7 +4,6 @@ entry, the byte-capped LRU, spills to the SSD tier and restores from it."""
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ from mlx_lm.utils import load
 
 from mlxd.engine.cache.prefix_cache import PrefixCache, common_prefix, view
 from mlxd.engine.cache.ssd_tier import SsdTier
+from tests.support import wait_for
 
 BIG = 1 << 30
 
@@ -41,15 +41,6 @@ def last_logits(model: Any, tokens: list[int], cache: list[Any] | None = None) -
 
 def seq(start: int, n: int) -> list[int]:
     return [(start + i) % 300 + 3 for i in range(n)]
-
-
-def wait_for(predicate: Any, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def test_common_prefix() -> None:
@@ -183,7 +174,7 @@ def test_write_behind_and_flush_put_entries_on_ssd_and_a_new_cache_restores_them
     pc.store(filled(model, b), b)
     assert pc.write_behind() == "queued"  # the newest first, one at a time
     assert pc.write_behind() in ("busy", "none")  # "busy" while the writer holds it
-    assert wait_for(lambda: pc.writes_pending == 0)
+    assert wait_for(lambda: pc.writes_pending == 0, 10)
     report = pc.flush(10)
     assert report.complete and report.entries == 1 and report.bytes > 0
     assert pc.write_behind() == "none"  # nothing left to write
@@ -207,7 +198,7 @@ def test_eviction_spills_to_ssd_and_the_entry_comes_back_from_there(model: Any, 
     entries = [seq(i * 40, 16) for i in range(6)]
     for tokens in entries:
         pc.store(filled(model, tokens), tokens)
-    assert wait_for(lambda: pc.writes_pending == 0)
+    assert wait_for(lambda: pc.writes_pending == 0, 10)
     assert pc.snapshot().ram.entries == 4
     assert pc.ssd is not None and len(pc.ssd) == 2  # the two evicted ones, written while busy
     kv, cached = pc.fetch(entries[0] + [1])
@@ -281,7 +272,7 @@ def test_a_failed_write_is_not_retried_by_write_behind_but_by_a_drain(model: Any
     tokens = seq(0, 20)
     pc.store(filled(model, tokens), tokens)
     assert pc.write_behind() == "queued"
-    assert wait_for(lambda: pc.writes_pending == 0)
+    assert wait_for(lambda: pc.writes_pending == 0, 10)
     assert pc.write_behind() == "none"  # not again and again (the idle loop would spin)
     assert pc.ssd is not None and pc.ssd.stats.write_errors == 1
     report = pc.flush(10)  # a drain tries again, and says it did not get it all written
@@ -302,7 +293,7 @@ def test_an_entry_larger_than_ram_goes_to_ssd_and_serves_from_there_without_fill
     pc = PrefixCache(2 * per_small, tier(tmp_path), idle)
     pc.store(filled(model, small), small)
     pc.store(filled(model, big), big)  # 8x the small one: over the cap
-    assert wait_for(lambda: pc.writes_pending == 0)
+    assert wait_for(lambda: pc.writes_pending == 0, 10)
     assert pc.snapshot().ram.entries == 1 and pc.ssd is not None and len(pc.ssd) == 1
     kv, cached = pc.fetch([*big, 1])
     assert cached == 64 and kv is not None and pc.stats.ssd_hits == 1

@@ -14,6 +14,7 @@ from mlxd.protocol.errors import APIError
 from mlxd.supervisor.engines.upstream import EngineUnreachable, connection_gate
 from mlxd.supervisor.relay.dialects import OPENAI
 from mlxd.supervisor.relay.forward import forward
+from tests.support import wait_for_async
 
 
 def run_forward(path: Path) -> None:
@@ -84,8 +85,7 @@ def test_a_connection_lost_before_the_request_is_written_is_unreachable_and_noth
 
         async def connect_then_lose(factory: Any, sock_path: str) -> Any:
             transport, proto = await connect(factory, sock_path)
-            while not proto.lost:  # the engine's close arrives before we write
-                await asyncio.sleep(0.01)
+            assert await wait_for_async(lambda: proto.lost)  # the engine's close arrives before we write
             return transport, proto
 
         setattr(loop, "create_unix_connection", connect_then_lose)  # noqa: B010 (a method of the loop object)

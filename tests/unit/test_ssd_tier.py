@@ -9,7 +9,6 @@ import errno
 import os
 import struct
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from mlxd.engine.cache.ssd_tier import (
     WriteJob,
     Writer,
 )
+from tests.support import wait_for
 
 BIG_CAP = 1 << 30
 TIMEOUT_S = 10.0
@@ -75,15 +75,6 @@ def quarantined(dir_: Path) -> list[str]:
 
 def temp_files(dir_: Path) -> list[Path]:
     return [p for p in dir_.iterdir() if p.name.startswith(kv_files.TEMP_PREFIX)]
-
-
-def wait_until(cond: Callable[[], bool], timeout_s: float = TIMEOUT_S) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.002)
-    return True
 
 
 def flip_bit(path: Path, pos: int, bit: int = 0) -> None:
@@ -454,7 +445,7 @@ def test_the_writer_writes_a_job_and_the_tier_then_holds_it(tmp_path: Path) -> N
     with running_writer(tier, idle) as writer:
         writer.submit(make_job("e.safetensors", [5, 6, 7], urgent=False, done=done))
         assert done.wait() == [True]
-        assert wait_until(lambda: writer.pending == 0)
+        assert wait_for(lambda: writer.pending == 0, TIMEOUT_S, interval=0.002)
 
     assert "e.safetensors" in tier
     entry = entry_of(tier, "e.safetensors")
@@ -489,7 +480,7 @@ def test_a_write_behind_job_waits_while_the_gpu_is_busy(tmp_path: Path, small_ch
     done = Done()
     with running_writer(tier, idle) as writer:
         writer.submit(make_job("e.safetensors", [1, 2, 3, 4, 5], urgent=False, done=done))
-        assert wait_until(lambda: idle.checks >= 5)  # it has looked, and waited, several times
+        assert wait_for(lambda: idle.checks >= 5, TIMEOUT_S, interval=0.002)  # it has looked, and waited, several times
 
         assert done.results == [] and writer.pending == 1
         assert writer.pending_bytes > 0
@@ -513,7 +504,7 @@ def test_a_write_behind_job_pauses_between_chunks_when_the_gpu_gets_busy(tmp_pat
         job = make_job("e.safetensors", [1, 2, 3, 4, 5], urgent=False, done=done)
         assert job.tensors[0].data.nbytes >= 4 * small_chunks
         writer.submit(job)
-        assert wait_until(lambda: idle.checks >= 3 + 4)  # and then several looks while busy
+        assert wait_for(lambda: idle.checks >= 3 + 4, TIMEOUT_S, interval=0.002)  # and then several looks while busy
 
         assert done.results == []
         (temp,) = temp_files(tmp_path)
@@ -670,7 +661,7 @@ def test_a_done_callback_that_raises_does_not_stop_the_writer(tmp_path: Path) ->
         writer.submit(make_job("a.safetensors", [1, 2, 3], urgent=True, done=bad, seed=1))
         writer.submit(make_job("b.safetensors", [4, 5, 6], urgent=True, done=done, seed=2))
         assert done.wait() == [True]
-        assert wait_until(lambda: writer.pending == 0)
+        assert wait_for(lambda: writer.pending == 0, TIMEOUT_S, interval=0.002)
     assert sorted(e.name for e in tier.entries()) == ["a.safetensors", "b.safetensors"]
 
 
@@ -681,5 +672,5 @@ def test_a_written_job_drops_its_buffers(tmp_path: Path) -> None:
     with running_writer(tier, threading.Event()) as writer:
         writer.submit(job)
         assert done.wait() == [True]
-        assert wait_until(lambda: writer.pending == 0)
+        assert wait_for(lambda: writer.pending == 0, TIMEOUT_S, interval=0.002)
     assert job.tensors is None and job.owner is None

@@ -137,7 +137,7 @@ async def _lost_mid_body() -> None:
     up.data_received(SSE_HEAD)
     up.sink = lambda _: None
     waiting = asyncio.ensure_future(up.changed())
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # one turn of the loop: the task runs up to its wait
     assert not waiting.done()
     up.data_received(framed(b"token"))  # with a sink, data alone does not wake the task
     await asyncio.sleep(0)
