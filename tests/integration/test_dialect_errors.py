@@ -5,26 +5,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from tests.support import SupervisorProcess
-
-FAST = {"MLXD_ENGINE_MODULE": "tests.fake_engine", "MLXD_ENGINE_BACKOFF_S": "0.05",
-        "MLXD_ENGINE_HEALTH_EVERY_S": "0.2", "MLXD_ENGINE_HEALTH_DEADLINE_S": "1"}
+from tests.support import SupervisorProcess, fake_supervisor
 
 
 @pytest.fixture(scope="module")
 def sup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SupervisorProcess]:
-    tmp = tmp_path_factory.mktemp("dialects")
-    model = tmp / "fake-model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    (model / "model.safetensors").write_bytes(b"")
-    env = {**FAST, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    config = f'[server]\nstream_keepalive_s = 0.2\n\n[pool]\nqueue_timeout_s = 1\n\n[models.fake]\npath = "{model}"\n'
-    proc = SupervisorProcess(config, tmp / "data", env=env).wait_up()
+    config = "[server]\nstream_keepalive_s = 0.2\n\n[pool]\nqueue_timeout_s = 1\n"
+    proc = fake_supervisor(tmp_path_factory.mktemp("dialects"), config=config)
     lease = proc.client.post("/admin/leases", json={"model": None, "ttl_s": 600})  # every request waits
     assert lease.status_code == 200, lease.text
     try:
