@@ -148,6 +148,63 @@ class CountTokensRequest(msgspec.Struct, kw_only=True):
     thinking: Thinking | None = None
 
 
+# ---- answers (encoded as they are; the OpenAPI document is generated from them) ----
+
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+
+
+class AnthropicUsage(msgspec.Struct):
+    input_tokens: int  # prompt tokens computed
+    output_tokens: int
+    cache_read_input_tokens: int  # prompt tokens served from the prompt cache
+    cache_creation_input_tokens: int
+
+
+class AnthropicMessage(msgspec.Struct):
+    """A message: `content` holds `thinking`, `text` and `tool_use` blocks."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: StopReason
+    stop_sequence: str | None
+    usage: AnthropicUsage
+
+
+class InputTokens(msgspec.Struct):
+    input_tokens: int
+
+
+class AnthropicErrorDetail(msgspec.Struct):
+    type: str
+    message: str
+
+
+class AnthropicErrorBody(msgspec.Struct):
+    """An error on the Anthropic routes, in Anthropic's shape."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+class ModelCard(msgspec.Struct):
+    type: Literal["model"]
+    id: str
+    display_name: str
+    created_at: str  # RFC 3339
+
+
+class ModelCardList(msgspec.Struct):
+    """GET /v1/models for a caller that sends `anthropic-version`."""
+
+    data: list[ModelCard]
+    has_more: bool
+    first_id: str | None
+    last_id: str | None
+
+
 def to_chat(req: MessagesRequest | CountTokensRequest, stream: bool = False) -> dict[str, Any]:
     """The engine's OpenAI chat request for an Anthropic one (a 400 for what it cannot say)."""
     messages: list[dict[str, Any]] = []
@@ -282,7 +339,7 @@ def new_message_id() -> str:
     return "msg_" + uuid.uuid4().hex[:24]
 
 
-def stop_reason(finish_reason: str | None, stop_sequence: str | None) -> str:
+def stop_reason(finish_reason: str | None, stop_sequence: str | None) -> StopReason:
     if finish_reason == "tool_calls":
         return "tool_use"
     if finish_reason == "length":
@@ -292,15 +349,15 @@ def stop_reason(finish_reason: str | None, stop_sequence: str | None) -> str:
     return "end_turn"
 
 
-def usage_of(usage: dict[str, Any] | None) -> dict[str, int]:
+def usage_of(usage: dict[str, Any] | None) -> AnthropicUsage:
     usage = usage or {}
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0
     prompt = usage.get("prompt_tokens", 0) or 0
-    return {"input_tokens": prompt - cached, "output_tokens": usage.get("completion_tokens", 0) or 0,
-            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+    return AnthropicUsage(input_tokens=prompt - cached, output_tokens=usage.get("completion_tokens", 0) or 0,
+                          cache_read_input_tokens=cached, cache_creation_input_tokens=0)
 
 
-def from_chat(completion: dict[str, Any], model: str) -> dict[str, Any]:
+def from_chat(completion: dict[str, Any], model: str) -> AnthropicMessage:
     """An Anthropic message from the engine's whole chat completion."""
     choice = (completion.get("choices") or [{}])[0]
     msg = choice.get("message") or {}
@@ -315,11 +372,9 @@ def from_chat(completion: dict[str, Any], model: str) -> dict[str, Any]:
                         "name": fn.get("name", ""), "input": parse_arguments(fn.get("arguments"))})
     stop = choice.get("stop_reason") if isinstance(choice.get("stop_reason"), str) else None
     reason = stop_reason(choice.get("finish_reason"), stop)
-    return {
-        "id": new_message_id(), "type": "message", "role": "assistant", "model": model, "content": content,
-        "stop_reason": reason, "stop_sequence": stop if reason == "stop_sequence" else None,
-        "usage": usage_of(completion.get("usage")),
-    }
+    return AnthropicMessage(new_message_id(), "message", "assistant", model=model, content=content,
+                            stop_reason=reason, stop_sequence=stop if reason == "stop_sequence" else None,
+                            usage=usage_of(completion.get("usage")))
 
 
 def parse_arguments(arguments: Any) -> Any:
@@ -332,7 +387,7 @@ def parse_arguments(arguments: Any) -> Any:
         return {"_raw": arguments}
 
 
-def sse(event: str, data: dict[str, Any]) -> bytes:
+def sse(event: str, data: dict[str, Any] | msgspec.Struct) -> bytes:
     return b"event: " + event.encode() + b"\ndata: " + msgspec.json.encode(data) + b"\n\n"
 
 
@@ -454,10 +509,10 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                503: "overloaded_error", 529: "overloaded_error"}
 
 
-def error_body(status: int, message: str) -> dict[str, Any]:
+def error_body(status: int, message: str) -> AnthropicErrorBody:
     """Anthropic's error shape for an HTTP status."""
     kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": message}}
+    return AnthropicErrorBody("error", AnthropicErrorDetail(kind, message))
 
 
 def error_event(status: int, message: str) -> bytes:
@@ -465,6 +520,13 @@ def error_event(status: int, message: str) -> bytes:
     return sse("error", error_body(status, message))
 
 
-def model_card(model_id: str, created: float | None = None) -> dict[str, Any]:
+def model_card(model_id: str, created: float | None = None) -> ModelCard:
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created or time.time()))
-    return {"type": "model", "id": model_id, "display_name": model_id, "created_at": stamp}
+    return ModelCard("model", model_id, display_name=model_id, created_at=stamp)
+
+
+def model_card_list(model_ids: list[str]) -> ModelCardList:
+    """The model list in Anthropic's shape (one page: all of them)."""
+    cards = [model_card(model_id) for model_id in model_ids]
+    return ModelCardList(cards, has_more=False, first_id=cards[0].id if cards else None,
+                         last_id=cards[-1].id if cards else None)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -290,6 +290,29 @@ def usage_of(usage: dict[str, Any] | None) -> dict[str, Any]:
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + completion}
+
+
+class ResponseObject(msgspec.Struct):
+    """A Response (OpenAI's Responses API): `output` holds reasoning, message and
+    function_call items; the request's settings are echoed."""
+
+    # The schema of what Shell.response builds, for the OpenAPI document only: the answer stays
+    # a dict, which the stream updates, the store keeps and replays as it is, and which carries
+    # more of the request's echoed settings than are described here.
+    id: str
+    object: Literal["response"]
+    created_at: int
+    completed_at: int | None
+    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any] | None
+    previous_response_id: str | None
+    instructions: str | None
+    error: dict[str, Any] | None
+    incomplete_details: dict[str, Any] | None
+    store: bool
+    metadata: dict[str, Any]
 
 
 class Shell:

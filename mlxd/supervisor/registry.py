@@ -8,15 +8,14 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Literal
 
 import msgspec
 
 from mlxd import paths
 from mlxd.protocol.errors import APIError
+from mlxd.protocol.supervisor_api import Source
 from mlxd.supervisor.config import DEFAULT_BATCH, ModelConfig
 
-Source = Literal["config", "models_dir", "hf_cache"]
 NUM_LISTED_IDS = 5
 RESCAN_ON_MISS_S = 1.0  # a name not found rescans the sources at most this often
 MAX_SCAN_DEPTH = 3  # model dirs are flat or one level deep; bounds symlink loops

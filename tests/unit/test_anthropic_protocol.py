@@ -100,11 +100,11 @@ def test_a_whole_chat_answer_becomes_a_message() -> None:
         "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}}],
         "usage": {"prompt_tokens": 50, "completion_tokens": 9, "prompt_tokens_details": {"cached_tokens": 20}}}
     msg = an.from_chat(completion, "m")
-    assert [b["type"] for b in msg["content"]] == ["thinking", "text", "tool_use"]
-    assert msg["content"][2]["input"] == {"a": 1}
-    assert msg["stop_reason"] == "tool_use"
-    assert msg["usage"]["input_tokens"] == 30 and msg["usage"]["cache_read_input_tokens"] == 20
-    assert msg["usage"]["output_tokens"] == 9
+    assert [b["type"] for b in msg.content] == ["thinking", "text", "tool_use"]
+    assert msg.content[2]["input"] == {"a": 1}
+    assert msg.stop_reason == "tool_use"
+    assert msg.usage.input_tokens == 30 and msg.usage.cache_read_input_tokens == 20
+    assert msg.usage.output_tokens == 9
 
 
 @pytest.mark.parametrize(("finish", "stop", "want"), [
@@ -113,8 +113,8 @@ def test_a_whole_chat_answer_becomes_a_message() -> None:
 ])
 def test_stop_reasons(finish: str, stop: str | None, want: str) -> None:
     msg = an.from_chat({"choices": [{"finish_reason": finish, "stop_reason": stop, "message": {"content": "x"}}]}, "m")
-    assert msg["stop_reason"] == want
-    assert msg["stop_sequence"] == (stop if want == "stop_sequence" else None)
+    assert msg.stop_reason == want
+    assert msg.stop_sequence == (stop if want == "stop_sequence" else None)
 
 
 def events(data: bytes) -> list[tuple[str, dict[str, Any]]]:
@@ -194,9 +194,9 @@ def test_sse_events_split_anywhere_come_out_whole() -> None:
 
 
 def test_errors_in_anthropics_shape() -> None:
-    assert an.error_body(404, "no")["error"] == {"type": "not_found_error", "message": "no"}
-    assert an.error_body(503, "busy")["error"]["type"] == "overloaded_error"
-    assert an.error_body(502, "crashed")["error"]["type"] == "api_error"
+    assert an.error_body(404, "no").error == an.AnthropicErrorDetail("not_found_error", "no")
+    assert an.error_body(503, "busy").error.type == "overloaded_error"
+    assert an.error_body(502, "crashed").error.type == "api_error"
     name, body = events(an.error_event(500, "boom"))[0]
     assert name == "error" and body == {"type": "error", "error": {"type": "api_error", "message": "boom"}}
 

@@ -23,6 +23,7 @@ import msgspec
 
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.process import LEASE_PATH, LeaseLine, LeaseRequest
+from mlxd.protocol.supervisor_api import Lease
 from mlxd.supervisor.engines.pool import Pool, Slot
 from mlxd.supervisor.engines.upstream import Upstream, open_upstream
 from mlxd.supervisor.registry import ModelEntry
@@ -31,19 +32,6 @@ log = logging.getLogger("mlxd.supervisor")
 _lease_line = msgspec.json.Decoder(LeaseLine)
 NUM_ENDED_KEPT = 50
 ENGINE_LEASE_WAIT_S = 300.0
-
-
-class Lease(msgspec.Struct, kw_only=True):
-    """A lease as `/admin/leases` shows it."""
-
-    id: str
-    model: str | None
-    holder: str
-    ttl_s: float
-    created_at: float
-    expires_at: float
-    state: str = "held"  # "held" | "ended"
-    ended_reason: str | None = None  # "released" | "expired" | "engine_crashed"
 
 
 @dataclass(eq=False)

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, TypeVar
 
 import msgspec
 import psutil
 from aiohttp import web
 
+from mlxd.protocol import supervisor_api as api
 from mlxd.protocol.engine_state import LOADED, SERVING, EngineState
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.json_body import decode_as
-from mlxd.supervisor.engines.leases import Lease
 from mlxd.supervisor.engines.pool import Pool, Slot
 from mlxd.supervisor.engines.spare import Spare
+from mlxd.supervisor.http.answers import json_answer
 from mlxd.supervisor.http.keys import LEASES, POOL, REGISTRY, TIMELINE
 from mlxd.supervisor.registry import ModelEntry
 
@@ -63,7 +64,7 @@ def resolve(request: web.Request, model: str) -> ModelEntry:
     return registry.resolve(model)
 
 
-def engine_info(pool: Pool, slot: Slot, lease: Lease | None) -> dict[str, Any]:
+def engine_info(pool: Pool, slot: Slot, lease: api.Lease | None) -> api.EngineRow:
     """One row of GET /admin/engines."""
     engine = slot.engine
     rss = None
@@ -74,30 +75,28 @@ def engine_info(pool: Pool, slot: Slot, lease: Lease | None) -> dict[str, Any]:
             rss = None
     up_since = engine.ready_since if engine.state is not EngineState.STOPPED else None
     retry_in_s = engine.retry_in_s()
-    return {
-        "model": slot.entry.id, "state": engine.state.value, "pid": engine.pid,
-        "uptime_s": round(time.time() - up_since, 3) if up_since is not None else None,
-        "rss_bytes": rss, "memory_estimate_bytes": slot.memory_bytes,
-        "in_flight": slot.in_flight, "queued": pool.num_queued(slot.entry.id),
-        "last_used": slot.last_used_wall, "pinned": slot.pinned, "restarts": engine.num_restarts,
-        "idle_ttl_s": slot.idle_ttl_s, "expires_in_s": pool.next_expiry(slot), "batch": engine.batch,
-        "closing": slot.closing, "failure": engine.failure, "boot": engine.boot_timings or None,
-        # a failed model starts again by itself then
-        "retry_at": round(time.time() + retry_in_s, 3) if retry_in_s is not None else None,
-        "retry_in_s": round(retry_in_s, 3) if retry_in_s is not None else None,
-        "last_stop": slot.last_stop,
-        "lease": {"id": lease.id, "holder": lease.holder, "expires_at": lease.expires_at} if lease else None,
-        "prompt_cache": msgspec.to_builtins(engine.prompt_cache)
-        if engine.state in SERVING else None,
-        "load": msgspec.to_builtins(engine.load_progress()),
-    }
+    return api.EngineRow(
+        model=slot.entry.id, state=engine.state, pid=engine.pid,
+        uptime_s=round(time.time() - up_since, 3) if up_since is not None else None,
+        rss_bytes=rss, memory_estimate_bytes=slot.memory_bytes,
+        in_flight=slot.in_flight, queued=pool.num_queued(slot.entry.id),
+        last_used=slot.last_used_wall, pinned=slot.pinned, restarts=engine.num_restarts,
+        idle_ttl_s=slot.idle_ttl_s, expires_in_s=pool.next_expiry(slot), batch=engine.batch,
+        closing=slot.closing, failure=engine.failure, boot=engine.boot_timings or None,
+        retry_at=round(time.time() + retry_in_s, 3) if retry_in_s is not None else None,
+        retry_in_s=round(retry_in_s, 3) if retry_in_s is not None else None,
+        last_stop=slot.last_stop,
+        lease=api.EngineLease(lease.id, lease.holder, lease.expires_at) if lease else None,
+        prompt_cache=engine.prompt_cache if engine.state in SERVING else None,
+        load=engine.load_progress(),
+    )
 
 
-def spare_info(spare: Spare) -> dict[str, Any]:
+def spare_info(spare: Spare) -> api.Spare:
     """The spare engine process, if one lives: its pid, and whether its imports are done."""
     # Between its death and its reaping (a moment) a spare's pid is dead, never warm.
     alive = spare.pid is not None and is_alive(spare.pid)
-    return {"pid": spare.pid if alive else None, "warm": alive and spare.is_warm}
+    return api.Spare(spare.pid if alive else None, alive and spare.is_warm)
 
 
 def is_alive(pid: int) -> bool:
@@ -113,18 +112,17 @@ async def engines(request: web.Request) -> web.Response:
     pool, leases = request.app[POOL], request.app[LEASES]
     await asyncio.gather(*(s.engine.fetch_prompt_cache() for s in pool.slots()))
     data = [engine_info(pool, s, leases.for_model(s.entry.id)) for s in pool.slots()]
-    return web.json_response({
-        "object": "list", "budget_bytes": pool.limits.budget_bytes, "used_bytes": pool.used_bytes(),
-        "max_loaded": pool.limits.max_loaded, "machine_leased": pool.machine.is_held,
-        "evictions": pool.num_evictions, "spare": spare_info(pool.spare),
-        "data": data,
-    })
+    return json_answer(api.EngineList(
+        "list", budget_bytes=pool.limits.budget_bytes, used_bytes=pool.used_bytes(),
+        max_loaded=pool.limits.max_loaded, machine_leased=pool.machine.is_held,
+        evictions=pool.num_evictions, spare=spare_info(pool.spare), data=data,
+    ))
 
 
 async def timeline(request: web.Request) -> web.Response:
     """GET /admin/timeline: each model's generated tokens, requests and time to first token, in
     buckets over the last minutes (the web page's charts)."""
-    return web.json_response(request.app[TIMELINE].view(time.time()))
+    return json_answer(request.app[TIMELINE].view(time.time()))
 
 
 async def load(request: web.Request) -> web.Response:
@@ -133,10 +131,8 @@ async def load(request: web.Request) -> web.Response:
     entry = resolve(request, body.model)
     started = time.perf_counter()
     slot = await request.app[POOL].admin.load(entry, body.pin)
-    return web.json_response({
-        "model": entry.id, "state": slot.engine.state.value, "pinned": slot.pinned,
-        "load_ms": round((time.perf_counter() - started) * 1000, 1),
-    })
+    return json_answer(api.LoadAnswer(entry.id, slot.engine.state, slot.pinned,
+                                      load_ms=round((time.perf_counter() - started) * 1000, 1)))
 
 
 async def unload(request: web.Request) -> web.Response:
@@ -153,8 +149,7 @@ async def unload(request: web.Request) -> web.Response:
     slot.pinned = slot.pinned and not body.force
     was_loaded = slot.engine.state in LOADED
     report = await pool.admin.unload(slot) if was_loaded else None  # carries on if the caller leaves
-    return web.json_response({"model": entry.id, "state": slot.engine.state.value, "was_loaded": was_loaded,
-                              "drain": msgspec.to_builtins(report)})
+    return json_answer(api.UnloadAnswer(entry.id, slot.engine.state, was_loaded, drain=report))
 
 
 async def drain(request: web.Request) -> web.Response:
@@ -166,14 +161,13 @@ async def drain(request: web.Request) -> web.Response:
     else:
         slots = [s for s in pool.slots() if s.engine.state is EngineState.READY]
     reports = await asyncio.gather(*(pool.admin.drain(s) for s in slots))
-    drained = [{"model": s.entry.id, **msgspec.to_builtins(r)} for s, r in zip(slots, reports, strict=True) if r is not None]
-    return web.json_response({"drained": drained})
+    drained = [api.model_drain(s.entry.id, r) for s, r in zip(slots, reports, strict=True) if r is not None]
+    return json_answer(api.DrainAnswer(drained))
 
 
 async def list_leases(request: web.Request) -> web.Response:
     """GET /admin/leases: held leases, then recently ended ones."""
-    data = msgspec.to_builtins(request.app[LEASES].all())
-    return web.json_response({"object": "list", "data": data})
+    return json_answer(api.LeaseList("list", request.app[LEASES].all()))
 
 
 async def take_lease(request: web.Request) -> web.Response:
@@ -181,20 +175,20 @@ async def take_lease(request: web.Request) -> web.Response:
     body = await decode(request, LeaseBody)
     entry = resolve(request, body.model) if body.model is not None else None
     lease = await request.app[LEASES].take(entry, body.ttl_s, body.holder)
-    return web.json_response(msgspec.to_builtins(lease))
+    return json_answer(lease)
 
 
 async def renew_lease(request: web.Request) -> web.Response:
     """POST /admin/leases/{id}/renew {"ttl_s"?}."""
     body = await decode(request, RenewBody, empty_ok=True)
     lease = request.app[LEASES].renew(request.match_info["lease_id"], body.ttl_s)
-    return web.json_response(msgspec.to_builtins(lease))
+    return json_answer(lease)
 
 
 async def end_lease(request: web.Request) -> web.Response:
     """DELETE /admin/leases/{id}."""
     lease = request.app[LEASES].end(request.match_info["lease_id"], "released")
-    return web.json_response({"id": lease.id, "deleted": True})
+    return json_answer(api.LeaseDeleted(lease.id, deleted=True))
 
 
 def setup_admin_routes(app: web.Application) -> None:

@@ -8,6 +8,7 @@ import msgspec
 from aiohttp import web
 
 from mlxd.protocol.json_body import decode_json
+from mlxd.supervisor.http.answers import json_answer
 from mlxd.supervisor.http.keys import POOL, REGISTRY
 from mlxd.supervisor.http.relaying import relay, resolve
 from mlxd.supervisor.relay.dialect import ModelRow
@@ -47,7 +48,7 @@ async def list_models(request: web.Request) -> web.Response:
     engines = {e.model_id: e for e in pool.engines()}
     rows = [ModelRow(m, engines[m.id].state, engines[m.id].load_progress()) if m.id in engines else ModelRow(m)
             for m in registry.entries()]
-    return web.json_response(models_dialect(request).model_list(rows, int(time.time())))
+    return json_answer(models_dialect(request).model_list(rows, int(time.time())))
 
 
 def setup_openai_routes(app: web.Application) -> None:

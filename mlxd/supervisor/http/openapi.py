@@ -1,240 +1,37 @@
 """The OpenAPI 3.1 document of the supervisor's HTTP API, served at `GET /openapi.json`.
 
-Request schemas are the msgspec Structs the handlers decode with, through
-`msgspec.json.schema_components` (JSON Schema 2020-12, which OpenAPI 3.1 uses as is), so a
-range added to a Struct reaches the document with no edit here. The supervisor builds most of
-its own answers as dicts: the Structs below describe them, and the fuzz test
-(tests/integration/test_fuzz.py) checks real answers against them.
+Schemas are the msgspec Structs the handlers decode requests with and encode answers from
+(mlxd/protocol/), through `msgspec.json.schema_components` (JSON Schema 2020-12, which OpenAPI
+3.1 uses as is), so a field or range added to a Struct reaches the document with no edit here.
+One exception: a Response object is a dict (protocol/responses.py's ResponseObject says why).
+The fuzz test (tests/integration/test_fuzz.py) checks real answers against the document.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
 from mlxd import __version__
 from mlxd.protocol import anthropic, openai, responses
-from mlxd.protocol.engine_state import EngineState
+from mlxd.protocol import supervisor_api as api
 from mlxd.protocol.errors import ErrorBody
-from mlxd.protocol.process import LEASE_HEADER, DrainResult
-from mlxd.protocol.stats import LoadProgress, PromptCacheStats
-from mlxd.supervisor.engines.leases import Lease
+from mlxd.protocol.process import LEASE_HEADER
 from mlxd.supervisor.http import admin_routes as admin
-from mlxd.supervisor.registry import Source
-
-# ---- the supervisor's answers (documentation only: the handlers build dicts) ----
-
-
-class ModelInfo(msgspec.Struct):
-    """A model that exists, in OpenAI's shape plus where it comes from and its state."""
-
-    id: str
-    object: Literal["model"]
-    created: int
-    owned_by: str
-    loaded: bool
-    state: EngineState
-    source: Source
-    size_bytes: int
-    load: LoadProgress | None  # while its engine starts: phase, done of total
-
-
-class ModelInfoList(msgspec.Struct):
-    object: Literal["list"]
-    data: list[ModelInfo]
-
-
-class Health(msgspec.Struct):
-    status: Literal["ok"]
-    version: str
-    engines: dict[str, EngineState]
-
-
-class EngineLease(msgspec.Struct):
-    id: str
-    holder: str
-    expires_at: float
-
-
-class Spare(msgspec.Struct):
-    """The engine process kept ready for the next model start (pid null: none)."""
-
-    pid: int | None
-    warm: bool
-
-
-class EngineRow(msgspec.Struct):
-    """One model the pool has seen; `boot` and `last_stop` hold timings in ms."""
-
-    model: str
-    state: EngineState
-    pid: int | None
-    uptime_s: float | None
-    rss_bytes: int | None
-    memory_estimate_bytes: int
-    in_flight: int
-    queued: int
-    last_used: float | None
-    pinned: bool
-    restarts: int
-    idle_ttl_s: int
-    expires_in_s: float | None
-    batch: int  # sequences the engine decodes at once ([pool] batch, or the model's own)
-    closing: str | None
-    failure: str | None
-    boot: dict[str, float] | None
-    last_stop: dict[str, Any] | None
-    lease: EngineLease | None
-    prompt_cache: PromptCacheStats | None  # the engine's prompt cache (RAM, SSD, hits); None unless serving
-    load: LoadProgress | None  # while it starts: phase, done of total (bytes of weights), elapsed since spawn
-
-
-class EngineList(msgspec.Struct):
-    object: Literal["list"]
-    budget_bytes: int
-    used_bytes: int
-    max_loaded: int | None
-    machine_leased: bool
-    evictions: int
-    spare: Spare
-    data: list[EngineRow]
-
-
-class ModelDrain(DrainResult, kw_only=True):
-    model: str
-
-
-class DrainAnswer(msgspec.Struct):
-    drained: list[ModelDrain]
-
-
-class LoadAnswer(msgspec.Struct):
-    model: str
-    state: EngineState
-    pinned: bool
-    load_ms: float
-
-
-class UnloadAnswer(msgspec.Struct):
-    """`drain` is null when the model was not loaded."""
-
-    model: str
-    state: EngineState
-    was_loaded: bool
-    drain: DrainResult | None
-
-
-class LeaseList(msgspec.Struct):
-    """Held leases first, then the last ended ones, newest first."""
-
-    object: Literal["list"]
-    data: list[Lease]
-
-
-class LeaseDeleted(msgspec.Struct):
-    id: str
-    deleted: bool
-
-
-class AnthropicErrorDetail(msgspec.Struct):
-    type: str
-    message: str
-
-
-class AnthropicErrorBody(msgspec.Struct):
-    """An error on the Anthropic routes, in Anthropic's shape."""
-
-    type: Literal["error"]
-    error: AnthropicErrorDetail
-
-
-class AnthropicUsage(msgspec.Struct):
-    input_tokens: int  # prompt tokens computed
-    output_tokens: int
-    cache_read_input_tokens: int  # prompt tokens served from the prompt cache
-    cache_creation_input_tokens: int
-
-
-class AnthropicMessage(msgspec.Struct):
-    """A message: `content` holds `thinking`, `text` and `tool_use` blocks."""
-
-    id: str
-    type: Literal["message"]
-    role: Literal["assistant"]
-    model: str
-    content: list[dict[str, Any]]
-    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
-    stop_sequence: str | None
-    usage: AnthropicUsage
-
-
-class InputTokens(msgspec.Struct):
-    input_tokens: int
-
-
-class ResponseObject(msgspec.Struct):
-    """A Response (OpenAI's Responses API): `output` holds reasoning, message and
-    function_call items; the request's settings are echoed."""
-
-    id: str
-    object: Literal["response"]
-    created_at: int
-    completed_at: int | None
-    status: Literal["in_progress", "completed", "incomplete", "failed"]
-    model: str
-    output: list[dict[str, Any]]
-    usage: dict[str, Any] | None
-    previous_response_id: str | None
-    instructions: str | None
-    error: dict[str, Any] | None
-    incomplete_details: dict[str, Any] | None
-    store: bool
-    metadata: dict[str, Any]
-
-
-class ResponseDeleted(msgspec.Struct):
-    id: str
-    object: Literal["response"]
-    deleted: bool
-
-
-class InputItemList(msgspec.Struct):
-    object: Literal["list"]
-    data: list[dict[str, Any]]
-    first_id: str | None
-    last_id: str | None
-    has_more: bool
-
-
-class ModelTimeline(msgspec.Struct):
-    """One model's buckets, oldest first: tokens generated (a request's spread over its decode),
-    requests ended, and the median time to first token of those whose first token came then."""
-
-    completion_tokens: list[float]
-    requests: list[int]
-    ttft_ms: list[float | None]
-
-
-class TimelineView(msgspec.Struct):
-    """The last minutes of work, in `buckets` buckets of `step_s` seconds ending at `end` (unix time)."""
-
-    step_s: float
-    end: float
-    buckets: int
-    models: dict[str, ModelTimeline]
-
 
 SCHEMA_TYPES: tuple[Any, ...] = (
     openai.ChatCompletionRequest, openai.CompletionRequest, openai.ChatCompletion,
     openai.ChatCompletionChunk, openai.Completion, ErrorBody, admin.LoadBody, admin.UnloadBody,
-    admin.DrainBody, admin.LeaseBody, admin.RenewBody, ModelInfoList, Health, EngineList,
-    LoadAnswer, UnloadAnswer, DrainAnswer, Lease, LeaseList, LeaseDeleted, anthropic.MessagesRequest,
-    anthropic.CountTokensRequest, AnthropicMessage, AnthropicErrorBody, InputTokens, responses.ResponsesRequest,
-    ResponseObject, ResponseDeleted, InputItemList, TimelineView,
+    admin.DrainBody, admin.LeaseBody, admin.RenewBody, api.ModelInfoList, api.Health, api.EngineList,
+    api.LoadAnswer, api.UnloadAnswer, api.DrainAnswer, api.Lease, api.LeaseList, api.LeaseDeleted,
+    anthropic.MessagesRequest, anthropic.CountTokensRequest, anthropic.AnthropicMessage,
+    anthropic.AnthropicErrorBody, anthropic.InputTokens, responses.ResponsesRequest, responses.ResponseObject,
+    api.ResponseDeleted, api.InputItemList, api.TimelineView,
 )
+
 
 def prompt_schema() -> dict[str, Any]:
     """CompletionRequest.prompt as the engine checks it (openai.completion_prompt): msgspec can't

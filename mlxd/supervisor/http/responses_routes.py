@@ -20,6 +20,8 @@ from aiohttp import web
 from mlxd.protocol import responses
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.json_body import decode_json
+from mlxd.protocol.supervisor_api import InputItemList, ResponseDeleted
+from mlxd.supervisor.http.answers import json_answer
 from mlxd.supervisor.http.keys import CONFIG
 from mlxd.supervisor.http.relaying import relay, resolve
 from mlxd.supervisor.relay.responses_dialect import Responses
@@ -91,7 +93,7 @@ async def delete(request: web.Request) -> web.Response:
     store = request.app[STORE]
     if not await store.run(store.store.delete, response_id):
         raise not_found(response_id)
-    return web.json_response({"id": response_id, "object": "response", "deleted": True})
+    return json_answer(ResponseDeleted(response_id, "response", deleted=True))
 
 
 async def input_items(request: web.Request) -> web.Response:
@@ -118,8 +120,8 @@ async def input_items(request: web.Request) -> web.Response:
             raise APIError(400, f"No input item {after!r} in response {response_id}.", param="after")
         items = items[ids.index(after) + 1:]
     page = items[:limit]
-    return web.json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                              "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
+    return json_answer(InputItemList("list", page, first_id=page[0]["id"] if page else None,
+                                     last_id=page[-1]["id"] if page else None, has_more=len(items) > limit))
 
 
 async def store_ctx(app: web.Application) -> AsyncIterator[None]:

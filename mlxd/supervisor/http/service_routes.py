@@ -7,6 +7,8 @@ import asyncio
 from aiohttp import web
 
 from mlxd import __version__
+from mlxd.protocol.supervisor_api import Health
+from mlxd.supervisor.http.answers import json_answer
 from mlxd.supervisor.http.keys import METRICS, POOL
 
 
@@ -18,8 +20,8 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     """GET /health (no auth): the supervisor is up."""
-    engines = {e.model_id: e.state.value for e in request.app[POOL].engines()}
-    return web.json_response({"status": "ok", "version": __version__, "engines": engines})
+    engines = {e.model_id: e.state for e in request.app[POOL].engines()}
+    return json_answer(Health("ok", __version__, engines))
 
 
 def setup_service_routes(app: web.Application) -> None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Any
+
+from mlxd.protocol.supervisor_api import ModelTimeline, TimelineView
 
 STEP_S = 2.0
 NUM_BUCKETS = 300  # ten minutes
@@ -52,7 +53,7 @@ class Timeline:
             lo, hi = max(start, number * self.step_s), min(end, (number + 1) * self.step_s)
             self._bucket(ring, number * self.step_s).completion_tokens += rate * max(hi - lo, 0.0)
 
-    def view(self, now: float) -> dict[str, Any]:
+    def view(self, now: float) -> TimelineView:
         """The answer of GET /admin/timeline: each model's buckets up to `now`, oldest first."""
         last = self._number(now)
         numbers = range(last - self.num_buckets + 1, last + 1)
@@ -60,12 +61,12 @@ class Timeline:
         for model, ring in self._models.items():
             slots = [ring[n % self.num_buckets] for n in numbers]
             held = [b if b.number == n else _Bucket(n) for b, n in zip(slots, numbers, strict=True)]
-            models[model] = {
-                "completion_tokens": [round(b.completion_tokens, 2) for b in held],  # a share of a request's
-                "requests": [b.requests for b in held],
-                "ttft_ms": [round(statistics.median(b.ttft_ms), 1) if b.ttft_ms else None for b in held],
-            }
-        return {"step_s": self.step_s, "end": (last + 1) * self.step_s, "buckets": self.num_buckets, "models": models}
+            models[model] = ModelTimeline(
+                completion_tokens=[round(b.completion_tokens, 2) for b in held],  # a share of a request's
+                requests=[b.requests for b in held],
+                ttft_ms=[round(statistics.median(b.ttft_ms), 1) if b.ttft_ms else None for b in held],
+            )
+        return TimelineView(step_s=self.step_s, end=(last + 1) * self.step_s, buckets=self.num_buckets, models=models)
 
     def _number(self, t: float) -> int:
         return math.floor(t / self.step_s)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import msgspec
 
@@ -45,10 +44,8 @@ class AnthropicMessages(Dialect):
     async def whole(self, status: int, data: bytes) -> tuple[int, bytes]:
         return status, msgspec.json.encode(anthropic.from_chat(msgspec.json.decode(data), self.model))
 
-    def model_list(self, rows: Sequence[ModelRow], now: int) -> dict[str, Any]:
-        cards = [anthropic.model_card(row.entry.id) for row in rows]
-        return {"data": cards, "has_more": False, "first_id": cards[0]["id"] if cards else None,
-                "last_id": cards[-1]["id"] if cards else None}
+    def model_list(self, rows: Sequence[ModelRow], now: int) -> msgspec.Struct:
+        return anthropic.model_card_list([row.entry.id for row in rows])
 
 
 class AnthropicCountTokens(AnthropicMessages):
@@ -59,4 +56,4 @@ class AnthropicCountTokens(AnthropicMessages):
 
     async def whole(self, status: int, data: bytes) -> tuple[int, bytes]:
         rendered = msgspec.json.decode(data)
-        return status, msgspec.json.encode({"input_tokens": int(rendered["prompt_tokens"])})
+        return status, msgspec.json.encode(anthropic.InputTokens(int(rendered["prompt_tokens"])))

@@ -22,6 +22,8 @@ from aiohttp import web
 
 from mlxd.protocol.engine_state import EngineState
 from mlxd.protocol.errors import APIError, encode_openai_error
+from mlxd.protocol.stats import LoadProgress
+from mlxd.protocol.supervisor_api import ModelInfo, ModelInfoList
 from mlxd.supervisor.registry import ModelEntry
 
 
@@ -44,7 +46,7 @@ class ModelRow(msgspec.Struct, frozen=True):
 
     entry: ModelEntry
     state: EngineState = EngineState.STOPPED
-    load: Any = None  # the engine's load progress (protocol.stats.LoadProgress) while it starts
+    load: LoadProgress | None = None  # while its engine starts
 
 
 class Dialect:
@@ -91,18 +93,14 @@ class Dialect:
     async def on_final(self, translator: StreamTranslator) -> None:
         """After the stream's `finish` and before its closing events go out."""
 
-    def model_list(self, rows: Sequence[ModelRow], now: int) -> dict[str, Any]:
+    def model_list(self, rows: Sequence[ModelRow], now: int) -> msgspec.Struct:
         """GET /v1/models in this API's shape (OpenAI's, with mlxd's fields)."""
         data = [
-            {
-                "id": row.entry.id, "object": "model", "created": now, "owned_by": "mlxd",
-                "loaded": row.state is EngineState.READY, "state": row.state.value,
-                "source": row.entry.source, "size_bytes": row.entry.size_bytes,
-                "load": msgspec.to_builtins(row.load) if row.load is not None else None,
-            }
+            ModelInfo(row.entry.id, "model", created=now, owned_by="mlxd", loaded=row.state is EngineState.READY,
+                      state=row.state, source=row.entry.source, size_bytes=row.entry.size_bytes, load=row.load)
             for row in rows
         ]
-        return {"object": "list", "data": data}
+        return ModelInfoList("list", data)
 
 
 class OpenAIChat(Dialect):
