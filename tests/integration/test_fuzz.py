@@ -33,6 +33,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from schemathesis import Case, GenerationMode
 from schemathesis.core.failures import Failure, FailureGroup
+from schemathesis.core.parameters import ParameterLocation
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
     negative_data_rejection,
@@ -128,7 +129,11 @@ class Fuzzer:
             ids = [i for i, end in self.held.items() if end > time.monotonic()] or list(self.held)
         if "lease_id" in (case.path_parameters or {}) and held_lease < 0.5 and ids:
             case.path_parameters = {**case.path_parameters, "lease_id": ids[int(pick * len(ids))]}
-        if valid_key < VALID_KEY_P:
+        # A case whose headers were made invalid keeps them: with a good key put back, the server
+        # rightly accepts it, and schemathesis (which still sees the broken headers) reports a
+        # violating request accepted, whenever nothing else turned the request away.
+        negative_headers = case.meta is not None and case.meta.is_negative_at(ParameterLocation.HEADER)
+        if valid_key < VALID_KEY_P and not negative_headers:
             for name in ("Authorization", "x-api-key"):
                 case.headers.pop(name, None)
             case.headers["Authorization" if bearer < 0.5 else "x-api-key"] = (
