@@ -88,14 +88,15 @@ def decode_tps(run: dict[str, Any]) -> float | None:
 
 def translation_cost(events: int = 20000) -> dict[str, float]:
     """Microseconds per event for the supervisor's work on a stream, each API."""
-    from mlxd.protocol.anthropic import MessageStream
-    from mlxd.protocol.responses import ResponsesRequest, ResponseStream, Shell
+    from mlxd.protocol.anthropic_stream import MessageStream
+    from mlxd.protocol.chat_chunks import chunk_decoder
+    from mlxd.protocol.responses import ResponsesRequest, Shell
+    from mlxd.protocol.responses_stream import ResponseStream
     from mlxd.supervisor.relay.sse import SseEvents
 
     chunk = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 1, "model": "m",
              "choices": [{"index": 0, "delta": {"content": " word"}, "finish_reason": None, "logprobs": None}]}
     wire = b"data: " + json.dumps(chunk).encode() + b"\n\n"
-    import msgspec
 
     sse = SseEvents()
     started = time.perf_counter()
@@ -111,7 +112,7 @@ def translation_cost(events: int = 20000) -> dict[str, float]:
         for _ in range(events):
             for data in sse.feed(wire):
                 assert data is not None
-                translator.feed(msgspec.json.decode(data))
+                translator.feed(chunk_decoder.decode(data))
         costs[name] = round((time.perf_counter() - started) / events * 1e6, 2)
     return costs
 

@@ -3,13 +3,13 @@
 Runs `benchmarks/SCRIPT ARGS...` from the base tree and from this one alternately (which goes
 first alternates too), each with PYTHONPATH at its own tree so every process it starts imports
 that tree's mlxd, and prints each figure's median per tree and their ratio. SCRIPT must print
-its summary as JSON on stdout, or write it to the file given by `--json` (pass `--json` as
-the script's option name with `--json-flag`).
+its summary as JSON on stdout, or write it to a file named by one of its options
+(`--json-flag=--json`).
 
   git worktree add /tmp/base ee5c246
   python benchmarks/tree_turns.py --base /tmp/base --turns 3 \
       --keys decode_ratio.anthropic,decode_ratio.responses,added_ttft_ms_p50.anthropic api_overhead.py --rounds 20
-  python benchmarks/tree_turns.py --base /tmp/base --turns 3 --json-flag --json \
+  python benchmarks/tree_turns.py --base /tmp/base --turns 3 --json-flag=--json \
       --keys delivery_ratio,ttft_added_ms,conc_delivery_ratio proxy_overhead.py --runs 9
 """
 

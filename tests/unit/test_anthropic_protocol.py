@@ -10,6 +10,8 @@ import msgspec
 import pytest
 
 from mlxd.protocol import anthropic as an
+from mlxd.protocol.anthropic_stream import MessageStream
+from mlxd.protocol.chat_chunks import ChatChunk, chunk_decoder
 from mlxd.protocol.errors import APIError
 from mlxd.supervisor.relay.sse import SseEvents
 
@@ -126,12 +128,17 @@ def events(data: bytes) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def chunk(**delta: Any) -> dict[str, Any]:
-    return {"choices": [{"index": 0, "delta": delta}]}
+def as_chunk(data: dict[str, Any]) -> ChatChunk:
+    """An engine chunk as the relay decodes it from the wire."""
+    return chunk_decoder.decode(msgspec.json.encode(data))
+
+
+def chunk(**delta: Any) -> ChatChunk:
+    return as_chunk({"choices": [{"index": 0, "delta": delta}]})
 
 
 def test_a_stream_of_thinking_text_and_two_calls_gets_blocks_in_order() -> None:
-    s = an.MessageStream("m")
+    s = MessageStream("m")
     data = s.feed(chunk(role="assistant"))
     data += s.feed(chunk(reasoning_content="Let me "))
     data += s.feed(chunk(reasoning_content="think."))
@@ -140,8 +147,8 @@ def test_a_stream_of_thinking_text_and_two_calls_gets_blocks_in_order() -> None:
     data += s.feed(chunk(tool_calls=[{"index": 0, "function": {"arguments": '{"a"'}}]))
     data += s.feed(chunk(tool_calls=[{"index": 0, "function": {"arguments": ": 1}"}}]))
     data += s.feed(chunk(tool_calls=[{"index": 1, "id": "c1", "type": "function", "function": {"name": "g", "arguments": "{}"}}]))
-    data += s.feed({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
-    data += s.feed({"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 7}})
+    data += s.feed(as_chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}))
+    data += s.feed(as_chunk({"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 7}}))
     data += s.finish()
     evs = events(data)
     names = [n for n, _ in evs]
@@ -170,16 +177,16 @@ def test_a_stream_of_thinking_text_and_two_calls_gets_blocks_in_order() -> None:
 
 
 def test_a_stream_ended_by_a_stop_string_says_which() -> None:
-    s = an.MessageStream("m")
+    s = MessageStream("m")
     data = s.feed(chunk(content="1, 2, 3"))
-    data += s.feed({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop", "stop_reason": ", 4"}]})
+    data += s.feed(as_chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop", "stop_reason": ", 4"}]}))
     data += s.finish()
     delta = events(data)[-2][1]["delta"]
     assert delta == {"stop_reason": "stop_sequence", "stop_sequence": ", 4"}
 
 
 def test_an_empty_reply_still_makes_a_whole_event_sequence() -> None:
-    s = an.MessageStream("m")
+    s = MessageStream("m")
     names = [n for n, _ in events(s.finish())]
     assert names == ["message_start", "ping", "message_delta", "message_stop"]
     assert s.finish() == b""  # once
@@ -215,19 +222,19 @@ def test_system_turns_join_the_system_prompt_first() -> None:
     assert info.value.param == "messages[0].content[0]"
 
 
-def full_stream() -> list[dict[str, Any]]:
+def full_stream() -> list[ChatChunk]:
     return [chunk(role="assistant"), chunk(reasoning_content="Hm."), chunk(content="Sure"),
             chunk(tool_calls=[{"index": 0, "id": "c0", "function": {"name": "f", "arguments": '{"a"'}}]),
             chunk(tool_calls=[{"index": 0, "function": {"arguments": ": 1}"}}]),
-            {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
-            {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4}}]
+            as_chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}),
+            as_chunk({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4}})]
 
 
 @pytest.mark.parametrize("cut", range(len(full_stream()) + 1))
 def test_a_stream_cut_after_any_chunk_ends_with_an_error_event(cut: int) -> None:
     """The engine gone after `cut` chunks (the relay then calls `fail`): every event before
     is well formed and in order, and the last is Anthropic's error event."""
-    s = an.MessageStream("m")
+    s = MessageStream("m")
     data = s.start() + b"".join(s.feed(c) for c in full_stream()[:cut]) + s.fail(502, "The engine crashed.")
     evs = events(data)
     assert [n for n, _ in evs[:2]] == ["message_start", "ping"]

@@ -11,7 +11,9 @@ import msgspec
 import pytest
 
 from mlxd.protocol import responses as rs
+from mlxd.protocol.chat_chunks import ChatChunk, chunk_decoder
 from mlxd.protocol.errors import APIError
+from mlxd.protocol.responses_stream import ResponseStream, replay
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "d",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
@@ -167,20 +169,25 @@ def parse(data: bytes) -> list[dict[str, Any]]:
     return events
 
 
-def chunk(**delta: Any) -> dict[str, Any]:
-    return {"choices": [{"index": 0, "delta": delta}]}
+def as_chunk(data: dict[str, Any]) -> ChatChunk:
+    """An engine chunk as the relay decodes it from the wire."""
+    return chunk_decoder.decode(msgspec.json.encode(data))
+
+
+def chunk(**delta: Any) -> ChatChunk:
+    return as_chunk({"choices": [{"index": 0, "delta": delta}]})
 
 
 def test_a_stream_of_reasoning_text_and_two_calls() -> None:
-    s = rs.ResponseStream(rs.Shell(request(tools=[WEATHER]), "m"))
+    s = ResponseStream(rs.Shell(request(tools=[WEATHER]), "m"))
     data = s.start() + s.feed(chunk(role="assistant")) + s.feed(chunk(reasoning_content="Think"))
     data += s.feed(chunk(content="Sure")) + s.feed(chunk(content="."))
     data += s.feed(chunk(tool_calls=[{"index": 0, "id": "c0", "function": {"name": "get_weather", "arguments": ""}}]))
     data += s.feed(chunk(tool_calls=[{"index": 0, "function": {"arguments": '{"city": '}}]))
     data += s.feed(chunk(tool_calls=[{"index": 0, "function": {"arguments": '"Oslo"}'}}]))
     data += s.feed(chunk(tool_calls=[{"index": 1, "id": "c1", "function": {"name": "get_weather", "arguments": "{}"}}]))
-    data += s.feed({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
-    data += s.feed({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4}})
+    data += s.feed(as_chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}))
+    data += s.feed(as_chunk({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4}}))
     data += s.finish()
     events = parse(data)
     kinds = [e["type"] for e in events]
@@ -198,15 +205,15 @@ def test_a_stream_of_reasoning_text_and_two_calls() -> None:
 
 
 def test_a_stream_that_runs_out_of_tokens_is_incomplete() -> None:
-    s = rs.ResponseStream(rs.Shell(request(), "m"))
-    data = s.feed(chunk(content="abc")) + s.feed({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
+    s = ResponseStream(rs.Shell(request(), "m"))
+    data = s.feed(chunk(content="abc")) + s.feed(as_chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}))
     events = parse(data + s.finish())
     assert events[-1]["type"] == "response.incomplete"
     assert events[-1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
 
 
 def test_an_error_mid_stream_is_an_error_event_then_response_failed() -> None:
-    s = rs.ResponseStream(rs.Shell(request(), "m"))
+    s = ResponseStream(rs.Shell(request(), "m"))
     data = s.feed(chunk(content="ab")) + s.fail(502, "The engine crashed.", "engine_crashed")
     events = parse(data)
     error = next(e for e in events if e["type"] == "error")
@@ -219,29 +226,29 @@ def test_an_error_mid_stream_is_an_error_event_then_response_failed() -> None:
 
 
 def test_a_stored_response_replays_as_a_valid_stream() -> None:
-    s = rs.ResponseStream(rs.Shell(request(tools=[WEATHER]), "m"))
+    s = ResponseStream(rs.Shell(request(tools=[WEATHER]), "m"))
     s.feed(chunk(content="Hi"))
     s.feed(chunk(tool_calls=[{"index": 0, "id": "c0", "function": {"name": "get_weather", "arguments": "{}"}}]))
     s.finish()
     assert s.response is not None
-    events = parse(rs.replay(s.response))
+    events = parse(replay(s.response))
     assert events[-1]["response"] == s.response
     assert [e["item"]["type"] for e in events if e["type"] == "response.output_item.done"] == ["message", "function_call"]
 
 
-def full_stream() -> list[dict[str, Any]]:
+def full_stream() -> list[ChatChunk]:
     return [chunk(role="assistant"), chunk(reasoning_content="Hm."), chunk(content="Sure"), chunk(content="."),
             chunk(tool_calls=[{"index": 0, "id": "c0", "function": {"name": "get_weather", "arguments": '{"ci'}}]),
             chunk(tool_calls=[{"index": 0, "function": {"arguments": 'ty": "Oslo"}'}}]),
-            {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
-            {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4}}]
+            as_chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}),
+            as_chunk({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4}})]
 
 
 @pytest.mark.parametrize("cut", range(len(full_stream()) + 1))
 def test_a_stream_cut_after_any_chunk_still_ends_as_a_valid_failed_stream(cut: int) -> None:
     """The engine gone after `cut` chunks (the relay then calls `fail`): the caller still gets
     a valid event sequence, ending with `error` and `response.failed`."""
-    s = rs.ResponseStream(rs.Shell(request(tools=[WEATHER]), "m"))
+    s = ResponseStream(rs.Shell(request(tools=[WEATHER]), "m"))
     data = s.start() + b"".join(s.feed(c) for c in full_stream()[:cut])
     events = parse(data + s.fail(502, "The engine crashed.", "engine_crashed"))
     assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]

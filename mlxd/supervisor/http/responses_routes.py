@@ -20,6 +20,7 @@ from aiohttp import web
 from mlxd.protocol import responses
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.json_body import decode_json
+from mlxd.protocol.responses_stream import replay
 from mlxd.protocol.supervisor_api import InputItemList, ResponseDeleted
 from mlxd.supervisor.http.answers import json_answer
 from mlxd.supervisor.http.keys import CONFIG
@@ -81,7 +82,7 @@ async def retrieve(request: web.Request) -> web.StreamResponse:
     if request.query.get("stream", "").lower() == "true":
         resp = web.StreamResponse(headers=SSE_HEADERS)
         await resp.prepare(request)
-        await resp.write(responses.replay(stored.response))
+        await resp.write(replay(stored.response))
         await resp.write_eof()
         return resp
     return web.Response(body=msgspec.json.encode(stored.response), content_type="application/json")

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import msgspec
 
 from mlxd.protocol import anthropic
+from mlxd.protocol.anthropic_stream import MessageStream
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.process import CHAT_PATH, RENDER_PATH
 from mlxd.supervisor.relay.dialect import Dialect, ModelRow, StreamTranslator
@@ -26,7 +27,7 @@ class AnthropicMessages(Dialect):
 
     def __init__(self, model: str = "") -> None:
         self.model = model
-        self._translator: anthropic.MessageStream | None = None
+        self._translator: MessageStream | None = None
 
     def error_body(self, err: APIError) -> bytes:
         return msgspec.json.encode(anthropic.error_body(err.status, err.message))
@@ -38,7 +39,7 @@ class AnthropicMessages(Dialect):
 
     def translator(self) -> StreamTranslator:
         if self._translator is None:
-            self._translator = anthropic.MessageStream(self.model)
+            self._translator = MessageStream(self.model)
         return self._translator
 
     async def whole(self, status: int, data: bytes) -> tuple[int, bytes]:

@@ -15,11 +15,12 @@ Adding an API means a dialect here (and its paths in dialects.py) and its routes
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import msgspec
 from aiohttp import web
 
+from mlxd.protocol.chat_chunks import ChatChunk
 from mlxd.protocol.engine_state import EngineState
 from mlxd.protocol.errors import APIError, encode_openai_error
 from mlxd.protocol.stats import LoadProgress
@@ -34,7 +35,7 @@ class StreamTranslator(Protocol):
 
     def start(self) -> bytes: ...
 
-    def feed(self, chunk: dict[str, Any]) -> bytes: ...
+    def feed(self, chunk: ChatChunk) -> bytes: ...
 
     def finish(self) -> bytes: ...
 

@@ -15,6 +15,7 @@ import msgspec
 from mlxd.protocol import responses
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.process import CHAT_PATH
+from mlxd.protocol.responses_stream import ResponseStream
 from mlxd.supervisor.relay.dialect import Dialect, StreamTranslator
 
 PARAMS = (("response_format.json_schema.schema", "text.format.schema"), ("response_format", "text.format"),
@@ -36,17 +37,17 @@ class Responses(Dialect):
     def __init__(self, shell: responses.Shell | None = None, keep: Keep = _keep_nothing) -> None:
         self.shell = shell
         self.keep = keep
-        self._translator: responses.ResponseStream | None = None
+        self._translator: ResponseStream | None = None
 
     def error_event(self, err: APIError) -> bytes:
         if self.shell is None:  # only the route's own dialect streams
             return super().error_event(err)
         return self.translator().fail(err.status, err.message, err.code)
 
-    def translator(self) -> responses.ResponseStream:
+    def translator(self) -> ResponseStream:
         assert self.shell is not None
         if self._translator is None:
-            self._translator = responses.ResponseStream(self.shell)
+            self._translator = ResponseStream(self.shell)
         return self._translator
 
     async def whole(self, status: int, data: bytes) -> tuple[int, bytes]:
@@ -56,5 +57,5 @@ class Responses(Dialect):
         return status, msgspec.json.encode(response)
 
     async def on_final(self, translator: StreamTranslator) -> None:
-        assert isinstance(translator, responses.ResponseStream) and translator.response is not None
+        assert isinstance(translator, ResponseStream) and translator.response is not None
         await self.keep(translator.response)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import msgspec
 from aiohttp import web
 
+from mlxd.protocol.chat_chunks import chunk_decoder
 from mlxd.supervisor.engines.upstream import HIGH_WATER, Upstream, crashed_error
 from mlxd.supervisor.relay.dialect import Dialect, StreamTranslator
 from mlxd.supervisor.relay.sse import SseEvents, is_direct, open_stream, wait_out
@@ -145,12 +146,10 @@ class _Translating:
         if self.translator.ended:
             return b""
         try:
-            chunk = msgspec.json.decode(data)
-        except msgspec.DecodeError:
-            log.warning("engine sent an SSE event that is not JSON: %r", data[:80])
+            chunk = chunk_decoder.decode(data)
+        except msgspec.DecodeError:  # not JSON, or not a chunk's shape
+            log.warning("engine sent an SSE event that is not a chat chunk: %r", data[:80])
             return b""
-        if not isinstance(chunk, dict):
-            return b""
-        if "error" in chunk:
+        if chunk.error is not None:
             return self.dialect.error_event(self.dialect.engine_error(500, data))
         return self.translator.feed(chunk)
