@@ -26,11 +26,7 @@ class Cancelled(Exception):
 
 
 class SerialLane:
-    """The fastest path for a lone request: generate_step keeps the GPU one token ahead.
-
-    The lane interface (both lanes): `admit` a job, `step` once per gateway turn (returns the
-    sequences that ended, already answered), `has_work`, `num_rows`, `fail_all`.
-    """
+    """The fastest path for a lone request: generate_step keeps the GPU one token ahead (a Lane)."""
 
     def __init__(
         self, loaded: LoadedModel, stats: Stats, prefill_step: int, prompt_cache: PrefixCache,
@@ -54,13 +50,18 @@ class SerialLane:
     def num_rows(self) -> int:
         return int(self._seq is not None)
 
-    def admit(self, job: Job) -> Sequence:
-        """Start `job` (the lane must be free); its prefill runs in the next step."""
+    @property
+    def num_prefilling(self) -> int:
+        return int(self._seq is not None and not self._seq.generated)
+
+    def admit(self, seq: Sequence) -> None:
+        """Start `seq` (the lane must be free); its prefill runs in the next step."""
         assert self._seq is None, "the serial lane runs one sequence at a time"
+        job = seq.job
         kv, cached = self._prompt_cache.fetch(job.prompt)
         if kv is None:
             kv = list(make_prompt_cache(self._loaded.model))
-        seq = Sequence(job, self._loaded.tokenizer, self._loaded.eos_token_ids, cached)
+        seq.start(cached)
         sampler, processors = make_sampling(job.sampling, job.prompt[:cached], job.grammar,
                                             sorted(self._loaded.eos_token_ids))
         self._steps = generate_step(
@@ -77,7 +78,6 @@ class SerialLane:
             quantized_kv_start=0,
         )
         self._seq, self._kv = seq, kv
-        return seq
 
     def step(self) -> list[Sequence]:
         """One token for the running sequence (the whole prefill, for its first)."""
