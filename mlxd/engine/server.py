@@ -16,7 +16,8 @@ from aiohttp import web
 
 from mlxd.engine import blas
 from mlxd.engine.gpu.gateway import STOPPING as STOPPING_EVENT
-from mlxd.engine.gpu.gateway import Gateway, GatewayOptions
+from mlxd.engine.gpu.gateway import Gateway
+from mlxd.engine.gpu.options import GatewayOptions
 from mlxd.engine.gpu.stats import Stats
 from mlxd.engine.http.app import make_app
 from mlxd.engine.models.load_meter import LoadMeter

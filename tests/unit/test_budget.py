@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlxd.engine.http.openai_routes import resolve_max_tokens
+from mlxd.engine.http.openai_requests import resolve_max_tokens
 from mlxd.protocol.errors import APIError
 
 

@@ -16,7 +16,7 @@ from mlxd.engine.chat.reasoning import (
     think_markers,
 )
 from mlxd.engine.chat.tools import check_tools, format_of
-from mlxd.engine.http.openai_routes import ChatReply
+from mlxd.engine.http.openai_replies import ChatReply
 from mlxd.protocol.events import Done
 
 THINK = ThinkMarkers("<think>", "</think>")

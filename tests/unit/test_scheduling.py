@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mlxd.engine.gpu.scheduling import KvLedger, LaneState, choose_lane, kv_tokens
-from mlxd.engine.http.openai_routes import resolve_max_tokens
+from mlxd.engine.http.openai_requests import resolve_max_tokens
 
 
 def state(width: int = 8, serial: bool = False, rows: int = 0, free: int = 10_000, behind: int = 0) -> LaneState:

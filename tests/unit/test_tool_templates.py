@@ -236,7 +236,7 @@ def test_a_template_that_ignores_tools_gets_them_in_a_system_message_and_calls_i
 
 def test_chat_reply_keeps_only_the_first_call_when_parallel_calls_are_off() -> None:
     from mlxd.engine.chat.tools import check_tools
-    from mlxd.engine.http.openai_routes import ChatReply
+    from mlxd.engine.http.openai_replies import ChatReply
     from mlxd.protocol.events import Done
 
     call = '<tool_call>{"name": "get_weather", "arguments": {"city": "%s"}}</tool_call>'

@@ -21,7 +21,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxd.engine.cache.prefix_cache import PrefixCache, view
 from mlxd.engine.gpu.batch_bias import batch_bias
-from mlxd.engine.gpu.job import Job, PrefillGroup
+from mlxd.engine.gpu.job import PrefillGroup
 from mlxd.engine.gpu.sampling import make_sampling
 from mlxd.engine.gpu.sequence import Sequence
 from mlxd.engine.gpu.stats import Stats
@@ -38,7 +38,7 @@ MIN_CACHED_SHARE = 0.5
 
 
 class BatchLane:
-    """Up to `width` rows decoding together (the lane interface: see SerialLane)."""
+    """Up to `width` rows decoding together (a Lane)."""
 
     def __init__(
         self, loaded: LoadedModel, stats: Stats, prefill_step: int, width: int, prompt_cache: PrefixCache
@@ -78,16 +78,17 @@ class BatchLane:
     def _num_grouped(self) -> int:
         return sum(len(g.waiting) for g in self._groups)
 
-    def admit(self, job: Job) -> None:
-        """Queue `job`'s prompt for prefill; it decodes with the others once prefilled."""
+    def admit(self, seq: Sequence) -> None:
+        """Queue `seq`'s prompt for prefill; it decodes with the others once prefilled."""
+        job = seq.job
         group = job.group
         if group is not None and group.size > 1:
-            self._admit_choice(job, group)
+            self._admit_choice(seq, group)
             return
         kv, cached = self._prompt_cache.fetch(job.prompt, min_share=MIN_CACHED_SHARE)
         if kv is None:
             kv = list(make_prompt_cache(self._loaded.model))
-        seq = Sequence(job, self._loaded.tokenizer, self._loaded.eos_token_ids, cached)
+        seq.start(cached)
         # The generator's processors see each row's whole history (it is given the cached part).
         sampler, processors = make_sampling(job.sampling, [], job.grammar, sorted(self._loaded.eos_token_ids))
         (uid,) = self._gen.insert(
@@ -96,23 +97,23 @@ class BatchLane:
         )
         self._rows[uid] = seq
 
-    def _admit_choice(self, job: Job, group: PrefillGroup) -> None:
+    def _admit_choice(self, seq: Sequence, group: PrefillGroup) -> None:
         """A choice of an n > 1 request: it starts from its group's prefill, run once."""
         if group.is_prefilled:
-            self._start_choice(job, group)
+            self._start_choice(seq, group)
             return
         if group.kv is None:
-            kv, group.cached = self._prompt_cache.fetch(job.prompt)
+            kv, group.cached = self._prompt_cache.fetch(seq.job.prompt)
             group.kv, group.done = kv if kv is not None else list(make_prompt_cache(self._loaded.model)), group.cached
-        group.waiting.append(job)
+        group.waiting.append(seq)
         if group not in self._groups:
             self._groups.append(group)
 
-    def _start_choice(self, job: Job, group: PrefillGroup) -> None:
+    def _start_choice(self, seq: Sequence, group: PrefillGroup) -> None:
         """Insert a choice as a row whose KV is a view of the group's (its last prompt token to run)."""
         assert group.kv is not None
-        n = group.target
-        seq = Sequence(job, self._loaded.tokenizer, self._loaded.eos_token_ids, group.cached if not group.inserted else n)
+        job, n = seq.job, group.target
+        seq.start(group.cached if not group.inserted else n)  # its clock too: the shared prefill counts as queue
         group.inserted += 1
         sampler, processors = make_sampling(job.sampling, [], job.grammar, sorted(self._loaded.eos_token_ids))
         (uid,) = self._gen.insert(
@@ -128,9 +129,8 @@ class BatchLane:
         choices of a group whose prefill is done. Returns the choices that ended here."""
         ended: list[Sequence] = []
         for group in list(self._groups):
-            for job in [j for j in group.waiting if j.ticket.is_cancelled]:
-                group.waiting.remove(job)
-                seq = Sequence(job, self._loaded.tokenizer, self._loaded.eos_token_ids, 0)
+            for seq in [s for s in group.waiting if s.is_cancelled]:
+                group.waiting.remove(seq)
                 seq.cancel()
                 ended.append(seq)
             if not group.waiting:
@@ -142,13 +142,13 @@ class BatchLane:
             if not group.is_prefilled:
                 assert group.kv is not None
                 end = min(group.done + self._prefill_step, group.target)
-                self._loaded.model(mx.array(group.waiting[0].prompt[group.done:end])[None], cache=group.kv)
+                self._loaded.model(mx.array(group.waiting[0].job.prompt[group.done:end])[None], cache=group.kv)
                 mx.eval([c.state for c in group.kv])
                 group.done = end
             if group.is_prefilled:
                 self._groups.remove(group)
-                for job in group.waiting:
-                    self._start_choice(job, group)
+                for seq in group.waiting:
+                    self._start_choice(seq, group)
                 group.waiting.clear()
         except Exception as exc:
             log.error("prefill of a shared prompt failed:\n%s", traceback.format_exc())
@@ -158,11 +158,9 @@ class BatchLane:
     def _fail_group(self, group: PrefillGroup, message: str, code: str) -> list[Sequence]:
         if group in self._groups:
             self._groups.remove(group)
-        failed = []
-        for job in group.waiting:
-            seq = Sequence(job, self._loaded.tokenizer, self._loaded.eos_token_ids, 0)
+        failed = list(group.waiting)
+        for seq in failed:
             seq.fail(self._stats, message, 500, code)
-            failed.append(seq)
         group.waiting.clear()
         group.kv = None
         return failed

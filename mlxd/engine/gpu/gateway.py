@@ -1,10 +1,11 @@
 """The GPU gateway: the one thread that touches MLX, advancing its lanes a step at a time.
 
 Each turn the thread takes what its inbox holds (blocking only when it has nothing to run),
-starts the waiting jobs that fit (scheduling.py decides the lane and the KV booking), then
-steps each lane that has work: the serial lane one token, the batch lane one token for every
-row plus a prefill chunk. So requests join and leave between steps, and a cancelled request
-leaves at the next one.
+then has its Runner start the waiting jobs the scheduler lets in (scheduler.py: queue order,
+KV booking, lane choice) and step each lane that has work: the serial lane a prefill chunk or
+one token, the batch lane one token for every row plus a prefill chunk. So requests join and
+leave between steps, a cancelled request leaves at the next one, and a command waits at most
+a chunk. Loading the model and the warm-up are loader.py's; this class is the loop.
 """
 
 from __future__ import annotations
@@ -12,42 +13,29 @@ from __future__ import annotations
 import concurrent.futures
 import gc
 import logging
-import os
 import queue
 import threading
 import time
-import traceback
 import weakref
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
-import mlx.core as mx
-
-from mlxd.engine import mlx_env
-from mlxd.engine.cache.fingerprint import tier_dir
 from mlxd.engine.cache.prefix_cache import FlushReport, PrefixCache
-from mlxd.engine.cache.ssd_tier import SsdTier, default_ssd_cache_bytes
-from mlxd.engine.gpu import decode_attention
-from mlxd.engine.gpu.batch_lane import BatchLane
-from mlxd.engine.gpu.flat_rows import FLATTEN_MIN_ROWS, flatten_quantized_rows, wins_here
 from mlxd.engine.gpu.job import Job
-from mlxd.engine.gpu.kv_quant import activation_dtype, check_quantized_kv
-from mlxd.engine.gpu.scheduling import KvLedger, LaneState, choose_lane, kv_tokens
+from mlxd.engine.gpu.loader import make_runner, open_model
+from mlxd.engine.gpu.options import GatewayOptions
+from mlxd.engine.gpu.runner import Runner
 from mlxd.engine.gpu.sequence import Sequence
-from mlxd.engine.gpu.serial_lane import SerialLane
 from mlxd.engine.gpu.stats import Stats
 from mlxd.engine.gpu.ticket import Ticket
 from mlxd.engine.gpu.trace import StepTrace
-from mlxd.engine.gpu.warmup import wanted, waves
 from mlxd.engine.models.load_meter import LoadMeter
-from mlxd.engine.models.loaded_model import LoadedModel, wire_model_memory
+from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.protocol.errors import APIError
-from mlxd.protocol.events import Done, Failed
-from mlxd.protocol.memory import kv_budget_tokens
+from mlxd.protocol.events import Failed
 from mlxd.protocol.stats import LaneStats
 
+__all__ = ["STOPPING", "Flush", "Gateway", "GatewayOptions", "Stop"]
 log = logging.getLogger("mlxd.engine")
 STOPPING = Failed("The engine is shutting down.", 503, "engine_stopping")
 GPU_THREAD_DIED = "The engine's GPU thread stopped."
@@ -69,8 +57,8 @@ class Flush:
     done: concurrent.futures.Future[FlushReport] = field(default_factory=concurrent.futures.Future)
 
 
-# What the loop thread sends the GPU thread.
-Command = Job | Stop | Flush
+# What the loop thread sends the GPU thread (a Sequence: a job, made when it was submitted).
+Command = Sequence | Stop | Flush
 # While the SSD writer holds a write-behind entry and more wait, the idle GPU thread checks
 # this often whether it can hand over the next.
 WRITER_POLL_S = 0.05
@@ -82,24 +70,9 @@ def answer(future: concurrent.futures.Future[FlushReport], report: FlushReport) 
         future.set_result(report)
 
 
-@dataclass(frozen=True, slots=True)
-class GatewayOptions:
-    prefill_step: int = 512
-    batch: int = 1  # sequences at once; 1 keeps to the serial lane
-    max_context: int | None = None
-    kv_budget_tokens: int | None = None  # None: protocol.memory's default for the window and batch
-    warmup: str = "auto"  # run warm-up jobs through the lanes at load: on, off, auto (CUDA only); warmup.py
-    gather_ms: float = 5.0  # in a burst, an idle engine waits this long for the next arrival (0: never)
-    prompt_cache_bytes: int = 512 * 1024 * 1024  # the prompt cache's RAM tier (0: no prompt cache)
-    ssd_root: Path | None = None  # the SSD tier's root (its dir is root/<fingerprint>); None: no SSD tier
-    ssd_cache_bytes: int | None = None  # None: default_ssd_cache_bytes
-    kv_bits: int | None = None  # quantized KV (the serial lane only: batch must be 1)
-    kv_group_size: int = 64
-    write_behind: bool = True  # idle: write new entries to SSD (off: drains, evictions and stops only)
-
-
 class Gateway:
-    """Owns the GPU thread: loads the model on it, then runs the lanes step by step."""
+    """Owns the GPU thread: loads the model on it (loader.py), then runs the loop: the inbox, the
+    commands, and the Runner's turns."""
 
     def __init__(
         self, load: Callable[[], LoadedModel], stats: Stats, options: GatewayOptions, meter: LoadMeter | None = None
@@ -114,13 +87,11 @@ class Gateway:
         self._is_stopping = False
         self.loaded: LoadedModel | None = None
         self.load_error: str | None = None
-        self.kv: KvLedger | None = None  # set once loaded; its budget is read by the loop thread
         self.on_ready: Callable[[], None] = lambda: None  # GPU thread, once the model is loaded
         self.on_exit: Callable[[], None] = lambda: None  # GPU thread, as it ends
+        # Set on the GPU thread before `loaded`; the loop thread reads its counts and budget.
+        self._runner: Runner | None = None
         # GPU thread only:
-        self._waiting: deque[Job] = deque()
-        self._serial: SerialLane | None = None
-        self._batch: BatchLane | None = None
         self._bursts_until = 0.0  # while now is before this, arrivals have lately come together
         self._idle = threading.Event()  # set while the GPU thread has nothing to run (the SSD writer works then)
         self.prompt_cache: PrefixCache | None = None  # set once loaded; snapshot() may be read by the loop
@@ -141,16 +112,17 @@ class Gateway:
     @property
     def kv_budget(self) -> int | None:
         """Tokens of KV the engine books for running sequences at most (None until loaded)."""
-        return self.kv.budget_tokens if self.kv is not None else None
+        return self._runner.scheduler.kv.budget_tokens if self._runner is not None else None
 
     def snapshot(self) -> LaneStats:
         """The lanes for /admin/stats (read on the loop thread; each value is one read)."""
-        kv = self.kv
+        runner = self._runner
+        kv = runner.scheduler.kv if runner is not None else None
         return LaneStats(
             width=self._options.batch,
-            serial=self._serial.num_rows if self._serial is not None else 0,
-            batch=self._batch.num_rows if self._batch is not None else 0,
-            waiting=len(self._waiting) + self._inbox.qsize(),
+            serial=runner.rows_in("serial") if runner is not None else 0,
+            batch=runner.rows_in("batch") if runner is not None else 0,
+            waiting=(runner.scheduler.num_waiting if runner is not None else 0) + self._inbox.qsize(),
             kv_budget_tokens=kv.budget_tokens if kv is not None else None,
             kv_booked_tokens=kv.booked if kv is not None else None,
         )
@@ -167,21 +139,15 @@ class Gateway:
 
     def submit(self, job: Job) -> None:
         """Queue a job for the GPU thread (loop thread only); 503 when not serving, 400 if it can never fit."""
-        if not self.is_serving:
+        loaded, runner = self.loaded, self._runner
+        if not self.is_serving or loaded is None or runner is None:
             raise APIError(503, STOPPING.message, type="server_error", code=STOPPING.code)
-        need = kv_tokens(len(job.prompt), job.max_tokens)
-        if self.kv is not None and not self.kv.can_ever_fit(need):
-            raise APIError(
-                400,
-                f"This request needs {need} tokens of KV cache (a {len(job.prompt)}-token prompt plus max_tokens "
-                f"{job.max_tokens}), more than this engine's budget of {self.kv.budget_tokens} "
-                "(a shorter prompt fits; --kv-budget-tokens raises it).",
-                param="messages", code="kv_budget_exceeded",
-            )
+        if refusal := runner.scheduler.refusal(len(job.prompt), job.max_tokens):
+            raise refusal
         self._stats.num_requests += 1
         self._stats.prompt_tokens += len(job.prompt)
         self._open.add(job.ticket)
-        self._inbox.put(job)
+        self._inbox.put(Sequence(job, loaded.tokenizer, loaded.eos_token_ids))
 
     def stop(self) -> None:
         """Loop thread: end every open request now (503), and tell the GPU thread to finish."""
@@ -209,100 +175,37 @@ class Gateway:
             if self._load_model():
                 self._serve()
         except BaseException:
-            self._fail_running(GPU_THREAD_DIED, "engine_failed")
+            if self._runner is not None:
+                self._runner.fail_running(GPU_THREAD_DIED, "engine_failed")
             raise
         finally:
             self._fail_queued()
             self.on_exit()
 
     def _load_model(self) -> bool:
-        opts = self._options
         try:
-            loaded = self._load()
-            wire_model_memory()
-            if opts.kv_bits is not None:
-                check_quantized_kv(loaded.config, activation_dtype(loaded.model), opts.kv_bits, opts.kv_group_size)
+            loaded = open_model(self._load, self._options)
         except Exception as exc:
             self.load_error = str(exc) or type(exc).__name__
             log.error("model load failed: %s", self.load_error)
             self.meter.end()
             return False
-        budget = opts.kv_budget_tokens or kv_budget_tokens(loaded.native_context, opts.batch, opts.max_context)
-        self.kv = KvLedger(budget)
-        if opts.batch >= FLATTEN_MIN_ROWS and wins_here() and (n := flatten_quantized_rows(loaded.model)):
-            log.info("%d quantized layers run batched decode rows flattened (from %d rows)", n, FLATTEN_MIN_ROWS)
-        if opts.batch > 1 and decode_attention.enabled() and (modules := decode_attention.install(loaded.model)):
-            log.info("batched decode attention runs mlxd's kernel (%s)", ", ".join(modules))
-        if wanted(opts.warmup):
-            if cold := mlx_env.cold_kernel_cache(os.environ, cuda=bool(mx.cuda.is_available())):
-                log.info("warm-up: the first start on this machine with this MLX version compiles its GPU kernels "
-                         "(about a minute; kept in %s for later starts)", cold)
-            seconds, jobs, most = self._warm_up(loaded)
-            log.info("warm-up: %d jobs, up to %d rows at once: %.0f ms", jobs, most, seconds * 1000)
-        # Unseeded sampling draws from MLX's global generator: fresh entropy for each engine.
-        mx.random.seed(int.from_bytes(os.urandom(8), "little"))
-        self.prompt_cache = PrefixCache(opts.prompt_cache_bytes, self._ssd_tier(loaded), self._idle)
-        self._make_lanes(loaded, self._stats, self.prompt_cache)
+        self._runner, self.prompt_cache = make_runner(loaded, self._stats, self._options, self.meter, self._idle)
         self.meter.end()
         self.loaded = loaded
         # What exists now (the model, tokenizer, kernels) lives as long as the engine: kept out of
         # the collector's full passes, which otherwise walk it all and stall a decode step.
         gc.collect()
         gc.freeze()
-        log.info("batch width %d, KV budget %d tokens", opts.batch, budget)
+        log.info("batch width %d, KV budget %d tokens", self._options.batch, self._runner.scheduler.kv.budget_tokens)
         self.on_ready()
         return True
 
-    def _ssd_tier(self, loaded: LoadedModel) -> SsdTier | None:
-        """The SSD tier for this model and KV settings; None when off or its dir is unusable."""
-        opts = self._options
-        if opts.ssd_root is None or opts.ssd_cache_bytes == 0 or opts.prompt_cache_bytes == 0:
-            return None
-        try:
-            root = tier_dir(opts.ssd_root, loaded.path, opts.kv_bits, opts.kv_group_size)
-            cap = opts.ssd_cache_bytes if opts.ssd_cache_bytes is not None else default_ssd_cache_bytes(root)
-            return SsdTier(root, cap)
-        except OSError as exc:
-            log.warning("SSD prompt cache off: cannot use %s: %s", opts.ssd_root, exc)
-            return None
-
-    def _make_lanes(self, loaded: LoadedModel, stats: Stats, cache: PrefixCache) -> None:
-        opts = self._options
-        self._serial = SerialLane(loaded, stats, opts.prefill_step, cache, opts.kv_bits, opts.kv_group_size)
-        self._batch = BatchLane(loaded, stats, opts.prefill_step, opts.batch, cache) if opts.batch > 1 else None
-
-    def _warm_up(self, loaded: LoadedModel) -> tuple[float, int, int]:
-        """Run warmup.py's jobs through the lanes' own turns: seconds, jobs, most rows at once.
-
-        The lanes are built for it with their own stats and prompt cache (RAM only), then built again.
-        """
-        started, busy = time.perf_counter(), self._stats.busy_s
-        self._make_lanes(loaded, Stats(), PrefixCache(self._options.prompt_cache_bytes))
-        jobs, most, level = 0, 0, log.level
-        log.setLevel(logging.WARNING)  # its jobs' own lines would read as requests
-        all_waves = waves(loaded.vocab_size, self._options.batch)
-        self.meter.begin("warmup", sum(len(wave) for wave in all_waves))
-        for wave in all_waves:
-            jobs += len(wave)
-            self._waiting.append(wave[0])
-            self._turn(None)  # the first job of a wave starts alone
-            self._waiting.extend(wave[1:])
-            while self._has_work():
-                self._turn(None)
-                most = max(most, self._rows_running())
-            self.meter.advance(len(wave))
-        mx.synchronize()
-        log.setLevel(level)
-        self._stats.busy_s, self._bursts_until = busy, 0.0
-        return time.perf_counter() - started, jobs, most
-
-    def _rows_running(self) -> int:
-        return sum(lane.num_rows for lane in (self._serial, self._batch) if lane is not None)
-
     def _serve(self) -> None:
-        trace = StepTrace.from_env()
+        runner, trace = self._runner, StepTrace.from_env()
+        assert runner is not None
         while True:
-            idle = not self._has_work()
+            idle = not runner.has_work
             if idle:
                 self._idle.set()
                 # Write-behind: while there is an entry to write, look at the inbox between
@@ -323,10 +226,10 @@ class Gateway:
                 elif isinstance(command, Flush):
                     self._flush(command, skip=stop)
                 else:
-                    self._waiting.append(command)  # after a Stop: failed by _fail_queued
+                    runner.enqueue(command)  # after a Stop: answered by _fail_queued
             if stop:
                 return
-            self._turn(trace, len(received))
+            self._turn(runner, trace, len(received))
 
     def _write_behind(self) -> str:
         """Idle: hand the SSD writer a prompt-cache entry (PrefixCache.write_behind's answer)."""
@@ -353,31 +256,19 @@ class Gateway:
                      report.bytes / 1e6, report.ms)
         answer(command.done, report)
 
-    def _turn(self, trace: StepTrace | None, received: int = 0) -> None:
-        """Start what fits, then step each lane once."""
+    def _turn(self, runner: Runner, trace: StepTrace | None, received: int) -> None:
+        """Start what fits, then step each lane once; the time goes to busy_s (and the trace)."""
         started = time.perf_counter()
-        queued = len(self._waiting)
-        self._admit()
-        self._merge_lanes()
-        ended: list[Sequence] = []
-        if self._serial is not None and self._serial.has_work:
-            ended += self._serial.step()
-        if self._batch is not None and self._batch.has_work:
-            ended += self._batch.step()
-        for seq in ended:
-            self._release(seq)
-        if self._rows_running() + len(self._waiting) >= 2:
+        admitted = runner.turn(self._is_stopping)
+        waiting = runner.scheduler.num_waiting
+        if runner.num_rows + waiting >= 2:
             self._bursts_until = time.monotonic() + BURST_MEMORY_S
         ended_at = time.perf_counter()
         self._stats.busy_s += ended_at - started  # the GPU thread's time at work
         if trace is not None:
-            trace.turn(started, ended_at, received=received, admitted=queued - len(self._waiting), waiting=len(self._waiting),
-                       serial=self._serial.num_rows if self._serial else 0,
-                       batch=self._batch.num_rows if self._batch else 0,
-                       prefilling=self._batch.num_prefilling if self._batch else 0)
-
-    def _has_work(self) -> bool:
-        return bool(self._waiting) or any(lane is not None and lane.has_work for lane in (self._serial, self._batch))
+            trace.turn(started, ended_at, received=received, admitted=admitted, waiting=waiting,
+                       serial=runner.rows_in("serial"), batch=runner.rows_in("batch"),
+                       prefilling=runner.num_prefilling)
 
     def _in_bursts(self) -> bool:
         return self._options.gather_ms > 0 and self._options.batch > 1 and time.monotonic() < self._bursts_until
@@ -419,81 +310,16 @@ class Gateway:
             except queue.Empty:
                 return commands
 
-    def _admit(self) -> None:
-        """Start waiting jobs in order while they fit; the first that does not holds the rest."""
-        assert self._serial is not None and self.kv is not None
-        for job in list(self._waiting):
-            if job.ticket.is_cancelled or self._is_stopping:
-                self._waiting.remove(job)
-                self._stats.num_cancelled += 1
-                job.ticket.emit(Done("cancelled", len(job.prompt), 0))
-                continue
-            need = kv_tokens(len(job.prompt), job.max_tokens)
-            batch_rows = self._batch.num_rows if self._batch is not None else 0
-            behind = len(self._waiting) - 1  # the jobs before this one have left the queue
-            if job.group is not None:  # a choice of n: the batch lane prefills their prompt once
-                behind = max(behind, job.group.size - 1)
-            state = LaneState(self._options.batch, self._serial.has_work, batch_rows, self.kv.free, behind)
-            lane = choose_lane(need, state)
-            if lane is None and not self._serial.has_work and not batch_rows:
-                # Nothing runs and it still does not fit: submit() refuses these, so this is a bug.
-                self._waiting.remove(job)
-                self._stats.num_failed += 1
-                job.ticket.emit(Failed(f"The request needs {need} tokens of KV; the budget is {self.kv.budget_tokens}."))
-                continue
-            if lane is None:
-                return
-            self._waiting.remove(job)
-            self.kv.book(need)
-            try:
-                (self._serial if lane == "serial" else self._batch).admit(job)  # type: ignore[union-attr]
-            except Exception as exc:
-                log.error("could not start a request:\n%s", traceback.format_exc())
-                self.kv.release(need)
-                self._stats.num_failed += 1
-                job.ticket.emit(Failed(f"generation failed: {type(exc).__name__}: {exc}"))
-
-    def _merge_lanes(self) -> None:
-        """While rows decode in the batch, the serial lane's sequence joins them: one forward
-        pass a step for all, instead of the serial lane's and the batch's one after the other."""
-        if self._batch is None or self._serial is None or not (self._serial.has_work and self._batch.has_work):
-            return
-        moved = None
-        try:
-            moved = self._serial.hand_over()
-            if moved is not None:
-                self._batch.adopt(*moved)
-        except Exception as exc:
-            log.error("moving a request into the batch failed:\n%s", traceback.format_exc())
-            message = f"generation failed: {type(exc).__name__}: {exc}"
-            if moved is None:
-                failed = self._serial.fail_all(message, "generation_failed")
-            else:
-                moved[0].fail(self._stats, message)
-                failed = [moved[0]]
-            for seq in failed:
-                self._release(seq)
-
-    def _release(self, seq: Sequence) -> None:
-        assert self.kv is not None
-        self.kv.release(kv_tokens(len(seq.job.prompt), seq.job.max_tokens))
-
-    def _fail_running(self, message: str, code: str) -> None:
-        for lane in (self._serial, self._batch):
-            if lane is not None:
-                lane.fail_all(message, code)
-
     def _fail_queued(self) -> None:
         # Whatever waits or is still in the inbox when the thread ends would otherwise wait forever.
-        for job in self._waiting:
-            job.ticket.emit(STOPPING)
-        self._waiting.clear()
+        if self._runner is not None:
+            self._runner.abandon_waiting(STOPPING)
         while True:
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(command, Job):
-                command.ticket.emit(STOPPING)
+            if isinstance(command, Sequence):
+                command.abandon(STOPPING)
             elif isinstance(command, Flush):
                 answer(command.done, FlushReport(complete=False))

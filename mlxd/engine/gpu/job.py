@@ -36,7 +36,7 @@ class PrefillGroup:
     done: int = 0  # prompt tokens in `kv`
     cached: int = 0  # of those, served from the prompt cache
     inserted: int = 0  # choices started from it
-    waiting: list[Job] = field(default_factory=list)  # choices admitted to the lane, waiting for the prefill
+    waiting: list[Any] = field(default_factory=list)  # choices' Sequences in the lane, waiting for the prefill
 
     @property
     def is_prefilled(self) -> bool:

@@ -3,7 +3,8 @@
 A lane produces token ids; the sequence turns them into text (detokenizer), holds back what
 could be the start of a stop string, ends at EOS, a stop string or max_tokens, times the
 request, and sends the events. Both lanes use it, so a stop string or a usage count cannot
-differ by lane.
+differ by lane. It is made when the job is submitted, so every reply to the job goes through
+it: dropped while queued, refused, cancelled, failed or done.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 from typing import Any
 
 from mlxd.engine.gpu.job import Job
+from mlxd.engine.gpu.scheduling import kv_tokens
 from mlxd.engine.gpu.stats import Stats
 from mlxd.protocol.events import Done, Failed, Token, TokenLogprob
 from mlxd.protocol.stops import StopMatcher
@@ -30,9 +32,9 @@ class Sequence:
     __slots__ = ("_detok", "_eos", "_has_relayed", "_pending", "_stops", "_tokenizer", "cached", "clock", "finish_reason",
                  "generated", "job")
 
-    def __init__(self, job: Job, tokenizer: Any, eos: set[int], cached: int) -> None:
+    def __init__(self, job: Job, tokenizer: Any, eos: set[int]) -> None:
         self.job = job
-        self.cached = cached  # prompt tokens served from the prompt cache
+        self.cached = 0  # prompt tokens served from the prompt cache (set by `start`)
         self.clock = Clock(job.submitted_at)
         self.generated: list[int] = []
         self.finish_reason: str | None = None  # set once it ended
@@ -46,6 +48,21 @@ class Sequence:
     @property
     def is_cancelled(self) -> bool:
         return self.job.ticket.is_cancelled
+
+    @property
+    def kv_need(self) -> int:
+        """The KV it books while it runs (the scheduler's Waiting protocol)."""
+        return kv_tokens(len(self.job.prompt), self.job.max_tokens)
+
+    @property
+    def group_size(self) -> int:
+        """Choices of its request (n) that come with it, itself included."""
+        return self.job.group.size if self.job.group is not None else 1
+
+    def start(self, cached: int) -> None:
+        """A lane took it, with `cached` prompt tokens from the prompt cache: its clock starts."""
+        self.cached = cached
+        self.clock.start()
 
     @property
     def is_finished(self) -> bool:
@@ -123,6 +140,17 @@ class Sequence:
         stats.num_failed += 1
         self.job.ticket.emit(Failed(message, status, code))
 
+    def drop(self, stats: Stats) -> None:
+        """End a job cancelled before any lane took it (its client left, or the engine stops)."""
+        self.finish_reason = "cancelled"
+        stats.num_cancelled += 1
+        self.job.ticket.emit(Done("cancelled", len(self.job.prompt), 0))
+
+    def abandon(self, event: Failed) -> None:
+        """The GPU thread ends with this job still queued: tell its handler (not counted)."""
+        self.finish_reason = "failed"
+        self.job.ticket.emit(event)
+
 
 LOWEST_LOGPROB = -9999.0  # what a masked (-inf) or NaN log probability is reported as (JSON has no inf)
 
@@ -155,8 +183,12 @@ class Clock:
 
     def __init__(self, submitted_at: float) -> None:
         self.submitted_at = submitted_at
-        self.started_at = time.perf_counter()
+        self.start()
         self.first_at: float | None = None
+
+    def start(self) -> None:
+        """Note that a lane picked the job up."""
+        self.started_at = time.perf_counter()
         self.last_at = self.started_at
 
     def token(self) -> None:

@@ -1,4 +1,11 @@
-"""The serial lane: one sequence at a time with mlx-lm's generate_step, a token per step."""
+"""The serial lane: one sequence at a time with mlx-lm's generate_step, a token per step.
+
+The prompt is prefilled a chunk (`--prefill-step` tokens) a step, the same chunks
+generate_step would run, on its stream: so the GPU thread reads its inbox between chunks (a
+drain, a new job for the batch lane) instead of after the whole prompt, and the tokens are
+those generate_step gives (test_serial_lane.py). generate_step then runs the prompt's last
+token and keeps the GPU one token ahead.
+"""
 
 from __future__ import annotations
 
@@ -8,29 +15,21 @@ from collections.abc import Iterator
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import generate_step, generation_stream, maybe_quantize_kv_cache
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from mlxd.engine.cache.prefix_cache import PrefixCache
-from mlxd.engine.gpu.job import Job
 from mlxd.engine.gpu.sampling import make_sampling
 from mlxd.engine.gpu.sequence import Sequence
 from mlxd.engine.gpu.stats import Stats
 from mlxd.engine.models.loaded_model import LoadedModel
 
 log = logging.getLogger("mlxd.engine")
-
-
-class Cancelled(Exception):
-    """Raised inside prefill (from the progress callback) when the client went away."""
+QUANTIZED_KV_START = 0  # --kv-bits quantizes the KV from the first token
 
 
 class SerialLane:
-    """The fastest path for a lone request: generate_step keeps the GPU one token ahead.
-
-    The lane interface (both lanes): `admit` a job, `step` once per gateway turn (returns the
-    sequences that ended, already answered), `has_work`, `num_rows`, `fail_all`.
-    """
+    """The fastest path for a lone request: generate_step keeps the GPU one token ahead (a Lane)."""
 
     def __init__(
         self, loaded: LoadedModel, stats: Stats, prefill_step: int, prompt_cache: PrefixCache,
@@ -43,8 +42,9 @@ class SerialLane:
         self._kv_bits = kv_bits  # quantize the KV from the first token (mlx-lm's QuantizedKVCache)
         self._kv_group_size = kv_group_size
         self._seq: Sequence | None = None
-        self._steps: Iterator[tuple[Any, Any]] | None = None
+        self._steps: Iterator[tuple[Any, Any]] | None = None  # None while the prompt is prefilled
         self._kv: list[Any] = []
+        self._done = 0  # prompt tokens in `_kv` (the cached ones included)
 
     @property
     def has_work(self) -> bool:
@@ -54,43 +54,28 @@ class SerialLane:
     def num_rows(self) -> int:
         return int(self._seq is not None)
 
-    def admit(self, job: Job) -> Sequence:
-        """Start `job` (the lane must be free); its prefill runs in the next step."""
+    @property
+    def num_prefilling(self) -> int:
+        return int(self._seq is not None and not self._seq.generated)
+
+    def admit(self, seq: Sequence) -> None:
+        """Start `seq` (the lane must be free); its prefill runs in the next steps."""
         assert self._seq is None, "the serial lane runs one sequence at a time"
-        kv, cached = self._prompt_cache.fetch(job.prompt)
-        if kv is None:
-            kv = list(make_prompt_cache(self._loaded.model))
-        seq = Sequence(job, self._loaded.tokenizer, self._loaded.eos_token_ids, cached)
-        sampler, processors = make_sampling(job.sampling, job.prompt[:cached], job.grammar,
-                                            sorted(self._loaded.eos_token_ids))
-        self._steps = generate_step(
-            mx.array(job.prompt[cached:]),
-            self._loaded.model,
-            max_tokens=job.max_tokens,
-            sampler=sampler,
-            logits_processors=processors,
-            prompt_cache=kv,
-            prefill_step_size=self._prefill_step,
-            prompt_progress_callback=lambda *_: self._check_cancel(job),
-            kv_bits=self._kv_bits,
-            kv_group_size=self._kv_group_size,
-            quantized_kv_start=0,
-        )
-        self._seq, self._kv = seq, kv
-        return seq
+        kv, cached = self._prompt_cache.fetch(seq.job.prompt)
+        seq.start(cached)
+        self._seq, self._kv, self._done = seq, kv if kv is not None else list(make_prompt_cache(self._loaded.model)), cached
 
     def step(self) -> list[Sequence]:
-        """One token for the running sequence (the whole prefill, for its first)."""
-        seq, steps = self._seq, self._steps
-        assert seq is not None and steps is not None
+        """One prefill chunk of the running sequence's prompt, or (once prefilled) one token."""
+        seq = self._seq
+        assert seq is not None
         try:
             if seq.is_cancelled:
-                raise Cancelled
-            token, logprobs = next(steps)
-            if not seq.add(int(token), logprobs):
-                return []
-        except Cancelled:
-            seq.cancel()
+                seq.cancel()
+            else:
+                prefilled_a_chunk = self._steps is None and self._prefill_chunk(seq.job.prompt)
+                if prefilled_a_chunk or not seq.add(*self._next_token()):
+                    return []
         except StopIteration:  # generate_step ran out (max_tokens), which `add` has seen
             seq.finish_reason = seq.finish_reason or "length"
         except Exception as exc:
@@ -102,6 +87,47 @@ class SerialLane:
         self._close()
         seq.finish(self._stats)
         return [seq]
+
+    def _prefill_chunk(self, prompt: list[int]) -> bool:
+        """Run the next chunk of the prompt, as generate_step's prefill loop would; False when
+        only the last token is left (generate_step runs it for the first logits)."""
+        left = len(prompt) - self._done - 1
+        if left <= 0:
+            return False
+        n = min(self._prefill_step, left)
+        with mx.stream(generation_stream):
+            self._loaded.model(mx.array(prompt[self._done:self._done + n])[None], cache=self._kv)
+            maybe_quantize_kv_cache(self._kv, QUANTIZED_KV_START, self._kv_group_size, self._kv_bits)
+            mx.eval([c.state for c in self._kv])
+            mx.clear_cache()
+        self._done += n
+        return True
+
+    def _next_token(self) -> tuple[int, Any]:
+        if self._steps is None:
+            self._steps = self._generate()
+        token, logprobs = next(self._steps)
+        return int(token), logprobs
+
+    def _generate(self) -> Iterator[tuple[Any, Any]]:
+        """generate_step from the prompt's last token (its KV holds the rest)."""
+        seq = self._seq
+        assert seq is not None
+        job = seq.job
+        sampler, processors = make_sampling(job.sampling, job.prompt[:self._done], job.grammar,
+                                            sorted(self._loaded.eos_token_ids))
+        return generate_step(
+            mx.array(job.prompt[self._done:]),
+            self._loaded.model,
+            max_tokens=job.max_tokens,
+            sampler=sampler,
+            logits_processors=processors,
+            prompt_cache=self._kv,
+            prefill_step_size=self._prefill_step,
+            kv_bits=self._kv_bits,
+            kv_group_size=self._kv_group_size,
+            quantized_kv_start=QUANTIZED_KV_START,
+        )
 
     def hand_over(self) -> tuple[Sequence, list[Any]] | None:
         """Give up the running sequence and its KV to the batch lane, if it can move.
@@ -134,8 +160,4 @@ class SerialLane:
             close = getattr(self._steps, "close", None)
             if close is not None:
                 close()
-        self._seq, self._steps, self._kv = None, None, []
-
-    def _check_cancel(self, job: Job) -> None:
-        if job.ticket.is_cancelled:
-            raise Cancelled
+        self._seq, self._steps, self._kv, self._done = None, None, [], 0

@@ -3,7 +3,7 @@
 For benchmarks and debugging, off by default. Each line: `t` (ms since the engine began
 serving), `ms` (the turn's length), `received` (jobs that came in since the last turn),
 `admitted` (jobs started this turn), `serial` and `batch`
-(rows in each lane after the turn), `prefilling` (batch rows with no token yet) and `waiting`
+(rows in each lane after the turn), `prefilling` (rows with no token yet, either lane) and `waiting`
 (jobs queued for room), and `gc` (the garbage collector's runs since the last line, all
 generations, in any thread).
 """

@@ -19,11 +19,22 @@ CPU start at once.
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from mlxd.engine.gpu.job import Job, SamplingParams
+from mlxd.engine.gpu.sequence import Sequence
 from mlxd.engine.gpu.ticket import Ticket
+
+if TYPE_CHECKING:
+    from mlxd.engine.gpu.runner import Runner
+    from mlxd.engine.models.load_meter import LoadMeter
+    from mlxd.engine.models.loaded_model import LoadedModel
+
+log = logging.getLogger("mlxd.engine")
 
 PREFIX_TOKENS = 64
 NEW_TOKENS = 4
@@ -73,3 +84,25 @@ def waves(vocab_size: int, width: int) -> list[list[Job]]:
         prompt = head + _prompt(vocab_size, 4 + i, 200 + i)
         rest.append(job(prompt, NEW_TOKENS + i, SAMPLINGS[i % len(SAMPLINGS)]))
     return [[first], [follow_up], [lead, *rest]]
+
+
+def warm_up(runner: Runner, loaded: LoadedModel, width: int, meter: LoadMeter) -> tuple[float, int, int]:
+    """Run the waves through `runner`'s own turns: seconds, jobs, most rows at once."""
+    started, jobs, most, level = time.perf_counter(), 0, 0, log.level
+    log.setLevel(logging.WARNING)  # its jobs' own lines would read as requests
+    all_waves = waves(loaded.vocab_size, width)
+    meter.begin("warmup", sum(len(wave) for wave in all_waves))
+    for wave in all_waves:
+        seqs = [Sequence(job, loaded.tokenizer, loaded.eos_token_ids) for job in wave]
+        jobs += len(seqs)
+        runner.enqueue(seqs[0])
+        runner.turn()  # the first job of a wave starts alone
+        for seq in seqs[1:]:
+            runner.enqueue(seq)
+        while runner.has_work:
+            runner.turn()
+            most = max(most, runner.num_rows)
+        meter.advance(len(wave))
+    mx.synchronize()
+    log.setLevel(level)
+    return time.perf_counter() - started, jobs, most

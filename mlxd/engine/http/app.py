@@ -15,6 +15,7 @@ from aiohttp import web
 from mlxd.engine.cache.prefix_cache import FlushReport
 from mlxd.engine.gpu.gateway import Gateway
 from mlxd.engine.gpu.stats import Stats
+from mlxd.engine.http import openai_requests as oa_requests
 from mlxd.engine.http import openai_routes as routes
 from mlxd.engine.http.admission import Admission, DrainRequest, LeaseRequest
 from mlxd.engine.http.keys import ADMISSION, GATEWAY, SETTINGS, STATS
@@ -75,7 +76,7 @@ async def list_models(request: web.Request) -> web.Response:
     """GET /v1/models: the one model this engine serves."""
     settings, stats = request.app[SETTINGS], request.app[STATS]
     card = oa.ModelCard(id=settings.model_id, created=int(stats.started_at))
-    return routes.json_response(oa.ModelList(data=[card]))
+    return oa_requests.json_response(oa.ModelList(data=[card]))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -85,7 +86,7 @@ async def health(request: web.Request) -> web.Response:
     if status != "failed" and request.app[ADMISSION].is_draining:
         status = "draining"
     load = gateway.meter.snapshot() if status == "loading" else None
-    return routes.json_response(EngineHealth(status, request.app[SETTINGS].model_id, load), 503 if status == "failed" else 200)
+    return oa_requests.json_response(EngineHealth(status, request.app[SETTINGS].model_id, load), 503 if status == "failed" else 200)
 
 
 async def admin_stats(request: web.Request) -> web.Response:
@@ -108,19 +109,19 @@ async def admin_stats(request: web.Request) -> web.Response:
         memory=MemoryStats(psutil.Process().memory_info().rss, mx.get_active_memory(), mx.get_peak_memory(),
                            mx.get_cache_memory()),
     )
-    return routes.json_response(body)
+    return oa_requests.json_response(body)
 
 
 async def admin_drain(request: web.Request) -> web.Response:
     """POST /admin/drain: refuse new requests, let those in flight finish (abort them at the timeout)."""
-    req = await routes.decode_body(request, DrainRequest, DrainRequest())
+    req = await oa_requests.decode_body(request, DrainRequest, DrainRequest())
     result = await request.app[ADMISSION].drain(req.timeout_s, req.resume)
-    return routes.json_response(result)
+    return oa_requests.json_response(result)
 
 
 async def admin_lease(request: web.Request) -> web.StreamResponse:
     """POST /admin/lease: hold the exclusive lease while this NDJSON stream stays open."""
-    req = await routes.decode_body(request, LeaseRequest, LeaseRequest())
+    req = await oa_requests.decode_body(request, LeaseRequest, LeaseRequest())
     async with request.app[ADMISSION].lease(req.holder, req.wait_s) as token:
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-cache"})
         await resp.prepare(request)

@@ -1,0 +1,77 @@
+"""Loading the model onto the GPU thread and making what serves it: the prompt cache and the Runner.
+
+The gateway calls these once, on the GPU thread, before its loop starts. `open_model`'s errors
+are load errors (the engine exits with MODEL_LOAD_ERROR); what `make_runner` raises is a dying
+GPU thread's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+
+import mlx.core as mx
+
+from mlxd.engine import mlx_env
+from mlxd.engine.cache.fingerprint import tier_dir
+from mlxd.engine.cache.prefix_cache import PrefixCache
+from mlxd.engine.cache.ssd_tier import SsdTier, default_ssd_cache_bytes
+from mlxd.engine.gpu import decode_attention
+from mlxd.engine.gpu.flat_rows import FLATTEN_MIN_ROWS, flatten_quantized_rows, wins_here
+from mlxd.engine.gpu.kv_quant import activation_dtype, check_quantized_kv
+from mlxd.engine.gpu.options import GatewayOptions
+from mlxd.engine.gpu.runner import Runner
+from mlxd.engine.gpu.stats import Stats
+from mlxd.engine.gpu.warmup import wanted, warm_up
+from mlxd.engine.models.load_meter import LoadMeter
+from mlxd.engine.models.loaded_model import LoadedModel, wire_model_memory
+from mlxd.protocol.memory import kv_budget_tokens
+
+log = logging.getLogger("mlxd.engine")
+
+
+def open_model(load: Callable[[], LoadedModel], opts: GatewayOptions) -> LoadedModel:
+    """The model, its memory wired, checked against the options (raises what makes it unusable)."""
+    loaded = load()
+    wire_model_memory()
+    if opts.kv_bits is not None:
+        check_quantized_kv(loaded.config, activation_dtype(loaded.model), opts.kv_bits, opts.kv_group_size)
+    return loaded
+
+
+def make_runner(
+    loaded: LoadedModel, stats: Stats, opts: GatewayOptions, meter: LoadMeter, idle: threading.Event
+) -> tuple[Runner, PrefixCache]:
+    """The model's batched-decode patches, the warm-up (when wanted), then the Runner and prompt cache."""
+    budget = opts.kv_budget_tokens or kv_budget_tokens(loaded.native_context, opts.batch, opts.max_context)
+    if opts.batch >= FLATTEN_MIN_ROWS and wins_here() and (n := flatten_quantized_rows(loaded.model)):
+        log.info("%d quantized layers run batched decode rows flattened (from %d rows)", n, FLATTEN_MIN_ROWS)
+    if opts.batch > 1 and decode_attention.enabled() and (modules := decode_attention.install(loaded.model)):
+        log.info("batched decode attention runs mlxd's kernel (%s)", ", ".join(modules))
+    if wanted(opts.warmup):
+        if cold := mlx_env.cold_kernel_cache(os.environ, cuda=bool(mx.cuda.is_available())):
+            log.info("warm-up: the first start on this machine with this MLX version compiles its GPU kernels "
+                     "(about a minute; kept in %s for later starts)", cold)
+        # Its own stats and a RAM-only prompt cache: the warm-up's jobs leave no trace.
+        warm = Runner(loaded, Stats(), opts, budget, PrefixCache(opts.prompt_cache_bytes))
+        seconds, jobs, most = warm_up(warm, loaded, opts.batch, meter)
+        log.info("warm-up: %d jobs, up to %d rows at once: %.0f ms", jobs, most, seconds * 1000)
+    # Unseeded sampling draws from MLX's global generator: fresh entropy for each engine.
+    mx.random.seed(int.from_bytes(os.urandom(8), "little"))
+    cache = PrefixCache(opts.prompt_cache_bytes, ssd_tier(loaded, opts), idle)
+    return Runner(loaded, stats, opts, budget, cache), cache
+
+
+def ssd_tier(loaded: LoadedModel, opts: GatewayOptions) -> SsdTier | None:
+    """The SSD tier for this model and KV settings; None when off or its dir is unusable."""
+    if opts.ssd_root is None or opts.ssd_cache_bytes == 0 or opts.prompt_cache_bytes == 0:
+        return None
+    try:
+        root = tier_dir(opts.ssd_root, loaded.path, opts.kv_bits, opts.kv_group_size)
+        cap = opts.ssd_cache_bytes if opts.ssd_cache_bytes is not None else default_ssd_cache_bytes(root)
+        return SsdTier(root, cap)
+    except OSError as exc:
+        log.warning("SSD prompt cache off: cannot use %s: %s", opts.ssd_root, exc)
+        return None

@@ -1,0 +1,22 @@
+"""The GPU gateway's options (from the engine's command line: server.gateway_options)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayOptions:
+    prefill_step: int = 512  # prompt tokens per prefill chunk, in both lanes
+    batch: int = 1  # sequences at once; 1 keeps to the serial lane
+    max_context: int | None = None
+    kv_budget_tokens: int | None = None  # None: protocol.memory's default for the window and batch
+    warmup: str = "auto"  # run warm-up jobs through the lanes at load: on, off, auto (CUDA only); warmup.py
+    gather_ms: float = 5.0  # in a burst, an idle engine waits this long for the next arrival (0: never)
+    prompt_cache_bytes: int = 512 * 1024 * 1024  # the prompt cache's RAM tier (0: no prompt cache)
+    ssd_root: Path | None = None  # the SSD tier's root (its dir is root/<fingerprint>); None: no SSD tier
+    ssd_cache_bytes: int | None = None  # None: default_ssd_cache_bytes
+    kv_bits: int | None = None  # quantized KV (the serial lane only: batch must be 1)
+    kv_group_size: int = 64
+    write_behind: bool = True  # idle: write new entries to SSD (off: drains, evictions and stops only)

@@ -1,0 +1,123 @@
+"""The lanes and their scheduler: one turn starts what the scheduler decides, then steps each lane.
+
+The gateway's loop calls `turn` (the warm-up does too, on a Runner of its own). Lanes are
+reached through the Lane protocol; the one place that knows which is which is the merge, where
+the serial lane's sequence joins the batch's rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+
+from mlxd.engine.cache.prefix_cache import PrefixCache
+from mlxd.engine.gpu.batch_lane import BatchLane
+from mlxd.engine.gpu.lane import Lane
+from mlxd.engine.gpu.options import GatewayOptions
+from mlxd.engine.gpu.scheduler import Drop, LaneLoad, Refuse, Scheduler, Start
+from mlxd.engine.gpu.scheduling import LaneName
+from mlxd.engine.gpu.sequence import Sequence
+from mlxd.engine.gpu.serial_lane import SerialLane
+from mlxd.engine.gpu.stats import Stats
+from mlxd.engine.models.loaded_model import LoadedModel
+from mlxd.protocol.events import Failed
+
+log = logging.getLogger("mlxd.engine")
+
+
+class Runner:
+    """The scheduler's queue and the lanes it starts jobs in (GPU thread; counts read anywhere)."""
+
+    def __init__(
+        self, loaded: LoadedModel, stats: Stats, options: GatewayOptions, kv_budget_tokens: int, cache: PrefixCache
+    ) -> None:
+        self._stats = stats
+        self.scheduler: Scheduler[Sequence] = Scheduler(options.batch, kv_budget_tokens)
+        serial = SerialLane(loaded, stats, options.prefill_step, cache, options.kv_bits, options.kv_group_size)
+        batch = BatchLane(loaded, stats, options.prefill_step, options.batch, cache) if options.batch > 1 else None
+        self._lanes: dict[LaneName, Lane] = {"serial": serial} if batch is None else {"serial": serial, "batch": batch}
+        self._merge = (serial, batch) if batch is not None else None
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.num_waiting > 0 or any(lane.has_work for lane in self._lanes.values())
+
+    @property
+    def num_rows(self) -> int:
+        """Sequences running, in all lanes."""
+        return sum(lane.num_rows for lane in self._lanes.values())
+
+    @property
+    def num_prefilling(self) -> int:
+        return sum(lane.num_prefilling for lane in self._lanes.values())
+
+    def rows_in(self, name: LaneName) -> int:
+        lane = self._lanes.get(name)
+        return lane.num_rows if lane is not None else 0
+
+    def enqueue(self, seq: Sequence) -> None:
+        self.scheduler.enqueue(seq)
+
+    def turn(self, is_stopping: bool = False) -> int:
+        """Start what the scheduler decides, then step each lane that has work once; the jobs started."""
+        started = self._start_waiting(is_stopping)
+        self._merge_lanes()
+        for lane in self._lanes.values():
+            if lane.has_work:
+                for seq in lane.step():
+                    self.scheduler.release(seq)
+        return started
+
+    def _start_waiting(self, is_stopping: bool) -> int:
+        started = 0
+        load = LaneLoad(self._lanes["serial"].has_work, self.rows_in("batch"))
+        for decision in self.scheduler.plan(load, is_stopping):
+            if isinstance(decision, Drop):
+                decision.job.drop(self._stats)
+            elif isinstance(decision, Refuse):
+                decision.job.fail(self._stats, decision.message)
+            elif isinstance(decision, Start):
+                started += self._start(decision.job, self._lanes[decision.lane])
+        return started
+
+    def _start(self, seq: Sequence, lane: Lane) -> int:
+        try:
+            lane.admit(seq)
+        except Exception as exc:
+            log.error("could not start a request:\n%s", traceback.format_exc())
+            self.scheduler.release(seq)
+            seq.fail(self._stats, f"generation failed: {type(exc).__name__}: {exc}")
+            return 0
+        return 1
+
+    def _merge_lanes(self) -> None:
+        """While rows decode in the batch, the serial lane's sequence joins them: one forward
+        pass a step for all, instead of the serial lane's and the batch's one after the other."""
+        if self._merge is None or not all(lane.has_work for lane in self._merge):
+            return
+        serial, batch = self._merge
+        moved = None
+        try:
+            moved = serial.hand_over()
+            if moved is not None:
+                batch.adopt(*moved)
+        except Exception as exc:
+            log.error("moving a request into the batch failed:\n%s", traceback.format_exc())
+            message = f"generation failed: {type(exc).__name__}: {exc}"
+            if moved is None:
+                failed = serial.fail_all(message, "generation_failed")
+            else:
+                moved[0].fail(self._stats, message)
+                failed = [moved[0]]
+            for seq in failed:
+                self.scheduler.release(seq)
+
+    def fail_running(self, message: str, code: str) -> None:
+        """The GPU thread is dying: end every running sequence with an error."""
+        for lane in self._lanes.values():
+            lane.fail_all(message, code)
+
+    def abandon_waiting(self, event: Failed) -> None:
+        """The GPU thread is ending: answer every queued job with `event`."""
+        for seq in self.scheduler.take_all():
+            seq.abandon(event)

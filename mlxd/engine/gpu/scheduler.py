@@ -1,0 +1,136 @@
+"""The GPU thread's scheduler: the queue of waiting jobs, and each turn what becomes of them.
+
+Pure code (no MLX, no threads): the Runner asks `plan` once a turn, with what the lanes hold,
+and carries out the decisions. Jobs are taken in order (FIFO): the first one that does not
+fit (the width is full, or its KV does not fit what is free) holds the rest back, so a long
+job is never overtaken for ever by short ones. A cancelled job at the head is dropped; one
+that does not fit even with nothing running is refused (submit refuses those first, so that
+is a bug's safety net). scheduling.py decides the lane and holds the KV ledger.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+from mlxd.engine.gpu.scheduling import KvLedger, LaneName, LaneState, choose_lane, kv_tokens
+from mlxd.protocol.errors import APIError
+
+
+class Waiting(Protocol):
+    """What the scheduler reads of a job (a Sequence; a plain stand-in in the unit tests)."""
+
+    @property
+    def kv_need(self) -> int: ...
+
+    @property
+    def is_cancelled(self) -> bool: ...
+
+    @property
+    def group_size(self) -> int: ...
+
+
+W = TypeVar("W", bound=Waiting)
+
+
+@dataclass(frozen=True, slots=True)
+class LaneLoad:
+    """What the lanes hold as a turn begins."""
+
+    serial_busy: bool
+    batch_rows: int
+
+
+@dataclass(frozen=True, slots=True)
+class Start(Generic[W]):
+    """Start the job in this lane (its KV is booked)."""
+
+    job: W
+    lane: LaneName
+
+
+@dataclass(frozen=True, slots=True)
+class Drop(Generic[W]):
+    """The job was cancelled (or the engine stops) before it started: answer it as cancelled."""
+
+    job: W
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse(Generic[W]):
+    """The job can never start here: answer it with this error."""
+
+    job: W
+    message: str
+
+
+Decision = Start[W] | Drop[W] | Refuse[W]
+
+
+class Scheduler(Generic[W]):
+    """The waiting jobs, in order, and the KV booked by running ones (GPU thread; the budget
+    and `num_waiting` may be read from the loop thread)."""
+
+    def __init__(self, width: int, kv_budget_tokens: int) -> None:
+        self.width = width  # --batch: sequences at once, in both lanes
+        self.kv = KvLedger(kv_budget_tokens)
+        self._queue: deque[W] = deque()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._queue)
+
+    def enqueue(self, job: W) -> None:
+        self._queue.append(job)
+
+    def plan(self, load: LaneLoad, is_stopping: bool = False) -> list[Decision[W]]:
+        """This turn's decisions, in queue order, the head first; what it starts is booked."""
+        decisions: list[Decision[W]] = []
+        serial, rows = load.serial_busy, load.batch_rows
+        while self._queue:
+            decision = self._decide(self._queue[0], serial, rows, is_stopping)
+            if decision is None:
+                break
+            self._queue.popleft()
+            decisions.append(decision)
+            if isinstance(decision, Start):
+                self.kv.book(decision.job.kv_need)
+                serial, rows = (True, rows) if decision.lane == "serial" else (serial, rows + 1)
+        return decisions
+
+    def _decide(self, job: W, serial: bool, rows: int, is_stopping: bool) -> Decision[W] | None:
+        if job.is_cancelled or is_stopping:
+            return Drop(job)
+        need = job.kv_need
+        # The jobs behind this one come with it (a burst); a choice of n brings its siblings.
+        behind = max(len(self._queue) - 1, job.group_size - 1)
+        lane = choose_lane(need, LaneState(self.width, serial, rows, self.kv.free, behind))
+        if lane is not None:
+            return Start(job, lane)
+        if not serial and not rows:  # nothing runs and it still does not fit
+            return Refuse(job, f"The request needs {need} tokens of KV; the budget is {self.kv.budget_tokens}.")
+        return None
+
+    def release(self, job: W) -> None:
+        """A started job ended (or failed to start): its KV is free again."""
+        self.kv.release(job.kv_need)
+
+    def take_all(self) -> list[W]:
+        """Empty the queue (the GPU thread is ending): the jobs that waited, in order."""
+        jobs = list(self._queue)
+        self._queue.clear()
+        return jobs
+
+    def refusal(self, num_prompt: int, max_tokens: int) -> APIError | None:
+        """The 400 for a job whose KV could never fit the budget (before it is queued), or None."""
+        need = kv_tokens(num_prompt, max_tokens)
+        if self.kv.can_ever_fit(need):
+            return None
+        return APIError(
+            400,
+            f"This request needs {need} tokens of KV cache (a {num_prompt}-token prompt plus max_tokens "
+            f"{max_tokens}), more than this engine's budget of {self.kv.budget_tokens} "
+            "(a shorter prompt fits; --kv-budget-tokens raises it).",
+            param="messages", code="kv_budget_exceeded",
+        )

@@ -1,0 +1,197 @@
+"""The OpenAI handlers' shared half: reading a request, its budget and sampling, handing the job
+to the GPU thread, waiting for a whole answer, usage, and JSON responses (openai_routes.py has
+the handlers, openai_replies.py the reply objects, openai_streams.py the SSE relays)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeVar
+
+import msgspec
+from aiohttp import web
+
+from mlxd.engine.gpu.job import Job, PrefillGroup, SamplingParams
+from mlxd.engine.gpu.ticket import Ticket
+from mlxd.engine.http.admission import Slot
+from mlxd.engine.http.keys import ADMISSION, GATEWAY
+from mlxd.engine.models.loaded_model import LoadedModel
+from mlxd.protocol import openai as oa
+from mlxd.protocol.errors import APIError
+from mlxd.protocol.events import Done, Failed, Token, TokenLogprob
+from mlxd.protocol.json_body import decode_as
+from mlxd.protocol.process import USAGE_HEADER, RequestUsage
+
+T = TypeVar("T")
+LEGACY_COMPLETION_MAX_TOKENS = 16
+
+
+async def decode_body(request: web.Request, kind: type[T], empty: T | None = None) -> T:
+    """Read and decode a JSON body into `kind` (`empty` for no body, if given); a 400 as `decode_as` says."""
+    body = await request.read()
+    if empty is not None and not body.strip():
+        return empty
+    return decode_as(body, kind)
+
+
+def ready_model(request: web.Request) -> LoadedModel:
+    """The loaded model, or 503 while it is still loading."""
+    loaded = request.app[GATEWAY].loaded
+    if loaded is None:
+        raise APIError(
+            503, "The model is still loading.", type="server_error", code="loading",
+            headers={"Retry-After": "1"},
+        )
+    return loaded
+
+
+def resolve_max_tokens(
+    requested: int | None, num_prompt: int, window: int, default: int | None, kv_budget: int | None = None
+) -> int:
+    """The completion budget: what the caller asked for, clamped to what the context leaves.
+
+    The room is the window, or the engine's KV budget (`kv_budget` tokens, which bounds what
+    one sequence can book) if that ends first, less the prompt. Without `max_tokens`, a reply
+    may run to the end of it; a `max_tokens` past it is clamped to it (agents send the API's
+    largest, 32000 say, to any model: the reply then ends with `length`). Only a prompt that
+    fills the window by itself is a 400.
+    """
+    if num_prompt >= window:
+        raise APIError(
+            400, f"The prompt is {num_prompt} tokens, but the model's context window is {window} tokens.",
+            param="messages", code="context_length_exceeded",
+        )
+    room = window - num_prompt if kv_budget is None else max(1, min(window, kv_budget) - num_prompt)
+    if requested is None:
+        return min(default, room) if default else room
+    return min(requested, room)
+
+
+def sampling_params(req: oa.SamplingFields, loaded: LoadedModel) -> SamplingParams:
+    """Request values, else the model's generation_config defaults, else OpenAI's."""
+    d = loaded.generation_defaults
+    bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
+    bad = [t for t in bias if not 0 <= t < loaded.vocab_size]
+    if bad:
+        raise APIError(400, f"logit_bias token id {bad[0]} is outside the vocabulary.", param="logit_bias")
+
+    def pick(value: float | None, key: str, default: float) -> float:
+        return float(value) if value is not None else d.get(key, default)
+
+    top_k = int(pick(req.top_k, "top_k", 0))
+    return SamplingParams(
+        temperature=pick(req.temperature, "temperature", 1.0),
+        top_p=pick(req.top_p, "top_p", 1.0),
+        top_k=top_k if top_k < loaded.vocab_size else 0,  # keeping every token is no top-k at all
+        min_p=pick(req.min_p, "min_p", 0.0),
+        seed=req.seed,
+        repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else d.get("repetition_penalty"),
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        logit_bias=bias,
+    )
+
+
+def submit(request: web.Request, slot: Slot, prompt: list[int], max_tokens: int, req: oa.SamplingFields,
+           grammar: Any = None, logprobs: int | None = None, row: int = 0, group: PrefillGroup | None = None) -> Ticket:
+    """Hand a job to the GPU thread; return the handler's ticket for it. `row` > 0: another
+    choice of the same request (a seed is offset by it, so seeded choices differ too); the
+    choices share `group`, so their prompt is prefilled once."""
+    loaded = ready_model(request)
+    ticket = Ticket(asyncio.get_running_loop())
+    sampling = sampling_params(req, loaded)
+    if row and sampling.seed is not None:
+        sampling = dataclasses.replace(sampling, seed=(sampling.seed + row + 2**63) % 2**64 - 2**63)
+    job = Job(list(prompt), max_tokens, sampling, oa.stop_list(req.stop), ticket, grammar=grammar, logprobs=logprobs,
+              group=group)
+    slot.enter_gpu()
+    request.app[GATEWAY].submit(job)
+    return ticket
+
+
+AdmittedHandler = Callable[[web.Request, Slot], Awaitable[web.StreamResponse]]
+
+
+def admitted(handler: AdmittedHandler) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """Run an inference handler inside an admission slot (held until the response, stream included, ends)."""
+
+    @functools.wraps(handler)
+    async def wrapper(request: web.Request) -> web.StreamResponse:
+        with request.app[ADMISSION].admit(request.headers) as slot:
+            return await handler(request, slot)
+
+    return wrapper
+
+
+def summary_of(done: Done, *more: Done) -> RequestUsage:
+    """The request's cost, for the supervisor (process.USAGE_HEADER / USAGE_COMMENT)."""
+    every = (done, *more)
+    return RequestUsage(
+        done.prompt_tokens, done.cached_tokens, sum(d.completion_tokens for d in every), done.queue_ms,
+        done.prefill_ms, max(d.decode_ms for d in every), done.finish_reason,
+    )
+
+
+def usage_headers(done: Done, *more: Done) -> dict[str, str]:
+    """A whole answer's usage header."""
+    return {USAGE_HEADER: _encoder.encode(summary_of(done, *more)).decode()}
+
+
+def usage_of(done: Done, *more: Done) -> oa.Usage:
+    """OpenAI usage from the Done events of a request's choices (the prompt counted once)."""
+    completion = done.completion_tokens + sum(d.completion_tokens for d in more)
+    return oa.Usage(
+        done.prompt_tokens, completion, done.prompt_tokens + completion, oa.PromptTokensDetails(done.cached_tokens),
+    )
+
+
+async def collect(ticket: Ticket) -> tuple[str, Done, list[TokenLogprob]]:
+    """Wait for a whole generation (its text, end, and token log probabilities if asked for);
+    raise an APIError if it failed."""
+    parts: list[str] = []
+    logprobs: list[TokenLogprob] = []
+    async for batch in ticket.events():
+        for e in batch:
+            if isinstance(e, Token):
+                parts.append(e.text)
+                logprobs += e.logprobs or []
+        end = batch[-1]
+        if isinstance(end, Failed):
+            raise APIError(end.status, end.message, type="server_error", code=end.code)
+        if isinstance(end, Done):
+            if end.finish_reason == "cancelled":
+                raise APIError(503, "The engine is shutting down.", type="server_error", code="engine_stopping")
+            return "".join(parts), end, logprobs
+    raise APIError(500, "generation ended without a result", type="server_error")
+
+
+@contextlib.contextmanager
+def cancel_all_on_exit(tickets: list[Ticket]) -> Iterator[list[Ticket]]:
+    """Cancel every choice's job still running when the handler leaves."""
+    try:
+        yield tickets
+    finally:
+        for ticket in tickets:
+            if not ticket.is_finished:
+                ticket.cancel()
+
+
+@contextlib.contextmanager
+def cancel_on_exit(ticket: Ticket) -> Iterator[Ticket]:
+    """Cancel the job if the handler leaves early (a client disconnect cancels the handler)."""
+    try:
+        yield ticket
+    finally:
+        if not ticket.is_finished:
+            ticket.cancel()
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    """A JSON response encoded with msgspec."""
+    return web.Response(body=_encoder.encode(obj), status=status, content_type="application/json", headers=headers)

@@ -1,0 +1,126 @@
+"""The OpenAI SSE relays: one generation's events as chunks, or `n` choices in one stream,
+keep-alive comments while a job waits, and the closing events (usage, [DONE] or an error)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiohttp import web
+
+from mlxd.engine.gpu.ticket import Ticket
+from mlxd.engine.http.openai_replies import ChatReply, Reply
+from mlxd.engine.http.openai_requests import summary_of, usage_of
+from mlxd.engine.http.sse import SSEWriter, keepalive_interval
+from mlxd.protocol.errors import APIError
+from mlxd.protocol.events import Done, Failed, Token
+
+KEEPALIVE_S = keepalive_interval()
+
+
+async def stream(request: web.Request, ticket: Ticket, reply: Reply, include_usage: bool) -> web.StreamResponse:
+    """Relay a generation as OpenAI SSE chunks, ending with `data: [DONE]`."""
+    sse = SSEWriter()
+    resp = await sse.start(request)
+    # The opening chunks go out with the first generated text, so a client's (and the
+    # supervisor's) first chunk marks the first token.
+    opening = reply.opening()
+    try:
+        await keep_alive_until_first_event(sse, ticket)
+        async for batch in ticket.events():
+            for chunk in opening:
+                await sse.send(chunk)
+            opening = []
+            tokens = [e for e in batch if isinstance(e, Token)]
+            logprobs = [lp for e in tokens for lp in e.logprobs or []]
+            for chunk in reply.text("".join(e.text for e in tokens), logprobs):
+                await sse.send(chunk)
+            await finish_stream(sse, reply, batch[-1], include_usage)
+    except ConnectionResetError:
+        ticket.cancel()  # the client went away mid-stream
+    return resp
+
+
+async def keep_alive_until_first_event(sse: SSEWriter, ticket: Ticket) -> None:
+    """While the job waits its turn, send an SSE comment every KEEPALIVE_S seconds.
+
+    A request queued behind others would otherwise be silent until its first token, and a
+    client's read timeout could end it. Written from this task only, so writes never interleave.
+    """
+    while not await ticket.wait_for_event(KEEPALIVE_S):
+        await sse.comment("keep-alive")
+
+
+async def finish_stream(sse: SSEWriter, reply: Reply, end: Any, include_usage: bool) -> None:
+    """Write the closing events for a Done or Failed event; nothing for a Token."""
+    if isinstance(end, Failed):
+        await sse.send_error(APIError(end.status, end.message, type="server_error", code=end.code))
+    elif isinstance(end, Done) and end.finish_reason == "cancelled":
+        await sse.send_error(APIError(503, "The engine is shutting down.", type="server_error", code="engine_stopping"))
+    elif isinstance(end, Done):
+        for chunk in reply.closing(end):
+            await sse.send(chunk)
+        if include_usage:
+            await sse.send(reply.usage(usage_of(end)))
+        await sse.usage(summary_of(end))
+        await sse.done()
+
+
+async def stream_choices(request: web.Request, tickets: list[Ticket], replies: list[ChatReply],
+                         include_usage: bool) -> web.StreamResponse:
+    """Relay `n` choices as one SSE stream: each choice's chunks carry its index, in the order
+    they come; a failure of any ends the stream with an error; usage (all choices) at the end."""
+    sse = SSEWriter()
+    resp = await sse.start(request)
+    events: asyncio.Queue[tuple[int, list[Any] | None]] = asyncio.Queue()
+
+    async def pump(i: int, ticket: Ticket) -> None:
+        async for batch in ticket.events():
+            await events.put((i, batch))
+        await events.put((i, None))
+
+    pumps = [asyncio.create_task(pump(i, t)) for i, t in enumerate(tickets)]
+    opening = [c for r in replies for c in r.opening()]
+    dones: dict[int, Done] = {}
+    try:
+        open_rows = len(tickets)
+        while open_rows:
+            if opening:  # nothing sent yet: keep the client's read timeout at bay while queued
+                try:
+                    i, batch = await asyncio.wait_for(events.get(), KEEPALIVE_S)
+                except TimeoutError:
+                    await sse.comment("keep-alive")
+                    continue
+            else:
+                i, batch = await events.get()
+            if batch is None:
+                open_rows -= 1
+                continue
+            for chunk in opening:
+                await sse.send(chunk)
+            opening = []
+            tokens = [e for e in batch if isinstance(e, Token)]
+            logprobs = [lp for e in tokens for lp in e.logprobs or []]
+            for chunk in replies[i].text("".join(e.text for e in tokens), logprobs):
+                await sse.send(chunk)
+            end = batch[-1]
+            if isinstance(end, Failed) or (isinstance(end, Done) and end.finish_reason == "cancelled"):
+                await finish_stream(sse, replies[i], end, include_usage)
+                return resp
+            if isinstance(end, Done):
+                dones[i] = end
+                for chunk in replies[i].closing(end):
+                    await sse.send(chunk)
+        if dones:
+            first, *rest = dones.values()
+            if include_usage:
+                await sse.send(replies[0].usage(usage_of(first, *rest)))
+            await sse.usage(summary_of(first, *rest))
+        await sse.done()
+    except ConnectionResetError:
+        for t in tickets:
+            t.cancel()
+    finally:
+        for task in pumps:
+            task.cancel()
+    return resp

@@ -1,0 +1,131 @@
+"""The serial lane's chunked prefill (mlxd/engine/gpu/serial_lane.py) and the Runner's turns,
+in process on the tiny random model: a prompt is prefilled a chunk a step, and the tokens are
+those mlx-lm's generate_step gives for the whole prompt at once (the lane's earlier way)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_logits_processors
+
+from mlxd.engine.cache.prefix_cache import PrefixCache
+from mlxd.engine.gpu.job import Job, SamplingParams
+from mlxd.engine.gpu.options import GatewayOptions
+from mlxd.engine.gpu.runner import Runner
+from mlxd.engine.gpu.sampling import PENALTY_CONTEXT, shared_sampler
+from mlxd.engine.gpu.sequence import Sequence
+from mlxd.engine.gpu.serial_lane import SerialLane
+from mlxd.engine.gpu.stats import Stats
+from mlxd.engine.gpu.ticket import Ticket
+from mlxd.engine.models.loaded_model import LoadedModel
+
+STEP = 128
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model: Path) -> LoadedModel:
+    return LoadedModel(tiny_model, "tiny")
+
+
+@pytest.fixture(scope="module")
+def closed_loop() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    loop.close()  # tickets of a closed loop drop their events: these tests read the Sequences
+    yield loop
+
+
+def prompt_of(loaded: LoadedModel, n: int, salt: int = 0) -> list[int]:
+    rng = random.Random(salt)
+    return [rng.randrange(1, loaded.vocab_size) for _ in range(n)]
+
+
+def sequence(loaded: LoadedModel, loop: asyncio.AbstractEventLoop, prompt: list[int], max_tokens: int,
+             sampling: SamplingParams = GREEDY) -> Sequence:
+    job = Job(prompt, max_tokens, sampling, [], Ticket(loop))
+    return Sequence(job, loaded.tokenizer, set())  # no EOS: every run goes to max_tokens
+
+
+def run_lane(lane: SerialLane, seq: Sequence) -> int:
+    """Step the lane until `seq` ends; the steps before its first token."""
+    lane.admit(seq)
+    steps_before_first = 0
+    while not lane.step():
+        if not seq.generated:
+            steps_before_first += 1
+    return steps_before_first
+
+
+def reference(loaded: LoadedModel, prompt: list[int], max_tokens: int, step: int = STEP, **kwargs: object) -> list[int]:
+    """generate_step on the whole prompt: what the serial lane ran before it prefilled in chunks."""
+    steps = generate_step(mx.array(prompt), loaded.model, max_tokens=max_tokens, sampler=shared_sampler(0.0, 1.0, 0.0, 0),
+                          prefill_step_size=step, **kwargs)  # type: ignore[arg-type]
+    return [int(token) for token, _ in steps]
+
+
+@pytest.mark.parametrize("num_prompt", [5, STEP + 1, STEP + 2, 5 * STEP + 37])
+def test_a_chunked_prefill_gives_generate_steps_tokens(
+    loaded: LoadedModel, closed_loop: asyncio.AbstractEventLoop, num_prompt: int
+) -> None:
+    prompt = prompt_of(loaded, num_prompt)
+    lane = SerialLane(loaded, Stats(), STEP, PrefixCache(0))
+    seq = sequence(loaded, closed_loop, prompt, 24)
+    steps_before_first = run_lane(lane, seq)
+    assert seq.generated == reference(loaded, prompt, 24)
+    assert steps_before_first == -(-(num_prompt - 1) // STEP)  # a chunk a step, then the first token
+    assert seq.finish_reason == "length" and not lane.has_work
+
+
+def test_quantized_kv_and_penalties_give_generate_steps_tokens_too(
+    smollm2: Path, closed_loop: asyncio.AbstractEventLoop
+) -> None:
+    smol = LoadedModel(smollm2, "smol")  # the tiny model's heads are too narrow to quantize
+    step = 32  # three chunks; SmolLM2's quantized attention is slow on the CPU
+    prompt = prompt_of(smol, 3 * step + 5, salt=1)
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5)
+    lane = SerialLane(smol, Stats(), step, PrefixCache(0), kv_bits=4, kv_group_size=64)
+    seq = sequence(smol, closed_loop, prompt, 8, params)
+    run_lane(lane, seq)
+    processors = make_logits_processors(repetition_penalty=1.3, repetition_context_size=PENALTY_CONTEXT,
+                                        frequency_penalty=0.5, frequency_context_size=PENALTY_CONTEXT)
+    want = reference(smol, prompt, 8, step, logits_processors=processors, kv_bits=4, kv_group_size=64,
+                     quantized_kv_start=0)
+    assert seq.generated == want
+
+
+def test_a_cancel_during_the_prefill_ends_it_at_the_next_chunk_and_keeps_its_kv(
+    loaded: LoadedModel, closed_loop: asyncio.AbstractEventLoop
+) -> None:
+    prompt = prompt_of(loaded, 6 * STEP, salt=2)
+    cache = PrefixCache(64 * 1024 * 1024)
+    lane = SerialLane(loaded, Stats(), STEP, cache)
+    seq = sequence(loaded, closed_loop, prompt, 8)
+    lane.admit(seq)
+    assert lane.step() == [] and lane.step() == []  # two chunks
+    seq.job.ticket.cancel()
+    assert lane.step() == [seq] and seq.finish_reason == "cancelled" and not seq.generated
+    assert cache.fetch(prompt)[1] == 2 * STEP  # a retry finds the prefill so far
+
+
+def test_a_job_arriving_during_a_long_serial_prefill_starts_between_its_chunks(
+    loaded: LoadedModel, closed_loop: asyncio.AbstractEventLoop
+) -> None:
+    opts = GatewayOptions(prefill_step=STEP, batch=2)
+    runner = Runner(loaded, Stats(), opts, 100_000, PrefixCache(0))
+    long = sequence(loaded, closed_loop, prompt_of(loaded, 8 * STEP, salt=3), 4)
+    short = sequence(loaded, closed_loop, prompt_of(loaded, 16, salt=4), 4)
+    runner.enqueue(long)
+    assert runner.turn() == 1 and runner.rows_in("serial") == 1
+    runner.enqueue(short)
+    assert runner.turn() == 1 and runner.rows_in("batch") == 1
+    assert not long.generated  # still prefilling: the short job did not wait for it
+    while runner.has_work:
+        runner.turn()
+    assert (len(long.generated), len(short.generated)) == (4, 4)
+    assert runner.scheduler.kv.booked == 0
