@@ -9,9 +9,6 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Annotated
-
-import msgspec
 
 from mlxd.engine.cache.prefix_cache import FlushReport
 from mlxd.engine.gpu.stats import Stats
@@ -26,23 +23,6 @@ DRAIN_TIMEOUT = Failed("The engine drained and its timeout cut this request shor
 # client that stopped reading.
 ABORT_GRACE_S = 5.0
 FLUSH_MIN_S = 1.0  # a drain whose requests used up its timeout still gets this long to write the cache
-Seconds = Annotated[float, msgspec.Meta(gt=0)]
-
-
-class DrainRequest(msgspec.Struct, forbid_unknown_fields=True):
-    """Body of POST /admin/drain (all optional)."""
-
-    timeout_s: Seconds = 30.0
-    resume: bool = False
-
-
-class LeaseRequest(msgspec.Struct, forbid_unknown_fields=True):
-    """Body of POST /admin/lease (all optional)."""
-
-    holder: str = ""
-    wait_s: Seconds = 300.0
-
-
 @dataclass(frozen=True, slots=True)
 class Lease:
     token: str

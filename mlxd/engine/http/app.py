@@ -17,11 +17,24 @@ from mlxd.engine.gpu.gateway import Gateway
 from mlxd.engine.gpu.stats import Stats
 from mlxd.engine.http import openai_requests as oa_requests
 from mlxd.engine.http import openai_routes as routes
-from mlxd.engine.http.admission import Admission, DrainRequest, LeaseRequest
+from mlxd.engine.http.admission import Admission
 from mlxd.engine.http.keys import ADMISSION, GATEWAY, SETTINGS, STATS
 from mlxd.engine.settings import EngineSettings
 from mlxd.http_errors import make_error_middleware
 from mlxd.protocol import openai as oa
+from mlxd.protocol.process import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    DRAIN_PATH,
+    HEALTH_PATH,
+    LEASE_PATH,
+    MODELS_PATH,
+    RENDER_PATH,
+    STATS_PATH,
+    DrainRequest,
+    LeaseLine,
+    LeaseRequest,
+)
 from mlxd.protocol.stats import (
     EngineHealth,
     EngineStats,
@@ -43,14 +56,14 @@ def make_app(settings: EngineSettings, gateway: Gateway, stats: Stats) -> web.Ap
     app = web.Application(client_max_size=settings.max_body, middlewares=[make_error_middleware("engine")])
     app[SETTINGS], app[GATEWAY], app[STATS] = settings, gateway, stats
     app[ADMISSION] = Admission(gateway.abort_open, stats, lambda timeout_s: _flush(gateway, timeout_s))
-    app.router.add_post("/v1/chat/completions", routes.chat_completions)
-    app.router.add_post("/v1/completions", routes.completions)
-    app.router.add_post("/v1/chat/render", routes.render)
-    app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/health", health)
-    app.router.add_get("/admin/stats", admin_stats)
-    app.router.add_post("/admin/drain", admin_drain)
-    app.router.add_post("/admin/lease", admin_lease)
+    app.router.add_post(CHAT_PATH, routes.chat_completions)
+    app.router.add_post(COMPLETIONS_PATH, routes.completions)
+    app.router.add_post(RENDER_PATH, routes.render)
+    app.router.add_get(MODELS_PATH, list_models)
+    app.router.add_get(HEALTH_PATH, health)
+    app.router.add_get(STATS_PATH, admin_stats)
+    app.router.add_post(DRAIN_PATH, admin_drain)
+    app.router.add_post(LEASE_PATH, admin_lease)
     app.cleanup_ctx.append(gateway_ctx)
     return app
 
@@ -125,14 +138,17 @@ async def admin_lease(request: web.Request) -> web.StreamResponse:
     async with request.app[ADMISSION].lease(req.holder, req.wait_s) as token:
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        await resp.write(_ndjson({"status": "held", "token": token, "holder": req.holder}))
+        await resp.write(_ndjson(LeaseLine("held", token, req.holder)))
         # Ends when the holder disconnects: aiohttp cancels this handler, or a write fails.
         with contextlib.suppress(ConnectionResetError):
             while True:
                 await asyncio.sleep(LEASE_HEARTBEAT_S)
-                await resp.write(_ndjson({"status": "held"}))
+                await resp.write(HEARTBEAT)
     return resp
 
 
-def _ndjson(obj: object) -> bytes:
-    return msgspec.json.encode(obj) + b"\n"
+def _ndjson(line: LeaseLine) -> bytes:
+    return msgspec.json.encode(line) + b"\n"
+
+
+HEARTBEAT = _ndjson(LeaseLine("held"))
