@@ -77,7 +77,12 @@ class _Drain:
 
 
 class Engine:
-    """The engine child for one model (talked to over its socket with upstream.py's client)."""
+    """The engine child for one model (talked to over its socket with upstream.py's client).
+
+    About 30 methods, past the house's ~25, on purpose: most are the steps of the one owner
+    task (spawn, boot, watch, drain, cool down) that is the only writer of `state`. Split
+    across classes, that single writer would be spread over several.
+    """
 
     def __init__(
         self, model_id: str, model_dir: Path, runtime_dir: Path, max_context: int | None = None,

@@ -112,7 +112,12 @@ def prompt_cache_bytes(config: PoolConfig) -> int:
 
 
 class Pool:
-    """Engines by model, the wait queue, and the leases' hold on them."""
+    """Engines by model, the wait queue, and its replans (policy.py decides, this applies).
+
+    The admin verbs live in pool_admin.py, a whole-machine lease in machine_hold.py and the
+    spare's timer in spare_timing.py; what is left (about 29 methods, most of them small
+    views for the admin routes and metrics) is the queue and the plan, which share its state.
+    """
 
     def __init__(
         self, runtime_dir: Path, options: EngineOptions | None = None, config: PoolConfig | None = None,
