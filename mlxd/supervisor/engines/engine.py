@@ -79,7 +79,7 @@ class _Drain:
 class Engine:
     """The engine child for one model (talked to over its socket with upstream.py's client).
 
-    About 30 methods, past the house's ~25, on purpose: most are the steps of the one owner
+    33 methods, past the house's ~25, on purpose: most are the steps of the one owner
     task (spawn, boot, watch, drain, cool down) that is the only writer of `state`. Split
     across classes, that single writer would be spread over several.
     """
