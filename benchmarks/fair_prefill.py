@@ -50,13 +50,19 @@ def start_engine(model: Path, batch: int, prefill_step: int) -> tuple[subprocess
             "--batch", str(batch), "--prefill-step", str(prefill_step)]
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + 300
+    wait_ready(proc, sock, log)
+    return proc, sock, log
+
+
+def wait_ready(proc: subprocess.Popen[bytes], sock: Path, log: Path, timeout_s: float = 300) -> None:
+    """Until the engine at `sock` answers `ready` on /health (killed, and TimeoutError, if it never does)."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"engine exited {proc.returncode}: {log.read_text()[-2000:]}")
         try:
             if json.loads(request(sock, "GET", "/health").read()).get("status") == "ready":
-                return proc, sock, log
+                return
         except (OSError, ValueError, http.client.HTTPException):
             pass
         time.sleep(0.1)

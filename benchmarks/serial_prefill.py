@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from fair_prefill import request, stream  # noqa: E402
+from fair_prefill import request, stream, wait_ready  # noqa: E402
 
 USAGE_HEADER = "X-MLXD-Usage"
 
@@ -55,18 +55,8 @@ def start_engine(tree: Path, model: Path, args: argparse.Namespace) -> tuple[sub
     # Keep-alive comments every 0.5 s: a stream the script leaves notices it at the next one.
     env = {**os.environ, "PYTHONPATH": str(tree), "MLXD_STREAM_KEEPALIVE_S": "0.5"}
     proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, cwd=tree)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"engine exited {proc.returncode}: {log.read_text()[-2000:]}")
-        try:
-            if json.loads(request(sock, "GET", "/health").read()).get("status") == "ready":
-                return proc, sock
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise TimeoutError("engine not ready")
+    wait_ready(proc, sock, log)
+    return proc, sock
 
 
 def ttft_ms(sock: Path, prompt: list[int], stop: threading.Event | None = None) -> float:

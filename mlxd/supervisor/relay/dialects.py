@@ -18,12 +18,13 @@ BY_PATH: dict[str, Dialect] = {
     "/v1/messages": ANTHROPIC, "/v1/responses": Responses(), "/v1/completions": OpenAICompletions(),
     "/v1/chat/completions": OPENAI,
 }
+_LONGEST_FIRST = sorted(BY_PATH, key=len, reverse=True)  # sorted once, not per request
 
 
 def dialect_of(request: web.Request) -> Dialect:
     """The caller's API, by path."""
     path = request.path
-    for prefix in sorted(BY_PATH, key=len, reverse=True):
+    for prefix in _LONGEST_FIRST:
         if path == prefix or path.startswith(prefix + "/"):
             return BY_PATH[prefix]
     return OPENAI
