@@ -21,10 +21,13 @@ run: setup
 	$(BIN)/mlxd serve
 
 # In-process MLX work in the tests gets OpenBLAS too (engines preload it by themselves).
-# `make test` runs all but the few tests marked slow (it stays under 10 minutes on 2 cores);
+# `make test` runs all but the few tests marked slow (it stays under 10 minutes on 2 cores), on
+# TEST_WORKERS processes (pytest-xdist), a test module's tests in one of them (their module-wide
+# supervisors are shared); `make test TEST_WORKERS=0` runs them in one process.
 # `make test-slow` runs those (a wheel installed into fresh venvs, chaos, ...). CI runs both.
+TEST_WORKERS ?= 2
 test: setup lint browser
-	$(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS)) $(BIN)/pytest -m "not slow"
+	$(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS)) $(BIN)/pytest -m "not slow" -n $(TEST_WORKERS) --dist loadfile
 
 test-slow: setup browser
 	$(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS)) $(BIN)/pytest -m slow

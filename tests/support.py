@@ -202,7 +202,10 @@ class SupervisorProcess:
         """The model's engine's own /admin/stats, straight over its socket."""
         from mlxd.supervisor.engines.engine import socket_path
 
-        transport = httpx.HTTPTransport(uds=str(socket_path(self.runtime, model_id)))
+        path = socket_path(self.runtime, model_id)
+        if not is_listening(path):  # asked anyway, httpx would leak the socket of the failed connect
+            raise AssertionError(f"no engine listens for {model_id} at {path}")
+        transport = httpx.HTTPTransport(uds=str(path))
         with httpx.Client(transport=transport, base_url="http://engine") as client:
             return checked_stats(client.get("/admin/stats").content)
 

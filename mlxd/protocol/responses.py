@@ -292,27 +292,45 @@ def usage_of(usage: dict[str, Any] | None) -> dict[str, Any]:
             "total_tokens": prompt + completion}
 
 
-class ResponseObject(msgspec.Struct):
+class ResponseObject(msgspec.Struct, forbid_unknown_fields=True):
     """A Response (OpenAI's Responses API): `output` holds reasoning, message and
     function_call items; the request's settings are echoed."""
 
-    # The schema of what Shell.response builds, for the OpenAPI document only: the answer stays
-    # a dict, which the stream updates, the store keeps and replays as it is, and which carries
-    # more of the request's echoed settings than are described here.
+    # The schema of what Shell.response builds, field for field and in its order (pinned by
+    # tests/unit/test_responses_protocol.py). The answer itself stays a dict: the stream updates
+    # it as it goes, and the store keeps it and replays it as it is.
     id: str
     object: Literal["response"]
     created_at: int
     completed_at: int | None
     status: Literal["in_progress", "completed", "incomplete", "failed"]
+    incomplete_details: dict[str, Any] | None
     model: str
-    output: list[dict[str, Any]]
-    usage: dict[str, Any] | None
     previous_response_id: str | None
     instructions: str | None
+    output: list[dict[str, Any]]
     error: dict[str, Any] | None
-    incomplete_details: dict[str, Any] | None
+    tools: list[dict[str, Any]]
+    tool_choice: str | dict[str, Any]
+    truncation: str
+    parallel_tool_calls: bool
+    text: dict[str, Any]
+    top_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    top_logprobs: int
+    temperature: float
+    reasoning: dict[str, Any] | None
+    usage: dict[str, Any] | None
+    max_output_tokens: int | None
+    max_tool_calls: int | None
     store: bool
+    background: bool
+    service_tier: str
     metadata: dict[str, Any]
+    safety_identifier: str | None
+    prompt_cache_key: str | None
+    user: str | None
 
 
 class Shell:

@@ -326,3 +326,16 @@ def test_unload_racing_requests_never_stalls_the_model(tmp_path: Path) -> None:
         assert sup.client.post("/v1/completions", json={"model": "fake", "prompt": "x"}, timeout=10).status_code == 200
     finally:
         sup.stop()
+
+
+def test_an_engine_whose_client_left_while_it_loaded_stays_for_its_ttl(tiny_model: Path, tmp_path: Path) -> None:
+    """A client that gives up while its model loads (Ctrl-C in `mlxd run`) leaves the engine loaded
+    for the model's idle TTL: it was once unloaded the moment it was ready (its idle clock read 0)."""
+    with serving(tiny_model, "a", tmp_path) as sup:
+        with pytest.raises(httpx.TimeoutException):  # the engine takes seconds to load
+            sup.client.post("/v1/completions", json={"model": "a", "prompt": "hi", "max_tokens": 3}, timeout=0.2)
+        assert wait_for(lambda: engines(sup)["a"]["state"] == "ready", 60, interval=0.05), engines(sup)["a"]
+        engine = engines(sup)["a"]
+        assert engine["idle_ttl_s"] == 1800 and engine["expires_in_s"] > 1700, engine
+        assert complete(sup, "a").status_code == 200  # and it serves the next request as it is
+        assert "closing: idle" not in sup.log()

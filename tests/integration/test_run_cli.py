@@ -115,7 +115,7 @@ def test_ctrl_c_stops_an_answer_and_the_next_question_works(sup: SupervisorProce
     chat = Chat(sup, "smol", "--max-tokens", "3000", "--temperature", "0")
     cancelled = num_cancelled(sup, "smol")
     chat.child.sendline("Write a very long story about a dragon who learns to bake bread.")
-    chat.read_until(lambda seen: len(answer_part(seen, "bread.").split()) >= 3)  # the answer is streaming
+    chat.read_until(lambda seen: len(answer_part(seen, "bread.").split()) >= 3 and is_generating(sup, "smol"))
     chat.child.sendintr()
     chat.child.expect(STATS)
     assert chat.child.match.group(2) == " · stopped"
@@ -143,11 +143,20 @@ def read_until(child: pexpect.spawn, is_done: Callable[[str], bool], timeout: fl
     return plain(seen[0])
 
 
+def model_state(sup: SupervisorProcess, model: str) -> str:
+    """The model's state in the supervisor's /v1/models."""
+    return str(next(m["state"] for m in sup.client.get("/v1/models").json()["data"] if m["id"] == model))
+
+
 def num_cancelled(sup: SupervisorProcess, model: str) -> int:
     """Requests the model's engine has cancelled; 0 while it does not run (asking a socket nobody
     listens on would leak one: see tests.support.is_listening)."""
-    states = {m["id"]: m["state"] for m in sup.client.get("/v1/models").json()["data"]}
-    return int(sup.engine_stats(model)["requests"]["cancelled"]) if states[model] == "ready" else 0
+    return int(sup.engine_stats(model)["requests"]["cancelled"]) if model_state(sup, model) == "ready" else 0
+
+
+def is_generating(sup: SupervisorProcess, model: str) -> bool:
+    """Whether the model's engine is up and running a request (not still loading for it)."""
+    return model_state(sup, model) == "ready" and int(sup.engine_stats(model)["requests"]["active"]) >= 1
 
 
 def wait_cancelled(sup: SupervisorProcess, model: str, before: int, timeout: float = 20) -> bool:
@@ -198,7 +207,11 @@ def test_ctrl_c_stops_a_one_shot_answer_with_130(sup: SupervisorProcess) -> None
     child = pexpect.spawn(sys.executable, ["-m", "mlxd", "run", "--url", sup.url, "smol", question, "--max-tokens",
                                            "3000", "--temperature", "0"],  # greedy: it runs to 3000 tokens
                           env=cli_env(), encoding="utf-8", timeout=60, dimensions=(50, 200))
-    read_until(child, lambda seen: len(SPINNER_FRAME.sub("", seen).split()) >= 3, 120)  # the answer is streaming
+    # The answer is streaming: words on screen (the load spinner's, on a slow machine) are not enough.
+    def streams(seen: str) -> bool:
+        return len(SPINNER_FRAME.sub("", seen).split()) >= 3 and is_generating(sup, "smol")
+
+    read_until(child, streams, 120)
     child.sendintr()
     child.expect(pexpect.EOF)
     child.close()

@@ -140,6 +140,17 @@ def test_a_whole_answer_becomes_a_response_with_every_key() -> None:
     assert cut["output"][-1]["status"] == "incomplete"
 
 
+@pytest.mark.parametrize("status", ["in_progress", "completed", "incomplete", "failed"])
+def test_a_response_is_the_struct_the_document_names_field_for_field(status: str) -> None:
+    req = request(tools=[WEATHER], tool_choice={"type": "function", "name": "get_weather"}, reasoning={"effort": "low"},
+                  temperature=0.5, max_output_tokens=9, user="u", instructions="be brief")
+    built = rs.Shell(req, "m").response(status, [rs.message_item("hi")], error={"code": "x", "message": "y"},
+                                        incomplete="max_output_tokens" if status == "incomplete" else None)
+    assert list(built) == list(rs.ResponseObject.__struct_fields__)  # every key, in its order, and no other
+    decoded = msgspec.json.decode(msgspec.json.encode(built), type=rs.ResponseObject)  # and every type as described
+    assert msgspec.to_builtins(decoded) == built
+
+
 def parse(data: bytes) -> list[dict[str, Any]]:
     """The events of a stream, checked as the Open Responses rules say: one `data:` line each,
     `event:` equal to `type`, sequence numbers counting up from 0, nothing after the terminal

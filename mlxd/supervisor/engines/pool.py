@@ -301,6 +301,9 @@ class Pool:
             self._fail_waiters(slot, slot.engine.boot_error or slot.engine.failed_error())
             return
         slot.engine.start()
+        # Its idle clock starts now: an engine whose one waiter left while it loaded lives its TTL
+        # (it had `last_used` 0, so the TTL had passed before it was ready and it was unloaded).
+        slot.last_used = self.clock()
         task = asyncio.create_task(self._watch_boot(slot))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -3,7 +3,8 @@
 Schemas are the msgspec Structs the handlers decode requests with and encode answers from
 (mlxd/protocol/), through `msgspec.json.schema_components` (JSON Schema 2020-12, which OpenAPI
 3.1 uses as is), so a field or range added to a Struct reaches the document with no edit here.
-One exception: a Response object is a dict (protocol/responses.py's ResponseObject says why).
+One exception: a Response object is a dict, described field for field by protocol/responses.py's
+ResponseObject (it says why).
 The fuzz test (tests/integration/test_fuzz.py) checks real answers against the document.
 """
 
@@ -28,7 +29,7 @@ SCHEMA_TYPES: tuple[Any, ...] = (
     admin.DrainBody, admin.LeaseBody, admin.RenewBody, api.ModelInfoList, api.Health, api.EngineList,
     api.LoadAnswer, api.UnloadAnswer, api.DrainAnswer, api.Lease, api.LeaseList, api.LeaseDeleted,
     anthropic.MessagesRequest, anthropic.CountTokensRequest, anthropic.AnthropicMessage,
-    anthropic.AnthropicErrorBody, anthropic.InputTokens, responses.ResponsesRequest, responses.ResponseObject,
+    anthropic.AnthropicErrorBody, anthropic.InputTokens, anthropic.ModelCardList, responses.ResponsesRequest, responses.ResponseObject,
     api.ResponseDeleted, api.InputItemList, api.TimelineView,
 )
 
@@ -135,8 +136,9 @@ def make_paths() -> dict[str, Any]:
         "/v1/completions": {"post": inference(
             "createCompletion", "Text completion (no chat template), routed by `model`",
             "CompletionRequest", "Completion", "Completion")},
-        "/v1/models": {"get": operation("listModels", "Every model that exists (Anthropic's list shape when "
-                                        "`anthropic-version` is sent)", json_content(ref("ModelInfoList")),
+        "/v1/models": {"get": operation("listModels", "Every model that exists (Anthropic's list shape, "
+                                        "ModelCardList, when `anthropic-version` is sent)",
+                                        json_content({"anyOf": [ref("ModelInfoList"), ref("ModelCardList")]}),
                                         GUARDED, tag="OpenAI")},
         "/v1/responses": {"post": operation(
             "createResponse", "Responses API, translated onto the model's engine; stored for chaining "
