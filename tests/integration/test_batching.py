@@ -91,18 +91,20 @@ def lanes(engine: EngineProcess) -> dict[str, Any]:
 
 def test_a_lone_request_runs_in_the_serial_lane_and_moves_into_the_batch_when_others_come(batched: EngineProcess) -> None:
     long = {"prompt": "The long one", "max_tokens": 1500, "logit_bias": NO_EOS}
+    other = {"max_tokens": 400, "logit_bias": NO_EOS}
     alone = text_of(complete(batched, **long))
     seen: list[dict[str, Any]] = []
     with cf.ThreadPoolExecutor(4) as pool:
         first = pool.submit(complete, batched, **long)
         assert wait_for(lambda: lanes(batched)["serial"] == 1, 10)
-        others = [pool.submit(complete, batched, p) for p in PROMPTS[:3]]
+        # Long enough that the four rows run together for seconds: a loaded machine's polls see it.
+        others = [pool.submit(complete, batched, p, **other) for p in PROMPTS[:3]]
         assert wait_for(lambda: seen.append(lanes(batched)) or seen[-1]["batch"] == 4, 10), seen[-5:]
         results = [first.result(), *(f.result() for f in others)]
     assert seen[-1]["serial"] == 0  # the lone one joined the batch: one forward pass a step for all
     assert [r["status"] for r in results] == [200] * 4
     assert text_of(results[0]) == alone  # greedy: moving lanes changed no token
-    assert [text_of(r) for r in results[1:]] == [text_of(complete(batched, p)) for p in PROMPTS[:3]]
+    assert [text_of(r) for r in results[1:]] == [text_of(complete(batched, p, **other)) for p in PROMPTS[:3]]
 
 
 def test_a_seeded_request_stays_in_the_serial_lane_beside_the_batch(batched: EngineProcess) -> None:
@@ -112,7 +114,7 @@ def test_a_seeded_request_stays_in_the_serial_lane_beside_the_batch(batched: Eng
     with cf.ThreadPoolExecutor(4) as pool:
         first = pool.submit(complete, batched, **seeded)
         assert wait_for(lambda: lanes(batched)["serial"] == 1, 10)
-        others = [pool.submit(complete, batched, p) for p in PROMPTS[:3]]
+        others = [pool.submit(complete, batched, p, max_tokens=400, logit_bias=NO_EOS) for p in PROMPTS[:3]]
         assert wait_for(lambda: seen.append(lanes(batched)) or seen[-1]["batch"] >= 1, 10), seen[-5:]
         results = [first.result(), *(f.result() for f in others)]
     assert seen[-1]["serial"] == 1  # both lanes ran at once: its draws must not depend on the others

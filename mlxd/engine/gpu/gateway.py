@@ -259,12 +259,13 @@ class Gateway:
     def _turn(self, runner: Runner, trace: StepTrace | None, received: int) -> None:
         """Start what fits, then step each lane once; the time goes to busy_s (and the trace)."""
         started = time.perf_counter()
+        self._stats.turn_started(started)
         admitted = runner.turn(self._is_stopping)
         waiting = runner.scheduler.num_waiting
         if runner.num_rows + waiting >= 2:
             self._bursts_until = time.monotonic() + BURST_MEMORY_S
         ended_at = time.perf_counter()
-        self._stats.busy_s += ended_at - started  # the GPU thread's time at work
+        self._stats.turn_ended(ended_at)  # the GPU thread's time at work
         if trace is not None:
             trace.turn(started, ended_at, received=received, admitted=admitted, waiting=waiting,
                        serial=runner.rows_in("serial"), batch=runner.rows_in("batch"),

@@ -19,10 +19,27 @@ class Stats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
-    busy_s: float = 0.0  # the GPU thread's time at work (admitting, stepping lanes): its share of uptime is the engine's load
+    # The GPU thread's time at work (admitting, stepping lanes): its share of uptime is the
+    # engine's load. One tuple, (seconds of finished turns, perf_counter at the start of the turn
+    # under way or None), swapped whole, so a reader in another thread never sees half an update.
+    busy: tuple[float, float | None] = (0.0, None)
     last_finish_reason: str | None = None
     last_completion_tokens: int = 0
     last_timings_ms: dict[str, float] = field(default_factory=dict)
+
+    def turn_started(self, at: float) -> None:
+        self.busy = (self.busy[0], at)
+
+    def turn_ended(self, at: float) -> None:
+        done, started = self.busy
+        self.busy = (done + (at - started if started is not None else 0.0), None)
+
+    @property
+    def busy_s(self) -> float:
+        """The busy time until now, the turn under way included: a request answered in a turn is
+        counted in full when its answer is read, though the turn goes on after it."""
+        done, started = self.busy
+        return done + (time.perf_counter() - started if started is not None else 0.0)
 
     @property
     def num_active(self) -> int:
