@@ -33,6 +33,7 @@ class ModelInfo(msgspec.Struct):
     source: Source
     size_bytes: int
     load: LoadProgress | None  # while its engine starts: phase, done of total
+    sampling: dict[str, float]  # what a request that sets none gets: the model's generation_config, else mlxd's
 
 
 class ModelInfoList(msgspec.Struct):
@@ -88,6 +89,7 @@ class EngineRow(msgspec.Struct):
     lease: EngineLease | None
     prompt_cache: PromptCacheStats | None  # the engine's prompt cache (RAM, SSD, hits); None unless serving
     load: LoadProgress | None  # while it starts: phase, done of total (bytes of weights), elapsed since spawn
+    sampling: dict[str, float]  # as in /v1/models
 
 
 class EngineList(msgspec.Struct):

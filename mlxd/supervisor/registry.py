@@ -12,6 +12,7 @@ from pathlib import Path
 import msgspec
 
 from mlxd import paths
+from mlxd.protocol import sampling
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.supervisor_api import Source
 from mlxd.supervisor.config import DEFAULT_BATCH, ModelConfig
@@ -33,6 +34,16 @@ class ModelEntry(msgspec.Struct, frozen=True, kw_only=True):
     idle_ttl_s: int | None = None  # None: the pool's default
     batch: int = DEFAULT_BATCH  # sequences its engine decodes at once: the entry's, else [pool] batch
     is_available: bool = True  # False: a config entry whose path is not an MLX model dir
+
+
+def sampling_of(entry: ModelEntry) -> dict[str, float]:
+    """What a request for this model that sets no sampling gets (its generation_config.json's
+    values over mlxd's): shown in /v1/models and /admin/engines, as the engine applies them."""
+    try:
+        config = msgspec.json.decode((entry.path / "generation_config.json").read_bytes())
+    except (OSError, msgspec.DecodeError):
+        config = None
+    return sampling.in_use(sampling.model_defaults(config))
 
 
 def hf_cache_dir(env: Mapping[str, str] = os.environ) -> Path:

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pexpect
@@ -199,6 +200,18 @@ def test_piped_stdin_answers_once_on_a_clean_stdout(sup: SupervisorProcess) -> N
                              timeout=60, check=False)
     assert verbose.stdout == out.stdout  # greedy: the same answer, and the stats went to stderr
     assert STATS.fullmatch(verbose.stderr.strip()), verbose.stderr
+
+
+def test_the_default_model_at_its_defaults_names_the_capital_of_france(sup: SupervisorProcess) -> None:
+    """No sampling given anywhere: the default model's recommended sampling (written by
+    `mlxd import-default`) over mlxd's defaults. At OpenAI's temperature 1 over the whole
+    vocabulary it answered "Le Grand Citel de France ..." two times in three."""
+    question = "What is the capital of France?"
+    with ThreadPoolExecutor(2) as pool:  # two at a time: the answers are sampled, each its own
+        runs = list(pool.map(lambda _: mlxd("run", "--url", sup.url, "smol", question), range(10)))
+    assert [r.returncode for r in runs] == [0] * 10, [r.stderr for r in runs]
+    right = [r.stdout for r in runs if "Paris" in r.stdout]
+    assert len(right) >= 9, [r.stdout for r in runs]
 
 
 def test_ctrl_c_stops_a_one_shot_answer_with_130(sup: SupervisorProcess) -> None:

@@ -1,10 +1,14 @@
-"""A model's generation_config.json: sane defaults are used, absurd ones are dropped."""
+"""A model's generation_config.json: sane defaults are used, absurd ones are dropped; what
+neither a request nor its model sets is mlxd's (protocol/sampling.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from mlxd.engine.http.openai_requests import sampling_params
 from mlxd.engine.models.loaded_model import generation_defaults
+from mlxd.protocol import openai as oa
+from mlxd.protocol import sampling
 
 
 def defaults(tmp_path: Path, text: str) -> dict[str, float]:
@@ -26,3 +30,35 @@ def test_not_an_object_or_not_json(tmp_path: Path) -> None:
     assert defaults(tmp_path, "[1, 2]") == {}
     assert defaults(tmp_path, "{") == {}
     assert generation_defaults(tmp_path / "missing") == {}
+
+
+class Model:
+    """What sampling_params reads of a loaded model."""
+
+    def __init__(self, defaults: dict[str, float], vocab_size: int = 49152) -> None:
+        self.generation_defaults = defaults
+        self.vocab_size = vocab_size
+
+
+def params(model: dict[str, float], **request: float) -> tuple[float, float, int, float]:
+    req = oa.SamplingFields(**request)  # type: ignore[arg-type]
+    got = sampling_params(req, Model(model))  # type: ignore[arg-type]
+    return got.temperature, got.top_p, got.top_k, got.min_p
+
+
+def test_a_request_and_a_model_that_set_nothing_get_mlxds_defaults() -> None:
+    assert params({}) == (0.8, 0.95, 40, 0.05)
+    assert sampling.in_use({}) == {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05}
+
+
+def test_the_models_values_come_before_mlxds_and_the_requests_before_both() -> None:
+    smollm2 = {"temperature": 0.2, "top_p": 0.9}
+    assert params(smollm2) == (0.2, 0.9, 40, 0.05)  # what it does not set is still truncated
+    assert params(smollm2, temperature=0.0, top_k=0, min_p=0.0) == (0.0, 0.9, 0, 0.0)  # 0 is a value, not unset
+    assert params({}, temperature=1.0, top_p=1.0) == (1.0, 1.0, 40, 0.05)
+    assert sampling.in_use(smollm2) == {"temperature": 0.2, "top_p": 0.9, "top_k": 40, "min_p": 0.05}
+
+
+def test_a_top_k_as_large_as_the_vocabulary_is_no_top_k() -> None:
+    got = sampling_params(oa.SamplingFields(top_k=100), Model({}, vocab_size=100))  # type: ignore[arg-type]
+    assert got.top_k == 0

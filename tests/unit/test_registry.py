@@ -8,7 +8,13 @@ import pytest
 
 from mlxd.protocol.errors import APIError
 from mlxd.supervisor.config import ModelConfig
-from mlxd.supervisor.registry import Registry, hf_cache_dir, is_mlx_model_dir
+from mlxd.supervisor.registry import (
+    ModelEntry,
+    Registry,
+    hf_cache_dir,
+    is_mlx_model_dir,
+    sampling_of,
+)
 
 
 def make_model(path: Path, weights: int = 10) -> Path:
@@ -311,3 +317,14 @@ def test_a_model_pulled_since_the_last_scan_is_found_by_its_first_request(
     assert missing.value.status == 404
     now[0] += 0.5
     assert registry.resolve("later").id == "later"
+
+
+def test_a_models_sampling_is_its_generation_configs_over_mlxds(tmp_path: Path) -> None:
+    model = tmp_path / "m"
+    model.mkdir()
+    entry = ModelEntry(id="m", path=model, source="models_dir", size_bytes=0)
+    assert sampling_of(entry) == {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05}
+    (model / "generation_config.json").write_text('{"temperature": 0.2, "top_p": 0.9, "top_k": 1e30, "eos_token_id": 2}')
+    assert sampling_of(entry) == {"temperature": 0.2, "top_p": 0.9, "top_k": 40, "min_p": 0.05}  # 1e30: out of range
+    (model / "generation_config.json").write_text("{")
+    assert sampling_of(entry) == {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05}

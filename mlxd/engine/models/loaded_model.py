@@ -17,6 +17,7 @@ from mlxd.engine.chat.grammar import Grammars
 from mlxd.engine.chat.reasoning import ThinkMarkers, think_markers
 from mlxd.engine.chat.tools import ToolFormat, format_of, template_takes_tools
 from mlxd.engine.models.load_meter import LoadMeter
+from mlxd.protocol import sampling
 from mlxd.protocol.errors import APIError
 
 DEFAULT_CONTEXT = 4096
@@ -145,26 +146,13 @@ def context_window(config: dict[str, Any], max_context: int | None) -> int:
 
 
 def generation_defaults(path: Path) -> dict[str, float]:
-    """Sampling defaults the model ships in generation_config.json (temperature, top_p, top_k)."""
-    file = path / "generation_config.json"
-    if not file.is_file():
-        return {}
+    """Sampling defaults the model ships in generation_config.json (protocol.sampling says which)."""
+    return sampling.model_defaults(read_json(path / "generation_config.json"))
+
+
+def read_json(file: Path) -> Any:
+    """A JSON file's value; None when it is missing or not JSON."""
     try:
-        data = json.loads(file.read_text())
-    except ValueError:
-        return {}
-    if not isinstance(data, dict):
-        return {}
-    values = {k: data.get(k) for k in DEFAULT_RANGES}
-    # Out-of-range values (Infinity, NaN, a top_k of 1e30) are dropped: the request's own
-    # are range-checked, and a model's file must not make every request fail either.
-    return {
-        k: float(v) for k, v in values.items()
-        if isinstance(v, int | float) and not isinstance(v, bool) and DEFAULT_RANGES[k][0] <= v <= DEFAULT_RANGES[k][1]
-    }
-
-
-DEFAULT_RANGES = {  # what a generation_config.json default may be, by key (NaN fails every test)
-    "temperature": (0.0, 100.0), "top_p": (0.0, 1.0), "top_k": (0, 2**31 - 1), "min_p": (0.0, 1.0),
-    "repetition_penalty": (0.01, 10.0),
-}
+        return json.loads(file.read_text())
+    except (OSError, ValueError):
+        return None

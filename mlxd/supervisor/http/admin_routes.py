@@ -18,7 +18,7 @@ from mlxd.supervisor.engines.pool import Pool, Slot
 from mlxd.supervisor.engines.spare import Spare
 from mlxd.supervisor.http.answers import json_answer
 from mlxd.supervisor.http.keys import LEASES, POOL, REGISTRY, TIMELINE
-from mlxd.supervisor.registry import ModelEntry
+from mlxd.supervisor.registry import ModelEntry, sampling_of
 
 T = TypeVar("T")
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=7 * 24 * 3600)]
@@ -89,6 +89,7 @@ def engine_info(pool: Pool, slot: Slot, lease: api.Lease | None) -> api.EngineRo
         lease=api.EngineLease(lease.id, lease.holder, lease.expires_at) if lease else None,
         prompt_cache=engine.prompt_cache if engine.state in SERVING else None,
         load=engine.load_progress(),
+        sampling=sampling_of(slot.entry),
     )
 
 

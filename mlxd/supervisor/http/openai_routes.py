@@ -11,6 +11,7 @@ from mlxd.protocol.json_body import decode_json
 from mlxd.supervisor.http.answers import json_answer
 from mlxd.supervisor.http.keys import POOL, REGISTRY
 from mlxd.supervisor.http.relaying import relay, resolve
+from mlxd.supervisor.registry import sampling_of
 from mlxd.supervisor.relay.dialect import ModelRow
 from mlxd.supervisor.relay.dialects import dialect_of, models_dialect
 
@@ -46,8 +47,8 @@ async def list_models(request: web.Request) -> web.Response:
     registry, pool = request.app[REGISTRY], request.app[POOL]
     registry.refresh()
     engines = {e.model_id: e for e in pool.engines()}
-    rows = [ModelRow(m, engines[m.id].state, engines[m.id].load_progress()) if m.id in engines else ModelRow(m)
-            for m in registry.entries()]
+    rows = [ModelRow(m, engines[m.id].state, engines[m.id].load_progress(), sampling_of(m)) if m.id in engines
+            else ModelRow(m, sampling=sampling_of(m)) for m in registry.entries()]
     return json_answer(models_dialect(request).model_list(rows, int(time.time())))
 
 

@@ -48,6 +48,7 @@ class ModelRow(msgspec.Struct, frozen=True):
     entry: ModelEntry
     state: EngineState = EngineState.STOPPED
     load: LoadProgress | None = None  # while its engine starts
+    sampling: dict[str, float] = msgspec.field(default_factory=dict)  # registry.sampling_of
 
 
 class Dialect:
@@ -98,7 +99,8 @@ class Dialect:
         """GET /v1/models in this API's shape (OpenAI's, with mlxd's fields)."""
         data = [
             ModelInfo(row.entry.id, "model", created=now, owned_by="mlxd", loaded=row.state is EngineState.READY,
-                      state=row.state, source=row.entry.source, size_bytes=row.entry.size_bytes, load=row.load)
+                      state=row.state, source=row.entry.source, size_bytes=row.entry.size_bytes, load=row.load,
+                      sampling=row.sampling)
             for row in rows
         ]
         return ModelInfoList("list", data)

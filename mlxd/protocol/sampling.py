@@ -1,0 +1,45 @@
+"""The sampling a request gets when it sets none: the model's own defaults, else mlxd's.
+
+Read by the engine (which samples with them) and the supervisor (which shows them in
+`/v1/models` and `/admin/engines`). Pure: the caller reads `generation_config.json`.
+
+mlxd's defaults are llama.cpp's, which Ollama and LM Studio ship in much the same form: a
+temperature of 0.8, then top-k 40, top-p 0.95 and min-p 0.05. Sampling at 1.0 over the whole
+vocabulary (OpenAI's defaults, which mlxd used before) lets a small model's long tail of
+unlikely tokens in: SmolLM2-135M named the capital of France "Le Grand Citel" two times in
+three. The truncation keeps only tokens the model finds plausible (min-p: at least 5% of the
+likeliest's probability), and the lower temperature sharpens what is left, while answers still
+vary from run to run. Each value is taken on its own: a request that sets a temperature still
+gets the truncation unless it sets that too, as in Ollama.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MLXD_DEFAULTS: dict[str, float] = {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05}
+
+# What a generation_config.json value may be, by key (NaN fails every test).
+MODEL_RANGES: dict[str, tuple[float, float]] = {
+    "temperature": (0.0, 100.0), "top_p": (0.0, 1.0), "top_k": (0, 2**31 - 1), "min_p": (0.0, 1.0),
+    "repetition_penalty": (0.01, 10.0),
+}
+
+
+def model_defaults(config: Any) -> dict[str, float]:
+    """The sampling values a model's generation_config.json sets (its decoded JSON; anything
+    else is no values). Out-of-range ones (Infinity, NaN, a top_k of 1e30) are dropped: a
+    request's own are range-checked, and a model's file must not make every request fail."""
+    if not isinstance(config, dict):
+        return {}
+    out: dict[str, float] = {}
+    for key, (low, high) in MODEL_RANGES.items():
+        value = config.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool) and low <= value <= high:
+            out[key] = float(value)
+    return out
+
+
+def in_use(model: dict[str, float]) -> dict[str, float]:
+    """What a request that sets no sampling gets: the model's values over mlxd's."""
+    return {**MLXD_DEFAULTS, **model}
