@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import struct
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -42,8 +43,6 @@ from tests.package_index import (
     closed_port_url,
     make_wheel,
 )
-
-ROOT = Path(__file__).resolve().parents[2]
 
 # Ids from llama.cpp's own tokenizer on the same file (llama-cpp-python,
 # Llama(model_path=..., vocab_only=True).tokenize(text.encode(), add_bos=False, special=True)).
@@ -393,7 +392,7 @@ def test_cli_progress_on_a_terminal_shows_bars(tmp_path: Path) -> None:
 
     models = tmp_path / "models"
     args = ["import-gguf", str(tiny_llama_file(tmp_path)), "--models-dir", str(models), "--dtype", "float32"]
-    child = pexpect.spawn(str(ROOT / ".venv" / "bin" / "mlxd"), args, dimensions=(24, 120),
+    child = pexpect.spawn(sys.executable, ["-m", "mlxd", *args], dimensions=(24, 120),
                           encoding="utf-8", timeout=120, env={**os.environ, "TERM": "xterm-256color"})  # fmt: skip
     child.expect(pexpect.EOF)
     child.close()

@@ -130,7 +130,8 @@ class Scheduler(Generic[W]):
         return APIError(
             400,
             f"This request needs {need} tokens of KV cache (a {num_prompt}-token prompt plus max_tokens "
-            f"{max_tokens}), more than this engine's budget of {self.kv.budget_tokens} "
-            "(a shorter prompt fits; --kv-budget-tokens raises it).",
+            f"{max_tokens}), more than this engine's budget of {self.kv.budget_tokens}: a shorter prompt fits, "
+            "or raise the budget with `max_context` (up to the model's window) or `batch` in the model's "
+            "[models.NAME] entry of mlxd's config (an engine run alone: --kv-budget-tokens).",
             param="messages", code="kv_budget_exceeded",
         )

@@ -1,0 +1,94 @@
+"""An engine's batch width and KV budget, from the memory it may use and the model.
+
+One rule, read by the engine (which sizes itself with it at load) and the supervisor's pool
+(which books the memory before the engine starts). Pure arithmetic: the caller measures the
+memory (Metal's recommended working set on macOS, the CUDA device's memory, RAM on CPU).
+
+- The KV budget covers the model's whole context window (or `max_context`), and at least
+  ROW_TOKENS for each row of the batch, so a prompt that fits the window and the machine is
+  never refused by a fixed cap.
+- `batch = "auto"` (the width None here) takes the widest batch, up to the device's cap, whose
+  budget fits the memory left for KV: what remains after the weights, the prompt cache's RAM
+  tier and a headroom for activations.
+- Nothing is over-committed: a budget that memory cannot hold is clamped to what it can (then
+  longer prompts are refused, with a message that says what to change), even when the width
+  or `max_context` was configured. A configured KV budget is taken as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlxd.protocol.memory import ROW_TOKENS
+
+# The widest batch `auto` picks on each device, until a probe measures where throughput stops
+# growing: on an H200 a 1B model gained up to 64 rows and beyond (docs/benchmarks.md), a CPU
+# has few cores to share.
+AUTO_WIDTH_CAP = {"cpu": 32, "metal": 64, "cuda": 128}
+UNKNOWN_MEMORY_WIDTH = 8  # `auto` when the memory is not known: mlxd's width before `auto`
+HEADROOM_SHARE = 0.10  # of the memory: activations, a prefill's working set, the allocator's slack
+MIN_HEADROOM = 512 * 1024**2
+GIB = 1024**3
+
+
+@dataclass(frozen=True, slots=True)
+class Sizing:
+    width: int  # rows decoded at once (`--batch`)
+    kv_budget_tokens: int  # KV the running rows may book in all
+    memory_tokens: int | None  # the KV tokens the memory left holds (None: not known)
+    why: str  # for the log, `mlxd ps` and /admin/engines
+
+    @property
+    def is_clamped(self) -> bool:
+        """Whether memory, not the window or the width, set the budget."""
+        return self.memory_tokens is not None and self.kv_budget_tokens == self.memory_tokens
+
+
+def kv_memory_tokens(memory_bytes: int | None, weights_bytes: int, prompt_cache_bytes: int,
+                     kv_bytes_per_token: int) -> int | None:
+    """The KV tokens that fit beside the weights, the prompt cache and the headroom (None when
+    the memory, or a token's size, is not known)."""
+    if memory_bytes is None or kv_bytes_per_token <= 0:
+        return None
+    headroom = max(MIN_HEADROOM, int(memory_bytes * HEADROOM_SHARE))
+    room = memory_bytes - weights_bytes - prompt_cache_bytes - headroom
+    return max(0, room) // kv_bytes_per_token
+
+
+def wanted_tokens(context: int, width: int) -> int:
+    """The budget `width` rows want: one whole context, or ROW_TOKENS a row if that is more."""
+    return max(context, width * min(context, ROW_TOKENS))
+
+
+def size_engine(*, width: int | None, context: int, memory_tokens: int | None, device: str,
+                kv_budget_tokens: int | None = None) -> Sizing:
+    """The width (None: auto) and KV budget (None: from the rest) for a `context`-token window."""
+    cap = AUTO_WIDTH_CAP.get(device, UNKNOWN_MEMORY_WIDTH)
+    if width is not None:
+        chosen, how = width, f"batch {width} (configured)"
+    elif memory_tokens is None:
+        chosen, how = UNKNOWN_MEMORY_WIDTH, f"batch auto: {UNKNOWN_MEMORY_WIDTH} (the memory is not known)"
+    else:
+        fits = [w for w in range(1, cap + 1) if wanted_tokens(context, w) <= memory_tokens]
+        chosen = max(fits, default=1)
+        limit = f"the most on {device}" if chosen == cap else "as many as memory holds"
+        how = f"batch auto: {chosen} ({limit})"
+    if kv_budget_tokens is not None:
+        return Sizing(chosen, kv_budget_tokens, memory_tokens, f"{how}; KV budget {kv_budget_tokens} tokens (configured)")
+    wanted = wanted_tokens(context, chosen)
+    if memory_tokens is not None and wanted > memory_tokens:
+        budget = max(1, memory_tokens)
+        return Sizing(chosen, budget, memory_tokens, (
+            f"{how}; KV budget {budget} tokens, all that memory holds: less than the {wanted} that "
+            f"{'a whole ' + str(context) + '-token context' if wanted == context else f'{chosen} rows'} "
+            "would want"))
+    shape = f"the whole {context}-token context" if wanted == context else f"{chosen} rows of {ROW_TOKENS}"
+    return Sizing(chosen, wanted, memory_tokens, f"{how}; KV budget {wanted} tokens ({shape})")
+
+
+def short_memory_hint(sizing: Sizing) -> str:
+    """What a refused request's message says to change."""
+    if sizing.is_clamped:
+        return ("the memory left after the weights holds no more: a smaller `batch` or `max_context` in the "
+                "model's [models.NAME] entry, a smaller [cache] prompt cache, or a smaller model fits longer prompts")
+    return "a larger `max_context` in the model's [models.NAME] entry raises it, if the model's window allows"

@@ -1,0 +1,112 @@
+"""The batch width and KV budget an engine takes, over memory sizes, models and settings."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mlxd.protocol.memory import ROW_TOKENS
+from mlxd.protocol.sizing import (
+    AUTO_WIDTH_CAP,
+    GIB,
+    MIN_HEADROOM,
+    UNKNOWN_MEMORY_WIDTH,
+    kv_memory_tokens,
+    short_memory_hint,
+    size_engine,
+    wanted_tokens,
+)
+
+# KV bytes per token: Llama-3.2-1B (16 layers, 8 KV heads of 64, bf16) and Llama-3.1-8B (32 x 8 x 128).
+KV_1B, KV_8B = 2 * 16 * 8 * 64 * 2, 2 * 32 * 8 * 128 * 2
+
+
+def test_the_memory_left_for_kv_is_after_weights_prompt_cache_and_headroom() -> None:
+    assert kv_memory_tokens(None, 0, 0, KV_1B) is None
+    assert kv_memory_tokens(16 * GIB, 0, 0, 0) is None  # a config without the sizes
+    # 16 GiB: 10% headroom (1.6 GiB), 4.5 GiB of weights, 1.6 GiB of prompt cache.
+    left = 16 * GIB - int(16 * GIB * 0.1) - int(4.5 * GIB) - int(1.6 * GIB)
+    assert kv_memory_tokens(16 * GIB, int(4.5 * GIB), int(1.6 * GIB), KV_8B) == left // KV_8B
+    assert kv_memory_tokens(2 * GIB, 0, 0, 1) == 2 * GIB - MIN_HEADROOM  # small memory: the headroom's floor
+    assert kv_memory_tokens(4 * GIB, 5 * GIB, 0, KV_8B) == 0  # the weights alone do not fit
+
+
+def test_an_h200_with_a_1b_model_gets_the_widest_batch() -> None:
+    memory = kv_memory_tokens(140 * GIB, int(2.5 * GIB), 14 * GIB, KV_1B)
+    sizing = size_engine(width=None, context=131072, memory_tokens=memory, device="cuda")
+    assert sizing.width == AUTO_WIDTH_CAP["cuda"] >= 64
+    assert sizing.kv_budget_tokens == wanted_tokens(131072, sizing.width) == sizing.width * ROW_TOKENS
+    assert "the most on cuda" in sizing.why and not sizing.is_clamped
+
+
+def test_a_16_gb_mac_with_a_7b_4bit_model_gets_a_width_that_fits() -> None:
+    # Metal's recommended working set on a 16 GB Mac is about 10.7 GiB; 4 GiB of weights.
+    memory = kv_memory_tokens(int(10.7 * GIB), 4 * GIB, int(1.6 * GIB), KV_8B)
+    assert memory is not None
+    sizing = size_engine(width=None, context=32768, memory_tokens=memory, device="metal")
+    assert 1 <= sizing.width < AUTO_WIDTH_CAP["metal"]
+    assert sizing.kv_budget_tokens <= memory  # never over-committed
+    assert wanted_tokens(32768, sizing.width + 1) > memory  # and one more row would not fit
+    assert "as many as memory holds" in sizing.why
+
+
+def test_claude_codes_44k_prompt_fits_a_64k_model_on_a_24_gb_machine() -> None:
+    # A tiny model (a few MB) with a 65536-token window: the budget is the whole window.
+    memory = kv_memory_tokens(24 * GIB, 8 * 1024**2, int(2.4 * GIB), 2 * 2 * 2 * 16 * 4)
+    sizing = size_engine(width=None, context=65536, memory_tokens=memory, device="cpu")
+    assert sizing.kv_budget_tokens >= 65536 > 44090
+
+
+def test_a_window_memory_cannot_hold_is_clamped_and_says_what_to_change() -> None:
+    sizing = size_engine(width=None, context=131072, memory_tokens=50_000, device="metal")
+    assert (sizing.width, sizing.kv_budget_tokens) == (1, 50_000)
+    assert sizing.is_clamped and "all that memory holds" in sizing.why
+    assert "`batch` or `max_context`" in short_memory_hint(sizing)
+    roomy = size_engine(width=None, context=4096, memory_tokens=10**6, device="metal")
+    assert "max_context" in short_memory_hint(roomy) and not roomy.is_clamped
+
+
+def test_a_configured_width_wins_but_memory_still_bounds_its_budget() -> None:
+    assert size_engine(width=64, context=8192, memory_tokens=10**7, device="cpu").width == 64  # past the cap
+    tight = size_engine(width=64, context=8192, memory_tokens=100_000, device="cuda")
+    assert (tight.width, tight.kv_budget_tokens) == (64, 100_000)
+    assert "batch 64 (configured)" in tight.why
+
+
+def test_a_configured_kv_budget_is_taken_as_it_is() -> None:
+    sizing = size_engine(width=None, context=8192, memory_tokens=None, device="cpu", kv_budget_tokens=777)
+    assert (sizing.width, sizing.kv_budget_tokens) == (UNKNOWN_MEMORY_WIDTH, 777)
+    assert "(configured)" in sizing.why and "not known" in sizing.why
+
+
+def test_unknown_memory_keeps_the_old_width_and_books_the_whole_window() -> None:
+    sizing = size_engine(width=None, context=65536, memory_tokens=None, device="cpu")
+    assert (sizing.width, sizing.kv_budget_tokens) == (UNKNOWN_MEMORY_WIDTH, 65536)
+
+
+@given(
+    width=st.none() | st.integers(1, 256),
+    context=st.integers(16, 1 << 20),
+    memory=st.none() | st.integers(0, 1 << 26),
+    device=st.sampled_from(["cpu", "metal", "cuda", "other"]),
+)
+def test_the_budget_never_exceeds_memory_and_covers_what_it_can(
+    width: int | None, context: int, memory: int | None, device: str
+) -> None:
+    sizing = size_engine(width=width, context=context, memory_tokens=memory, device=device)
+    assert sizing.width == width if width is not None else 1 <= sizing.width <= AUTO_WIDTH_CAP.get(device, 8)
+    wanted = wanted_tokens(context, sizing.width)
+    if memory is None:
+        assert sizing.kv_budget_tokens == wanted
+    else:
+        assert sizing.kv_budget_tokens == max(1, min(wanted, memory))
+
+
+@pytest.mark.parametrize("device", ["cpu", "metal", "cuda"])
+def test_more_memory_never_means_a_narrower_batch_or_smaller_budget(device: str) -> None:
+    last = size_engine(width=None, context=32768, memory_tokens=0, device=device)
+    for memory in range(0, 2_000_000, 25_000):
+        sizing = size_engine(width=None, context=32768, memory_tokens=memory, device=device)
+        assert sizing.width >= last.width and sizing.kv_budget_tokens >= last.kv_budget_tokens
+        last = sizing
