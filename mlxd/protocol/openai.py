@@ -29,6 +29,7 @@ TokenCount = Annotated[int, Meta(ge=1, le=INT32_MAX)]
 TopK = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 NumChoices = Annotated[int, Meta(ge=1, le=128)]
+Priority = Annotated[int, Meta(ge=-INT32_MAX - 1, le=INT32_MAX)]  # lower runs sooner (vLLM's field)
 Stop = Annotated[str, Meta(max_length=MAX_STOP_CHARS)]
 
 
@@ -63,6 +64,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stop: Stop | Annotated[list[Stop], Meta(max_length=MAX_STOPS)] | None = None
     n: NumChoices = 1
     user: str | None = None
+    priority: Priority = 0
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):

@@ -25,9 +25,15 @@ export function onKeyChange(fn) {
   keyListeners.add(fn);
 }
 
-/** Ask for a key in the key dialog; true once one is saved. */
-export function askKey(reason) {
-  if (!asking) asking = showKeyDialog(reason).finally(() => { asking = null; });
+/** Ask for a key in the key dialog; true once one is saved. 401s that come together (the
+ * dashboard's polls) share one question, which says the strongest need among them: an admin
+ * key, when any of them wanted one, whichever answer came first. */
+export function askKey(reason, needsAdmin = false) {
+  if (!asking) {
+    asking = showKeyDialog(reason).finally(() => { asking = null; });
+  } else if (needsAdmin) {
+    document.querySelector("#key-dialog .reason").textContent = reason;
+  }
   return asking;
 }
 
@@ -87,7 +93,7 @@ export async function api(path, { method = "GET", body, signal, quiet = false } 
     const resp = await fetch(path, {
       method, signal, headers: headersFor(body), body: body === undefined ? undefined : JSON.stringify(body),
     });
-    if (resp.status === 401 && attempt === 0 && !(quiet && declined) && await askKey(keyReason(path))) continue;
+    if (resp.status === 401 && attempt === 0 && !(quiet && declined) && await askKey(keyReason(path), path.startsWith("/admin/"))) continue;
     if (!resp.ok) throw await errorOf(resp);
     return resp;
   }

@@ -365,3 +365,27 @@ def test_after_a_burst_an_idle_engine_gathers_the_next_one_into_one_batched_pref
         assert (burst["received"], burst["admitted"], burst["serial"], burst["batch"]) == (3, 3, 0, 3)
     else:
         assert (burst["received"], burst["serial"]) == (1, 1)
+
+
+def test_a_more_urgent_request_starts_before_those_queued_ahead_of_it(tiny_model: Path) -> None:
+    """One row at a time: behind a running row, a priority-0 request sent after two priority-10
+    ones starts first, and equal priorities keep their order."""
+    with running_engine(tiny_model, "tiny", "--batch", "1") as engine:
+        finished: list[str] = []
+
+        def run(name: str, **body: Any) -> None:
+            assert complete(engine, name, **body)["status"] == 200
+            finished.append(name)
+
+        with cf.ThreadPoolExecutor(4) as pool:
+            first = pool.submit(run, "first", max_tokens=600, logit_bias=NO_EOS)
+            assert wait_for(lambda: lanes(engine)["serial"] == 1, 10)
+            later = [pool.submit(run, "background 1", priority=10)]
+            assert wait_for(lambda: lanes(engine)["waiting"] == 1, 10)
+            later.append(pool.submit(run, "background 2", priority=10))
+            assert wait_for(lambda: lanes(engine)["waiting"] == 2, 10)
+            later.append(pool.submit(run, "urgent", priority=0))
+            assert wait_for(lambda: lanes(engine)["waiting"] == 3, 10)
+            for f in [first, *later]:
+                f.result()
+        assert finished == ["first", "urgent", "background 1", "background 2"]

@@ -208,7 +208,9 @@ def test_the_default_model_at_its_defaults_names_the_capital_of_france(sup: Supe
     vocabulary it answered "Le Grand Citel de France ..." two times in three."""
     question = "What is the capital of France?"
     with ThreadPoolExecutor(2) as pool:  # two at a time: the answers are sampled, each its own
-        runs = list(pool.map(lambda _: mlxd("run", "--url", sup.url, "smol", question), range(10)))
+        # Sampling left to the defaults; the length bounded (the answer is in its first words).
+        runs = list(pool.map(lambda _: mlxd("run", "--url", sup.url, "smol", question, "--max-tokens", "64"),
+                             range(10)))
     assert [r.returncode for r in runs] == [0] * 10, [r.stderr for r in runs]
     right = [r.stdout for r in runs if "Paris" in r.stdout]
     assert len(right) >= 9, [r.stdout for r in runs]

@@ -119,6 +119,7 @@ def chat_body(**fields: str) -> bytes:
         ("top_p", "1e999"), ("top_p", "-0.1"), ("min_p", "1.5"), ("min_p", BIG),
         ("presence_penalty", "-1e999"), ("presence_penalty", "2.5"), ("frequency_penalty", "-2.5"),
         ("repetition_penalty", "0"), ("repetition_penalty", "1e-300"), ("repetition_penalty", "1e999"),
+        ("priority", BIG), ("priority", str(2**31)), ("priority", str(-(2**31) - 1)),
     ],
 )
 def test_numbers_out_of_range_are_400_naming_the_field(field: str, value: str) -> None:
@@ -185,3 +186,14 @@ def test_best_of_above_one_is_refused_not_ignored() -> None:
         oa.check_completion(oa.CompletionRequest(prompt="hi", best_of=2))
     assert info.value.param == "best_of"
     oa.check_completion(oa.CompletionRequest(prompt="hi", best_of=1))
+
+
+@pytest.mark.parametrize("value", ['"high"', "1.5", "true", "null"])
+def test_a_priority_that_is_not_an_integer_is_a_400_naming_it(value: str) -> None:
+    err = decode_error(chat_body(priority=value), oa.ChatCompletionRequest)
+    assert (err.status, err.param) == (400, "priority")
+
+
+def test_priority_is_0_unless_sent_and_may_be_negative() -> None:
+    assert msgspec.json.decode(chat_body(), type=oa.ChatCompletionRequest).priority == 0
+    assert msgspec.json.decode(chat_body(priority="-5"), type=oa.ChatCompletionRequest).priority == -5

@@ -18,6 +18,7 @@ class FakeJob:
     group_size: int = 1
     is_cancelled: bool = False
     name: int = 0
+    priority: int = 0
 
 
 IDLE = LaneLoad(serial_busy=False, batch_rows=0)
@@ -197,3 +198,27 @@ def test_a_waiting_head_is_not_overtaken_by_later_jobs_that_would_fit() -> None:
     assert s.plan(LaneLoad(serial_busy=False, batch_rows=1)) == []
     s.release(running)
     assert s.plan(IDLE) == [Start(head, "batch"), Start(later, "batch")]
+
+
+def test_the_queue_runs_by_priority_then_arrival() -> None:
+    jobs = [FakeJob(100, name=i, priority=p) for i, p in enumerate([5, 0, 5, -3, 0, 5])]
+    s = queued(Scheduler(1, 10_000), *jobs)  # one row at a time: each plan starts the head alone
+    order = []
+    for _ in jobs:
+        [start] = s.plan(IDLE)
+        assert isinstance(start, Start)
+        order.append((start.job.priority, start.job.name))
+        s.release(start.job)
+    assert order == [(-3, 3), (0, 1), (0, 4), (5, 0), (5, 2), (5, 5)]
+
+
+def test_an_urgent_job_waits_only_for_the_rows_running_not_for_the_queue() -> None:
+    running, background = FakeJob(600), [FakeJob(300, name=i, priority=10) for i in range(3)]
+    s = queued(Scheduler(4, 1000), running)
+    assert s.plan(IDLE) == [Start(running, "serial")]
+    queued(s, *background)
+    busy = LaneLoad(serial_busy=True, batch_rows=1)
+    assert [d.job for d in s.plan(busy)] == background[:1]  # 300 of the 400 free: the rest wait
+    urgent = FakeJob(100, name=9)
+    queued(s, urgent)
+    assert [j.name for j in s.take_all()] == [9, 1, 2]  # ahead of the background ones that waited

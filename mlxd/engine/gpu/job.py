@@ -56,3 +56,4 @@ class Job:
     grammar: Any = None  # an llguidance matcher the reply is held to (mlxd.engine.chat.grammar)
     logprobs: int | None = None  # None: none; else the chosen token's and this many alternatives (0-20)
     group: PrefillGroup | None = None  # a choice of an n > 1 request: its prompt is prefilled once
+    priority: int = 0  # lower starts sooner; equal ones in the order they came (the scheduler's queue)

@@ -1,9 +1,10 @@
 """The GPU thread's scheduler: the queue of waiting jobs, and each turn what becomes of them.
 
 Pure code (no MLX, no threads): the Runner asks `plan` once a turn, with what the lanes hold,
-and carries out the decisions. Jobs are taken in order (FIFO): the first one that does not
-fit (the width is full, or its KV does not fit what is free) holds the rest back, so a long
-job is never overtaken for ever by short ones. A cancelled job at the head is dropped; one
+and carries out the decisions. Jobs are taken in order: by `priority` (lower first), then
+as they came (FIFO). The first one that does not fit (the width is full, or its KV does not
+fit what is free) holds the rest back, so a long job is never overtaken for ever by short
+ones of its priority (more urgent ones do overtake it). A cancelled job at the head is dropped; one
 that does not fit even with nothing running is refused (submit refuses those first, so that
 is a bug's safety net). scheduling.py decides the lane and holds the KV ledger.
 """
@@ -29,6 +30,9 @@ class Waiting(Protocol):
 
     @property
     def group_size(self) -> int: ...
+
+    @property
+    def priority(self) -> int: ...
 
 
 W = TypeVar("W", bound=Waiting)
@@ -82,7 +86,11 @@ class Scheduler(Generic[W]):
         return len(self._queue)
 
     def enqueue(self, job: W) -> None:
-        self._queue.append(job)
+        """Queue the job behind every waiting one of its priority or a more urgent one (lower)."""
+        at = len(self._queue)
+        while at and self._queue[at - 1].priority > job.priority:
+            at -= 1
+        self._queue.insert(at, job)
 
     def plan(self, load: LaneLoad, is_stopping: bool = False) -> list[Decision[W]]:
         """This turn's decisions, in queue order, the head first; what it starts is booked."""

@@ -50,6 +50,10 @@ class Sequence:
         return self.job.ticket.is_cancelled
 
     @property
+    def priority(self) -> int:
+        return self.job.priority
+
+    @property
     def kv_need(self) -> int:
         """The KV it books while it runs (the scheduler's Waiting protocol)."""
         return kv_tokens(len(self.job.prompt), self.job.max_tokens)

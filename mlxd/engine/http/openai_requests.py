@@ -107,7 +107,7 @@ def submit(request: web.Request, slot: Slot, prompt: list[int], max_tokens: int,
     if row and sampling.seed is not None:
         sampling = dataclasses.replace(sampling, seed=(sampling.seed + row + 2**63) % 2**64 - 2**63)
     job = Job(list(prompt), max_tokens, sampling, oa.stop_list(req.stop), ticket, grammar=grammar, logprobs=logprobs,
-              group=group)
+              group=group, priority=req.priority)
     slot.enter_gpu()
     request.app[GATEWAY].submit(job)
     return ticket
