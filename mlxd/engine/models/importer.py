@@ -24,6 +24,7 @@ from mlxd.engine.models.gguf import GGUFError, GGUFFile, TensorInfo
 from mlxd.engine.models.gguf_tokenizer import eos_token_ids, write_tokenizer_files
 from mlxd.engine.models.import_progress import Advance, Phase, Progress, ignore
 from mlxd.paths import DEFAULT_MODEL_ID, make_private_dirs
+from mlxd.protocol import sampling
 
 DTYPES = ("native", "float16", "float32")
 MAX_SHARD_BYTES = 5 << 30
@@ -473,7 +474,7 @@ def recommend_sampling(model_dir: Path) -> Path:
         config = json.loads(file.read_text())
     except (OSError, ValueError):
         config = {}
-    if not isinstance(config, dict) or any(k in config for k in ("temperature", "top_p", "top_k", "min_p")):
+    if not isinstance(config, dict) or any(k in config for k in sampling.MLXD_DEFAULTS):
         return model_dir
     tmp = file.with_name(f".{file.name}.{secrets.token_hex(4)}")
     tmp.write_text(json.dumps({**config, **DEFAULT_MODEL_SAMPLING}, indent=2) + "\n")
