@@ -166,14 +166,16 @@ async def run(settings: EngineSettings, sock: socket.socket, parent: int) -> int
 def gateway_options(settings: EngineSettings) -> GatewayOptions:
     """The GPU gateway's options from the command line, defaults filled in for this machine."""
     batch = settings.batch
-    if settings.kv_bits is not None and batch > 1:
-        log.warning("--kv-bits %d: quantized KV runs in the serial lane only; batch width %d -> 1", settings.kv_bits, batch)
+    if settings.kv_bits is not None and batch != 1:
+        log.warning("--kv-bits %d: quantized KV runs in the serial lane only; batch width %s -> 1",
+                    settings.kv_bits, "auto" if batch is None else batch)
         batch = 1
     cache_bytes = settings.prompt_cache_bytes
     if cache_bytes is None:
         cache_bytes = default_prompt_cache_bytes(psutil.virtual_memory().total)
     return GatewayOptions(
-        prefill_step=settings.prefill_step, batch=batch, max_context=settings.max_context,
+        prefill_step=settings.prefill_step, batch=batch, memory_bytes=settings.memory_bytes,
+        max_context=settings.max_context,
         kv_budget_tokens=settings.kv_budget_tokens, warmup=settings.warmup, gather_ms=settings.gather_ms,
         prompt_cache_bytes=cache_bytes, ssd_root=settings.ssd_cache_dir or data_dir() / "kv",
         ssd_cache_bytes=settings.ssd_cache_bytes, kv_bits=settings.kv_bits, kv_group_size=settings.kv_group_size,

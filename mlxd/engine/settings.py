@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from mlxd.protocol.sizing import parse_batch
+
 DEFAULT_MAX_BODY = 64 * 1024 * 1024
 
 
@@ -16,7 +18,8 @@ class EngineSettings:
     model_id: str
     socket: Path
     max_context: int | None = None
-    batch: int = 1
+    batch: int | None = 1  # None: auto (protocol/sizing.py)
+    memory_bytes: int | None = None  # what the engine sizes itself within (None: the device's memory)
     prefill_step: int = 512
     kv_budget_tokens: int | None = None
     warmup: str = "auto"
@@ -31,6 +34,14 @@ class EngineSettings:
     write_behind: bool = True
 
 
+def batch_value(text: str) -> int | None:
+    """`--batch`: a width of at least 1, or `auto` (None)."""
+    try:
+        return parse_batch(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of at least 1 or auto, not {text!r}") from None
+
+
 def parse_args(argv: list[str]) -> EngineSettings:
     """Parse `python -m mlxd.engine` arguments (argparse exits 2 on bad ones)."""
     p = argparse.ArgumentParser(prog="python -m mlxd.engine", description="Serve one MLX model on a Unix socket.")
@@ -38,11 +49,20 @@ def parse_args(argv: list[str]) -> EngineSettings:
     p.add_argument("--model-id", required=True, help="the model's id in the API")
     p.add_argument("--socket", required=True, type=Path, help="Unix socket path (its dir must be 0700)")
     p.add_argument("--max-context", type=int, default=None, help="cap the context window (tokens)")
-    p.add_argument("--batch", type=int, default=1, help="max sequences decoding at once (1: one at a time)")
+    p.add_argument(
+        "--batch", type=batch_value, default=1,
+        help="max sequences decoding at once (1: one at a time; auto: as many as memory and the device suit)",
+    )
+    p.add_argument(
+        "--memory-bytes", type=int, default=None,
+        help="the memory the engine sizes its batch and KV budget within (default: the device's: Metal's "
+             "recommended working set, the CUDA device's memory, 75%% of RAM on CPU)",
+    )
     p.add_argument("--prefill-step", type=int, default=512, help="prompt tokens per prefill chunk; cancellation is checked between chunks")
     p.add_argument(
         "--kv-budget-tokens", type=int, default=None,
-        help="KV cache tokens the running sequences may book in all (default: from the context window and --batch)",
+        help="KV cache tokens the running sequences may book in all (default: the whole context window, and "
+             "4096 a row past it, within the memory left after the weights)",
     )
     p.add_argument(
         "--warmup", choices=("auto", "on", "off"), default="auto",
@@ -78,7 +98,7 @@ def parse_args(argv: list[str]) -> EngineSettings:
         help="exit when this process is no longer our parent (default: the parent at start)",
     )
     a = p.parse_args(argv)
-    for name in ("max_context", "batch", "prefill_step", "kv_budget_tokens", "max_body"):
+    for name in ("max_context", "prefill_step", "kv_budget_tokens", "max_body", "memory_bytes"):
         value = getattr(a, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -90,7 +110,7 @@ def parse_args(argv: list[str]) -> EngineSettings:
             p.error(f"--{name.replace('_', '-')} must be >= 0")
     return EngineSettings(
         model=a.model, model_id=a.model_id, socket=a.socket, max_context=a.max_context,
-        batch=a.batch, prefill_step=a.prefill_step, kv_budget_tokens=a.kv_budget_tokens, warmup=a.warmup,
+        batch=a.batch, memory_bytes=a.memory_bytes, prefill_step=a.prefill_step, kv_budget_tokens=a.kv_budget_tokens, warmup=a.warmup,
         gather_ms=a.gather_ms, max_body=a.max_body, parent_pid=a.parent_pid,
         prompt_cache_bytes=a.prompt_cache_bytes, ssd_cache_bytes=a.ssd_cache_bytes, ssd_cache_dir=a.ssd_cache_dir,
         kv_bits=a.kv_bits, kv_group_size=a.kv_group_size, write_behind=a.ssd_write_behind == "on",

@@ -1,4 +1,6 @@
-"""How much KV cache an engine plans for: one rule, read by the engine and the supervisor's pool.
+"""What a token's KV costs, and the prompt cache's default share: read by the engine and the pool.
+
+How much KV an engine plans for, and its batch width, is protocol/sizing.py's rule.
 
 Pure arithmetic on a model's config.json values; no mlx, no I/O.
 """
@@ -7,13 +9,16 @@ from __future__ import annotations
 
 from typing import Any
 
-# KV is sized for the model's context window, but not past this unless `max_context` asks:
-# the cache grows with use, and a 128k window would otherwise book memory no chat uses.
-KV_CONTEXT_CAP = 32768
 # What one of several concurrent rows is planned to hold on average: most chats are short, so
 # booking every row's whole context would keep a batched engine from loading at all.
 ROW_TOKENS = 4096
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A config's language model's sizes: a vision-language model keeps them in `text_config`."""
+    text = cfg.get("text_config")
+    return {**cfg, **text} if isinstance(text, dict) else cfg
 
 
 def head_size(cfg: dict[str, Any]) -> int:
@@ -30,16 +35,6 @@ def kv_bytes_per_token(cfg: dict[str, Any]) -> int:
     head_dim = head_size(cfg)
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float16")
     return 2 * layers * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 2)
-
-
-def kv_budget_tokens(window: int, batch: int, max_context: int | None = None) -> int:
-    """Tokens of KV cache across all `batch` rows: the larger of one whole context and 4k a row.
-
-    One row may always fill its whole context (`max_context`, else the window capped at 32k),
-    while concurrent rows are planned at ROW_TOKENS each, so batch=1 books what it always has.
-    """
-    context = max_context or min(window, KV_CONTEXT_CAP)
-    return max(context, batch * min(context, ROW_TOKENS))
 
 
 # The prompt cache's RAM tier by default: this share of physical memory, within these bounds.

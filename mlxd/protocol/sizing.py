@@ -18,13 +18,16 @@ memory (Metal's recommended working set on macOS, the CUDA device's memory, RAM 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from mlxd.protocol.memory import ROW_TOKENS
+
+Device = Literal["cpu", "metal", "cuda"]
 
 # The widest batch `auto` picks on each device, until a probe measures where throughput stops
 # growing: on an H200 a 1B model gained up to 64 rows and beyond (docs/benchmarks.md), a CPU
 # has few cores to share.
-AUTO_WIDTH_CAP = {"cpu": 32, "metal": 64, "cuda": 128}
+AUTO_WIDTH_CAP: dict[Device, int] = {"cpu": 32, "metal": 64, "cuda": 128}
 UNKNOWN_MEMORY_WIDTH = 8  # `auto` when the memory is not known: mlxd's width before `auto`
 HEADROOM_SHARE = 0.10  # of the memory: activations, a prefill's working set, the allocator's slack
 MIN_HEADROOM = 512 * 1024**2
@@ -37,6 +40,7 @@ class Sizing:
     kv_budget_tokens: int  # KV the running rows may book in all
     memory_tokens: int | None  # the KV tokens the memory left holds (None: not known)
     why: str  # for the log, `mlxd ps` and /admin/engines
+    kv_configured: bool = False  # the KV budget was given (--kv-budget-tokens), not derived
 
     @property
     def is_clamped(self) -> bool:
@@ -60,7 +64,17 @@ def wanted_tokens(context: int, width: int) -> int:
     return max(context, width * min(context, ROW_TOKENS))
 
 
-def size_engine(*, width: int | None, context: int, memory_tokens: int | None, device: str,
+def parse_batch(text: str) -> int | None:
+    """`--batch`'s value: a width of at least 1, or `auto` (None); ValueError otherwise."""
+    if text.strip().lower() == "auto":
+        return None
+    width = int(text)
+    if width < 1:
+        raise ValueError(f"batch must be at least 1 or auto, not {width}")
+    return width
+
+
+def size_engine(*, width: int | None, context: int, memory_tokens: int | None, device: Device,
                 kv_budget_tokens: int | None = None) -> Sizing:
     """The width (None: auto) and KV budget (None: from the rest) for a `context`-token window."""
     cap = AUTO_WIDTH_CAP.get(device, UNKNOWN_MEMORY_WIDTH)
@@ -74,7 +88,8 @@ def size_engine(*, width: int | None, context: int, memory_tokens: int | None, d
         limit = f"the most on {device}" if chosen == cap else "as many as memory holds"
         how = f"batch auto: {chosen} ({limit})"
     if kv_budget_tokens is not None:
-        return Sizing(chosen, kv_budget_tokens, memory_tokens, f"{how}; KV budget {kv_budget_tokens} tokens (configured)")
+        return Sizing(chosen, kv_budget_tokens, memory_tokens, f"{how}; KV budget {kv_budget_tokens} tokens (configured)",
+                      kv_configured=True)
     wanted = wanted_tokens(context, chosen)
     if memory_tokens is not None and wanted > memory_tokens:
         budget = max(1, memory_tokens)
@@ -88,7 +103,11 @@ def size_engine(*, width: int | None, context: int, memory_tokens: int | None, d
 
 def short_memory_hint(sizing: Sizing) -> str:
     """What a refused request's message says to change."""
+    if sizing.kv_configured:
+        return "the KV budget was configured (--kv-budget-tokens): raise it"
     if sizing.is_clamped:
-        return ("the memory left after the weights holds no more: a smaller `batch` or `max_context` in the "
-                "model's [models.NAME] entry, a smaller [cache] prompt cache, or a smaller model fits longer prompts")
-    return "a larger `max_context` in the model's [models.NAME] entry raises it, if the model's window allows"
+        return ("the memory left after the weights holds no more KV: a smaller `batch` or `max_context` in the "
+                "model's [models.NAME] entry of mlxd's config, a smaller [pool] prompt_cache_bytes, or a smaller "
+                "model leaves room for longer prompts")
+    return ("a larger `max_context` in the model's [models.NAME] entry of mlxd's config raises it, up to the "
+            "model's window")

@@ -60,12 +60,13 @@ class AdmissionStats(msgspec.Struct):
 
 
 class LaneStats(msgspec.Struct):
-    width: int  # --batch
+    width: int  # rows decoded at once: --batch, or what `auto` chose
     serial: int  # rows in the serial lane (0 or 1)
     batch: int  # rows in the batch lane (choices waiting for their shared prefill included)
     waiting: int  # jobs not yet started
     kv_budget_tokens: int | None
     kv_booked_tokens: int | None
+    sizing: str | None = None  # how the width and KV budget were chosen (protocol/sizing.py); None until loaded
 
 
 class TokenCounts(msgspec.Struct):
@@ -142,7 +143,8 @@ class EngineStats(msgspec.Struct):
     memory: MemoryStats
 
 
-class PromptCacheView(msgspec.Struct):
+class EngineView(msgspec.Struct):
     """The part of /admin/stats the supervisor reads (the rest is ignored when decoding)."""
 
     prompt_cache: PromptCacheStats | None = None
+    lanes: LaneStats | None = None

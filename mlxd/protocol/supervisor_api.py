@@ -79,7 +79,10 @@ class EngineRow(msgspec.Struct):
     restarts: int
     idle_ttl_s: int
     expires_in_s: float | None
-    batch: int  # sequences the engine decodes at once ([pool] batch, or the model's own)
+    batch: int | Literal["auto"]  # the width asked for: [pool] batch, or the model's own
+    width: int | None  # the rows it decodes at once (what `auto` chose); None until it serves
+    kv_budget_tokens: int | None  # the KV its running rows may book in all; None until it serves
+    sizing: str | None  # how the width and KV budget were chosen; None until it serves
     closing: str | None
     failure: str | None
     boot: dict[str, float] | None

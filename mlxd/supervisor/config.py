@@ -23,8 +23,10 @@ Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Key = Annotated[str, msgspec.Meta(min_length=1)]
 TTL = Annotated[int, msgspec.Meta(ge=-1)]  # seconds idle before unloading; 0: at once; -1: never
 DEFAULT_GATHER_MS = 5.0  # the engine's own --gather-ms default
-Batch = Annotated[int, msgspec.Meta(ge=1, le=256)]  # sequences one engine decodes at once (--batch)
-DEFAULT_BATCH = 8
+# Sequences one engine decodes at once (--batch): a number, or "auto" (from memory and the model:
+# protocol/sizing.py).
+Batch = Annotated[int, msgspec.Meta(ge=1, le=256)] | Literal["auto"]
+DEFAULT_BATCH: Literal["auto"] = "auto"
 
 
 class ConfigError(Exception):
@@ -76,7 +78,7 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_queue: Annotated[int, msgspec.Meta(ge=1)] = 256
     queue_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
     drain_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
-    batch: Batch = DEFAULT_BATCH  # continuous batching width of each engine; per model: [models.NAME] batch
+    batch: Batch = DEFAULT_BATCH  # continuous batching width of each engine ("auto"); per model: [models.NAME] batch
     warmup: Literal["auto", "on", "off"] = "auto"  # engines' --warmup (auto: on CUDA only)
     gather_ms: Annotated[float, msgspec.Meta(ge=0, le=1000)] = DEFAULT_GATHER_MS  # engines' --gather-ms (0: never)
     spare_engine: bool = True  # keep one engine process with its imports done ($MLXD_SPARE_ENGINE=0: off)
@@ -248,6 +250,9 @@ def _describe(text: str, kind: Any, prefix: str) -> str:
     if match := re.fullmatch(r"Object contains unknown field `(.*)`", reason):
         return _unknown_key(_join(key, match.group(1)), kind, prefix)
     reason = reason[:1].lower() + reason[1:]
+    if key.endswith(".batch") and not reason.startswith("expected `int` "):  # not a range error
+        reason = 'expected a width from 1 to 256, or "auto"' + (f", got {reason.rpartition(', got ')[2]}"
+                                                               if ", got " in reason else f" ({reason})")
     return f"{key}: {reason}" if key else reason
 
 

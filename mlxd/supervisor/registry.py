@@ -15,7 +15,7 @@ from mlxd import paths
 from mlxd.protocol import sampling
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.supervisor_api import Source
-from mlxd.supervisor.config import DEFAULT_BATCH, ModelConfig
+from mlxd.supervisor.config import DEFAULT_BATCH, Batch, ModelConfig
 
 NUM_LISTED_IDS = 5
 RESCAN_ON_MISS_S = 1.0  # a name not found rescans the sources at most this often
@@ -32,7 +32,7 @@ class ModelEntry(msgspec.Struct, frozen=True, kw_only=True):
     pin: bool = False
     max_context: int | None = None
     idle_ttl_s: int | None = None  # None: the pool's default
-    batch: int = DEFAULT_BATCH  # sequences its engine decodes at once: the entry's, else [pool] batch
+    batch: Batch = DEFAULT_BATCH  # sequences its engine decodes at once ("auto"): the entry's, else [pool] batch
     is_available: bool = True  # False: a config entry whose path is not an MLX model dir
 
 
@@ -91,7 +91,7 @@ def _entry_size(entry: os.DirEntry[str], depth: int) -> int:
     return 0
 
 
-def scan_models_dir(root: Path, batch: int = DEFAULT_BATCH) -> list[ModelEntry]:
+def scan_models_dir(root: Path, batch: Batch = DEFAULT_BATCH) -> list[ModelEntry]:
     """MLX model dirs directly under mlxd's models dir; hidden dirs (imports in progress) skipped."""
     found = []
     for path in _subdirs(root):
@@ -104,7 +104,7 @@ def scan_models_dir(root: Path, batch: int = DEFAULT_BATCH) -> list[ModelEntry]:
     return found
 
 
-def scan_hf_cache(root: Path, batch: int = DEFAULT_BATCH) -> list[ModelEntry]:
+def scan_hf_cache(root: Path, batch: Batch = DEFAULT_BATCH) -> list[ModelEntry]:
     """MLX models in the hub cache, one per `models--ORG--NAME` repo with a usable snapshot."""
     found = []
     for repo in _subdirs(root):
@@ -134,7 +134,7 @@ def hf_snapshot(repo: Path) -> Path | None:
     return max(candidates, key=_mtime, default=None)
 
 
-def config_entries(models: Mapping[str, ModelConfig], batch: int = DEFAULT_BATCH) -> list[ModelEntry]:
+def config_entries(models: Mapping[str, ModelConfig], batch: Batch = DEFAULT_BATCH) -> list[ModelEntry]:
     """One entry per `[models.NAME]`, listed even when its path is not a model dir; `batch`: the pool's."""
     found = []
     for name, model in models.items():
@@ -165,7 +165,7 @@ class Registry:
         *,
         models_dir: Path | None = None,
         hf_cache: Path | None = None,
-        batch: int = DEFAULT_BATCH,
+        batch: Batch = DEFAULT_BATCH,
     ) -> None:
         self._configured = dict(models or {})
         self._batch = batch  # [pool] batch: the width of models without their own

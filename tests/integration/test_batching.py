@@ -14,6 +14,8 @@ from typing import Any
 import httpx2 as httpx
 import pytest
 
+from mlxd.protocol.memory import ROW_TOKENS, kv_bytes_per_token, text_config
+from mlxd.protocol.sizing import AUTO_WIDTH_CAP, MIN_HEADROOM
 from tests.support import FAULTY_ENGINE, NO_EOS, EngineProcess, engine_env, running_engine, wait_for
 
 
@@ -294,6 +296,25 @@ def test_kv_budget_refuses_what_can_never_fit_and_queues_what_does_not_fit_now(t
     assert [r["usage"]["completion_tokens"] for r in results] == [250] * 3
     assert max(s["kv_booked_tokens"] for s in seen) <= 600
     assert max(s["serial"] + s["batch"] for s in seen) <= 2  # a third ~252-token row would pass 600
+
+
+def test_batch_auto_takes_the_widest_batch_memory_holds(tiny_model: Path) -> None:
+    per_token = kv_bytes_per_token(text_config(json.loads((tiny_model / "config.json").read_text())))
+    with running_engine(tiny_model, "tiny", "--batch", "auto") as engine:  # this machine's memory: plenty
+        wide = lanes(engine)
+        assert "batch auto: 32 (the most on cpu)" in engine.log()
+    assert (wide["width"], wide["kv_budget_tokens"]) == (AUTO_WIDTH_CAP["cpu"], AUTO_WIDTH_CAP["cpu"] * ROW_TOKENS)
+    assert wide["sizing"].startswith("batch auto: 32 (the most on cpu); KV budget 131072 tokens")
+    # 8 MiB past the headroom, some of it the weights': room for a few rows of 4k tokens, no more.
+    memory = MIN_HEADROOM + 8 * 1024**2
+    with running_engine(tiny_model, "tiny", "--batch", "auto", "--memory-bytes", str(memory),
+                        "--prompt-cache-bytes", "0") as engine:
+        narrow = lanes(engine)
+        answers = at_once(engine, [{"prompt": p, "max_tokens": 20} for p in ["a", "b", "c"]])
+    assert 1 <= narrow["width"] < AUTO_WIDTH_CAP["cpu"]
+    assert narrow["kv_budget_tokens"] * per_token <= memory - MIN_HEADROOM
+    assert "as many as memory holds" in narrow["sizing"]
+    assert [a["status"] for a in answers] == [200] * 3
 
 
 def test_warmup_runs_jobs_through_the_lanes_before_ready_and_leaves_no_trace(tiny_model: Path) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -202,11 +204,17 @@ def test_idle_ttl_zero_unloads_right_after_the_request(tiny_model: Path, tmp_pat
 
 
 def test_queue_timeout_and_budget_rejection(tiny_model: Path, tmp_path: Path) -> None:
-    config = f'[pool]\nqueue_timeout_s = 0.5\n\n[models.a]\npath = "{tiny_model}"\n\n[models.big]\npath = "{tiny_model}"\nmax_context = 100000000\n'
+    big = tmp_path / "big"  # weights past any budget: a sparse 4 TiB file (never loaded)
+    big.mkdir()
+    shutil.copy(tiny_model / "config.json", big / "config.json")
+    with (big / "model.safetensors").open("wb") as f:
+        f.truncate(4 * 1024**4)
+    config = f'[pool]\nqueue_timeout_s = 0.5\n\n[models.a]\npath = "{tiny_model}"\n\n[models.big]\npath = "{big}"\n'
     sup = SupervisorProcess(config, tmp_path).wait_up()
     try:
         too_big = complete(sup, "big")
         assert too_big.status_code == 400 and too_big.json()["error"]["code"] == "model_too_large"
+        assert "memory_budget_gb" in too_big.json()["error"]["message"]
         taken = sup.client.post("/admin/leases", json={"model": "a", "ttl_s": 30})
         assert taken.status_code == 200, taken.text
         lease = taken.json()
@@ -216,6 +224,23 @@ def test_queue_timeout_and_budget_rejection(tiny_model: Path, tmp_path: Path) ->
         sup.client.delete(f"/admin/leases/{lease['id']}")
     finally:
         sup.stop()
+
+
+def test_a_window_no_memory_holds_is_served_with_its_kv_budget_clamped(tiny_model: Path, tmp_path: Path) -> None:
+    long = tmp_path / "long"  # the tiny model with a window of 2^30 tokens, whose KV no memory holds
+    long.mkdir()
+    for file in tiny_model.iterdir():
+        (long / file.name).symlink_to(file)
+    (long / "config.json").unlink()
+    (long / "config.json").write_text(json.dumps({**json.loads((tiny_model / "config.json").read_text()),
+                                                  "max_position_embeddings": 2**30}))
+    with serving(long, "long", tmp_path) as sup:
+        assert complete(sup, "long").status_code == 200
+        row = engines(sup)["long"]
+        assert row["batch"] == "auto" and row["width"] >= 1
+        assert "all that memory holds" in row["sizing"], row
+        assert row["kv_budget_tokens"] < 2**30
+        assert row["memory_estimate_bytes"] <= engines(sup)["_"]["budget_bytes"]  # booked within the budget
 
 
 @pytest.mark.parametrize(("method", "path", "body", "status"), [

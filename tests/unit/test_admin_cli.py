@@ -28,12 +28,14 @@ ENGINES: dict[str, Any] = {
     "data": [
         {"model": "tiny", "state": "ready", "pid": 4242, "uptime_s": 12.5, "rss_bytes": 540_000_000,
          "memory_estimate_bytes": 500_000_000, "in_flight": 1, "queued": 3, "last_used": 1.0e9,
+         "batch": "auto", "width": 32, "kv_budget_tokens": 131072, "sizing": "batch auto: 32 (the most on cpu)",
          "pinned": False, "restarts": 0, "idle_ttl_s": 300, "expires_in_s": 245.0, "failure": None,
          "lease": {"id": "l-1", "holder": "mlxd lease: python bench.py --long-flag", "expires_at": 2.0e9},
          "prompt_cache": {"ram": {"entries": 2, "bytes": 48_000_000}, "ssd": {"entries": 9, "bytes": 1_200_000_000},
                           "hits": {"ram": 2, "ssd": 1}, "misses": 1}},
         {"model": "SmolLM2-135M-Instruct", "state": "ready", "pid": 77, "uptime_s": 3.0, "rss_bytes": None,
-         "memory_estimate_bytes": 4_700_000_000, "in_flight": 0, "queued": 0, "last_used": None,
+         "memory_estimate_bytes": 4_700_000_000, "in_flight": 0, "queued": 0, "last_used": None, "batch": 8,
+         "width": 8,
          "pinned": True, "restarts": 1, "idle_ttl_s": 300, "expires_in_s": None, "failure": None, "lease": None},
         {"model": "gone", "state": "stopped", "pid": None, "uptime_s": None, "rss_bytes": None,
          "memory_estimate_bytes": 1, "in_flight": 0, "queued": 0, "last_used": None, "pinned": False,
@@ -84,14 +86,15 @@ def test_ps_shows_only_engines_that_are_not_stopped() -> None:
 
 def test_ps_table() -> None:
     lines = tables.ps_text(ENGINES).splitlines()
-    assert lines[0].split() == ["NAME", "STATE", "SIZE", "RSS", "PID", "IN", "FLIGHT", "QUEUED", "PROMPT", "CACHE",
-                                "UNTIL", "LEASE"]
+    assert lines[0].split() == ["NAME", "STATE", "SIZE", "RSS", "PID", "BATCH", "IN", "FLIGHT", "QUEUED", "PROMPT",
+                                "CACHE", "UNTIL", "LEASE"]
     tiny, smol, broken = lines[1:4]
-    assert tiny.split()[:9] == ["tiny", "ready", "500", "MB", "540", "MB", "4242", "1", "3"]
+    assert tiny.split()[:11] == ["tiny", "ready", "500", "MB", "540", "MB", "4242", "32", "(auto)", "1", "3"]
     assert "48 MB + 1.2 GB SSD, 75% hit" in tiny
     assert lines[0].index("PROMPT CACHE") == tiny.index("48 MB") == smol.index("-  ", lines[0].index("PROMPT"))
     assert "4 minutes from now" in tiny and tiny.endswith("   mlxd lease: python bench.py…")
-    assert smol.split()[:6] == ["SmolLM2-135M-Instruct", "ready", "4.7", "GB", "-", "77"]
+    assert smol.split()[:7] == ["SmolLM2-135M-Instruct", "ready", "4.7", "GB", "-", "77", "8"]
+    assert broken.split()[6] == "-"  # no width known
     assert smol.split()[-2:] == ["pinned", "-"]
     assert broken.split()[:2] == ["broken", "failed"] and broken.split()[-2:] == ["forever", "-"]
     assert "gone" not in tables.ps_text(ENGINES)

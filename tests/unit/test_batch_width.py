@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from mlxd.engine.settings import EngineSettings, parse_args
 from mlxd.supervisor.config import DEFAULT_GATHER_MS, PoolConfig
 from mlxd.supervisor.engines.engine import Engine
-from mlxd.supervisor.engines.footprint import estimate_bytes
+from mlxd.protocol.sizing import AUTO_WIDTH_CAP, kv_memory_tokens, size_engine
+from mlxd.supervisor.engines.footprint import estimate_bytes, this_device
 from mlxd.supervisor.engines.pool import Pool, engine_args_from
 from mlxd.supervisor.http import admin_routes
 from mlxd.supervisor.registry import ModelEntry
@@ -28,19 +31,48 @@ def test_argv_names_the_batch_width(tmp_path: Path) -> None:
     assert flag(argv, "--max-context") is None
     assert flag(Engine("m", Path("/m"), tmp_path, 2048).argv(), "--max-context") == "2048"
     assert flag(Engine("m", Path("/m"), tmp_path).argv(), "--batch") == "1"  # the engine's own default
+    auto = Engine("m", Path("/m"), tmp_path, batch=None, memory_bytes=5 * 1024**3).argv()
+    assert (flag(auto, "--batch"), flag(auto, "--memory-bytes")) == ("auto", str(5 * 1024**3))
+    settings = parse_args(["--model", "m", "--model-id", "m", "--socket", "s", "--batch", "auto",
+                           "--memory-bytes", "1000"])
+    assert (settings.batch, settings.memory_bytes) == (None, 1000)
+    assert parse_args(["--model", "m", "--model-id", "m", "--socket", "s", "--batch", "7"]).batch == 7
+
+
+@pytest.mark.parametrize("bad", ["0", "-3", "eight", ""])
+def test_the_engine_refuses_a_bad_batch(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--model", "m", "--model-id", "m", "--socket", "s", "--batch", bad])
+    assert exited.value.code == 2 and "--batch" in capsys.readouterr().err
 
 
 def test_the_pool_gives_the_entry_s_width_to_its_engine_and_estimate(tmp_path: Path) -> None:
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(SMALL))
-    pool = Pool(tmp_path, config=PoolConfig(batch=3, prompt_cache_bytes=7000))
+    pool = Pool(tmp_path, config=PoolConfig(batch=3, prompt_cache_bytes=7000, memory_budget_gb=1))
     slot = pool.slot_for(ModelEntry(id="m", path=model, source="config", size_bytes=100, batch=5))
-    assert flag(slot.engine.argv(), "--batch") == "5"
+    argv = slot.engine.argv()
+    assert (flag(argv, "--batch"), flag(argv, "--memory-bytes")) == ("5", str(1024**3))  # sized within the budget
     # weights, the KV of 5 rows, and the prompt cache's RAM tier
     assert slot.memory_bytes == estimate_bytes(model, 100, None, 5) + 7000 == 100 + 5 * 4096 * 64 + 7000
     row = admin_routes.engine_info(pool, slot, None)
-    assert row.batch == 5  # the documented EngineRow, as the route encodes it
+    assert (row.batch, row.width, row.sizing) == (5, None, None)  # the documented EngineRow; no width until it serves
+
+
+def test_auto_is_the_default_and_the_pool_books_what_the_engine_will_choose(tmp_path: Path) -> None:
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(SMALL))
+    assert PoolConfig().batch == "auto" and ModelEntry(id="m", path=model, source="config", size_bytes=1).batch == "auto"
+    pool = Pool(tmp_path, config=PoolConfig(prompt_cache_bytes=7000, memory_budget_gb=1))
+    slot = pool.slot_for(ModelEntry(id="m", path=model, source="config", size_bytes=100))
+    assert flag(slot.engine.argv(), "--batch") == "auto"
+    sizing = size_engine(width=None, context=8192, device=this_device(),
+                         memory_tokens=kv_memory_tokens(1024**3, 100, 7000, 64))
+    assert sizing.width == AUTO_WIDTH_CAP[this_device()]  # a tiny model: the device's widest
+    assert slot.memory_bytes == 100 + sizing.kv_budget_tokens * 64 + 7000
+    assert admin_routes.engine_info(pool, slot, None).batch == "auto"
 
 
 def test_pool_keys_reach_the_engine_only_when_they_differ_from_its_defaults(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The KV budget an engine plans for (protocol/memory.py) and the pool's estimate built on it."""
+"""A token's KV (protocol/memory.py), the rows' budget (protocol/sizing.py) and the pool's estimate built on them."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pathlib import Path
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mlxd.protocol.memory import KV_CONTEXT_CAP, ROW_TOKENS, kv_budget_tokens, kv_bytes_per_token
+from mlxd.protocol.memory import ROW_TOKENS, kv_bytes_per_token, text_config
+from mlxd.protocol.sizing import AUTO_WIDTH_CAP, GIB, kv_memory_tokens, size_engine, wanted_tokens
 from mlxd.supervisor.engines import footprint
 from mlxd.supervisor.engines.footprint import estimate_bytes
 
@@ -25,36 +26,20 @@ def model_dir(tmp_path: Path, cfg: dict[str, object]) -> Path:
     return tmp_path
 
 
-def test_constants() -> None:
-    assert (KV_CONTEXT_CAP, ROW_TOKENS) == (32768, 4096)
-
-
-def test_one_row_books_its_context_capped_at_32k() -> None:
-    assert kv_budget_tokens(8192, 1) == 8192
-    assert kv_budget_tokens(131072, 1) == 32768
-    assert kv_budget_tokens(131072, 1, max_context=65536) == 65536  # max_context passes the cap
-    assert kv_budget_tokens(8192, 1, max_context=2048) == 2048
-
-
 def test_rows_average_4k_tokens_once_they_outgrow_one_context() -> None:
-    assert kv_budget_tokens(32768, 8) == 32768  # 8 x 4k: the same as one whole context
-    assert kv_budget_tokens(32768, 16) == 65536
-    assert kv_budget_tokens(8192, 8) == 8 * 4096
-    assert kv_budget_tokens(131072, 256) == 256 * 4096
+    assert ROW_TOKENS == 4096
+    assert wanted_tokens(131072, 1) == 131072  # one row: the whole window, no 32k cap any more
+    assert wanted_tokens(32768, 8) == 32768  # 8 x 4k: the same as one whole context
+    assert wanted_tokens(32768, 16) == 65536
+    assert wanted_tokens(8192, 8) == 8 * 4096
+    assert wanted_tokens(2048, 8) == 8 * 2048  # a row shorter than 4k books its own context
 
 
-def test_a_row_shorter_than_4k_books_its_own_context() -> None:
-    assert kv_budget_tokens(2048, 8) == 8 * 2048
-    assert kv_budget_tokens(131072, 8, max_context=1000) == 8000
-
-
-@given(st.integers(1, 1 << 20), st.integers(1, 256), st.one_of(st.none(), st.integers(1, 1 << 20)))
-def test_never_less_than_one_context_and_grows_with_the_batch(window: int, batch: int, max_context: int | None) -> None:
-    context = max_context or min(window, KV_CONTEXT_CAP)
-    tokens = kv_budget_tokens(window, batch, max_context)
-    assert tokens >= context
-    assert tokens <= batch * context
-    assert kv_budget_tokens(window, batch + 1, max_context) >= tokens
+@given(st.integers(1, 1 << 20), st.integers(1, 256))
+def test_never_less_than_one_context_and_grows_with_the_batch(context: int, batch: int) -> None:
+    tokens = wanted_tokens(context, batch)
+    assert context <= tokens <= batch * context
+    assert wanted_tokens(context, batch + 1) >= tokens
 
 
 def test_kv_bytes_per_token() -> None:
@@ -66,21 +51,40 @@ def test_kv_bytes_per_token() -> None:
 
 def test_footprint_uses_the_shared_rule_not_a_copy() -> None:
     assert footprint.kv_bytes_per_token is kv_bytes_per_token
-    assert footprint.kv_budget_tokens is kv_budget_tokens
+    assert footprint.size_engine is size_engine
 
 
-def test_estimate_counts_the_batch(tmp_path: Path) -> None:
-    path = model_dir(tmp_path, QWEN_7B)
-    assert estimate_bytes(path, 1000) == 1000 + 32768 * PER_TOKEN  # batch 1: as before
+def test_estimate_books_the_sizing_the_engine_will_choose(tmp_path: Path) -> None:
+    path = model_dir(tmp_path, QWEN_7B)  # a 32k window
+    assert estimate_bytes(path, 1000) == 1000 + 32768 * PER_TOKEN  # batch 1: the whole window
     assert estimate_bytes(path, 1000, batch=8) == 1000 + 32768 * PER_TOKEN
     assert estimate_bytes(path, 1000, batch=16) == 1000 + 65536 * PER_TOKEN
     assert estimate_bytes(path, 1000, 8192, 8) == 1000 + 32768 * PER_TOKEN
     assert estimate_bytes(path, 1000, 8192, 1) == 1000 + 8192 * PER_TOKEN
+    long = model_dir(tmp_path, {**QWEN_7B, "max_position_embeddings": 131072})
+    assert estimate_bytes(long, 1000, batch=1) == 1000 + 131072 * PER_TOKEN  # no 32k cap: the window
+
+
+def test_estimate_of_auto_is_the_width_memory_and_the_device_allow(tmp_path: Path) -> None:
+    path = model_dir(tmp_path, QWEN_7B)
+    weights, cache = 4 * GIB, GIB
+    big = estimate_bytes(path, weights, batch=None, memory_bytes=500 * GIB, prompt_cache_bytes=cache, device="cpu")
+    assert big == weights + AUTO_WIDTH_CAP["cpu"] * ROW_TOKENS * PER_TOKEN  # the CPU's widest
+    small = 12 * GIB  # a 16 GB Mac's working set
+    kv = estimate_bytes(path, weights, batch=None, memory_bytes=small, prompt_cache_bytes=cache, device="metal") - weights
+    sizing = size_engine(width=None, context=32768, device="metal",
+                         memory_tokens=kv_memory_tokens(small, weights, cache, PER_TOKEN))
+    assert kv == sizing.kv_budget_tokens * PER_TOKEN
+    assert weights + cache + kv <= small  # never over-commits
+    # A configured width past what memory holds is booked at what memory holds, not more.
+    wide = estimate_bytes(path, weights, batch=64, memory_bytes=small, prompt_cache_bytes=cache, device="metal")
+    assert wide <= small - cache
 
 
 def test_estimate_reads_a_nested_text_config(tmp_path: Path) -> None:
     path = model_dir(tmp_path, {"text_config": {**QWEN_7B, "max_position_embeddings": 4096}})
     assert estimate_bytes(path, 0, batch=4) == 4 * 4096 * PER_TOKEN
+    assert text_config({"text_config": {"a": 1}, "b": 2}) == {"text_config": {"a": 1}, "a": 1, "b": 2}
 
 
 def test_estimate_without_a_config_is_the_weights(tmp_path: Path) -> None:

@@ -174,7 +174,7 @@ def test_batch_width_is_the_entry_s_else_the_pool_s(dirs: tuple[Path, Path], tmp
     assert widths == {"missing": 1, "org/hub": 3, "own": 2, "plain": 3, "scanned": 3}
     # Without a pool width: [pool] batch's default.
     widths = {e.id: e.batch for e in Registry(config, models_dir=models).entries()}
-    assert widths == {"missing": 1, "org/hub": 8, "own": 2, "plain": 8, "scanned": 8}
+    assert widths == {"missing": 1, "org/hub": "auto", "own": 2, "plain": "auto", "scanned": "auto"}
     reg = Registry(config, models_dir=models, batch=5)
     reg.refresh()  # a rescan keeps the pool's width
     assert reg.resolve("scanned", []).batch == 5

@@ -97,6 +97,8 @@ def test_refusal_before_queueing_says_what_the_request_needs() -> None:
     assert err is not None and (err.status, err.code, err.param) == (400, "kv_budget_exceeded", "messages")
     assert err.message.startswith("This request needs 1001 tokens of KV cache (a 901-token prompt plus max_tokens 100)")
     assert "`max_context`" in err.message and "[models.NAME]" in err.message  # what a `mlxd serve` user can set
+    clamped = Scheduler[FakeJob](4, 1000, "a smaller `batch` fits longer prompts").refusal(901, 100)
+    assert clamped is not None and "; a smaller `batch` fits longer prompts (an engine run alone" in clamped.message
 
 
 def test_take_all_empties_the_queue_in_order() -> None:

@@ -13,6 +13,7 @@ from mlxd.protocol.sizing import (
     MIN_HEADROOM,
     UNKNOWN_MEMORY_WIDTH,
     kv_memory_tokens,
+    parse_batch,
     short_memory_hint,
     size_engine,
     wanted_tokens,
@@ -110,3 +111,19 @@ def test_more_memory_never_means_a_narrower_batch_or_smaller_budget(device: str)
         sizing = size_engine(width=None, context=32768, memory_tokens=memory, device=device)
         assert sizing.width >= last.width and sizing.kv_budget_tokens >= last.kv_budget_tokens
         last = sizing
+
+
+def test_a_configured_kv_budget_s_refusal_says_to_raise_it() -> None:
+    sizing = size_engine(width=4, context=8192, memory_tokens=10**6, device="cpu", kv_budget_tokens=600)
+    assert sizing.kv_configured and "--kv-budget-tokens" in short_memory_hint(sizing)
+
+
+@pytest.mark.parametrize(("text", "width"), [("auto", None), ("AUTO", None), (" auto ", None), ("1", 1), ("64", 64)])
+def test_parse_batch(text: str, width: int | None) -> None:
+    assert parse_batch(text) == width
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "eight", "", "1.5"])
+def test_parse_batch_refuses_what_is_no_width(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_batch(text)

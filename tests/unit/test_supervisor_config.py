@@ -80,11 +80,14 @@ def test_full_file(tmp_path: Path) -> None:
 
 
 def test_batch_width_keys(tmp_path: Path) -> None:
-    assert PoolConfig().batch == 8
+    assert PoolConfig().batch == "auto"
     assert ModelConfig(path="a").batch is None  # the pool's width
     text = '[pool]\nbatch = 256\n[models.a]\npath = "a"\nbatch = 1\n[models.b]\npath = "b"\n'
     cfg = load_config(write(tmp_path, text), explicit=True)
     assert (cfg.pool.batch, cfg.models["a"].batch, cfg.models["b"].batch) == (256, 1, None)
+    text = '[pool]\nbatch = 16\n[models.a]\npath = "a"\nbatch = "auto"\n'
+    cfg = load_config(write(tmp_path, text), explicit=True)
+    assert (cfg.pool.batch, cfg.models["a"].batch) == (16, "auto")
 
 
 def test_engine_warmup_and_gather_keys(tmp_path: Path) -> None:
@@ -153,12 +156,13 @@ def test_unknown_top_level_and_model_keys(tmp_path: Path) -> None:
         ),
         ("[pool]\nbatch = 0\n", "pool.batch: expected `int` >= 1"),
         ("[pool]\nbatch = 257\n", "pool.batch: expected `int` <= 256"),
-        ('[pool]\nbatch = "8"\n', "pool.batch: expected `int`, got `str`"),
-        ("[pool]\nbatch = 8.0\n", "pool.batch: expected `int`, got `float`"),
+        ('[pool]\nbatch = "8"\n', 'pool.batch: expected a width from 1 to 256, or "auto" (invalid enum value \'8\')'),
+        ("[pool]\nbatch = 8.0\n", 'pool.batch: expected a width from 1 to 256, or "auto", got `float`'),
         ('[models.qwen]\npath = "a"\nbatch = 0\n', "models.qwen.batch: expected `int` >= 1"),
         ('[models.qwen]\npath = "a"\nbatch = 257\n', "models.qwen.batch: expected `int` <= 256"),
-        ('[models.qwen]\npath = "a"\nbatch = "8"\n', "models.qwen.batch: expected `int | null`, got `str`"),
-        ('[models.qwen]\npath = "a"\nbatch = 8.0\n', "models.qwen.batch: expected `int | null`, got `float`"),
+        ('[models.qwen]\npath = "a"\nbatch = "8"\n',
+         'models.qwen.batch: expected a width from 1 to 256, or "auto" (invalid enum value \'8\')'),
+        ('[models.qwen]\npath = "a"\nbatch = 8.0\n', 'models.qwen.batch: expected a width from 1 to 256, or "auto", got `float`'),
         ("models = 3\n", "models: expected `object`, got `int`"),
         ("server = 3\n", "server: expected `object`, got `int`"),
     ],

@@ -101,14 +101,23 @@ def ps_text(listing: Mapping[str, Any]) -> str:
     engines = running_engines(listing)
     rows = [
         (e["model"], state_text(e), format_size(e.get("memory_estimate_bytes")),
-         format_size(e.get("rss_bytes")), e.get("pid") or "-", e.get("in_flight", 0), e.get("queued", 0),
-         cache_text(e.get("prompt_cache")), until_text(e), lease_text(e))
+         format_size(e.get("rss_bytes")), e.get("pid") or "-", batch_text(e), e.get("in_flight", 0),
+         e.get("queued", 0), cache_text(e.get("prompt_cache")), until_text(e), lease_text(e))
         for e in engines
     ]
-    headers = ("NAME", "STATE", "SIZE", "RSS", "PID", "IN FLIGHT", "QUEUED", "PROMPT CACHE", "UNTIL", "LEASE")
+    headers = ("NAME", "STATE", "SIZE", "RSS", "PID", "BATCH", "IN FLIGHT", "QUEUED", "PROMPT CACHE", "UNTIL",
+               "LEASE")
     lines = [render_table(headers, rows)] if rows else ["no models loaded"]
     lines += [failure_line(e) for e in engines if e.get("failure")]
     return "\n".join([*lines, budget_line(listing)])
+
+
+def batch_text(engine: Mapping[str, Any]) -> str:
+    """`32 (auto)`: the rows it decodes at once, and whether `auto` chose them; `auto` until it serves."""
+    asked, width = engine.get("batch"), engine.get("width")
+    if width is None:
+        return str(asked) if asked is not None else "-"
+    return f"{width} (auto)" if asked == "auto" else str(width)
 
 
 def state_text(engine: Mapping[str, Any]) -> str:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from mlxd.engine.cache.prefix_cache import FlushReport, PrefixCache
 from mlxd.engine.gpu.job import Job
-from mlxd.engine.gpu.loader import make_runner, open_model
+from mlxd.engine.gpu.loader import make_runner, open_model, size_options
 from mlxd.engine.gpu.options import GatewayOptions
 from mlxd.engine.gpu.runner import Runner
 from mlxd.engine.gpu.sequence import Sequence
@@ -33,6 +33,7 @@ from mlxd.engine.models.load_meter import LoadMeter
 from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.events import Failed
+from mlxd.protocol.sizing import Sizing
 from mlxd.protocol.stats import LaneStats
 
 __all__ = ["STOPPING", "Flush", "Gateway", "GatewayOptions", "Stop"]
@@ -95,6 +96,7 @@ class Gateway:
         self._bursts_until = 0.0  # while now is before this, arrivals have lately come together
         self._idle = threading.Event()  # set while the GPU thread has nothing to run (the SSD writer works then)
         self.prompt_cache: PrefixCache | None = None  # set once loaded; snapshot() may be read by the loop
+        self.sizing: Sizing | None = None  # the width and KV budget chosen at load (then in _options too)
 
     def start(self) -> None:
         """Start the GPU thread: it loads the model, serves jobs, and calls `on_exit` when it ends."""
@@ -119,12 +121,13 @@ class Gateway:
         runner = self._runner
         kv = runner.scheduler.kv if runner is not None else None
         return LaneStats(
-            width=self._options.batch,
+            width=self._options.batch or 0,
             serial=runner.rows_in("serial") if runner is not None else 0,
             batch=runner.rows_in("batch") if runner is not None else 0,
             waiting=(runner.scheduler.num_waiting if runner is not None else 0) + self._inbox.qsize(),
             kv_budget_tokens=kv.budget_tokens if kv is not None else None,
             kv_booked_tokens=kv.booked if kv is not None else None,
+            sizing=self.sizing.why if self.sizing is not None else None,
         )
 
     def flush_cache(self, timeout_s: float) -> concurrent.futures.Future[FlushReport]:
@@ -190,14 +193,15 @@ class Gateway:
             log.error("model load failed: %s", self.load_error)
             self.meter.end()
             return False
-        self._runner, self.prompt_cache = make_runner(loaded, self._stats, self._options, self.meter, self._idle)
+        self._options, self.sizing = size_options(loaded, self._options)
+        self._runner, self.prompt_cache = make_runner(loaded, self._stats, self._options, self.sizing, self.meter,
+                                                      self._idle)
         self.meter.end()
         self.loaded = loaded
         # What exists now (the model, tokenizer, kernels) lives as long as the engine: kept out of
         # the collector's full passes, which otherwise walk it all and stall a decode step.
         gc.collect()
         gc.freeze()
-        log.info("batch width %d, KV budget %d tokens", self._options.batch, self._runner.scheduler.kv.budget_tokens)
         self.on_ready()
         return True
 
@@ -272,7 +276,7 @@ class Gateway:
                        prefilling=runner.num_prefilling)
 
     def _in_bursts(self) -> bool:
-        return self._options.gather_ms > 0 and self._options.batch > 1 and time.monotonic() < self._bursts_until
+        return self._options.gather_ms > 0 and (self._options.batch or 1) > 1 and time.monotonic() < self._bursts_until
 
     def _gather(self, have: int) -> list[Command]:
         """The rest of a burst: wait up to gather_ms for each next arrival (4x that in all),
@@ -281,7 +285,7 @@ class Gateway:
         gap = self._options.gather_ms / 1000
         deadline = time.monotonic() + 4 * gap
         more: list[Command] = []
-        while have + len(more) < self._options.batch:
+        while have + len(more) < (self._options.batch or 1):
             wait = min(gap, deadline - time.monotonic())
             if wait <= 0:
                 break

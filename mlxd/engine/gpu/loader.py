@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 
 import mlx.core as mx
 
@@ -19,6 +20,7 @@ from mlxd.engine.cache.fingerprint import tier_dir
 from mlxd.engine.cache.prefix_cache import PrefixCache
 from mlxd.engine.cache.ssd_tier import SsdTier, default_ssd_cache_bytes
 from mlxd.engine.gpu import decode_attention
+from mlxd.engine.gpu.device_memory import size_for
 from mlxd.engine.gpu.flat_rows import FLATTEN_MIN_ROWS, flatten_quantized_rows, wins_here
 from mlxd.engine.gpu.kv_quant import activation_dtype, check_quantized_kv
 from mlxd.engine.gpu.options import GatewayOptions
@@ -27,7 +29,7 @@ from mlxd.engine.gpu.stats import Stats
 from mlxd.engine.gpu.warmup import wanted, warm_up
 from mlxd.engine.models.load_meter import LoadMeter
 from mlxd.engine.models.loaded_model import LoadedModel, wire_model_memory
-from mlxd.protocol.memory import kv_budget_tokens
+from mlxd.protocol.sizing import Sizing, short_memory_hint
 
 log = logging.getLogger("mlxd.engine")
 
@@ -41,11 +43,20 @@ def open_model(load: Callable[[], LoadedModel], opts: GatewayOptions) -> LoadedM
     return loaded
 
 
+def size_options(loaded: LoadedModel, opts: GatewayOptions) -> tuple[GatewayOptions, Sizing]:
+    """The options with the width and KV budget filled in (device_memory.py), and how they were chosen."""
+    sizing = size_for(loaded, opts)
+    log.info("%s", sizing.why)
+    return replace(opts, batch=sizing.width, kv_budget_tokens=sizing.kv_budget_tokens), sizing
+
+
 def make_runner(
-    loaded: LoadedModel, stats: Stats, opts: GatewayOptions, meter: LoadMeter, idle: threading.Event
+    loaded: LoadedModel, stats: Stats, opts: GatewayOptions, sizing: Sizing, meter: LoadMeter, idle: threading.Event
 ) -> tuple[Runner, PrefixCache]:
-    """The model's batched-decode patches, the warm-up (when wanted), then the Runner and prompt cache."""
-    budget = opts.kv_budget_tokens or kv_budget_tokens(loaded.native_context, opts.batch, opts.max_context)
+    """The model's batched-decode patches, the warm-up (when wanted), then the Runner and prompt cache
+    (`opts` sized: size_options)."""
+    budget = opts.kv_budget_tokens
+    assert opts.batch is not None and budget is not None, "size_options fills them in"
     if opts.batch >= FLATTEN_MIN_ROWS and wins_here() and (n := flatten_quantized_rows(loaded.model)):
         log.info("%d quantized layers run batched decode rows flattened (from %d rows)", n, FLATTEN_MIN_ROWS)
     if opts.batch > 1 and decode_attention.enabled() and (modules := decode_attention.install(loaded.model)):
@@ -61,7 +72,7 @@ def make_runner(
     # Unseeded sampling draws from MLX's global generator: fresh entropy for each engine.
     mx.random.seed(int.from_bytes(os.urandom(8), "little"))
     cache = PrefixCache(opts.prompt_cache_bytes, ssd_tier(loaded, opts), idle)
-    return Runner(loaded, stats, opts, budget, cache), cache
+    return Runner(loaded, stats, opts, budget, cache, short_memory_hint(sizing)), cache
 
 
 def ssd_tier(loaded: LoadedModel, opts: GatewayOptions) -> SsdTier | None:

@@ -9,9 +9,10 @@ from pathlib import Path
 @dataclass(frozen=True, slots=True)
 class GatewayOptions:
     prefill_step: int = 512  # prompt tokens per prefill chunk, in both lanes
-    batch: int = 1  # sequences at once; 1 keeps to the serial lane
+    batch: int | None = 1  # sequences at once; 1 keeps to the serial lane; None: auto (sizing.py)
+    memory_bytes: int | None = None  # what the width and KV budget are sized within (None: the device's)
     max_context: int | None = None
-    kv_budget_tokens: int | None = None  # None: protocol.memory's default for the window and batch
+    kv_budget_tokens: int | None = None  # None: protocol.sizing's, for the window, width and memory
     warmup: str = "auto"  # run warm-up jobs through the lanes at load: on, off, auto (CUDA only); warmup.py
     gather_ms: float = 5.0  # in a burst, an idle engine waits this long for the next arrival (0: never)
     prompt_cache_bytes: int = 512 * 1024 * 1024  # the prompt cache's RAM tier (0: no prompt cache)

@@ -29,10 +29,12 @@ class Runner:
     """The scheduler's queue and the lanes it starts jobs in (GPU thread; counts read anywhere)."""
 
     def __init__(
-        self, loaded: LoadedModel, stats: Stats, options: GatewayOptions, kv_budget_tokens: int, cache: PrefixCache
+        self, loaded: LoadedModel, stats: Stats, options: GatewayOptions, kv_budget_tokens: int, cache: PrefixCache,
+        short_budget_hint: str = "",
     ) -> None:
         self._stats = stats
-        self.scheduler: Scheduler[Sequence] = Scheduler(options.batch, kv_budget_tokens)
+        assert options.batch is not None, "sized at load (loader.size_options)"
+        self.scheduler: Scheduler[Sequence] = Scheduler(options.batch, kv_budget_tokens, short_budget_hint)
         serial = SerialLane(loaded, stats, options.prefill_step, cache, options.kv_bits, options.kv_group_size)
         batch = BatchLane(loaded, stats, options.prefill_step, options.batch, cache) if options.batch > 1 else None
         self._lanes: dict[LaneName, Lane] = {"serial": serial} if batch is None else {"serial": serial, "batch": batch}

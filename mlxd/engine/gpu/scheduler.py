@@ -76,9 +76,13 @@ class Scheduler(Generic[W]):
     """The waiting jobs, in order, and the KV booked by running ones (GPU thread; the budget
     and `num_waiting` may be read from the loop thread)."""
 
-    def __init__(self, width: int, kv_budget_tokens: int) -> None:
+    def __init__(self, width: int, kv_budget_tokens: int, short_budget_hint: str = "") -> None:
         self.width = width  # --batch: sequences at once, in both lanes
         self.kv = KvLedger(kv_budget_tokens)
+        # What a refusal says to change (protocol.sizing.short_memory_hint); "" : the generic advice.
+        self.short_budget_hint = short_budget_hint or (
+            "raise the budget with `max_context` (up to the model's window) or `batch` in the model's "
+            "[models.NAME] entry of mlxd's config")
         self._queue: deque[W] = deque()
 
     @property
@@ -138,8 +142,7 @@ class Scheduler(Generic[W]):
         return APIError(
             400,
             f"This request needs {need} tokens of KV cache (a {num_prompt}-token prompt plus max_tokens "
-            f"{max_tokens}), more than this engine's budget of {self.kv.budget_tokens}: a shorter prompt fits, "
-            "or raise the budget with `max_context` (up to the model's window) or `batch` in the model's "
-            "[models.NAME] entry of mlxd's config (an engine run alone: --kv-budget-tokens).",
+            f"{max_tokens}), more than this engine's budget of {self.kv.budget_tokens}: a shorter prompt or "
+            f"max_tokens fits; {self.short_budget_hint} (an engine run alone: --kv-budget-tokens).",
             param="messages", code="kv_budget_exceeded",
         )

@@ -27,7 +27,7 @@ from mlxd.protocol.engine_state import EngineState
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.exit_codes import ExitCode
 from mlxd.protocol.process import DRAIN_PATH, HEALTH_PATH, STATS_PATH, DrainRequest, DrainResult
-from mlxd.protocol.stats import EngineHealth, LoadProgress, PromptCacheStats, PromptCacheView
+from mlxd.protocol.stats import EngineHealth, EngineView, LaneStats, LoadProgress, PromptCacheStats
 from mlxd.supervisor.engines import policy
 from mlxd.supervisor.engines.spare import Spare
 from mlxd.supervisor.engines.upstream import UpstreamError, call, connection_gate
@@ -86,7 +86,7 @@ class Engine:
 
     def __init__(
         self, model_id: str, model_dir: Path, runtime_dir: Path, max_context: int | None = None,
-        options: EngineOptions | None = None, *, batch: int = 1,
+        options: EngineOptions | None = None, *, batch: int | None = 1, memory_bytes: int | None = None,
     ) -> None:
         self.options = options or EngineOptions()
         self.model_id = model_id
@@ -94,7 +94,9 @@ class Engine:
         self.socket = socket_path(runtime_dir, model_id)
         self.connections = connection_gate()  # requests connected to it at once (upstream.py)
         self.max_context = max_context
-        self.batch = batch  # sequences the engine decodes at once (`--batch`)
+        self.batch = batch  # sequences the engine decodes at once (`--batch`; None: auto)
+        self.memory_bytes = memory_bytes  # what it may size itself within (`--memory-bytes`; None: the device's)
+        self.lanes: LaneStats | None = None  # its /admin/stats `lanes` (the width and KV budget it chose)
         self.state = EngineState.STOPPED
         self.on_change: Callable[[], None] = lambda: None  # after every state change (the pool replans)
         self.ready_since: float | None = None  # wall time it last became READY
@@ -119,20 +121,21 @@ class Engine:
         self.prompt_cache: PromptCacheStats | None = None  # its /admin/stats `prompt_cache`, as last fetched
         self._load: LoadProgress | None = None  # while it starts: its /health `load`, as last polled
 
-    async def fetch_prompt_cache(self) -> PromptCacheStats | None:
-        """The engine's prompt-cache figures (RAM and SSD tiers), fresh; None unless it serves."""
+    async def fetch_stats(self) -> None:
+        """The engine's prompt-cache figures (RAM and SSD tiers) and lanes (the width and KV budget
+        it chose), fresh; None unless it serves."""
         if self.state not in (EngineState.READY, EngineState.DRAINING):
-            self.prompt_cache = None
-            return None
+            self.prompt_cache = self.lanes = None
+            return
         try:
             status, data = await call(self.socket, "GET", STATS_PATH)
             if status == 200:
-                self.prompt_cache = msgspec.json.decode(data, type=PromptCacheView).prompt_cache
+                view = msgspec.json.decode(data, type=EngineView)
+                self.prompt_cache, self.lanes = view.prompt_cache, view.lanes
         except (TimeoutError, OSError, UpstreamError):
             pass  # keep the last figures: a busy engine answers next time
         except msgspec.DecodeError as exc:
             log.warning("[%s] the engine's /admin/stats did not decode: %s", self.model_id, exc)
-        return self.prompt_cache
 
     def load_progress(self) -> LoadProgress | None:
         """How far a starting engine has got (None unless it starts), timed from its spawn."""
@@ -250,7 +253,9 @@ class Engine:
     def argv(self) -> list[str]:
         """The engine's command line after `python -m MODULE` (a spare is given the same)."""
         args = ["--model", str(self.model_dir), "--model-id", self.model_id, "--socket", str(self.socket),
-                "--parent-pid", str(os.getpid()), "--batch", str(self.batch)]
+                "--parent-pid", str(os.getpid()), "--batch", "auto" if self.batch is None else str(self.batch)]
+        if self.memory_bytes is not None:
+            args += ["--memory-bytes", str(self.memory_bytes)]
         if self.max_context:
             args += ["--max-context", str(self.max_context)]
         return args + list(self.options.engine_args)

@@ -1,27 +1,64 @@
-"""How much memory an engine will take: its weights plus a KV cache for its rows.
+"""How much memory an engine will take: its weights plus the KV cache its sizing books.
 
-An estimate for the pool's memory budget, made from files alone (no mlx in the supervisor);
-the KV rule itself is `mlxd.protocol.memory`, shared with the engine.
+An estimate for the pool's memory budget, made from files alone (no mlx in the supervisor).
+The rule is `mlxd.protocol.sizing`'s, which the engine applies at load with the same inputs
+(the memory the pool lets it use, the weights, the prompt cache's RAM tier), so what the pool
+books is what the engine takes, or more where the device holds less than the pool's budget.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
 import json
+import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from mlxd.protocol.memory import kv_budget_tokens, kv_bytes_per_token
+from mlxd.protocol.memory import kv_bytes_per_token, text_config
+from mlxd.protocol.sizing import Device, Sizing, kv_memory_tokens, size_engine
 
 
-def estimate_bytes(model_dir: Path, weights_bytes: int, max_context: int | None = None, batch: int = 1) -> int:
-    """Weights plus the KV cache an engine running `batch` rows plans for (`kv_budget_tokens`)."""
+def plan(model_dir: Path, weights_bytes: int, *, max_context: int | None, batch: int | None,
+         memory_bytes: int | None, prompt_cache_bytes: int, device: Device) -> tuple[Sizing, int] | None:
+    """The sizing an engine for this model will choose (width None: auto), and a token's KV bytes;
+    None when its config.json lacks the sizes."""
     cfg = _text_config(model_dir)
-    if cfg is None:
-        return weights_bytes
+    per_token = kv_bytes_per_token(cfg) if cfg is not None else 0
+    if cfg is None or per_token <= 0:
+        return None
     window = int(cfg.get("max_position_embeddings") or 4096)
-    return weights_bytes + kv_budget_tokens(window, batch, max_context) * kv_bytes_per_token(cfg)
+    tokens = kv_memory_tokens(memory_bytes, weights_bytes, prompt_cache_bytes, per_token)
+    context = min(window, max_context) if max_context else window  # as the engine's context_window
+    return size_engine(width=batch, context=context, memory_tokens=tokens, device=device), per_token
+
+
+def estimate_bytes(model_dir: Path, weights_bytes: int, max_context: int | None = None, batch: int | None = 1, *,
+                   memory_bytes: int | None = None, prompt_cache_bytes: int = 0, device: Device = "cpu") -> int:
+    """Weights plus the KV cache the engine's sizing books (`plan`); the prompt cache is the caller's."""
+    planned = plan(model_dir, weights_bytes, max_context=max_context, batch=batch, memory_bytes=memory_bytes,
+                   prompt_cache_bytes=prompt_cache_bytes, device=device)
+    if planned is None:
+        return weights_bytes
+    sizing, per_token = planned
+    return weights_bytes + sizing.kv_budget_tokens * per_token
+
+
+def this_device() -> Device:
+    """The device this machine's engines run on, as the supervisor can tell without mlx: Metal on
+    macOS, CUDA where an MLX CUDA build and an NVIDIA driver are installed, else the CPU. (The
+    engine reads the real one; this only sets the widest width the pool's estimate plans for.)"""
+    if sys.platform == "darwin":
+        return "metal"
+    if shutil.which("nvidia-smi") is not None:
+        for name in ("mlx-cuda-13", "mlx-cuda-12", "mlx-cuda"):
+            with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+                importlib.metadata.distribution(name)
+                return "cuda"
+    return "cpu"
 
 
 def default_budget_bytes(fraction: float) -> int:
@@ -34,7 +71,4 @@ def _text_config(model_dir: Path) -> dict[str, Any] | None:
         cfg = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(cfg, dict):
-        return None
-    text = cfg.get("text_config")
-    return {**cfg, **text} if isinstance(text, dict) else cfg
+    return text_config(cfg) if isinstance(cfg, dict) else None

@@ -28,7 +28,7 @@ from mlxd.protocol.process import DrainResult
 from mlxd.supervisor.config import DEFAULT_GATHER_MS, PoolConfig
 from mlxd.supervisor.engines import policy
 from mlxd.supervisor.engines.engine import Engine, EngineOptions
-from mlxd.supervisor.engines.footprint import default_budget_bytes, estimate_bytes
+from mlxd.supervisor.engines.footprint import default_budget_bytes, estimate_bytes, this_device
 from mlxd.supervisor.engines.machine_hold import MachineHold
 from mlxd.supervisor.engines.pool_admin import PoolAdmin
 from mlxd.supervisor.engines.spare import Spare
@@ -128,6 +128,7 @@ class Pool:
         self._options = dataclasses.replace(options or EngineOptions(), crash=crash_limits_from(self.config),
                                             engine_args=engine_args_from(self.config, kv_dir))
         self.limits = limits_from(self.config)
+        self._device = this_device()  # the widest `auto` width the estimates plan for
         self.clock = clock
         self._slots: dict[str, Slot] = {}
         self._queue: list[Waiter] = []
@@ -197,11 +198,16 @@ class Pool:
         """The model's slot, made (engine not started) on first use."""
         slot = self._slots.get(entry.id)
         if slot is None:
+            # `auto` sizes itself within the pool's whole budget: the pool books what the same rule
+            # gives (protocol/sizing.py), so it waits for, or evicts, what the engine will take.
+            width = None if entry.batch == "auto" else entry.batch
             engine = Engine(entry.id, entry.path, self._runtime_dir, entry.max_context, self._options,
-                            batch=entry.batch)
+                            batch=width, memory_bytes=self.limits.budget_bytes)
             engine.spare = self.spare
-            memory = estimate_bytes(entry.path, entry.size_bytes, entry.max_context, entry.batch)
-            memory += prompt_cache_bytes(self.config)
+            cache = prompt_cache_bytes(self.config)
+            memory = estimate_bytes(entry.path, entry.size_bytes, entry.max_context, width,
+                                    memory_bytes=self.limits.budget_bytes, prompt_cache_bytes=cache,
+                                    device=self._device) + cache
             ttl = entry.idle_ttl_s if entry.idle_ttl_s is not None else self.config.idle_ttl_s
             slot = Slot(engine, entry, memory, ttl, entry.pin)
             engine.on_change = lambda: self._on_engine_change(slot)
@@ -387,8 +393,10 @@ def too_big(slot: Slot, limits: policy.Limits) -> APIError:
     gib = 1024**3
     return APIError(
         400,
-        f"Model {slot.entry.id} needs about {slot.memory_bytes / gib:.1f} GiB, more than mlxd's memory budget "
-        f"of {limits.budget_bytes / gib:.1f} GiB ([pool] memory_budget_gb, or the model's max_context or batch).",
+        f"Model {slot.entry.id} needs about {slot.memory_bytes / gib:.1f} GiB (its weights, its prompt cache and "
+        f"the least KV it can run with), more than mlxd's memory budget of {limits.budget_bytes / gib:.1f} GiB: "
+        "raise [pool] memory_budget_gb or memory_fraction, lower [pool] prompt_cache_bytes, or use a smaller "
+        "(quantized) model.",
         param="model", code="model_too_large",
     )
 

@@ -75,13 +75,16 @@ def engine_info(pool: Pool, slot: Slot, lease: api.Lease | None) -> api.EngineRo
             rss = None
     up_since = engine.ready_since if engine.state is not EngineState.STOPPED else None
     retry_in_s = engine.retry_in_s()
+    lanes = engine.lanes if engine.state in SERVING else None
     return api.EngineRow(
         model=slot.entry.id, state=engine.state, pid=engine.pid,
         uptime_s=round(time.time() - up_since, 3) if up_since is not None else None,
         rss_bytes=rss, memory_estimate_bytes=slot.memory_bytes,
         in_flight=slot.in_flight, queued=pool.num_queued(slot.entry.id),
         last_used=slot.last_used_wall, pinned=slot.pinned, restarts=engine.num_restarts,
-        idle_ttl_s=slot.idle_ttl_s, expires_in_s=pool.next_expiry(slot), batch=engine.batch,
+        idle_ttl_s=slot.idle_ttl_s, expires_in_s=pool.next_expiry(slot), batch=slot.entry.batch,
+        width=lanes.width if lanes else None, kv_budget_tokens=lanes.kv_budget_tokens if lanes else None,
+        sizing=lanes.sizing if lanes else None,
         closing=slot.closing, failure=engine.failure, boot=engine.boot_timings or None,
         retry_at=round(time.time() + retry_in_s, 3) if retry_in_s is not None else None,
         retry_in_s=round(retry_in_s, 3) if retry_in_s is not None else None,
@@ -111,7 +114,7 @@ def is_alive(pid: int) -> bool:
 async def engines(request: web.Request) -> web.Response:
     """GET /admin/engines: every engine the pool has seen, with its memory and queue."""
     pool, leases = request.app[POOL], request.app[LEASES]
-    await asyncio.gather(*(s.engine.fetch_prompt_cache() for s in pool.slots()))
+    await asyncio.gather(*(s.engine.fetch_stats() for s in pool.slots()))
     data = [engine_info(pool, s, leases.for_model(s.entry.id)) for s in pool.slots()]
     return json_answer(api.EngineList(
         "list", budget_bytes=pool.limits.budget_bytes, used_bytes=pool.used_bytes(),

@@ -14,7 +14,7 @@ from mlxd.supervisor.http.keys import METRICS, POOL
 
 async def metrics(request: web.Request) -> web.Response:
     """GET /metrics: Prometheus text format (engines' prompt-cache figures fetched first)."""
-    await asyncio.gather(*(engine.fetch_prompt_cache() for engine in request.app[POOL].engines()))
+    await asyncio.gather(*(engine.fetch_stats() for engine in request.app[POOL].engines()))
     return web.Response(body=request.app[METRICS].get().render(), content_type="text/plain", charset="utf-8")
 
 
