@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from mlxd.engine.settings import EngineSettings, parse_args
+from mlxd.protocol.sizing import AUTO_WIDTH_CAP, kv_memory_tokens, size_engine
 from mlxd.supervisor.config import DEFAULT_GATHER_MS, PoolConfig
 from mlxd.supervisor.engines.engine import Engine
-from mlxd.protocol.sizing import AUTO_WIDTH_CAP, kv_memory_tokens, size_engine
 from mlxd.supervisor.engines.footprint import estimate_bytes, this_device
 from mlxd.supervisor.engines.pool import Pool, engine_args_from
 from mlxd.supervisor.http import admin_routes
