@@ -108,7 +108,8 @@ def main() -> None:
     p.add_argument("--socket")
     p.add_argument("--parent-pid", type=int)
     p.add_argument("--max-context", type=int)
-    p.add_argument("--batch", type=int)
+    p.add_argument("--batch")  # a number or auto
+    p.add_argument("--memory-bytes", type=int)
     p.add_argument("--warmup")
     p.add_argument("--gather-ms", type=float)
     for flag in ("--prompt-cache-bytes", "--ssd-cache-bytes", "--ssd-cache-dir", "--kv-bits", "--kv-group-size",

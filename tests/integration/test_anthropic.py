@@ -137,6 +137,41 @@ def test_a_claude_code_shaped_request_is_served(sup: SupervisorProcess) -> None:
     assert stop in ("end_turn", "max_tokens", "tool_use")
 
 
+@pytest.mark.slow  # a 45k-token prefill on a CPU: about 40 s
+def test_a_claude_code_prompt_of_45k_tokens_starts_on_a_64k_model_at_defaults(tmp_path: Path) -> None:
+    """Claude Code's first prompt is 12k-51k tokens (its tools, its instructions, CLAUDE.md:
+    docs/clients.md); before `batch = "auto"` a fixed 32k KV budget refused those past it."""
+    from mlxd.engine.models.random_model import build_random_llama
+
+    model = build_random_llama(tmp_path / "long", context=65536, num_heads=2, num_kv_heads=1)
+    with serving(model, "long", tmp_path / "data") as sup:  # mlxd's defaults: no batch, no KV settings
+        guide = " ".join(f"rule {i}: keep functions short and name things plainly." for i in range(960))
+        body: dict[str, Any] = {
+            "model": "long", "max_tokens": 32000, "stream": True,
+            "system": [{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}},
+                       {"type": "text", "text": guide, "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Say hi"}]}],
+            "tools": [{**WEATHER, "cache_control": {"type": "ephemeral"}}],
+            "thinking": {"type": "enabled", "budget_tokens": 31999}, "metadata": {"user_id": "u"},
+        }
+        headers = {"anthropic-version": "2023-06-01", "anthropic-beta": "claude-code-20250219", "x-api-key": "unused"}
+        counted = sup.client.post("/v1/messages/count_tokens", json={k: v for k, v in body.items() if k not in (
+            "max_tokens", "stream", "thinking", "metadata")}, headers=headers)
+        assert 44_090 < counted.json()["input_tokens"] < 65536, counted.text  # past the old 32k budget and Claude Code's 44k
+        events: list[str] = []
+        with sup.client.stream("POST", "/v1/messages?beta=true", json=body, headers=headers,
+                               timeout=httpx.Timeout(600)) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("event: "):
+                    events.append(line.removeprefix("event: "))
+                if "content_block_delta" in events:
+                    break  # prefilled and decoding: the turn has started; leaving cancels the rest
+        assert events[0] == "message_start", events
+        stats = [e for e in sup.client.get("/admin/engines").json()["data"] if e["model"] == "long"][0]
+        assert stats["width"] >= 1 and stats["kv_budget_tokens"] >= 65536, stats
+
+
 def anthropic_error(resp: httpx.Response) -> dict[str, Any]:
     body = resp.json()
     assert body["type"] == "error" and set(body["error"]) >= {"type", "message"}, body

@@ -25,9 +25,17 @@ def test_each_engine_gets_its_model_s_batch_width_else_the_pool_s(tmp_path: Path
             assert sup.client.post("/admin/load", json={"model": model}).status_code == 200
         rows = sup.client.get("/admin/engines").json()["data"]
         assert {r["model"]: r["batch"] for r in rows} == {"fake": 2, "scanned": 3}
-        assert re.findall(r"\[(\w+)\] fake: --batch (\d+)", sup.log()) == [("fake", "2"), ("scanned", "3")]
+        assert re.findall(r"\[(\w+)\] fake: --batch (\w+)", sup.log()) == [("fake", "2"), ("scanned", "3")]
     finally:
         sup.stop()
+    (tmp_path / "auto").mkdir()
+    auto = fake_supervisor(tmp_path / "auto", "ok")  # no width anywhere: auto
+    try:
+        assert auto.client.post("/admin/load", json={"model": "fake"}).status_code == 200
+        assert [r["batch"] for r in auto.client.get("/admin/engines").json()["data"]] == ["auto"]
+        assert re.findall(r"\[(\w+)\] fake: --batch (\w+)", auto.log()) == [("fake", "auto")]
+    finally:
+        auto.stop()
 
 
 def test_crash_at_boot_backs_off_then_marks_the_model_failed(tmp_path: Path) -> None:
