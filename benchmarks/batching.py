@@ -374,15 +374,17 @@ def run_mlxd(args: argparse.Namespace, template: str, bias: dict[str, float], wo
             "batch": batch, "widths": widths}
 
 
-def engine_batch(url: str) -> int | None:
-    """The bench engine's batch width as the supervisor reports it (None if it does not)."""
+def engine_batch(url: str) -> dict[str, Any] | None:
+    """The bench engine's batch width as the supervisor reports it: as configured (a number or
+    auto), the width it runs, and why (None if it does not say)."""
     conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=30)
     try:
         conn.request("GET", "/admin/engines")
         rows = json.loads(conn.getresponse().read())["data"]
     finally:
         conn.close()
-    return next((r.get("batch") for r in rows if r["model"] == MODEL_ID), None)
+    return next(({k: r.get(k) for k in ("batch", "width", "kv_budget_tokens", "sizing")}
+                 for r in rows if r["model"] == MODEL_ID), None)
 
 
 def show_log(path: Path) -> None:

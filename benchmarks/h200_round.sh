@@ -136,5 +136,20 @@ load)
   model 8b-4bit /tmp/models/l8q
   step load_8b4 300 python3 benchmarks/load_progress.py --model /tmp/models/l8q --rounds 5
   ;;
-*) echo "usage: $0 1b|8b|streams|close|close8b|lone|cache|structured|prefill|load" >&2; exit 2 ;;
+auto)
+  # issue 24: mlxd at its defaults (batch auto) against mlx_lm.server and raw mlx-lm on the 1B
+  # model at 1-64 streams, then mlxd with batch 8 at 1 and 8 streams (what a wide batch costs).
+  model 1b-bf16 /tmp/models/l1b
+  step auto_1b 330 python3 benchmarks/batching.py --model /tmp/models/l1b --widths 1,8,16,32,64 --rounds 2 \
+    --warmup-tokens 128 --logs "$out/logs_auto_1b" --json "$out/auto_1b.json"
+  step batch8_1b 150 python3 benchmarks/batching.py --model /tmp/models/l1b --widths 1,8 --rounds 3 --batch 8 \
+    --only mlxd --warmup-tokens 128 --logs "$out/logs_b8_1b"
+  ;;
+auto8b)
+  # issue 24: the 8B-shaped 4-bit model at 1-32 streams, mlxd at its defaults
+  model 8b-4bit /tmp/models/l8q
+  step auto_8b 500 python3 benchmarks/batching.py --model /tmp/models/l8q --widths 1,8,16,32 --rounds 1 \
+    --only server,mlxd --warmup-tokens 128 --logs "$out/logs_auto_8b" --json "$out/auto_8b.json"
+  ;;
+*) echo "usage: $0 1b|8b|streams|close|close8b|lone|cache|structured|prefill|load|auto|auto8b" >&2; exit 2 ;;
 esac

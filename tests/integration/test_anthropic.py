@@ -168,7 +168,7 @@ def test_a_claude_code_prompt_of_45k_tokens_starts_on_a_64k_model_at_defaults(tm
                 if "content_block_delta" in events:
                     break  # prefilled and decoding: the turn has started; leaving cancels the rest
         assert events[0] == "message_start", events
-        stats = [e for e in sup.client.get("/admin/engines").json()["data"] if e["model"] == "long"][0]
+        stats = next(e for e in sup.client.get("/admin/engines").json()["data"] if e["model"] == "long")
         assert stats["width"] >= 1 and stats["kv_budget_tokens"] >= 65536, stats
 
 
