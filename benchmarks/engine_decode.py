@@ -133,11 +133,13 @@ def timing(t0: float, stamps: list[float], num_tokens: int) -> dict[str, float]:
 class Engine:
     """A real engine process and a streaming client over its socket."""
 
-    def __init__(self, model: Path, model_id: str, sock_dir: Path, cpus: set[int] | None = None) -> None:
+    def __init__(self, model: Path, model_id: str, sock_dir: Path, cpus: set[int] | None = None,
+                 extra: tuple[str, ...] = ()) -> None:
         self.socket = sock_dir / "bench.sock"
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mlxd.engine", "--model", str(model), "--model-id", model_id, "--socket", str(self.socket)],
+            [sys.executable, "-m", "mlxd.engine", "--model", str(model), "--model-id", model_id, "--socket", str(self.socket),
+             *extra],
             env=engine_env(), stderr=subprocess.DEVNULL, preexec_fn=pinned(cpus),
         )
         self.cold_start_s = asyncio.run(self._wait_ready()) - t0
@@ -241,6 +243,7 @@ def main() -> None:
     p.add_argument("--cold-starts", type=int, default=3)
     p.add_argument("--json", type=Path, help="also write the summary here")
     p.add_argument("--cpus", help="pin the raw worker and the engine to these CPUs, e.g. 4-7 (Linux)")
+    p.add_argument("--engine-args", default="", help="more engine flags, e.g. '--batch auto' (default: its own, batch 1)")
     args = p.parse_args()
     cpus = parse_cpus(args.cpus)
     with tempfile.TemporaryDirectory(prefix="mxb-", dir="/tmp") as tmp:
@@ -249,10 +252,10 @@ def main() -> None:
         model, model_id = prepare_model(args, work)
         cold = []
         for _ in range(args.cold_starts - 1):
-            e = Engine(model, model_id, work, cpus)
+            e = Engine(model, model_id, work, cpus, tuple(args.engine_args.split()))
             cold.append(e.cold_start_s)
             e.stop()
-        engine = Engine(model, model_id, work, cpus)
+        engine = Engine(model, model_id, work, cpus, tuple(args.engine_args.split()))
         cold.append(engine.cold_start_s)
         engine.bias = logit_bias(model, ascii_only=bool(args.random_llama))
         raw = RawWorker(model, engine.bias, cpus)
@@ -263,7 +266,8 @@ def main() -> None:
             engine.stop()
     summary = summarize(raw_rows, eng_rows, cold)
     summary["runs"] = args.runs
-    print(f"model: {model_id}  ({args.runs} runs x {args.max_tokens} tokens, medians; CPUs {args.cpus or 'not pinned'})")
+    print(f"model: {model_id}  ({args.runs} runs x {args.max_tokens} tokens, medians; CPUs {args.cpus or 'not pinned'}; "
+          f"engine flags: {args.engine_args or 'none'})")
     print("  per run, decode tok/s raw/engine: " + " ".join(f"{r['decode_tps']:.0f}/{e['decode_tps']:.0f}" for r, e in zip(raw_rows, eng_rows, strict=True)))
     for key, value in summary.items():
         print(f"  {key:20s} {value:10.3f}")

@@ -145,6 +145,34 @@ auto)
   step batch8_1b 150 python3 benchmarks/batching.py --model /tmp/models/l1b --widths 1,8 --rounds 3 --batch 8 \
     --only mlxd --warmup-tokens 128 --logs "$out/logs_b8_1b"
   ;;
+lonew)
+  # issue 24: the lone 1B stream over the engine's socket (no supervisor) against raw
+  # stream_generate, at batch 1, 8 and auto (128 on CUDA): what the width costs a lone request
+  model 1b-bf16 /tmp/models/l1b
+  for b in 1 8 auto; do
+    step lone_b$b 100 python3 benchmarks/engine_decode.py --model /tmp/models/l1b --runs 7 --max-tokens 256 \
+      --cold-starts 1 --engine-args "--batch $b"
+  done
+  ;;
+lonecap)
+  # needs a warm-up capped at 8 rows (a one-off patch of warmup.py reading MLXD_WARMUP_ROWS, not in main)
+  model 1b-bf16 /tmp/models/l1b
+  MLXD_WARMUP_ROWS=8 step lone_auto_warm8 150 python3 benchmarks/engine_decode.py --model /tmp/models/l1b --runs 7 \
+    --max-tokens 256 --cold-starts 1 --engine-args "--batch auto"
+  ;;
+loneauto)
+  model 1b-bf16 /tmp/models/l1b
+  step lone_auto 200 python3 benchmarks/engine_decode.py --model /tmp/models/l1b --runs 7 --max-tokens 256 \
+    --cold-starts 1 --engine-args "--batch auto"
+  ;;
+lonecause)
+  # issue 24: the wide lone stream again, without the warm-up, then without mlxd's decode kernel
+  model 1b-bf16 /tmp/models/l1b
+  step lone_auto_nowarm 100 python3 benchmarks/engine_decode.py --model /tmp/models/l1b --runs 7 --max-tokens 256 \
+    --cold-starts 1 --engine-args "--batch auto --warmup off"
+  MLXD_FUSED_DECODE_ATTENTION=0 step lone_auto_nokernel 100 python3 benchmarks/engine_decode.py --model /tmp/models/l1b \
+    --runs 7 --max-tokens 256 --cold-starts 1 --engine-args "--batch auto"
+  ;;
 auto8b)
   # issue 24: the 8B-shaped 4-bit model at 1-32 streams, mlxd at its defaults
   model 8b-4bit /tmp/models/l8q
