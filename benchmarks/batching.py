@@ -3,6 +3,8 @@
 Figures (issue 10), at each width W (concurrent streams, `--widths`):
   * mlxd through its supervisor (`python -m mlxd serve`; `[models.bench] batch = N` with --batch)
   * `mlx_lm.server` (`python -m mlx_lm server`, its defaults unless --server-args)
+  * vllm-mlx with `--only raw,server,vllm,mlxd --vllm VENV/bin/vllm-mlx` (`vllm-mlx serve MODEL
+    --continuous-batching --offline`, in a venv of its own: issue 24 says how to install it)
   * raw mlx-lm in a worker process: `BatchGenerator` with W prompts inserted at once (the
     ceiling of anything built on it), and `stream_generate` for one stream
 
@@ -59,8 +61,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 MODEL_ID = "bench"
-PARTS = ("raw", "server", "mlxd")
-FIRST_NUMBER = {"raw": 10000, "server": 20000, "mlxd": 30000}  # 5 digits: a fixed token count
+PARTS = ("raw", "server", "vllm", "mlxd")
+FIRST_NUMBER = {"raw": 10000, "server": 20000, "vllm": 40000, "mlxd": 30000}  # 5 digits: a fixed token count
 HEAD = "{n}. Here are notes for a story about a lighthouse keeper who finds a message in a bottle. "
 NOTES = (
     "The keeper has lived alone on the rock for eleven winters.",
@@ -219,13 +221,19 @@ def run_raw(job: Row, env: dict[str, str]) -> Row:
 class MlxLmServer:
     """`python -m mlx_lm server` on a free port, logging to a file; stop() ends it."""
 
+    name = "mlx_lm.server"
+    health = "/health"
+
     def __init__(self, model: Path, extra: list[str], env: dict[str, str], log_path: Path) -> None:
         self.port = free_port()
-        self.command = [sys.executable, "-m", "mlx_lm", "server", "--model", str(model), "--port",
-                        str(self.port), "--log-level", "WARNING", *extra]
+        self.command = self.argv(model, extra)
         self.log = log_path.open("ab")
         self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=self.log,
                                      stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def argv(self, model: Path, extra: list[str]) -> list[str]:
+        return [sys.executable, "-m", "mlx_lm", "server", "--model", str(model), "--port", str(self.port),
+                "--log-level", "WARNING", *extra]
 
     @property
     def url(self) -> str:
@@ -235,10 +243,10 @@ class MlxLmServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"mlx_lm.server exited with {self.proc.returncode} (log: {self.log.name})")
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} (log: {self.log.name})")
             conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
             try:
-                conn.request("GET", "/health")
+                conn.request("GET", self.health)
                 if conn.getresponse().status == 200:
                     return
             except OSError:
@@ -246,7 +254,7 @@ class MlxLmServer:
             finally:
                 conn.close()
             time.sleep(0.1)
-        raise RuntimeError("mlx_lm.server /health did not answer in time")
+        raise RuntimeError(f"{self.name} {self.health} did not answer in time")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -257,6 +265,19 @@ class MlxLmServer:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+class VllmMlxServer(MlxLmServer):
+    """vllm-mlx (`vllm-mlx serve MODEL --continuous-batching --offline`), installed in a venv of
+    its own (`--vllm`, its `vllm-mlx` script); its prefix cache lives under $HOME, a scratch dir."""
+
+    name = "vllm-mlx"
+    health = "/v1/models"
+    script = "vllm-mlx"
+
+    def argv(self, model: Path, extra: list[str]) -> list[str]:
+        return [self.script, "serve", str(model), "--continuous-batching", "--port", str(self.port), "--offline",
+                *extra]
 
 
 def server_defaults() -> dict[str, str]:
@@ -353,6 +374,22 @@ def options_in(extra: list[str]) -> dict[str, str]:
     return {k: v for k, v in itertools.pairwise(extra) if k.startswith("--") and not v.startswith("--")}
 
 
+def run_vllm_mlx(args: argparse.Namespace, template: str, bias: dict[str, float], env: dict[str, str],
+                 work: Path) -> Row:
+    home = private_dir(work / "vllm-home")
+    VllmMlxServer.script = args.vllm
+    server = VllmMlxServer(args.model, [], {**env, "HOME": str(home)}, work / "vllm_mlx.log")
+    try:
+        server.wait_health()
+        widths = measure_server("vllm", server.url, str(args.model), args, template, bias)
+    except Exception:  # not on Ctrl-C
+        show_log(work / "vllm_mlx.log")
+        raise
+    finally:
+        server.stop()
+    return {"command": server.command, "widths": widths}
+
+
 def run_mlxd(args: argparse.Namespace, template: str, bias: dict[str, float], work: Path) -> Row:
     config = work / "mlxd.toml"
     text = f"[pool]\nqueue_timeout_s = 3600\n\n[models.{MODEL_ID}]\npath = {json.dumps(str(args.model))}\n"
@@ -412,24 +449,28 @@ def brief(r: Row) -> str:
 
 
 def table(results: Row, widths: list[int]) -> str:
-    raw, srv, mlxd = (results.get(p, {}) for p in PARTS)
+    raw, srv, vllm, mlxd = (results.get(p, {}) for p in PARTS)
     lines = []
     if raw:
         sg = raw["stream_generate"]
         lines.append(f"raw stream_generate (1 stream): {sg['decode_tps']:.1f} tok/s decode, "
                      f"{sg['aggregate_tps']:.1f} aggregate, TTFT {sg['ttft_p50_ms']:.0f} ms")
-    head = (f"{'width':>5} | {'raw BatchGenerator':^26} | {'mlx_lm.server':^22} | {'mlxd':^22} | mlxd/")
+    head = (f"{'width':>5} | {'raw BatchGenerator':^26} | {'mlx_lm.server':^22} | {'vllm-mlx':^22} | {'mlxd':^22} "
+            "| mlxd/  | mlxd/")
     sub = (f"{'':>5} | {'decode':>7} {'agg':>7} {'TTFT p50':>9} | {'tok/s':>7} {'p50 ms':>6} {'p95 ms':>7} | "
-           f"{'tok/s':>7} {'p50 ms':>6} {'p95 ms':>7} | server")
+           f"{'tok/s':>7} {'p50 ms':>6} {'p95 ms':>7} | {'tok/s':>7} {'p50 ms':>6} {'p95 ms':>7} | server | best peer")
     lines += [head, sub, "-" * len(sub)]
     cell = lambda part, w, fmt: fmt(part["widths"][str(w)]) if part else "-"  # noqa: E731
     for w in widths:
         r = cell(raw, w, lambda x: f"{x['decode_tps']:7.1f} {x['aggregate_tps']:7.1f} {x['ttft_p50_ms']:9.0f}")
         s = cell(srv, w, lambda x: f"{x['aggregate_tps']:7.1f} {x['ttft_p50_ms']:6.0f} {x['ttft_p95_ms']:7.0f}")
+        v = cell(vllm, w, lambda x: f"{x['aggregate_tps']:7.1f} {x['ttft_p50_ms']:6.0f} {x['ttft_p95_ms']:7.0f}")
         m = cell(mlxd, w, lambda x: f"{x['aggregate_tps']:7.1f} {x['ttft_p50_ms']:6.0f} {x['ttft_p95_ms']:7.0f}")
         ratio = (f"{mlxd['widths'][str(w)]['aggregate_tps'] / srv['widths'][str(w)]['aggregate_tps']:6.2f}"
                  if srv and mlxd else "     -")
-        lines.append(f"{w:>5} | {r:>26} | {s:>22} | {m:>22} | {ratio}")
+        peers = [p["widths"][str(w)]["aggregate_tps"] for p in (srv, vllm) if p]
+        best = f"{mlxd['widths'][str(w)]['aggregate_tps'] / max(peers):6.2f}" if peers and mlxd else "     -"
+        lines.append(f"{w:>5} | {r:>26} | {s:>22} | {v:>22} | {m:>22} | {ratio} | {best}")
     return "\n".join(lines)
 
 
@@ -440,7 +481,7 @@ def eos_line(results: Row, bias: dict[str, float]) -> str:
             rows.append(results["raw"]["stream_generate"])
         return "yes" if all(r["all_reached_max_tokens"] for r in rows) else "NO (see finish_reasons)"
 
-    names = {"raw": "raw", "server": "mlx_lm.server", "mlxd": "mlxd"}
+    names = {"raw": "raw", "server": "mlx_lm.server", "vllm": "vllm-mlx", "mlxd": "mlxd"}
     return (f"EOS: logit_bias -100 on token ids {sorted(int(k) for k in bias)}; every stream ran to "
             f"max_tokens: " + ", ".join(f"{names[p]} {ok(p)}" for p in PARTS if p in results))
 
@@ -463,7 +504,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128, help="tokens per reply (default 128)")
     p.add_argument("--prompt-tokens", type=int, default=200, help="chat prompt length in tokens (default 200)")
     p.add_argument("--warmup-tokens", type=int, default=16, help="tokens per reply in the warm-up rounds")
-    p.add_argument("--only", default=",".join(PARTS), help="parts to run: mlxd,server,raw (default all)")
+    p.add_argument("--only", default="raw,server,mlxd", help="parts to run: raw,server,vllm,mlxd (default: all but vllm)")
+    p.add_argument("--vllm", default="vllm-mlx",
+                   help="vllm-mlx's `vllm-mlx` script, in a venv of its own (for --only ...,vllm)")
     p.add_argument("--batch", type=int, help="add `batch = N` to mlxd's [models.bench] table")
     p.add_argument("--server-args", default="", help="extra mlx_lm.server flags, e.g. '--decode-concurrency 64'")
     p.add_argument("--json", type=Path, help="write every result here")
@@ -497,6 +540,8 @@ def run(args: argparse.Namespace) -> Row:
             results["raw"] = run_raw(job, env)
         if "server" in args.only:
             results["server"] = run_mlx_lm_server(args, template, bias, env, work)
+        if "vllm" in args.only:
+            results["vllm"] = run_vllm_mlx(args, template, bias, env, work)
         try:
             if "mlxd" in args.only:
                 results["mlxd"] = run_mlxd(args, template, bias, work)

@@ -64,7 +64,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stop: Stop | Annotated[list[Stop], Meta(max_length=MAX_STOPS)] | None = None
     n: NumChoices = 1
     user: str | None = None
-    priority: Priority = 0
+    priority: Priority | None = None  # None: the key's default (process.PRIORITY_HEADER), else 0
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):

@@ -23,6 +23,9 @@ SPARE_READY = "spare engine: imports done"
 
 # A request carrying a lease's id (supervisor) or token (engine) passes that lease.
 LEASE_HEADER = "X-MLXD-Lease"
+# The default `priority` of a request whose body sets none (the key's, `[server] key_priorities`),
+# from the supervisor to the engine.
+PRIORITY_HEADER = "X-MLXD-Priority"
 
 # Seconds between SSE comments to a stream still waiting for its first token. The supervisor
 # sets it from `server.stream_keepalive_s` (unless set already); engines inherit it.

@@ -22,7 +22,8 @@ MIB = 1024 * 1024
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Key = Annotated[str, msgspec.Meta(min_length=1)]
 TTL = Annotated[int, msgspec.Meta(ge=-1)]  # seconds idle before unloading; 0: at once; -1: never
-DEFAULT_GATHER_MS = 5.0  # the engine's own --gather-ms default
+DEFAULT_GATHER_MS = 5.0
+Priority = Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)]  # as the engine's `priority` field  # the engine's own --gather-ms default
 # Sequences one engine decodes at once (--batch): a number, or "auto" (from memory and the model:
 # protocol/sizing.py).
 Batch = Annotated[int, msgspec.Meta(ge=1, le=256)] | Literal["auto"]
@@ -50,6 +51,9 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     keepalive_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 75.0
     max_connections: Annotated[int, msgspec.Meta(ge=1)] = 2048
     max_connections_per_peer: Annotated[int, msgspec.Meta(ge=1)] = 1024
+    # A request's default `priority` by the key it presents (lower runs sooner; a body's own wins):
+    # a background agent's key can run behind a person's chat.
+    key_priorities: dict[Key, Priority] = msgspec.field(default_factory=dict)
     # A queued stream gets an SSE comment this often until its first token.
     stream_keepalive_s: Annotated[float, msgspec.Meta(gt=0)] = 3.0
 

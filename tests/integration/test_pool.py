@@ -10,12 +10,14 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 
 from tests.support import (
     HARDENED_CONFIG,
+    NO_EOS,
     SupervisorProcess,
     fake_supervisor,
     httpx,
@@ -241,6 +243,11 @@ def test_a_window_no_memory_holds_is_served_with_its_kv_budget_clamped(tiny_mode
         assert "all that memory holds" in row["sizing"], row
         assert row["kv_budget_tokens"] < 2**30
         assert row["memory_estimate_bytes"] <= engines(sup)["_"]["budget_bytes"]  # booked within the budget
+        metrics = dict(line.rsplit(" ", 1) for line in sup.client.get("/metrics").text.splitlines()
+                       if line.startswith("mlxd_engine_") and "long" in line)
+        assert float(metrics['mlxd_engine_batch_width{model="long"}']) == row["width"]
+        assert float(metrics['mlxd_engine_kv_budget_tokens{model="long"}']) == row["kv_budget_tokens"]
+        assert float(metrics['mlxd_engine_kv_booked_tokens{model="long"}']) == 0
 
 
 @pytest.mark.parametrize(("method", "path", "body", "status"), [
@@ -364,3 +371,39 @@ def test_an_engine_whose_client_left_while_it_loaded_stays_for_its_ttl(tiny_mode
         assert engine["idle_ttl_s"] == 1800 and engine["expires_in_s"] > 1700, engine
         assert complete(sup, "a").status_code == 200  # and it serves the next request as it is
         assert "closing: idle" not in sup.log()
+
+
+def test_a_keys_default_priority_runs_its_requests_behind_other_keys(tiny_model: Path, tmp_path: Path) -> None:
+    """`[server] key_priorities`: with one row at a time, the agent's key's request (priority
+    10) queued first starts after the person's (no priority: 0), and a body's own `priority`
+    wins over its key's."""
+    config = ('[server]\napi_keys = ["person", "agent"]\n[server.key_priorities]\nagent = 10\n\n'
+              f'[models.tiny]\npath = "{tiny_model}"\nbatch = 1\n')
+    sup = SupervisorProcess(config, tmp_path).wait_up()
+    sup.client.headers["Authorization"] = "Bearer person"  # for /admin/engines
+    finished: list[str] = []
+
+    def run(name: str, key: str, max_tokens: int = 8, **fields: Any) -> None:
+        body = {"model": "tiny", "prompt": name, "max_tokens": max_tokens, "logit_bias": NO_EOS, **fields}
+        answer = sup.client.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+        assert answer.status_code == 200, answer.text
+        finished.append(name)
+
+    def in_flight() -> int:
+        return int(engines(sup)["tiny"]["in_flight"]) if "tiny" in engines(sup) else 0
+
+    try:
+        with ThreadPoolExecutor(5) as pool:
+            first = pool.submit(run, "first", "person", 600)
+            assert wait_for(lambda: in_flight() == 1, 30)
+            later = [pool.submit(run, "agent 1", "agent")]
+            assert wait_for(lambda: in_flight() == 2, 10)
+            later.append(pool.submit(run, "agent urgent", "agent", priority=0))  # the body's own wins
+            assert wait_for(lambda: in_flight() == 3, 10)
+            later.append(pool.submit(run, "person", "person"))
+            assert wait_for(lambda: in_flight() == 4, 10)
+            for f in [first, *later]:
+                f.result()
+        assert finished == ["first", "agent urgent", "person", "agent 1"]
+    finally:
+        sup.stop()

@@ -105,3 +105,12 @@ def test_check_bind() -> None:
     check_bind("0.0.0.0", has_keys=False, insecure_no_auth=True)
     with pytest.raises(ConfigError, match=r"0\.0\.0\.0 without API keys.*--insecure-no-auth"):
         check_bind("0.0.0.0", has_keys=False, insecure_no_auth=False)
+
+
+def test_a_keys_default_priority() -> None:
+    auth = Auth(["person", "agent"], priorities={"agent": 10, "batch-job": -5})
+    assert auth.default_priority({"Authorization": "Bearer agent"}) == 10
+    assert auth.default_priority({"x-api-key": "batch-job"}) == -5
+    assert auth.default_priority({"Authorization": "Bearer person"}) is None
+    assert auth.default_priority({}) is None
+    assert Auth(["person"]).default_priority({"Authorization": "Bearer person"}) is None

@@ -86,6 +86,8 @@ def test_batch_width_keys(tmp_path: Path) -> None:
     cfg = load_config(write(tmp_path, text), explicit=True)
     assert (cfg.pool.batch, cfg.models["a"].batch, cfg.models["b"].batch) == (256, 1, None)
     text = '[pool]\nbatch = 16\n[models.a]\npath = "a"\nbatch = "auto"\n'
+    assert load_config(write(tmp_path, '[server.key_priorities]\nagent = 10\n'), explicit=True).server.key_priorities == {
+        "agent": 10}
     cfg = load_config(write(tmp_path, text), explicit=True)
     assert (cfg.pool.batch, cfg.models["a"].batch) == (16, "auto")
 
@@ -156,6 +158,8 @@ def test_unknown_top_level_and_model_keys(tmp_path: Path) -> None:
         ),
         ("[pool]\nbatch = 0\n", "pool.batch: expected `int` >= 1"),
         ("[pool]\nbatch = 257\n", "pool.batch: expected `int` <= 256"),
+        ('[server]\nkey_priorities = {agent = "ten"}\n', "server.key_priorities[...]: expected `int`, got `str`"),
+        ('[server]\nkey_priorities = {agent = 3000000000}\n', "server.key_priorities[...]: expected `int` <= 2147483647"),
         ('[pool]\nbatch = "8"\n', 'pool.batch: expected a width from 1 to 256, or "auto" (invalid enum value \'8\')'),
         ("[pool]\nbatch = 8.0\n", 'pool.batch: expected a width from 1 to 256, or "auto", got `float`'),
         ('[models.qwen]\npath = "a"\nbatch = 0\n', "models.qwen.batch: expected `int` >= 1"),

@@ -24,7 +24,7 @@ from mlxd.protocol import sampling
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.events import Done, Failed, Token, TokenLogprob
 from mlxd.protocol.json_body import decode_as
-from mlxd.protocol.process import USAGE_HEADER, RequestUsage
+from mlxd.protocol.process import PRIORITY_HEADER, USAGE_HEADER, RequestUsage
 
 T = TypeVar("T")
 LEGACY_COMPLETION_MAX_TOKENS = 16
@@ -96,6 +96,14 @@ def sampling_params(req: oa.SamplingFields, loaded: LoadedModel) -> SamplingPara
     )
 
 
+def header_priority(request: web.Request) -> int:
+    """The priority the supervisor sends for the caller's key (PRIORITY_HEADER), else 0."""
+    try:
+        return int(request.headers.get(PRIORITY_HEADER, "0"))
+    except ValueError:
+        return 0
+
+
 def submit(request: web.Request, slot: Slot, prompt: list[int], max_tokens: int, req: oa.SamplingFields,
            grammar: Any = None, logprobs: int | None = None, row: int = 0, group: PrefillGroup | None = None) -> Ticket:
     """Hand a job to the GPU thread; return the handler's ticket for it. `row` > 0: another
@@ -107,7 +115,7 @@ def submit(request: web.Request, slot: Slot, prompt: list[int], max_tokens: int,
     if row and sampling.seed is not None:
         sampling = dataclasses.replace(sampling, seed=(sampling.seed + row + 2**63) % 2**64 - 2**63)
     job = Job(list(prompt), max_tokens, sampling, oa.stop_list(req.stop), ticket, grammar=grammar, logprobs=logprobs,
-              group=group, priority=req.priority)
+              group=group, priority=req.priority if req.priority is not None else header_priority(request))
     slot.enter_gpu()
     request.app[GATEWAY].submit(job)
     return ticket

@@ -49,7 +49,7 @@ def make_app(config: Config, registry: Registry, pool: Pool, store: ResponseStor
     app.on_response_prepare.append(add_cors_headers)
     app[CONFIG], app[REGISTRY], app[POOL], app[METRICS], app[TIMELINE] = config, registry, pool, metrics, timeline
     app[LEASES] = Leases(pool)
-    app[AUTH] = Auth(config.server.api_keys, config.server.admin_keys)
+    app[AUTH] = Auth(config.server.api_keys, config.server.admin_keys, config.server.key_priorities)
     setup_openai_routes(app)
     setup_anthropic_routes(app)
     setup_responses_routes(app, store)

@@ -13,7 +13,9 @@ from mlxd.supervisor.config import ConfigError
 class Auth:
     """Checks the key a request presents, in constant time, against the configured keys."""
 
-    def __init__(self, api_keys: Iterable[str], admin_keys: Iterable[str] = ()) -> None:
+    def __init__(self, api_keys: Iterable[str], admin_keys: Iterable[str] = (),
+                 priorities: Mapping[str, int] | None = None) -> None:
+        self._priorities = [(_digest(k), p) for k, p in (priorities or {}).items()]
         api = [_digest(k) for k in api_keys]
         admin = [_digest(k) for k in admin_keys]
         # Any configured key closes the inference routes (so check_bind's has_keys means one
@@ -37,6 +39,17 @@ class Auth:
                 # Equal-length digests and no early exit: timing says nothing about any key.
                 matched |= hmac.compare_digest(candidate, key)
         return matched
+
+
+    def default_priority(self, headers: Mapping[str, str]) -> int | None:
+        """The `[server] key_priorities` entry of the key the request presents (None: none)."""
+        found = None
+        for presented in presented_keys(headers):
+            candidate = _digest(presented)
+            for key, priority in self._priorities:
+                if hmac.compare_digest(candidate, key):
+                    found = priority
+        return found
 
 
 def presented_keys(headers: Mapping[str, str]) -> list[str]:

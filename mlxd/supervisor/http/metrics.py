@@ -16,7 +16,7 @@ from aiohttp.typedefs import Middleware
 
 from mlxd.http_errors import Handler
 from mlxd.protocol.engine_state import EngineState
-from mlxd.protocol.stats import PromptCacheStats, RamTierStats, SsdTierStats
+from mlxd.protocol.stats import LaneStats, PromptCacheStats, RamTierStats, SsdTierStats
 from mlxd.supervisor.engines.pool import Pool
 from mlxd.supervisor.http import access
 from mlxd.supervisor.http.timeline import Timeline
@@ -85,7 +85,27 @@ class PoolCollector:
             restarts.add_metric([engine.model_id], engine.num_restarts)
         yield states
         yield restarts
+        yield from lane_families([(e.model_id, e.lanes) for e in self._pool.engines() if e.lanes is not None])
         yield from prompt_cache_families([(e.model_id, e.prompt_cache) for e in self._pool.engines() if e.prompt_cache])
+
+
+def lane_families(lanes: list[tuple[str, LaneStats]]) -> Iterator[Any]:
+    """Each serving engine's batch width and KV budget (what `batch = "auto"` chose), and the
+    KV its running rows have booked, as last fetched from its /admin/stats."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    width = GaugeMetricFamily("mlxd_engine_batch_width", "Rows the engine decodes at once.", labels=["model"])
+    budget = GaugeMetricFamily("mlxd_engine_kv_budget_tokens", "KV tokens the engine's running rows may book.",
+                               labels=["model"])
+    booked = GaugeMetricFamily("mlxd_engine_kv_booked_tokens", "KV tokens its running rows have booked.",
+                               labels=["model"])
+    for model, lane in lanes:
+        width.add_metric([model], lane.width)
+        if lane.kv_budget_tokens is not None:
+            budget.add_metric([model], lane.kv_budget_tokens)
+        if lane.kv_booked_tokens is not None:
+            booked.add_metric([model], lane.kv_booked_tokens)
+    yield from (width, budget, booked)
 
 
 def prompt_cache_families(caches: list[tuple[str, PromptCacheStats]]) -> Iterator[Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from mlxd.supervisor.http.keys import CONFIG, METRICS, POOL, REGISTRY
+from mlxd.supervisor.http.keys import AUTH, CONFIG, METRICS, POOL, REGISTRY
 from mlxd.supervisor.registry import ModelEntry
 from mlxd.supervisor.relay.dialect import Dialect
 from mlxd.supervisor.relay.serve import serve
@@ -23,4 +23,5 @@ async def relay(
     ttft = request.app[METRICS].get().ttft.labels(entry.id)
     return await serve(request, request.app[POOL], entry, body, dialect, stream=stream,
                        keepalive_s=request.app[CONFIG].server.stream_keepalive_s,
+                       priority=request.app[AUTH].default_priority(request.headers),
                        on_first_chunk=lambda at: ttft.observe(at - started))

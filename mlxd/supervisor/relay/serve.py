@@ -15,7 +15,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from mlxd.protocol.errors import APIError
-from mlxd.protocol.process import LEASE_HEADER
+from mlxd.protocol.process import LEASE_HEADER, PRIORITY_HEADER
 from mlxd.supervisor.engines.pool import Pool
 from mlxd.supervisor.engines.upstream import EngineBusy, EngineUnreachable, crashed_error
 from mlxd.supervisor.registry import ModelEntry
@@ -30,10 +30,11 @@ UNREACHABLE_PAUSE_S = 0.05
 
 async def serve(
     request: web.Request, pool: Pool, entry: ModelEntry, body: bytes, dialect: Dialect, *, stream: bool,
-    keepalive_s: float, on_first_chunk: Callable[[float], None] = lambda at: None,
+    keepalive_s: float, on_first_chunk: Callable[[float], None] = lambda at: None, priority: int | None = None,
 ) -> web.StreamResponse:
     """Queue for `entry`'s engine and relay `body` to it, answering in `dialect`.
-    `on_first_chunk` hears when the first streamed event went out (perf_counter())."""
+    `on_first_chunk` hears when the first streamed event went out (perf_counter()); `priority`
+    is the caller's key's default, for a body that sets none (the engine's queue orders by it)."""
     request[MODEL_KEY], request[DIALECT_KEY] = entry.id, dialect
     engine = pool.slot_for(entry).engine
     waiting = WaitingStream(request, keepalive_s, dialect, engine.load_progress) if stream else None
@@ -43,7 +44,7 @@ async def serve(
         on_first_chunk(request[FIRST_CHUNK_KEY])
 
     try:
-        return await _route(request, pool, entry, body, dialect, waiting, first_chunk)
+        return await _route(request, pool, entry, body, dialect, waiting, first_chunk, priority)
     except APIError as err:
         if waiting is None or waiting.response is None:
             raise
@@ -56,7 +57,7 @@ async def serve(
 
 async def _route(
     request: web.Request, pool: Pool, entry: ModelEntry, body: bytes, dialect: Dialect,
-    waiting: WaitingStream | None, on_first_chunk: Callable[[], None],
+    waiting: WaitingStream | None, on_first_chunk: Callable[[], None], priority: int | None,
 ) -> web.StreamResponse:
     lease_id = request.headers.get(LEASE_HEADER)
     pause_s, num_resent = 0.0, 0
@@ -66,6 +67,8 @@ async def _route(
         slot = await (waiting.wait(acquire, pool.release) if waiting is not None else acquire)
         try:
             headers = {LEASE_HEADER: slot.engine_lease_token} if lease_id and slot.engine_lease_token else {}
+            if priority is not None:
+                headers[PRIORITY_HEADER] = str(priority)
             prepared = waiting.response if waiting is not None else None
             resp = await forward(request, slot.engine.socket, slot.engine.connections, body, headers, dialect,
                                  on_first_chunk=on_first_chunk, prepared=prepared)
