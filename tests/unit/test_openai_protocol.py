@@ -188,12 +188,14 @@ def test_best_of_above_one_is_refused_not_ignored() -> None:
     oa.check_completion(oa.CompletionRequest(prompt="hi", best_of=1))
 
 
-@pytest.mark.parametrize("value", ['"high"', "1.5", "true", "null"])
+@pytest.mark.parametrize("value", ['"high"', "1.5", "true", "2147483648"])
 def test_a_priority_that_is_not_an_integer_is_a_400_naming_it(value: str) -> None:
     err = decode_error(chat_body(priority=value), oa.ChatCompletionRequest)
     assert (err.status, err.param) == (400, "priority")
 
 
-def test_priority_is_0_unless_sent_and_may_be_negative() -> None:
-    assert msgspec.json.decode(chat_body(), type=oa.ChatCompletionRequest).priority == 0
+def test_priority_is_the_keys_default_unless_sent_and_may_be_negative() -> None:
+    # None: the engine takes the key's default (X-MLXD-Priority from the supervisor), else 0.
+    assert msgspec.json.decode(chat_body(), type=oa.ChatCompletionRequest).priority is None
+    assert msgspec.json.decode(chat_body(priority="null"), type=oa.ChatCompletionRequest).priority is None
     assert msgspec.json.decode(chat_body(priority="-5"), type=oa.ChatCompletionRequest).priority == -5
