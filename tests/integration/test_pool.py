@@ -407,3 +407,35 @@ def test_a_keys_default_priority_runs_its_requests_behind_other_keys(tiny_model:
         assert finished == ["first", "agent urgent", "person", "agent 1"]
     finally:
         sup.stop()
+
+
+def test_the_pools_queue_starts_the_more_urgent_requests_model_first(tiny_model: Path, tmp_path: Path) -> None:
+    """One engine at a time, held by a lease: a request for `bg` (priority 10) queued before one
+    for `chat` (no priority: 0). Once the lease ends, `chat` starts and answers first."""
+    config = "[pool]\nmax_loaded = 1\n\n" + "".join(f'[models.{m}]\npath = "{tiny_model}"\n\n' for m in ("a", "bg", "chat"))
+    sup = SupervisorProcess(config, tmp_path).wait_up()
+    finished: list[str] = []
+
+    def run(model: str, **fields: Any) -> None:
+        body = {"model": model, "prompt": "hi", "max_tokens": 4, **fields}
+        answer = sup.client.post("/v1/completions", json=body)
+        assert answer.status_code == 200, answer.text
+        finished.append(model)
+
+    try:
+        taken = sup.client.post("/admin/leases", json={"model": "a", "ttl_s": 60})
+        assert taken.status_code == 200, taken.text
+        with ThreadPoolExecutor(2) as pool:
+            def queued() -> int:
+                return sum(e["queued"] for e in sup.client.get("/admin/engines").json()["data"])
+
+            later = [pool.submit(run, "bg", priority=10)]
+            assert wait_for(lambda: queued() == 1, 10)
+            later.append(pool.submit(run, "chat"))
+            assert wait_for(lambda: queued() == 2, 10)
+            assert sup.client.delete(f"/admin/leases/{taken.json()['id']}").status_code == 200
+            for f in later:
+                f.result()
+        assert finished == ["chat", "bg"]
+    finally:
+        sup.stop()

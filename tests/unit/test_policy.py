@@ -158,6 +158,20 @@ def test_starts_models_oldest_first_while_they_fit() -> None:
     assert summary(plan(view)) == [("start", "b"), ("start", "a")]
 
 
+def test_a_more_urgent_waiter_starts_its_model_first() -> None:
+    """Room for one model: the priority-0 request's model starts before an older priority-10
+    one's, which waits; equal priorities keep arrival order."""
+    view = pool(
+        waiters=(waiter(1, "agent", since=NOW - 5, priority=10), waiter(2, "chat", since=NOW - 1)),
+        budget_gib=4,
+    )
+    assert summary(plan(view)) == [("start", "chat")]
+    tied = pool(waiters=(waiter(1, "a", since=NOW - 5, priority=3), waiter(2, "b", priority=3)), budget_gib=4)
+    assert summary(plan(tied)) == [("start", "a")]
+    urgent_behind = pool(waiters=(waiter(1, "a", since=NOW - 5), waiter(2, "b", priority=-1)), budget_gib=4)
+    assert summary(plan(urgent_behind)) == [("start", "b")]
+
+
 # Making room
 
 

@@ -7,7 +7,8 @@ sockets or clocks here, so every rule is unit-tested directly (tests/unit/test_p
 The rules, in the order `plan` applies them:
 1. A waiter past its timeout (`queue_timeout_s` unless it has its own) is rejected (503).
 2. A waiter whose model's engine is READY, not closing and not leased to someone else runs.
-3. Models with waiters left start, oldest waiter first, while memory and `max_loaded` allow.
+3. Models with waiters left start, most urgent waiter first (the lowest `priority`, then the
+   oldest), while memory and `max_loaded` allow.
    When the head model does not fit, least-recently-used idle engines are chosen to make
    room, then busy ones (they are closed: they take nothing new and stop once idle). Pinned
    and leased engines are never chosen. Nothing behind the head model starts until it has:
@@ -57,6 +58,7 @@ class WaiterView:
     memory_bytes: int
     holds_lease: bool = False  # carries the model's lease id: passes the lease
     timeout_s: float | None = None  # None: the queue's; admin loads and leases wait longer
+    priority: int = 0  # the request's (or its key's): lower starts its model sooner
 
     def deadline(self, limits: Limits) -> float:
         return self.since + (self.timeout_s if self.timeout_s is not None else limits.queue_timeout_s)
@@ -215,7 +217,7 @@ def _with_admitted(view: PoolView, admitted: list[WaiterView]) -> PoolView:
 def _start(view: PoolView, waiters: list[WaiterView], out: _Plan) -> None:
     live = [e for e in view.engines.values() if e.state in LIVE]
     room = _Room(sum(e.memory_bytes for e in live), len(live), view.limits)
-    for model, need in _wanted(waiters):
+    for model, need in _wanted(sorted(waiters, key=lambda w: (w.priority, w.since))):
         engine = view.engines.get(model)
         if engine is not None and engine.state in LIVE:
             continue  # starting, or stopping before it starts again: wait for it
@@ -228,7 +230,7 @@ def _start(view: PoolView, waiters: list[WaiterView], out: _Plan) -> None:
 
 
 def _wanted(waiters: Iterable[WaiterView]) -> list[tuple[str, int]]:
-    """Models with waiters, in the order of their oldest waiter, with their memory needs."""
+    """Models with waiters, in the order of their first waiter in `waiters`, with their memory needs."""
     seen: dict[str, int] = {}
     for w in waiters:
         seen.setdefault(w.model, w.memory_bytes)

@@ -66,6 +66,7 @@ class Waiter:
     since: float
     holds_lease: bool
     timeout_s: float | None
+    priority: int = 0  # lower: its model starts sooner when several wait (policy rule 3)
     future: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -154,12 +155,14 @@ class Pool:
         finally:
             self.release(slot)
 
-    async def acquire(self, entry: ModelEntry, lease_id: str | None = None, timeout_s: float | None = None) -> Slot:
-        """Queue for the model's engine until the policy admits; counted in flight from then."""
+    async def acquire(self, entry: ModelEntry, lease_id: str | None = None, timeout_s: float | None = None,
+                      priority: int = 0) -> Slot:
+        """Queue for the model's engine until the policy admits; counted in flight from then.
+        A lower `priority` starts a cold model before others' (the request's own, else its key's)."""
         slot = self.slot_for(entry)
         self._check_admissible(slot)
         holds_lease = lease_id is not None and lease_id == slot.lease_id
-        waiter = Waiter(next(self._ids), slot, self.clock(), holds_lease, timeout_s)
+        waiter = Waiter(next(self._ids), slot, self.clock(), holds_lease, timeout_s, priority)
         self._queue.append(waiter)
         self.schedule_replan()
         try:
@@ -361,7 +364,8 @@ class Pool:
     def _view(self) -> policy.PoolView:
         engines = {m: self._engine_view(s) for m, s in self._slots.items()}
         waiters = [
-            policy.WaiterView(w.id, w.slot.entry.id, w.since, w.slot.memory_bytes, w.holds_lease, w.timeout_s)
+            policy.WaiterView(w.id, w.slot.entry.id, w.since, w.slot.memory_bytes, w.holds_lease, w.timeout_s,
+                              w.priority)
             for w in self._queue
         ]
         return policy.PoolView(engines, waiters, self.limits, self.clock(), self.machine.is_held)

@@ -8,6 +8,7 @@ import msgspec
 from aiohttp import web
 
 from mlxd.protocol.json_body import decode_json
+from mlxd.protocol.openai import Priority
 from mlxd.supervisor.http.answers import json_answer
 from mlxd.supervisor.http.keys import POOL, REGISTRY
 from mlxd.supervisor.http.relaying import relay, resolve
@@ -21,6 +22,7 @@ class RoutingFields(msgspec.Struct):
 
     model: str | None = None
     stream: bool | None = None
+    priority: Priority | None = None  # orders the pool's queue too (the engine checks the rest)
 
 
 _routing_decoder = msgspec.json.Decoder(RoutingFields)
@@ -38,7 +40,8 @@ async def inference(request: web.Request) -> web.StreamResponse:
     body = await request.read()
     fields = routing_fields(body)
     entry = resolve(request, fields.model)
-    return await relay(request, entry, body, dialect_of(request), stream=bool(fields.stream), started=started)
+    return await relay(request, entry, body, dialect_of(request), stream=bool(fields.stream), started=started,
+                       priority=fields.priority)
 
 
 async def list_models(request: web.Request) -> web.Response:

@@ -18,10 +18,12 @@ def resolve(request: web.Request, model: str | None) -> ModelEntry:
 
 async def relay(
     request: web.Request, entry: ModelEntry, body: bytes, dialect: Dialect, *, stream: bool, started: float,
+    priority: int | None = None,
 ) -> web.StreamResponse:
-    """Relay `body` to `entry`'s engine, answering in `dialect`; `started` is when the request came."""
+    """Relay `body` to `entry`'s engine, answering in `dialect`; `started` is when the request came,
+    `priority` the body's own (None: its key's default, else 0)."""
     ttft = request.app[METRICS].get().ttft.labels(entry.id)
     return await serve(request, request.app[POOL], entry, body, dialect, stream=stream,
                        keepalive_s=request.app[CONFIG].server.stream_keepalive_s,
-                       priority=request.app[AUTH].default_priority(request.headers),
+                       priority=priority, key_priority=request.app[AUTH].default_priority(request.headers),
                        on_first_chunk=lambda at: ttft.observe(at - started))

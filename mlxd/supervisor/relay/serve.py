@@ -31,10 +31,12 @@ UNREACHABLE_PAUSE_S = 0.05
 async def serve(
     request: web.Request, pool: Pool, entry: ModelEntry, body: bytes, dialect: Dialect, *, stream: bool,
     keepalive_s: float, on_first_chunk: Callable[[float], None] = lambda at: None, priority: int | None = None,
+    key_priority: int | None = None,
 ) -> web.StreamResponse:
     """Queue for `entry`'s engine and relay `body` to it, answering in `dialect`.
-    `on_first_chunk` hears when the first streamed event went out (perf_counter()); `priority`
-    is the caller's key's default, for a body that sets none (the engine's queue orders by it)."""
+    `on_first_chunk` hears when the first streamed event went out (perf_counter()).
+    `key_priority` is the caller's key's default, sent to the engine for a body that sets none;
+    the pool's queue orders by `priority` (the body's), else by it."""
     request[MODEL_KEY], request[DIALECT_KEY] = entry.id, dialect
     engine = pool.slot_for(entry).engine
     waiting = WaitingStream(request, keepalive_s, dialect, engine.load_progress) if stream else None
@@ -44,7 +46,8 @@ async def serve(
         on_first_chunk(request[FIRST_CHUNK_KEY])
 
     try:
-        return await _route(request, pool, entry, body, dialect, waiting, first_chunk, priority)
+        queued = priority if priority is not None else key_priority if key_priority is not None else 0
+        return await _route(request, pool, entry, body, dialect, waiting, first_chunk, queued, key_priority)
     except APIError as err:
         if waiting is None or waiting.response is None:
             raise
@@ -57,18 +60,18 @@ async def serve(
 
 async def _route(
     request: web.Request, pool: Pool, entry: ModelEntry, body: bytes, dialect: Dialect,
-    waiting: WaitingStream | None, on_first_chunk: Callable[[], None], priority: int | None,
+    waiting: WaitingStream | None, on_first_chunk: Callable[[], None], queued: int, key_priority: int | None,
 ) -> web.StreamResponse:
     lease_id = request.headers.get(LEASE_HEADER)
     pause_s, num_resent = 0.0, 0
     for _ in range(MAX_REQUEUES):
         await asyncio.sleep(pause_s)  # after an unreachable engine: its owner sees the exit meanwhile
-        acquire = pool.acquire(entry, lease_id)
+        acquire = pool.acquire(entry, lease_id, priority=queued)
         slot = await (waiting.wait(acquire, pool.release) if waiting is not None else acquire)
         try:
             headers = {LEASE_HEADER: slot.engine_lease_token} if lease_id and slot.engine_lease_token else {}
-            if priority is not None:
-                headers[PRIORITY_HEADER] = str(priority)
+            if key_priority is not None:
+                headers[PRIORITY_HEADER] = str(key_priority)
             prepared = waiting.response if waiting is not None else None
             resp = await forward(request, slot.engine.socket, slot.engine.connections, body, headers, dialect,
                                  on_first_chunk=on_first_chunk, prepared=prepared)
