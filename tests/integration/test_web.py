@@ -124,6 +124,20 @@ def until(page: Page, js: str, timeout: float = 30) -> None:
     assert wait_for(lambda: page.evaluate(js), timeout), js
 
 
+def wait_answer(page: Page, sup: SupervisorProcess, done: str, timeout_ms: float = 30_000) -> None:
+    """Wait for the last answer to end as `done`; on a timeout, say what the page and the
+    supervisor saw (a long answer that never ended failed once in a full parallel run)."""
+    try:
+        page.wait_for_selector(f".message.assistant[data-done={done}]", timeout=timeout_ms)
+    except Exception as exc:
+        state = page.evaluate("""() => { const a = [...document.querySelectorAll('.message.assistant')].pop();
+            return a ? {done: a.dataset.done || null, chars: a.querySelector('.content')?.textContent.length,
+                        stats: a.querySelector('.stats')?.textContent} : null; }""")
+        log = "\n".join(sup.log().splitlines()[-25:])
+        raise AssertionError(f"no answer ended {done!r}: {exc}\nthe page's last answer: {state}\n"
+                             f"the supervisor's log:\n{log}") from None
+
+
 def answer_text(page: Page) -> str:
     return page.inner_text(".message.assistant >> nth=-1 >> .content")
 
@@ -185,7 +199,7 @@ def test_stop_keeps_the_partial_answer_and_the_chat_goes_on(sup: SupervisorProce
     ask(page, "Hello", 3000)
     until(page, "document.querySelector('.message.assistant .content').textContent.length > 40")
     page.click("#chat-stop")
-    page.wait_for_selector(".message.assistant[data-done=stopped]")
+    wait_answer(page, sup, "stopped")
     partial = answer_text(page)
     assert len(partial) > 40 and page.inner_text(".stats").startswith("Stopped · ~")
     # The engine stops generating too: nothing stays in flight.
@@ -292,7 +306,7 @@ def test_a_phone_screen_has_no_horizontal_scroll(sup: SupervisorProcess, browser
         page.goto(sup.url + "/#chat")
         page.wait_for_selector("body[data-ready='1']")
         ask(page, "Hello", 400)  # longer than the screen
-        page.wait_for_selector(".message.assistant[data-done=done]", timeout=60_000)
+        wait_answer(page, sup, "done", 60_000)
         assert_composer_clear_of_status(page)
         page.evaluate("""async () => {
           const {renderMarkdown} = await import('/ui/markdown.js');
