@@ -273,7 +273,10 @@ class VllmMlxServer(MlxLmServer):
 
     name = "vllm-mlx"
     health = "/v1/models"
-    script = "vllm-mlx"
+
+    def __init__(self, script: str, model: Path, env: dict[str, str], log_path: Path) -> None:
+        self.script = script
+        super().__init__(model, [], env, log_path)
 
     def argv(self, model: Path, extra: list[str]) -> list[str]:
         return [self.script, "serve", str(model), "--continuous-batching", "--port", str(self.port), "--offline",
@@ -377,8 +380,7 @@ def options_in(extra: list[str]) -> dict[str, str]:
 def run_vllm_mlx(args: argparse.Namespace, template: str, bias: dict[str, float], env: dict[str, str],
                  work: Path) -> Row:
     home = private_dir(work / "vllm-home")
-    VllmMlxServer.script = args.vllm
-    server = VllmMlxServer(args.model, [], {**env, "HOME": str(home)}, work / "vllm_mlx.log")
+    server = VllmMlxServer(args.vllm, args.model, {**env, "HOME": str(home)}, work / "vllm_mlx.log")
     try:
         server.wait_health()
         widths = measure_server("vllm", server.url, str(args.model), args, template, bias)

@@ -15,6 +15,15 @@ ROW_TOKENS = 4096
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
+DEFAULT_CONTEXT = 4096  # a config that names no window
+
+
+def context_window(config: dict[str, Any], max_context: int | None) -> int:
+    """The model's context length, capped by `max_context` (the engine's --max-context)."""
+    native = config.get("max_position_embeddings") or config.get("max_seq_len") or DEFAULT_CONTEXT
+    return min(int(native), max_context) if max_context else int(native)
+
+
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """A config's language model's sizes: a vision-language model keeps them in `text_config`."""
     text = cfg.get("text_config")

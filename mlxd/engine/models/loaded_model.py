@@ -19,8 +19,8 @@ from mlxd.engine.chat.tools import ToolFormat, format_of, template_takes_tools
 from mlxd.engine.models.load_meter import LoadMeter
 from mlxd.protocol import sampling
 from mlxd.protocol.errors import APIError
+from mlxd.protocol.memory import context_window
 
-DEFAULT_CONTEXT = 4096
 MIN_CHUNK_BYTES = 256 << 20  # weights are read at least this much per step of the load's progress
 MAX_CHUNKS = 32  # ... and in at most about this many steps (each step's sync costs: benchmarks/load_progress.py)
 
@@ -137,12 +137,6 @@ def wire_model_memory() -> None:
     """On Metal, keep model memory wired for the engine's whole life (mlx-lm does it per call)."""
     if mx.metal.is_available():
         mx.set_wired_limit(int(mx.device_info()["max_recommended_working_set_size"]))
-
-
-def context_window(config: dict[str, Any], max_context: int | None) -> int:
-    """The model's context length, capped by --max-context."""
-    native = config.get("max_position_embeddings") or config.get("max_seq_len") or DEFAULT_CONTEXT
-    return min(int(native), max_context) if max_context else int(native)
 
 
 def generation_defaults(path: Path) -> dict[str, float]:

@@ -18,7 +18,7 @@ from typing import Any
 
 import psutil
 
-from mlxd.protocol.memory import kv_bytes_per_token, text_config
+from mlxd.protocol.memory import context_window, kv_bytes_per_token, text_config
 from mlxd.protocol.sizing import Device, Sizing, kv_memory_tokens, size_engine
 
 
@@ -30,10 +30,9 @@ def plan(model_dir: Path, weights_bytes: int, *, max_context: int | None, batch:
     per_token = kv_bytes_per_token(cfg) if cfg is not None else 0
     if cfg is None or per_token <= 0:
         return None
-    window = int(cfg.get("max_position_embeddings") or 4096)
     tokens = kv_memory_tokens(memory_bytes, weights_bytes, prompt_cache_bytes, per_token)
-    context = min(window, max_context) if max_context else window  # as the engine's context_window
-    return size_engine(width=batch, context=context, memory_tokens=tokens, device=device), per_token
+    return size_engine(width=batch, context=context_window(cfg, max_context), memory_tokens=tokens,
+                       device=device), per_token
 
 
 def estimate_bytes(model_dir: Path, weights_bytes: int, max_context: int | None = None, batch: int | None = 1, *,
