@@ -100,3 +100,16 @@ def test_a_model_drain_is_the_engines_report_after_its_model() -> None:
     report = DrainResult(drained=True, finished=2, cancelled=0, waited_ms=1.5, cache_written_bytes=0, resumed=True)
     drain = api.model_drain("m", report)
     assert msgspec.to_builtins(drain) == {"model": "m", **msgspec.to_builtins(report)}
+
+
+@pytest.mark.parametrize("value", ['"high"', "1.5", "2147483648"])
+def test_the_supervisor_refuses_a_bad_priority_naming_it(value: str) -> None:
+    """The pool's queue reads `priority` from OpenAI bodies, so a bad one is a 400 before queueing."""
+    from mlxd.protocol.errors import APIError
+    from mlxd.supervisor.http.openai_routes import routing_fields
+
+    with pytest.raises(APIError) as info:
+        routing_fields(f'{{"model": "m", "priority": {value}}}'.encode())
+    assert (info.value.status, info.value.param) == (400, "priority")
+    assert routing_fields(b'{"model": "m", "priority": -3}').priority == -3
+    assert routing_fields(b'{"model": "m"}').priority is None
