@@ -297,7 +297,7 @@ async def stream_chat(session: aiohttp.ClientSession, url: str, body: Row) -> Ro
     """One streaming chat completion: time to first content, tokens, finish reason."""
     t0 = time.perf_counter()
     first = last = None
-    chunks, usage, finish = 0, None, None
+    chunks, usage, finish, parts = 0, None, None, []
     async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{url}: HTTP {resp.status}: {(await resp.text())[:300]}")
@@ -311,13 +311,14 @@ async def stream_chat(session: aiohttp.ClientSession, url: str, body: Row) -> Ro
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices") or []:
                 finish = choice.get("finish_reason") or finish
-                if (choice.get("delta") or {}).get("content"):
+                if text := (choice.get("delta") or {}).get("content"):
+                    parts.append(text)
                     chunks += 1
                     first, last = first or now, now
     if first is None or last is None:
         raise RuntimeError(f"{url}: no content streamed")
     tokens = usage["completion_tokens"] if usage else chunks
-    return {"ttft_s": first - t0, "tokens": tokens, "chunks": chunks, "finish_reason": finish,
+    return {"ttft_s": first - t0, "tokens": tokens, "chunks": chunks, "finish_reason": finish, "text": "".join(parts),
             "prompt_tokens": usage["prompt_tokens"] if usage else None,
             "decode_tps": (tokens - 1) / (last - first) if last > first else float("nan")}
 

@@ -32,8 +32,8 @@ step() {  # step NAME SECONDS COMMAND...
   echo "   exit $? after $((SECONDS - t0)) s ($(wc -l < "$out/$name.txt") lines)"
   tail -n 12 "$out/$name.txt"
 }
-model() {  # model SHAPE DIR
-  [ -d "$2" ] || python3 benchmarks/random_llama.py "$1" "$2" --tokenizer "$tok" > /dev/null
+model() {  # model SHAPE DIR [random_llama.py flags]
+  [ -d "$2" ] || python3 benchmarks/random_llama.py "$1" "$2" --tokenizer "$tok" "${@:3}" > /dev/null
 }
 case ${1:-1b} in
 1b)
@@ -153,6 +153,44 @@ lonew)
     step lone_b$b 100 python3 benchmarks/engine_decode.py --model /tmp/models/l1b --runs 7 --max-tokens 256 \
       --cold-starts 1 --engine-args "--batch $b"
   done
+  ;;
+long)
+  # issue 24: a lone long prompt (8k, 24k tokens), engine vs raw stream_generate, on the 1B model
+  # with a 32k window: at mlxd's defaults, then with 2048-token prefill chunks, then with cuDNN's
+  # attention too (what raw mlx-lm runs with)
+  model 1b-bf16 /tmp/models/l1b32 --context 32768
+  step long_1b_default 300 python3 benchmarks/long_prompt.py --model /tmp/models/l1b32 --lengths 8000,24000 --runs 3 \
+    --engine-args "--batch auto"
+  step long_1b_p2048 200 python3 benchmarks/long_prompt.py --model /tmp/models/l1b32 --lengths 8000,24000 --runs 3 \
+    --engine-args "--prefill-step 2048 --warmup off"
+  step long_1b_cudnn 200 python3 benchmarks/long_prompt.py --model /tmp/models/l1b32 --lengths 8000,24000 --runs 3 \
+    --engine-args "--prefill-step 2048 --warmup off" --engine-env MLX_CUDA_USE_CUDNN_SDPA=1
+  ;;
+round2)
+  # issue 24, after cuDNN's attention came back for long prefill chunks (prefill_attention.py)
+  # and 2048-token solo chunks: the long prompt and the lone stream at defaults, then the
+  # agent-shaped load against mlx_lm.server
+  model 1b-bf16 /tmp/models/l1b32 --context 32768
+  step long_1b_auto 260 python3 benchmarks/long_prompt.py --model /tmp/models/l1b32 --lengths 8000,24000 --runs 3 \
+    --engine-args "--batch auto"
+  step lone_auto 130 python3 benchmarks/engine_decode.py --model /tmp/models/l1b32 --runs 7 --max-tokens 256 \
+    --cold-starts 1 --engine-args "--batch auto"
+  step agent_1b 200 python3 benchmarks/agent_load.py --model /tmp/models/l1b32 --clients 8 --turns 3 \
+    --system-tokens 3000 --max-tokens 64
+  ;;
+batch1b)
+  model 1b-bf16 /tmp/models/l1b32 --context 32768
+  step batching_1b_auto 400 python3 benchmarks/batching.py --model /tmp/models/l1b32 --widths 1,8,16,64 --rounds 2 \
+    --only server,mlxd --warmup-tokens 128
+  ;;
+lonegraph)
+  # issue 24: the lone 1B stream at batch auto, as it is and with room for every CUDA graph the
+  # warm-up makes
+  model 1b-bf16 /tmp/models/l1b
+  step lone_auto 200 python3 benchmarks/engine_decode.py --model /tmp/models/l1b --runs 7 --max-tokens 256 \
+    --cold-starts 1 --engine-args "--batch auto"
+  MLX_CUDA_GRAPH_CACHE_SIZE=4000 step lone_auto_graphs4000 200 python3 benchmarks/engine_decode.py \
+    --model /tmp/models/l1b --runs 7 --max-tokens 256 --cold-starts 1 --engine-args "--batch auto"
   ;;
 lonecap)
   # needs a warm-up capped at 8 rows (a one-off patch of warmup.py reading MLXD_WARMUP_ROWS, not in main)

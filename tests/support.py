@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import signal
@@ -134,6 +135,33 @@ def running_engine(model: Path, model_id: str, *extra: str) -> Iterator[EnginePr
         yield engine.wait_ready()
     finally:
         engine.stop()
+
+
+def engine_client(engine: EngineProcess) -> httpx.Client:
+    """A client of the engine's socket of its own (one per thread)."""
+    return httpx.Client(transport=httpx.HTTPTransport(uds=str(engine.socket)), base_url="http://engine", timeout=120)
+
+
+def complete(engine: EngineProcess, prompt: str, **body: Any) -> dict[str, Any]:
+    """A greedy completion of up to 24 tokens straight from the engine: its JSON and `status`."""
+    with engine_client(engine) as c:
+        resp = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 24, "temperature": 0, **body})
+        return {"status": resp.status_code, **resp.json()}
+
+
+def text_of(answer: dict[str, Any]) -> str:
+    return str(answer["choices"][0]["text"])
+
+
+def at_once(engine: EngineProcess, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The bodies sent together (each a `complete` keyword set with a `prompt`)."""
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        return list(pool.map(lambda b: complete(engine, **b), bodies))
+
+
+def lanes(engine: EngineProcess) -> dict[str, Any]:
+    """The engine's lanes from /admin/stats."""
+    return dict(engine.stats()["lanes"])
 
 
 @contextlib.contextmanager

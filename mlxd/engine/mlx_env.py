@@ -2,12 +2,19 @@
 
 MLX reads these once, at first use, so they are set before the engine imports mlx. Each
 was measured on an H200 with MLX's CUDA backend (docs/benchmarks.md, "First-seen shapes on
-CUDA"); on Metal and CPU only the first one is read, and it changes nothing there.
+CUDA" and "Long prompts"); they are set on CUDA only.
 
-- `MLX_CUDA_USE_CUDNN_SDPA=0`: cuDNN's attention builds a graph for every new attention shape
-  (prompt length, cache length, rows) and a server sees a new one with nearly every request:
-  ~80 ms for each new prompt length, seconds for a first burst, stalling every running stream.
-  MLX's own attention kernels build nothing per shape.
+cuDNN's attention stays on (MLX's default): long prompts need it (a 24,000-token prompt
+prefilled in 0.27 s with it, 1.3 s without). It builds a graph per attention shape, so the
+engine routes each prefill chunk itself (prefill_attention.py: only few shapes, or ones worth
+a graph, reach cuDNN), and:
+
+- `MLX_ENABLE_CACHE_THRASHING_CHECK=0`: MLX's caches of cuDNN graphs and CUDA graphs throw an
+  error once they have missed twice their size over the process's life (its counter is never
+  reset), which a long-lived server that meets new shapes for days would reach; a miss costs
+  a graph build, which is what is wanted.
+- `MLX_CUDA_SDPA_CACHE_SIZE=1024`: room for every aligned prefill chunk's graph of a long
+  window beside the shapes worth a graph of their own (MLX keeps 256).
 - `MLX_PTX_CACHE_DIR`: the kernels MLX compiles at run time (NVRTC, a second or more each) are
   kept under the user's cache directory instead of /tmp, so only an engine's first start on a
   machine pays for them, not the first start after every reboot.
@@ -51,10 +58,12 @@ def kernel_cache_dir(environ: Mapping[str, str], version: str) -> Path:
 
 def defaults(environ: Mapping[str, str], *, cuda: bool, version: str) -> dict[str, str]:
     """The settings to add: each one the environment does not set already."""
-    wanted = {"MLX_CUDA_USE_CUDNN_SDPA": "0"}
+    wanted: dict[str, str] = {}
     if cuda:
         wanted["MLX_PTX_CACHE_DIR"] = str(kernel_cache_dir(environ, version))
         wanted["MLX_MAX_OPS_PER_BUFFER"] = "100"
+        wanted["MLX_ENABLE_CACHE_THRASHING_CHECK"] = "0"
+        wanted["MLX_CUDA_SDPA_CACHE_SIZE"] = "1024"
     return {name: value for name, value in wanted.items() if name not in environ}
 
 

@@ -174,7 +174,8 @@ def gateway_options(settings: EngineSettings) -> GatewayOptions:
     if cache_bytes is None:
         cache_bytes = default_prompt_cache_bytes(psutil.virtual_memory().total)
     return GatewayOptions(
-        prefill_step=settings.prefill_step, batch=batch, memory_bytes=settings.memory_bytes,
+        prefill_step=settings.prefill_step, solo_prefill_step=settings.solo_prefill_step or 0, batch=batch,
+        memory_bytes=settings.memory_bytes,
         max_context=settings.max_context,
         kv_budget_tokens=settings.kv_budget_tokens, warmup=settings.warmup, gather_ms=settings.gather_ms,
         prompt_cache_bytes=cache_bytes, ssd_root=settings.ssd_cache_dir or data_dir() / "kv",

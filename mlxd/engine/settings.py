@@ -21,6 +21,7 @@ class EngineSettings:
     batch: int | None = 1  # None: auto (protocol/sizing.py)
     memory_bytes: int | None = None  # what the engine sizes itself within (None: the device's memory)
     prefill_step: int = 512
+    solo_prefill_step: int | None = None  # None: 2048 on a GPU, prefill_step on the CPU
     kv_budget_tokens: int | None = None
     warmup: str = "auto"
     gather_ms: float = 5.0
@@ -58,7 +59,11 @@ def parse_args(argv: list[str]) -> EngineSettings:
         help="the memory the engine sizes its batch and KV budget within (default: the device's: Metal's "
              "recommended working set, the CUDA device's memory, 75%% of RAM on CPU)",
     )
-    p.add_argument("--prefill-step", type=int, default=512, help="prompt tokens per prefill chunk; cancellation is checked between chunks")
+    p.add_argument("--prefill-step", type=int, default=512,
+                   help="prompt tokens per prefill chunk while other rows decode; cancellation is checked between chunks")
+    p.add_argument("--solo-prefill-step", type=int, default=None,
+                   help="prompt tokens per prefill chunk while no other row decodes (default: 2048 on a GPU, "
+                        "--prefill-step on the CPU)")
     p.add_argument(
         "--kv-budget-tokens", type=int, default=None,
         help="KV cache tokens the running sequences may book in all (default: the whole context window, and "
@@ -98,7 +103,7 @@ def parse_args(argv: list[str]) -> EngineSettings:
         help="exit when this process is no longer our parent (default: the parent at start)",
     )
     a = p.parse_args(argv)
-    for name in ("max_context", "prefill_step", "kv_budget_tokens", "max_body", "memory_bytes"):
+    for name in ("max_context", "prefill_step", "solo_prefill_step", "kv_budget_tokens", "max_body", "memory_bytes"):
         value = getattr(a, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -110,7 +115,8 @@ def parse_args(argv: list[str]) -> EngineSettings:
             p.error(f"--{name.replace('_', '-')} must be >= 0")
     return EngineSettings(
         model=a.model, model_id=a.model_id, socket=a.socket, max_context=a.max_context,
-        batch=a.batch, memory_bytes=a.memory_bytes, prefill_step=a.prefill_step, kv_budget_tokens=a.kv_budget_tokens, warmup=a.warmup,
+        batch=a.batch, memory_bytes=a.memory_bytes, prefill_step=a.prefill_step,
+        solo_prefill_step=a.solo_prefill_step, kv_budget_tokens=a.kv_budget_tokens, warmup=a.warmup,
         gather_ms=a.gather_ms, max_body=a.max_body, parent_pid=a.parent_pid,
         prompt_cache_bytes=a.prompt_cache_bytes, ssd_cache_bytes=a.ssd_cache_bytes, ssd_cache_dir=a.ssd_cache_dir,
         kv_bits=a.kv_bits, kv_group_size=a.kv_group_size, write_behind=a.ssd_write_behind == "on",

@@ -32,6 +32,7 @@ class Done(msgspec.Struct, tag="done"):
     prefill_ms: float = 0.0  # picked up -> first token sampled
     decode_ms: float = 0.0  # first token -> last token
     stop_sequence: str | None = None  # the stop string that ended it (finish_reason "stop")
+    paused: int = 0  # times it was paused for a more urgent request (and resumed)
 
 
 class Failed(msgspec.Struct, tag="failed"):

@@ -95,3 +95,4 @@ class RequestUsage(msgspec.Struct):
     prefill_ms: float  # picked up -> first token
     decode_ms: float  # first token -> last token
     finish_reason: str
+    paused: int = 0  # times the engine paused it for a more urgent request

@@ -67,6 +67,11 @@ class LaneStats(msgspec.Struct):
     kv_budget_tokens: int | None
     kv_booked_tokens: int | None
     sizing: str | None = None  # how the width and KV budget were chosen (protocol/sizing.py); None until loaded
+    paused: int = 0  # rows paused for a more urgent request, waiting to resume (counted in `waiting`)
+    paused_total: int = 0  # rows paused since the engine started
+    resumed_total: int = 0  # paused rows started again
+    shared_prefills: int = 0  # prefixes prefilled once for requests that started together
+    shared_tokens: int = 0  # prompt tokens those requests did not prefill again
 
 
 class TokenCounts(msgspec.Struct):

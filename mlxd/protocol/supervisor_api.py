@@ -199,11 +199,15 @@ class InputItemList(msgspec.Struct):
 
 class ModelTimeline(msgspec.Struct):
     """One model's buckets, oldest first: tokens generated (a request's spread over its decode),
-    requests ended, and the median time to first token of those whose first token came then."""
+    requests ended, and the median time to first token of those whose first token came then;
+    of the requests ended, the prompt tokens they did not prefill (the prompt cache's or a
+    shared prefill's) and how many of them were paused for a more urgent request."""
 
     completion_tokens: list[float]
     requests: list[int]
     ttft_ms: list[float | None]
+    cached_tokens: list[int]
+    paused: list[int]
 
 
 class TimelineView(msgspec.Struct):

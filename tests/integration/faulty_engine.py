@@ -3,12 +3,15 @@
 - RAISE: that request's own token handling raises after 3 tokens (in either lane): only it fails.
 - BATCHFAIL: the batched step raises once, when the row holding it has 3 tokens and the batch
   lane holds 3 rows: every row in the batch lane fails, and the engine goes on serving.
+- SLOWPREFILL: each chunk of a shared prefill whose first member asks for it takes 0.3 s more,
+  so a test can act while it runs.
 
 Run as a script with MLXD_BLAS=off (the OpenBLAS re-exec would drop these patches).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from mlxd.engine.__main__ import main
@@ -17,6 +20,8 @@ from mlxd.engine.gpu import batch_lane, gateway, sequence
 real_submit = gateway.Gateway.submit
 real_add = sequence.Sequence.add
 real_step = batch_lane.BatchLane.step
+real_prefill_groups = batch_lane.BatchLane._prefill_groups
+SLOW_CHUNK_S = 0.3
 # id(job) -> (the fault it asks for, the job). The job is held so that its id cannot be reused
 # by a later job while the mark stays (a RAISE mark is never removed): an unmarked request
 # once inherited a finished one's mark that way and failed.
@@ -30,7 +35,7 @@ def mark(job: Any) -> str | None:
 
 def faulty_submit(self: Any, job: Any) -> None:
     text = self.loaded.decode(job.prompt) if self.loaded is not None else ""
-    for word in ("RAISE", "BATCHFAIL"):
+    for word in ("RAISE", "BATCHFAIL", "SLOWPREFILL"):
         if word in text:
             marked[id(job)] = (word, job)
     real_submit(self, job)
@@ -50,6 +55,13 @@ def faulty_step(self: Any) -> list[Any]:
     return real_step(self)
 
 
+def slow_prefill_groups(self: Any) -> list[Any]:
+    groups = self._groups
+    if groups and groups[0].waiting and mark(groups[0].waiting[0].job) == "SLOWPREFILL" and not groups[0].is_prefilled:
+        time.sleep(SLOW_CHUNK_S)
+    return real_prefill_groups(self)
+
+
 def _raise() -> Any:
     raise RuntimeError("injected batch fault")
 
@@ -57,6 +69,7 @@ def _raise() -> Any:
 gateway.Gateway.submit = faulty_submit  # type: ignore[method-assign]
 sequence.Sequence.add = faulty_add  # type: ignore[method-assign]
 batch_lane.BatchLane.step = faulty_step  # type: ignore[method-assign]
+batch_lane.BatchLane._prefill_groups = slow_prefill_groups  # type: ignore[method-assign]
 
 if __name__ == "__main__":
     main()

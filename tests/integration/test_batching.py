@@ -11,38 +11,29 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx2 as httpx
 import pytest
 
 from mlxd.protocol.memory import ROW_TOKENS, kv_bytes_per_token, text_config
 from mlxd.protocol.sizing import AUTO_WIDTH_CAP, MIN_HEADROOM
-from tests.support import FAULTY_ENGINE, NO_EOS, EngineProcess, engine_env, running_engine, wait_for
-
-
-def client(engine: EngineProcess) -> httpx.Client:
-    return httpx.Client(transport=httpx.HTTPTransport(uds=str(engine.socket)), base_url="http://engine", timeout=120)
-
-
-def complete(engine: EngineProcess, prompt: str, **body: Any) -> dict[str, Any]:
-    with client(engine) as c:
-        resp = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 24, "temperature": 0, **body})
-        return {"status": resp.status_code, **resp.json()}
-
-
-def text_of(answer: dict[str, Any]) -> str:
-    return str(answer["choices"][0]["text"])
-
-
-def at_once(engine: EngineProcess, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The bodies sent together (each a `complete` keyword set with a `prompt`)."""
-    with cf.ThreadPoolExecutor(len(bodies)) as pool:
-        return list(pool.map(lambda b: complete(engine, **b), bodies))
+from tests.support import (
+    FAULTY_ENGINE,
+    NO_EOS,
+    EngineProcess,
+    at_once,
+    complete,
+    engine_client,
+    engine_env,
+    lanes,
+    running_engine,
+    text_of,
+    wait_for,
+)
 
 
 def stream_times(engine: EngineProcess, body: dict[str, Any], out: list[float], started: threading.Event | None = None) -> str:
     """Stream a completion; append each text chunk's arrival time to `out`; the text."""
     parts = []
-    with client(engine) as c, c.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+    with engine_client(engine) as c, c.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
         assert resp.status_code == 200, resp.read()
         for line in resp.iter_lines():
             if not line.startswith("data: {"):
@@ -76,7 +67,7 @@ def test_smollm2_greedy_text_is_the_same_batched_as_alone(smollm2: Path) -> None
     questions = ["What is the capital of France?", "Name a primary colour.", "What is 2 + 2?", "Say hello."]
     with running_engine(smollm2, "smol", "--batch", "4") as engine:
         def ask(q: str) -> str:
-            with client(engine) as c:
+            with engine_client(engine) as c:
                 body = {"messages": [{"role": "user", "content": q}], "max_tokens": 24, "temperature": 0}
                 return str(c.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"])
 
@@ -85,10 +76,6 @@ def test_smollm2_greedy_text_is_the_same_batched_as_alone(smollm2: Path) -> None
             together = list(pool.map(ask, questions))
     assert together == alone
     assert "Paris" in alone[0]
-
-
-def lanes(engine: EngineProcess) -> dict[str, Any]:
-    return dict(engine.stats()["lanes"])
 
 
 def test_a_lone_request_runs_in_the_serial_lane_and_moves_into_the_batch_when_others_come(batched: EngineProcess) -> None:
@@ -156,7 +143,7 @@ def test_a_client_that_leaves_mid_batch_frees_its_row_and_the_others_finish(batc
 
         def leave_early() -> int:
             seen = 0
-            with client(batched) as c, c.stream("POST", "/v1/completions", json={"prompt": PROMPTS[5], **body, "stream": True}) as resp:
+            with engine_client(batched) as c, c.stream("POST", "/v1/completions", json={"prompt": PROMPTS[5], **body, "stream": True}) as resp:
                 for line in resp.iter_lines():
                     seen += line.startswith("data: {")
                     if seen == 5:
@@ -266,7 +253,7 @@ def test_a_lease_waits_for_rows_in_flight(batched: EngineProcess) -> None:
     with cf.ThreadPoolExecutor(5) as pool:
         rows = [pool.submit(complete, batched, p, **body) for p in PROMPTS[:3]]
         assert wait_for(lambda: batched.stats()["requests"]["active"] == 3, 10)
-        with client(batched) as c, c.stream("POST", "/admin/lease", json={"holder": "test"}) as lease:
+        with engine_client(batched) as c, c.stream("POST", "/admin/lease", json={"holder": "test"}) as lease:
             first = json.loads(next(lease.iter_lines()))
             active_when_held = batched.stats()["requests"]["active"]
         results = [f.result() for f in rows]

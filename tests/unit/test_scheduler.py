@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlxd.engine.gpu.scheduler import Drop, LaneLoad, Refuse, Scheduler, Start
+from mlxd.engine.gpu.scheduler import Drop, LaneLoad, Pause, Refuse, Scheduler, Start
 from mlxd.engine.gpu.scheduling import LaneName
 
 
@@ -224,3 +224,114 @@ def test_an_urgent_job_waits_only_for_the_rows_running_not_for_the_queue() -> No
     urgent = FakeJob(100, name=9)
     queued(s, urgent)
     assert [j.name for j in s.take_all()] == [9, 1, 2]  # ahead of the background ones that waited
+
+
+# --- pausing for a more urgent job ---------------------------------------------------------
+
+
+def running_in_batch(s: Scheduler[FakeJob], *jobs: FakeJob) -> LaneLoad[FakeJob]:
+    """`jobs` running in the batch lane (booked), all of them pausable."""
+    for job in jobs:
+        s.kv.book(job.kv_need)
+    return LaneLoad(False, len(jobs), tuple((j, "batch") for j in jobs))
+
+
+def test_a_full_batch_pauses_its_least_urgent_row_for_a_more_urgent_job() -> None:
+    s: Scheduler[FakeJob] = Scheduler(3, 10_000)
+    rows = [FakeJob(100, name=0, priority=5), FakeJob(100, name=1, priority=10), FakeJob(100, name=2, priority=5)]
+    load = running_in_batch(s, *rows)
+    urgent = FakeJob(100, name=9, priority=0)
+    queued(s, urgent)
+    assert s.plan(load) == [Pause(rows[1], "batch"), Start(urgent, "batch")]
+    assert s.kv.booked == 300 and s.take_all() == [rows[1]]  # it waits again, booked no more
+
+
+def test_among_equally_urgent_rows_the_last_started_is_paused() -> None:
+    s: Scheduler[FakeJob] = Scheduler(2, 10_000)
+    rows = [FakeJob(100, name=0, priority=5), FakeJob(100, name=1, priority=5)]
+    urgent = FakeJob(100, priority=1)
+    assert queued(s, urgent).plan(running_in_batch(s, *rows))[0] == Pause(rows[1], "batch")
+
+
+def test_a_job_of_the_same_priority_waits_and_pauses_nothing() -> None:
+    s: Scheduler[FakeJob] = Scheduler(2, 10_000)
+    load = running_in_batch(s, FakeJob(100, priority=3), FakeJob(100, priority=3))
+    assert queued(s, FakeJob(100, priority=3)).plan(load) == []
+    assert queued(Scheduler[FakeJob](2, 10_000), FakeJob(100, priority=4)).plan(load) == []
+
+
+def test_a_job_short_of_kv_pauses_as_few_rows_as_make_room_or_none() -> None:
+    s: Scheduler[FakeJob] = Scheduler(8, 1000)
+    rows = [FakeJob(300, name=0, priority=9), FakeJob(300, name=1, priority=8), FakeJob(300, name=2, priority=0)]
+    load = running_in_batch(s, *rows)
+    urgent = FakeJob(500, name=9, priority=1)
+    assert queued(s, urgent).plan(load) == [Pause(rows[0], "batch"), Pause(rows[1], "batch"), Start(urgent, "batch")]
+    # 900 would be needed, but only the two less urgent rows may go: nothing is paused for nothing.
+    s2: Scheduler[FakeJob] = Scheduler(8, 1000)
+    assert queued(s2, FakeJob(800, priority=1)).plan(running_in_batch(s2, *rows)) == []
+    assert s2.kv.booked == 900
+
+
+def test_the_serial_lane_row_is_paused_at_width_one() -> None:
+    s: Scheduler[FakeJob] = Scheduler(1, 10_000)
+    background = FakeJob(100, priority=10)
+    s.kv.book(100)
+    urgent = FakeJob(100, priority=0)
+    plan = queued(s, urgent).plan(LaneLoad(True, 0, ((background, "serial"),)))
+    assert plan == [Pause(background, "serial"), Start(urgent, "serial")]
+
+
+def test_a_paused_job_waits_ahead_of_its_priority_and_behind_more_urgent_ones() -> None:
+    s: Scheduler[FakeJob] = Scheduler(1, 10_000)
+    waiting = [FakeJob(100, name=1, priority=10), FakeJob(100, name=2, priority=0)]
+    background = FakeJob(100, name=0, priority=10)
+    s.kv.book(100)
+    queued(s, *waiting)
+    assert s.plan(LaneLoad(True, 0, ((background, "serial"),))) == [Pause(background, "serial"), Start(waiting[1], "serial")]
+    assert [j.name for j in s.take_all()] == [0, 1]  # it came before the other background job
+
+
+def test_a_cancelled_head_pauses_nothing() -> None:
+    s: Scheduler[FakeJob] = Scheduler(1, 10_000)
+    s.kv.book(100)
+    gone = FakeJob(100, priority=0, is_cancelled=True)
+    assert queued(s, gone).plan(LaneLoad(True, 0, ((FakeJob(100, priority=9), "serial"),))) == [Drop(gone)]
+
+
+priority_specs = st.tuples(st.integers(1, 600), st.integers(0, 3))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 5), st.integers(600, 2000),
+       st.lists(st.tuples(st.lists(priority_specs, max_size=4), st.integers(0, 2**8 - 1)), min_size=1, max_size=25))
+def test_pausing_keeps_the_budget_and_width_and_only_a_more_urgent_job_pauses_another(
+    width: int, budget: int, timeline: list[tuple[list[tuple[int, int]], int]]
+) -> None:
+    s: Scheduler[FakeJob] = Scheduler(width, budget)
+    lanes = LaneModel()
+    arrived = 0
+    for arrivals, ends in timeline:
+        for need, priority in arrivals:
+            s.enqueue(FakeJob(need, name=arrived, priority=priority))
+            arrived += 1
+        pausable = tuple((j, "serial" if j is lanes.serial else "batch") for j in lanes.running)
+        paused: list[FakeJob] = []
+        for d in s.plan(LaneLoad(lanes.serial is not None, len(lanes.batch), pausable)):
+            if isinstance(d, Pause):
+                lanes.end(d.job)
+                paused.append(d.job)
+            elif isinstance(d, Start):
+                assert all(d.job.priority < p.priority for p in paused) or d.job not in paused
+                lanes.start(d.job, d.lane)
+        started = [j for j in lanes.running if j not in [p for _, p in enumerate(paused)]]
+        for job in paused:  # each one paused made room for a strictly more urgent job that started
+            assert job not in lanes.running
+            assert any(r.priority < job.priority for r in started)
+        assert sum(j.kv_need for j in lanes.running) == s.kv.booked <= budget
+        assert len(lanes.running) <= width
+        for i, job in enumerate(list(lanes.running)):
+            if ends >> i & 1:
+                lanes.end(job)
+                s.release(job)
+    everyone = lanes.running + s.take_all()
+    assert sorted(j.name for j in everyone) == sorted(set(j.name for j in everyone))  # none lost, none twice

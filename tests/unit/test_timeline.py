@@ -44,3 +44,13 @@ def test_every_token_in_the_window_is_counted_once(decode_s: float) -> None:
     timeline = Timeline(step_s=2.0, num_buckets=300)
     timeline.record("m", end=1000.3, completion_tokens=90, decode_s=decode_s, ttft_at=None, ttft_ms=None)
     assert sum(timeline.view(now=1000.3).models["m"].completion_tokens) == pytest.approx(90, abs=0.1)
+
+
+def test_cached_tokens_and_paused_requests_count_where_the_requests_ended() -> None:
+    timeline = Timeline(step_s=1.0, num_buckets=3)
+    timeline.record("m", end=1.5, completion_tokens=4, decode_s=0.5, ttft_at=1.0, ttft_ms=5.0, cached_tokens=300)
+    timeline.record("m", end=2.5, completion_tokens=4, decode_s=2.0, ttft_at=0.5, ttft_ms=5.0, paused=2)
+    timeline.record("m", end=2.6, completion_tokens=4, decode_s=0.1, ttft_at=2.5, ttft_ms=5.0, cached_tokens=7)
+    view = timeline.view(now=2.9).models["m"]
+    assert view.cached_tokens == [0, 300, 7]
+    assert view.paused == [0, 0, 1]  # requests paused on the way, not pauses

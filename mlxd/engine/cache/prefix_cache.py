@@ -248,6 +248,15 @@ class PrefixCache:
         self.stats.tokens_reused += best_n
         return view(entry.kv, best_n), best_n
 
+    def longest(self, prompt: list[int]) -> int:
+        """How many of `prompt`'s tokens a fetch would serve now (RAM or SSD), counting nothing."""
+        query = np.asarray(prompt, dtype=np.int64)
+        limit = len(prompt) - 1
+        best = max((self._usable(e.tokens, query, limit, e.trimmable) for e in self._entries.values()), default=0)
+        if self.ssd is not None:
+            best = max([best, *(self._usable(d.tokens, query, limit, d.trimmable) for d in self.ssd.entries())])
+        return best
+
     @staticmethod
     def _usable(tokens: np.ndarray, query: np.ndarray, limit: int, trimmable: bool) -> int:
         n = min(common_prefix(tokens, query), limit)

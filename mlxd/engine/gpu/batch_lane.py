@@ -1,12 +1,17 @@
 """The batch lane: continuous batching with mlx-lm's BatchGenerator.
 
 Rows join and leave between steps. Each step decodes one token for every generating row, then
-runs one prefill chunk (`--prefill-step` tokens) of the prompts being admitted: a long prompt
-arriving while others decode is prefilled a chunk at a time, and the running rows keep getting
-a token every step meanwhile. The choices of one request (n > 1) share a prompt: it is
-prefilled once, a chunk a step, and each choice starts as a row from a view of that KV. Per-row sampling, penalties and logit bias are mlx-lm's (rows
-with equal parameters share one sampler, so they are sampled in one call; logit biases are
-added as one matrix, batch_bias.py); stop strings, EOS and max_tokens are each row's Sequence.
+runs one prefill chunk of the prompts being admitted: `--prefill-step` tokens while rows
+decode (a long prompt arriving while others decode is prefilled a chunk at a time, and the
+running rows keep getting a token every step meanwhile), the solo chunk while none does (2048
+on a GPU, where a bigger chunk prefills faster; nobody waits for a token). A prefix several rows share is prefilled once, a chunk a step,
+and each of them starts as a row from a view of that KV: the choices of one request (n > 1),
+and requests started together whose prompts share a long prefix the prompt cache lacks
+(sharing.py says which; one arriving while such a prefill runs joins it). Per-row sampling,
+penalties and logit bias are mlx-lm's (rows with equal parameters share one sampler, so they
+are sampled in one call; logit biases are added as one matrix, batch_bias.py); stop strings,
+EOS and max_tokens are each row's Sequence. A row can be paused for a more urgent request
+(its KV goes to the prompt cache) and resumed later where it stopped.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import traceback
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -24,6 +30,7 @@ from mlxd.engine.gpu.batch_bias import batch_bias
 from mlxd.engine.gpu.job import PrefillGroup
 from mlxd.engine.gpu.sampling import make_sampling
 from mlxd.engine.gpu.sequence import Sequence
+from mlxd.engine.gpu.sharing import MIN_SHARED_TOKENS, clusters, join_target
 from mlxd.engine.gpu.stats import Stats
 from mlxd.engine.models.loaded_model import LoadedModel
 
@@ -41,15 +48,18 @@ class BatchLane:
     """Up to `width` rows decoding together (a Lane)."""
 
     def __init__(
-        self, loaded: LoadedModel, stats: Stats, prefill_step: int, width: int, prompt_cache: PrefixCache
+        self, loaded: LoadedModel, stats: Stats, prefill_step: int, width: int, prompt_cache: PrefixCache,
+        solo_step: int | None = None,
     ) -> None:
         self._loaded = loaded
         self._stats = stats
         self._prefill_step = prefill_step
+        self._solo_step = solo_step or prefill_step
         self._width = width
         self._prompt_cache = prompt_cache
         self._rows: dict[int, Sequence] = {}
-        self._groups: list[PrefillGroup] = []  # shared prompts being prefilled, their choices waiting
+        self._groups: list[PrefillGroup] = []  # shared prefixes being prefilled, their members waiting
+        self._arrivals: list[Sequence] = []  # started this turn: placed together at the next step
         self._gen = self._new_generator()
 
     def _new_generator(self) -> BatchGenerator:
@@ -64,38 +74,115 @@ class BatchLane:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._rows or self._groups)
+        return bool(self._rows or self._groups or self._arrivals)
 
     @property
     def num_rows(self) -> int:
-        return len(self._rows) + self._num_grouped()
+        return len(self._rows) + self._num_grouped() + len(self._arrivals)
 
     @property
     def num_prefilling(self) -> int:
         """Rows with no token yet (their prompts are being prefilled)."""
-        return sum(not seq.generated for seq in self._rows.values()) + self._num_grouped()
+        return sum(not seq.generated for seq in self._rows.values()) + self._num_grouped() + len(self._arrivals)
 
     def _num_grouped(self) -> int:
         return sum(len(g.waiting) for g in self._groups)
 
     def admit(self, seq: Sequence) -> None:
-        """Queue `seq`'s prompt for prefill; it decodes with the others once prefilled."""
-        job = seq.job
-        group = job.group
-        if group is not None and group.size > 1:
+        """Take `seq`: it is placed at the next step, with the others started in the same turn
+        (those sharing a long prefix the prompt cache lacks prefill it once), then decodes with
+        the others once prefilled. A paused sequence goes on where it stopped."""
+        group = seq.job.group
+        if group is not None and group.size > 1 and not seq.generated:
             self._admit_choice(seq, group)
             return
+        self._arrivals.append(seq)
+
+    def _place_arrivals(self) -> list[Sequence]:
+        """Start this turn's arrivals: resumed ones as rows, the others into a shared prefill
+        under way, a new one, or as rows of their own. Returns those that ended here."""
+        arrivals, self._arrivals = self._arrivals, []
+        ended: list[Sequence] = []
+        fresh: list[Sequence] = []
+        for seq in arrivals:
+            if seq.is_cancelled:
+                seq.cancel()
+                ended.append(seq)
+            elif seq.generated:
+                self._guarded(self._resume, seq, ended)
+            elif not self._join(seq):
+                fresh.append(seq)
+        for cluster in clusters([np.asarray(s.job.prompt, dtype=np.int64) for s in fresh]):
+            members = [fresh[i] for i in cluster.members]
+            if len(members) < 2 or not self._open_group(members, cluster.shared):
+                for seq in members:
+                    self._guarded(self._insert, seq, ended)
+        return ended
+
+    def _guarded(self, start: Any, seq: Sequence, ended: list[Sequence]) -> None:
+        """Start one sequence; if that fails, only it fails."""
+        try:
+            start(seq)
+        except Exception as exc:
+            log.error("could not start a request:\n%s", traceback.format_exc())
+            seq.fail(self._stats, f"generation failed: {type(exc).__name__}: {exc}")
+            ended.append(seq)
+
+    def _insert(self, seq: Sequence) -> None:
+        """A row of its own, from the longest cached prefix of its prompt worth using."""
+        job = seq.job
         kv, cached = self._prompt_cache.fetch(job.prompt, min_share=MIN_CACHED_SHARE)
-        if kv is None:
-            kv = list(make_prompt_cache(self._loaded.model))
         seq.start(cached)
-        # The generator's processors see each row's whole history (it is given the cached part).
+        self._insert_row(seq, job.prompt, cached, kv, job.max_tokens)
+
+    def _insert_row(self, seq: Sequence, tokens: list[int], n: int, kv: list[Any] | None, max_tokens: int) -> None:
+        """Into the generator: `kv` holds `tokens[:n]` (None: nothing yet), the rest is prefilled.
+        The generator's processors see each row's whole history (it is given the cached part)."""
+        job = seq.job
         sampler, processors = make_sampling(job.sampling, [], job.grammar, sorted(self._loaded.eos_token_ids))
         (uid,) = self._gen.insert(
-            [job.prompt[cached:]], max_tokens=[job.max_tokens], caches=[kv], all_tokens=[job.prompt[:cached]],
-            samplers=[sampler], logits_processors=[processors],
+            [tokens[n:]], max_tokens=[max_tokens], caches=[kv if kv is not None else self._fresh_cache()],
+            all_tokens=[tokens[:n]], samplers=[sampler], logits_processors=[processors],
         )
         self._rows[uid] = seq
+
+    def _fresh_cache(self) -> list[Any]:
+        return list(make_prompt_cache(self._loaded.model))
+
+    def _resume(self, seq: Sequence) -> None:
+        """A paused sequence: its history's KV from the prompt cache (what of it is still
+        there), the rest prefilled again, then its next token as if it had never stopped."""
+        history = seq.history
+        kv, n = self._prompt_cache.fetch(history)
+        self._insert_row(seq, history, n, kv, seq.job.max_tokens - len(seq.generated))
+        self._stats.num_resumed += 1
+
+    def _open_group(self, members: list[Sequence], shared: int) -> bool:
+        """A shared prefill of the `shared` tokens `members` start with, unless the prompt cache
+        already holds nearly all of it (False: they start as rows of their own)."""
+        prefix = members[0].job.prompt[:shared + 1]  # a fetch leaves one token to run
+        if shared - self._prompt_cache.longest(prefix) < MIN_SHARED_TOKENS:
+            return False
+        kv, cached = self._prompt_cache.fetch(prefix)
+        group = PrefillGroup(0, shared, kv if kv is not None else self._fresh_cache(), cached, cached, shared=True)
+        group.waiting.extend(members)
+        self._groups.append(group)
+        self._stats.shared_prefills += 1
+        return True
+
+    def _join(self, seq: Sequence) -> bool:
+        """A latecomer joins a shared prefill under way that it shares enough with."""
+        prompt = np.asarray(seq.job.prompt, dtype=np.int64)
+        for group in self._groups:
+            if not group.shared or not group.waiting or group.is_prefilled:
+                continue
+            first = np.asarray(group.waiting[0].job.prompt[:group.target], dtype=np.int64)
+            target = join_target(first, group.target, group.done, prompt)
+            if target is not None:
+                group.target = target
+                group.waiting.append(seq)
+                return True
+        return False
 
     def _admit_choice(self, seq: Sequence, group: PrefillGroup) -> None:
         """A choice of an n > 1 request: it starts from its group's prefill, run once."""
@@ -104,56 +191,68 @@ class BatchLane:
             return
         if group.kv is None:
             kv, group.cached = self._prompt_cache.fetch(seq.job.prompt)
-            group.kv, group.done = kv if kv is not None else list(make_prompt_cache(self._loaded.model)), group.cached
+            group.kv, group.done = kv if kv is not None else self._fresh_cache(), group.cached
         group.waiting.append(seq)
         if group not in self._groups:
             self._groups.append(group)
 
     def _start_choice(self, seq: Sequence, group: PrefillGroup) -> None:
-        """Insert a choice as a row whose KV is a view of the group's (its last prompt token to run)."""
+        """Start a member as a row whose KV is a view of the group's (the rest of its prompt to run)."""
         assert group.kv is not None
         job, n = seq.job, group.target
         seq.start(group.cached if not group.inserted else n)  # its clock too: the shared prefill counts as queue
+        if group.inserted and group.shared:
+            self._stats.shared_tokens += n - group.cached
         group.inserted += 1
-        sampler, processors = make_sampling(job.sampling, [], job.grammar, sorted(self._loaded.eos_token_ids))
-        (uid,) = self._gen.insert(
-            [job.prompt[n:]], max_tokens=[job.max_tokens], caches=[view(group.kv, n)], all_tokens=[job.prompt[:n]],
-            samplers=[sampler], logits_processors=[processors],
-        )
-        self._rows[uid] = seq
-        if group.inserted >= group.size:
+        self._insert_row(seq, job.prompt, n, view(group.kv, n), job.max_tokens)
+        if group.inserted >= group.size and not group.shared:
             group.kv = None  # every choice has its view: the group's own cache can go
 
     def _prefill_groups(self) -> list[Sequence]:
-        """Drop choices whose client left; run one prefill chunk of the first group; start the
-        choices of a group whose prefill is done. Returns the choices that ended here."""
+        """Drop members whose client left; run one prefill chunk of the first group; start the
+        members of a group whose prefill is done. Returns the members that ended here."""
         ended: list[Sequence] = []
         for group in list(self._groups):
-            for seq in [s for s in group.waiting if s.is_cancelled]:
+            gone = [s for s in group.waiting if s.is_cancelled]
+            for seq in gone:
                 group.waiting.remove(seq)
                 seq.cancel()
                 ended.append(seq)
             if not group.waiting:
-                self._groups.remove(group)  # its KV so far stays on it for a choice admitted later
+                # Choices keep their KV so far for one admitted later; a shared prefix's goes to
+                # the prompt cache (a client that retries finds it).
+                self._groups.remove(group)
+                if group.shared and gone:
+                    self._keep(group, gone[0].job.prompt)
         if not self._groups:
             return ended
         group = self._groups[0]
         try:
             if not group.is_prefilled:
                 assert group.kv is not None
-                end = min(group.done + self._prefill_step, group.target)
+                step = self._chunk()
+                end = min((group.done // step + 1) * step, group.target)  # chunks end at multiples of it
                 self._loaded.model(mx.array(group.waiting[0].job.prompt[group.done:end])[None], cache=group.kv)
                 mx.eval([c.state for c in group.kv])
                 group.done = end
             if group.is_prefilled:
                 self._groups.remove(group)
+                prompt = group.waiting[0].job.prompt
                 for seq in group.waiting:
                     self._start_choice(seq, group)
                 group.waiting.clear()
+                if group.shared:
+                    self._keep(group, prompt)
         except Exception as exc:
             log.error("prefill of a shared prompt failed:\n%s", traceback.format_exc())
             ended += self._fail_group(group, f"generation failed: {type(exc).__name__}: {exc}", "generation_failed")
         return ended
+
+    def _keep(self, group: PrefillGroup, prompt: list[int]) -> None:
+        """A shared prefix's KV goes to the prompt cache (one arriving later starts from it)."""
+        kv, group.kv = group.kv, None
+        if kv is not None and group.done > group.cached and len(prompt) >= group.done:
+            self._prompt_cache.store(kv, prompt)
 
     def _fail_group(self, group: PrefillGroup, message: str, code: str) -> list[Sequence]:
         if group in self._groups:
@@ -166,19 +265,38 @@ class BatchLane:
         return failed
 
     def adopt(self, seq: Sequence, kv: list[Any]) -> None:
-        """Continue a sequence the serial lane handed over: its KV holds all but its last token."""
+        """Continue a sequence the serial lane handed over: its KV holds all but its last token.
+        Unseeded: a shared sampler; a grammar's matcher goes on where the serial lane left it."""
         history = seq.history
-        # unseeded: a shared sampler; a grammar's matcher goes on where the serial lane left it
-        sampler, processors = make_sampling(seq.job.sampling, [], seq.job.grammar, sorted(self._loaded.eos_token_ids))
-        (uid,) = self._gen.insert(
-            [history[-1:]], max_tokens=[seq.job.max_tokens - len(seq.generated)], caches=[kv],
-            all_tokens=[history[:-1]], samplers=[sampler], logits_processors=[processors],
-        )
-        self._rows[uid] = seq
+        self._insert_row(seq, history, len(history) - 1, kv, seq.job.max_tokens - len(seq.generated))
+
+    def pausable(self) -> list[Sequence]:
+        """Rows that can be paused now: generating, unseeded (a seeded row's draws must not
+        depend on when others came), in the order they started."""
+        return [seq for seq in self._rows.values() if seq.generated and seq.job.sampling.seed is None]
+
+    def pause(self, seq: Sequence) -> None:
+        """Take a generating row out; its KV (its whole history) goes to the prompt cache."""
+        uid = next(uid for uid, row in self._rows.items() if row is seq)
+        for kv, tokens in self._remove([uid], keep_kv=True):
+            self._prompt_cache.store(kv, tokens)
+        del self._rows[uid]
+
+    def _chunk(self) -> int:
+        """This step's prefill chunk: the fair one while rows decode, else the solo one."""
+        return self._prefill_step if any(seq.generated for seq in self._rows.values()) else self._solo_step
 
     def step(self) -> list[Sequence]:
         """Drop cancelled rows, decode one token for each generating row, prefill one chunk."""
+        chunk = self._chunk()
+        if self._gen.prefill_step_size != chunk:
+            self._gen.prefill_step_size = chunk
+            prompts = getattr(self._gen, "_prompt_batch", None)  # mlx-lm keeps the step it was made with
+            if prompts is not None:
+                prompts.prefill_step_size = chunk
         ended = self._drop_cancelled()
+        if self._arrivals:
+            ended += self._place_arrivals()
         if self._groups:
             ended += self._prefill_groups()
         if self._rows:
@@ -255,4 +373,7 @@ class BatchLane:
             seq.fail(self._stats, message, 500, code)
         for group in list(self._groups):
             ended += self._fail_group(group, message, code)
-        return ended
+        arrivals, self._arrivals = self._arrivals, []
+        for seq in arrivals:
+            seq.fail(self._stats, message, 500, code)
+        return ended + arrivals

@@ -9,9 +9,10 @@ where each row's keys start, so this kernel takes those starts instead: one thre
 
 `install(model)` routes the loaded model's attention through `decode_sdpa`, which runs the
 kernel only for what it was checked on (a single query per row, a `BatchKVCache`, the head
-sizes and dtype verified against MLX's masked attention on first use) and hands everything
-else to mlx-lm's own function. It replaces that function in the model's own module of
-mlx-lm (an engine process loads one model); `MLXD_FUSED_DECODE_ATTENTION=0` turns it off.
+sizes and dtype verified against MLX's masked attention on first use), sends prefill chunks to
+prefill_attention.py (cuDNN's attention or MLX's unfused one) and hands everything else to
+mlx-lm's own function. It replaces that function in the model's own module of mlx-lm (an
+engine process loads one model); `MLXD_FUSED_DECODE_ATTENTION=0` turns the kernel off.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from mlxd.engine.gpu import prefill_attention
 
 log = logging.getLogger("mlxd.engine")
 
@@ -124,6 +127,7 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0" and bool(mx.cuda.is_available())
 
 
+
 def warps_for(keys: int) -> int:
     """Warps a block uses for a context of `keys` keys (one compiled kernel per count)."""
     return next((warps for longest, warps in WARP_STEPS if keys <= longest), MOST_WARPS)
@@ -198,15 +202,20 @@ def suits(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, mask:
 
 
 def wrap(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
-    """mlx-lm's scaled_dot_product_attention, with batched decode steps sent to the kernel."""
+    """mlx-lm's scaled_dot_product_attention, with batched decode steps sent to the kernel and
+    prefill chunks to prefill_attention.route."""
+
+    fused_on = os.environ.get(ENV, "1") != "0"
 
     def decode_sdpa(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float,
                     mask: Any, sinks: Any = None) -> mx.array:
-        if suits(queries, keys, values, cache, mask, sinks):
+        if fused_on and suits(queries, keys, values, cache, mask, sinks):
             starts = cache.left_padding
             if starts.dtype != mx.int32:
                 starts = starts.astype(mx.int32)
             return fused(queries, keys, values, starts, scale)
+        if queries.shape[2] > 1:
+            return prefill_attention.route(original, queries, keys, values, cache, scale, mask, sinks)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     return decode_sdpa

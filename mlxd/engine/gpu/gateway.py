@@ -128,6 +128,11 @@ class Gateway:
             kv_budget_tokens=kv.budget_tokens if kv is not None else None,
             kv_booked_tokens=kv.booked if kv is not None else None,
             sizing=self.sizing.why if self.sizing is not None else None,
+            paused=runner.num_paused if runner is not None else 0,
+            paused_total=self._stats.num_paused,
+            resumed_total=self._stats.num_resumed,
+            shared_prefills=self._stats.shared_prefills,
+            shared_tokens=self._stats.shared_tokens,
         )
 
     def flush_cache(self, timeout_s: float) -> concurrent.futures.Future[FlushReport]:

@@ -24,19 +24,24 @@ class SamplingParams:
 
 @dataclass(slots=True, eq=False)
 class PrefillGroup:
-    """The choices of one request (n > 1): the same prompt, prefilled once for all of them.
+    """Rows that start from one prefill of the prompt prefix they share.
 
-    The batch lane runs the prompt, all but its last token, once into `kv`; each choice then
-    starts as a row from a view of it. GPU thread only, after the loop thread made it.
+    Two kinds. The choices of one request (n > 1, made by the loop thread with the request):
+    `size` choices of the same prompt, all but its last token run once. And requests that
+    started together sharing a prefix the prompt cache lacks (`shared`, made by the batch lane,
+    sharing.py): members may join while it runs, and `target` may shrink to take one in.
+    The batch lane runs the prefix once into `kv`; each member then starts as a row from a view
+    of it. GPU thread only, after the loop thread made it.
     """
 
-    size: int
-    target: int  # tokens prefilled once: the prompt but its last (each row runs that one for its first logits)
-    kv: list[Any] | None = None  # the prompt's KV so far (None: not started)
-    done: int = 0  # prompt tokens in `kv`
+    size: int  # choices of the request; a shared group: 0 (members come as they come)
+    target: int  # tokens prefilled once (a choice runs the prompt's last token itself for its first logits)
+    kv: list[Any] | None = None  # the prefix's KV so far (None: not started)
+    done: int = 0  # prefix tokens in `kv`
     cached: int = 0  # of those, served from the prompt cache
-    inserted: int = 0  # choices started from it
-    waiting: list[Any] = field(default_factory=list)  # choices' Sequences in the lane, waiting for the prefill
+    inserted: int = 0  # members started from it
+    waiting: list[Any] = field(default_factory=list)  # members' Sequences in the lane, waiting for the prefill
+    shared: bool = False  # requests that share a prefix, not the choices of one
 
     @property
     def is_prefilled(self) -> bool:

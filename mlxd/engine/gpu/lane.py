@@ -28,11 +28,19 @@ class Lane(Protocol):
         """Of those, the ones with no token yet (their prompts being prefilled)."""
 
     def admit(self, seq: Sequence) -> None:
-        """Take a sequence the scheduler started here; its prefill runs in later steps."""
+        """Take a sequence the scheduler started here; its prefill runs in later steps. One that
+        was paused (it has generated tokens) goes on from its history."""
 
     def step(self) -> list[Sequence]:
         """One step: a token for each generating row and at most one prefill chunk, cancelled
         rows dropped. Returns the sequences that ended, already answered."""
+
+    def pausable(self) -> list[Sequence]:
+        """Running sequences that `pause` can take out now, in the order they started."""
+
+    def pause(self, seq: Sequence) -> None:
+        """Take a pausable sequence out, its KV (all its history but what the next step would
+        run) to the prompt cache; `admit` later goes on where it stopped."""
 
     def fail_all(self, message: str, code: str) -> list[Sequence]:
         """End every sequence with an error (the lane's state is unknown) and start afresh."""

@@ -8,7 +8,8 @@ from pathlib import Path
 
 @dataclass(frozen=True, slots=True)
 class GatewayOptions:
-    prefill_step: int = 512  # prompt tokens per prefill chunk, in both lanes
+    prefill_step: int = 512  # prompt tokens per prefill chunk while other rows decode (fair to them)
+    solo_prefill_step: int = 0  # ... while none does (0: at load, GPU_SOLO_PREFILL_STEP on a GPU, else prefill_step)
     batch: int | None = 1  # sequences at once; 1 keeps to the serial lane; None: auto (sizing.py)
     memory_bytes: int | None = None  # what the width and KV budget are sized within (None: the device's)
     max_context: int | None = None

@@ -14,7 +14,7 @@ from mlxd.engine.cache.prefix_cache import PrefixCache
 from mlxd.engine.gpu.batch_lane import BatchLane
 from mlxd.engine.gpu.lane import Lane
 from mlxd.engine.gpu.options import GatewayOptions
-from mlxd.engine.gpu.scheduler import Drop, LaneLoad, Refuse, Scheduler, Start
+from mlxd.engine.gpu.scheduler import Drop, LaneLoad, Pause, Refuse, Scheduler, Start
 from mlxd.engine.gpu.scheduling import LaneName
 from mlxd.engine.gpu.sequence import Sequence
 from mlxd.engine.gpu.serial_lane import SerialLane
@@ -35,10 +35,13 @@ class Runner:
         self._stats = stats
         assert options.batch is not None, "sized at load (loader.size_options)"
         self.scheduler: Scheduler[Sequence] = Scheduler(options.batch, kv_budget_tokens, short_budget_hint)
-        serial = SerialLane(loaded, stats, options.prefill_step, cache, options.kv_bits, options.kv_group_size)
-        batch = BatchLane(loaded, stats, options.prefill_step, options.batch, cache) if options.batch > 1 else None
+        solo = max(options.solo_prefill_step, options.prefill_step)
+        serial = SerialLane(loaded, stats, solo, cache, options.kv_bits, options.kv_group_size)
+        batch = (BatchLane(loaded, stats, options.prefill_step, options.batch, cache, solo_step=solo)
+                 if options.batch > 1 else None)
         self._lanes: dict[LaneName, Lane] = {"serial": serial} if batch is None else {"serial": serial, "batch": batch}
         self._merge = (serial, batch) if batch is not None else None
+        self.num_paused = 0  # sequences paused and waiting to resume (GPU thread writes; one read each)
 
     @property
     def has_work(self) -> bool:
@@ -72,15 +75,36 @@ class Runner:
 
     def _start_waiting(self, is_stopping: bool) -> int:
         started = 0
-        load = LaneLoad(self._lanes["serial"].has_work, self.rows_in("batch"))
+        pausable = tuple((seq, name) for name, lane in self._lanes.items() for seq in lane.pausable())
+        load = LaneLoad(self._lanes["serial"].has_work, self.rows_in("batch"), pausable)
         for decision in self.scheduler.plan(load, is_stopping):
+            if isinstance(decision, Pause):
+                self._pause(decision.job, self._lanes[decision.lane])
+                continue
+            if decision.job.generated:  # a paused one leaves the queue
+                self.num_paused -= 1
             if isinstance(decision, Drop):
-                decision.job.drop(self._stats)
+                self._drop(decision.job)
             elif isinstance(decision, Refuse):
                 decision.job.fail(self._stats, decision.message)
             elif isinstance(decision, Start):
                 started += self._start(decision.job, self._lanes[decision.lane])
         return started
+
+    def _pause(self, seq: Sequence, lane: Lane) -> None:
+        """Out of its lane, back in the queue (the scheduler put it there); if that fails, it fails."""
+        try:
+            lane.pause(seq)
+        except Exception as exc:
+            log.error("could not pause a request:\n%s", traceback.format_exc())
+            self.scheduler.remove(seq)
+            seq.fail(self._stats, f"generation failed: {type(exc).__name__}: {exc}")
+            return
+        self.num_paused += 1
+        self._stats.num_paused += 1
+        seq.paused += 1
+        log.info("paused a request (priority %d) after %d tokens for a more urgent one", seq.priority,
+                 len(seq.generated))
 
     def _start(self, seq: Sequence, lane: Lane) -> int:
         try:
@@ -91,6 +115,14 @@ class Runner:
             seq.fail(self._stats, f"generation failed: {type(exc).__name__}: {exc}")
             return 0
         return 1
+
+    def _drop(self, seq: Sequence) -> None:
+        """A job cancelled (or the engine stopping) while it waited; a paused one counts its tokens."""
+        if seq.generated:
+            seq.cancel()
+            seq.finish(self._stats)
+        else:
+            seq.drop(self._stats)
 
     def _merge_lanes(self) -> None:
         """While rows decode in the batch, the serial lane's sequence joins them: one forward
@@ -123,3 +155,4 @@ class Runner:
         """The GPU thread is ending: answer every queued job with `event`."""
         for seq in self.scheduler.take_all():
             seq.abandon(event)
+        self.num_paused = 0

@@ -7,6 +7,12 @@ fit what is free) holds the rest back, so a long job is never overtaken for ever
 ones of its priority (more urgent ones do overtake it). A cancelled job at the head is dropped; one
 that does not fit even with nothing running is refused (submit refuses those first, so that
 is a bug's safety net). scheduling.py decides the lane and holds the KV ledger.
+
+When the head does not fit and less urgent jobs are running, the least urgent of them are
+paused, as few as make room (the last started first among equals): each goes back to the
+queue at the front of its priority, its KV kept in the prompt cache by its lane, and starts
+again where it stopped once there is room. Only a strictly more urgent job pauses another,
+so jobs of one priority never take turns pausing each other.
 """
 
 from __future__ import annotations
@@ -39,11 +45,12 @@ W = TypeVar("W", bound=Waiting)
 
 
 @dataclass(frozen=True, slots=True)
-class LaneLoad:
-    """What the lanes hold as a turn begins."""
+class LaneLoad(Generic[W]):
+    """What the lanes hold as a turn begins, and the running jobs that could be paused."""
 
     serial_busy: bool
     batch_rows: int
+    pausable: tuple[tuple[W, LaneName], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +76,16 @@ class Refuse(Generic[W]):
     message: str
 
 
-Decision = Start[W] | Drop[W] | Refuse[W]
+@dataclass(frozen=True, slots=True)
+class Pause(Generic[W]):
+    """Take this running job out of its lane, its KV to the prompt cache: it waits again (its
+    KV booking is already released)."""
+
+    job: W
+    lane: LaneName
+
+
+Decision = Start[W] | Drop[W] | Refuse[W] | Pause[W]
 
 
 class Scheduler(Generic[W]):
@@ -96,20 +112,64 @@ class Scheduler(Generic[W]):
             at -= 1
         self._queue.insert(at, job)
 
-    def plan(self, load: LaneLoad, is_stopping: bool = False) -> list[Decision[W]]:
-        """This turn's decisions, in queue order, the head first; what it starts is booked."""
+    def plan(self, load: LaneLoad[W], is_stopping: bool = False) -> list[Decision[W]]:
+        """This turn's decisions, in queue order, the head first; what it starts is booked, what
+        it pauses is released and queued again."""
         decisions: list[Decision[W]] = []
         serial, rows = load.serial_busy, load.batch_rows
+        pausable = list(load.pausable)
         while self._queue:
             decision = self._decide(self._queue[0], serial, rows, is_stopping)
             if decision is None:
-                break
+                victims = self._victims(self._queue[0], pausable, serial, rows)
+                if not victims:
+                    break
+                for job, lane in victims:
+                    pausable.remove((job, lane))
+                    decisions.append(Pause(job, lane))
+                    self.kv.release(job.kv_need)
+                    serial, rows = (False, rows) if lane == "serial" else (serial, rows - 1)
+                    self.requeue(job)
+                continue
             self._queue.popleft()
             decisions.append(decision)
             if isinstance(decision, Start):
                 self.kv.book(decision.job.kv_need)
                 serial, rows = (True, rows) if decision.lane == "serial" else (serial, rows + 1)
         return decisions
+
+    def _victims(self, head: W, pausable: list[tuple[W, LaneName]], serial: bool, rows: int) -> list[tuple[W, LaneName]]:
+        """The fewest running jobs, less urgent than `head`, whose pause lets it start (least
+        urgent first, the last started first among equals); none if pausing them all would not."""
+        if head.is_cancelled:
+            return []
+        order = sorted(enumerate(pausable), key=lambda p: (-p[1][0].priority, -p[0]))
+        chosen: list[tuple[W, LaneName]] = []
+        free = self.kv.free
+        for _, (job, lane) in order:
+            if job.priority <= head.priority:
+                break
+            chosen.append((job, lane))
+            free += job.kv_need
+            serial, rows = (False, rows) if lane == "serial" else (serial, rows - 1)
+            behind = max(len(self._queue) - 1, head.group_size - 1)
+            if choose_lane(head.kv_need, LaneState(self.width, serial, rows, free, behind)) is not None:
+                return chosen
+        return []
+
+    def requeue(self, job: W) -> None:
+        """A paused job waits again: ahead of every waiting job of its priority (it came first)."""
+        at = 0
+        while at < len(self._queue) and self._queue[at].priority < job.priority:
+            at += 1
+        self._queue.insert(at, job)
+
+    def remove(self, job: W) -> None:
+        """Take a job out of the queue (a pause that failed: its lane answered it)."""
+        for at, queued in enumerate(self._queue):
+            if queued is job:
+                del self._queue[at]
+                return
 
     def _decide(self, job: W, serial: bool, rows: int, is_stopping: bool) -> Decision[W] | None:
         if job.is_cancelled or is_stopping:

@@ -30,7 +30,7 @@ class Sequence:
     """A job being generated: its text state, its clock, and how it ended."""
 
     __slots__ = ("_detok", "_eos", "_has_relayed", "_pending", "_stops", "_tokenizer", "cached", "clock", "finish_reason",
-                 "generated", "job")
+                 "generated", "job", "paused")
 
     def __init__(self, job: Job, tokenizer: Any, eos: set[int]) -> None:
         self.job = job
@@ -38,6 +38,7 @@ class Sequence:
         self.clock = Clock(job.submitted_at)
         self.generated: list[int] = []
         self.finish_reason: str | None = None  # set once it ended
+        self.paused = 0  # times a lane paused it for a more urgent job
         self._detok = tokenizer.detokenizer
         self._eos = eos
         self._stops = StopMatcher(job.stops)
@@ -128,7 +129,7 @@ class Sequence:
         else:
             stats.num_completed += 1
         done = Done(finish, len(self.job.prompt), num, self.cached, *self.clock.split_ms(),
-                    stop_sequence=self._stops.matched if finish == "stop" else None)
+                    stop_sequence=self._stops.matched if finish == "stop" else None, paused=self.paused)
         stats.last_timings_ms = {"queue": done.queue_ms, "prefill": done.prefill_ms, "decode": done.decode_ms}
         self.job.ticket.emit(done)
         log.info(

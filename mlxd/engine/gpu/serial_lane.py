@@ -1,10 +1,13 @@
 """The serial lane: one sequence at a time with mlx-lm's generate_step, a token per step.
 
-The prompt is prefilled a chunk (`--prefill-step` tokens) a step, the same chunks
-generate_step would run, on its stream: so the GPU thread reads its inbox between chunks (a
-drain, a new job for the batch lane) instead of after the whole prompt, and the tokens are
-those generate_step gives (test_serial_lane.py). generate_step then runs the prompt's last
-token and keeps the GPU one token ahead.
+The prompt is prefilled a chunk (the solo prefill step: 2048 tokens on a GPU, `--prefill-step`
+on the CPU) a step, as generate_step would run it, on its stream, each chunk ending at a
+multiple of the chunk size (after a cached prefix the first one is shorter: whole chunks at
+aligned positions are the few shapes cuDNN's attention builds once, prefill_attention.py). So
+the GPU thread reads its inbox between chunks (a drain, a new job for the batch lane) instead
+of after the whole prompt, and the tokens are those generate_step gives (test_serial_lane.py). generate_step then runs the prompt's last
+token and keeps the GPU one token ahead. A sequence paused for a more urgent one (its KV to the
+prompt cache) is taken back the same way, its history as the prompt.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ class SerialLane:
         self._seq: Sequence | None = None
         self._steps: Iterator[tuple[Any, Any]] | None = None  # None while the prompt is prefilled
         self._kv: list[Any] = []
-        self._done = 0  # prompt tokens in `_kv` (the cached ones included)
+        self._tokens: list[int] = []  # what is prefilled: the prompt, or a resumed sequence's history
+        self._done = 0  # of those, the tokens in `_kv` (the cached ones included)
 
     @property
     def has_work(self) -> bool:
@@ -59,11 +63,17 @@ class SerialLane:
         return int(self._seq is not None and not self._seq.generated)
 
     def admit(self, seq: Sequence) -> None:
-        """Start `seq` (the lane must be free); its prefill runs in the next steps."""
+        """Start `seq` (the lane must be free); its prefill runs in the next steps. A paused one
+        goes on from its history (its KV from the prompt cache, what of it is still there)."""
         assert self._seq is None, "the serial lane runs one sequence at a time"
-        kv, cached = self._prompt_cache.fetch(seq.job.prompt)
-        seq.start(cached)
-        self._seq, self._kv, self._done = seq, kv if kv is not None else list(make_prompt_cache(self._loaded.model)), cached
+        tokens = seq.history
+        kv, cached = self._prompt_cache.fetch(tokens)
+        if seq.generated:
+            self._stats.num_resumed += 1
+        else:
+            seq.start(cached)
+        self._seq, self._tokens, self._done = seq, tokens, cached
+        self._kv = kv if kv is not None else list(make_prompt_cache(self._loaded.model))
 
     def step(self) -> list[Sequence]:
         """One prefill chunk of the running sequence's prompt, or (once prefilled) one token."""
@@ -73,7 +83,7 @@ class SerialLane:
             if seq.is_cancelled:
                 seq.cancel()
             else:
-                prefilled_a_chunk = self._steps is None and self._prefill_chunk(seq.job.prompt)
+                prefilled_a_chunk = self._steps is None and self._prefill_chunk(self._tokens)
                 if prefilled_a_chunk or not seq.add(*self._next_token()):
                     return []
         except StopIteration:  # generate_step ran out (max_tokens), which `add` has seen
@@ -94,7 +104,7 @@ class SerialLane:
         left = len(prompt) - self._done - 1
         if left <= 0:
             return False
-        n = min(self._prefill_step, left)
+        n = min(self._prefill_step - self._done % self._prefill_step, left)
         with mx.stream(generation_stream):
             self._loaded.model(mx.array(prompt[self._done:self._done + n])[None], cache=self._kv)
             maybe_quantize_kv_cache(self._kv, QUANTIZED_KV_START, self._kv_group_size, self._kv_bits)
@@ -114,12 +124,12 @@ class SerialLane:
         seq = self._seq
         assert seq is not None
         job = seq.job
-        sampler, processors = make_sampling(job.sampling, job.prompt[:self._done], job.grammar,
+        sampler, processors = make_sampling(job.sampling, self._tokens[:self._done], job.grammar,
                                             sorted(self._loaded.eos_token_ids))
         return generate_step(
-            mx.array(job.prompt[self._done:]),
+            mx.array(self._tokens[self._done:]),
             self._loaded.model,
-            max_tokens=job.max_tokens,
+            max_tokens=job.max_tokens - len(seq.generated),
             sampler=sampler,
             logits_processors=processors,
             prompt_cache=self._kv,
@@ -137,14 +147,28 @@ class SerialLane:
         token again. A seeded sequence stays: its draws must not depend on when others came.
         """
         seq, kv = self._seq, self._kv
-        if seq is None or not seq.generated or seq.job.sampling.seed is not None or seq.is_finished:
+        if seq is None or not self._can_move(seq):
             return None
-        offset = getattr(kv[0], "offset", None) if kv else None
-        if offset != len(seq.job.prompt) + len(seq.generated):
-            return None  # not the state we know how to move: keep it here
         self._close()
         trim_prompt_cache(kv, 1)
         return seq, kv
+
+    def _can_move(self, seq: Sequence) -> bool:
+        """Generating, unseeded, and its KV in the state we know how to move."""
+        if not seq.generated or seq.job.sampling.seed is not None or seq.is_finished:
+            return False
+        offset = getattr(self._kv[0], "offset", None) if self._kv else None
+        return offset == len(seq.job.prompt) + len(seq.generated)
+
+    def pausable(self) -> list[Sequence]:
+        seq = self._seq
+        return [seq] if seq is not None and self._can_move(seq) else []
+
+    def pause(self, seq: Sequence) -> None:
+        """Take the running sequence out; its KV (its history but the last token) to the prompt cache."""
+        moved = self.hand_over()
+        assert moved is not None and moved[0] is seq, "pause only what pausable() gave"
+        self._prompt_cache.store(moved[1], seq.history)
 
     def fail_all(self, message: str, code: str) -> list[Sequence]:
         """End the running sequence with an error (the lane's state is unknown)."""
@@ -160,4 +184,4 @@ class SerialLane:
             close = getattr(self._steps, "close", None)
             if close is not None:
                 close()
-        self._seq, self._steps, self._kv, self._done = None, None, [], 0
+        self._seq, self._steps, self._kv, self._tokens, self._done = None, None, [], [], 0

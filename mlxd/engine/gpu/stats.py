@@ -19,6 +19,10 @@ class Stats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    shared_prefills: int = 0  # prefixes prefilled once for requests that started together (batch lane)
+    shared_tokens: int = 0  # prompt tokens those requests did not prefill again
+    num_paused: int = 0  # running rows paused for a more urgent request
+    num_resumed: int = 0  # paused rows started again
     # The GPU thread's time at work (admitting, stepping lanes): its share of uptime is the
     # engine's load. One tuple, (seconds of finished turns, perf_counter at the start of the turn
     # under way or None), swapped whole, so a reader in another thread never sees half an update.

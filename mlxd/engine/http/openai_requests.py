@@ -140,7 +140,7 @@ def summary_of(done: Done, *more: Done) -> RequestUsage:
     every = (done, *more)
     return RequestUsage(
         done.prompt_tokens, done.cached_tokens, sum(d.completion_tokens for d in every), done.queue_ms,
-        done.prefill_ms, max(d.decode_ms for d in every), done.finish_reason,
+        done.prefill_ms, max(d.decode_ms for d in every), done.finish_reason, sum(d.paused for d in every),
     )
 
 

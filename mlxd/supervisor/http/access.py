@@ -36,7 +36,8 @@ def log_request(request: web.Request, status: int, started: float, timeline: Tim
     if model is not None and usage is not None:
         wall = time.time()
         ttft_at = wall - (now - first) if first is not None else None
-        timeline.record(model, wall, usage.completion_tokens, usage.decode_ms / 1000, ttft_at, ttft_ms)
+        timeline.record(model, wall, usage.completion_tokens, usage.decode_ms / 1000, ttft_at, ttft_ms,
+                        usage.cached_tokens, usage.paused)
 
 
 def access_record(request: web.Request, status: int, duration_ms: float, model: str | None,
@@ -51,6 +52,7 @@ def access_record(request: web.Request, status: int, duration_ms: float, model: 
         "tokens_per_s": decode_speed(usage),
         "duration_ms": round(duration_ms, 1),
         "finish_reason": usage.finish_reason if usage else None,
+        "paused": usage.paused if usage else None,
         "client": request.remote,
     }
 
@@ -75,6 +77,8 @@ def access_line(r: dict[str, Any]) -> str:
         parts.append(f"{r['tokens_per_s']}tok/s")
     if r["finish_reason"] not in (None, "stop"):
         parts.append(f"finish={r['finish_reason']}")
+    if r.get("paused"):
+        parts.append(f"paused={r['paused']}")
     duration = r["duration_ms"]
     parts.append(f"{duration / 1000:.2f}s" if duration >= 1000 else f"{duration:.0f}ms")
     return " ".join(parts)

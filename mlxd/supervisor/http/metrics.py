@@ -90,22 +90,37 @@ class PoolCollector:
 
 
 def lane_families(lanes: list[tuple[str, LaneStats]]) -> Iterator[Any]:
-    """Each serving engine's batch width and KV budget (what `batch = "auto"` chose), and the
-    KV its running rows have booked, as last fetched from its /admin/stats."""
-    from prometheus_client.core import GaugeMetricFamily
+    """Each serving engine's batch width and KV budget (what `batch = "auto"` chose), the KV its
+    running rows have booked, the rows paused for more urgent requests and the prefills shared
+    by requests that started together, as last fetched from its /admin/stats."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     width = GaugeMetricFamily("mlxd_engine_batch_width", "Rows the engine decodes at once.", labels=["model"])
     budget = GaugeMetricFamily("mlxd_engine_kv_budget_tokens", "KV tokens the engine's running rows may book.",
                                labels=["model"])
     booked = GaugeMetricFamily("mlxd_engine_kv_booked_tokens", "KV tokens its running rows have booked.",
                                labels=["model"])
+    paused = GaugeMetricFamily("mlxd_engine_paused_rows", "Rows paused for a more urgent request, waiting to resume.",
+                               labels=["model"])
+    counters = {
+        "paused_total": CounterMetricFamily("mlxd_engine_pauses", "Rows paused for a more urgent request.", labels=["model"]),
+        "resumed_total": CounterMetricFamily("mlxd_engine_resumes", "Paused rows started again.", labels=["model"]),
+        "shared_prefills": CounterMetricFamily(
+            "mlxd_engine_shared_prefills", "Prompt prefixes prefilled once for requests that started together.",
+            labels=["model"]),
+        "shared_tokens": CounterMetricFamily(
+            "mlxd_engine_shared_prefill_tokens", "Prompt tokens those requests did not prefill again.", labels=["model"]),
+    }
     for model, lane in lanes:
         width.add_metric([model], lane.width)
         if lane.kv_budget_tokens is not None:
             budget.add_metric([model], lane.kv_budget_tokens)
         if lane.kv_booked_tokens is not None:
             booked.add_metric([model], lane.kv_booked_tokens)
-    yield from (width, budget, booked)
+        paused.add_metric([model], lane.paused)
+        for key, family in counters.items():
+            family.add_metric([model], getattr(lane, key))
+    yield from (width, budget, booked, paused, *counters.values())
 
 
 def prompt_cache_families(caches: list[tuple[str, PromptCacheStats]]) -> Iterator[Any]:

@@ -24,6 +24,8 @@ class _Bucket:
     completion_tokens: float = 0.0
     requests: int = 0
     ttft_ms: list[float] = field(default_factory=list)
+    cached_tokens: int = 0
+    paused: int = 0
 
 
 class Timeline:
@@ -35,10 +37,13 @@ class Timeline:
         self._models: dict[str, list[_Bucket]] = {}
 
     def record(self, model: str, end: float, completion_tokens: int, decode_s: float, ttft_at: float | None,
-               ttft_ms: float | None) -> None:
+               ttft_ms: float | None, cached_tokens: int = 0, paused: int = 0) -> None:
         """A request that ended at wall time `end`, after `decode_s` seconds generating its tokens."""
         ring = self._models.setdefault(model, [_Bucket(-1) for _ in range(self.num_buckets)])
-        self._bucket(ring, end).requests += 1
+        ended = self._bucket(ring, end)
+        ended.requests += 1
+        ended.cached_tokens += cached_tokens
+        ended.paused += paused > 0
         if ttft_at is not None and ttft_ms is not None and len(b := self._bucket(ring, ttft_at).ttft_ms) < MAX_TTFT_SAMPLES:
             b.append(ttft_ms)
         start = end - max(decode_s, 0.0)
@@ -65,6 +70,8 @@ class Timeline:
                 completion_tokens=[round(b.completion_tokens, 2) for b in held],  # a share of a request's
                 requests=[b.requests for b in held],
                 ttft_ms=[round(statistics.median(b.ttft_ms), 1) if b.ttft_ms else None for b in held],
+                cached_tokens=[b.cached_tokens for b in held],
+                paused=[b.paused for b in held],
             )
         return TimelineView(step_s=self.step_s, end=(last + 1) * self.step_s, buckets=self.num_buckets, models=models)
 
@@ -78,4 +85,5 @@ class Timeline:
             return _Bucket(number)
         if bucket.number < number:  # the slot held an older bucket: start it afresh
             bucket.number, bucket.completion_tokens, bucket.requests, bucket.ttft_ms = number, 0.0, 0, []
+            bucket.cached_tokens = bucket.paused = 0
         return bucket

@@ -1,0 +1,102 @@
+"""Which attention a prefill chunk runs on MLX's CUDA backend: cuDNN's or MLX's unfused one.
+
+cuDNN's fused attention is what makes long prompts fast: on an H200 a 1B model prefilled a
+24,000-token prompt in 0.27 s with it and 1.3 s with MLX's unfused attention (which writes and
+reads the whole query x key score matrix), the gap growing with the context
+(docs/benchmarks.md, "Long prompts"). But cuDNN builds a graph for every new attention shape
+(query length, key length, strides: ~80-100 ms each), keeps 256 of them, and MLX throws once
+it has missed 512 times in a process's life; a server meets a new prompt length with nearly
+every request. So the engine runs MLX with cuDNN's attention on, and routes each prefill
+chunk here:
+
+- a full chunk of one row at an aligned position (query length the engine's prefill chunk,
+  key length a multiple of it, K and V made contiguous so their strides follow the shape):
+  cuDNN. Such shapes are few (one per chunk of the window), each built once;
+- a chunk whose unfused attention would cost more than building a graph (query x key x
+  heads x head size of CUDNN_MIN_WORK or more, calibrated on the H200's 1B model): cuDNN,
+  a graph for this shape alone;
+- every other chunk (short prompts, small bursts, a prompt's last partial chunk over a short
+  context): MLX's unfused attention, computed here as MLX's own fallback computes it.
+
+Decode steps (one query a row) are not routed here: MLX's vector kernel or cuDNN's decode
+attention serve a plain cache, mlxd's kernel a batch (decode_attention.py).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import mlx.core as mx
+
+# q_len x k_len x heads x head_dim from which cuDNN's graph (~100 ms once) costs less than
+# MLX's unfused attention over the model's layers (1B on the H200: about 4.6 ms per million
+# query x key pairs, 2048 = 32 heads x 64, over 16 layers).
+CUDNN_MIN_WORK = 4 * 10**10
+CUDNN_DTYPES = (mx.float16, mx.bfloat16)
+aligned_chunk = 2048  # the engine's solo prefill chunk (set at load): full aligned chunks go to cuDNN
+
+
+def cudnn_on(environ: Any = os.environ) -> bool:
+    """Whether MLX may run cuDNN's attention here (CUDA, and not turned off in the environment)."""
+    return environ.get("MLX_CUDA_USE_CUDNN_SDPA", "1") != "0" and bool(mx.cuda.is_available())
+
+
+_cudnn = cudnn_on()
+
+
+def eligible(queries: mx.array, keys: Any, values: Any, sinks: Any) -> bool:
+    """Whether MLX would run cuDNN's attention for this prefill chunk at all."""
+    return (_cudnn and sinks is None and isinstance(keys, mx.array) and queries.shape[2] > 1
+            and queries.dtype in CUDNN_DTYPES and queries.shape[-1] % 8 == 0 and queries.shape[-1] <= 128
+            and values.shape[-1] % 8 == 0 and values.shape[-1] <= 128 and queries.shape[2] <= keys.shape[2])
+
+
+def wants_cudnn(queries: mx.array, keys: mx.array, mask: Any) -> tuple[bool, bool]:
+    """(cuDNN or not, and whether its K and V are made contiguous: the few aligned shapes)."""
+    B, H, q_len, D = queries.shape
+    k_len = keys.shape[2]
+    if B == 1 and q_len == aligned_chunk and k_len % aligned_chunk == 0 and (mask is None or isinstance(mask, str)):
+        return True, True
+    return q_len * k_len * H * D >= CUDNN_MIN_WORK, False
+
+
+def unfused(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
+    """Attention as MLX's fallback computes it: scores in full, masked, softmax, then values."""
+    B, H, q_len, D = queries.shape
+    kv_heads, k_len = keys.shape[1], keys.shape[2]
+    repeats = H // kv_heads
+    q = queries * scale
+    if repeats > 1:
+        q = q.reshape(B, kv_heads, repeats, q_len, D)
+        keys, values = mx.expand_dims(keys, 2), mx.expand_dims(values, 2)
+    scores = q @ keys.swapaxes(-1, -2)
+    if isinstance(mask, str):  # "causal": the queries are the last q_len positions
+        rows = mx.arange(k_len - q_len, k_len)[:, None]
+        mask = rows >= mx.arange(k_len)[None]
+    if mask is not None:
+        if repeats > 1 and mask.ndim >= 3:  # per head, or one for all heads: to (.., kv heads, repeats, q, k)
+            if mask.shape[-3] == 1:
+                mask = mx.expand_dims(mask, -3)
+            else:
+                mask = mask.reshape(*mask.shape[:-3], kv_heads, repeats, *mask.shape[-2:])
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+    scores = mx.softmax(scores, axis=-1, precise=True)
+    out = scores @ values
+    return out.reshape(B, H, q_len, -1) if repeats > 1 else out
+
+
+def route(original: Any, queries: mx.array, keys: Any, values: Any, cache: Any, scale: float, mask: Any,
+          sinks: Any) -> mx.array:
+    """A prefill chunk's attention: cuDNN's through mlx-lm's function, or the unfused one."""
+    if not eligible(queries, keys, values, sinks):
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+    cudnn, tight = wants_cudnn(queries, keys, mask)
+    if not cudnn:
+        return unfused(queries, keys, values, scale, mask)
+    if tight:
+        keys, values = mx.contiguous(keys), mx.contiguous(values)
+    return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)

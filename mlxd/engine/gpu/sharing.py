@@ -1,0 +1,96 @@
+"""Which prompts starting together share a prefix worth prefilling once: pure decisions, unit-tested.
+
+Subagents, parallel tool calls and `n`-way evaluation harnesses send several requests at once
+with one long system prompt (or transcript) that the prompt cache does not hold yet. The batch
+lane prefills such a shared prefix once, as one row, and starts each request from a view of its
+KV (batch_lane.py); these functions say which requests go together and how far they share.
+
+A prefix is worth sharing from MIN_SHARED_TOKENS on: below that, the extra forward pass of the
+shared row costs about what it saves (every chat template starts with a few tokens all requests
+share). Prompts are grouped to save the most prefill: sorted, neighbours share their common
+prefix, and a run of them either forms one group sharing what all of them share or splits
+where they share least, whichever saves more tokens (two groups of agents with different
+system prompts are two groups, not one sharing only the template's first tokens). A request
+arriving while a shared prefill runs joins it when it shares all of it, or at least half of it
+and all that has run.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mlxd.engine.cache.prefix_cache import common_prefix
+
+MIN_SHARED_TOKENS = 128
+
+
+def shareable(a: np.ndarray, b: np.ndarray) -> int:
+    """The tokens `b` can take from a prefill of `a`: their common prefix, leaving at least one
+    of `b`'s tokens to run (its logits give the first new token)."""
+    return min(common_prefix(a, b), len(b) - 1)
+
+
+@dataclass(slots=True)
+class Cluster:
+    """Prompts (by index, in arrival order) that share their first `shared` tokens; a lone
+    prompt: `shared` is 0."""
+
+    members: list[int] = field(default_factory=list)
+    shared: int = 0
+
+    @property
+    def saving(self) -> int:
+        """Prompt tokens the group's members do not prefill again."""
+        return (len(self.members) - 1) * self.shared
+
+
+def _order(a: np.ndarray, b: np.ndarray) -> int:
+    """Lexicographic order of two token arrays (a shorter prefix first)."""
+    n = common_prefix(a, b)
+    if n == min(len(a), len(b)):
+        return len(a) - len(b)
+    return -1 if a[n] < b[n] else 1
+
+
+def clusters(prompts: Sequence[np.ndarray], min_shared: int = MIN_SHARED_TOKENS) -> list[Cluster]:
+    """The prompts grouped by shared prefix (see the module doc), groups in order of their
+    first member."""
+    if len(prompts) < 2:
+        return [Cluster([i], 0) for i in range(len(prompts))]
+    def compare(i: int, j: int) -> int:
+        return _order(prompts[i], prompts[j])
+
+    order = sorted(range(len(prompts)), key=functools.cmp_to_key(compare))
+    # What neighbours share, leaving each at least one token of its own to run.
+    near = [min(common_prefix(prompts[i], prompts[j]), len(prompts[i]) - 1, len(prompts[j]) - 1)
+            for i, j in itertools.pairwise(order)]
+
+    def best(lo: int, hi: int) -> list[Cluster]:  # order[lo..hi], sharing near[lo..hi-1]
+        if lo == hi:
+            return [Cluster([order[lo]], 0)]
+        cut = min(range(lo, hi), key=lambda k: near[k])
+        whole = Cluster(sorted(order[lo:hi + 1]), near[cut])
+        parts = best(lo, cut) + best(cut + 1, hi)
+        if whole.shared >= min_shared and whole.saving >= sum(c.saving for c in parts):
+            return [whole]
+        return parts
+
+    return sorted(best(0, len(order) - 1), key=lambda c: c.members[0])
+
+
+def join_target(group_prefix: np.ndarray, target: int, done: int, prompt: np.ndarray,
+                min_shared: int = MIN_SHARED_TOKENS) -> int | None:
+    """A latecomer and a shared prefill under way (`done` of its `target` tokens run): the
+    group's new target if the prompt joins it (the same, or shorter down to what is already
+    run), or None when it does not."""
+    n = shareable(group_prefix, prompt)
+    if n >= target:
+        return target
+    if n >= max(done, min_shared) and 2 * n >= target:
+        return n
+    return None

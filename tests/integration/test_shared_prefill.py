@@ -1,0 +1,197 @@
+"""Shared prefill in a real engine: requests that start together with a long prefix the prompt
+cache lacks prefill it once, and each starts from it (mlxd/engine/gpu/batch_lane.py, sharing.py).
+
+The requests are made to start in one turn: a blocker holds the engine's KV budget while they
+queue, and leaves once all of them wait. Greedy answers are compared with the same requests run
+one by one on an engine without a prompt cache.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support import (
+    FAULTY_ENGINE,
+    NO_EOS,
+    EngineProcess,
+    complete,
+    engine_client,
+    engine_env,
+    lanes,
+    running_engine,
+    text_of,
+    wait_for,
+)
+
+WORDS = ["river", "lamp", "stone", "cloud", "field", "glass", "rope", "seed"]
+SHARED = "Notes shared by every agent. " + " ".join(
+    f"Fact {i}: the {w} is number {i * 7 % 13}." for i, w in enumerate(WORDS * 5))
+MAX_TOKENS = 12
+
+
+def bodies(prefix: str, n: int, **extra: Any) -> list[dict[str, Any]]:
+    return [{"prompt": f"{prefix} Question {i}: which fact names the {WORDS[i]}?", "max_tokens": MAX_TOKENS, **extra}
+            for i in range(n)]
+
+
+def cached(answer: dict[str, Any]) -> int:
+    return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_model: Path) -> Iterator[EngineProcess]:
+    """The same requests one at a time, nothing cached or shared: what the answers must be."""
+    with running_engine(tiny_model, "tiny", "--batch", "8", "--prompt-cache-bytes", "0") as engine:
+        yield engine
+
+
+def answers_alone(engine: EngineProcess, sent: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [complete(engine, **b) for b in sent]
+
+
+def budget_for(answers: list[dict[str, Any]], fits: int) -> int:
+    """A KV budget that holds the first `fits` of these requests at once (each books its prompt
+    and max_tokens), and no more."""
+    return sum(a["usage"]["prompt_tokens"] + MAX_TOKENS for a in answers[:fits]) + 8
+
+
+def hold_until(engine: EngineProcess, leave: threading.Event, ready: threading.Event) -> None:
+    """A long stream that books nearly all of a small KV budget; its client leaves on `leave`."""
+    budget = lanes(engine)["kv_budget_tokens"]
+    body = {"prompt": "x", "max_tokens": budget - 4, "temperature": 0, "logit_bias": NO_EOS, "stream": True}
+    with engine_client(engine) as c, c.stream("POST", "/v1/completions", json=body) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                ready.set()
+            if leave.is_set():
+                return  # leaving the block drops the connection: the engine frees its row
+
+
+def held_back(engine: EngineProcess, sent: list[dict[str, Any]]) -> list[Any]:
+    """Send `sent` while a blocker holds the KV budget; once all of them wait, the blocker
+    leaves and they start in one turn. The futures of their answers."""
+    leave, ready = threading.Event(), threading.Event()
+    pool = cf.ThreadPoolExecutor(len(sent) + 1)
+    pool.submit(hold_until, engine, leave, ready)
+    assert ready.wait(60), engine.log()
+    futures = [pool.submit(complete, engine, **b) for b in sent]
+    wait_for(lambda: lanes(engine)["waiting"] == len(sent), 60, message=lambda: str(lanes(engine)))
+    leave.set()
+    pool.shutdown(wait=False)
+    return futures
+
+
+def test_requests_sharing_a_long_new_prefix_prefill_it_once_and_answer_as_alone(
+    tiny_model: Path, alone: EngineProcess
+) -> None:
+    sent = bodies(SHARED, 4)
+    expected = answers_alone(alone, sent)
+    shared_tokens = complete(alone, SHARED, max_tokens=1)["usage"]["prompt_tokens"]
+    with running_engine(tiny_model, "tiny", "--batch", "8", "--prefill-step", "64",
+                        "--kv-budget-tokens", str(budget_for(expected, 4))) as engine:
+        together = [f.result() for f in held_back(engine, sent)]
+        after = lanes(engine)
+    assert [a["status"] for a in together] == [200] * 4
+    assert [text_of(a) for a in together] == [text_of(a) for a in expected]
+    # The first to start ran the shared prefix; the other three started from it, and say so.
+    first, *others = sorted(cached(a) for a in together)
+    assert first == 0 and len(set(others)) == 1 and others[0] >= shared_tokens - 2, together
+    assert (after["shared_prefills"], after["shared_tokens"]) == (1, 3 * others[0])
+
+
+def test_prompts_that_differ_after_a_few_tokens_are_not_shared(tiny_model: Path, alone: EngineProcess) -> None:
+    sent = [{"prompt": f"Agent {w}. {SHARED}", "max_tokens": MAX_TOKENS} for w in WORDS[:3]]
+    expected = answers_alone(alone, sent)
+    with running_engine(tiny_model, "tiny", "--batch", "8", "--prefill-step", "64",
+                        "--kv-budget-tokens", str(budget_for(expected, 3))) as engine:
+        together = [f.result() for f in held_back(engine, sent)]
+        after = lanes(engine)
+    assert [text_of(a) for a in together] == [text_of(a) for a in expected]
+    assert [cached(a) for a in together] == [0, 0, 0] and after["shared_prefills"] == 0
+
+
+def test_those_the_kv_budget_holds_back_start_later_from_the_cached_prefix(
+    tiny_model: Path, alone: EngineProcess
+) -> None:
+    sent = bodies(SHARED, 4)
+    expected = answers_alone(alone, sent)
+    with running_engine(tiny_model, "tiny", "--batch", "8", "--prefill-step", "64",
+                        "--kv-budget-tokens", str(budget_for(expected, 2))) as engine:
+        together = [f.result() for f in held_back(engine, sent)]
+        after = lanes(engine)
+    assert [text_of(a) for a in together] == [text_of(a) for a in expected]
+    # Two at once share a prefill; the two that waited for room find the prefix cached.
+    assert after["shared_prefills"] == 1 and sorted(cached(a) > 0 for a in together) == [False, True, True, True]
+    assert after["kv_booked_tokens"] == 0
+
+
+@pytest.fixture(scope="module")
+def slow(tiny_model: Path) -> Iterator[EngineProcess]:
+    """The real engine whose shared prefills of SLOWPREFILL prompts take 0.3 s a chunk."""
+    proc = EngineProcess(tiny_model, "tiny", "--batch", "8", "--prefill-step", "64", "--kv-budget-tokens", "2400",
+                         launcher=FAULTY_ENGINE, env=engine_env(MLXD_BLAS="off"))
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
+
+
+def test_a_member_that_leaves_during_the_shared_prefill_ends_and_the_others_answer_as_alone(
+    slow: EngineProcess, alone: EngineProcess
+) -> None:
+    sent = bodies("SLOWPREFILL " + SHARED, 3)
+    expected = answers_alone(alone, sent)
+    cancelled = slow.stats()["requests"]["cancelled"]
+    leaving = {**sent[2], "stream": True}
+
+    def leave_during_prefill() -> bool:
+        with engine_client(slow) as c, c.stream("POST", "/v1/completions", json=leaving) as resp:
+            assert resp.status_code == 200
+            # The shared prefill has started (several slow chunks to go): leave now.
+            return bool(wait_for(lambda: lanes(slow)["shared_prefills"] == 1, 60))
+
+    leave, ready = threading.Event(), threading.Event()
+    with cf.ThreadPoolExecutor(4) as pool:
+        pool.submit(hold_until, slow, leave, ready)
+        assert ready.wait(60)
+        stayers = [pool.submit(complete, slow, **b) for b in sent[:2]]
+        left = pool.submit(leave_during_prefill)
+        wait_for(lambda: lanes(slow)["waiting"] == 3, 60, message=lambda: str(lanes(slow)))
+        leave.set()
+        assert left.result()
+        results = [f.result() for f in stayers]
+    assert [text_of(r) for r in results] == [text_of(a) for a in expected[:2]]
+    assert sorted(cached(r) > 0 for r in results) == [False, True]  # one ran the prefix, one started from it
+
+    def idle() -> bool:
+        now = lanes(slow)
+        return bool(now["batch"] + now["serial"] + now["waiting"] == 0 and now["kv_booked_tokens"] == 0)
+
+    assert wait_for(idle, 30), lanes(slow)
+    assert slow.stats()["requests"]["cancelled"] == cancelled + 2  # the blocker and the one that left
+
+
+def test_one_arriving_during_the_shared_prefill_joins_it(slow: EngineProcess, alone: EngineProcess) -> None:
+    sent = bodies("SLOWPREFILL Latecomers too. " + SHARED, 3)
+    expected = answers_alone(alone, sent)
+    before = lanes(slow)["shared_prefills"]
+    leave, ready = threading.Event(), threading.Event()
+    with cf.ThreadPoolExecutor(4) as pool:
+        pool.submit(hold_until, slow, leave, ready)
+        assert ready.wait(60)
+        first = [pool.submit(complete, slow, **b) for b in sent[:2]]
+        wait_for(lambda: lanes(slow)["waiting"] == 2, 60, message=lambda: str(lanes(slow)))
+        leave.set()
+        wait_for(lambda: lanes(slow)["shared_prefills"] == before + 1, 60)
+        late = pool.submit(complete, slow, **sent[2])
+        results = [f.result() for f in [*first, late]]
+    assert [text_of(r) for r in results] == [text_of(a) for a in expected]
+    assert lanes(slow)["shared_prefills"] == before + 1  # no second prefill: it joined the first
+    assert cached(results[2]) == max(cached(r) for r in results[:2]) > 0
