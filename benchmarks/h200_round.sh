@@ -178,6 +178,11 @@ round2)
   step agent_1b 200 python3 benchmarks/agent_load.py --model /tmp/models/l1b32 --clients 8 --turns 3 \
     --system-tokens 3000 --max-tokens 64
   ;;
+prio)
+  # issue 24: a priority-0 request's TTFT with 64 priority-10 streams running, against idle
+  model 1b-bf16 /tmp/models/l1b32 --context 32768
+  step priority_1b 150 python3 benchmarks/priority_ttft.py --model /tmp/models/l1b32 --background 64 --samples 5
+  ;;
 batch1b)
   model 1b-bf16 /tmp/models/l1b32 --context 32768
   step batching_1b_auto 400 python3 benchmarks/batching.py --model /tmp/models/l1b32 --widths 1,8,16,64 --rounds 2 \

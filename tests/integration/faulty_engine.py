@@ -4,7 +4,7 @@
 - BATCHFAIL: the batched step raises once, when the row holding it has 3 tokens and the batch
   lane holds 3 rows: every row in the batch lane fails, and the engine goes on serving.
 - SLOWPREFILL: each chunk of a shared prefill whose first member asks for it takes 0.3 s more,
-  so a test can act while it runs.
+  so a test can act while it runs; in the serial lane, each prefill chunk of the request.
 
 Run as a script with MLXD_BLAS=off (the OpenBLAS re-exec would drop these patches).
 """
@@ -15,12 +15,13 @@ import time
 from typing import Any
 
 from mlxd.engine.__main__ import main
-from mlxd.engine.gpu import batch_lane, gateway, sequence
+from mlxd.engine.gpu import batch_lane, gateway, sequence, serial_lane
 
 real_submit = gateway.Gateway.submit
 real_add = sequence.Sequence.add
 real_step = batch_lane.BatchLane.step
 real_prefill_groups = batch_lane.BatchLane._prefill_groups
+real_serial_chunk = serial_lane.SerialLane._prefill_chunk
 SLOW_CHUNK_S = 0.3
 # id(job) -> (the fault it asks for, the job). The job is held so that its id cannot be reused
 # by a later job while the mark stays (a RAISE mark is never removed): an unmarked request
@@ -62,6 +63,12 @@ def slow_prefill_groups(self: Any) -> list[Any]:
     return real_prefill_groups(self)
 
 
+def slow_serial_chunk(self: Any, prompt: list[int]) -> bool:
+    if self._seq is not None and mark(self._seq.job) == "SLOWPREFILL":
+        time.sleep(SLOW_CHUNK_S)
+    return bool(real_serial_chunk(self, prompt))
+
+
 def _raise() -> Any:
     raise RuntimeError("injected batch fault")
 
@@ -70,6 +77,7 @@ gateway.Gateway.submit = faulty_submit  # type: ignore[method-assign]
 sequence.Sequence.add = faulty_add  # type: ignore[method-assign]
 batch_lane.BatchLane.step = faulty_step  # type: ignore[method-assign]
 batch_lane.BatchLane._prefill_groups = slow_prefill_groups  # type: ignore[method-assign]
+serial_lane.SerialLane._prefill_chunk = slow_serial_chunk  # type: ignore[method-assign]
 
 if __name__ == "__main__":
     main()

@@ -195,3 +195,22 @@ def test_one_arriving_during_the_shared_prefill_joins_it(slow: EngineProcess, al
     assert [text_of(r) for r in results] == [text_of(a) for a in expected]
     assert lanes(slow)["shared_prefills"] == before + 1  # no second prefill: it joined the first
     assert cached(results[2]) == max(cached(r) for r in results[:2]) > 0
+
+
+def test_requests_arriving_while_a_lone_one_prefills_the_same_prefix_share_the_rest_of_it(
+    slow: EngineProcess, alone: EngineProcess
+) -> None:
+    """A lone request starts alone in the serial lane; those arriving during its prefill take it
+    into the batch lane, and its prefill goes on once for all of them."""
+    sent = bodies("SLOWPREFILL Serial first. " + SHARED, 3)
+    expected = answers_alone(alone, sent)
+    before = lanes(slow)["shared_prefills"]
+    with cf.ThreadPoolExecutor(3) as pool:
+        first = pool.submit(complete, slow, **sent[0])
+        wait_for(lambda: lanes(slow)["serial"] == 1, 60, message=lambda: str(lanes(slow)))
+        others = [pool.submit(complete, slow, **b) for b in sent[1:]]
+        results = [f.result() for f in [first, *others]]
+    assert [text_of(r) for r in results] == [text_of(a) for a in expected]
+    assert lanes(slow)["shared_prefills"] == before + 1
+    # The lone one ran the prefix (the prompt cache held only its first words, from earlier tests).
+    assert cached(results[0]) < 32 < min(cached(r) for r in results[1:]), results

@@ -30,7 +30,7 @@ from mlxd.engine.gpu.batch_bias import batch_bias
 from mlxd.engine.gpu.job import PrefillGroup
 from mlxd.engine.gpu.sampling import make_sampling
 from mlxd.engine.gpu.sequence import Sequence
-from mlxd.engine.gpu.sharing import MIN_SHARED_TOKENS, clusters, join_target
+from mlxd.engine.gpu.sharing import MIN_SHARED_TOKENS, clusters, join_target, shareable
 from mlxd.engine.gpu.stats import Stats
 from mlxd.engine.models.loaded_model import LoadedModel
 
@@ -60,6 +60,8 @@ class BatchLane:
         self._rows: dict[int, Sequence] = {}
         self._groups: list[PrefillGroup] = []  # shared prefixes being prefilled, their members waiting
         self._arrivals: list[Sequence] = []  # started this turn: placed together at the next step
+        # Sequences the serial lane was prefilling, handed over to share that prefill: id -> (KV, tokens in it)
+        self._carried: dict[int, tuple[list[Any], int]] = {}
         self._gen = self._new_generator()
 
     def _new_generator(self) -> BatchGenerator:
@@ -98,6 +100,22 @@ class BatchLane:
             return
         self._arrivals.append(seq)
 
+    @property
+    def has_arrivals(self) -> bool:
+        return bool(self._arrivals)
+
+    def shares_with_arrivals(self, prompt: list[int]) -> bool:
+        """Whether `prompt` shares a prefix worth one prefill with a request started this turn."""
+        mine = np.asarray(prompt, dtype=np.int64)
+        return any(shareable(np.asarray(seq.job.prompt, dtype=np.int64), mine) >= MIN_SHARED_TOKENS
+                   for seq in self._arrivals if not seq.generated)
+
+    def adopt_prefill(self, seq: Sequence, kv: list[Any], done: int) -> None:
+        """Take a sequence the serial lane was prefilling (`kv` holds `done` of its prompt's
+        tokens): it is placed with this turn's arrivals, and leads the prefill they share."""
+        self._carried[id(seq)] = (kv, done)
+        self._arrivals.insert(0, seq)
+
     def _place_arrivals(self) -> list[Sequence]:
         """Start this turn's arrivals: resumed ones as rows, the others into a shared prefill
         under way, a new one, or as rows of their own. Returns those that ended here."""
@@ -106,11 +124,12 @@ class BatchLane:
         fresh: list[Sequence] = []
         for seq in arrivals:
             if seq.is_cancelled:
+                self._carried.pop(id(seq), None)
                 seq.cancel()
                 ended.append(seq)
             elif seq.generated:
                 self._guarded(self._resume, seq, ended)
-            elif not self._join(seq):
+            elif id(seq) in self._carried or not self._join(seq):
                 fresh.append(seq)
         for cluster in clusters([np.asarray(s.job.prompt, dtype=np.int64) for s in fresh]):
             members = [fresh[i] for i in cluster.members]
@@ -129,8 +148,12 @@ class BatchLane:
             ended.append(seq)
 
     def _insert(self, seq: Sequence) -> None:
-        """A row of its own, from the longest cached prefix of its prompt worth using."""
+        """A row of its own, from the longest cached prefix of its prompt worth using (one the
+        serial lane handed over: from what it had prefilled)."""
         job = seq.job
+        if (carried := self._carried.pop(id(seq), None)) is not None:
+            self._insert_row(seq, job.prompt, carried[1], carried[0], job.max_tokens)
+            return
         kv, cached = self._prompt_cache.fetch(job.prompt, min_share=MIN_CACHED_SHARE)
         seq.start(cached)
         self._insert_row(seq, job.prompt, cached, kv, job.max_tokens)
@@ -159,12 +182,21 @@ class BatchLane:
 
     def _open_group(self, members: list[Sequence], shared: int) -> bool:
         """A shared prefill of the `shared` tokens `members` start with, unless the prompt cache
-        already holds nearly all of it (False: they start as rows of their own)."""
-        prefix = members[0].job.prompt[:shared + 1]  # a fetch leaves one token to run
-        if shared - self._prompt_cache.longest(prefix) < MIN_SHARED_TOKENS:
-            return False
-        kv, cached = self._prompt_cache.fetch(prefix)
-        group = PrefillGroup(0, shared, kv if kv is not None else self._fresh_cache(), cached, cached, shared=True)
+        already holds nearly all of it (False: they start as rows of their own). One the serial
+        lane was prefilling leads it, from its KV."""
+        carried = [seq for seq in members if id(seq) in self._carried]
+        if carried:
+            lead = carried[0]
+            kv, done = self._carried[id(lead)]
+            group = PrefillGroup(0, shared, kv, done, min(lead.cached, done), shared=True)
+            members = [lead, *(seq for seq in members if seq is not lead)]
+        else:
+            prefix = members[0].job.prompt[:shared + 1]  # a fetch leaves one token to run
+            if shared - self._prompt_cache.longest(prefix) < MIN_SHARED_TOKENS:
+                return False
+            fetched, cached = self._prompt_cache.fetch(prefix)
+            group = PrefillGroup(0, shared, fetched if fetched is not None else self._fresh_cache(), cached, cached,
+                                 shared=True)
         group.waiting.extend(members)
         self._groups.append(group)
         self._stats.shared_prefills += 1
@@ -200,9 +232,12 @@ class BatchLane:
         """Start a member as a row whose KV is a view of the group's (the rest of its prompt to run)."""
         assert group.kv is not None
         job, n = seq.job, group.target
-        seq.start(group.cached if not group.inserted else n)  # its clock too: the shared prefill counts as queue
-        if group.inserted and group.shared:
-            self._stats.shared_tokens += n - group.cached
+        if (carried := self._carried.pop(id(seq), None)) is not None:
+            n = max(n, carried[1])  # it started in the serial lane, and may have run past the shared part
+        else:
+            seq.start(group.cached if not group.inserted else n)  # its clock too: the shared prefill counts as queue
+            if group.inserted and group.shared:
+                self._stats.shared_tokens += n - group.cached
         group.inserted += 1
         self._insert_row(seq, job.prompt, n, view(group.kv, n), job.max_tokens)
         if group.inserted >= group.size and not group.shared:
@@ -215,6 +250,7 @@ class BatchLane:
         for group in list(self._groups):
             gone = [s for s in group.waiting if s.is_cancelled]
             for seq in gone:
+                self._carried.pop(id(seq), None)
                 group.waiting.remove(seq)
                 seq.cancel()
                 ended.append(seq)
@@ -259,6 +295,7 @@ class BatchLane:
             self._groups.remove(group)
         failed = list(group.waiting)
         for seq in failed:
+            self._carried.pop(id(seq), None)
             seq.fail(self._stats, message, 500, code)
         group.waiting.clear()
         group.kv = None
@@ -374,6 +411,7 @@ class BatchLane:
         for group in list(self._groups):
             ended += self._fail_group(group, message, code)
         arrivals, self._arrivals = self._arrivals, []
+        self._carried.clear()
         for seq in arrivals:
             seq.fail(self._stats, message, 500, code)
         return ended + arrivals

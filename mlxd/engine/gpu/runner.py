@@ -126,10 +126,18 @@ class Runner:
 
     def _merge_lanes(self) -> None:
         """While rows decode in the batch, the serial lane's sequence joins them: one forward
-        pass a step for all, instead of the serial lane's and the batch's one after the other."""
+        pass a step for all, instead of the serial lane's and the batch's one after the other.
+        One still prefilling joins requests that start now sharing its prompt's prefix: they
+        share the rest of its prefill (batch_lane.py)."""
         if self._merge is None or not all(lane.has_work for lane in self._merge):
             return
         serial, batch = self._merge
+        prompt = serial.prefilling_prompt
+        if prompt is not None and batch.has_arrivals and batch.shares_with_arrivals(prompt):
+            prefilling = serial.hand_over_prefill()
+            if prefilling is not None:
+                batch.adopt_prefill(*prefilling)
+            return
         moved = None
         try:
             moved = serial.hand_over()

@@ -153,6 +153,23 @@ class SerialLane:
         trim_prompt_cache(kv, 1)
         return seq, kv
 
+    @property
+    def prefilling_prompt(self) -> list[int] | None:
+        """The running sequence's prompt while it is still being prefilled (no token yet), else None."""
+        seq = self._seq
+        if seq is None or self._steps is not None or seq.generated or seq.is_cancelled:
+            return None
+        return seq.job.prompt
+
+    def hand_over_prefill(self) -> tuple[Sequence, list[Any], int] | None:
+        """Give up the running sequence while its prompt is being prefilled: it, its KV so far and
+        how many prompt tokens that holds (requests arriving now share the rest of the prefill)."""
+        seq, kv, done = self._seq, self._kv, self._done
+        if seq is None or self.prefilling_prompt is None:
+            return None
+        self._close()
+        return seq, kv, done
+
     def _can_move(self, seq: Sequence) -> bool:
         """Generating, unseeded, and its KV in the state we know how to move."""
         if not seq.generated or seq.job.sampling.seed is not None or seq.is_finished:
