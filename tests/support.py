@@ -137,6 +137,13 @@ def running_engine(model: Path, model_id: str, *extra: str) -> Iterator[EnginePr
         engine.stop()
 
 
+def default_sigint() -> None:
+    """A child's preexec_fn for the tests that press Ctrl-C: SIGINT does what it does in a
+    terminal, even when the suite itself was started with SIGINT ignored (a shell starts a
+    background job so, and children inherit it: then the Ctrl-C tests saw nothing stop)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def engine_client(engine: EngineProcess) -> httpx.Client:
     """A client of the engine's socket of its own (one per thread)."""
     return httpx.Client(transport=httpx.HTTPTransport(uds=str(engine.socket)), base_url="http://engine", timeout=120)

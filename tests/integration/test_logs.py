@@ -20,6 +20,7 @@ import pytest
 from mlxd.cli.service import spec as svc
 from tests.support import (
     NO_EOS,
+    default_sigint,
     free_port,
     private_socket_dir,
     serving,
@@ -109,7 +110,7 @@ class Follower:
 
     def __init__(self, daemon: Daemon, *args: str) -> None:
         self.proc = subprocess.Popen(daemon.argv("logs", "-f", *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=daemon.env)
+                                     text=True, env=daemon.env, preexec_fn=default_sigint)
         self.lines: queue.Queue[str] = queue.Queue()
         assert self.proc.stdout is not None
         threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True).start()

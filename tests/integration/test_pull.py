@@ -16,7 +16,7 @@ import pexpect
 import pytest
 
 from tests.hub_stub import HubStub, running_hub
-from tests.support import SupervisorProcess, free_port, wait_for
+from tests.support import SupervisorProcess, default_sigint, free_port, wait_for
 
 REPO = "test-org/tiny-llama"
 NEEDED = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
@@ -242,7 +242,8 @@ def test_ctrl_c_stops_a_pull_with_one_line(hub: HubStub, env: dict[str, str], we
     hub.healed.clear()
     hub.stall_after("model.safetensors", 1000)
     proc = subprocess.Popen([sys.executable, "-m", "mlxd", "pull", REPO], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env)
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env,
+                            preexec_fn=default_sigint)
     try:
         partial = blob(env, weights, suffix=".mlxd-partial")
         assert wait_for(lambda: partial.exists() and partial.stat().st_size == 1000, timeout=60)

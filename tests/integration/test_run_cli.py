@@ -13,7 +13,15 @@ from pathlib import Path
 import pexpect
 import pytest
 
-from tests.support import SupervisorProcess, cli_env, free_port, mlxd, private_socket_dir, wait_for
+from tests.support import (
+    SupervisorProcess,
+    cli_env,
+    default_sigint,
+    free_port,
+    mlxd,
+    private_socket_dir,
+    wait_for,
+)
 
 STATS = re.compile(r"~?(\d+) tokens? · (?:[\d.]+ tokens/s · )?first token [\d.]+ m?s( · stopped)?")
 CSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[()][0-9A-Za-z]|\x1b[=>]")
@@ -53,7 +61,8 @@ class Chat:
         argv = ["-m", "mlxd", "run", "--url", sup.url, model, *args]
         # pexpect answers no cursor position request: without this, each prompt waits for one.
         env = cli_env(PROMPT_TOOLKIT_NO_CPR="1")
-        self.child = pexpect.spawn(sys.executable, argv, env=env, encoding="utf-8", timeout=60, dimensions=(50, 200))
+        self.child = pexpect.spawn(sys.executable, argv, env=env, encoding="utf-8", timeout=60, dimensions=(50, 200),
+                                   preexec_fn=default_sigint)
         self.child.expect_exact(PROMPT)
 
     def command(self, line: str, reply: str) -> None:
@@ -224,7 +233,7 @@ def test_ctrl_c_stops_a_one_shot_answer_with_130(sup: SupervisorProcess) -> None
     cancelled = num_cancelled(sup, "smol")
     child = pexpect.spawn(sys.executable, ["-m", "mlxd", "run", "--url", sup.url, "smol", question, "--max-tokens",
                                            "3000", "--temperature", "0"],  # greedy: it runs to 3000 tokens
-                          env=cli_env(), encoding="utf-8", timeout=60, dimensions=(50, 200))
+                          env=cli_env(), encoding="utf-8", timeout=60, dimensions=(50, 200), preexec_fn=default_sigint)
     # The answer is streaming: words on screen (the load spinner's, on a slow machine) are not enough.
     def streams(seen: str) -> bool:
         return len(SPINNER_FRAME.sub("", seen).split()) >= 3 and is_generating(sup, "smol")

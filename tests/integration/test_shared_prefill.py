@@ -88,16 +88,22 @@ def held_back(engine: EngineProcess, sent: list[dict[str, Any]]) -> list[Any]:
     return futures
 
 
+def together_and_alone(tiny_model: Path, alone: EngineProcess, sent: list[dict[str, Any]], fits: int
+                       ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+    """`sent` one by one on `alone`, then started together on a fresh engine whose KV budget holds
+    `fits` of them at once: the answers alone, together, and the engine's lanes after."""
+    expected = answers_alone(alone, sent)
+    with running_engine(tiny_model, "tiny", "--batch", "8", "--prefill-step", "64",
+                        "--kv-budget-tokens", str(budget_for(expected, fits))) as engine:
+        together = [f.result() for f in held_back(engine, sent)]
+        return expected, together, lanes(engine)
+
+
 def test_requests_sharing_a_long_new_prefix_prefill_it_once_and_answer_as_alone(
     tiny_model: Path, alone: EngineProcess
 ) -> None:
-    sent = bodies(SHARED, 4)
-    expected = answers_alone(alone, sent)
+    expected, together, after = together_and_alone(tiny_model, alone, bodies(SHARED, 4), fits=4)
     shared_tokens = complete(alone, SHARED, max_tokens=1)["usage"]["prompt_tokens"]
-    with running_engine(tiny_model, "tiny", "--batch", "8", "--prefill-step", "64",
-                        "--kv-budget-tokens", str(budget_for(expected, 4))) as engine:
-        together = [f.result() for f in held_back(engine, sent)]
-        after = lanes(engine)
     assert [a["status"] for a in together] == [200] * 4
     assert [text_of(a) for a in together] == [text_of(a) for a in expected]
     # The first to start ran the shared prefix; the other three started from it, and say so.
@@ -108,11 +114,7 @@ def test_requests_sharing_a_long_new_prefix_prefill_it_once_and_answer_as_alone(
 
 def test_prompts_that_differ_after_a_few_tokens_are_not_shared(tiny_model: Path, alone: EngineProcess) -> None:
     sent = [{"prompt": f"Agent {w}. {SHARED}", "max_tokens": MAX_TOKENS} for w in WORDS[:3]]
-    expected = answers_alone(alone, sent)
-    with running_engine(tiny_model, "tiny", "--batch", "8", "--prefill-step", "64",
-                        "--kv-budget-tokens", str(budget_for(expected, 3))) as engine:
-        together = [f.result() for f in held_back(engine, sent)]
-        after = lanes(engine)
+    expected, together, after = together_and_alone(tiny_model, alone, sent, fits=3)
     assert [text_of(a) for a in together] == [text_of(a) for a in expected]
     assert [cached(a) for a in together] == [0, 0, 0] and after["shared_prefills"] == 0
 
@@ -120,12 +122,7 @@ def test_prompts_that_differ_after_a_few_tokens_are_not_shared(tiny_model: Path,
 def test_those_the_kv_budget_holds_back_start_later_from_the_cached_prefix(
     tiny_model: Path, alone: EngineProcess
 ) -> None:
-    sent = bodies(SHARED, 4)
-    expected = answers_alone(alone, sent)
-    with running_engine(tiny_model, "tiny", "--batch", "8", "--prefill-step", "64",
-                        "--kv-budget-tokens", str(budget_for(expected, 2))) as engine:
-        together = [f.result() for f in held_back(engine, sent)]
-        after = lanes(engine)
+    expected, together, after = together_and_alone(tiny_model, alone, bodies(SHARED, 4), fits=2)
     assert [text_of(a) for a in together] == [text_of(a) for a in expected]
     # Two at once share a prefill; the two that waited for room find the prefix cached.
     assert after["shared_prefills"] == 1 and sorted(cached(a) > 0 for a in together) == [False, True, True, True]
