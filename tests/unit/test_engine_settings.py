@@ -42,3 +42,15 @@ def test_bad_prompt_cache_flags_are_refused_with_a_message(flag: str, value: str
         parse_args([*BASE, flag, value])
     assert exit_info.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+def test_the_solo_prefill_step_is_the_devices_unless_given() -> None:
+    assert parse_args(BASE).solo_prefill_step is None  # the gateway picks it at load: 2048 on a GPU
+    assert parse_args([*BASE, "--solo-prefill-step", "4096"]).solo_prefill_step == 4096
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "many"])
+def test_a_bad_solo_prefill_step_is_refused_with_a_message(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args([*BASE, "--solo-prefill-step", value])
+    assert exit_info.value.code == 2 and "--solo-prefill-step" in capsys.readouterr().err
