@@ -31,10 +31,18 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from batching import MODEL_ID, MlxLmServer, VllmMlxServer, default_model, show_log, stream_chat
+from batching import (
+    MODEL_ID,
+    MlxLmServer,
+    VllmMlxServer,
+    bench_supervisor,
+    default_model,
+    show_log,
+    stream_chat,
+)
 from common import logit_bias
 from engine_decode import engine_env
-from proxy_overhead import Supervisor, private_dir
+from proxy_overhead import private_dir
 
 WORDS = ("tool", "file", "module", "test", "route", "engine", "cache", "queue", "thread", "socket", "token", "model")
 
@@ -86,9 +94,7 @@ def measure(part: str, url: str, model: str, args: argparse.Namespace, bias: dic
 
 
 def run_mlxd(args: argparse.Namespace, bias: dict[str, float], work: Path) -> dict[str, Any]:
-    config = work / "mlxd.toml"
-    config.write_text(f"[pool]\nqueue_timeout_s = 3600\n\n[models.{MODEL_ID}]\npath = {json.dumps(str(args.model))}\n")
-    sup = Supervisor(config, private_dir(work / "data"), private_dir(work / "rt"), work / "serve.log")
+    sup, _ = bench_supervisor(args.model, work)
     try:
         sup.wait_health()
         return measure("mlxd", sup.url, MODEL_ID, args, bias)

@@ -393,13 +393,18 @@ def run_vllm_mlx(args: argparse.Namespace, template: str, bias: dict[str, float]
     return {"command": server.command, "widths": widths}
 
 
-def run_mlxd(args: argparse.Namespace, template: str, bias: dict[str, float], work: Path) -> Row:
+def bench_supervisor(model: Path, work: Path, model_lines: str = "") -> tuple[Supervisor, str]:
+    """`mlxd serve` with `model` as MODEL_ID (plus `model_lines` in its table), at its defaults
+    otherwise (a long queue timeout for long runs); logging to work/serve.log. Its config text too."""
+    text = f"[pool]\nqueue_timeout_s = 3600\n\n[models.{MODEL_ID}]\npath = {json.dumps(str(model))}\n{model_lines}"
     config = work / "mlxd.toml"
-    text = f"[pool]\nqueue_timeout_s = 3600\n\n[models.{MODEL_ID}]\npath = {json.dumps(str(args.model))}\n"
-    if args.batch is not None:
-        text += f"batch = {args.batch}\n"
     config.write_text(text)
-    sup = Supervisor(config, private_dir(work / "data"), private_dir(work / "rt"), work / "serve.log")
+    return Supervisor(config, private_dir(work / "data"), private_dir(work / "rt"), work / "serve.log"), text
+
+
+def run_mlxd(args: argparse.Namespace, template: str, bias: dict[str, float], work: Path) -> Row:
+    sup, text = bench_supervisor(args.model, work, f"batch = {args.batch}\n" if args.batch is not None else "")
+    config = work / "mlxd.toml"
     try:
         sup.wait_health()
         widths = measure_server("mlxd", sup.url, MODEL_ID, args, template, bias)

@@ -24,9 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from batching import MODEL_ID, default_model, show_log, stream_chat
+from batching import MODEL_ID, bench_supervisor, default_model, show_log, stream_chat
 from common import logit_bias
-from proxy_overhead import Supervisor, private_dir
 
 PROMPT = "Request {n}: summarise the following notes in one line. " + " ".join(f"note {i} says ok." for i in range(40))
 
@@ -100,9 +99,7 @@ def main() -> None:
     args.model = args.model or default_model()
     bias = logit_bias(args.model, ascii_only=False)
     work = Path(tempfile.mkdtemp(prefix="prio-", dir="/tmp"))
-    config = work / "mlxd.toml"
-    config.write_text(f"[pool]\nqueue_timeout_s = 3600\n\n[models.{MODEL_ID}]\npath = {json.dumps(str(args.model))}\n")
-    sup = Supervisor(config, private_dir(work / "data"), private_dir(work / "rt"), work / "serve.log")
+    sup, _ = bench_supervisor(args.model, work)
     try:
         sup.wait_health()
         r = asyncio.run(measure(sup.url, args, bias))

@@ -214,21 +214,7 @@ class PrefixCache:
         """A cache holding the longest cached prefix of `prompt`, and its length; (None, 0) on a
         miss. At least one prompt token is left to run (its logits give the first new token).
         A prefix covering less than `min_share` of the prompt is not used."""
-        query = np.asarray(prompt, dtype=np.int64)
-        limit = len(prompt) - 1
-        best: Entry | DiskEntry | None = None
-        best_n = 0
-        for e in self._entries.values():
-            n = self._usable(e.tokens, query, limit, e.trimmable)
-            if n > best_n:
-                best, best_n = e, n
-        if self.ssd is not None:
-            for d in self.ssd.entries():
-                if d.name in self._entries:
-                    continue
-                n = self._usable(d.tokens, query, limit, d.trimmable)
-                if n > best_n:
-                    best, best_n = d, n
+        best, best_n = self._best(prompt)
         if best is None or best_n <= 0 or best_n < min_share * len(prompt):
             self.stats.misses += 1
             return None, 0
@@ -250,12 +236,26 @@ class PrefixCache:
 
     def longest(self, prompt: list[int]) -> int:
         """How many of `prompt`'s tokens a fetch would serve now (RAM or SSD), counting nothing."""
+        return self._best(prompt)[1]
+
+    def _best(self, prompt: list[int]) -> tuple[Entry | DiskEntry | None, int]:
+        """The entry, in RAM or on SSD, sharing the longest usable prefix with `prompt`, and its length."""
         query = np.asarray(prompt, dtype=np.int64)
         limit = len(prompt) - 1
-        best = max((self._usable(e.tokens, query, limit, e.trimmable) for e in self._entries.values()), default=0)
+        best: Entry | DiskEntry | None = None
+        best_n = 0
+        for e in self._entries.values():
+            n = self._usable(e.tokens, query, limit, e.trimmable)
+            if n > best_n:
+                best, best_n = e, n
         if self.ssd is not None:
-            best = max([best, *(self._usable(d.tokens, query, limit, d.trimmable) for d in self.ssd.entries())])
-        return best
+            for d in self.ssd.entries():
+                if d.name in self._entries:
+                    continue
+                n = self._usable(d.tokens, query, limit, d.trimmable)
+                if n > best_n:
+                    best, best_n = d, n
+        return best, best_n
 
     @staticmethod
     def _usable(tokens: np.ndarray, query: np.ndarray, limit: int, trimmable: bool) -> int:
