@@ -222,5 +222,59 @@ auto8b)
   step auto_8b 500 python3 benchmarks/batching.py --model /tmp/models/l8q --widths 1,8,16,32 --rounds 1 \
     --only server,mlxd --warmup-tokens 128 --logs "$out/logs_auto_8b" --json "$out/auto_8b.json"
   ;;
+r3long)
+  # issue 24, third session: the lone long prompt at defaults (width probe, padded last chunk)
+  # on the 1B model at 8k and 24k, 24k again at --batch 1 (what auto costs decode), then 64k
+  # on a model with a 64k window
+  model 1b-bf16 /tmp/models/l1b32 --context 32768
+  model 1b-bf16 /tmp/models/l1b64 --context 65536
+  step long_1b_auto 200 python3 benchmarks/long_prompt.py --model /tmp/models/l1b32 --lengths 8000,24000 --runs 3 \
+    --engine-args "--batch auto"
+  step long_1b_b1 120 python3 benchmarks/long_prompt.py --model /tmp/models/l1b32 --lengths 24000 --runs 3 \
+    --engine-args "--batch 1"
+  step long_1b_64k 150 python3 benchmarks/long_prompt.py --model /tmp/models/l1b64 --lengths 64000 --runs 2 \
+    --engine-args "--batch auto"
+  ;;
+r3b8)
+  # issue 24, third session: the 8B-shaped 4-bit model's long prompts, then its batching at defaults
+  model 8b-4bit /tmp/models/l8q32 --context 32768
+  step long_8b_auto 170 python3 benchmarks/long_prompt.py --model /tmp/models/l8q32 --lengths 8000,24000 --runs 2 \
+    --engine-args "--batch auto"
+  step auto_8b 330 python3 benchmarks/batching.py --model /tmp/models/l8q32 --widths 1,8,16,32 --rounds 1 \
+    --only server,mlxd --warmup-tokens 128 --logs "$out/logs_auto_8b" --json "$out/auto_8b.json"
+  ;;
+r3prio)
+  # issue 24, third session: priorities with 64 background streams, the agent-shaped load again
+  model 1b-bf16 /tmp/models/l1b32 --context 32768
+  step priority_1b 220 python3 benchmarks/priority_ttft.py --model /tmp/models/l1b32 --background 64 --samples 5
+  step agent_1b 240 python3 benchmarks/agent_load.py --model /tmp/models/l1b32 --clients 8 --turns 3 \
+    --system-tokens 3000 --max-tokens 64
+  ;;
+r3c)
+  # issue 24, third session, after the urgent request's serial-lane start and MLX's cache cap:
+  # priorities again, the 8B long prompt beside an engine at auto (it ran out of memory before),
+  # then the 1B model at 8 and 16 streams
+  model 1b-bf16 /tmp/models/l1b32 --context 32768
+  step priority_1b 200 python3 benchmarks/priority_ttft.py --model /tmp/models/l1b32 --background 64 --samples 5
+  model 8b-4bit /tmp/models/l8q32 --context 32768
+  step long_8b_auto 230 python3 benchmarks/long_prompt.py --model /tmp/models/l8q32 --lengths 8000,24000 --runs 2 \
+    --engine-args "--batch auto"
+  step batch_1b 150 python3 benchmarks/batching.py --model /tmp/models/l1b32 --widths 8,16 --rounds 2 \
+    --only server,mlxd --warmup-tokens 128
+  ;;
+r3d)
+  # issue 24, third session: priorities after the urgent request's serial-lane start, then the
+  # 1B model at 8 and 16 streams (one short call: the session's device time was nearly spent)
+  model 1b-bf16 /tmp/models/l1b32 --context 32768
+  step priority_1b 200 python3 benchmarks/priority_ttft.py --model /tmp/models/l1b32 --background 64 --samples 5
+  step batch_1b 110 python3 benchmarks/batching.py --model /tmp/models/l1b32 --widths 8,16 --rounds 2 \
+    --only server,mlxd --warmup-tokens 128
+  ;;
+r3batch)
+  # issue 24, third session: the 1B model at 1-64 streams against both the server and raw
+  model 1b-bf16 /tmp/models/l1b32 --context 32768
+  step auto_1b 500 python3 benchmarks/batching.py --model /tmp/models/l1b32 --widths 1,8,16,64 --rounds 2 \
+    --warmup-tokens 128 --logs "$out/logs_auto_1b" --json "$out/auto_1b.json"
+  ;;
 *) echo "usage: $0 1b|8b|streams|close|close8b|lone|cache|structured|prefill|load|auto|auto8b" >&2; exit 2 ;;
 esac

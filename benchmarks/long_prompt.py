@@ -164,6 +164,9 @@ def main() -> None:
     engine = Engine(args.model, work, args.engine_args.split(), env_with(pairs(args.engine_env)), work / "engine.log")
     print(f"engine ready in {engine.ready_s:.1f} s ({args.engine_args or 'defaults'}; env {args.engine_env or '-'})",
           flush=True)
+    for line in (work / "engine.log").read_text(errors="replace").splitlines():
+        if "KV budget" in line or "warm-up:" in line:
+            print("  engine:", line.split("mlxd.engine: ", 1)[-1][:400], flush=True)
     rows: dict[int, dict[str, list[dict[str, float]]]] = {n: {"raw": [], "engine": []} for n in lengths}
     try:
         for i in range(-1, args.runs):  # one warm-up round

@@ -97,6 +97,8 @@ class EngineProcess:
         if "--ssd-cache-dir" not in extra:  # each engine its own SSD tier unless a test shares one
             extra = (*extra, "--ssd-cache-dir", str(self.log_path.parent / "kv"))
         argv = [*launcher, "--model", str(model), "--model-id", model_id, "--socket", str(self.socket), *extra]
+        env = dict(os.environ) if env is None else env
+        env.setdefault("MLXD_DATA_DIR", str(self.log_path.parent / "data"))  # its own (the width probe's memo)
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         self.client = httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket)), base_url="http://engine", timeout=120)
 
@@ -128,9 +130,9 @@ class EngineProcess:
 
 
 @contextlib.contextmanager
-def running_engine(model: Path, model_id: str, *extra: str) -> Iterator[EngineProcess]:
+def running_engine(model: Path, model_id: str, *extra: str, env: dict[str, str] | None = None) -> Iterator[EngineProcess]:
     """An engine that is ready, stopped on exit."""
-    engine = EngineProcess(model, model_id, *extra)
+    engine = EngineProcess(model, model_id, *extra, env=env)
     try:
         yield engine.wait_ready()
     finally:

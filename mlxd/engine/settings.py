@@ -24,6 +24,7 @@ class EngineSettings:
     solo_prefill_step: int | None = None  # None: 2048 on a GPU, prefill_step on the CPU
     kv_budget_tokens: int | None = None
     warmup: str = "auto"
+    width_probe: str = "auto"
     gather_ms: float = 5.0
     max_body: int = DEFAULT_MAX_BODY
     parent_pid: int | None = None
@@ -74,6 +75,11 @@ def parse_args(argv: list[str]) -> EngineSettings:
         help="run warm-up jobs through the lanes at load, compiling their kernels (auto: on CUDA only)",
     )
     p.add_argument(
+        "--width-probe", choices=("auto", "on", "off"), default="auto",
+        help="with --batch auto, measure decode throughput at widths 1, 2, 4, ... at load and go no wider than "
+             "it still grows (auto: on a GPU)",
+    )
+    p.add_argument(
         "--gather-ms", type=float, default=5.0,
         help="after requests have come in together, one finding the engine idle waits up to this long for "
              "the rest of its burst, so they are prefilled as one batch (0: never wait)",
@@ -116,7 +122,7 @@ def parse_args(argv: list[str]) -> EngineSettings:
     return EngineSettings(
         model=a.model, model_id=a.model_id, socket=a.socket, max_context=a.max_context,
         batch=a.batch, memory_bytes=a.memory_bytes, prefill_step=a.prefill_step,
-        solo_prefill_step=a.solo_prefill_step, kv_budget_tokens=a.kv_budget_tokens, warmup=a.warmup,
+        solo_prefill_step=a.solo_prefill_step, kv_budget_tokens=a.kv_budget_tokens, warmup=a.warmup, width_probe=a.width_probe,
         gather_ms=a.gather_ms, max_body=a.max_body, parent_pid=a.parent_pid,
         prompt_cache_bytes=a.prompt_cache_bytes, ssd_cache_bytes=a.ssd_cache_bytes, ssd_cache_dir=a.ssd_cache_dir,
         kv_bits=a.kv_bits, kv_group_size=a.kv_group_size, write_behind=a.ssd_write_behind == "on",

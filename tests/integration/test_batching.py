@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 
 from mlxd.protocol.memory import ROW_TOKENS, kv_bytes_per_token, text_config
-from mlxd.protocol.sizing import AUTO_WIDTH_CAP, MIN_HEADROOM
+from mlxd.protocol.sizing import AUTO_WIDTH_CAP, MIN_HEADROOM, plateau_width
 from tests.support import (
     FAULTY_ENGINE,
     NO_EOS,
@@ -298,10 +299,37 @@ def test_batch_auto_takes_the_widest_batch_memory_holds(tiny_model: Path) -> Non
                         "--prompt-cache-bytes", "0") as engine:
         narrow = lanes(engine)
         answers = at_once(engine, [{"prompt": p, "max_tokens": 20} for p in ["a", "b", "c"]])
+        narrow_log = engine.log()
     assert 1 <= narrow["width"] < AUTO_WIDTH_CAP["cpu"]
     assert narrow["kv_budget_tokens"] * per_token <= memory - MIN_HEADROOM
     assert "as many as memory holds" in narrow["sizing"]
+    assert "MLX keeps at most 0.5 GiB of freed buffers" in narrow_log  # the headroom: its 512 MiB floor
     assert [a["status"] for a in answers] == [200] * 3
+
+
+def test_the_width_probe_narrows_auto_to_where_throughput_stops_growing(tiny_model: Path, tmp_path: Path) -> None:
+    # `auto` probes on a GPU; `on` makes the CPU probe too. What it measured is in the sizing
+    # line, the width is plateau_width's reading of it, and the next start reads it back.
+    env = engine_env(MLXD_DATA_DIR=str(tmp_path))
+    with running_engine(tiny_model, "tiny", "--batch", "auto", "--width-probe", "on", env=env) as engine:
+        probed = lanes(engine)
+        answers = at_once(engine, [{"prompt": p, "max_tokens": 8} for p in ["a", "b", "c"]])
+    seen = re.search(r"probe [\d.]+ s, tok/s by width ([\d.:, ]+)\);", probed["sizing"])
+    assert seen is not None, probed["sizing"]
+    rates = {int(w): float(r) for w, r in re.findall(r"(\d+): ([\d.]+)", seen.group(1))}
+    assert list(rates)[:3] == [1, 2, 4] and max(rates) <= AUTO_WIDTH_CAP["cpu"]
+    assert probed["width"] == min(plateau_width(rates), AUTO_WIDTH_CAP["cpu"])
+    assert probed["kv_budget_tokens"] == probed["width"] * ROW_TOKENS
+    assert [a["status"] for a in answers] == [200] * 3
+    assert len(list((tmp_path / "probe").glob("*.json"))) == 1
+    with running_engine(tiny_model, "tiny", "--batch", "auto", "--width-probe", "on", env=env) as engine:
+        again = lanes(engine)
+    assert re.search(r"probe kept from [\d-]+ [\d:]+, tok/s by width", again["sizing"]), again["sizing"]
+    assert again["width"] == probed["width"] and seen.group(1) in again["sizing"]
+    # A configured width is never probed.
+    with running_engine(tiny_model, "tiny", "--batch", "4", "--width-probe", "on") as engine:
+        assert lanes(engine)["sizing"].startswith("batch 4 (configured)")
+        assert "probe" not in engine.log()
 
 
 def test_warmup_runs_jobs_through_the_lanes_before_ready_and_leaves_no_trace(tiny_model: Path) -> None:

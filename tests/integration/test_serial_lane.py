@@ -78,7 +78,8 @@ def test_a_chunked_prefill_gives_generate_steps_tokens(
     seq = sequence(loaded, closed_loop, prompt, 24)
     steps_before_first = run_lane(lane, seq)
     assert seq.generated == reference(loaded, prompt, 24)
-    assert steps_before_first == -(-(num_prompt - 1) // STEP)  # a chunk a step, then the first token
+    # a chunk a step, the last one with the first token
+    assert steps_before_first == -(-(num_prompt - 1) // STEP) - 1
     assert seq.finish_reason == "length" and not lane.has_work
 
 
@@ -128,4 +129,38 @@ def test_a_job_arriving_during_a_long_serial_prefill_starts_between_its_chunks(
     while runner.has_work:
         runner.turn()
     assert (len(long.generated), len(short.generated)) == (4, 4)
+    assert runner.scheduler.kv.booked == 0
+
+
+def test_an_urgent_job_is_prefilled_alone_between_batched_steps_then_joins_the_batch(
+    loaded: LoadedModel, closed_loop: asyncio.AbstractEventLoop
+) -> None:
+    opts = GatewayOptions(prefill_step=STEP, batch=4)
+    runner = Runner(loaded, Stats(), opts, 100_000, PrefixCache(0))
+
+    def job(salt: int, max_tokens: int, priority: int) -> Sequence:
+        seq = Sequence(Job(prompt_of(loaded, 40, salt=salt), max_tokens, GREEDY, [], Ticket(closed_loop),
+                           priority=priority), loaded.tokenizer, set())
+        runner.enqueue(seq)
+        return seq
+
+    background = [job(10, 30, 10), job(11, 30, 10)]
+    while not all(seq.generated for seq in background):
+        runner.turn()
+    assert runner.rows_in("batch") == 2
+    urgent = job(12, 6, 0)
+    runner.turn()
+    # It took the free serial lane though the batch runs, and its one-chunk prompt gave its
+    # first token in that same turn.
+    assert (runner.rows_in("serial"), len(urgent.generated)) == (1, 1)
+    runner.turn()
+    assert (runner.rows_in("serial"), runner.rows_in("batch")) == (0, 3)  # then it joined the batch
+    same = job(13, 6, 10)  # no more urgent than what runs: the batch lane, as before
+    runner.turn()
+    assert (runner.rows_in("serial"), runner.rows_in("batch")) == (0, 4)
+    while runner.has_work:
+        runner.turn()
+    assert urgent.generated == reference(loaded, urgent.job.prompt, 6)
+    assert same.generated == reference(loaded, same.job.prompt, 6)
+    assert all(seq.generated == reference(loaded, seq.job.prompt, 30) for seq in background)
     assert runner.scheduler.kv.booked == 0

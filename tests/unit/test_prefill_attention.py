@@ -34,15 +34,45 @@ def test_unfused_attention_with_an_array_mask_equals_mlxs(per_head: bool) -> Non
     assert mx.allclose(pa.unfused(q, k, v, 0.2, additive), want, atol=1e-5).item()
 
 
-def test_aligned_full_chunks_and_heavy_ones_go_to_cudnn_the_rest_unfused() -> None:
+def test_aligned_full_chunks_padded_last_chunks_and_heavy_ones_go_to_cudnn_the_rest_unfused() -> None:
     c = pa.aligned_chunk
     k = mx.zeros((1, 8, 3 * c, 64))
-    assert pa.wants_cudnn(mx.zeros((1, 32, c, 64)), k, "causal") == (True, True)  # few shapes: built once each
-    assert pa.wants_cudnn(mx.zeros((1, 32, c, 64)), mx.zeros((1, 8, 3 * c + 5, 64)), "causal")[0] is False
-    assert pa.wants_cudnn(mx.zeros((1, 32, 700, 64)), mx.zeros((1, 8, 800, 64)), "causal") == (False, False)
-    # A last partial chunk over a long context: its unfused attention would outlast a graph build.
-    assert pa.wants_cudnn(mx.zeros((1, 32, 1500, 64)), mx.zeros((1, 8, 24_000, 64)), "causal") == (True, False)
-    assert pa.wants_cudnn(mx.zeros((4, 32, c, 64)), mx.zeros((4, 8, 2 * c, 64)), mx.zeros((4, 1, c, 2 * c)))[0] is False
+    assert pa.plan(mx.zeros((1, 32, c, 64)), k, "causal") == ("aligned", 0)  # few shapes: built once each
+    # A prompt's last partial chunk after aligned ones: padded to the next BUCKET.
+    assert pa.plan(mx.zeros((1, 32, 1855, 64)), mx.zeros((1, 8, 2 * c + 1855, 64)), "causal") == ("padded", 193)
+    assert pa.plan(mx.zeros((1, 32, 1792, 64)), mx.zeros((1, 8, c + 1792, 64)), "causal") == ("padded", 0)
+    # ... but not a short prompt's one cheap chunk, nor without a causal mask (padded keys would be seen).
+    assert pa.plan(mx.zeros((1, 32, 300, 64)), mx.zeros((1, 8, 300, 64)), "causal") == ("unfused", 0)
+    assert pa.plan(mx.zeros((1, 32, 1855, 64)), mx.zeros((1, 8, 2 * c + 1855, 64)), None) == ("unfused", 0)
+    # An unaligned full chunk, a chunk after a cached prefix at an unaligned position: unfused.
+    assert pa.plan(mx.zeros((1, 32, c, 64)), mx.zeros((1, 8, 3 * c + 5, 64)), "causal") == ("unfused", 0)
+    assert pa.plan(mx.zeros((1, 32, 700, 64)), mx.zeros((1, 8, 800, 64)), "causal") == ("unfused", 0)
+    # A chunk over a long context at an unaligned position: its unfused attention would outlast a graph build.
+    assert pa.plan(mx.zeros((1, 32, 1500, 64)), mx.zeros((1, 8, 24_005, 64)), "causal") == ("graph", 0)
+    assert pa.plan(mx.zeros((4, 32, c, 64)), mx.zeros((4, 8, 2 * c, 64)), mx.zeros((4, 1, c, 2 * c)))[0] == "unfused"
+
+
+@pytest.mark.parametrize(("q_len", "cached"), [(37, 64), (50, 128), (64, 128)])
+def test_a_padded_last_chunk_gives_what_the_unpadded_one_does(q_len: int, cached: int,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # Real queries never see the zero keys padded after them (the mask is causal): the cut-back
+    # output is the unpadded attention's. On the CPU MLX's own attention stands in for cuDNN's.
+    monkeypatch.setattr(pa, "aligned_chunk", 64)
+    monkeypatch.setattr(pa, "BUCKET", 16)
+    monkeypatch.setattr(pa, "CUDNN_BUCKET_MIN_WORK", 1)
+    monkeypatch.setattr(pa, "_cudnn", True)
+    q, k, v = (x.astype(mx.float16) for x in qkv(1, 8, 2, q_len, cached + q_len))
+    calls: list[tuple[int, ...]] = []
+
+    def original(queries: mx.array, keys: mx.array, values: mx.array, **kw: object) -> mx.array:
+        calls.append((queries.shape[2], keys.shape[2]))
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=kw["scale"], mask=kw["mask"])
+
+    out = pa.route(original, q, k, v, None, 0.25, "causal", None)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
+    pad = -q_len % 16
+    assert calls == [(q_len + pad, cached + q_len + pad)] and out.shape == want.shape
+    assert mx.allclose(out.astype(mx.float32), want.astype(mx.float32), atol=2e-3).item()
 
 
 def test_decode_steps_and_unsupported_chunks_are_not_routed() -> None:

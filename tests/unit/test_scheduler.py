@@ -233,7 +233,7 @@ def running_in_batch(s: Scheduler[FakeJob], *jobs: FakeJob) -> LaneLoad[FakeJob]
     """`jobs` running in the batch lane (booked), all of them pausable."""
     for job in jobs:
         s.kv.book(job.kv_need)
-    return LaneLoad(False, len(jobs), tuple((j, "batch") for j in jobs))
+    return LaneLoad(False, len(jobs), tuple((j, "batch") for j in jobs), min((j.priority for j in jobs), default=None))
 
 
 def test_a_full_batch_pauses_its_least_urgent_row_for_a_more_urgent_job() -> None:
@@ -242,8 +242,27 @@ def test_a_full_batch_pauses_its_least_urgent_row_for_a_more_urgent_job() -> Non
     load = running_in_batch(s, *rows)
     urgent = FakeJob(100, name=9, priority=0)
     queued(s, urgent)
-    assert s.plan(load) == [Pause(rows[1], "batch"), Start(urgent, "batch")]
+    # it starts alone in the serial lane (more urgent than all that runs), then joins the batch
+    assert s.plan(load) == [Pause(rows[1], "batch"), Start(urgent, "serial")]
     assert s.kv.booked == 300 and s.take_all() == [rows[1]]  # it waits again, booked no more
+
+
+def test_a_job_more_urgent_than_all_that_runs_takes_the_free_serial_lane_beside_the_batch() -> None:
+    s: Scheduler[FakeJob] = Scheduler(8, 10_000)
+    load = running_in_batch(s, FakeJob(100, priority=10), FakeJob(100, priority=5))
+    urgent, same, choices = FakeJob(100, priority=4), FakeJob(100, priority=5), FakeJob(100, priority=0, group_size=2)
+    assert queued(s, urgent).plan(load) == [Start(urgent, "serial")]
+    # no more urgent than the most urgent running row: the batch lane
+    assert queued(s, same).plan(load) == [Start(same, "batch")]
+    # a choice of n is prefilled once in the batch lane, however urgent
+    assert queued(s, choices).plan(load) == [Start(choices, "batch")]
+    # the serial lane busy: the batch lane
+    busy = LaneLoad(True, 2, (), 5)
+    other = FakeJob(100, priority=0)
+    assert queued(s, other).plan(busy) == [Start(other, "batch")]
+    # two urgent ones at once: the first alone, the second with the batch
+    a, b = FakeJob(100, priority=0, name=1), FakeJob(100, priority=0, name=2)
+    assert queued(s, a, b).plan(load) == [Start(a, "serial"), Start(b, "batch")]
 
 
 def test_among_equally_urgent_rows_the_last_started_is_paused() -> None:

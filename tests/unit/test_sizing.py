@@ -11,9 +11,13 @@ from mlxd.protocol.sizing import (
     AUTO_WIDTH_CAP,
     GIB,
     MIN_HEADROOM,
+    PROBE_FLOOR,
     UNKNOWN_MEMORY_WIDTH,
+    headroom_bytes,
     kv_memory_tokens,
     parse_batch,
+    pays,
+    plateau_width,
     short_memory_hint,
     size_engine,
     wanted_tokens,
@@ -127,3 +131,40 @@ def test_parse_batch(text: str, width: int | None) -> None:
 def test_parse_batch_refuses_what_is_no_width(text: str) -> None:
     with pytest.raises(ValueError):
         parse_batch(text)
+
+
+def test_the_probe_keeps_each_width_that_still_pays_for_its_slower_streams() -> None:
+    # An H200-like curve: every doubling adds a lot, to the widest probed.
+    assert plateau_width({1: 300, 2: 590, 4: 1150, 8: 2100, 16: 3600, 32: 4800, 64: 5600, 128: 6300}) == 128
+    # A laptop-like curve: past 16 rows a doubling adds under PROBE_GAIN.
+    assert plateau_width({1: 30, 2: 58, 4: 100, 8: 150, 16: 180, 32: 190, 64: 195}) == 16
+    # One noisy width does not end the search when a wider one clears the bar from the last kept.
+    assert plateau_width({1: 100, 2: 190, 4: 200, 8: 420, 16: 430}) == 8
+    # A width that is not a power of two is judged pro rata (37 rows: 1.16x the rows of 32).
+    assert plateau_width({16: 1000, 32: 1900, 37: 2150}) == 37
+    assert plateau_width({16: 1000, 32: 1900, 37: 1930}) == 32  # needs 1.02x: 1,938
+    # Never below the floor (concurrency), nor above what was probed.
+    assert plateau_width({1: 100, 2: 101, 4: 102, 8: 103, 16: 104}) == PROBE_FLOOR
+    assert plateau_width({1: 100, 2: 101, 4: 102}) == 4
+    assert pays({8: 100.0, 16: 111.0}, 8, 16) and not pays({8: 100.0, 16: 109.0}, 8, 16)
+
+
+def test_a_probed_width_narrows_auto_but_never_a_configured_width_or_past_memory() -> None:
+    memory = kv_memory_tokens(140 * GIB, int(2.5 * GIB), 14 * GIB, KV_1B)
+    probed = size_engine(width=None, context=131072, memory_tokens=memory, device="cuda", probed=(32, "probe 1.2 s"))
+    assert (probed.width, probed.kv_budget_tokens, probed.auto) == (32, wanted_tokens(131072, 32), True)
+    assert probed.why.startswith("batch auto: 32 (wider stopped paying; probe 1.2 s); KV budget")
+    wide = size_engine(width=None, context=131072, memory_tokens=memory, device="cuda", probed=(128, "probe 2.0 s"))
+    assert wide.width == 128 and wide.why.startswith("batch auto: 128 (the most on cuda; probe 2.0 s)")
+    configured = size_engine(width=64, context=131072, memory_tokens=memory, device="cuda", probed=(32, "probe"))
+    assert (configured.width, configured.auto) == (64, False)
+    # Memory holds 3 rows of 4096: the probe cannot widen what memory narrows.
+    small = size_engine(width=None, context=4096, memory_tokens=3 * 4096, device="metal", probed=(16, "probe"))
+    assert small.width == 3 and "as many as memory holds" in small.why
+
+
+def test_the_headroom_is_a_tenth_of_memory_and_at_least_512_mib() -> None:
+    assert headroom_bytes(140 * GIB) == 14 * GIB
+    assert headroom_bytes(2 * GIB) == MIN_HEADROOM
+    # what the KV is sized within leaves exactly it
+    assert kv_memory_tokens(140 * GIB, 10 * GIB, 0, 1) == 140 * GIB - 10 * GIB - headroom_bytes(140 * GIB)

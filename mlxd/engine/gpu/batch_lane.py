@@ -87,6 +87,11 @@ class BatchLane:
         """Rows with no token yet (their prompts are being prefilled)."""
         return sum(not seq.generated for seq in self._rows.values()) + self._num_grouped() + len(self._arrivals)
 
+    @property
+    def most_urgent(self) -> int | None:
+        held = [*self._rows.values(), *self._arrivals, *(seq for g in self._groups for seq in g.waiting)]
+        return min((seq.priority for seq in held), default=None)
+
     def _num_grouped(self) -> int:
         return sum(len(g.waiting) for g in self._groups)
 

@@ -15,7 +15,7 @@ import psutil
 from mlxd.engine.gpu.options import GatewayOptions
 from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.protocol.memory import kv_bytes_per_token, text_config
-from mlxd.protocol.sizing import Device, Sizing, kv_memory_tokens, size_engine
+from mlxd.protocol.sizing import Device, Sizing, headroom_bytes, kv_memory_tokens, size_engine
 
 log = logging.getLogger("mlxd.engine")
 CPU_MEMORY_SHARE = 0.75  # of RAM, on the CPU: [pool] memory_fraction's default
@@ -45,13 +45,32 @@ def weights_bytes(loaded: LoadedModel) -> int:
     return active if active > 0 else sum(f.stat().st_size for f in loaded.path.glob("*.safetensors"))
 
 
-def size_for(loaded: LoadedModel, opts: GatewayOptions) -> Sizing:
-    """The width (`--batch`, or auto's choice) and KV budget for this model on this device."""
+def size_for(loaded: LoadedModel, opts: GatewayOptions, probed: tuple[int, str] | None = None) -> Sizing:
+    """The width (`--batch`, or auto's choice, within `probed`'s: width_probe.py) and KV budget
+    for this model on this device."""
     device = device_kind()
-    memory = device_memory_bytes(device)
-    if opts.memory_bytes is not None:
-        memory = opts.memory_bytes if memory is None else min(memory, opts.memory_bytes)
+    memory = allowed_memory_bytes(device, opts)
     per_token = kv_bytes_per_token(text_config(loaded.config))
     tokens = kv_memory_tokens(memory, weights_bytes(loaded), opts.prompt_cache_bytes, per_token)
     return size_engine(width=opts.batch, context=loaded.context_window, memory_tokens=tokens, device=device,
-                       kv_budget_tokens=opts.kv_budget_tokens)
+                       kv_budget_tokens=opts.kv_budget_tokens, probed=probed)
+
+
+def cache_limit_bytes(opts: GatewayOptions) -> int | None:
+    """What MLX may keep of freed buffers for reuse: the sizing's headroom (None: memory unknown).
+
+    MLX keeps freed buffers by default up to its memory limit, so an engine that once ran a
+    wide warm-up or a long prefill holds that peak for good. On a GPU another engine of the
+    pool, or any other program, then finds the device full (on the H200, a raw mlx-lm
+    process beside an engine at `batch auto` with an 8B model ran out of memory).
+    """
+    memory = allowed_memory_bytes(device_kind(), opts)
+    return None if memory is None else headroom_bytes(memory)
+
+
+def allowed_memory_bytes(device: Device, opts: GatewayOptions) -> int | None:
+    """The device's memory, within the supervisor's `--memory-bytes` (None: not known)."""
+    memory = device_memory_bytes(device)
+    if opts.memory_bytes is not None:
+        memory = opts.memory_bytes if memory is None else min(memory, opts.memory_bytes)
+    return memory

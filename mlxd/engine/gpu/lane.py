@@ -27,6 +27,10 @@ class Lane(Protocol):
     def num_prefilling(self) -> int:
         """Of those, the ones with no token yet (their prompts being prefilled)."""
 
+    @property
+    def most_urgent(self) -> int | None:
+        """The lowest `priority` among the lane's sequences (None: it holds none)."""
+
     def admit(self, seq: Sequence) -> None:
         """Take a sequence the scheduler started here; its prefill runs in later steps. One that
         was paused (it has generated tokens) goes on from its history."""

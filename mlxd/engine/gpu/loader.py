@@ -19,8 +19,8 @@ from mlxd.engine import mlx_env
 from mlxd.engine.cache.fingerprint import tier_dir
 from mlxd.engine.cache.prefix_cache import PrefixCache
 from mlxd.engine.cache.ssd_tier import SsdTier, default_ssd_cache_bytes
-from mlxd.engine.gpu import decode_attention, prefill_attention
-from mlxd.engine.gpu.device_memory import size_for
+from mlxd.engine.gpu import decode_attention, prefill_attention, width_probe
+from mlxd.engine.gpu.device_memory import cache_limit_bytes, size_for
 from mlxd.engine.gpu.flat_rows import FLATTEN_MIN_ROWS, flatten_quantized_rows, wins_here
 from mlxd.engine.gpu.kv_quant import activation_dtype, check_quantized_kv
 from mlxd.engine.gpu.options import GatewayOptions
@@ -29,7 +29,7 @@ from mlxd.engine.gpu.stats import Stats
 from mlxd.engine.gpu.warmup import wanted, warm_up
 from mlxd.engine.models.load_meter import LoadMeter
 from mlxd.engine.models.loaded_model import LoadedModel, wire_model_memory
-from mlxd.protocol.sizing import Sizing, short_memory_hint
+from mlxd.protocol.sizing import Sizing, plateau_width, short_memory_hint
 
 log = logging.getLogger("mlxd.engine")
 
@@ -51,29 +51,43 @@ GPU_SOLO_PREFILL_STEP = 2048
 
 
 def size_options(loaded: LoadedModel, opts: GatewayOptions) -> tuple[GatewayOptions, Sizing]:
-    """The options with the width and KV budget filled in (device_memory.py), and how they were
-    chosen; the solo prefill chunk too."""
+    """The options with the width and KV budget filled in (device_memory.py; at `batch auto` on a
+    GPU within what the width probe found paying), and how they were chosen; the solo prefill
+    chunk too. Installs the model's batched-decode patches first (the probe runs through them)."""
+    asked = opts
     sizing = size_for(loaded, opts)
-    log.info("%s", sizing.why)
     on_gpu = bool(mx.cuda.is_available() or mx.metal.is_available())
     solo = opts.solo_prefill_step or (GPU_SOLO_PREFILL_STEP if on_gpu else opts.prefill_step)
-    return replace(opts, batch=sizing.width, kv_budget_tokens=sizing.kv_budget_tokens,
-                   solo_prefill_step=max(solo, opts.prefill_step)), sizing
+    opts = replace(opts, batch=sizing.width, kv_budget_tokens=sizing.kv_budget_tokens,
+                   solo_prefill_step=max(solo, opts.prefill_step))
+    patch_model(loaded, opts)
+    if sizing.auto and sizing.width > 1 and width_probe.wanted(opts.width_probe):
+        rates, how = width_probe.remembered(opts.probe_dir, loaded.model, loaded.vocab_size, loaded.path, sizing.width)
+        seen = ", ".join(f"{w}: {rate:.1f}" for w, rate in sorted(rates.items()))
+        sizing = size_for(loaded, asked, (plateau_width(rates), f"{how}, tok/s by width {seen}"))
+        opts = replace(opts, batch=sizing.width, kv_budget_tokens=sizing.kv_budget_tokens)
+    log.info("%s", sizing.why)
+    return opts, sizing
 
 
-def make_runner(
-    loaded: LoadedModel, stats: Stats, opts: GatewayOptions, sizing: Sizing, meter: LoadMeter, idle: threading.Event
-) -> tuple[Runner, PrefixCache]:
-    """The model's batched-decode patches, the warm-up (when wanted), then the Runner and prompt cache
-    (`opts` sized: size_options)."""
-    budget = opts.kv_budget_tokens
-    assert opts.batch is not None and budget is not None, "size_options fills them in"
+def patch_model(loaded: LoadedModel, opts: GatewayOptions) -> None:
+    """The model's batched-decode patches: quantized rows flattened where that wins, and on CUDA
+    attention through mlxd (decode_attention.py, prefill_attention.py)."""
+    assert opts.batch is not None
     if opts.batch >= FLATTEN_MIN_ROWS and wins_here() and (n := flatten_quantized_rows(loaded.model)):
         log.info("%d quantized layers run batched decode rows flattened (from %d rows)", n, FLATTEN_MIN_ROWS)
     if mx.cuda.is_available() and (modules := decode_attention.install(loaded.model)):
         prefill_attention.aligned_chunk = opts.solo_prefill_step
         log.info("attention runs through mlxd (%s): prefill chunks to cuDNN's or MLX's unfused attention%s",
                  ", ".join(modules), "; batched decode attention runs mlxd's kernel" if decode_attention.enabled() else "")
+
+
+def make_runner(
+    loaded: LoadedModel, stats: Stats, opts: GatewayOptions, sizing: Sizing, meter: LoadMeter, idle: threading.Event
+) -> tuple[Runner, PrefixCache]:
+    """The warm-up (when wanted), then the Runner and prompt cache (`opts` sized: size_options)."""
+    budget = opts.kv_budget_tokens
+    assert opts.batch is not None and budget is not None, "size_options fills them in"
     if wanted(opts.warmup):
         if cold := mlx_env.cold_kernel_cache(os.environ, cuda=bool(mx.cuda.is_available())):
             log.info("warm-up: the first start on this machine with this MLX version compiles its GPU kernels "
@@ -81,11 +95,23 @@ def make_runner(
         # Its own stats and a RAM-only prompt cache: the warm-up's jobs leave no trace.
         warm = Runner(loaded, Stats(), opts, budget, PrefixCache(opts.prompt_cache_bytes))
         seconds, jobs, most = warm_up(warm, loaded, opts.batch, meter)
-        log.info("warm-up: %d jobs, up to %d rows at once: %.0f ms", jobs, most, seconds * 1000)
+        log.info("warm-up: %d jobs, up to %d rows at once: %.0f ms (MLX memory: %s)", jobs, most, seconds * 1000,
+                 memory_line())
+    if (limit := cache_limit_bytes(opts)) is not None:
+        mx.clear_cache()  # what the probe and the warm-up freed
+        mx.set_cache_limit(limit)
+        log.info("MLX keeps at most %.1f GiB of freed buffers for reuse (the sizing's headroom)", limit / 1024**3)
     # Unseeded sampling draws from MLX's global generator: fresh entropy for each engine.
     mx.random.seed(int.from_bytes(os.urandom(8), "little"))
     cache = PrefixCache(opts.prompt_cache_bytes, ssd_tier(loaded, opts), idle)
     return Runner(loaded, stats, opts, budget, cache, short_memory_hint(sizing)), cache
+
+
+def memory_line() -> str:
+    """MLX's memory now, in GiB: in use, cached for reuse, the peak so far."""
+    gib = 1024**3
+    return (f"active {mx.get_active_memory() / gib:.1f} GiB, cache {mx.get_cache_memory() / gib:.1f} GiB, "
+            f"peak {mx.get_peak_memory() / gib:.1f} GiB")
 
 
 def ssd_tier(loaded: LoadedModel, opts: GatewayOptions) -> SsdTier | None:

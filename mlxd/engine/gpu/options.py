@@ -14,6 +14,8 @@ class GatewayOptions:
     memory_bytes: int | None = None  # what the width and KV budget are sized within (None: the device's)
     max_context: int | None = None
     kv_budget_tokens: int | None = None  # None: protocol.sizing's, for the window, width and memory
+    width_probe: str = "auto"  # with batch auto, measure where wider stops paying: on, off, auto (a GPU); width_probe.py
+    probe_dir: Path | None = None  # where the width probe keeps what it measured (None: nowhere)
     warmup: str = "auto"  # run warm-up jobs through the lanes at load: on, off, auto (CUDA only); warmup.py
     gather_ms: float = 5.0  # in a burst, an idle engine waits this long for the next arrival (0: never)
     prompt_cache_bytes: int = 512 * 1024 * 1024  # the prompt cache's RAM tier (0: no prompt cache)

@@ -12,11 +12,19 @@ chunk here:
 - a full chunk of one row at an aligned position (query length the engine's prefill chunk,
   key length a multiple of it, K and V made contiguous so their strides follow the shape):
   cuDNN. Such shapes are few (one per chunk of the window), each built once;
+- a prompt's last partial chunk of one row after aligned ones (a causal mask, the keys
+  before it a multiple of the chunk): its queries and keys padded at the end to a multiple
+  of BUCKET with zeros, the output cut back. Under a causal mask a real query never sees
+  the padded keys (they come after it), so the result is exact, and the shapes are again
+  few (BUCKET steps of query length, one set per aligned offset), so each graph is built
+  once in an engine's life. Only when its unfused attention would cost a few milliseconds
+  (CUDNN_BUCKET_MIN_WORK): a short prompt's one chunk stays unfused;
 - a chunk whose unfused attention would cost more than building a graph (query x key x
   heads x head size of CUDNN_MIN_WORK or more, calibrated on the H200's 1B model): cuDNN,
   a graph for this shape alone;
-- every other chunk (short prompts, small bursts, a prompt's last partial chunk over a short
-  context): MLX's unfused attention, computed here as MLX's own fallback computes it.
+- every other chunk (short prompts, small bursts, a chunk after a cached prefix at an
+  unaligned position over a short context): MLX's unfused attention, computed here as
+  MLX's own fallback computes it.
 
 Decode steps (one query a row) are not routed here: MLX's vector kernel or cuDNN's decode
 attention serve a plain cache, mlxd's kernel a batch (decode_attention.py).
@@ -33,6 +41,10 @@ import mlx.core as mx
 # MLX's unfused attention over the model's layers (1B on the H200: about 4.6 ms per million
 # query x key pairs, 2048 = 32 heads x 64, over 16 layers).
 CUDNN_MIN_WORK = 4 * 10**10
+# A padded last chunk's shape recurs (BUCKET steps): worth cuDNN from about 2.4 million
+# query x key pairs at 2048 (about 11 ms unfused over the 1B model's layers).
+CUDNN_BUCKET_MIN_WORK = 5 * 10**9
+BUCKET = 256
 CUDNN_DTYPES = (mx.float16, mx.bfloat16)
 aligned_chunk = 2048  # the engine's solo prefill chunk (set at load): full aligned chunks go to cuDNN
 
@@ -52,13 +64,22 @@ def eligible(queries: mx.array, keys: Any, values: Any, sinks: Any) -> bool:
             and values.shape[-1] % 8 == 0 and values.shape[-1] <= 128 and queries.shape[2] <= keys.shape[2])
 
 
-def wants_cudnn(queries: mx.array, keys: mx.array, mask: Any) -> tuple[bool, bool]:
-    """(cuDNN or not, and whether its K and V are made contiguous: the few aligned shapes)."""
+def plan(queries: mx.array, keys: mx.array, mask: Any) -> tuple[str, int]:
+    """How a prefill chunk runs: ("aligned" | "padded" | "graph" | "unfused", padding).
+
+    aligned: cuDNN, K and V made contiguous (a full chunk at an aligned position); padded:
+    cuDNN over queries and keys padded at the end by `padding` (a last partial chunk after
+    aligned ones); graph: cuDNN at this shape alone; unfused: MLX's unfused attention.
+    """
     B, H, q_len, D = queries.shape
     k_len = keys.shape[2]
-    if B == 1 and q_len == aligned_chunk and k_len % aligned_chunk == 0 and (mask is None or isinstance(mask, str)):
-        return True, True
-    return q_len * k_len * H * D >= CUDNN_MIN_WORK, False
+    if B == 1 and (mask is None or isinstance(mask, str)) and (k_len - q_len) % aligned_chunk == 0:
+        if q_len == aligned_chunk:
+            return "aligned", 0
+        pad = -q_len % BUCKET
+        if mask == "causal" and q_len < aligned_chunk and (q_len + pad) * (k_len + pad) * H * D >= CUDNN_BUCKET_MIN_WORK:
+            return "padded", pad
+    return ("graph", 0) if q_len * k_len * H * D >= CUDNN_MIN_WORK else ("unfused", 0)
 
 
 def unfused(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
@@ -94,9 +115,13 @@ def route(original: Any, queries: mx.array, keys: Any, values: Any, cache: Any, 
     """A prefill chunk's attention: cuDNN's through mlx-lm's function, or the unfused one."""
     if not eligible(queries, keys, values, sinks):
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-    cudnn, tight = wants_cudnn(queries, keys, mask)
-    if not cudnn:
+    how, pad = plan(queries, keys, mask)
+    if how == "unfused":
         return unfused(queries, keys, values, scale, mask)
-    if tight:
+    if how == "aligned":
         keys, values = mx.contiguous(keys), mx.contiguous(values)
+    elif how == "padded":
+        q_len, at_end = queries.shape[2], [(0, 0), (0, 0), (0, pad), (0, 0)]
+        queries, keys, values = mx.pad(queries, at_end), mx.pad(keys, at_end), mx.pad(values, at_end)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)[:, :, :q_len]
     return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)

@@ -76,7 +76,8 @@ class Runner:
     def _start_waiting(self, is_stopping: bool) -> int:
         started = 0
         pausable = tuple((seq, name) for name, lane in self._lanes.items() for seq in lane.pausable())
-        load = LaneLoad(self._lanes["serial"].has_work, self.rows_in("batch"), pausable)
+        urgency = [p for lane in self._lanes.values() if (p := lane.most_urgent) is not None]
+        load = LaneLoad(self._lanes["serial"].has_work, self.rows_in("batch"), pausable, min(urgency, default=None))
         for decision in self.scheduler.plan(load, is_stopping):
             if isinstance(decision, Pause):
                 self._pause(decision.job, self._lanes[decision.lane])

@@ -51,6 +51,7 @@ class LaneLoad(Generic[W]):
     serial_busy: bool
     batch_rows: int
     pausable: tuple[tuple[W, LaneName], ...] = ()
+    running_priority: int | None = None  # the most urgent running job's priority (None: none runs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +101,7 @@ class Scheduler(Generic[W]):
             "raise the budget with `max_context` (up to the model's window) or `batch` in the model's "
             "[models.NAME] entry of mlxd's config")
         self._queue: deque[W] = deque()
+        self._running_priority: int | None = None  # during plan: the most urgent running job's
 
     @property
     def num_waiting(self) -> int:
@@ -118,6 +120,7 @@ class Scheduler(Generic[W]):
         decisions: list[Decision[W]] = []
         serial, rows = load.serial_busy, load.batch_rows
         pausable = list(load.pausable)
+        self._running_priority = load.running_priority
         while self._queue:
             decision = self._decide(self._queue[0], serial, rows, is_stopping)
             if decision is None:
@@ -136,7 +139,13 @@ class Scheduler(Generic[W]):
             if isinstance(decision, Start):
                 self.kv.book(decision.job.kv_need)
                 serial, rows = (True, rows) if decision.lane == "serial" else (serial, rows + 1)
+                p = decision.job.priority
+                self._running_priority = p if self._running_priority is None else min(self._running_priority, p)
         return decisions
+
+    def _urgent(self, job: W) -> bool:
+        """Whether `job` (alone: not a choice of n) is more urgent than every running job (some job runs)."""
+        return self._running_priority is not None and job.priority < self._running_priority and job.group_size == 1
 
     def _victims(self, head: W, pausable: list[tuple[W, LaneName]], serial: bool, rows: int) -> list[tuple[W, LaneName]]:
         """The fewest running jobs, less urgent than `head`, whose pause lets it start (least
@@ -153,7 +162,8 @@ class Scheduler(Generic[W]):
             free += job.kv_need
             serial, rows = (False, rows) if lane == "serial" else (serial, rows - 1)
             behind = max(len(self._queue) - 1, head.group_size - 1)
-            if choose_lane(head.kv_need, LaneState(self.width, serial, rows, free, behind)) is not None:
+            if choose_lane(head.kv_need, LaneState(self.width, serial, rows, free, behind,
+                                                   self._urgent(head))) is not None:
                 return chosen
         return []
 
@@ -177,7 +187,7 @@ class Scheduler(Generic[W]):
         need = job.kv_need
         # The jobs behind this one come with it (a burst); a choice of n brings its siblings.
         behind = max(len(self._queue) - 1, job.group_size - 1)
-        lane = choose_lane(need, LaneState(self.width, serial, rows, self.kv.free, behind))
+        lane = choose_lane(need, LaneState(self.width, serial, rows, self.kv.free, behind, self._urgent(job)))
         if lane is not None:
             return Start(job, lane)
         if not serial and not rows:  # nothing runs and it still does not fit

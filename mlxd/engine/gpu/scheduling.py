@@ -6,6 +6,12 @@ serial lane when the engine is otherwise idle and no other job waits with it, an
 lane when anything else runs or waits: then it shares each step with the others, and jobs
 that arrive together are prefilled together. `--batch 1` keeps to the serial lane.
 
+One exception: a job more urgent than every running one takes the serial lane when it is
+free, even while the batch runs. Its prompt is then prefilled alone, between the batch's
+steps, and its first token comes from the serial lane's next step, instead of a prefill
+beside every decoding row and a batched step after it; once it has a token it joins the
+batch (runner.py). So an urgent request's TTFT hardly depends on how many rows decode.
+
 KV admission books each running sequence's worst case (its prompt plus max_tokens, in tokens)
 against the engine's budget; a job that does not fit waits, one that could never fit is
 refused before it is queued.
@@ -28,6 +34,7 @@ class LaneState:
     batch_rows: int
     kv_free: int  # tokens of KV budget not booked by running sequences
     behind: int = 0  # jobs waiting after this one: a burst, prefilled together in the batch lane
+    urgent: bool = False  # more urgent than every running job: the free serial lane takes it
 
 
 def choose_lane(kv_tokens: int, state: LaneState) -> LaneName | None:
@@ -36,6 +43,8 @@ def choose_lane(kv_tokens: int, state: LaneState) -> LaneName | None:
     if running >= state.width or kv_tokens > state.kv_free:
         return None
     if state.width == 1 or (not state.serial_busy and state.batch_rows == 0 and state.behind == 0):
+        return "serial"
+    if state.urgent and not state.serial_busy:
         return "serial"
     return "batch"
 

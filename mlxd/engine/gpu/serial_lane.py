@@ -6,7 +6,7 @@ multiple of the chunk size (after a cached prefix the first one is shorter: whol
 aligned positions are the few shapes cuDNN's attention builds once, prefill_attention.py). So
 the GPU thread reads its inbox between chunks (a drain, a new job for the batch lane) instead
 of after the whole prompt, and the tokens are those generate_step gives (test_serial_lane.py). generate_step then runs the prompt's last
-token and keeps the GPU one token ahead. A sequence paused for a more urgent one (its KV to the
+token, in the same step as the last chunk, and keeps the GPU one token ahead. A sequence paused for a more urgent one (its KV to the
 prompt cache) is taken back the same way, its history as the prompt.
 """
 
@@ -62,6 +62,10 @@ class SerialLane:
     def num_prefilling(self) -> int:
         return int(self._seq is not None and not self._seq.generated)
 
+    @property
+    def most_urgent(self) -> int | None:
+        return self._seq.priority if self._seq is not None else None
+
     def admit(self, seq: Sequence) -> None:
         """Start `seq` (the lane must be free); its prefill runs in the next steps. A paused one
         goes on from its history (its KV from the prompt cache, what of it is still there)."""
@@ -84,7 +88,11 @@ class SerialLane:
                 seq.cancel()
             else:
                 prefilled_a_chunk = self._steps is None and self._prefill_chunk(self._tokens)
-                if prefilled_a_chunk or not seq.add(*self._next_token()):
+                # The prompt's last chunk and its first token in one step: under load a batched
+                # step runs between two of this lane's steps, and the first token need not wait it.
+                if prefilled_a_chunk and len(self._tokens) - self._done > 1:
+                    return []
+                if not seq.add(*self._next_token()):
                     return []
         except StopIteration:  # generate_step ran out (max_tokens), which `add` has seen
             seq.finish_reason = seq.finish_reason or "length"
