@@ -270,6 +270,21 @@ r3d)
   step batch_1b 110 python3 benchmarks/batching.py --model /tmp/models/l1b32 --widths 8,16 --rounds 2 \
     --only server,mlxd --warmup-tokens 128
   ;;
+r4)
+  # what issue 24 still needs measured on the GPU after the third session: the 8B long prompt
+  # beside an engine at auto (MLX's cache capped since), the lone stream at auto against batch 8,
+  # and the 1B model at 16 streams against raw BatchGenerator and the server
+  model 8b-4bit /tmp/models/l8q32 --context 32768
+  step long_8b_auto 260 python3 benchmarks/long_prompt.py --model /tmp/models/l8q32 --lengths 8000,24000 --runs 3 \
+    --engine-args "--batch auto"
+  model 1b-bf16 /tmp/models/l1b32 --context 32768
+  for b in 8 auto; do
+    step lone_b$b 100 python3 benchmarks/engine_decode.py --model /tmp/models/l1b32 --runs 7 --max-tokens 256 \
+      --cold-starts 0 --engine-args "--batch $b"
+  done
+  step auto_1b_16 200 python3 benchmarks/batching.py --model /tmp/models/l1b32 --widths 16 --rounds 3 \
+    --warmup-tokens 128
+  ;;
 r3batch)
   # issue 24, third session: the 1B model at 1-64 streams against both the server and raw
   model 1b-bf16 /tmp/models/l1b32 --context 32768

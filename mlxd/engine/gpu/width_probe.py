@@ -36,6 +36,7 @@ from mlxd.protocol.sizing import pays
 log = logging.getLogger("mlxd.engine")
 
 PROMPT_TOKENS = 32
+STABLE_DEVICE_KEYS = ("device_name", "architecture", "total_memory", "memory_size", "max_recommended_working_set_size")
 MISSES = 2  # widths in a row that did not pay: the wider ones are not measured
 UNTIMED_STEPS = 2
 TIMED_STEPS = 4
@@ -106,7 +107,7 @@ def memo_key(model_path: Path, cap: int) -> str:
 
     files = sorted((f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in model_path.glob("*.safetensors"))
     config = (model_path / "config.json").read_bytes() if (model_path / "config.json").exists() else b""
-    info = {k: v for k, v in mx.device_info().items() if isinstance(v, (str, int))}
+    info = {k: v for k, v in mx.device_info().items() if k in STABLE_DEVICE_KEYS}  # not free memory, say
     versions = [__version__, metadata.version("mlx"), metadata.version("mlx-lm")]
     parts = [str(model_path.resolve()), files, hashlib.sha256(config).hexdigest(), info, cap, versions,
              PROMPT_TOKENS, TIMED_STEPS]
