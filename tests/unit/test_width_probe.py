@@ -7,9 +7,11 @@ import os
 import shutil
 from pathlib import Path
 
+import pytest
 from mlx_lm import load
 
 from mlxd.engine.gpu import width_probe
+from mlxd.protocol.sizing import AUTO_WIDTH_CAP
 
 
 def test_the_widths_are_powers_of_two_up_to_the_cap_and_the_cap() -> None:
@@ -43,3 +45,19 @@ def test_a_measurement_is_kept_and_read_back_and_a_broken_memo_is_measured_again
     assert how.startswith("probe ") and "kept" not in how and sorted(fresh) == [1, 2, 4]
     assert width_probe.remembered(None, model, vocab, tiny_model, 2)[1].startswith("probe ")  # nowhere to keep it
     assert [p.name for p in tmp_path.iterdir()] == [memo.name]  # no temporary file left
+
+
+def test_a_probe_that_fails_leaves_the_width_memory_allows(tiny_model: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    from mlxd.engine.gpu.loader import size_options
+    from mlxd.engine.gpu.options import GatewayOptions
+    from mlxd.engine.models.loaded_model import LoadedModel
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(width_probe, "remembered", broken)  # a GPU failing on cue, which the CPU cannot
+    loaded = LoadedModel(tiny_model, "tiny")
+    opts, sizing = size_options(loaded, GatewayOptions(batch=None, width_probe="on", prompt_cache_bytes=0))
+    assert (opts.batch, sizing.width) == (AUTO_WIDTH_CAP["cpu"], AUTO_WIDTH_CAP["cpu"])
+    assert "probe" not in sizing.why and "width probe failed (RuntimeError: out of memory)" in caplog.text

@@ -62,10 +62,15 @@ def size_options(loaded: LoadedModel, opts: GatewayOptions) -> tuple[GatewayOpti
                    solo_prefill_step=max(solo, opts.prefill_step))
     patch_model(loaded, opts)
     if sizing.auto and sizing.width > 1 and width_probe.wanted(opts.width_probe):
-        rates, how = width_probe.remembered(opts.probe_dir, loaded.model, loaded.vocab_size, loaded.path, sizing.width)
-        seen = ", ".join(f"{w}: {rate:.1f}" for w, rate in sorted(rates.items()))
-        sizing = size_for(loaded, asked, (plateau_width(rates), f"{how}, tok/s by width {seen}"))
-        opts = replace(opts, batch=sizing.width, kv_budget_tokens=sizing.kv_budget_tokens)
+        try:
+            rates, how = width_probe.remembered(opts.probe_dir, loaded.model, loaded.vocab_size, loaded.path,
+                                                sizing.width)
+        except Exception as exc:  # a measurement: the width memory allows is still a width that works
+            log.warning("width probe failed (%s: %s): the width is what memory allows", type(exc).__name__, exc)
+        else:
+            seen = ", ".join(f"{w}: {rate:.1f}" for w, rate in sorted(rates.items()))
+            sizing = size_for(loaded, asked, (plateau_width(rates), f"{how}, tok/s by width {seen}"))
+            opts = replace(opts, batch=sizing.width, kv_budget_tokens=sizing.kv_budget_tokens)
     log.info("%s", sizing.why)
     return opts, sizing
 
