@@ -54,3 +54,11 @@ def test_a_bad_solo_prefill_step_is_refused_with_a_message(value: str, capsys: p
     with pytest.raises(SystemExit) as exit_info:
         parse_args([*BASE, "--solo-prefill-step", value])
     assert exit_info.value.code == 2 and "--solo-prefill-step" in capsys.readouterr().err
+
+
+def test_the_width_probe_is_auto_unless_given_and_refuses_other_words(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse_args(BASE).width_probe == "auto"  # on a GPU, at batch auto (loader.size_options)
+    assert parse_args([*BASE, "--width-probe", "off"]).width_probe == "off"
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args([*BASE, "--width-probe", "sometimes"])
+    assert exit_info.value.code == 2 and "--width-probe" in capsys.readouterr().err

@@ -74,6 +74,8 @@ class Runner:
         return started
 
     def _start_waiting(self, is_stopping: bool) -> int:
+        if not self.scheduler.num_waiting:  # the usual decode turn: nothing to look at the lanes for
+            return 0
         started = 0
         pausable = tuple((seq, name) for name, lane in self._lanes.items() for seq in lane.pausable())
         urgency = [p for lane in self._lanes.values() if (p := lane.most_urgent) is not None]
