@@ -39,6 +39,7 @@ import inspect
 import itertools
 import json
 import math
+import os
 import re
 import shlex
 import shutil
@@ -403,7 +404,17 @@ def bench_supervisor(model: Path, work: Path, model_lines: str = "") -> tuple[Su
 
 
 def run_mlxd(args: argparse.Namespace, template: str, bias: dict[str, float], work: Path) -> Row:
-    sup, text = bench_supervisor(args.model, work, f"batch = {args.batch}\n" if args.batch is not None else "")
+    extra = dict(kv.split("=", 1) for kv in args.mlxd_env.split(",") if kv)
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)  # the supervisor, and its engines, inherit them
+    try:
+        sup, text = bench_supervisor(args.model, work, f"batch = {args.batch}\n" if args.batch is not None else "")
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     config = work / "mlxd.toml"
     try:
         sup.wait_health()
@@ -517,6 +528,7 @@ def parse_args() -> argparse.Namespace:
                    help="vllm-mlx's `vllm-mlx` script, in a venv of its own (for --only ...,vllm)")
     p.add_argument("--batch", type=int, help="add `batch = N` to mlxd's [models.bench] table")
     p.add_argument("--server-args", default="", help="extra mlx_lm.server flags, e.g. '--decode-concurrency 64'")
+    p.add_argument("--mlxd-env", default="", help="NAME=VALUE[,NAME=VALUE] for mlxd's supervisor and engines only")
     p.add_argument("--json", type=Path, help="write every result here")
     p.add_argument("--logs", type=Path, help="copy the servers' logs (mlxd's serve.log, mlx_lm.server's) into this dir")
     p.add_argument("--raw-worker", help=argparse.SUPPRESS)

@@ -41,14 +41,16 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import logit_bias  # noqa: E402
 
 
-def start_engine(model: Path, batch: int, prefill_step: int) -> tuple[subprocess.Popen[bytes], Path, Path]:
+def start_engine(model: Path, batch: int | str, prefill_step: int | None,
+                 env_extra: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    """An engine on `model` (`--prefill-step` left at its default when None)."""
     sock_dir = Path(tempfile.mkdtemp(prefix="mx-fp-", dir="/tmp"))
     sock_dir.chmod(0o700)
     sock = sock_dir / "e.sock"
     log = sock_dir / "engine.log"
     argv = [sys.executable, "-m", "mlxd.engine", "--model", str(model), "--model-id", "m", "--socket", str(sock),
-            "--batch", str(batch), "--prefill-step", str(prefill_step)]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+            "--batch", str(batch), *(["--prefill-step", str(prefill_step)] if prefill_step else [])]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", **(env_extra or {})}
     proc = subprocess.Popen(argv, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
     wait_ready(proc, sock, log)
     return proc, sock, log

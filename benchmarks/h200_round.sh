@@ -285,6 +285,69 @@ r4)
   step auto_1b_16 200 python3 benchmarks/batching.py --model /tmp/models/l1b32 --widths 16 --rounds 3 \
     --warmup-tokens 128
   ;;
+r5a)
+  # issue 24, fourth session: where a 16-stream step goes on the 1B model (py-spy, every thread and
+  # the GIL holder), then the lone long prompt with the engine's turns and raw's chunk times
+  model 1b-bf16 /tmp/models/l1b32 --context 32768
+  step prof_1b_16 200 python3 benchmarks/profile_step.py /tmp/models/l1b32 --streams 16 --py-spy "$pyspy" \
+    --keep "$out/prof"
+  step long_1b 200 python3 benchmarks/long_prompt.py --model /tmp/models/l1b32 --lengths 8000,24000 --runs 5 \
+    --max-tokens 256 --trace --engine-args "--batch auto"
+  ;;
+r5b)
+  # issue 24, fourth session: is a batched step's time in MLX's CUDA-graph upkeep? The bare step
+  # with CUDA graphs on and off, the engine at 16 streams both ways, and a native profile
+  model 1b-bf16 /tmp/models/l1b32 --context 32768
+  step serial_ab 150 python3 benchmarks/serial_ab.py --model /tmp/models/l1b32 --lengths 8000,24000 --runs 4
+  step serial_ab_cap 100 python3 benchmarks/serial_ab.py --model /tmp/models/l1b32 --lengths 8000,24000 --runs 3 \
+    --variants raw-plain,lane-routed --cache-limit-gib 14
+  step step16_graphs 120 python3 benchmarks/decode_step.py /tmp/models/l1b32 --rows 16
+  MLX_USE_CUDA_GRAPHS=0 step step16_nographs 120 python3 benchmarks/decode_step.py /tmp/models/l1b32 --rows 16
+  step prof16_nographs 120 python3 benchmarks/profile_step.py /tmp/models/l1b32 --streams 16 --py-spy "$pyspy" \
+    --env MLX_USE_CUDA_GRAPHS=0 --seconds 3
+  step prof16_native 120 python3 benchmarks/profile_step.py /tmp/models/l1b32 --streams 16 --py-spy "$pyspy" \
+    --native --seconds 3 --keep "$out/native"
+  ;;
+r5c)
+  # issue 24, fourth session: the serial lane on a thread with the engine's MLX settings (what
+  # else the engine process differs in), MLX's CUDA graphs off for the lone prompt, and the
+  # 1B model at 16 streams with CUDA graphs on and off in mlxd's engines
+  model 1b-bf16 /tmp/models/l1b32 --context 32768
+  MLX_ENABLE_CACHE_THRASHING_CHECK=0 MLX_CUDA_SDPA_CACHE_SIZE=1024 step serial_thread 75 \
+    python3 benchmarks/serial_ab.py --model /tmp/models/l1b32 --lengths 8000,24000 --runs 2 --thread \
+    --variants raw-plain,lane-routed --cache-limit-gib 14
+  MLX_USE_CUDA_GRAPHS=0 step serial_nographs 75 python3 benchmarks/serial_ab.py --model /tmp/models/l1b32 \
+    --lengths 8000,24000 --runs 2 --variants raw-plain,lane-routed
+  step b16_graphs 250 python3 benchmarks/batching.py --model /tmp/models/l1b32 --widths 16 --rounds 3 \
+    --only server,mlxd --warmup-tokens 128
+  step b16_nographs 140 python3 benchmarks/batching.py --model /tmp/models/l1b32 --widths 16 --rounds 3 \
+    --only mlxd --warmup-tokens 128 --mlxd-env MLX_USE_CUDA_GRAPHS=0
+  ;;
+r6a)
+  # issue 24, next: the lone long prompt with the engine's warm-up off and on (what in the engine
+  # process costs the lone prompt: serial_ab.py found the lane itself at raw speed), then the
+  # lone stream at auto against batch 8, with CUDA graphs off by default since the fourth session
+  model 1b-bf16 /tmp/models/l1b32 --context 32768
+  for w in off auto; do
+    step long_1b_warmup_$w 150 python3 benchmarks/long_prompt.py --model /tmp/models/l1b32 --lengths 8000,24000 \
+      --runs 4 --max-tokens 256 --trace --engine-args "--batch auto --warmup $w"
+  done
+  for b in 8 auto; do
+    step lone_b$b 100 python3 benchmarks/engine_decode.py --model /tmp/models/l1b32 --runs 7 --max-tokens 256 \
+      --cold-starts 0 --engine-args "--batch $b"
+  done
+  ;;
+r6b)
+  # issue 24, next: the 1B model at 1-64 streams against raw and the server with graphs off by
+  # default, the 8B model at 16 and 32 streams, and the 8B long prompt beside an engine at auto
+  # (MLX's cache capped since the third session: the raw worker ran out of memory before)
+  model 1b-bf16 /tmp/models/l1b32 --context 32768
+  step batch_1b 240 python3 benchmarks/batching.py --model /tmp/models/l1b32 --widths 1,8,16,64 --rounds 2 \
+    --warmup-tokens 128
+  model 8b-4bit /tmp/models/l8q32 --context 32768
+  step long_8b_auto 300 python3 benchmarks/long_prompt.py --model /tmp/models/l8q32 --lengths 8000,24000 --runs 3 \
+    --engine-args "--batch auto"
+  ;;
 r3batch)
   # issue 24, third session: the 1B model at 1-64 streams against both the server and raw
   model 1b-bf16 /tmp/models/l1b32 --context 32768

@@ -45,18 +45,26 @@ from mlx_lm import load
 from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_logits_processors
 model, tok = load(sys.argv[1])
+calls = []
+_call = type(model).__call__
+def stamped(self, *a, **k):
+    calls.append(time.perf_counter())
+    return _call(self, *a, **k)
+type(model).__call__ = stamped
 eos = sorted(set(json.loads(sys.argv[2])) | set(tok.eos_token_ids))
 bias = make_logits_processors(logit_bias={t: -100.0 for t in eos})
 print(json.dumps({"eos": eos}), flush=True)
 for line in sys.stdin:
     job = json.loads(line)
     stamps = []
+    calls.clear()
     t0 = time.perf_counter()
     for r in stream_generate(model, tok, job["ids"], max_tokens=job["max_tokens"], logits_processors=bias):
         stamps.append(time.perf_counter())
     mx.clear_cache()
     print(json.dumps({"ttft_ms": (stamps[0] - t0) * 1000, "n": len(stamps),
-                      "decode_tps": (len(stamps) - 1) / (stamps[-1] - stamps[0])}), flush=True)
+                      "decode_tps": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
+                      "calls_ms": [round((c - t0) * 1000, 1) for c in calls if c <= stamps[0]]}), flush=True)
 """
 
 
@@ -95,6 +103,9 @@ class RawWorker:
 class Engine:
     def __init__(self, model: Path, sock_dir: Path, extra: list[str], env: dict[str, str], log: Path) -> None:
         self.socket = sock_dir / "e.sock"
+        self.trace = sock_dir / "steps.jsonl"  # the GPU thread's turns (MLXD_TRACE_STEPS)
+        self._trace_seen = 0
+        env = {**env, "MLXD_TRACE_STEPS": str(self.trace)}
         self._log = log.open("wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlxd.engine", "--model", str(model), "--model-id", "bench", "--socket",
@@ -120,8 +131,18 @@ class Engine:
         resp.raise_for_status()
         usage = json.loads(resp.headers["x-mlxd-usage"])
         n = usage["completion_tokens"]
-        return {"ttft_ms": usage["queue_ms"] + usage["prefill_ms"], "n": n,
-                "decode_tps": (n - 1) / (usage["decode_ms"] / 1000)}
+        lines = self.trace.read_text().splitlines() if self.trace.exists() else []
+        turns = [json.loads(x) for x in lines[self._trace_seen:]]
+        self._trace_seen = len(lines)
+        # the turns up to the first token: one prefill chunk each (the last one samples the token)
+        first: list[float] = []
+        for t in turns:
+            if first or t.get("admitted", 0) or t.get("prefilling", 0):
+                first.append(round(t["ms"], 1))
+                if not t.get("prefilling", 0):
+                    break
+        return {"ttft_ms": usage["queue_ms"] + usage["prefill_ms"], "n": n, "queue_ms": usage["queue_ms"],
+                "decode_tps": (n - 1) / (usage["decode_ms"] / 1000), "turns_ms": first}
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -150,6 +171,8 @@ def main() -> None:
     p.add_argument("--engine-env", default="", help="NAME=VALUE[,NAME=VALUE] for the engine only")
     p.add_argument("--raw-env", default="", help="NAME=VALUE[,NAME=VALUE] for the raw worker only")
     p.add_argument("--json", type=Path)
+    p.add_argument("--trace", action="store_true",
+                   help="print each run's raw model-call times and the engine's GPU-thread turns up to the first token")
     args = p.parse_args()
 
     def pairs(spec: str) -> dict[str, str]:
@@ -178,7 +201,10 @@ def main() -> None:
                     rows[n]["raw"].append(r)
                     rows[n]["engine"].append(e)
                 print(f"  {n} tokens, run {i}: raw ttft {r['ttft_ms']:.0f} ms {r['decode_tps']:.1f} tok/s; "
-                      f"engine ttft {e['ttft_ms']:.0f} ms {e['decode_tps']:.1f} tok/s", flush=True)
+                      f"engine ttft {e['ttft_ms']:.0f} ms (queue {e['queue_ms']:.1f}) {e['decode_tps']:.1f} tok/s",
+                      flush=True)
+                if args.trace:
+                    print(f"    raw model calls at ms {r['calls_ms']}; engine turns ms {e['turns_ms']}", flush=True)
     finally:
         engine.stop()
         raw.close()

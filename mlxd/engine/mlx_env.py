@@ -18,8 +18,15 @@ a graph, reach cuDNN), and:
 - `MLX_PTX_CACHE_DIR`: the kernels MLX compiles at run time (NVRTC, a second or more each) are
   kept under the user's cache directory instead of /tmp, so only an engine's first start on a
   machine pays for them, not the first start after every reboot.
-- `MLX_MAX_OPS_PER_BUFFER=100` (CUDA only): more operations to a CUDA graph, fewer launches a
-  decode step.
+- `MLX_MAX_OPS_PER_BUFFER=100` (CUDA only): more operations to a commit (a CUDA graph when
+  those are on), fewer launches a decode step.
+- `MLX_USE_CUDA_GRAPHS=0`: MLX launches each kernel itself instead of capturing every
+  operation into a CUDA graph and updating and launching the graph. For the small steps of
+  decoding that capture costs more host time than it saves: on an H200 a 1B model's 16-row
+  decode step took 6.0 ms with graphs off against 6.5 ms on (mlx-lm's plain cache: 4.7 against
+  6.0 ms), mlxd at 16 streams made 2,169 and 2,745 tok/s with them off against 1,589 on in the
+  same machine's calls, and a lone 8k/24k prompt prefilled no slower (docs/benchmarks.md,
+  "Fourth session").
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ def defaults(environ: Mapping[str, str], *, cuda: bool, version: str) -> dict[st
         wanted["MLX_MAX_OPS_PER_BUFFER"] = "100"
         wanted["MLX_ENABLE_CACHE_THRASHING_CHECK"] = "0"
         wanted["MLX_CUDA_SDPA_CACHE_SIZE"] = "1024"
+        wanted["MLX_USE_CUDA_GRAPHS"] = "0"
     return {name: value for name, value in wanted.items() if name not in environ}
 
 

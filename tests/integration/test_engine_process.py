@@ -244,11 +244,14 @@ def test_sigterm_during_a_long_prefill_answers_503_and_exits_within_2s(tiny_mode
 
 
 def test_engine_whose_parent_dies_during_startup_exits(tiny_model: Path) -> None:
+    # The parent names itself as the supervisor does (MLXD_PARENT_PID): without it, an engine
+    # whose interpreter took longer than the parent's 0.3 s to reach its first line (a loaded
+    # machine) found init as its parent already, took it for the parent, and never exited.
     sock = private_socket_dir() / "e.sock"
     parent_code = (
-        "import subprocess, sys, time\n"
+        "import os, subprocess, sys, time\n"
         f"p = subprocess.Popen([sys.executable, '-m', 'mlxd.engine', '--model', {str(tiny_model)!r}, "
-        f"'--model-id', 'tiny', '--socket', {str(sock)!r}])\n"
+        f"'--model-id', 'tiny', '--socket', {str(sock)!r}], env={{**os.environ, 'MLXD_PARENT_PID': str(os.getpid())}})\n"
         "print(p.pid, flush=True)\n"
         "time.sleep(0.3)\n"  # gone long before the engine has imported mlx
     )

@@ -189,6 +189,8 @@ def test_sigkill_of_the_supervisor_takes_engines_down_within_2s(tiny_model: Path
     sup = SupervisorProcess(f'[models.tiny]\npath = "{tiny_model}"\n', tmp_path).wait_up()
     assert sup.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
     [pid] = engine_pids(sup)
+    if sys.platform.startswith("linux"):  # named, so an engine slow to start cannot mistake init for us
+        assert f"MLXD_PARENT_PID={sup.proc.pid}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     sup.proc.send_signal(signal.SIGKILL)
     sup.proc.wait()
     wait_for(lambda: not is_running(pid), 2.0, interval=0.02, message="engine outlived the supervisor by 2 s")

@@ -269,9 +269,13 @@ class Engine:
         proc = await self.spare.take(args) if self.spare is not None else None
         how = "from the spare" if proc is not None else "spawned"
         if proc is None:
+            # Our pid, named: an engine that only starts reading its parent after we died (a
+            # SIGKILL right after the spawn, a slow start under load) would take init for it
+            # and outlive us. With it, the engine sees at start that we are gone, and exits.
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", self.options.module, *args,
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+                env={**os.environ, "MLXD_PARENT_PID": str(os.getpid())},
             )
         self.pid = proc.pid
         assert proc.stdout is not None
