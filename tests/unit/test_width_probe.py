@@ -29,6 +29,9 @@ def test_the_memo_key_follows_the_model_files_and_the_cap(tiny_model: Path, tmp_
     weights = next(copy.glob("*.safetensors"))
     os.utime(weights, (weights.stat().st_atime, weights.stat().st_mtime + 10))
     assert width_probe.memo_key(copy, 32) != key  # the weights were written again
+    key = width_probe.memo_key(copy, 32, {"MLX_USE_CUDA_GRAPHS": "0", "MLX_PTX_CACHE_DIR": "/a"})
+    assert width_probe.memo_key(copy, 32, {"MLX_USE_CUDA_GRAPHS": "1", "MLX_PTX_CACHE_DIR": "/a"}) != key  # MLX's settings
+    assert width_probe.memo_key(copy, 32, {"MLX_USE_CUDA_GRAPHS": "0", "MLX_PTX_CACHE_DIR": "/b"}) == key  # not where kernels go
 
 
 def test_a_measurement_is_kept_and_read_back_and_a_broken_memo_is_measured_again(tiny_model: Path,

@@ -12,8 +12,8 @@ two untimed steps (a GPU compiles each new shape on first use), then a few timed
 protocol.sizing.plateau_width reads the result. `auto` probes on a GPU when the width is
 `auto`; a configured width is never probed. On an H200 it took 6-9 s with the kernels
 compiled (20-120 s on a machine's first start, compiling them), so what it measured is kept
-in the data dir (`probe/`, one small JSON file per model, device, memory cap and version of
-mlxd, MLX and mlx-lm) and read back by the next start of the same engine: a model swapped
+in the data dir (`probe/`, one small JSON file per model, device, memory cap, version of
+mlxd, MLX and mlx-lm, and MLX's settings in the environment) and read back by the next start of the same engine: a model swapped
 out and back does not pay it again. Delete the dir to measure again.
 """
 
@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -101,16 +102,18 @@ def measure(model: Any, vocab_size: int, cap: int) -> tuple[dict[int, float], fl
     return rates, time.perf_counter() - t0
 
 
-def memo_key(model_path: Path, cap: int) -> str:
-    """What a measurement depends on: the model's files, the device, the cap, the versions."""
+def memo_key(model_path: Path, cap: int, environ: Mapping[str, str] = os.environ) -> str:
+    """What a measurement depends on: the model's files, the device, the cap, the versions, and
+    MLX's settings in the environment (CUDA graphs on or off change the rates)."""
     from mlxd import __version__
 
     files = sorted((f.name, f.stat().st_size, int(f.stat().st_mtime)) for f in model_path.glob("*.safetensors"))
     config = (model_path / "config.json").read_bytes() if (model_path / "config.json").exists() else b""
     info = {k: v for k, v in mx.device_info().items() if k in STABLE_DEVICE_KEYS}  # not free memory, say
     versions = [__version__, metadata.version("mlx"), metadata.version("mlx-lm")]
+    settings = sorted((k, v) for k, v in environ.items() if k.startswith("MLX_") and k != "MLX_PTX_CACHE_DIR")
     parts = [str(model_path.resolve()), files, hashlib.sha256(config).hexdigest(), info, cap, versions,
-             PROMPT_TOKENS, TIMED_STEPS]
+             PROMPT_TOKENS, TIMED_STEPS, settings]
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
