@@ -52,9 +52,10 @@ import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import aiohttp
-from common import logit_bias
+from common import env_pairs, logit_bias
 from engine_decode import engine_env
 from proxy_overhead import Supervisor, free_port, private_dir
 
@@ -404,17 +405,8 @@ def bench_supervisor(model: Path, work: Path, model_lines: str = "") -> tuple[Su
 
 
 def run_mlxd(args: argparse.Namespace, template: str, bias: dict[str, float], work: Path) -> Row:
-    extra = dict(kv.split("=", 1) for kv in args.mlxd_env.split(",") if kv)
-    saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)  # the supervisor, and its engines, inherit them
-    try:
+    with mock.patch.dict(os.environ, env_pairs(args.mlxd_env)):  # the supervisor, and its engines, inherit them
         sup, text = bench_supervisor(args.model, work, f"batch = {args.batch}\n" if args.batch is not None else "")
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     config = work / "mlxd.toml"
     try:
         sup.wait_health()

@@ -16,3 +16,11 @@ def logit_bias(model: Path, ascii_only: bool) -> dict[str, float]:
         pieces = tok.convert_ids_to_tokens(list(range(len(tok))))
         banned |= {i for i, p in enumerate(pieces) if not (p and p.isascii() and p.isprintable())}
     return {str(i): -100.0 for i in sorted(banned)}
+
+
+def env_pairs(spec: str) -> dict[str, str]:
+    """`NAME=VALUE[,NAME=VALUE]` (a flag's value) as a dict; empty for an empty spec."""
+    pairs = [kv.split("=", 1) for kv in spec.split(",") if kv]
+    if bad := [kv[0] for kv in pairs if len(kv) != 2 or not kv[0]]:
+        raise SystemExit(f"not NAME=VALUE: {', '.join(bad)}")
+    return dict(pairs)  # type: ignore[arg-type]

@@ -38,6 +38,8 @@ except ImportError:  # the GPU machine's image has httpx only
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from common import env_pairs  # noqa: E402
+
 RAW_WORKER = r"""
 import json, sys, time
 import mlx.core as mx
@@ -175,16 +177,13 @@ def main() -> None:
                    help="print each run's raw model-call times and the engine's GPU-thread turns up to the first token")
     args = p.parse_args()
 
-    def pairs(spec: str) -> dict[str, str]:
-        return dict(kv.split("=", 1) for kv in spec.split(",") if kv)
-
     lengths = [int(x) for x in args.lengths.split(",")]
     eos, vocab = config_eos(args.model)
     rng = random.Random(0)
     work = Path(tempfile.mkdtemp(prefix="lp-", dir="/tmp"))
-    raw = RawWorker(args.model, eos, env_with(pairs(args.raw_env)))
+    raw = RawWorker(args.model, eos, env_with(env_pairs(args.raw_env)))
     bias = {str(t): -100.0 for t in raw.eos}
-    engine = Engine(args.model, work, args.engine_args.split(), env_with(pairs(args.engine_env)), work / "engine.log")
+    engine = Engine(args.model, work, args.engine_args.split(), env_with(env_pairs(args.engine_env)), work / "engine.log")
     print(f"engine ready in {engine.ready_s:.1f} s ({args.engine_args or 'defaults'}; env {args.engine_env or '-'})",
           flush=True)
     for line in (work / "engine.log").read_text(errors="replace").splitlines():

@@ -31,6 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fair_prefill as fp
+from common import env_pairs
 
 SYNC_CALLS = ("GenerationBatch._step (mlx_lm/generate.py", "generate_step (mlx_lm/generate.py", "_step (mlx_lm/generate.py")
 
@@ -98,7 +99,7 @@ def main() -> None:
     a = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="mlxd-prof-"))
     trace = work / "steps.jsonl"
-    env = dict(kv.split("=", 1) for kv in a.env.split(",") if kv)
+    env = env_pairs(a.env)
     proc, sock, log = fp.start_engine(a.model, a.batch, None, {"MLXD_TRACE_STEPS": str(trace), **env})
     native = ["--native"] if a.native else []
     try:
