@@ -348,6 +348,56 @@ r6b)
   step long_8b_auto 300 python3 benchmarks/long_prompt.py --model /tmp/models/l8q32 --lengths 8000,24000 --runs 3 \
     --engine-args "--batch auto"
   ;;
+r7a)
+  # issue 24, fifth session: where the engine process loses a lone long prompt. serial_ab.py's
+  # gw variant runs the engine's whole GPU side (gateway, sizing, probe, warm-up, GC freeze, GPU
+  # thread) in one process beside raw stream_generate: with the engine's defaults, then with no
+  # warm-up and no probe; then long_prompt.py against the engine process, as before
+  model 1b-bf16 /tmp/models/l1b32 --context 32768
+  step ab_gw_auto 220 python3 benchmarks/serial_ab.py --model /tmp/models/l1b32 --lengths 8000,24000 --runs 4 \
+    --variants raw-plain,lane-routed,gw --gateway "--batch auto"
+  step ab_gw_bare 130 python3 benchmarks/serial_ab.py --model /tmp/models/l1b32 --lengths 8000,24000 --runs 4 \
+    --variants raw-plain,gw --gateway "--batch auto --warmup off --width-probe off"
+  step long_1b 200 python3 benchmarks/long_prompt.py --model /tmp/models/l1b32 --lengths 8000,24000 --runs 4 \
+    --trace --engine-args "--batch auto"
+  ;;
+r7b)
+  # issue 24, fifth session: the lone decode's loss (8B 4-bit at 8k: 0.66 of raw in r6b). The
+  # engine at its defaults (MLX's CUDA graphs off), then with them on, at a short prompt and 8k
+  model 8b-4bit /tmp/models/l8q32 --context 32768
+  step dec_8b_default 270 python3 benchmarks/long_prompt.py --model /tmp/models/l8q32 --lengths 200,8000 --runs 3 \
+    --max-tokens 200 --engine-args "--batch auto"
+  step dec_8b_graphs 200 python3 benchmarks/long_prompt.py --model /tmp/models/l8q32 --lengths 200,8000 --runs 3 \
+    --max-tokens 200 --engine-args "--batch auto" --engine-env MLX_USE_CUDA_GRAPHS=1
+  ;;
+r7c)
+  # issue 24, fifth session: the 1B lone stream's decode (0.74 of raw through the supervisor in
+  # r6b): the engine at defaults, with CUDA graphs on, and with no warm-up or probe
+  model 1b-bf16 /tmp/models/l1b32 --context 32768
+  step dec_1b_default 200 python3 benchmarks/long_prompt.py --model /tmp/models/l1b32 --lengths 200,8000 --runs 3 \
+    --max-tokens 256 --engine-args "--batch auto"
+  step dec_1b_graphs 120 python3 benchmarks/long_prompt.py --model /tmp/models/l1b32 --lengths 200,8000 --runs 3 \
+    --max-tokens 256 --engine-args "--batch auto" --engine-env MLX_USE_CUDA_GRAPHS=1
+  step dec_1b_bare 100 python3 benchmarks/long_prompt.py --model /tmp/models/l1b32 --lengths 200,8000 --runs 3 \
+    --max-tokens 256 --engine-args "--batch auto --warmup off --width-probe off"
+  ;;
+r7d)
+  # issue 24, fifth session: where a lone stream's decode goes in the engine (py-spy on every
+  # thread and the GIL holder, 1 stream), then the lone stream against raw at 200 and 8k tokens
+  # with the engine's step trace kept
+  model 1b-bf16 /tmp/models/l1b32 --context 32768
+  step prof_1b_1 240 python3 benchmarks/profile_step.py /tmp/models/l1b32 --streams 1 --py-spy "$pyspy" \
+    --keep "$out/prof1"
+  step dec_1b_default 150 python3 benchmarks/long_prompt.py --model /tmp/models/l1b32 --lengths 200,8000 --runs 3 \
+    --max-tokens 256 --engine-args "--batch auto" --keep-trace "$out/steps_1b.jsonl"
+  ;;
+r7e)
+  # issue 24, fifth session: raw mlx-lm's lone stream with MLX's CUDA graphs on and off, one
+  # process each, alternated (what the engine's graphs-off default costs a lone decode)
+  model 1b-bf16 /tmp/models/l1b32 --context 32768
+  step raw_graphs 200 bash -c 'for g in 1 0 1 0 1 0; do MLX_USE_CUDA_GRAPHS=$g python3 benchmarks/raw_decode.py \
+    /tmp/models/l1b32 --runs 4; done'
+  ;;
 r3batch)
   # issue 24, third session: the 1B model at 1-64 streams against both the server and raw
   model 1b-bf16 /tmp/models/l1b32 --context 32768

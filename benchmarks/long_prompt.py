@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -175,6 +176,7 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     p.add_argument("--trace", action="store_true",
                    help="print each run's raw model-call times and the engine's GPU-thread turns up to the first token")
+    p.add_argument("--keep-trace", type=Path, help="copy the engine's step trace (every GPU-thread turn) here")
     args = p.parse_args()
 
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -207,6 +209,8 @@ def main() -> None:
     finally:
         engine.stop()
         raw.close()
+        if args.keep_trace and engine.trace.exists():
+            shutil.copyfile(engine.trace, args.keep_trace)
     med = statistics.median
     summary = []
     print("\n| prompt tokens | raw TTFT ms | engine TTFT ms | TTFT engine/raw | raw tok/s | engine tok/s | decode engine/raw |")

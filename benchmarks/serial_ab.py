@@ -13,7 +13,15 @@ each with MLX's attention as mlx-lm calls it (`plain`) and through mlxd's routin
 capped as the engine caps it (`--cache-limit-gib`). For each: time to first token, each step's
 time up to it (raw: the time between its model calls), and decode tokens/s after it.
 
+`--gateway "ENGINE FLAGS"` adds a variant `gw`: the engine's whole GPU side in this process
+(gateway.py: the load through mlxd's loader, the sizing, the width probe and warm-up its flags
+ask for, MLX's cache cap, the frozen GC, the GPU thread and its inbox), a job submitted from an
+asyncio loop as a request handler submits it; only the HTTP side and the process are left out.
+Its TTFT is the engine's own (queue + prefill, as long_prompt.py reads it), its decode from the
+Done event's decode time. With `--gateway`, MLX's settings are the engine's (mlx_env.apply).
+
   python benchmarks/serial_ab.py --model /tmp/models/l1b32 --lengths 8000,24000 --runs 5
+  python benchmarks/serial_ab.py ... --variants raw-plain,gw --gateway "--batch auto"
 """
 
 from __future__ import annotations
@@ -22,8 +30,10 @@ import argparse
 import asyncio
 import os
 import random
+import shlex
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -31,6 +41,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+if "--gateway" in sys.argv:  # the engine's MLX settings, before mlx is imported (as its __main__)
+    from mlxd.engine import mlx_env
+
+    mlx_env.apply()
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import stream_generate  # noqa: E402
@@ -115,6 +130,54 @@ def lane_run(loaded: LoadedModel, loop: asyncio.AbstractEventLoop, ids: list[int
             "decode_tps": (len(seq.generated) - 1) / (last - first)}
 
 
+class InProcessGateway:
+    """The engine's GPU side (Gateway) in this process, driven from an asyncio loop."""
+
+    def __init__(self, model: Path, flags: str) -> None:
+        from mlxd.engine.gpu.gateway import Gateway
+        from mlxd.engine.server import gateway_options
+        from mlxd.engine.settings import parse_args as engine_args
+
+        os.environ.setdefault("MLXD_DATA_DIR", tempfile.mkdtemp(prefix="serial-ab-"))
+        settings = engine_args(["--model", str(model), "--model-id", "bench", "--socket", "/tmp/serial-ab.sock",
+                                "--prompt-cache-bytes", "0", *shlex.split(flags)])
+        self.gateway = Gateway(lambda: LoadedModel(settings.model, settings.model_id, settings.max_context),
+                               Stats(), gateway_options(settings))
+        self.loop = asyncio.new_event_loop()
+        self.gateway.start()
+        t0 = time.perf_counter()
+        while self.gateway.loaded is None:
+            if self.gateway.load_error or not self.gateway._thread.is_alive():
+                raise RuntimeError(f"gateway did not load: {self.gateway.load_error}")
+            time.sleep(0.05)
+        sizing = self.gateway.sizing
+        print(f"gateway ready in {time.perf_counter() - t0:.1f} s ({flags or 'defaults'}): "
+              f"{sizing.why if sizing else '-'}", flush=True)
+
+    def run(self, ids: list[int], max_tokens: int, bias: dict[int, float]) -> dict[str, Any]:
+        return self.loop.run_until_complete(self._run(ids, max_tokens, bias))
+
+    async def _run(self, ids: list[int], max_tokens: int, bias: dict[int, float]) -> dict[str, Any]:
+        from mlxd.protocol.events import Done, Failed, Token
+
+        t0 = time.perf_counter()
+        job = Job(list(ids), max_tokens, SamplingParams(temperature=0.0, logit_bias=bias), [], Ticket(self.loop))
+        self.gateway.submit(job)
+        first: float | None = None
+        async for batch in job.ticket.events():
+            for event in batch:
+                if isinstance(event, Token) and first is None:
+                    first = time.perf_counter()
+                elif isinstance(event, Failed):
+                    raise RuntimeError(event.message)
+                elif isinstance(event, Done):
+                    assert event.completion_tokens == max_tokens, event
+                    return {"ttft_ms": event.queue_ms + event.prefill_ms, "steps_ms": [],
+                            "seen_ms": ((first or time.perf_counter()) - t0) * 1000,
+                            "decode_tps": (event.completion_tokens - 1) / (event.decode_ms / 1000)}
+        raise RuntimeError("no Done event")
+
+
 def main() -> None:
     args = parse_args()
     if not args.thread:
@@ -136,10 +199,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--variants", default="raw-plain,lane-plain,raw-routed,lane-routed")
     p.add_argument("--cache-limit-gib", type=float, default=0, help="mx.set_cache_limit, as the engine does (0: MLX's)")
     p.add_argument("--thread", action="store_true", help="load and run on a thread of its own, as the engine does")
-    return p.parse_args()
+    p.add_argument("--gateway", default=None, metavar="ENGINE_FLAGS",
+                   help="add the variant gw: the engine's Gateway in this process with these engine flags")
+    args = p.parse_args()
+    if args.gateway is not None and "gw" not in args.variants.split(","):
+        args.variants += ",gw"
+    return args
 
 
 def run(args: argparse.Namespace) -> None:
+    gateway = InProcessGateway(args.model, args.gateway) if args.gateway is not None else None
     loaded = LoadedModel(args.model, "bench")
     routing = Routing(loaded.model)
     if args.cache_limit_gib:
@@ -159,14 +228,20 @@ def run(args: argparse.Namespace) -> None:
         for n in lengths:
             ids = [rng.randrange(100, loaded.vocab_size - 100) for _ in range(n)]
             for v in variants:
-                kind, how = v.split("-")
-                routing.use(how == "routed")
-                r = (raw_run if kind == "raw" else lane_run)(  # type: ignore[operator]
-                    loaded, *(() if kind == "raw" else (loop,)), ids, args.max_tokens, bias)
+                if v == "gw":
+                    assert gateway is not None, "the variant gw needs --gateway"
+                    routing.use(True)  # the modules are shared: the engine's routing, as its loader set it
+                    r = gateway.run(ids, args.max_tokens, bias)
+                else:
+                    kind, how = v.split("-")
+                    routing.use(how == "routed")
+                    r = (raw_run if kind == "raw" else lane_run)(  # type: ignore[operator]
+                        loaded, *(() if kind == "raw" else (loop,)), ids, args.max_tokens, bias)
                 if i >= 0:
                     rows.setdefault((n, v), []).append(r)
                 print(f"  {n} run {i} {v:12s} ttft {r['ttft_ms']:7.1f} ms decode {r['decode_tps']:6.1f} tok/s "
-                      f"steps {[round(x, 1) for x in r['steps_ms']]}", flush=True)
+                      f"steps {[round(x, 1) for x in r['steps_ms']]}"
+                      + (f" (first token seen on the loop at {r['seen_ms']:.1f} ms)" if "seen_ms" in r else ""), flush=True)
     med = statistics.median
     print("\n| prompt tokens | variant | TTFT ms (median) | decode tok/s (median) | TTFT / raw-plain | decode / raw-plain |")
     print("| --- | --- | --- | --- | --- | --- |")
