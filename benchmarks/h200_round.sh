@@ -398,6 +398,33 @@ r7e)
   step raw_graphs 200 bash -c 'for g in 1 0 1 0 1 0; do MLX_USE_CUDA_GRAPHS=$g python3 benchmarks/raw_decode.py \
     /tmp/models/l1b32 --runs 4; done'
   ;;
+r8a)
+  # issue 24, next: which of the two leads costs the lone decode. Raw mlx-lm with MLX's CUDA
+  # graphs on and off (a process each, alternated), then the engine's lone 200-token stream at
+  # its defaults, with no warm-up or probe, and with graphs on and no warm-up
+  model 1b-bf16 /tmp/models/l1b32 --context 32768
+  step raw_graphs 150 bash -c 'for g in 1 0 1 0; do MLX_USE_CUDA_GRAPHS=$g python3 benchmarks/raw_decode.py \
+    /tmp/models/l1b32 --runs 4; done'
+  step lone_default 150 python3 benchmarks/long_prompt.py --model /tmp/models/l1b32 --lengths 200 --runs 5 \
+    --max-tokens 256 --engine-args "--batch auto"
+  step lone_bare 80 python3 benchmarks/long_prompt.py --model /tmp/models/l1b32 --lengths 200 --runs 5 \
+    --max-tokens 256 --engine-args "--batch auto --warmup off --width-probe off"
+  step lone_bare_graphs 80 python3 benchmarks/long_prompt.py --model /tmp/models/l1b32 --lengths 200 --runs 5 \
+    --max-tokens 256 --engine-args "--batch auto --warmup off --width-probe off" --engine-env MLX_USE_CUDA_GRAPHS=1
+  ;;
+r8b)
+  # issue 24, next: the lone 200-token stream with the engine's GPU side in raw's process
+  # (serial_ab.py --gateway), then the 8B model served at 16 and 32 streams with graphs off
+  # (the default) and on
+  model 1b-bf16 /tmp/models/l1b32 --context 32768
+  step ab_lone 120 python3 benchmarks/serial_ab.py --model /tmp/models/l1b32 --lengths 200 --runs 5 --max-tokens 256 \
+    --variants raw-plain,lane-routed,gw --gateway "--batch auto"
+  model 8b-4bit /tmp/models/l8q32 --context 32768
+  step b8_off 240 python3 benchmarks/batching.py --model /tmp/models/l8q32 --widths 16,32 --rounds 1 \
+    --only server,mlxd --warmup-tokens 128
+  step b8_on 150 python3 benchmarks/batching.py --model /tmp/models/l8q32 --widths 16,32 --rounds 1 \
+    --only mlxd --warmup-tokens 128 --mlxd-env MLX_USE_CUDA_GRAPHS=1
+  ;;
 r3batch)
   # issue 24, third session: the 1B model at 1-64 streams against both the server and raw
   model 1b-bf16 /tmp/models/l1b32 --context 32768
