@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -70,3 +72,19 @@ def smol_batch_client(smol_batch_engine: EngineProcess) -> Iterator[openai.OpenA
     """The openai SDK on `smol_batch_engine`."""
     with openai_client(smol_batch_engine) as sdk:
         yield sdk
+
+
+@pytest.fixture(scope="module")
+def tiny_loaded(tiny_model: Path) -> Any:
+    """The tiny model loaded in this process (a LoadedModel), for tests that drive lanes directly."""
+    from mlxd.engine.models.loaded_model import LoadedModel  # mlx only for the tests that use it
+
+    return LoadedModel(tiny_model, "tiny")
+
+
+@pytest.fixture(scope="module")
+def closed_loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """A closed event loop for tickets: their events are dropped, the tests read the Sequences."""
+    loop = asyncio.new_event_loop()
+    loop.close()
+    yield loop

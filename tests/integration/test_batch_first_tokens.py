@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -27,34 +25,22 @@ from mlxd.engine.models.loaded_model import LoadedModel
 MAX_TOKENS = 6
 
 
-@pytest.fixture(scope="module")
-def loaded(tiny_model: Path) -> LoadedModel:
-    return LoadedModel(tiny_model, "tiny")
-
-
-@pytest.fixture(scope="module")
-def closed_loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
-    loop.close()  # tickets of a closed loop drop their events: these tests read the Sequences
-    yield loop
-
-
-def sequences(loaded: LoadedModel, loop: asyncio.AbstractEventLoop, n: int, salt: int,
+def sequences(tiny_loaded: LoadedModel, loop: asyncio.AbstractEventLoop, n: int, salt: int,
               priority: int = 0) -> list[Sequence]:
     """`n` greedy jobs with distinct 40-token prompts (nothing to share), no EOS."""
     rng = random.Random(salt)
-    return [Sequence(Job([rng.randrange(1, loaded.vocab_size) for _ in range(40)], MAX_TOKENS,
-                         SamplingParams(temperature=0.0), [], Ticket(loop), priority=priority), loaded.tokenizer, set())
+    return [Sequence(Job([rng.randrange(1, tiny_loaded.vocab_size) for _ in range(40)], MAX_TOKENS,
+                         SamplingParams(temperature=0.0), [], Ticket(loop), priority=priority), tiny_loaded.tokenizer, set())
             for _ in range(n)]
 
 
-def burst_split_in_two(loaded: LoadedModel, loop: asyncio.AbstractEventLoop, late_priority: int = 5,
+def burst_split_in_two(tiny_loaded: LoadedModel, loop: asyncio.AbstractEventLoop, late_priority: int = 5,
                        ) -> tuple[list[Sequence], list[Sequence], int]:
     """Two requests (priority 5) start and are prefilled in one step, two more (`late_priority`)
     arrive right after it; all run to the end. The first two, the late two, and the steps it took."""
-    lane = BatchLane(loaded, Stats(), prefill_step=64, width=8, prompt_cache=PrefixCache(0))
-    first = sequences(loaded, loop, 2, salt=1, priority=5)
-    late = sequences(loaded, loop, 2, salt=2, priority=late_priority)
+    lane = BatchLane(tiny_loaded, Stats(), prefill_step=64, width=8, prompt_cache=PrefixCache(0))
+    first = sequences(tiny_loaded, loop, 2, salt=1, priority=5)
+    late = sequences(tiny_loaded, loop, 2, salt=2, priority=late_priority)
     for seq in first:
         lane.admit(seq)
     lane.step()  # the first two's prompts, all but their last tokens, in one chunk
@@ -70,9 +56,9 @@ def burst_split_in_two(loaded: LoadedModel, loop: asyncio.AbstractEventLoop, lat
 
 
 def test_rows_just_prefilled_get_their_first_token_before_later_arrivals_are_prefilled(
-    loaded: LoadedModel, closed_loop: asyncio.AbstractEventLoop,
+    tiny_loaded: LoadedModel, closed_loop: asyncio.AbstractEventLoop,
 ) -> None:
-    first, late, _ = burst_split_in_two(loaded, closed_loop)
+    first, late, _ = burst_split_in_two(tiny_loaded, closed_loop)
     for seq in first + late:
         assert len(seq.generated) == MAX_TOKENS and seq.finish_reason == "length"
     first_tokens = max(seq.clock.first_at or 0.0 for seq in first)
@@ -81,21 +67,21 @@ def test_rows_just_prefilled_get_their_first_token_before_later_arrivals_are_pre
 
 
 def test_without_the_hold_the_late_prefill_comes_first(
-    loaded: LoadedModel, closed_loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch,
+    tiny_loaded: LoadedModel, closed_loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """What the hold changes: with it off, mlx-lm's order puts the late prefill before the first
     two's first token (so the test above can fail)."""
     monkeypatch.setattr(batch_lane, "FIRST_TOKEN_STEPS", 0)
-    first, late, _ = burst_split_in_two(loaded, closed_loop)
+    first, late, _ = burst_split_in_two(tiny_loaded, closed_loop)
     first_tokens = min(seq.clock.first_at or 0.0 for seq in first)
     late_started = max(seq.clock.started_at for seq in late)
     assert late_started < first_tokens
 
 
 def test_an_arrival_more_urgent_than_the_rows_it_would_wait_for_is_not_held(
-    loaded: LoadedModel, closed_loop: asyncio.AbstractEventLoop,
+    tiny_loaded: LoadedModel, closed_loop: asyncio.AbstractEventLoop,
 ) -> None:
-    first, late, _ = burst_split_in_two(loaded, closed_loop, late_priority=-1)
+    first, late, _ = burst_split_in_two(tiny_loaded, closed_loop, late_priority=-1)
     for seq in first + late:
         assert len(seq.generated) == MAX_TOKENS
     first_tokens = min(seq.clock.first_at or 0.0 for seq in first)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import mlx.core as mx
@@ -29,27 +28,15 @@ STEP = 128
 GREEDY = SamplingParams(temperature=0.0)
 
 
-@pytest.fixture(scope="module")
-def loaded(tiny_model: Path) -> LoadedModel:
-    return LoadedModel(tiny_model, "tiny")
-
-
-@pytest.fixture(scope="module")
-def closed_loop() -> Iterator[asyncio.AbstractEventLoop]:
-    loop = asyncio.new_event_loop()
-    loop.close()  # tickets of a closed loop drop their events: these tests read the Sequences
-    yield loop
-
-
-def prompt_of(loaded: LoadedModel, n: int, salt: int = 0) -> list[int]:
+def prompt_of(tiny_loaded: LoadedModel, n: int, salt: int = 0) -> list[int]:
     rng = random.Random(salt)
-    return [rng.randrange(1, loaded.vocab_size) for _ in range(n)]
+    return [rng.randrange(1, tiny_loaded.vocab_size) for _ in range(n)]
 
 
-def sequence(loaded: LoadedModel, loop: asyncio.AbstractEventLoop, prompt: list[int], max_tokens: int,
+def sequence(tiny_loaded: LoadedModel, loop: asyncio.AbstractEventLoop, prompt: list[int], max_tokens: int,
              sampling: SamplingParams = GREEDY) -> Sequence:
     job = Job(prompt, max_tokens, sampling, [], Ticket(loop))
-    return Sequence(job, loaded.tokenizer, set())  # no EOS: every run goes to max_tokens
+    return Sequence(job, tiny_loaded.tokenizer, set())  # no EOS: every run goes to max_tokens
 
 
 def run_lane(lane: SerialLane, seq: Sequence) -> int:
@@ -62,22 +49,22 @@ def run_lane(lane: SerialLane, seq: Sequence) -> int:
     return steps_before_first
 
 
-def reference(loaded: LoadedModel, prompt: list[int], max_tokens: int, step: int = STEP, **kwargs: object) -> list[int]:
+def reference(tiny_loaded: LoadedModel, prompt: list[int], max_tokens: int, step: int = STEP, **kwargs: object) -> list[int]:
     """generate_step on the whole prompt: what the serial lane ran before it prefilled in chunks."""
-    steps = generate_step(mx.array(prompt), loaded.model, max_tokens=max_tokens, sampler=shared_sampler(0.0, 1.0, 0.0, 0),
+    steps = generate_step(mx.array(prompt), tiny_loaded.model, max_tokens=max_tokens, sampler=shared_sampler(0.0, 1.0, 0.0, 0),
                           prefill_step_size=step, **kwargs)  # type: ignore[arg-type]
     return [int(token) for token, _ in steps]
 
 
 @pytest.mark.parametrize("num_prompt", [5, STEP + 1, STEP + 2, 5 * STEP + 37])
 def test_a_chunked_prefill_gives_generate_steps_tokens(
-    loaded: LoadedModel, closed_loop: asyncio.AbstractEventLoop, num_prompt: int
+    tiny_loaded: LoadedModel, closed_loop: asyncio.AbstractEventLoop, num_prompt: int
 ) -> None:
-    prompt = prompt_of(loaded, num_prompt)
-    lane = SerialLane(loaded, Stats(), STEP, PrefixCache(0))
-    seq = sequence(loaded, closed_loop, prompt, 24)
+    prompt = prompt_of(tiny_loaded, num_prompt)
+    lane = SerialLane(tiny_loaded, Stats(), STEP, PrefixCache(0))
+    seq = sequence(tiny_loaded, closed_loop, prompt, 24)
     steps_before_first = run_lane(lane, seq)
-    assert seq.generated == reference(loaded, prompt, 24)
+    assert seq.generated == reference(tiny_loaded, prompt, 24)
     # a chunk a step, the last one with the first token
     assert steps_before_first == -(-(num_prompt - 1) // STEP) - 1
     assert seq.finish_reason == "length" and not lane.has_work
@@ -101,12 +88,12 @@ def test_quantized_kv_and_penalties_give_generate_steps_tokens_too(
 
 
 def test_a_cancel_during_the_prefill_ends_it_at_the_next_chunk_and_keeps_its_kv(
-    loaded: LoadedModel, closed_loop: asyncio.AbstractEventLoop
+    tiny_loaded: LoadedModel, closed_loop: asyncio.AbstractEventLoop
 ) -> None:
-    prompt = prompt_of(loaded, 6 * STEP, salt=2)
+    prompt = prompt_of(tiny_loaded, 6 * STEP, salt=2)
     cache = PrefixCache(64 * 1024 * 1024)
-    lane = SerialLane(loaded, Stats(), STEP, cache)
-    seq = sequence(loaded, closed_loop, prompt, 8)
+    lane = SerialLane(tiny_loaded, Stats(), STEP, cache)
+    seq = sequence(tiny_loaded, closed_loop, prompt, 8)
     lane.admit(seq)
     assert lane.step() == [] and lane.step() == []  # two chunks
     seq.job.ticket.cancel()
@@ -115,12 +102,12 @@ def test_a_cancel_during_the_prefill_ends_it_at_the_next_chunk_and_keeps_its_kv(
 
 
 def test_a_job_arriving_during_a_long_serial_prefill_starts_between_its_chunks(
-    loaded: LoadedModel, closed_loop: asyncio.AbstractEventLoop
+    tiny_loaded: LoadedModel, closed_loop: asyncio.AbstractEventLoop
 ) -> None:
     opts = GatewayOptions(prefill_step=STEP, batch=2)
-    runner = Runner(loaded, Stats(), opts, 100_000, PrefixCache(0))
-    long = sequence(loaded, closed_loop, prompt_of(loaded, 8 * STEP, salt=3), 4)
-    short = sequence(loaded, closed_loop, prompt_of(loaded, 16, salt=4), 4)
+    runner = Runner(tiny_loaded, Stats(), opts, 100_000, PrefixCache(0))
+    long = sequence(tiny_loaded, closed_loop, prompt_of(tiny_loaded, 8 * STEP, salt=3), 4)
+    short = sequence(tiny_loaded, closed_loop, prompt_of(tiny_loaded, 16, salt=4), 4)
     runner.enqueue(long)
     assert runner.turn() == 1 and runner.rows_in("serial") == 1
     runner.enqueue(short)
@@ -133,14 +120,14 @@ def test_a_job_arriving_during_a_long_serial_prefill_starts_between_its_chunks(
 
 
 def test_an_urgent_job_is_prefilled_alone_between_batched_steps_then_joins_the_batch(
-    loaded: LoadedModel, closed_loop: asyncio.AbstractEventLoop
+    tiny_loaded: LoadedModel, closed_loop: asyncio.AbstractEventLoop
 ) -> None:
     opts = GatewayOptions(prefill_step=STEP, batch=4)
-    runner = Runner(loaded, Stats(), opts, 100_000, PrefixCache(0))
+    runner = Runner(tiny_loaded, Stats(), opts, 100_000, PrefixCache(0))
 
     def job(salt: int, max_tokens: int, priority: int) -> Sequence:
-        seq = Sequence(Job(prompt_of(loaded, 40, salt=salt), max_tokens, GREEDY, [], Ticket(closed_loop),
-                           priority=priority), loaded.tokenizer, set())
+        seq = Sequence(Job(prompt_of(tiny_loaded, 40, salt=salt), max_tokens, GREEDY, [], Ticket(closed_loop),
+                           priority=priority), tiny_loaded.tokenizer, set())
         runner.enqueue(seq)
         return seq
 
@@ -160,7 +147,7 @@ def test_an_urgent_job_is_prefilled_alone_between_batched_steps_then_joins_the_b
     assert (runner.rows_in("serial"), runner.rows_in("batch")) == (0, 4)
     while runner.has_work:
         runner.turn()
-    assert urgent.generated == reference(loaded, urgent.job.prompt, 6)
-    assert same.generated == reference(loaded, same.job.prompt, 6)
-    assert all(seq.generated == reference(loaded, seq.job.prompt, 30) for seq in background)
+    assert urgent.generated == reference(tiny_loaded, urgent.job.prompt, 6)
+    assert same.generated == reference(tiny_loaded, same.job.prompt, 6)
+    assert all(seq.generated == reference(tiny_loaded, seq.job.prompt, 30) for seq in background)
     assert runner.scheduler.kv.booked == 0
