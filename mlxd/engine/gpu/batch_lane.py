@@ -141,7 +141,9 @@ class BatchLane:
         fresh: list[Sequence] = []
         for seq in arrivals:
             if seq.is_cancelled:
-                ended.append(self._cancel_arrival(seq))
+                self._carried.pop(id(seq), None)
+                seq.cancel()
+                ended.append(seq)
             elif seq.generated:
                 self._guarded(self._resume, seq, ended)
             elif id(seq) in self._carried or not self._join(seq):
@@ -152,12 +154,6 @@ class BatchLane:
                 for seq in members:
                     self._guarded(self._insert, seq, ended)
         return ended
-
-    def _cancel_arrival(self, seq: Sequence) -> Sequence:
-        """An arrival whose client left before it was placed: it ends here."""
-        self._carried.pop(id(seq), None)
-        seq.cancel()
-        return seq
 
     def _first_token_priority(self) -> int | None:
         """The most urgent priority among rows still waiting for their first token (None: none)."""
@@ -172,7 +168,9 @@ class BatchLane:
         ended: list[Sequence] = []
         for seq in self._arrivals:
             if seq.is_cancelled:
-                ended.append(self._cancel_arrival(seq))
+                self._carried.pop(id(seq), None)
+                seq.cancel()
+                ended.append(seq)
             elif seq.priority < waited_for:
                 self._guarded(self._resume if seq.generated else self._insert, seq, ended)
             elif seq.generated or id(seq) in self._carried or not self._join(seq):
