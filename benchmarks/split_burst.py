@@ -31,26 +31,19 @@ except ImportError:
     import httpx  # type: ignore[no-redef]
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from fair_prefill import wait_ready  # noqa: E402
 
 
 def start_engine(model: Path, repo: Path, work: Path) -> tuple[subprocess.Popen[bytes], Path]:
-    sock = work / "e.sock"
+    sock, log = work / "e.sock", work / "engine.log"
     env = {**os.environ, "PYTHONPATH": str(repo), "MLXD_DATA_DIR": str(work / "data")}
     proc = subprocess.Popen([sys.executable, "-m", "mlxd.engine", "--model", str(model), "--model-id", "m",
                              "--socket", str(sock), "--prompt-cache-bytes", "0", "--batch", "auto"], cwd=repo, env=env,
-                            stdout=(work / "engine.log").open("wb"), stderr=subprocess.STDOUT)
-    with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://e") as c:
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < 600:
-            if proc.poll() is not None:
-                raise RuntimeError(f"engine exited {proc.returncode}: {(work / 'engine.log').read_text()[-2000:]}")
-            try:
-                if sock.exists() and c.get("/health").json()["status"] == "ready":
-                    return proc, sock
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-    raise RuntimeError("engine not ready in 600 s")
+                            stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    wait_ready(proc, sock, log, timeout_s=600)
+    return proc, sock
 
 
 def ttft(sock: Path, prompt: str, max_tokens: int, out: list[float], go: threading.Barrier, delay_s: float) -> None:
