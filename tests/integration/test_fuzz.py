@@ -13,6 +13,7 @@ ids to the lease routes, and keeps leases short (1 s) so a machine lease can't s
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import threading
@@ -100,6 +101,7 @@ class Fuzzer:
         self._sessions: list[requests.Session] = []
         self._lock = threading.Lock()
         self.held: dict[str, float] = {}  # lease id -> when it expires (monotonic)
+        self._lease_picks: dict[int, float] = {}  # id(case) -> where in the held leases it points
         self.tally = Tally()
         self.schema = schemathesis.openapi.from_dict(make_openapi())
         self.schema.config.output.sanitization.enabled = False  # repros keep `max_tokens` and the test key
@@ -109,7 +111,7 @@ class Fuzzer:
         fuzzer = self
 
         def flatmap_case(context: Any, case: Case) -> st.SearchStrategy[Case]:
-            return st.randoms(use_true_random=False).map(lambda rnd: fuzzer.steer(case, rnd))
+            return st.randoms(use_true_random=False).map(functools.partial(fuzzer.steer, case))
 
         return flatmap_case
 
@@ -125,10 +127,10 @@ class Fuzzer:
             if type(ttl) in (int, float) and ttl <= 7 * 24 * 3600:
                 body["ttl_s"] = min(ttl, LEASE_TTL_S)
             case.body = body
-        with self._lock:
-            ids = [i for i, end in self.held.items() if end > time.monotonic()] or list(self.held)
-        if "lease_id" in (case.path_parameters or {}) and held_lease < 0.5 and ids:
-            case.path_parameters = {**case.path_parameters, "lease_id": ids[int(pick * len(ids))]}
+        # Which held lease it names is known only when it is sent (every case passes here, so
+        # an entry left by a case Hypothesis threw away is overwritten, never reused).
+        names_lease = "lease_id" in (case.path_parameters or {}) and held_lease < 0.5
+        self._lease_picks[id(case)] = pick if names_lease else None
         # A case whose headers were made invalid keeps them: with a good key put back, the server
         # rightly accepts it, and schemathesis (which still sees the broken headers) reports a
         # violating request accepted, whenever nothing else turned the request away.
@@ -155,17 +157,20 @@ class Fuzzer:
         """Send `per_route` generated requests to every route, then about `num_examples` in all
         (Hypothesis decides the exact count) for routes mixed at random, up to `concurrency` at
         once so that admin calls land while requests are in flight."""
+        # Every case is made before the first is sent. Hypothesis reads sys.modules while it
+        # makes cases (to describe lambdas) and fails when another thread imports meanwhile, as
+        # a sending thread does the first time it meets some answer ("dictionary changed size
+        # during iteration", seen in CI).
         strategies = self.strategies()
+        cases: list[Case] = []
+        for strategy in strategies.values():
+            generate(strategy, cases.append, per_route, seed)
+        generate(self.mixed(), cases.append, max(1, num_examples - per_route * len(strategies)), seed)
         with ThreadPoolExecutor(concurrency) as pool:
             slots = threading.BoundedSemaphore(concurrency)
-
-            def submit(case: Case) -> None:
+            for case in cases:
                 slots.acquire()
                 pool.submit(self.send, case).add_done_callback(lambda _: slots.release())
-
-            for strategy in strategies.values():
-                generate(strategy, submit, per_route, seed)
-            generate(self.mixed(), submit, max(1, num_examples - per_route * len(strategies)), seed)
         return self.tally
 
     def send(self, case: Case) -> None:
@@ -173,6 +178,11 @@ class Fuzzer:
         route = case.operation.label
         if self.tally.stalled:
             return  # a stuck server would make every later request wait out its timeout
+        with self._lock:
+            ids = [i for i, end in self.held.items() if end > time.monotonic()] or list(self.held)
+        pick = self._lease_picks.pop(id(case), None)
+        if pick is not None and ids:
+            case.path_parameters = {**case.path_parameters, "lease_id": ids[int(pick * len(ids))]}
         try:
             response = case.call(base_url=self.url, session=self._session(), timeout=CALL_TIMEOUT_S)
         except requests.RequestException as exc:
