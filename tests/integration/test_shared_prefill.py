@@ -211,3 +211,30 @@ def test_requests_arriving_while_a_lone_one_prefills_the_same_prefix_share_the_r
     assert lanes(slow)["shared_prefills"] == before + 1
     # The lone one ran the prefix (the prompt cache held only its first words, from earlier tests).
     assert cached(results[0]) < 32 < min(cached(r) for r in results[1:]), results
+
+
+def test_one_whose_own_earlier_turn_is_cached_starts_from_it_not_from_a_shared_prefill(
+    slow: EngineProcess, alone: EngineProcess
+) -> None:
+    """A client's next turn arrives while another client's request prefills the system prompt
+    they share: its own previous turn in the prompt cache covers more, so it starts from that
+    (a shared prefill would have given it only the system prompt: seen in CI as a turn that
+    reused 374 tokens instead of its previous 471)."""
+    system = "SLOWPREFILL Own turns. " + SHARED
+    first_turn = {"prompt": f"{system} Question 0: which fact names the lamp?", "max_tokens": MAX_TOKENS}
+    reply = text_of(complete(slow, **first_turn))
+    next_turn = {**first_turn, "prompt": first_turn["prompt"] + reply + " Question 1: and the rope?"}
+    # The other client's prompt: the system prompt, then a long text of its own to prefill slowly.
+    other = {"prompt": f"{system} " + " ".join(f"Step {i}: move the {w}." for i, w in enumerate(WORDS * 3)),
+             "max_tokens": MAX_TOKENS}
+    expected = answers_alone(alone, [next_turn, other])
+    before = lanes(slow)["shared_prefills"]
+    with cf.ThreadPoolExecutor(2) as pool:
+        prefilling = pool.submit(complete, slow, **other)
+        wait_for(lambda: lanes(slow)["serial"] == 1, 60, message=lambda: str(lanes(slow)))
+        turn = pool.submit(complete, slow, **next_turn)
+        results = [turn.result(), prefilling.result()]
+    assert [text_of(r) for r in results] == [text_of(a) for a in expected]
+    earlier = complete(alone, first_turn["prompt"], max_tokens=1)["usage"]["prompt_tokens"]
+    assert cached(results[0]) >= earlier, results
+    assert lanes(slow)["shared_prefills"] == before  # nothing was worth sharing

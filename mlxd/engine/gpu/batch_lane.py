@@ -7,7 +7,9 @@ running rows keep getting a token every step meanwhile), the solo chunk while no
 on a GPU, where a bigger chunk prefills faster; nobody waits for a token). A prefix several rows share is prefilled once, a chunk a step,
 and each of them starts as a row from a view of that KV: the choices of one request (n > 1),
 and requests started together whose prompts share a long prefix the prompt cache lacks
-(sharing.py says which; one arriving while such a prefill runs joins it). Per-row sampling,
+(sharing.py says which; one arriving while such a prefill runs joins it). A request the cache
+serves as well on its own (a client's next turn, whose previous turn is cached, sharing only
+the system prompt with others) starts from its own entry instead. Per-row sampling,
 penalties and logit bias are mlx-lm's (rows with equal parameters share one sampler, so they
 are sampled in one call; logit biases are added as one matrix, batch_bias.py); stop strings,
 EOS and max_tokens are each row's Sequence. A row can be paused for a more urgent request
@@ -110,10 +112,23 @@ class BatchLane:
         return bool(self._arrivals)
 
     def shares_with_arrivals(self, prompt: list[int]) -> bool:
-        """Whether `prompt` shares a prefix worth one prefill with a request started this turn."""
+        """Whether `prompt` shares a prefix worth one prefill with a request started this turn
+        (more of it than that request's own start would take from the prompt cache)."""
         mine = np.asarray(prompt, dtype=np.int64)
-        return any(shareable(np.asarray(seq.job.prompt, dtype=np.int64), mine) >= MIN_SHARED_TOKENS
+        return any(self._gains(shareable(mine, np.asarray(seq.job.prompt, dtype=np.int64)), seq)
                    for seq in self._arrivals if not seq.generated)
+
+    def _own_start(self, seq: Sequence) -> int:
+        """The prompt tokens `seq` would take from the prompt cache as a row of its own (_insert)."""
+        prompt = seq.job.prompt
+        n = self._prompt_cache.longest(prompt)
+        return n if n >= MIN_CACHED_SHARE * len(prompt) else 0
+
+    def _gains(self, shared: int, seq: Sequence) -> bool:
+        """Whether starting from a shared prefill of its first `shared` tokens saves `seq` a
+        prefill worth sharing over its own start: a client's next turn shares the system prompt
+        with others, but its own previous turn in the cache covers more."""
+        return shared - self._own_start(seq) >= MIN_SHARED_TOKENS
 
     def adopt_prefill(self, seq: Sequence, kv: list[Any], done: int) -> None:
         """Take a sequence the serial lane was prefilling (`kv` holds `done` of its prompt's
@@ -138,9 +153,8 @@ class BatchLane:
                 fresh.append(seq)
         for cluster in clusters([np.asarray(s.job.prompt, dtype=np.int64) for s in fresh]):
             members = [fresh[i] for i in cluster.members]
-            if len(members) < 2 or not self._open_group(members, cluster.shared):
-                for seq in members:
-                    self._guarded(self._insert, seq, ended)
+            for seq in self._open_group(members, cluster.shared) if len(members) > 1 else members:
+                self._guarded(self._insert, seq, ended)
         return ended
 
     def _guarded(self, start: Any, seq: Sequence, ended: list[Sequence]) -> None:
@@ -185,27 +199,32 @@ class BatchLane:
         self._insert_row(seq, history, n, kv, seq.job.max_tokens - len(seq.generated))
         self._stats.num_resumed += 1
 
-    def _open_group(self, members: list[Sequence], shared: int) -> bool:
-        """A shared prefill of the `shared` tokens `members` start with, unless the prompt cache
-        already holds nearly all of it (False: they start as rows of their own). One the serial
-        lane was prefilling leads it, from its KV."""
+    def _open_group(self, members: list[Sequence], shared: int) -> list[Sequence]:
+        """A shared prefill of the `shared` tokens `members` start with, for those it saves a
+        prefill worth sharing (the prompt cache may already hold as much for them); one the
+        serial lane was prefilling leads it, from its KV. Returns the members that start as
+        rows of their own (all of them when no group is worth it)."""
         carried = [seq for seq in members if id(seq) in self._carried]
-        if carried:
-            lead = carried[0]
+        lead = carried[0] if carried else None
+        joining = [seq for seq in members if seq is not lead and self._gains(shared, seq)]
+        if len(joining) < (1 if lead is not None else 2):
+            return members
+        alone = [seq for seq in members if seq is not lead and seq not in joining]
+        if lead is not None:
             kv, done = self._carried[id(lead)]
             group = PrefillGroup(0, shared, kv, done, min(lead.cached, done), shared=True)
-            members = [lead, *(seq for seq in members if seq is not lead)]
+            joining.insert(0, lead)
         else:
-            prefix = members[0].job.prompt[:shared + 1]  # a fetch leaves one token to run
+            prefix = joining[0].job.prompt[:shared + 1]  # a fetch leaves one token to run
             if shared - self._prompt_cache.longest(prefix) < MIN_SHARED_TOKENS:
-                return False
+                return members  # the cache holds nearly all of it: too little left to share
             fetched, cached = self._prompt_cache.fetch(prefix)
             group = PrefillGroup(0, shared, fetched if fetched is not None else self._fresh_cache(), cached, cached,
                                  shared=True)
-        group.waiting.extend(members)
+        group.waiting.extend(joining)
         self._groups.append(group)
         self._stats.shared_prefills += 1
-        return True
+        return alone
 
     def _join(self, seq: Sequence) -> bool:
         """A latecomer joins a shared prefill under way that it shares enough with."""
@@ -215,7 +234,7 @@ class BatchLane:
                 continue
             first = np.asarray(group.waiting[0].job.prompt[:group.target], dtype=np.int64)
             target = join_target(first, group.target, group.done, prompt)
-            if target is not None:
+            if target is not None and self._gains(target, seq):
                 group.target = target
                 group.waiting.append(seq)
                 return True
