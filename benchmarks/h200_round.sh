@@ -425,6 +425,28 @@ r8b)
   step b8_on 150 python3 benchmarks/batching.py --model /tmp/models/l8q32 --widths 16,32 --rounds 1 \
     --only mlxd --warmup-tokens 128 --mlxd-env MLX_USE_CUDA_GRAPHS=1
   ;;
+r9a)
+  # issue 24, sixth session: raw mlx-lm's lone decode under each of the engine's MLX settings
+  # (graphs on/off, with and without its 100 ops a commit; a process each, two rounds), then
+  # the engine's lone stream with graphs on and no warm-up or probe
+  model 1b-bf16 /tmp/models/l1b32 --context 32768
+  step raw_env 330 bash -c 'for r in 1 2; do for e in "MLX_USE_CUDA_GRAPHS=1" "MLX_USE_CUDA_GRAPHS=0" \
+    "MLX_USE_CUDA_GRAPHS=0 MLX_MAX_OPS_PER_BUFFER=100" "MLX_USE_CUDA_GRAPHS=1 MLX_MAX_OPS_PER_BUFFER=100"; do \
+    env $e python3 benchmarks/raw_decode.py /tmp/models/l1b32 --runs 4; done; done'
+  step lone_bare_graphs 100 python3 benchmarks/long_prompt.py --model /tmp/models/l1b32 --lengths 200 --runs 5 \
+    --max-tokens 256 --engine-args "--batch auto --warmup off --width-probe off" --engine-env MLX_USE_CUDA_GRAPHS=1
+  ;;
+r9b)
+  # the engine's lone stream at its defaults and with no warm-up or probe; the gateway in raw's
+  # process
+  model 1b-bf16 /tmp/models/l1b32 --context 32768
+  step lone_default 150 python3 benchmarks/long_prompt.py --model /tmp/models/l1b32 --lengths 200 --runs 5 \
+    --max-tokens 256 --engine-args "--batch auto"
+  step lone_bare 90 python3 benchmarks/long_prompt.py --model /tmp/models/l1b32 --lengths 200 --runs 5 \
+    --max-tokens 256 --engine-args "--batch auto --warmup off --width-probe off"
+  step ab_lone 120 python3 benchmarks/serial_ab.py --model /tmp/models/l1b32 --lengths 200 --runs 5 --max-tokens 256 \
+    --variants raw-plain,lane-routed,gw --gateway "--batch auto"
+  ;;
 r3batch)
   # issue 24, third session: the 1B model at 1-64 streams against both the server and raw
   model 1b-bf16 /tmp/models/l1b32 --context 32768
