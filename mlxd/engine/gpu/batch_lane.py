@@ -14,6 +14,15 @@ penalties and logit bias are mlx-lm's (rows with equal parameters share one samp
 are sampled in one call; logit biases are added as one matrix, batch_bias.py); stop strings,
 EOS and max_tokens are each row's Sequence. A row can be paused for a more urgent request
 (its KV goes to the prompt cache) and resumed later where it stopped.
+
+Rows whose prefill has just ended get their first token before newer arrivals are prefilled:
+mlx-lm's generator samples a prefilled row's first token in the step after its last chunk and
+hands it out a step later, and a step that also prefills new prompts hands out nothing until
+that prefill is done. So arrivals wait those two steps (`FIRST_TOKEN_STEPS`), and a burst
+split by a late few does not give its first part the late part's prefill as time to first
+token (on the 2-core CPU: 3.4 s of 9.2; docs/benchmarks.md). One that can join a shared
+prefill under way joins it at once, and one more urgent than the rows it would wait for
+starts at once.
 """
 
 from __future__ import annotations
@@ -39,6 +48,8 @@ from mlxd.engine.models.loaded_model import LoadedModel
 log = logging.getLogger("mlxd.engine")
 # Prompts prefilled together in one chunk; more wait for the next chunk.
 MAX_PREFILL_ROWS = 8
+# Steps arrivals wait once a row's prefill has ended (its first token is sampled, then handed out).
+FIRST_TOKEN_STEPS = 2
 # Rows prefilled together are padded to the longest, so a cached prefix saves a row little
 # and pads every other row by its length: the batch lane uses one only when it covers at least
 # this share of the prompt (a short shared preamble made a burst of 8 prefill ~8% slower on
@@ -64,6 +75,7 @@ class BatchLane:
         self._arrivals: list[Sequence] = []  # started this turn: placed together at the next step
         # Sequences the serial lane was prefilling, handed over to share that prefill: id -> (KV, tokens in it)
         self._carried: dict[int, tuple[list[Any], int]] = {}
+        self._hold_arrivals = 0  # steps arrivals still wait for just-prefilled rows' first tokens
         self._gen = self._new_generator()
 
     def _new_generator(self) -> BatchGenerator:
@@ -144,9 +156,7 @@ class BatchLane:
         fresh: list[Sequence] = []
         for seq in arrivals:
             if seq.is_cancelled:
-                self._carried.pop(id(seq), None)
-                seq.cancel()
-                ended.append(seq)
+                ended.append(self._cancel_arrival(seq))
             elif seq.generated:
                 self._guarded(self._resume, seq, ended)
             elif id(seq) in self._carried or not self._join(seq):
@@ -155,6 +165,33 @@ class BatchLane:
             members = [fresh[i] for i in cluster.members]
             for seq in self._open_group(members, cluster.shared) if len(members) > 1 else members:
                 self._guarded(self._insert, seq, ended)
+        return ended
+
+    def _cancel_arrival(self, seq: Sequence) -> Sequence:
+        """An arrival whose client left before it was placed: it ends here."""
+        self._carried.pop(id(seq), None)
+        seq.cancel()
+        return seq
+
+    def _first_token_priority(self) -> int | None:
+        """The most urgent priority among rows still waiting for their first token (None: none)."""
+        return min((seq.priority for seq in self._rows.values() if not seq.generated), default=None)
+
+    def _join_arrivals(self, waited_for: int) -> list[Sequence]:
+        """While arrivals wait for just-prefilled rows' first tokens (the most urgent of those
+        rows: `waited_for`): those that can join a shared prefill under way join it now (it runs
+        this step anyway, and would be gone two steps on), one more urgent than those rows starts
+        now, the cancelled end; the rest keep waiting. Returns those that ended here."""
+        waiting: list[Sequence] = []
+        ended: list[Sequence] = []
+        for seq in self._arrivals:
+            if seq.is_cancelled:
+                ended.append(self._cancel_arrival(seq))
+            elif seq.priority < waited_for:
+                self._guarded(self._resume if seq.generated else self._insert, seq, ended)
+            elif seq.generated or id(seq) in self._carried or not self._join(seq):
+                waiting.append(seq)
+        self._arrivals = waiting
         return ended
 
     def _guarded(self, start: Any, seq: Sequence, ended: list[Sequence]) -> None:
@@ -356,8 +393,10 @@ class BatchLane:
             if prompts is not None:
                 prompts.prefill_step_size = chunk
         ended = self._drop_cancelled()
+        holding, self._hold_arrivals = self._hold_arrivals > 0, max(0, self._hold_arrivals - 1)
         if self._arrivals:
-            ended += self._place_arrivals()
+            waited_for = self._first_token_priority() if holding else None
+            ended += self._place_arrivals() if waited_for is None else self._join_arrivals(waited_for)
         if self._groups:
             ended += self._prefill_groups()
         if self._rows:
@@ -373,7 +412,9 @@ class BatchLane:
 
     def _decode(self, ended: list[Sequence]) -> None:
         """One generator step; the rows it ends go to `ended` (not yet answered) as they leave."""
-        _, responses = self._gen.next()
+        prompts, responses = self._gen.next()
+        if any(not p.end_of_prompt and p.progress[0] == p.progress[1] - 1 for p in prompts):
+            self._hold_arrivals = FIRST_TOKEN_STEPS  # a prompt is prefilled but for its last token
         leaving: list[int] = []
         kept: list[tuple[list[Any], list[int]]] = []  # the KV of rows that ended, for the prompt cache
         for r in responses:
