@@ -447,6 +447,23 @@ r9b)
   step ab_lone 120 python3 benchmarks/serial_ab.py --model /tmp/models/l1b32 --lengths 200 --runs 5 --max-tokens 256 \
     --variants raw-plain,lane-routed,gw --gateway "--batch auto"
   ;;
+r9c)
+  # the 1B figures not yet taken under graphs off: 32 streams, priorities, the agent-shaped load
+  model 1b-bf16 /tmp/models/l1b32 --context 32768
+  step b1_32 240 python3 benchmarks/batching.py --model /tmp/models/l1b32 --widths 32 --rounds 2 \
+    --only server,mlxd --warmup-tokens 128
+  step priority_1b 160 python3 benchmarks/priority_ttft.py --model /tmp/models/l1b32 --background 64 --samples 5
+  step agent_1b 180 python3 benchmarks/agent_load.py --model /tmp/models/l1b32 --clients 8 --turns 3 \
+    --system-tokens 3000 --max-tokens 64
+  ;;
+r9d)
+  # the 8B model at 16 and 32 streams against the server, engine graphs off (the default), then on
+  model 8b-4bit /tmp/models/l8q32 --context 32768
+  step b8_off 300 python3 benchmarks/batching.py --model /tmp/models/l8q32 --widths 16,32 --rounds 1 \
+    --only server,mlxd --warmup-tokens 128
+  step b8_on 200 python3 benchmarks/batching.py --model /tmp/models/l8q32 --widths 16,32 --rounds 1 \
+    --only mlxd --warmup-tokens 128 --mlxd-env MLX_USE_CUDA_GRAPHS=1
+  ;;
 r3batch)
   # issue 24, third session: the 1B model at 1-64 streams against both the server and raw
   model 1b-bf16 /tmp/models/l1b32 --context 32768
