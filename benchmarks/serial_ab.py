@@ -67,10 +67,15 @@ class Routing:
     """Switch the model's attention between mlx-lm's own and mlxd's routing."""
 
     def __init__(self, model: Any) -> None:
-        self.modules = [sys.modules[name] for name in decode_attention.install(model)]
-        self.routed = [m.scaled_dot_product_attention for m in self.modules]
         from mlx_lm.models import base
 
+        decode_attention.install(model)
+        # The modules routed now, by this install or by a gateway's loader before it (the
+        # modules are shared: without this, raw-plain ran routed after --gateway).
+        names = sorted({type(m).__module__ for _, m in model.named_modules()} | {type(model).__module__})
+        self.modules = [sys.modules[n] for n in names if n in sys.modules and getattr(
+            getattr(sys.modules[n], "scaled_dot_product_attention", None), "__name__", "") == "decode_sdpa"]
+        self.routed = [m.scaled_dot_product_attention for m in self.modules]
         self.plain = base.scaled_dot_product_attention
         prefill_attention.aligned_chunk = STEP
 
