@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -20,6 +22,8 @@ import anthropic
 import httpx2 as httpx
 import msgspec
 import openai
+
+from mlxd.protocol.process import SPARE_FLAG
 
 # The tiny random model's EOS (<|im_end|>), biased away so sampled requests always reach max_tokens.
 NO_EOS = {"2": -100}
@@ -82,8 +86,85 @@ def is_listening(path: Path) -> bool:
     return True
 
 
+ENGINE = [sys.executable, "-m", "mlxd.engine"]
+SPARE_IGNORES = {"PYTEST_CURRENT_TEST"}  # set anew for every test; nothing in the engine reads it
+
+
+def engine_log_path() -> Path:
+    """Where an engine's output goes: a fresh dir of its own (beside it: its SSD tier and data)."""
+    return Path(tempfile.mkdtemp(prefix="mx-log-")) / "engine.log"
+
+
+def launch(argv: list[str], log_path: Path, env: dict[str, str] | None, stdin: int | None = None,
+           ) -> tuple[subprocess.Popen[bytes], Any]:
+    """Start an engine process writing to `log_path`, with its own data dir (the width probe's memo)."""
+    env = dict(os.environ) if env is None else env
+    env.setdefault("MLXD_DATA_DIR", str(log_path.parent / "data"))
+    log = log_path.open("wb")
+    return subprocess.Popen(argv, stdin=stdin, stdout=log, stderr=subprocess.STDOUT, env=env), log
+
+
+class Spares:
+    """Engines with their imports done (`python -m mlxd.engine --spare`, as the supervisor keeps
+    one), so that a test's engine costs its load, not the ~2 s of importing mlx-lm again: one
+    is kept ready per test process, started when the last one was taken. A test that gives
+    its engine an environment or a launcher of its own, or changed os.environ since the spare
+    started, gets a fresh process as before."""
+
+    def __init__(self) -> None:
+        self._ready: tuple[subprocess.Popen[bytes], Any, Path, dict[str, str]] | None = None
+
+    def take(self, flags: Callable[[Path], list[str]]) -> tuple[subprocess.Popen[bytes], Any, Path] | None:
+        """A spare given the engine's flags (`flags` of the dir its log is in), and its log file
+        and path; None when none fits."""
+        spare, self._ready = self._ready, None
+        self._start()
+        if spare is None:
+            return None
+        proc, log, log_path, env = spare
+        if proc.poll() is not None or env != self._environ():
+            self._discard(proc, log)
+            return None
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write((json.dumps(flags(log_path.parent)) + "\n").encode())
+            proc.stdin.close()  # it reads one line
+        except OSError:  # it died just now
+            self._discard(proc, log)
+            return None
+        return proc, log, log_path
+
+    def _start(self) -> None:
+        log_path = engine_log_path()
+        proc, log = launch([*ENGINE, SPARE_FLAG], log_path, None, stdin=subprocess.PIPE)
+        self._ready = (proc, log, log_path, self._environ())
+
+    @staticmethod
+    def _environ() -> dict[str, str]:
+        return {k: v for k, v in os.environ.items() if k not in SPARE_IGNORES}
+
+    @staticmethod
+    def _discard(proc: subprocess.Popen[bytes], log: Any) -> None:
+        proc.kill()
+        proc.wait()
+        if proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()
+        log.close()
+
+    def close(self) -> None:
+        spare, self._ready = self._ready, None
+        if spare is not None:
+            self._discard(spare[0], spare[1])
+
+
+SPARES = Spares()
+atexit.register(SPARES.close)
+
+
 class EngineProcess:
-    """A real `python -m mlxd.engine` child with its socket, log, and an httpx client."""
+    """A real `python -m mlxd.engine` child with its socket, log, and an httpx client (a spare
+    from SPARES when the test asks for the plain engine in the test process's environment)."""
 
     def __init__(
         self, model: Path, model_id: str, *extra: str, env: dict[str, str] | None = None,
@@ -91,16 +172,22 @@ class EngineProcess:
     ) -> None:
         self.dir = socket_dir or private_socket_dir()
         self.socket = self.dir / "e.sock"
-        self.log_path = Path(tempfile.mkdtemp(prefix="mx-log-")) / "engine.log"
-        self._log = self.log_path.open("wb")
-        launcher = launcher or [sys.executable, "-m", "mlxd.engine"]
-        if "--ssd-cache-dir" not in extra:  # each engine its own SSD tier unless a test shares one
-            extra = (*extra, "--ssd-cache-dir", str(self.log_path.parent / "kv"))
-        argv = [*launcher, "--model", str(model), "--model-id", model_id, "--socket", str(self.socket), *extra]
-        env = dict(os.environ) if env is None else env
-        env.setdefault("MLXD_DATA_DIR", str(self.log_path.parent / "data"))  # its own (the width probe's memo)
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        def flags(beside: Path) -> list[str]:
+            return self._flags(model, model_id, extra, beside)
+
+        spare = SPARES.take(flags) if launcher is None and env is None else None
+        if spare is not None:
+            self.proc, self._log, self.log_path = spare
+        else:
+            self.log_path = engine_log_path()
+            argv = [*(launcher or ENGINE), *flags(self.log_path.parent)]
+            self.proc, self._log = launch(argv, self.log_path, env)
         self.client = httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket)), base_url="http://engine", timeout=120)
+
+    def _flags(self, model: Path, model_id: str, extra: tuple[str, ...], beside: Path) -> list[str]:
+        if "--ssd-cache-dir" not in extra:  # each engine its own SSD tier unless a test shares one
+            extra = (*extra, "--ssd-cache-dir", str(beside / "kv"))
+        return ["--model", str(model), "--model-id", model_id, "--socket", str(self.socket), *extra]
 
     def wait_ready(self, timeout: float = 60.0) -> EngineProcess:
         """Block until /health says ready; raise with the engine's log if it dies first."""
