@@ -151,3 +151,18 @@ def test_device_words_upload_a_bitmask_once_per_content_and_keep_the_last_few() 
     assert cache.get(b) is not first and cache.get(b).tolist() == [[2, 2, 2]]
     cache.get(c)  # a third content: the least recently used (a) goes
     assert cache.get(a) is not first and cache.get(a).tolist() == [[1, 1, 1]]
+
+
+def test_a_plain_reply_never_imports_llguidance():
+    # a request without response_format must not need llguidance (an install without it, or
+    # one where it fails to import, still answers plain chat)
+    import subprocess
+    import sys
+
+    code = ("import sys; from mlxd.engine.chat.grammar import response_format_grammar; "
+            "assert response_format_grammar(None) is None; "
+            "assert response_format_grammar({'type': 'text'}) is None; "
+            "print('llguidance' in sys.modules); "
+            "response_format_grammar({'type': 'json_object'}); print('llguidance' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True"]

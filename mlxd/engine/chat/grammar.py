@@ -83,9 +83,7 @@ class Grammars:
 
 def response_format_grammar(response_format: Any) -> str | None:
     """The grammar of a chat request's `response_format`; None for plain text. A malformed
-    format is a 400 naming the field."""
-    import llguidance
-
+    format is a 400 naming the field. llguidance is imported only once a grammar is asked for."""
     if response_format is None:
         return None
     if not isinstance(response_format, dict):
@@ -93,6 +91,8 @@ def response_format_grammar(response_format: Any) -> str | None:
     kind = response_format.get("type", "text")
     if kind == "text":
         return None
+    import llguidance
+
     if kind == "json_object":
         return str(llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}))
     if kind == "json_schema":
