@@ -464,6 +464,46 @@ r9d)
   step b8_on 200 python3 benchmarks/batching.py --model /tmp/models/l8q32 --widths 16,32 --rounds 1 \
     --only mlxd --warmup-tokens 128 --mlxd-env MLX_USE_CUDA_GRAPHS=1
   ;;
+r10a)
+  # issue 24, seventh session: the engine's lone stream with graphs on and off (no warm-up or
+  # probe, against raw in each run), then batching.py's mlxd at 1 and 16 streams, graphs on and off
+  model 1b-bf16 /tmp/models/l1b32 --context 32768
+  step lone_graphs 100 python3 benchmarks/long_prompt.py --model /tmp/models/l1b32 --lengths 200 --runs 5 \
+    --max-tokens 256 --engine-args "--batch auto --warmup off --width-probe off" --engine-env MLX_USE_CUDA_GRAPHS=1
+  step lone_nographs 90 python3 benchmarks/long_prompt.py --model /tmp/models/l1b32 --lengths 200 --runs 5 \
+    --max-tokens 256 --engine-args "--batch auto --warmup off --width-probe off"
+  step b1_on 150 python3 benchmarks/batching.py --model /tmp/models/l1b32 --widths 1,16 --rounds 1 \
+    --only mlxd --warmup-tokens 128 --mlxd-env MLX_USE_CUDA_GRAPHS=1
+  step b1_off 150 python3 benchmarks/batching.py --model /tmp/models/l1b32 --widths 1,16 --rounds 1 \
+    --only mlxd --warmup-tokens 128
+  ;;
+r10c)
+  # r10a's batching steps again, once the device had llguidance (r10a's failed on its import)
+  model 1b-bf16 /tmp/models/l1b32 --context 32768
+  step b1_on 150 python3 benchmarks/batching.py --model /tmp/models/l1b32 --widths 1,16 --rounds 1 \
+    --only mlxd --warmup-tokens 128 --mlxd-env MLX_USE_CUDA_GRAPHS=1
+  step b1_off 150 python3 benchmarks/batching.py --model /tmp/models/l1b32 --widths 1,16 --rounds 1 \
+    --only mlxd --warmup-tokens 128
+  ;;
+r10d)
+  # the engine with graphs on and off alternated, twice, at 1, 16 and 64 streams
+  model 1b-bf16 /tmp/models/l1b32 --context 32768
+  for v in on1 off1 on2 off2; do
+    case $v in on*) e=(--mlxd-env MLX_USE_CUDA_GRAPHS=1) ;; *) e=() ;; esac
+    step "g_$v" 200 python3 benchmarks/batching.py --model /tmp/models/l1b32 --widths 1,16,64 --rounds 2 \
+      --only mlxd --warmup-tokens 128 --logs "$out/logs_$v" "${e[@]}"
+  done
+  ;;
+r10b)
+  # a trial of the batch lane placing a burst eight at a time (applied to the working tree; not
+  # landed: docs/benchmarks.md, "Seventh session"), against the code without it (.device/old:
+  # git archive 52bd8a6 mlxd benchmarks pyproject.toml): 64 streams' TTFT and decode
+  model 1b-bf16 /tmp/models/l1b32 --context 32768
+  step b64_new 200 python3 benchmarks/batching.py --model /tmp/models/l1b32 --widths 64 --rounds 1 \
+    --only mlxd --warmup-tokens 128
+  step b64_old 200 env PYTHONPATH="/tmp/site:$PWD/.device/old" python3 .device/old/benchmarks/batching.py \
+    --model /tmp/models/l1b32 --widths 64 --rounds 1 --only mlxd --warmup-tokens 128
+  ;;
 r3batch)
   # issue 24, third session: the 1B model at 1-64 streams against both the server and raw
   model 1b-bf16 /tmp/models/l1b32 --context 32768

@@ -117,7 +117,8 @@ class Engine:
         t0 = time.perf_counter()
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"engine exited with {self.proc.returncode}; log: {log}")
+                tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+                raise RuntimeError(f"engine exited with {self.proc.returncode}; log: {log}\n{tail}")
             try:
                 if self.socket.exists() and self.client.get("/health").json()["status"] == "ready":
                     break

@@ -5,8 +5,9 @@ cache, over its socket),
 then each round sends `--first` streamed completions at once and, `--delay-ms` later (past the
 engine's gather window, inside the first ones' prefill), `--late` more; every prompt is unique.
 Prints each round's time to first text for both groups (client side) and their medians over
-the rounds after one warm-up round. `--repo DIR` runs the engine from another checkout (a git
-worktree of an earlier commit) to compare two versions on the same machine.
+the rounds after one warm-up round (`--late 0`: one burst of `--first`). `--repo DIR` runs the
+engine from another checkout (a git worktree of an earlier commit) to compare two versions on
+the same machine.
 
   python benchmarks/split_burst.py --model ~/.local/share/mlxd/models/SmolLM2-135M-Instruct
 """
@@ -110,9 +111,11 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(30)
-    med = statistics.median
-    print(f"{args.repo.resolve()}: TTFT median first {med(firsts):.2f} s, late {med(lates):.2f} s, "
-          f"all {med(firsts + lates):.2f} s ({args.first}+{args.late} requests, late by {args.delay_ms:.0f} ms, "
+    def med(xs: list[float]) -> str:
+        return f"{statistics.median(xs):.2f} s" if xs else "-"
+
+    print(f"{args.repo.resolve()}: TTFT median first {med(firsts)}, late {med(lates)}, "
+          f"all {med(firsts + lates)} ({args.first}+{args.late} requests, late by {args.delay_ms:.0f} ms, "
           f"{args.rounds} rounds)")
 
 

@@ -26,7 +26,10 @@ a graph, reach cuDNN), and:
   decode step took 6.0 ms with graphs off against 6.5 ms on (mlx-lm's plain cache: 4.7 against
   6.0 ms), mlxd at 16 streams made 2,169 and 2,745 tok/s with them off against 1,589 on in the
   same machine's calls, and a lone 8k/24k prompt prefilled no slower (docs/benchmarks.md,
-  "Fourth session").
+  "Fourth session"). Alternated in one call later: 2,974 and 2,818 tok/s at 16 streams off
+  against 2,189 and 1,886 on, 5,605 and 5,595 at 64 against 5,108 and 4,211, and the engine's
+  warm-up in 5-6 s instead of 13 ("Seventh session"). Raw mlx-lm's lone stream is faster with
+  graphs on; the engine's serial lane did not gain from them.
 """
 
 from __future__ import annotations
