@@ -494,6 +494,18 @@ r10d)
       --only mlxd --warmup-tokens 128 --logs "$out/logs_$v" "${e[@]}"
   done
   ;;
+r10e)
+  # next: where the engine's lone stream loses raw's gain from CUDA graphs. Every variant in one
+  # process with graphs on (serial_ab.py keeps a setting the environment gives): raw mlx-lm
+  # plain and through mlxd's attention routing, the serial lane both ways, the whole gateway
+  model 1b-bf16 /tmp/models/l1b32 --context 32768
+  MLX_USE_CUDA_GRAPHS=1 step ab_graphs 200 python3 benchmarks/serial_ab.py --model /tmp/models/l1b32 \
+    --lengths 200 --runs 5 --max-tokens 256 --variants raw-plain,raw-routed,lane-plain,lane-routed,gw \
+    --gateway "--batch auto --warmup off --width-probe off"
+  MLX_USE_CUDA_GRAPHS=0 step ab_nographs 200 python3 benchmarks/serial_ab.py --model /tmp/models/l1b32 \
+    --lengths 200 --runs 5 --max-tokens 256 --variants raw-plain,raw-routed,lane-plain,lane-routed,gw \
+    --gateway "--batch auto --warmup off --width-probe off"
+  ;;
 r10b)
   # a trial of the batch lane placing a burst eight at a time (applied to the working tree; not
   # landed: docs/benchmarks.md, "Seventh session"), against the code without it (.device/old:
