@@ -359,20 +359,23 @@ def test_import_default_writes_the_models_recommended_sampling_and_keeps_a_users
         config = json.loads((model / "generation_config.json").read_text())
         return {k: config[k] for k in ("temperature", "top_p", "top_k", "min_p") if k in config}
 
-    assert sampling_of(smollm2) == {"temperature": 0.2, "top_p": 0.9}  # the model card's
+    assert sampling_of(smollm2) == {"temperature": 0.0}  # greedy: the 4-bit GGUF's near ties
     models = tmp_path / "models"
     shutil.copytree(smollm2, models / smollm2.name)
     file = models / smollm2.name / "generation_config.json"
-    older = {k: v for k, v in json.loads(file.read_text()).items() if k not in ("temperature", "top_p")}
+    older = {k: v for k, v in json.loads(file.read_text()).items() if k != "temperature"}
     file.write_text(json.dumps(older))  # imported by an mlxd that wrote no sampling
     assert importer.import_default(models) == models / smollm2.name
-    assert sampling_of(models / smollm2.name) == {"temperature": 0.2, "top_p": 0.9}
+    assert sampling_of(models / smollm2.name) == {"temperature": 0.0}
     assert json.loads(file.read_text())["eos_token_id"] == older["eos_token_id"]  # the rest kept
-    file.write_text(json.dumps({**older, "temperature": 0.5}))  # a user's own choice
+    file.write_text(json.dumps({**older, "temperature": 0.2, "top_p": 0.9}))  # what an earlier mlxd wrote
     importer.import_default(models)
-    assert sampling_of(models / smollm2.name) == {"temperature": 0.5}
-
-
+    assert sampling_of(models / smollm2.name) == {"temperature": 0.0}
+    assert json.loads(file.read_text())["eos_token_id"] == older["eos_token_id"]
+    for own in ({"temperature": 0.5}, {"temperature": 0.2}, {"temperature": 0.2, "top_p": 0.9, "top_k": 20}):
+        file.write_text(json.dumps({**older, **own}))  # a user's own choice
+        importer.import_default(models)
+        assert sampling_of(models / smollm2.name) == own
 
 
 PHASES = ["reading header", "building tokenizer", "loading weights", "converting tensors"]
