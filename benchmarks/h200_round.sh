@@ -466,19 +466,16 @@ r9d)
   ;;
 r10a)
   # issue 24, seventh session: the engine's lone stream with graphs on and off (no warm-up or
-  # probe, against raw in each run), then batching.py's mlxd at 1 and 16 streams, graphs on and off
+  # probe, against raw in each run), then r10c's steps (they failed here, the device then
+  # lacking llguidance)
   model 1b-bf16 /tmp/models/l1b32 --context 32768
   step lone_graphs 100 python3 benchmarks/long_prompt.py --model /tmp/models/l1b32 --lengths 200 --runs 5 \
     --max-tokens 256 --engine-args "--batch auto --warmup off --width-probe off" --engine-env MLX_USE_CUDA_GRAPHS=1
   step lone_nographs 90 python3 benchmarks/long_prompt.py --model /tmp/models/l1b32 --lengths 200 --runs 5 \
     --max-tokens 256 --engine-args "--batch auto --warmup off --width-probe off"
-  step b1_on 150 python3 benchmarks/batching.py --model /tmp/models/l1b32 --widths 1,16 --rounds 1 \
-    --only mlxd --warmup-tokens 128 --mlxd-env MLX_USE_CUDA_GRAPHS=1
-  step b1_off 150 python3 benchmarks/batching.py --model /tmp/models/l1b32 --widths 1,16 --rounds 1 \
-    --only mlxd --warmup-tokens 128
-  ;;
+  ;&
 r10c)
-  # r10a's batching steps again, once the device had llguidance (r10a's failed on its import)
+  # batching.py's mlxd at 1 and 16 streams, graphs on and off
   model 1b-bf16 /tmp/models/l1b32 --context 32768
   step b1_on 150 python3 benchmarks/batching.py --model /tmp/models/l1b32 --widths 1,16 --rounds 1 \
     --only mlxd --warmup-tokens 128 --mlxd-env MLX_USE_CUDA_GRAPHS=1
