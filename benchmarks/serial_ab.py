@@ -162,6 +162,13 @@ class InProcessGateway:
     def run(self, ids: list[int], max_tokens: int, bias: dict[int, float]) -> dict[str, Any]:
         return self.loop.run_until_complete(self._run(ids, max_tokens, bias))
 
+    def close(self) -> None:
+        """Stop the GPU thread and wait for it (left running, it aborted the process at exit)."""
+        self.loop.call_soon(self.gateway.stop)
+        self.loop.run_until_complete(asyncio.sleep(0))
+        self.gateway._thread.join(60)
+        self.loop.close()
+
     async def _run(self, ids: list[int], max_tokens: int, bias: dict[int, float]) -> dict[str, Any]:
         from mlxd.protocol.events import Done, Failed, Token
 
@@ -247,6 +254,8 @@ def run(args: argparse.Namespace) -> None:
                 print(f"  {n} run {i} {v:12s} ttft {r['ttft_ms']:7.1f} ms decode {r['decode_tps']:6.1f} tok/s "
                       f"steps {[round(x, 1) for x in r['steps_ms']]}"
                       + (f" (first token seen on the loop at {r['seen_ms']:.1f} ms)" if "seen_ms" in r else ""), flush=True)
+    if gateway is not None:
+        gateway.close()
     med = statistics.median
     print("\n| prompt tokens | variant | TTFT ms (median) | decode tok/s (median) | TTFT / raw-plain | decode / raw-plain |")
     print("| --- | --- | --- | --- | --- | --- |")
