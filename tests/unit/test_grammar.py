@@ -153,7 +153,7 @@ def test_device_words_upload_a_bitmask_once_per_content_and_keep_the_last_few() 
     assert cache.get(a) is not first and cache.get(a).tolist() == [[1, 1, 1]]
 
 
-def test_a_plain_reply_never_imports_llguidance():
+def test_a_plain_reply_never_imports_llguidance() -> None:
     # a request without response_format must not need llguidance (an install without it, or
     # one where it fails to import, still answers plain chat)
     import subprocess
