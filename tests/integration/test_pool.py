@@ -383,25 +383,30 @@ def test_a_keys_default_priority_runs_its_requests_behind_other_keys(tiny_model:
     sup.client.headers["Authorization"] = "Bearer person"  # for /admin/engines
     finished: list[str] = []
 
-    def run(name: str, key: str, max_tokens: int = 8, **fields: Any) -> None:
+    # Each later request decodes 48 tokens: one row at a time, their finishes lie dozens of steps
+    # apart, so a client thread the busy machine schedules late cannot swap two in `finished`.
+    def run(name: str, key: str, max_tokens: int = 48, **fields: Any) -> None:
         body = {"model": "tiny", "prompt": name, "max_tokens": max_tokens, "logit_bias": NO_EOS, **fields}
         answer = sup.client.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
         assert answer.status_code == 200, answer.text
         finished.append(name)
 
-    def in_flight() -> int:
-        return int(engines(sup)["tiny"]["in_flight"]) if "tiny" in engines(sup) else 0
+    def queued() -> int:
+        """Requests the engine itself holds waiting: the supervisor counts a request in flight
+        before the engine has it, and a request still on its way would be queued out of turn."""
+        return int(sup.engine_stats("tiny")["lanes"]["waiting"])
 
     try:
         with ThreadPoolExecutor(5) as pool:
             first = pool.submit(run, "first", "person", 600)
-            assert wait_for(lambda: in_flight() == 1, 30)
+            assert wait_for(lambda: "tiny" in engines(sup) and engines(sup)["tiny"]["state"] == "ready"
+                            and sup.engine_stats("tiny")["lanes"]["serial"] == 1, 30)
             later = [pool.submit(run, "agent 1", "agent")]
-            assert wait_for(lambda: in_flight() == 2, 10)
+            assert wait_for(lambda: queued() == 1, 10)
             later.append(pool.submit(run, "agent urgent", "agent", priority=0))  # the body's own wins
-            assert wait_for(lambda: in_flight() == 3, 10)
+            assert wait_for(lambda: queued() == 2, 10)
             later.append(pool.submit(run, "person", "person"))
-            assert wait_for(lambda: in_flight() == 4, 10)
+            assert wait_for(lambda: queued() == 3, 10)
             for f in [first, *later]:
                 f.result()
         assert finished == ["first", "agent urgent", "person", "agent 1"]
