@@ -395,10 +395,12 @@ def run_vllm_mlx(args: argparse.Namespace, template: str, bias: dict[str, float]
     return {"command": server.command, "widths": widths}
 
 
-def bench_supervisor(model: Path, work: Path, model_lines: str = "") -> tuple[Supervisor, str]:
-    """`mlxd serve` with `model` as MODEL_ID (plus `model_lines` in its table), at its defaults
-    otherwise (a long queue timeout for long runs); logging to work/serve.log. Its config text too."""
-    text = f"[pool]\nqueue_timeout_s = 3600\n\n[models.{MODEL_ID}]\npath = {json.dumps(str(model))}\n{model_lines}"
+def bench_supervisor(model: Path, work: Path, model_lines: str = "", pool_lines: str = "") -> tuple[Supervisor, str]:
+    """`mlxd serve` with `model` as MODEL_ID (plus `model_lines` in its table and `pool_lines` in
+    [pool]), at its defaults otherwise (a long queue timeout for long runs); logging to
+    work/serve.log. Its config text too."""
+    text = (f"[pool]\nqueue_timeout_s = 3600\n{pool_lines}\n"
+            f"[models.{MODEL_ID}]\npath = {json.dumps(str(model))}\n{model_lines}")
     config = work / "mlxd.toml"
     config.write_text(text)
     return Supervisor(config, private_dir(work / "data"), private_dir(work / "rt"), work / "serve.log"), text
@@ -406,7 +408,8 @@ def bench_supervisor(model: Path, work: Path, model_lines: str = "") -> tuple[Su
 
 def run_mlxd(args: argparse.Namespace, template: str, bias: dict[str, float], work: Path) -> Row:
     with mock.patch.dict(os.environ, env_pairs(args.mlxd_env)):  # the supervisor, and its engines, inherit them
-        sup, text = bench_supervisor(args.model, work, f"batch = {args.batch}\n" if args.batch is not None else "")
+        sup, text = bench_supervisor(args.model, work, f"batch = {args.batch}\n" if args.batch is not None else "",
+                                     "".join(f"{line.strip()}\n" for line in args.mlxd_pool.split(";") if line.strip()))
     config = work / "mlxd.toml"
     try:
         sup.wait_health()
@@ -520,6 +523,8 @@ def parse_args() -> argparse.Namespace:
                    help="vllm-mlx's `vllm-mlx` script, in a venv of its own (for --only ...,vllm)")
     p.add_argument("--batch", type=int, help="add `batch = N` to mlxd's [models.bench] table")
     p.add_argument("--server-args", default="", help="extra mlx_lm.server flags, e.g. '--decode-concurrency 64'")
+    p.add_argument("--mlxd-pool", default="",
+                   help="extra lines for mlxd's [pool] table, ';'-separated (e.g. 'prompt_cache_bytes = 0'): a tuned run, named")
     p.add_argument("--mlxd-env", default="", help="NAME=VALUE[,NAME=VALUE] for mlxd's supervisor and engines only")
     p.add_argument("--json", type=Path, help="write every result here")
     p.add_argument("--logs", type=Path, help="copy the servers' logs (mlxd's serve.log, mlx_lm.server's) into this dir")
