@@ -1,4 +1,6 @@
-"""Where a batched decode step's time goes, in one process: the model on mlx-lm's BatchKVCache.
+"""Which parts of a batched decode step grow with the context, in one process: the model on
+mlx-lm's BatchKVCache. (benchmarks/decode_step.py compares cache kinds and mlx-lm's whole
+generator step at one context; this one splits a step by context and by row removal.)
 
 For each row count: the step with `--context` tokens already in the cache against the step
 with one token (the difference is attention over the context), one layer's attention alone
