@@ -503,6 +503,28 @@ r10e)
     --lengths 200 --runs 5 --max-tokens 256 --variants raw-plain,raw-routed,lane-plain,lane-routed,gw \
     --gateway "--batch auto --warmup off --width-probe off"
   ;;
+r11a)
+  # issue 24, ninth session: the 8B model at 16 and 32 streams, the server alone (r9d's step ran
+  # out of time as the server compiled its kernels); r11b is mlxd at its defaults (graphs off)
+  model 8b-4bit /tmp/models/l8q32 --context 32768
+  step b8_server 420 python3 benchmarks/batching.py --model /tmp/models/l8q32 --widths 16,32 --rounds 1 \
+    --only server --warmup-tokens 128
+  ;;
+r11b)
+  model 8b-4bit /tmp/models/l8q32 --context 32768
+  step b8_mlxd 420 python3 benchmarks/batching.py --model /tmp/models/l8q32 --widths 16,32 --rounds 1 \
+    --only mlxd --warmup-tokens 128
+  ;;
+r11c)
+  # the engine's MLX operations a commit: its 100 against 20, alternated twice, at 1, 16 and 64
+  # streams (raw mlx-lm's lone decode with graphs off ran slower at 100 in r9a)
+  model 1b-bf16 /tmp/models/l1b32 --context 32768
+  for v in o100a o20a o100b o20b; do
+    case $v in o20*) e=(--mlxd-env MLX_MAX_OPS_PER_BUFFER=20) ;; *) e=() ;; esac
+    step "ops_$v" 150 python3 benchmarks/batching.py --model /tmp/models/l1b32 --widths 1,16,64 --rounds 2 \
+      --only mlxd --warmup-tokens 128 "${e[@]}"
+  done
+  ;;
 r10b)
   # a trial of the batch lane placing a burst eight at a time (applied to the working tree; not
   # landed: docs/benchmarks.md, "Seventh session"), against the code without it (.device/old:

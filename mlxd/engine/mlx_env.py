@@ -28,8 +28,9 @@ a graph, reach cuDNN), and:
   same machine's calls, and a lone 8k/24k prompt prefilled no slower (docs/benchmarks.md,
   "Fourth session"). Alternated in one call later: 2,974 and 2,818 tok/s at 16 streams off
   against 2,189 and 1,886 on, 5,605 and 5,595 at 64 against 5,108 and 4,211, and the engine's
-  warm-up in 5-6 s instead of 13 ("Seventh session"). Raw mlx-lm's lone stream is faster with
-  graphs on; the engine's serial lane did not gain from them.
+  warm-up in 5-6 s instead of 13 ("Seventh session"). The price is the lone stream: with graphs
+  on the engine decodes one stream at raw mlx-lm's speed, with them off at 0.67-0.81 of it
+  ("Ninth session"); the setting is one per process, and a served engine's load is concurrent.
 """
 
 from __future__ import annotations
