@@ -10,7 +10,8 @@ unlikely tokens in: SmolLM2-135M named the capital of France "Le Grand Citel" tw
 three. The truncation keeps only tokens the model finds plausible (min-p: at least 5% of the
 likeliest's probability), and the lower temperature sharpens what is left, while answers still
 vary from run to run. Each value is taken on its own: a request that sets a temperature still
-gets the truncation unless it sets that too, as in Ollama.
+gets the truncation unless it sets that too, as in Ollama. A model whose file says
+`"do_sample": false` is greedy (temperature 0), as transformers reads it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ def model_defaults(config: Any) -> dict[str, float]:
         value = config.get(key)
         if isinstance(value, int | float) and not isinstance(value, bool) and low <= value <= high:
             out[key] = float(value)
+    if config.get("do_sample") is False:
+        # transformers' meaning: greedy, whatever temperature and truncation the file also lists
+        # (they apply only when sampling); a repetition penalty still applies.
+        out = {key: value for key, value in out.items() if key == "repetition_penalty"}
+        out["temperature"] = 0.0
     return out
 
 

@@ -26,6 +26,17 @@ def test_infinite_nan_huge_and_wrong_types_are_dropped(tmp_path: Path) -> None:
     assert defaults(tmp_path, text) == {}
 
 
+def test_do_sample_false_means_greedy_whatever_else_the_file_lists(tmp_path: Path) -> None:
+    text = '{"do_sample": false, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.05}'
+    assert defaults(tmp_path, text) == {"temperature": 0.0, "repetition_penalty": 1.05}
+    assert params(defaults(tmp_path, text))[0] == 0.0
+    assert params(defaults(tmp_path, text), temperature=0.7)[0] == 0.7  # a request's own value wins
+    assert defaults(tmp_path, '{"do_sample": false}') == {"temperature": 0.0}
+    # do_sample true, or anything but the JSON false, changes nothing
+    assert defaults(tmp_path, '{"do_sample": true, "temperature": 0.6}') == {"temperature": 0.6}
+    assert defaults(tmp_path, '{"do_sample": 0, "temperature": 0.6}') == {"temperature": 0.6}
+
+
 def test_not_an_object_or_not_json(tmp_path: Path) -> None:
     assert defaults(tmp_path, "[1, 2]") == {}
     assert defaults(tmp_path, "{") == {}
