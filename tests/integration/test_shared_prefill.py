@@ -119,6 +119,27 @@ def test_prompts_that_differ_after_a_few_tokens_are_not_shared(tiny_model: Path,
     assert [cached(a) for a in together] == [0, 0, 0] and after["shared_prefills"] == 0
 
 
+def test_rows_started_together_that_all_find_the_same_short_cached_preamble_start_from_it(
+    tiny_model: Path, alone: EngineProcess
+) -> None:
+    # A preamble under half of each prompt: a row of its own would not use it (MIN_CACHED_SHARE),
+    # but when every row of the turn finds it, none pads another, and all take it.
+    preamble = "System: answer each question briefly, naming the fact it asks about."
+    sent = [{"prompt": f"{preamble} {' '.join([w] * 30)} ?", "max_tokens": MAX_TOKENS} for w in WORDS[:3]]
+    expected = answers_alone(alone, sent)
+    n_preamble = complete(alone, preamble, max_tokens=1)["usage"]["prompt_tokens"]
+    assert all(a["usage"]["prompt_tokens"] > 2 * n_preamble for a in expected)
+    with running_engine(tiny_model, "tiny", "--batch", "8", "--prefill-step", "64",
+                        "--kv-budget-tokens", str(budget_for(expected, 3))) as engine:
+        complete(engine, f"{preamble} Something else entirely.", max_tokens=2)  # the preamble, cached
+        together = [f.result() for f in held_back(engine, sent)]
+        assert [text_of(a) for a in together] == [text_of(a) for a in expected]
+        starts = [cached(a) for a in together]
+        # each from the preamble (a row whose word begins as the cached turn's next word did
+        # matches a token or two more)
+        assert all(n_preamble - 2 <= n <= n_preamble + 2 for n in starts), (starts, n_preamble, engine.log())
+
+
 def test_those_the_kv_budget_holds_back_start_later_from_the_cached_prefix(
     tiny_model: Path, alone: EngineProcess
 ) -> None:

@@ -53,8 +53,12 @@ FIRST_TOKEN_STEPS = 2
 # Rows prefilled together are padded to the longest, so a cached prefix saves a row little
 # and pads every other row by its length: the batch lane uses one only when it covers at least
 # this share of the prompt (a short shared preamble made a burst of 8 prefill ~8% slower on
-# the 2-core CPU; docs/benchmarks.md). The serial lane uses any.
+# the 2-core CPU; docs/benchmarks.md). The serial lane uses any. When every row started in a
+# turn finds about the same shorter prefix (a chat template's preamble), no row pads another
+# by much, and they all take it (_uniform_starts).
 MIN_CACHED_SHARE = 0.5
+# The least a turn's rows must all find for _uniform_starts to use it (a chat preamble is 20-40).
+MIN_UNIFORM_TOKENS = 16
 
 
 class BatchLane:
@@ -161,11 +165,30 @@ class BatchLane:
                 self._guarded(self._resume, seq, ended)
             elif id(seq) in self._carried or not self._join(seq):
                 fresh.append(seq)
+        singles: list[Sequence] = []
         for cluster in clusters([np.asarray(s.job.prompt, dtype=np.int64) for s in fresh]):
             members = [fresh[i] for i in cluster.members]
-            for seq in self._open_group(members, cluster.shared) if len(members) > 1 else members:
-                self._guarded(self._insert, seq, ended)
+            singles += self._open_group(members, cluster.shared) if len(members) > 1 else members
+        uniform = self._uniform_starts(singles)
+        for seq in singles:
+            self._guarded(lambda s: self._insert(s, min_share=0.0 if id(s) in uniform else MIN_CACHED_SHARE), seq,
+                          ended)
         return ended
+
+    def _uniform_starts(self, seqs: list[Sequence]) -> set[int]:
+        """The ids of rows started together that may take a cached prefix under half their prompt:
+        all of them, when each finds one of about the same length (the chat template's preamble,
+        say: within a quarter of the shortest, as a word after it may match a token more), so that
+        none pads another by more than that; else none. Those carried from the serial lane have
+        their own."""
+        own = [seq for seq in seqs if id(seq) not in self._carried]
+        if len(own) < 2:
+            return set()
+        found = [self._prompt_cache.longest(seq.job.prompt) for seq in own]
+        shortest = min(found)
+        if shortest < MIN_UNIFORM_TOKENS or max(found) - shortest > shortest // 4:
+            return set()
+        return {id(seq) for seq in own}
 
     def _cancel_arrival(self, seq: Sequence) -> Sequence:
         """An arrival whose client left before it was placed: it ends here."""
@@ -203,14 +226,14 @@ class BatchLane:
             seq.fail(self._stats, f"generation failed: {type(exc).__name__}: {exc}")
             ended.append(seq)
 
-    def _insert(self, seq: Sequence) -> None:
-        """A row of its own, from the longest cached prefix of its prompt worth using (one the
-        serial lane handed over: from what it had prefilled)."""
+    def _insert(self, seq: Sequence, min_share: float = MIN_CACHED_SHARE) -> None:
+        """A row of its own, from the longest cached prefix of its prompt covering `min_share`
+        of it (one the serial lane handed over: from what it had prefilled)."""
         job = seq.job
         if (carried := self._carried.pop(id(seq), None)) is not None:
             self._insert_row(seq, job.prompt, carried[1], carried[0], job.max_tokens)
             return
-        kv, cached = self._prompt_cache.fetch(job.prompt, min_share=MIN_CACHED_SHARE)
+        kv, cached = self._prompt_cache.fetch(job.prompt, min_share=min_share)
         seq.start(cached)
         self._insert_row(seq, job.prompt, cached, kv, job.max_tokens)
 
