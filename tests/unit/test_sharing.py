@@ -6,7 +6,14 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlxd.engine.gpu.sharing import MIN_SHARED_TOKENS, Cluster, clusters, join_target, shareable
+from mlxd.engine.gpu.sharing import (
+    MIN_SHARED_TOKENS,
+    Cluster,
+    clusters,
+    join_target,
+    shareable,
+    uniform_start,
+)
 
 M = MIN_SHARED_TOKENS
 
@@ -77,3 +84,12 @@ def test_every_prompt_in_exactly_one_group_whose_members_all_share_its_prefix(ra
         first = prompts[c.members[0]]
         for i in c.members:
             assert shareable(first, prompts[i]) >= c.shared and len(prompts[i]) > c.shared
+
+
+def test_rows_start_from_a_short_cached_prefix_only_when_all_find_about_as_much() -> None:
+    assert uniform_start([28, 28, 27, 28])  # a chat preamble, a token more for some
+    assert uniform_start([40, 50])  # within a quarter of the shortest
+    assert not uniform_start([40, 51])  # one would pad the other by more
+    assert not uniform_start([28, 28, 0])  # one finds nothing: the others would pad it
+    assert not uniform_start([12, 12, 12])  # too short to be worth a copy
+    assert not uniform_start([28]) and not uniform_start([])  # a lone row has its own rule

@@ -41,7 +41,13 @@ from mlxd.engine.gpu.batch_bias import batch_bias
 from mlxd.engine.gpu.job import PrefillGroup
 from mlxd.engine.gpu.sampling import make_sampling
 from mlxd.engine.gpu.sequence import Sequence
-from mlxd.engine.gpu.sharing import MIN_SHARED_TOKENS, clusters, join_target, shareable
+from mlxd.engine.gpu.sharing import (
+    MIN_SHARED_TOKENS,
+    clusters,
+    join_target,
+    shareable,
+    uniform_start,
+)
 from mlxd.engine.gpu.stats import Stats
 from mlxd.engine.models.loaded_model import LoadedModel
 
@@ -53,12 +59,8 @@ FIRST_TOKEN_STEPS = 2
 # Rows prefilled together are padded to the longest, so a cached prefix saves a row little
 # and pads every other row by its length: the batch lane uses one only when it covers at least
 # this share of the prompt (a short shared preamble made a burst of 8 prefill ~8% slower on
-# the 2-core CPU; docs/benchmarks.md). The serial lane uses any. When every row started in a
-# turn finds about the same shorter prefix (a chat template's preamble), no row pads another
-# by much, and they all take it (_uniform_starts).
+# the 2-core CPU; docs/benchmarks.md). The serial lane uses any; see also sharing.uniform_start.
 MIN_CACHED_SHARE = 0.5
-# The least a turn's rows must all find for _uniform_starts to use it (a chat preamble is 20-40).
-MIN_UNIFORM_TOKENS = 16
 
 
 class BatchLane:
@@ -176,19 +178,11 @@ class BatchLane:
         return ended
 
     def _uniform_starts(self, seqs: list[Sequence]) -> set[int]:
-        """The ids of rows started together that may take a cached prefix under half their prompt:
-        all of them, when each finds one of about the same length (the chat template's preamble,
-        say: within a quarter of the shortest, as a word after it may match a token more), so that
-        none pads another by more than that; else none. Those carried from the serial lane have
-        their own."""
+        """The ids of rows started together that may take a cached prefix under half their prompt
+        (all or none: sharing.uniform_start). Those carried from the serial lane have their own."""
         own = [seq for seq in seqs if id(seq) not in self._carried]
-        if len(own) < 2:
-            return set()
         found = [self._prompt_cache.longest(seq.job.prompt) for seq in own]
-        shortest = min(found)
-        if shortest < MIN_UNIFORM_TOKENS or max(found) - shortest > shortest // 4:
-            return set()
-        return {id(seq) for seq in own}
+        return {id(seq) for seq in own} if uniform_start(found) else set()
 
     def _cancel_arrival(self, seq: Sequence) -> Sequence:
         """An arrival whose client left before it was placed: it ends here."""

@@ -12,7 +12,8 @@ prefix, and a run of them either forms one group sharing what all of them share 
 where they share least, whichever saves more tokens (two groups of agents with different
 system prompts are two groups, not one sharing only the template's first tokens). A request
 arriving while a shared prefill runs joins it when it shares all of it, or at least half of it
-and all that has run.
+and all that has run. Requests that all find about the same short prefix in the prompt cache
+(the chat template's preamble) each start from it (uniform_start).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import numpy as np
 from mlxd.engine.cache.prefix_cache import common_prefix
 
 MIN_SHARED_TOKENS = 128
+# The least the rows of a turn must all find cached for uniform_start (a chat preamble: 20-40).
+MIN_UNIFORM_TOKENS = 16
 
 
 def shareable(a: np.ndarray, b: np.ndarray) -> int:
@@ -94,3 +97,14 @@ def join_target(group_prefix: np.ndarray, target: int, done: int, prompt: np.nda
     if n >= max(done, min_shared) and 2 * n >= target:
         return n
     return None
+
+
+def uniform_start(found: Sequence[int]) -> bool:
+    """Whether rows started together, finding `found` cached tokens each, should all start from
+    them though each is under half its prompt: rows prefilled together are padded to the longest
+    cached start, so they gain only when each finds about as much (within a quarter of the
+    shortest: a word after a chat preamble may match a token more), at least MIN_UNIFORM_TOKENS."""
+    if len(found) < 2:
+        return False
+    shortest = min(found)
+    return shortest >= MIN_UNIFORM_TOKENS and max(found) - shortest <= shortest // 4
