@@ -19,6 +19,7 @@ from mlxd.protocol.sizing import Device, Sizing, headroom_bytes, kv_memory_token
 
 log = logging.getLogger("mlxd.engine")
 CPU_MEMORY_SHARE = 0.75  # of RAM, on the CPU: [pool] memory_fraction's default
+CPU_CACHE_BYTES = 32 * 1024**2  # MLX's cache of freed buffers on the CPU (its default): cache_limit_bytes
 
 
 def device_kind() -> Device:
@@ -57,14 +58,24 @@ def size_for(loaded: LoadedModel, opts: GatewayOptions, probed: tuple[int, str] 
 
 
 def cache_limit_bytes(opts: GatewayOptions) -> int | None:
-    """What MLX may keep of freed buffers for reuse: the sizing's headroom (None: memory unknown).
+    """What MLX may keep of freed buffers for reuse: on a GPU the sizing's headroom (None: memory
+    unknown), on the CPU CPU_CACHE_BYTES.
 
-    MLX keeps freed buffers by default up to its memory limit, so an engine that once ran a
-    wide warm-up or a long prefill holds that peak for good. On a GPU another engine of the
-    pool, or any other program, then finds the device full (on the H200, a raw mlx-lm
-    process beside an engine at `batch auto` with an 8B model ran out of memory).
+    On a GPU MLX keeps freed buffers by default up to its memory limit, so an engine that once
+    ran a wide warm-up or a long prefill holds that peak for good. Another engine of the pool,
+    or any other program, then finds the device full (on the H200, a raw mlx-lm process beside
+    an engine at `batch auto` with an 8B model ran out of memory).
+
+    On the CPU MLX's cache reuses a buffer only for a request of nearly its size, while the C
+    allocator reuses freed memory for any size. A batch's KV changes size whenever a row joins or
+    leaves, so a large cache held gigabytes of stale sizes while each new array took fresh pages
+    from the kernel, which zeroes them: the step after rows left or joined took 1-10 s on the
+    2-core CPU (docs/benchmarks.md, "Ninth session"). MLX's own CPU default is kept.
     """
-    memory = allowed_memory_bytes(device_kind(), opts)
+    device = device_kind()
+    if device == "cpu":
+        return CPU_CACHE_BYTES
+    memory = allowed_memory_bytes(device, opts)
     return None if memory is None else headroom_bytes(memory)
 
 

@@ -20,7 +20,7 @@ from mlxd.engine.cache.fingerprint import tier_dir
 from mlxd.engine.cache.prefix_cache import PrefixCache
 from mlxd.engine.cache.ssd_tier import SsdTier, default_ssd_cache_bytes
 from mlxd.engine.gpu import decode_attention, prefill_attention, width_probe
-from mlxd.engine.gpu.device_memory import cache_limit_bytes, size_for
+from mlxd.engine.gpu.device_memory import cache_limit_bytes, device_kind, size_for
 from mlxd.engine.gpu.flat_rows import FLATTEN_MIN_ROWS, flatten_quantized_rows, wins_here
 from mlxd.engine.gpu.kv_quant import activation_dtype, check_quantized_kv
 from mlxd.engine.gpu.options import GatewayOptions
@@ -105,7 +105,8 @@ def make_runner(
     if (limit := cache_limit_bytes(opts)) is not None:
         mx.clear_cache()  # what the probe and the warm-up freed
         mx.set_cache_limit(limit)
-        log.info("MLX keeps at most %.1f GiB of freed buffers for reuse (the sizing's headroom)", limit / 1024**3)
+        log.info("MLX keeps at most %.2f GiB of freed buffers for reuse (%s)", limit / 1024**3,
+                 "its CPU default" if device_kind() == "cpu" else "the sizing's headroom")
     # Unseeded sampling draws from MLX's global generator: fresh entropy for each engine.
     mx.random.seed(int.from_bytes(os.urandom(8), "little"))
     cache = PrefixCache(opts.prompt_cache_bytes, ssd_tier(loaded, opts), idle)
