@@ -525,6 +525,20 @@ r11c)
       --only mlxd --warmup-tokens 128 "${e[@]}"
   done
   ;;
+r12a)
+  # issue 24, tenth session: CUDA graphs on against off at every width the issue names, with
+  # the server in the same call (the targets are ratios to it; raw mlx-lm and the server run
+  # with graphs on), and graphs on with 300 operations a commit; alternated
+  model 1b-bf16 /tmp/models/l1b32 --context 32768
+  step g_server 150 python3 benchmarks/batching.py --model /tmp/models/l1b32 --widths 1,8,16,32,64 --rounds 2 \
+    --only server --warmup-tokens 128
+  for v in off1 on1 ops1 off2 on2 ops2; do
+    case $v in on*) e=(--mlxd-env MLX_USE_CUDA_GRAPHS=1) ;;
+      ops*) e=(--mlxd-env MLX_USE_CUDA_GRAPHS=1,MLX_MAX_OPS_PER_BUFFER=300) ;; *) e=() ;; esac
+    step "g_$v" 110 python3 benchmarks/batching.py --model /tmp/models/l1b32 --widths 1,8,16,32,64 --rounds 2 \
+      --only mlxd --warmup-tokens 128 "${e[@]}"
+  done
+  ;;
 r10b)
   # a trial of the batch lane placing a burst eight at a time (applied to the working tree; not
   # landed: docs/benchmarks.md, "Seventh session"), against the code without it (.device/old:

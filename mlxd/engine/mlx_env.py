@@ -31,6 +31,8 @@ a graph, reach cuDNN), and:
   warm-up in 5-6 s instead of 13 ("Seventh session"). The price is the lone stream: with graphs
   on the engine decodes one stream at raw mlx-lm's speed, with them off at 0.67-0.81 of it
   ("Ninth session"); the setting is one per process, and a served engine's load is concurrent.
+  `[pool] cuda_graphs = true` turns them on for every engine (the supervisor puts the variable
+  in their environment: engines/pool.py, engine_env_from).
 """
 
 from __future__ import annotations

@@ -85,6 +85,9 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     batch: Batch = DEFAULT_BATCH  # continuous batching width of each engine ("auto"); per model: [models.NAME] batch
     warmup: Literal["auto", "on", "off"] = "auto"  # engines' --warmup (auto: on CUDA only)
     gather_ms: Annotated[float, msgspec.Meta(ge=0, le=1000)] = DEFAULT_GATHER_MS  # engines' --gather-ms (0: never)
+    # CUDA graphs for every engine (MLX_USE_CUDA_GRAPHS=1): a lone stream decodes faster, batches
+    # run slower (docs/engine.md, "MLX settings"); only MLX's CUDA backend reads it.
+    cuda_graphs: bool = False
     spare_engine: bool = True  # keep one engine process with its imports done ($MLXD_SPARE_ENGINE=0: off)
     # The prompt cache (engines' --prompt-cache-bytes / --ssd-cache-bytes; None: their defaults,
     # 10% of memory and a quarter of the free disk, capped at 32 GiB each; 0: off).

@@ -322,6 +322,28 @@ def test_a_spare_that_dies_is_reaped_and_replaced(tiny_model: Path, tmp_path: Pa
         assert "starting (from the spare)" in sup.log()
 
 
+def environ_of(pid: int) -> dict[str, str]:
+    pairs = (item.partition("=") for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if item)
+    return {name: value for name, _, value in pairs}
+
+
+@pytest.mark.parametrize("spare", [True, False], ids=["from-the-spare", "spawned"])
+def test_pool_cuda_graphs_reach_every_engine_process(tiny_model: Path, tmp_path: Path, spare: bool) -> None:
+    # MLX reads MLX_USE_CUDA_GRAPHS once, at its first use in a process, and a spare has imported
+    # MLX before it is given a model: the setting travels in every engine's environment.
+    config = f'[pool]\ncuda_graphs = true\n\n[models.a]\npath = "{tiny_model}"\n'
+    sup = SupervisorProcess(config, tmp_path, env={"MLXD_SPARE_ENGINE": "1" if spare else "0"}).wait_up()
+    try:
+        if spare:
+            assert wait_for(lambda: engines(sup)["_"]["spare"]["warm"], 60), engines(sup)["_"]
+            assert environ_of(engines(sup)["_"]["spare"]["pid"]).get("MLX_USE_CUDA_GRAPHS") == "1"
+        assert complete(sup, "a").status_code == 200
+        assert ("starting (from the spare)" in sup.log()) is spare
+        assert environ_of(engines(sup)["a"]["pid"]).get("MLX_USE_CUDA_GRAPHS") == "1"
+    finally:
+        sup.stop()
+
+
 def test_unload_racing_requests_never_stalls_the_model(tmp_path: Path) -> None:
     """Unloads racing queued requests: each unload answers, and the model keeps serving.
 

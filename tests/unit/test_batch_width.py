@@ -9,10 +9,10 @@ import pytest
 
 from mlxd.engine.settings import EngineSettings, parse_args
 from mlxd.protocol.sizing import AUTO_WIDTH_CAP, kv_memory_tokens, size_engine
-from mlxd.supervisor.config import DEFAULT_GATHER_MS, PoolConfig
+from mlxd.supervisor.config import DEFAULT_GATHER_MS, PoolConfig, decode_config
 from mlxd.supervisor.engines.engine import Engine
 from mlxd.supervisor.engines.footprint import estimate_bytes, this_device
-from mlxd.supervisor.engines.pool import Pool, engine_args_from
+from mlxd.supervisor.engines.pool import Pool, engine_args_from, engine_env_from
 from mlxd.supervisor.http import admin_routes
 from mlxd.supervisor.registry import ModelEntry
 
@@ -73,6 +73,13 @@ def test_auto_is_the_default_and_the_pool_books_what_the_engine_will_choose(tmp_
     assert sizing.width == AUTO_WIDTH_CAP[this_device()]  # a tiny model: the device's widest
     assert slot.memory_bytes == 100 + sizing.kv_budget_tokens * 64 + 7000
     assert admin_routes.engine_info(pool, slot, None).batch == "auto"
+
+
+def test_pool_cuda_graphs_is_an_mlx_setting_in_the_engines_environment() -> None:
+    assert engine_env_from(PoolConfig()) == ()  # the engine's own default (mlx_env.py: off) holds
+    assert engine_env_from(PoolConfig(cuda_graphs=True)) == (("MLX_USE_CUDA_GRAPHS", "1"),)
+    assert engine_args_from(PoolConfig(cuda_graphs=True)) == ()  # not a flag: MLX reads it at its first use
+    assert decode_config(b"[pool]\ncuda_graphs = true\n", Path("c.toml")).pool.cuda_graphs is True
 
 
 def test_pool_keys_reach_the_engine_only_when_they_differ_from_its_defaults(tmp_path: Path) -> None:

@@ -307,6 +307,7 @@ def test_no_warning_for_a_private_file_or_one_without_keys(
 @pytest.mark.parametrize(("line", "field"), [
     ("prompt_cache_bytes = -1", "prompt_cache_bytes"), ("ssd_cache_bytes = -1", "ssd_cache_bytes"),
     ("kv_bits = 7", "kv_bits"), ("kv_group_size = 48", "kv_group_size"), ('ssd_write_behind = "yes"', "ssd_write_behind"),
+    ('cuda_graphs = "on"', "cuda_graphs"),
 ])
 def test_bad_prompt_cache_keys_name_the_field(tmp_path: Path, line: str, field: str) -> None:
     assert f"pool.{field}" in load_error(tmp_path, f"[pool]\n{line}\n")

@@ -47,6 +47,7 @@ class EngineOptions:
     backoff_base_s: float = 1.0
     crash: policy.CrashLimits = field(default_factory=policy.CrashLimits)  # [pool] crash-loop keys (the pool sets them)
     engine_args: tuple[str, ...] = ()  # flags every engine gets from [pool] (the pool sets them)
+    engine_env: tuple[tuple[str, str], ...] = ()  # environment every engine (and the spare) gets from [pool]
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> EngineOptions:
@@ -275,7 +276,7 @@ class Engine:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", self.options.module, *args,
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-                env={**os.environ, "MLXD_PARENT_PID": str(os.getpid())},
+                env={**os.environ, **dict(self.options.engine_env), "MLXD_PARENT_PID": str(os.getpid())},
             )
         self.pid = proc.pid
         assert proc.stdout is not None

@@ -105,6 +105,14 @@ def engine_args_from(config: PoolConfig, kv_dir: Path | None = None) -> tuple[st
     return tuple(args)
 
 
+def engine_env_from(config: PoolConfig) -> tuple[tuple[str, str], ...]:
+    """Environment every engine gets from the `[pool]` table: MLX settings MLX reads once, at its
+    first use in a process, so they cannot be flags (a spare has imported MLX before it is given
+    its model). `cuda_graphs = false` adds nothing: the engine's own default (mlx_env.py) holds,
+    unless the supervisor's environment says otherwise."""
+    return (("MLX_USE_CUDA_GRAPHS", "1"),) if config.cuda_graphs else ()
+
+
 def prompt_cache_bytes(config: PoolConfig) -> int:
     """What an engine's prompt cache may hold in RAM (counted in its memory estimate)."""
     if config.prompt_cache_bytes is not None:
@@ -127,7 +135,8 @@ class Pool:
         self._runtime_dir = runtime_dir
         self.config = config or PoolConfig()
         self._options = dataclasses.replace(options or EngineOptions(), crash=crash_limits_from(self.config),
-                                            engine_args=engine_args_from(self.config, kv_dir))
+                                            engine_args=engine_args_from(self.config, kv_dir),
+                                            engine_env=engine_env_from(self.config))
         self.limits = limits_from(self.config)
         self._device = this_device()  # the widest `auto` width the estimates plan for
         self.clock = clock
@@ -138,7 +147,7 @@ class Pool:
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.spare = Spare(self._options.module, self.config.spare_engine and spare_allowed(self._options),
-                           on_exit=self._on_spare_exit)
+                           on_exit=self._on_spare_exit, env=dict(self._options.engine_env))
         self.spare_timing = SpareTiming(self.spare, self._is_quiet)
         self.admin = PoolAdmin(self)  # loads, unloads, drains, a lease's hold
         self.machine = MachineHold(self.schedule_replan, self.spare.stop)  # `mlxd lease --all`

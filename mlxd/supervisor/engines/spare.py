@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from mlxd.protocol.process import SPARE_FLAG
 
@@ -28,8 +28,11 @@ YOUNG_S = 10.0  # a spare that dies sooner after its start may die at once again
 class Spare:
     """At most one pre-started engine process."""
 
-    def __init__(self, module: str, enabled: bool, on_exit: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self, module: str, enabled: bool, on_exit: Callable[[], None] = lambda: None, env: Mapping[str, str] | None = None,
+    ) -> None:
         self._module = module
+        self._env = dict(env or {})  # on top of ours: what [pool] sets for every engine
         self.enabled = enabled
         self.on_exit = on_exit  # the waiting spare died and was reaped (the pool makes another)
         self._proc: asyncio.subprocess.Process | None = None
@@ -84,7 +87,7 @@ class Spare:
             self._proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", self._module, SPARE_FLAG,
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-                env={**os.environ, "MLXD_PARENT_PID": str(os.getpid())},
+                env={**os.environ, **self._env, "MLXD_PARENT_PID": str(os.getpid())},
             )
             log.debug("spare engine pid %d started", self._proc.pid)
             self._spawned_at = time.monotonic()
