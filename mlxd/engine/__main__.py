@@ -62,6 +62,9 @@ def main() -> None:
     )
     if mlx_settings:
         logging.getLogger("mlxd.engine").info("MLX settings: %s", " ".join(f"{k}={v}" for k, v in mlx_settings.items()))
+    if from_env := mlx_env.given(os.environ, mlx_settings):
+        logging.getLogger("mlxd.engine").info("MLX settings from the environment: %s",
+                                              " ".join(f"{k}={v}" for k, v in from_env.items()))
     code = serve(settings)
     logging.shutdown()
     sys.stdout.flush()

@@ -81,6 +81,16 @@ def defaults(environ: Mapping[str, str], *, cuda: bool, version: str) -> dict[st
     return {name: value for name, value in wanted.items() if name not in environ}
 
 
+SETTINGS = ("MLX_PTX_CACHE_DIR", "MLX_MAX_OPS_PER_BUFFER", "MLX_ENABLE_CACHE_THRASHING_CHECK",
+            "MLX_CUDA_SDPA_CACHE_SIZE", "MLX_USE_CUDA_GRAPHS")
+
+
+def given(environ: Mapping[str, str], added: Mapping[str, str]) -> dict[str, str]:
+    """The settings the environment gave instead of the engine (`[pool] cuda_graphs`, a user's
+    export), for the engine's log: which one an engine runs with is otherwise unseen."""
+    return {name: environ[name] for name in SETTINGS if name in environ and name not in added}
+
+
 def cold_kernel_cache(environ: Mapping[str, str], *, cuda: bool) -> Path | None:
     """The kernel cache directory when MLX's CUDA backend will fill it from nothing (it holds no
     file yet): the engine's first start with this MLX version on this machine compiles every

@@ -340,6 +340,7 @@ def test_pool_cuda_graphs_reach_every_engine_process(tiny_model: Path, tmp_path:
         assert complete(sup, "a").status_code == 200
         assert ("starting (from the spare)" in sup.log()) is spare
         assert environ_of(engines(sup)["a"]["pid"]).get("MLX_USE_CUDA_GRAPHS") == "1"
+        assert "MLX settings from the environment: MLX_USE_CUDA_GRAPHS=1" in sup.log()  # the engine says so
     finally:
         sup.stop()
 

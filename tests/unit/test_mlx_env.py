@@ -37,6 +37,14 @@ def test_what_the_user_sets_wins() -> None:
     assert mlx_env.defaults(env, cuda=True, version="1") == {"MLX_PTX_CACHE_DIR": "/h/.cache/mlxd/mlx-kernels/1"}
 
 
+def test_settings_the_environment_gave_are_named_for_the_log() -> None:
+    env = {"HOME": "/h", "MLX_USE_CUDA_GRAPHS": "1", "MLX_OTHER": "x"}  # [pool] cuda_graphs = true
+    added = mlx_env.defaults(env, cuda=True, version="1")
+    assert mlx_env.given({**env, **added}, added) == {"MLX_USE_CUDA_GRAPHS": "1"}
+    assert mlx_env.given({"HOME": "/h"}, {}) == {}
+    assert set(mlx_env.SETTINGS) == set(mlx_env.defaults({}, cuda=True, version="1"))  # every one it sets
+
+
 def test_the_engine_process_sees_the_settings_before_mlx_loads(tmp_path: Path) -> None:
     # apply() runs in a fresh interpreter, as the engine's __main__ does, and leaves set values alone.
     code = (
