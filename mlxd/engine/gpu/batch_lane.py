@@ -181,7 +181,7 @@ class BatchLane:
         """The ids of rows started together that may take a cached prefix under half their prompt
         (all or none: sharing.uniform_start). Those carried from the serial lane have their own."""
         own = [seq for seq in seqs if id(seq) not in self._carried]
-        found = [self._prompt_cache.longest(seq.job.prompt) for seq in own]
+        found = [self._prompt_cache.longest(seq.job.prompt) for seq in own] if len(own) > 1 else []  # a lone row: no scan
         return {id(seq) for seq in own} if uniform_start(found) else set()
 
     def _cancel_arrival(self, seq: Sequence) -> Sequence:
