@@ -268,6 +268,7 @@ def main() -> None:
     summary["runs"] = args.runs
     print(f"model: {model_id}  ({args.runs} runs x {args.max_tokens} tokens, medians; CPUs {args.cpus or 'not pinned'}; "
           f"engine flags: {args.engine_args or 'none'})")
+    print("  engine starts, spawn to ready (s): " + " ".join(f"{c:.1f}" for c in cold))
     print("  per run, decode tok/s raw/engine: " + " ".join(f"{r['decode_tps']:.0f}/{e['decode_tps']:.0f}" for r, e in zip(raw_rows, eng_rows, strict=True)))
     for key, value in summary.items():
         print(f"  {key:20s} {value:10.3f}")

@@ -539,6 +539,14 @@ r12a)
       --only mlxd --warmup-tokens 128 "${e[@]}"
   done
   ;;
+r13a)
+  # issue 24, eleventh session: an 8B engine's start at `batch auto`, spawn to ready, three times
+  # on a fresh machine: the first compiles kernels and runs the width probe, the later ones find
+  # both remembered (MLX_PTX_CACHE_DIR, the probe's file)
+  model 8b-4bit /tmp/models/l8q32 --context 32768
+  step starts_8b 560 python3 benchmarks/engine_decode.py --model /tmp/models/l8q32 --engine-args "--batch auto" \
+    --cold-starts 3 --runs 3 --max-tokens 128
+  ;;
 r10b)
   # a trial of the batch lane placing a burst eight at a time (applied to the working tree; not
   # landed: docs/benchmarks.md, "Seventh session"), against the code without it (.device/old:

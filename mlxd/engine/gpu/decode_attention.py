@@ -228,8 +228,9 @@ def plain_causal(model: Any) -> bool:
     return make_cache is None or all(type(c) is KVCache for c in make_cache())
 
 
-def install(model: Any) -> list[str]:
-    """Route the model's attention through decode_sdpa; the mlx-lm modules changed."""
+def install(model: Any, wrapper: Callable[[Callable[..., mx.array]], Callable[..., mx.array]] = wrap) -> list[str]:
+    """Route the model's attention through `wrapper(mlx-lm's function)` (decode_sdpa unless
+    given: cpu_attention.py passes its own); the mlx-lm modules changed."""
     from mlx_lm.models import base
 
     changed: list[str] = []
@@ -241,6 +242,6 @@ def install(model: Any) -> list[str]:
         if module is None or not name.startswith("mlx_lm.models."):
             continue
         if getattr(module, "scaled_dot_product_attention", None) is base.scaled_dot_product_attention:
-            module.scaled_dot_product_attention = wrap(base.scaled_dot_product_attention)  # type: ignore[attr-defined]
+            module.scaled_dot_product_attention = wrapper(base.scaled_dot_product_attention)  # type: ignore[attr-defined]
             changed.append(name)
     return changed

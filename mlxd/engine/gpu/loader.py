@@ -19,7 +19,7 @@ from mlxd.engine import mlx_env
 from mlxd.engine.cache.fingerprint import tier_dir
 from mlxd.engine.cache.prefix_cache import PrefixCache
 from mlxd.engine.cache.ssd_tier import SsdTier, default_ssd_cache_bytes
-from mlxd.engine.gpu import decode_attention, prefill_attention, width_probe
+from mlxd.engine.gpu import cpu_attention, decode_attention, prefill_attention, width_probe
 from mlxd.engine.gpu.device_memory import cache_limit_bytes, device_kind, size_for
 from mlxd.engine.gpu.flat_rows import FLATTEN_MIN_ROWS, flatten_quantized_rows, wins_here
 from mlxd.engine.gpu.kv_quant import activation_dtype, check_quantized_kv
@@ -76,8 +76,9 @@ def size_options(loaded: LoadedModel, opts: GatewayOptions) -> tuple[GatewayOpti
 
 
 def patch_model(loaded: LoadedModel, opts: GatewayOptions) -> None:
-    """The model's batched-decode patches: quantized rows flattened where that wins, and on CUDA
-    attention through mlxd (decode_attention.py, prefill_attention.py)."""
+    """The model's batched-decode patches: quantized rows flattened where that wins, on CUDA
+    attention through mlxd (decode_attention.py, prefill_attention.py), on the CPU batched
+    decode attention on every core (cpu_attention.py)."""
     assert opts.batch is not None
     if opts.batch >= FLATTEN_MIN_ROWS and wins_here() and (n := flatten_quantized_rows(loaded.model)):
         log.info("%d quantized layers run batched decode rows flattened (from %d rows)", n, FLATTEN_MIN_ROWS)
@@ -85,6 +86,8 @@ def patch_model(loaded: LoadedModel, opts: GatewayOptions) -> None:
         prefill_attention.aligned_chunk = opts.solo_prefill_step
         log.info("attention runs through mlxd (%s): prefill chunks to cuDNN's or MLX's unfused attention%s",
                  ", ".join(modules), "; batched decode attention runs mlxd's kernel" if decode_attention.enabled() else "")
+    elif mx.default_device().type == mx.DeviceType.cpu and (modules := cpu_attention.install(loaded.model)):
+        log.info("batched decode attention runs on %d CPU cores (%s)", cpu_attention.cores(), ", ".join(modules))
 
 
 def make_runner(
