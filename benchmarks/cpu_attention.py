@@ -76,7 +76,7 @@ def split_prefill(n_cores: int) -> Any:
             return cpu_attention.by_rows(
                 lambda q, k, v, m, sc, stream=None: mx.fast.scaled_dot_product_attention(q, k, v, scale=sc, mask=m,
                                                                                          stream=stream),
-                queries, keys, values, mask, scale, cpu_attention.parts_for(queries.shape[0], n_cores))
+                queries, keys, values, mask, scale, cpu_attention.parts_for(queries.shape[0], keys.shape[2], n_cores))
         return base.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask,
                                                  sinks=sinks)
 
@@ -113,7 +113,7 @@ def main() -> None:
                 ms, got = step_ms(model, rows, context, a.steps)
                 split_ms.append(ms)
             diff = float(mx.max(mx.abs(got - want)).item())
-            layer = layer_ms(rows, context, cpu_attention.parts_for(rows, n))
+            layer = layer_ms(rows, context, cpu_attention.parts_for(rows, context, n))
             ratio = statistics.median(mlx_ms) / statistics.median(split_ms)
             steps = " ".join(f"{x:.1f}" for x in mlx_ms) + " / " + " ".join(f"{x:.1f}" for x in split_ms)
             print(f"{rows:3d} rows, {context:5d} tokens: step {steps} = {ratio:.2f}x; one layer's attention "

@@ -55,10 +55,12 @@ def test_a_layout_that_differs_from_mlx_keeps_mlxs_attention(monkeypatch: pytest
     assert ca.check(4, 2, 32, mx.float32) is False
 
 
-def test_parts_follow_the_cores_and_the_rows() -> None:
-    assert [ca.parts_for(rows, 2) for rows in (1, 2, 3, 32)] == [1, 2, 2, 2]
-    assert [ca.parts_for(rows, 16) for rows in (1, 5, 32)] == [1, 5, ca.MOST_PARTS]
-    assert ca.parts_for(8, 1) == 1
+def test_parts_follow_the_cores_the_rows_and_the_work() -> None:
+    assert [ca.parts_for(rows, 400, 2) for rows in (1, 2, 3, 32)] == [1, 1, 1, 2]
+    assert [ca.parts_for(rows, 1000, 2) for rows in (1, 2, 3, 32)] == [1, 2, 2, 2]
+    assert [ca.parts_for(rows, 4000, 16) for rows in (1, 5, 32)] == [1, 5, ca.MOST_PARTS]
+    assert ca.parts_for(8, 300, 1) == 1
+    assert [ca.parts_for(16, keys, 16) for keys in (49, 50, 100, 200)] == [1, 1, 2, 4]  # 800 rows x keys a part
 
 
 def test_only_a_batched_single_query_step_with_a_boolean_mask_suits() -> None:
@@ -86,14 +88,16 @@ def test_batched_decode_through_joins_and_leaves_is_unchanged(monkeypatch: pytes
     mx.eval(model.parameters())
     want_tokens, want_logprobs = decode_rows(model)
 
+    assert ca.check(6, 2, 32, mx.float32)  # before counting: the check runs split_attention too
     split: list[int] = []
     real = ca.split_attention
-    monkeypatch.setattr(ca, "split_attention", lambda q, *a: split.append(q.shape[0]) or real(q, *a))
+    monkeypatch.setattr(ca, "split_attention", lambda q, *a: split.append(a[-1]) or real(q, *a))
     monkeypatch.setattr(ca, "cores", lambda: 2)
+    monkeypatch.setattr(ca, "KEYS_A_PART", 1)  # these rows are short: split them all the same
     assert ca.install(model) == ["mlx_lm.models.llama"]
     got_tokens, got_logprobs = decode_rows(model)
 
-    assert len(set(split)) > 1  # it ran, on batches that changed size
+    assert split and set(split) <= {1, 2} and 2 in split  # it ran, in two parts where two rows or more
     assert got_tokens == want_tokens
     assert all(mx.allclose(a, b, atol=1e-4).item() for a, b in zip(got_logprobs, want_logprobs, strict=True))
 

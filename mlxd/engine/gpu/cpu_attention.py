@@ -34,6 +34,7 @@ log = logging.getLogger("mlxd.engine")
 
 ENV = "MLXD_CPU_SPLIT_ATTENTION"
 MOST_PARTS = 8
+KEYS_A_PART = 800
 TOLERANCE = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 3e-2}
 
 _streams: list[Any] = []
@@ -51,9 +52,11 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-def parts_for(rows: int, n_cores: int) -> int:
-    """How many parts a step of `rows` rows splits into: one per core, at most one per row."""
-    return max(1, min(rows, n_cores, MOST_PARTS))
+def parts_for(rows: int, keys: int, n_cores: int) -> int:
+    """How many parts a step of `rows` rows over `keys` keys splits into: one per core, at most
+    one per row, and one per KEYS_A_PART rows x keys (below that a stream's hand-over costs more
+    than the part: 16 rows x 50 keys ran in 0.39 ms in one part, 0.48 in two)."""
+    return max(1, min(rows, n_cores, MOST_PARTS, rows * keys // KEYS_A_PART))
 
 
 def extra_streams(n: int) -> list[Any]:
@@ -148,7 +151,8 @@ def wrap(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
     def cpu_sdpa(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float,
                  mask: Any, sinks: Any = None) -> mx.array:
         if suits(queries, keys, values, cache, mask, sinks):
-            return split_attention(queries, keys, values, mask, scale, parts_for(queries.shape[0], n_cores))
+            parts = parts_for(queries.shape[0], keys.shape[2], n_cores)
+            return split_attention(queries, keys, values, mask, scale, parts)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     return cpu_sdpa
