@@ -9,7 +9,7 @@ from mlx_lm.models import base, llama
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlxd.engine.gpu import cpu_attention as ca
-from tests.unit.test_decode_attention import decode_rows
+from tests.unit.test_decode_attention import decode_rows, random_llama
 
 
 def masked_inputs(rows: int, heads: int, kv_heads: int, dim: int, length: int, dtype: mx.Dtype, seed: int = 1):
@@ -81,11 +81,7 @@ def test_batched_decode_through_joins_and_leaves_is_unchanged(monkeypatch: pytes
     """mlx-lm's BatchGenerator with rows joining and leaving: the same tokens and log-probabilities
     with the model's attention routed through cpu_sdpa as through MLX's."""
     monkeypatch.setattr(llama, "scaled_dot_product_attention", base.scaled_dot_product_attention)
-    mx.random.seed(9)
-    args = llama.ModelArgs(model_type="llama", hidden_size=192, num_hidden_layers=2, intermediate_size=256,
-                           num_attention_heads=6, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=50)
-    model = llama.Model(args)
-    mx.eval(model.parameters())
+    model = random_llama(9, hidden=192, heads=6)  # three query heads a key head, as SmolLM2
     want_tokens, want_logprobs = decode_rows(model)
 
     assert ca.check(6, 2, 32, mx.float32)  # before counting: the check runs split_attention too
@@ -105,7 +101,5 @@ def test_batched_decode_through_joins_and_leaves_is_unchanged(monkeypatch: pytes
 def test_off_switch_leaves_the_model_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(llama, "scaled_dot_product_attention", base.scaled_dot_product_attention)
     monkeypatch.setenv(ca.ENV, "0")
-    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=1, intermediate_size=128,
-                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=50)
-    assert ca.install(llama.Model(args)) == []
+    assert ca.install(random_llama(1, hidden=64, heads=4, layers=1)) == []
     assert llama.scaled_dot_product_attention is base.scaled_dot_product_attention

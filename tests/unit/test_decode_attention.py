@@ -11,16 +11,22 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 from mlxd.engine.gpu import decode_attention as da
 
 
+def random_llama(seed: int, hidden: int, heads: int, kv_heads: int = 2, layers: int = 2) -> llama.Model:
+    """A small random-weight llama (vocabulary of 50), its weights evaluated."""
+    mx.random.seed(seed)
+    args = llama.ModelArgs(model_type="llama", hidden_size=hidden, num_hidden_layers=layers,
+                           intermediate_size=2 * hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                           rms_norm_eps=1e-5, vocab_size=50)
+    m = llama.Model(args)
+    mx.eval(m.parameters())
+    return m
+
+
 @pytest.fixture()
 def model(monkeypatch: pytest.MonkeyPatch) -> llama.Model:
     # install() replaces a module global: put the original back after each test.
     monkeypatch.setattr(llama, "scaled_dot_product_attention", base.scaled_dot_product_attention)
-    mx.random.seed(5)
-    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=50)
-    m = llama.Model(args)
-    mx.eval(m.parameters())
-    return m
+    return random_llama(5, hidden=64, heads=4)
 
 
 def test_warp_counts_grow_with_the_context() -> None:
@@ -102,11 +108,7 @@ def test_row_starts_say_what_mlx_lms_mask_says_through_joins_and_leaves(monkeypa
     for it, fed only each row's start (the cache's left padding), a batch whose rows join and
     leave decodes exactly as mlx-lm's own masked path."""
     monkeypatch.setattr(llama, "scaled_dot_product_attention", base.scaled_dot_product_attention)
-    mx.random.seed(9)
-    args = llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
-                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=50)
-    model = llama.Model(args)  # head size 32: one the kernel takes
-    mx.eval(model.parameters())
+    model = random_llama(9, hidden=128, heads=4)  # head size 32: one the kernel takes
     want_tokens, want_logprobs = decode_rows(model)
 
     routed: list[int] = []
