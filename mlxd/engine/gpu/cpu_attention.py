@@ -71,10 +71,9 @@ def attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array, scale: floa
     boolean (True: attend). The H / Hk query heads of a key head are one (rep, D) matrix."""
     B, H, _, D = q.shape
     Hk = k.shape[1]
-    qf = (q * mx.array(scale, dtype=q.dtype)).reshape(B, Hk, H // Hk, D)
+    qf = (q * scale).reshape(B, Hk, H // Hk, D)
     scores = mx.matmul(qf, k.swapaxes(-1, -2), stream=stream)
-    low = mx.array(mx.finfo(scores.dtype).min, dtype=scores.dtype)
-    scores = mx.where(mask.reshape(B, 1, 1, -1), scores, low, stream=stream)
+    scores = mx.where(mask.reshape(B, 1, 1, -1), scores, mx.finfo(scores.dtype).min, stream=stream)
     weights = mx.softmax(scores, axis=-1, precise=True, stream=stream)
     return mx.matmul(weights, v, stream=stream).reshape(B, H, 1, D)
 
@@ -126,19 +125,13 @@ def check(heads: int, kv_heads: int, dim: int, dtype: Any) -> bool:
     return verdict
 
 
-def batched(queries: mx.array, cache: Any, mask: Any, sinks: Any) -> bool:
-    """Whether this is a batch cache's call with a boolean mask of its own for each row."""
-    return (type(cache) is BatchKVCache and sinks is None and isinstance(mask, mx.array) and mask.dtype == mx.bool_
-            and mask.ndim == 4 and mask.shape[0] == queries.shape[0] and mask.shape[1] == 1)
-
-
 def suits(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, mask: Any, sinks: Any) -> bool:
     """Whether this call is a batched single-token step with a boolean mask of one row each."""
-    if not batched(queries, cache, mask, sinks):
+    if type(cache) is not BatchKVCache or sinks is not None or not isinstance(mask, mx.array):
         return False
     B, H, N, D = queries.shape
     Hk, S = keys.shape[1], keys.shape[2]
-    return (N == 1 and mask.shape[-1] == S and mask.size == B * S
+    return (N == 1 and mask.dtype == mx.bool_ and mask.shape[-1] == S and mask.size == B * S
             and H % Hk == 0 and keys.shape[3] == D and values.shape[3] == D
             and keys.dtype == values.dtype == queries.dtype and queries.dtype in TOLERANCE
             and check(H, Hk, D, queries.dtype))
