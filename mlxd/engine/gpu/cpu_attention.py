@@ -7,7 +7,7 @@ tokens of context it was about half of SmolLM2-135M's step on the 2-core test ma
 `split_attention` computes the same thing as two matmuls and a softmax, the query heads that
 share a key head folded into one matrix, and splits the rows into parts that run on CPU streams
 of their own (MLX runs each stream on its own thread), one per core; the parts join in the
-step's stream (docs/benchmarks.md, "Batched decode attention on the CPU").
+step's stream (docs/benchmarks.md, "Eleventh session").
 
 `install(model)` routes the loaded model's attention through it (the way decode_attention.py
 does on CUDA): only batched single-token steps with a boolean mask of one row each, checked
