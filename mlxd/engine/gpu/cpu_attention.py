@@ -20,17 +20,13 @@ prefill, where OpenBLAS's threads hold the cores: docs/benchmarks.md).
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache
 
 from mlxd.engine.gpu import decode_attention
-
-log = logging.getLogger("mlxd.engine")
 
 ENV = "MLXD_CPU_SPLIT_ATTENTION"
 MOST_PARTS = 8
@@ -99,10 +95,8 @@ def split_attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array, scale
 
 def check(heads: int, kv_heads: int, dim: int, dtype: Any) -> bool:
     """Whether split_attention matches MLX's masked attention for these sizes (once per sizes)."""
-    key = (heads, kv_heads, dim, dtype)
-    if (verdict := _verdicts.get(key)) is not None:
-        return verdict
-    try:
+
+    def max_error() -> float:
         kq, kk, kv = mx.random.split(mx.random.key(11), 3)
         B, S, alloc = 5, 37, 64
         q = mx.random.normal((B, heads, 1, dim), key=kq).astype(dtype)
@@ -112,29 +106,17 @@ def check(heads: int, kv_heads: int, dim: int, dtype: Any) -> bool:
         mask = (mx.arange(S)[None, :] >= starts[:, None]).reshape(B, 1, 1, S)
         scale = dim**-0.5
         want = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask).astype(mx.float32)
-        err = max(float(mx.max(mx.abs(split_attention(q, k, v, mask, scale, n).astype(mx.float32) - want)).item())  # type: ignore[arg-type]
-                  for n in (1, 2, 3))
-        verdict = err <= TOLERANCE.get(dtype, 1e-4)
-        if not verdict:
-            log.warning("CPU split attention differs from MLX's (max %.4g) for %d/%d heads of %d, %s: not used",
-                        err, heads, kv_heads, dim, dtype)
-    except Exception as exc:  # anything MLX cannot run here: its own attention serves
-        log.warning("CPU split attention unavailable (%s): not used", exc)
-        verdict = False
-    _verdicts[key] = verdict
-    return verdict
+        return max(float(mx.max(mx.abs(split_attention(q, k, v, mask, scale, n).astype(mx.float32) - want)).item())  # type: ignore[arg-type]
+                   for n in (1, 2, 3))
+
+    return decode_attention.verdict(_verdicts, (heads, kv_heads, dim, dtype), max_error, TOLERANCE.get(dtype, 1e-4),
+                                    "CPU split attention")
 
 
 def suits(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, mask: Any, sinks: Any) -> bool:
     """Whether this call is a batched single-token step with a boolean mask of one row each."""
-    if type(cache) is not BatchKVCache or sinks is not None or not isinstance(mask, mx.array):
-        return False
-    B, H, N, D = queries.shape
-    Hk, S = keys.shape[1], keys.shape[2]
-    return (N == 1 and mask.dtype == mx.bool_ and mask.shape[-1] == S and mask.size == B * S
-            and H % Hk == 0 and keys.shape[3] == D and values.shape[3] == D
-            and keys.dtype == values.dtype == queries.dtype and queries.dtype in TOLERANCE
-            and check(H, Hk, D, queries.dtype))
+    return (decode_attention.batched_decode_step(queries, keys, values, cache, mask, sinks)
+            and queries.dtype in TOLERANCE and check(queries.shape[1], keys.shape[1], queries.shape[3], queries.dtype))
 
 
 def wrap(original: Callable[..., mx.array]) -> Callable[..., mx.array]:

@@ -159,15 +159,33 @@ def reference(q: mx.array, k: mx.array, v: mx.array, starts: mx.array, scale: fl
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
+def verdict(verdicts: dict[Any, bool], key: tuple[int, int, int, Any], max_error: Callable[[], float],
+            tolerance: float, what: str) -> bool:
+    """Whether `what` may serve attention for `key` (heads, kv_heads, dim, dtype): its largest
+    difference from MLX's masked attention, `max_error()`, within `tolerance`. Asked once per key;
+    a difference or an error is logged and keeps MLX's attention."""
+    if (known := verdicts.get(key)) is not None:
+        return known
+    heads, kv_heads, dim, dtype = key
+    try:
+        err = max_error()
+        ok = err <= tolerance
+        if not ok:
+            log.warning("%s differs from MLX's (max %.4g) for %d/%d heads of %d, %s: not used",
+                        what, err, heads, kv_heads, dim, dtype)
+    except Exception as exc:  # what MLX cannot build or run here: its own attention serves
+        log.warning("%s unavailable (%s): not used", what, exc)
+        ok = False
+    verdicts[key] = ok
+    return ok
+
+
 def check(heads: int, kv_heads: int, dim: int, dtype: Any) -> bool:
     """Whether the kernel matches MLX's masked attention for these sizes (once per sizes), with
     every warp count: each is compiled here, at the first batched step (warm-up), not later."""
-    key = (heads, kv_heads, dim, dtype)
-    if (verdict := _verdicts.get(key)) is not None:
-        return verdict
-    try:
-        rng = mx.random.key(7)
-        kq, kk, kv = mx.random.split(rng, 3)
+
+    def max_error() -> float:
+        kq, kk, kv = mx.random.split(mx.random.key(7), 3)
         B, L, alloc = 3, 45, 64
         q = mx.random.normal((B, 1, heads, dim), key=kq).astype(dtype).transpose(0, 2, 1, 3)
         k = mx.random.normal((B, kv_heads, alloc, dim), key=kk).astype(dtype)[:, :, :L, :]
@@ -176,29 +194,31 @@ def check(heads: int, kv_heads: int, dim: int, dtype: Any) -> bool:
         scale = dim**-0.5
         want = reference(q, k, v, starts, scale).astype(mx.float32)
         counts = sorted({warps for _, warps in WARP_STEPS} | {MOST_WARPS})
-        err = max(float(mx.max(mx.abs(fused(q, k, v, starts, scale, w).astype(mx.float32) - want)).item())  # type: ignore[arg-type]
-                  for w in counts)
-        verdict = err <= TOLERANCE.get(dtype, 1e-3)
-        if not verdict:
-            log.warning("fused decode attention differs from MLX's (max %.4g) for %d/%d heads of %d, %s: not used",
-                        err, heads, kv_heads, dim, dtype)
-    except Exception as exc:  # a kernel that does not compile here: MLX's own attention serves
-        log.warning("fused decode attention unavailable (%s): not used", exc)
-        verdict = False
-    _verdicts[key] = verdict
-    return verdict
+        return max(float(mx.max(mx.abs(fused(q, k, v, starts, scale, w).astype(mx.float32) - want)).item())  # type: ignore[arg-type]
+                   for w in counts)
+
+    return verdict(_verdicts, (heads, kv_heads, dim, dtype), max_error, TOLERANCE.get(dtype, 1e-3),
+                   "fused decode attention")
+
+
+def batched_decode_step(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, mask: Any,
+                        sinks: Any) -> bool:
+    """Whether this call is a batch cache's single-token step with a boolean mask of one row each
+    (where each row's keys start), no attention sinks, and one dtype and head size throughout."""
+    if type(cache) is not BatchKVCache or sinks is not None or not isinstance(mask, mx.array):
+        return False
+    B, H, N, D = queries.shape
+    Hk, S = keys.shape[1], keys.shape[2]
+    return (N == 1 and mask.dtype == mx.bool_ and mask.shape[-1] == S and mask.size == B * S and H % Hk == 0
+            and keys.shape[3] == D and values.shape[3] == D and keys.dtype == values.dtype == queries.dtype)
 
 
 def suits(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, mask: Any, sinks: Any) -> bool:
     """Whether this call is a batched decode step the kernel was made for."""
-    if type(cache) is not BatchKVCache or sinks is not None or not isinstance(mask, mx.array):
+    if not batched_decode_step(queries, keys, values, cache, mask, sinks):
         return False
-    B, H, N, D = queries.shape
-    Hk = keys.shape[1]
-    return (N == 1 and mask.dtype == mx.bool_ and mask.shape[-1] == keys.shape[2] and mask.size == B * keys.shape[2]
-            and D % 32 == 0 and D <= 256 and keys.shape[3] == D and values.shape[3] == D and H % Hk == 0
-            and keys.dtype == values.dtype == queries.dtype
-            and queries.dtype in TOLERANCE and check(H, Hk, D, queries.dtype))
+    H, D = queries.shape[1], queries.shape[3]
+    return D % 32 == 0 and D <= 256 and queries.dtype in TOLERANCE and check(H, keys.shape[1], D, queries.dtype)
 
 
 def wrap(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
