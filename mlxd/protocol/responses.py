@@ -10,7 +10,9 @@ Items in, chat messages out:
   * `message` (`type` may be left out): `system` and `developer` messages join `instructions`
     in one leading system message (most chat templates take one, first); `user` and
     `assistant` messages keep their place; content is a string or `input_text` /
-    `output_text` parts (`input_image`, `input_file` are a 400: no vision or files yet);
+    `output_text` parts, and a user message `input_image` parts (an `image_url`: a data: URI
+    or an http(s) URL, which the supervisor fetches), which become chat `image_url` parts
+    (`input_file` and `input_audio` are a 400);
   * `function_call` items are the assistant's `tool_calls` (consecutive ones in one turn),
     `function_call_output` items `tool` messages, `reasoning` items the next assistant
     turn's `reasoning_content`.
@@ -125,8 +127,14 @@ def normal_part(part: Any, where: str) -> dict[str, Any]:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind in ("input_text", "output_text", "text") and isinstance(part.get("text"), str):
         return {"type": kind if kind != "text" else "input_text", "text": part["text"]}
-    if kind in ("input_image", "input_file", "input_audio", "input_video"):
-        raise APIError(400, f"{kind} parts are not supported: this server has no vision or file input yet.",
+    if kind == "input_image":
+        url = part.get("image_url")
+        if not isinstance(url, str) or not url:
+            what = "file_id images are not supported (no file store)" if part.get("file_id") else "it needs one"
+            raise APIError(400, f"An input_image part takes its image as image_url: {what}.", param=f"{where}.image_url")
+        return {"type": "input_image", "image_url": url}
+    if kind in ("input_file", "input_audio", "input_video"):
+        raise APIError(400, f"{kind} parts are not supported: this server has no file, audio or video input here.",
                        param=where)
     raise APIError(400, "A content part must be input_text or output_text with a string 'text'.", param=where)
 
@@ -141,6 +149,13 @@ def to_chat(req: ResponsesRequest, history: list[dict[str, Any]], items: list[di
     for item in [*history, *items]:
         kind = item["type"]
         if kind == "message":
+            if any(p["type"] == "input_image" for p in item["content"]):
+                if item["role"] != "user":
+                    raise APIError(400, "input_image parts belong in user messages.", param="input")
+                messages.append({"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": p["image_url"]}} if p["type"] == "input_image"
+                    else {"type": "text", "text": p["text"]} for p in item["content"]]})
+                continue
             text = "".join(p["text"] for p in item["content"])
             if item["role"] in ("system", "developer"):
                 system.append(text)

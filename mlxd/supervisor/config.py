@@ -56,6 +56,11 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     key_priorities: dict[Key, Priority] = msgspec.field(default_factory=dict)
     # A queued stream gets an SSE comment this often until its first token.
     stream_keepalive_s: Annotated[float, msgspec.Meta(gt=0)] = 3.0
+    # Images sent by http(s) URL are fetched by the supervisor (http/image_fetch.py): within this
+    # time, up to this size, and never from loopback or private addresses unless allowed here.
+    image_fetch_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+    image_fetch_max_bytes: Annotated[int, msgspec.Meta(ge=1)] = 20 * MIB
+    image_fetch_private: bool = False
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

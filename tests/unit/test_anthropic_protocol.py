@@ -75,8 +75,35 @@ def test_thinking_output_config_and_unknown_fields() -> None:
     assert an.to_chat(request(thinking={"type": "disabled"}))["chat_template_kwargs"] == {"enable_thinking": False}
 
 
+PNG_SOURCE = {"type": "base64", "media_type": "image/png", "data": "AA=="}
+
+
+def test_image_blocks_become_image_url_parts_in_order() -> None:
+    content = [{"type": "text", "text": "Compare"}, {"type": "image", "source": PNG_SOURCE},
+               {"type": "image", "source": {"type": "url", "url": "https://example.com/a.jpg"}},
+               {"type": "text", "text": "please."}]
+    chat = an.to_chat(request(messages=[{"role": "user", "content": content}]))
+    assert chat["messages"] == [{"role": "user", "content": [
+        {"type": "text", "text": "Compare"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.jpg"}}, {"type": "text", "text": "please."}]}]
+
+
+def test_a_tool_result_with_an_image_keeps_it_and_an_error_says_so() -> None:
+    result = {"type": "tool_result", "tool_use_id": "t1", "is_error": True,
+              "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}, {"type": "image", "source": PNG_SOURCE}]}
+    (tool,) = an.to_chat(request(messages=[{"role": "user", "content": [result]}]))["messages"]
+    assert tool == {"role": "tool", "tool_call_id": "t1", "content": [
+        {"type": "text", "text": "Error: a\nb"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}
+    text_only = {**result, "is_error": False, "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    assert an.to_chat(request(messages=[{"role": "user", "content": [text_only]}]))["messages"][0]["content"] == "a\nb"
+
+
 @pytest.mark.parametrize(("content", "param"), [
-    ([{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}], "messages[0].content[0]"),
+    ([{"type": "image", "source": {"type": "base64", "media_type": "image/tiff", "data": "AA=="}}],
+     "messages[0].content[0].source.media_type"),
+    ([{"type": "image", "source": {"type": "file", "file_id": "f"}}], "messages[0].content[0].source"),
+    ([{"type": "image", "source": {"type": "url"}}], "messages[0].content[0].source.url"),
+    ([{"type": "document", "source": {"type": "text", "data": "x"}}], "messages[0].content[0]"),
     ([{"type": "tool_use", "id": "x", "name": "f", "input": {}}], "messages[0].content[0]"),  # in a user message
 ])
 def test_what_cannot_be_said_is_a_400_naming_the_block(content: list[dict[str, Any]], param: str) -> None:

@@ -97,9 +97,20 @@ def test_text_format_and_reasoning_effort() -> None:
     assert "response_format" not in chat_of(request(text={"format": {"type": "text"}}))
 
 
+def test_input_image_parts_become_image_url_parts_in_order() -> None:
+    content = [{"type": "input_text", "text": "What is "}, {"type": "input_image", "image_url": "data:image/png;base64,AA==",
+                                                            "detail": "auto"},
+               {"type": "input_image", "image_url": "https://example.com/b.png"}]
+    chat = chat_of(request(input=[{"role": "user", "content": content}]))
+    assert chat["messages"] == [{"role": "user", "content": [
+        {"type": "text", "text": "What is "}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
+        {"type": "image_url", "image_url": {"url": "https://example.com/b.png"}}]}]
+
+
 @pytest.mark.parametrize(("input_", "param"), [
-    ([{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AA=="}]}],
-     "input[0].content[0]"),
+    ([{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}], "input[0].content[0].image_url"),
+    ([{"role": "user", "content": [{"type": "input_file", "file_data": "AA=="}]}], "input[0].content[0]"),
+    ([{"role": "system", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AA=="}]}], "input"),
     ([{"role": "robot", "content": "x"}], "input[0].role"),
     ([{"type": "item_reference", "id": "x"}], "input[0].type"),
     ([{"type": "function_call", "call_id": "c", "name": "f"}], "input[0].arguments"),

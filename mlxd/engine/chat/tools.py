@@ -202,7 +202,12 @@ def template_messages(messages: list[dict[str, Any]], fmt: ToolFormat | None,
                 raise APIError(400, "A tool message needs the tool_call_id it answers.",
                                param=f"messages[{i}].tool_call_id")
             if fmt is not None and not fmt.in_template:
-                m["content"] = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+                content = m.get("content") or ""
+                if isinstance(content, list):  # with images: the markup around its parts
+                    m["content"] = [{"type": "text", "text": "<tool_response>\n"}, *content,
+                                    {"type": "text", "text": "\n</tool_response>"}]
+                else:
+                    m["content"] = f"<tool_response>\n{content}\n</tool_response>"
         out.append(m)
     if fmt is not None and not fmt.in_template and tools:
         out = _with_tool_system_prompt(out, tools)

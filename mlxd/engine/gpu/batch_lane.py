@@ -37,6 +37,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxd.engine.cache.prefix_cache import PrefixCache, view
+from mlxd.engine.gpu import media
 from mlxd.engine.gpu.batch_bias import batch_bias
 from mlxd.engine.gpu.job import PrefillGroup
 from mlxd.engine.gpu.sampling import make_sampling
@@ -134,7 +135,7 @@ class BatchLane:
         (more of it than that request's own start would take from the prompt cache)."""
         mine = np.asarray(prompt, dtype=np.int64)
         return any(self._gains(shareable(mine, np.asarray(seq.job.prompt, dtype=np.int64)), seq)
-                   for seq in self._arrivals if not seq.generated)
+                   for seq in self._arrivals if not seq.generated and seq.job.media is None)
 
     def _own_start(self, seq: Sequence) -> int:
         """The prompt tokens `seq` would take from the prompt cache as a row of its own (_insert)."""
@@ -160,14 +161,16 @@ class BatchLane:
         arrivals, self._arrivals = self._arrivals, []
         ended: list[Sequence] = []
         fresh: list[Sequence] = []
+        singles: list[Sequence] = []
         for seq in arrivals:
             if seq.is_cancelled:
                 ended.append(self._cancel_arrival(seq))
             elif seq.generated:
                 self._guarded(self._resume, seq, ended)
+            elif seq.job.media is not None:
+                singles.append(seq)  # prefilled from its images' embeddings: shares no prefill
             elif id(seq) in self._carried or not self._join(seq):
                 fresh.append(seq)
-        singles: list[Sequence] = []
         for cluster in clusters([np.asarray(s.job.prompt, dtype=np.int64) for s in fresh]):
             members = [fresh[i] for i in cluster.members]
             singles += self._open_group(members, cluster.shared) if len(members) > 1 else members
@@ -180,7 +183,7 @@ class BatchLane:
     def _uniform_starts(self, seqs: list[Sequence]) -> set[int]:
         """The ids of rows started together that may take a cached prefix under half their prompt
         (all or none: sharing.uniform_start). Those carried from the serial lane have their own."""
-        own = [seq for seq in seqs if id(seq) not in self._carried]
+        own = [seq for seq in seqs if id(seq) not in self._carried and seq.job.media is None]
         found = [self._prompt_cache.longest(seq.job.prompt) for seq in own] if len(own) > 1 else []  # a lone row: no scan
         return {id(seq) for seq in own} if uniform_start(found) else set()
 
@@ -206,7 +209,7 @@ class BatchLane:
                 ended.append(self._cancel_arrival(seq))
             elif seq.priority < waited_for:
                 self._guarded(self._resume if seq.generated else self._insert, seq, ended)
-            elif seq.generated or id(seq) in self._carried or not self._join(seq):
+            elif seq.generated or id(seq) in self._carried or seq.job.media is not None or not self._join(seq):
                 waiting.append(seq)
         self._arrivals = waiting
         return ended
@@ -227,9 +230,10 @@ class BatchLane:
         if (carried := self._carried.pop(id(seq), None)) is not None:
             self._insert_row(seq, job.prompt, carried[1], carried[0], job.max_tokens)
             return
-        kv, cached = self._prompt_cache.fetch(job.prompt, min_share=min_share)
+        kv, cached = media.lookup(self._prompt_cache, job, job.prompt, min_share)
         seq.start(cached)
-        self._insert_row(seq, job.prompt, cached, kv, job.max_tokens)
+        kv, done = media.complete(self._loaded, job, job.prompt, kv, cached, self._solo_step)
+        self._insert_row(seq, job.prompt, done, kv, job.max_tokens)
 
     def _insert_row(self, seq: Sequence, tokens: list[int], n: int, kv: list[Any] | None, max_tokens: int) -> None:
         """Into the generator: `kv` holds `tokens[:n]` (None: nothing yet), the rest is prefilled.
@@ -249,7 +253,8 @@ class BatchLane:
         """A paused sequence: its history's KV from the prompt cache (what of it is still
         there), the rest prefilled again, then its next token as if it had never stopped."""
         history = seq.history
-        kv, n = self._prompt_cache.fetch(history)
+        kv, n = media.lookup(self._prompt_cache, seq.job, history)
+        kv, n = media.complete(self._loaded, seq.job, history, kv, n, self._solo_step)
         self._insert_row(seq, history, n, kv, seq.job.max_tokens - len(seq.generated))
         self._stats.num_resumed += 1
 
@@ -393,8 +398,7 @@ class BatchLane:
     def pause(self, seq: Sequence) -> None:
         """Take a generating row out; its KV (its whole history) goes to the prompt cache."""
         uid = next(uid for uid, row in self._rows.items() if row is seq)
-        for kv, tokens in self._remove([uid], keep_kv=True):
-            self._prompt_cache.store(kv, tokens)
+        self._remove([uid])
         del self._rows[uid]
 
     def _chunk(self) -> int:
@@ -433,7 +437,7 @@ class BatchLane:
         if any(not p.end_of_prompt and p.progress[0] == p.progress[1] - 1 for p in prompts):
             self._hold_arrivals = FIRST_TOKEN_STEPS  # a prompt is prefilled but for its last token
         leaving: list[int] = []
-        kept: list[tuple[list[Any], list[int]]] = []  # the KV of rows that ended, for the prompt cache
+        kept: list[tuple[Sequence, list[Any], list[int]]] = []  # the KV of rows that ended, for the prompt cache
         for r in responses:
             seq = self._rows.get(r.uid)
             if seq is None:
@@ -448,15 +452,15 @@ class BatchLane:
                 del self._rows[r.uid]
                 seq.finish_reason = seq.finish_reason or "length"
                 if r.prompt_cache is not None and r.all_tokens is not None and seq.finish_reason != "failed":
-                    kept.append((r.prompt_cache, r.all_tokens))
+                    kept.append((seq, r.prompt_cache, r.all_tokens))
                 ended.append(seq)
             elif is_done:
                 leaving.append(r.uid)
         if leaving:
-            kept += self._remove(leaving, keep_kv=True)
+            self._remove(leaving)
             ended += [self._rows.pop(uid) for uid in leaving]
-        for kv, tokens in kept:
-            self._prompt_cache.store(kv, tokens)
+        for seq, kv, tokens in kept:
+            media.store(self._prompt_cache, self._loaded, seq.job, kv, tokens)
 
     def _drop_cancelled(self) -> list[Sequence]:
         """Rows whose client left: out of the generator; their KV so far goes to the prompt
@@ -464,24 +468,20 @@ class BatchLane:
         gone = [uid for uid, seq in self._rows.items() if seq.is_cancelled]
         if not gone:
             return []
-        for kv, tokens in self._remove(gone, keep_kv=True):
-            self._prompt_cache.store(kv, tokens)
+        self._remove(gone)
         ended = [self._rows.pop(uid) for uid in gone]
         for seq in ended:
             seq.cancel()
         return ended
 
-    def _remove(self, uids: list[int], keep_kv: bool = False) -> list[tuple[list[Any], list[int]]]:
-        """Take rows out of the generator; with `keep_kv`, the KV and tokens of those that did
-        not fail (for the prompt cache)."""
-        kept = []
-        if keep_kv:
-            wanted = [uid for uid in uids if self._rows[uid].finish_reason != "failed"]
-            for kv, tokens in self._gen.extract_cache(wanted).values() if wanted else ():
-                if kv is not None and tokens is not None:
-                    kept.append((kv, tokens))
+    def _remove(self, uids: list[int]) -> None:
+        """Take rows out of the generator; the KV of those that did not fail goes to the prompt
+        cache (a row with images under its key, in the model's positions: media.py)."""
+        wanted = [uid for uid in uids if self._rows[uid].finish_reason != "failed"]
+        for uid, (kv, tokens) in self._gen.extract_cache(wanted).items() if wanted else ():
+            if kv is not None and tokens is not None:
+                media.store(self._prompt_cache, self._loaded, self._rows[uid].job, kv, tokens)
         self._gen.remove(uids)
-        return kept
 
     def fail_all(self, message: str, code: str) -> list[Sequence]:
         """End every row with an error and start from a fresh generator (its state is unknown)."""

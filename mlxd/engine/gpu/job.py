@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxd.engine.gpu.ticket import Ticket
+from mlxd.engine.models.vision import MediaPrompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,3 +63,4 @@ class Job:
     logprobs: int | None = None  # None: none; else the chosen token's and this many alternatives (0-20)
     group: PrefillGroup | None = None  # a choice of an n > 1 request: its prompt is prefilled once
     priority: int = 0  # lower starts sooner; equal ones in the order they came (the scheduler's queue)
+    media: MediaPrompt | None = None  # the prompt's images (gpu/media.py), for a vision-language model

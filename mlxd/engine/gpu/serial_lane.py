@@ -22,6 +22,7 @@ from mlx_lm.generate import generate_step, generation_stream, maybe_quantize_kv_
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from mlxd.engine.cache.prefix_cache import PrefixCache
+from mlxd.engine.gpu import media
 from mlxd.engine.gpu.sampling import make_sampling
 from mlxd.engine.gpu.sequence import Sequence
 from mlxd.engine.gpu.stats import Stats
@@ -71,12 +72,13 @@ class SerialLane:
         goes on from its history (its KV from the prompt cache, what of it is still there)."""
         assert self._seq is None, "the serial lane runs one sequence at a time"
         tokens = seq.history
-        kv, cached = self._prompt_cache.fetch(tokens)
+        kv, cached = media.lookup(self._prompt_cache, seq.job, tokens)
         if seq.generated:
             self._stats.num_resumed += 1
         else:
             seq.start(cached)
-        self._seq, self._tokens, self._done = seq, tokens, cached
+        kv, done = media.complete(self._loaded, seq.job, tokens, kv, cached, self._prefill_step)
+        self._seq, self._tokens, self._done = seq, tokens, done
         self._kv = kv if kv is not None else list(make_prompt_cache(self._loaded.model))
 
     def step(self) -> list[Sequence]:
@@ -101,7 +103,7 @@ class SerialLane:
             self._close()
             seq.fail(self._stats, f"generation failed: {type(exc).__name__}: {exc}")
             return [seq]
-        self._prompt_cache.store(self._kv, seq.history)
+        media.store(self._prompt_cache, self._loaded, seq.job, self._kv, seq.history)
         self._close()
         seq.finish(self._stats)
         return [seq]
@@ -165,7 +167,7 @@ class SerialLane:
     def prefilling_prompt(self) -> list[int] | None:
         """The running sequence's prompt while it is still being prefilled (no token yet), else None."""
         seq = self._seq
-        if seq is None or self._steps is not None or seq.generated or seq.is_cancelled:
+        if seq is None or self._steps is not None or seq.generated or seq.is_cancelled or seq.job.media is not None:
             return None
         return seq.job.prompt
 
@@ -193,7 +195,7 @@ class SerialLane:
         """Take the running sequence out; its KV (its history but the last token) to the prompt cache."""
         moved = self.hand_over()
         assert moved is not None and moved[0] is seq, "pause only what pausable() gave"
-        self._prompt_cache.store(moved[1], seq.history)
+        media.store(self._prompt_cache, self._loaded, seq.job, moved[1], seq.history)
 
     def fail_all(self, message: str, code: str) -> list[Sequence]:
         """End the running sequence with an error (the lane's state is unknown)."""

@@ -19,6 +19,7 @@ from mlxd.engine.gpu.ticket import Ticket
 from mlxd.engine.http.admission import Slot
 from mlxd.engine.http.keys import ADMISSION, GATEWAY
 from mlxd.engine.models.loaded_model import LoadedModel
+from mlxd.engine.models.vision import MediaPrompt
 from mlxd.protocol import openai as oa
 from mlxd.protocol import sampling
 from mlxd.protocol.errors import APIError
@@ -105,7 +106,8 @@ def header_priority(request: web.Request) -> int:
 
 
 def submit(request: web.Request, slot: Slot, prompt: list[int], max_tokens: int, req: oa.SamplingFields,
-           grammar: Any = None, logprobs: int | None = None, row: int = 0, group: PrefillGroup | None = None) -> Ticket:
+           grammar: Any = None, logprobs: int | None = None, row: int = 0, group: PrefillGroup | None = None,
+           media: MediaPrompt | None = None) -> Ticket:
     """Hand a job to the GPU thread; return the handler's ticket for it. `row` > 0: another
     choice of the same request (a seed is offset by it, so seeded choices differ too); the
     choices share `group`, so their prompt is prefilled once."""
@@ -115,7 +117,7 @@ def submit(request: web.Request, slot: Slot, prompt: list[int], max_tokens: int,
     if row and sampling.seed is not None:
         sampling = dataclasses.replace(sampling, seed=(sampling.seed + row + 2**63) % 2**64 - 2**63)
     job = Job(list(prompt), max_tokens, sampling, oa.stop_list(req.stop), ticket, grammar=grammar, logprobs=logprobs,
-              group=group, priority=req.priority if req.priority is not None else header_priority(request))
+              group=group, priority=req.priority if req.priority is not None else header_priority(request), media=media)
     slot.enter_gpu()
     request.app[GATEWAY].submit(job)
     return ticket

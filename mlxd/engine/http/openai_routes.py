@@ -37,8 +37,10 @@ from mlxd.engine.http.openai_requests import (
 )
 from mlxd.engine.http.openai_streams import stream, stream_choices
 from mlxd.engine.models.loaded_model import LoadedModel
+from mlxd.engine.models.vision import MAX_IMAGES, Image, MediaPrompt
 from mlxd.protocol import openai as oa
 from mlxd.protocol.errors import APIError
+from mlxd.protocol.media import AudioPart, content_parts
 
 
 @admitted
@@ -59,9 +61,11 @@ async def chat_completions(request: web.Request, slot: Slot) -> web.StreamRespon
                          in_reasoning=in_reasoning, index=i) for i in range(req.n)]
     tickets: list[Ticket] = []
     with cancel_all_on_exit(tickets):  # rows submitted before a later one is refused are cancelled too
-        group = PrefillGroup(req.n, len(prompt) - 1) if req.n > 1 else None
+        # Choices with images each prefill their own (their prompts' rows start from its embeddings).
+        group = PrefillGroup(req.n, len(prompt) - 1) if req.n > 1 and chat.media is None else None
         for i in range(req.n):
-            tickets.append(submit(request, slot, prompt, max_tokens, req, grammars[i], top, row=i, group=group))
+            tickets.append(submit(request, slot, prompt, max_tokens, req, grammars[i], top, row=i, group=group,
+                                  media=chat.media))
         if req.stream:
             if req.n == 1:
                 return await stream(request, tickets[0], replies[0], include_usage)
@@ -89,6 +93,7 @@ class RenderedChat:
     fmt: ToolFormat
     forced: str  # the start of a call put after the template's prompt ("" for none)
     in_reasoning: bool  # the prompt ends inside an open think block
+    media: MediaPrompt | None = None  # the prompt's images (a vision-language model's)
 
 
 def render_chat(loaded: LoadedModel, req: oa.ChatCompletionRequest) -> RenderedChat:
@@ -96,18 +101,23 @@ def render_chat(loaded: LoadedModel, req: oa.ChatCompletionRequest) -> RenderedC
     Blocking: run it on TEMPLATING."""
     tool_req = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
     fmt = loaded.tool_format
-    messages = template_messages([chat_message_dict(m, i) for i, m in enumerate(req.messages)], fmt,
+    images: list[Image] = []
+    messages = template_messages([chat_message_dict(m, i, loaded, images) for i, m in enumerate(req.messages)], fmt,
                                  tool_req.tools if tool_req else None)
     kwargs = {"reasoning_effort": req.reasoning_effort} if req.reasoning_effort is not None else {}
-    prompt = loaded.chat_prompt(messages, tool_req.tools if tool_req and fmt.in_template else None,
-                                {**kwargs, **(req.chat_template_kwargs or {})})
+    tools = tool_req.tools if tool_req and fmt.in_template else None
+    media: MediaPrompt | None = None
+    if images:
+        prompt, media = loaded.media_prompt(messages, tools, {**kwargs, **(req.chat_template_kwargs or {})}, images)
+    else:
+        prompt = loaded.chat_prompt(messages, tools, {**kwargs, **(req.chat_template_kwargs or {})})
     if not prompt:
         raise APIError(400, "The chat template produced an empty prompt.", param="messages")
     forced = forced_call(tool_req, fmt)
     prompt += loaded.encode_text(forced) if forced else []
     think = loaded.think_markers
     in_reasoning = starts_in_reasoning(loaded.decode(prompt[-64:]), think) if think is not None and not forced else False
-    return RenderedChat(prompt, tool_req, fmt, forced, in_reasoning)
+    return RenderedChat(prompt, tool_req, fmt, forced, in_reasoning, media)
 
 
 async def render(request: web.Request) -> web.Response:
@@ -176,10 +186,32 @@ async def completions(request: web.Request, slot: Slot) -> web.StreamResponse:
         return json_response(oa.Completion(*meta, choices=[choice], usage=usage_of(done)), headers=usage_headers(done))
 
 
-def chat_message_dict(msg: oa.ChatMessage, index: int) -> dict[str, Any]:
-    """A message as the chat template expects it (developer -> system, text parts joined)."""
+def chat_message_dict(msg: oa.ChatMessage, index: int, loaded: LoadedModel, images: list[Image]) -> dict[str, Any]:
+    """A message as the chat template expects it (developer -> system, text parts joined; with
+    images, a list of text and image parts, the images' bytes added to `images`). A part the
+    model cannot take is a 400 naming it and the model."""
     out: dict[str, Any] = {"role": "system" if msg.role == "developer" else msg.role}
-    out["content"] = oa.message_text(msg, index) or ""
+    parts = content_parts(msg.content, index)
+    if all(isinstance(p, str) for p in parts):
+        out["content"] = "".join(p for p in parts if isinstance(p, str))
+    else:
+        content: list[dict[str, Any]] = []
+        for part in parts:
+            if isinstance(part, str):
+                content.append({"type": "text", "text": part})
+            elif isinstance(part, AudioPart):
+                raise APIError(400, f"Model {loaded.model_id} does not take audio ({part.where} is an input_audio part).",
+                               param=part.where, code="unsupported_content")
+            elif not loaded.takes_images:
+                raise APIError(400, f"Model {loaded.model_id} does not take images ({part.where} is an image_url part).",
+                               param=part.where, code="unsupported_content")
+            elif len(images) >= MAX_IMAGES:
+                raise APIError(400, f"At most {MAX_IMAGES} images are taken in one request.", param=part.where,
+                               code="too_many_images")
+            else:
+                content.append({"type": "image"})
+                images.append(Image.of(part.data, part.where))
+        out["content"] = content
     for key in ("name", "tool_calls", "tool_call_id"):
         if (value := getattr(msg, key)) is not None:
             out[key] = value

@@ -16,10 +16,11 @@ from mlx_lm.utils import load_model, load_tokenizer
 from mlxd.engine.chat.grammar import Grammars
 from mlxd.engine.chat.reasoning import ThinkMarkers, think_markers
 from mlxd.engine.chat.tools import ToolFormat, format_of, template_takes_tools
+from mlxd.engine.models import vision
 from mlxd.engine.models.load_meter import LoadMeter
 from mlxd.protocol import sampling
 from mlxd.protocol.errors import APIError
-from mlxd.protocol.memory import context_window
+from mlxd.protocol.memory import context_window, text_config
 
 MIN_CHUNK_BYTES = 256 << 20  # weights are read at least this much per step of the load's progress
 MAX_CHUNKS = 32  # ... and in at most about this many steps (each step's sync costs: benchmarks/load_progress.py)
@@ -37,17 +38,59 @@ class LoadedModel:
     ) -> None:
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} is not an MLX model dir (no config.json)")
+        self.vlm: nn.Module | None = None  # a vision-language model's whole mlx-vlm model (models/vision.py)
+        self.processor: Any = None  # ... and its processor
         try:
-            self.model, self.tokenizer = load_with_progress(path, meter or LoadMeter())
+            if vision.is_vlm_dir(path):
+                self.vlm, self.processor, self.model, self.tokenizer = load_vlm_with_progress(path, meter or LoadMeter())
+            else:
+                self.model, self.tokenizer = load_with_progress(path, meter or LoadMeter())
+        except vision.VisionExtraMissing as exc:
+            raise ModelLoadError(f"cannot load {path}: {exc}") from exc
         except Exception as exc:  # mlx-lm raises many kinds; all mean "cannot load"
             raise ModelLoadError(f"cannot load {path}: {type(exc).__name__}: {exc}") from exc
         self.path = path
         self.model_id = model_id
-        self.config = json.loads((path / "config.json").read_text())
+        self.config = text_config(json.loads((path / "config.json").read_text()))
         self.context_window = context_window(self.config, max_context)
         self.native_context = context_window(self.config, None)  # the model's own, uncapped
         self.vocab_size = int(self.config.get("vocab_size") or len(self.tokenizer))
         self.generation_defaults = generation_defaults(path)
+
+    @property
+    def takes_images(self) -> bool:
+        return self.vlm is not None and self.image_token_id is not None
+
+    @functools.cached_property
+    def image_token_id(self) -> int | None:
+        """The token an image's embeddings take the place of (None: the model takes no images)."""
+        if self.vlm is None:
+            return None
+        for key in ("image_token_id", "image_token_index"):
+            if (value := self.config.get(key)) is not None:
+                return int(value)
+        return getattr(self.processor, "image_token_id", None)
+
+    def media_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        template_kwargs: dict[str, Any] | None,
+        images: list[vision.Image],
+    ) -> tuple[list[int], vision.MediaPrompt]:
+        """Token ids of the chat template applied to `messages` whose image parts are `images`
+        (each image's tokens expanded by the model's processor), and what the GPU thread needs
+        for them. Blocking (decodes the images): run it on the templating thread."""
+        if self.image_token_id is None:
+            raise APIError(400, f"Model {self.model_id} does not take images.", param="messages",
+                           code="unsupported_content")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=False, **dict(template_kwargs or {})
+            )
+        except Exception as exc:
+            raise APIError(400, f"Chat template failed: {exc}", param="messages") from exc
+        return vision.prepare(self.processor, str(text), images, self.image_token_id)
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -110,14 +153,29 @@ class LoadedModel:
 def load_with_progress(path: Path, meter: LoadMeter) -> tuple[nn.Module, TokenizerWrapper]:
     """mlx-lm's load, its weights read a chunk at a time so that `meter` can say how far it got."""
     model, config = load_model(path, lazy=True)
+    _read_weights(model, meter)
+    meter.begin("tokenizer")
+    return model, load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+
+
+def load_vlm_with_progress(path: Path, meter: LoadMeter) -> tuple[nn.Module, Any, nn.Module, TokenizerWrapper]:
+    """mlx-vlm's model and processor (models/vision.py), its weights read a chunk at a time as in
+    `load_with_progress`, the language model as the lanes run it, and mlx-lm's tokenizer of the
+    same files (chat templates, tool calls and streaming detokenizing as for any model)."""
+    vlm, processor = vision.load_vlm(path)
+    _read_weights(vlm, meter)
+    meter.begin("tokenizer")
+    eos = getattr(vlm.config, "eos_token_id", None)
+    return vlm, processor, vision.TextView(vlm), load_tokenizer(path, eos_token_ids=eos)
+
+
+def _read_weights(model: nn.Module, meter: LoadMeter) -> None:
     arrays: list[mx.array] = [array for _, array in tree_flatten(model.parameters())]  # type: ignore[misc, str-unpack]
     total = sum(a.nbytes for a in arrays)
     meter.begin("weights", total, "bytes")
     for chunk in _chunks(arrays, max(MIN_CHUNK_BYTES, total // MAX_CHUNKS)):
         mx.eval(chunk)
         meter.advance(sum(a.nbytes for a in chunk))
-    meter.begin("tokenizer")
-    return model, load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
 
 
 def _chunks(arrays: list[mx.array], max_bytes: int) -> list[list[mx.array]]:

@@ -21,7 +21,17 @@ from mlxd.supervisor.http.guard import (
     machine_names,
     make_guard_middleware,
 )
-from mlxd.supervisor.http.keys import AUTH, CONFIG, LEASES, METRICS, POOL, REGISTRY, TIMELINE
+from mlxd.supervisor.http.image_fetch import ImageFetcher
+from mlxd.supervisor.http.keys import (
+    AUTH,
+    CONFIG,
+    IMAGES,
+    LEASES,
+    METRICS,
+    POOL,
+    REGISTRY,
+    TIMELINE,
+)
 from mlxd.supervisor.http.metrics import LazyMetrics, make_metrics_middleware
 from mlxd.supervisor.http.openai_routes import setup_openai_routes
 from mlxd.supervisor.http.openapi import openapi_json
@@ -50,6 +60,7 @@ def make_app(config: Config, registry: Registry, pool: Pool, store: ResponseStor
     app[CONFIG], app[REGISTRY], app[POOL], app[METRICS], app[TIMELINE] = config, registry, pool, metrics, timeline
     app[LEASES] = Leases(pool)
     app[AUTH] = Auth(config.server.api_keys, config.server.admin_keys, config.server.key_priorities)
+    app[IMAGES] = ImageFetcher(server.image_fetch_timeout_s, server.image_fetch_max_bytes, server.image_fetch_private)
     setup_openai_routes(app)
     setup_anthropic_routes(app)
     setup_responses_routes(app, store)
@@ -66,6 +77,7 @@ async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
     app[POOL].spare_timing.arm()  # a spare engine for the first model, once start-up is over (1 s quiet)
     yield
     app[LEASES].end_all()
+    await app[IMAGES].close()
     await app[POOL].stop_all()
 
 

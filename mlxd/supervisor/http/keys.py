@@ -8,12 +8,14 @@ from mlxd.supervisor.config import Config
 from mlxd.supervisor.engines.leases import Leases
 from mlxd.supervisor.engines.pool import Pool
 from mlxd.supervisor.http.auth import Auth
+from mlxd.supervisor.http.image_fetch import ImageFetcher
 from mlxd.supervisor.http.metrics import LazyMetrics
 from mlxd.supervisor.http.timeline import Timeline
 from mlxd.supervisor.registry import Registry
 
 AUTH = web.AppKey("auth", Auth)
 CONFIG = web.AppKey("config", Config)
+IMAGES = web.AppKey("images", ImageFetcher)
 LEASES = web.AppKey("leases", Leases)
 METRICS = web.AppKey("metrics", LazyMetrics)
 POOL = web.AppKey("pool", Pool)

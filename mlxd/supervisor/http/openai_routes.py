@@ -10,7 +10,7 @@ from aiohttp import web
 from mlxd.protocol.json_body import decode_json
 from mlxd.protocol.openai import Priority
 from mlxd.supervisor.http.answers import json_answer
-from mlxd.supervisor.http.keys import POOL, REGISTRY
+from mlxd.supervisor.http.keys import IMAGES, POOL, REGISTRY
 from mlxd.supervisor.http.relaying import relay, resolve
 from mlxd.supervisor.registry import sampling_of
 from mlxd.supervisor.relay.dialect import ModelRow
@@ -40,6 +40,7 @@ async def inference(request: web.Request) -> web.StreamResponse:
     body = await request.read()
     fields = routing_fields(body)
     entry = resolve(request, fields.model)
+    body = await request.app[IMAGES].inline_body(body)  # images by URL: fetched here (http/image_fetch.py)
     return await relay(request, entry, body, dialect_of(request), stream=bool(fields.stream), started=started,
                        priority=fields.priority)
 

@@ -23,7 +23,7 @@ from mlxd.protocol.json_body import decode_json
 from mlxd.protocol.responses_stream import replay
 from mlxd.protocol.supervisor_api import InputItemList, ResponseDeleted
 from mlxd.supervisor.http.answers import json_answer
-from mlxd.supervisor.http.keys import CONFIG
+from mlxd.supervisor.http.keys import CONFIG, IMAGES
 from mlxd.supervisor.http.relaying import relay, resolve
 from mlxd.supervisor.relay.responses_dialect import Responses
 from mlxd.supervisor.relay.sse import SSE_HEADERS
@@ -54,6 +54,7 @@ async def create(request: web.Request) -> web.StreamResponse:
         history = [item for turn in chain for item in (*turn.input, *turn.output)]
     chat = responses.to_chat(req, history, items, stream=req.stream)
     entry = resolve(request, req.model)
+    await request.app[IMAGES].inline(chat)
     shell = responses.Shell(req, req.model or entry.id)
     if shell.dropped:
         log.info("responses: tools of type %s cannot run here; the model does not see them",

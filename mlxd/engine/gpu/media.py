@@ -1,0 +1,142 @@
+"""Rows with images, on the GPU thread: their prompt's prefill from the vision tower's embeddings,
+their prompt-cache key, and the rotary shift that lets them decode as text rows.
+
+A row with images starts like any other, from the longest cached prefix of its prompt, but the
+prompt cache is asked with `MediaPrompt.key` (each image's tokens replaced by ids from its
+content digest): a follow-up question about the same screenshot finds the whole prefix, its
+image's KV included, and runs no vision tower at all; another image shares nothing past its
+first token. What the cache lacks up to the prompt's last token is prefilled here at once: the
+vision tower and the model's embedding of the whole prompt, then the language model from
+those embeddings (a chunk at a time). The lane then runs the prompt's last token, as for text.
+
+Qwen-VL models place tokens by multimodal rotary positions: after an image, the text's positions
+run `rope_delta` behind the token index. A lane positions its rows by their cache offset
+(models/vision.TextView), so a row's keys are rotated by `-rope_delta` when it enters a lane
+(RoPE keeps relative positions: the rotated keys hold the same relative positions to each later
+query at position `offset` as the originals to one at `offset + rope_delta`) and rotated back
+when its KV goes to the prompt cache, which holds every entry in the model's own positions (a
+text prompt sharing only the system prompt with it gets keys it can use).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from mlxd.engine.cache.prefix_cache import PrefixCache
+from mlxd.engine.gpu.job import Job
+from mlxd.engine.models.loaded_model import LoadedModel
+from mlxd.engine.models.vision import MediaPrompt, uses_mrope
+
+
+def cache_key(job: Job, tokens: list[int]) -> Any:
+    """The prompt cache's key for `tokens` (the job's prompt or history)."""
+    return job.media.key(tokens) if job.media is not None else tokens
+
+
+def lookup(cache: PrefixCache, job: Job, tokens: list[int], min_share: float = 0.0) -> tuple[list[Any] | None, int]:
+    """The prompt cache's longest prefix of `tokens` (the job's prompt or history): its KV (None:
+    none) and length. A job with images asks by its key, and takes any prefix (`complete` runs
+    the rest of its prompt at once, whatever the cache gave)."""
+    if job.media is None:
+        return cache.fetch(tokens, min_share=min_share)
+    return cache.fetch(cache_key(job, tokens), min_share=0.0)
+
+
+def complete(loaded: LoadedModel, job: Job, tokens: list[int], kv: list[Any] | None, cached: int,
+             prefill_step: int) -> tuple[list[Any] | None, int]:
+    """The KV a row starts from, given what `lookup` found, and the tokens of `tokens` it holds.
+    A text job's is what the cache gave. A job with images gets its prompt up to its last token
+    (all of it, for a resumed history) prefilled here when the cache lacks any of its images,
+    and its keys in lane positions."""
+    media = job.media
+    if media is None:
+        return kv, cached
+    done = cached
+    if done < media.end:
+        kv = kv if kv is not None else list(make_prompt_cache(loaded.model))
+        end = min(len(job.prompt), len(tokens) - 1)
+        prefill(loaded, media, job.prompt, kv, done, end, prefill_step)
+        done = end
+    delta = rope_delta(loaded, media, job.prompt)
+    return (shift(kv, -delta, loaded) if delta and kv is not None else kv), done
+
+
+def store(cache: PrefixCache, loaded: LoadedModel, job: Job, kv: list[Any], tokens: list[int]) -> None:
+    """A row's KV (lane positions) into the prompt cache (the model's positions), under its key."""
+    media = job.media
+    if media is None:
+        cache.store(kv, tokens)
+        return
+    delta = media.rope_delta or 0
+    cache.store(shift(kv, delta, loaded) if delta else kv, cache_key(job, tokens))
+
+
+def rope_delta(loaded: LoadedModel, media: MediaPrompt, prompt: list[int]) -> int:
+    """How far a Qwen-VL's text positions after the images run from the token index (0 for models
+    without multimodal rotary positions); found once per request."""
+    if media.rope_delta is None:
+        vlm = loaded.vlm
+        if vlm is None or not uses_mrope(vlm):
+            media.rope_delta = 0
+        else:
+            _, delta = _positions(vlm, media, prompt)
+            media.rope_delta = int(delta)
+    return media.rope_delta
+
+
+def _positions(vlm: Any, media: MediaPrompt, prompt: list[int]) -> tuple[mx.array, int]:
+    """A Qwen-VL prompt's multimodal positions (3, 1, L) and its rope delta."""
+    arrays = media.arrays
+    grid = arrays.get("image_grid_thw")
+    video = arrays.get("video_grid_thw")
+    ids = mx.array(prompt)[None]
+    positions, delta = vlm.language_model.get_rope_index(
+        ids, mx.array(grid) if grid is not None else None, mx.array(video) if video is not None else None,
+        mx.ones(ids.shape, dtype=mx.int32),
+    )
+    return positions, int(mx.array(delta).reshape(-1)[0].item())  # type: ignore[arg-type]
+
+
+def prefill(loaded: LoadedModel, media: MediaPrompt, prompt: list[int], kv: list[Any], start: int, end: int,
+            step: int) -> None:
+    """Run `prompt[start:end]` into `kv` from the model's embeddings of the prompt and its images
+    (the vision tower runs once for all of them), `step` tokens at a time."""
+    vlm = loaded.vlm
+    assert vlm is not None, "a job with images reaches only a vision-language model"
+    ids = mx.array(prompt)[None]
+    extra = {k: mx.array(v) for k, v in media.arrays.items() if k != "pixel_values"}
+    pixels = media.arrays.get("pixel_values")
+    embedded = vlm.get_input_embeddings(ids, mx.array(pixels) if pixels is not None else None,
+                                        mask=mx.ones(ids.shape, dtype=mx.int32), **extra)
+    embeds = embedded.inputs_embeds
+    positions = _positions(vlm, media, prompt)[0] if uses_mrope(vlm) else None
+    for a in range(start, end, step):
+        b = min(a + step, end)
+        kwargs = {"position_ids": positions[..., a:b]} if positions is not None else {}
+        vlm.language_model(ids[:, a:b], inputs_embeds=embeds[:, a:b], cache=kv, **kwargs)
+        mx.eval([c.state for c in kv])
+    mx.clear_cache()
+
+
+def shift(kv: list[Any], delta: int, loaded: LoadedModel) -> list[Any]:
+    """A copy of `kv` with every key rotated by `delta` positions (RoPE's rotation of one
+    position, `delta` times, in each of the head's frequency pairs); the values are shared."""
+    theta = float(getattr(loaded.vlm.language_model.args, "rope_theta", 10000.0))  # type: ignore[union-attr]
+    out = []
+    for c in kv:
+        if type(c) is not KVCache:
+            raise ValueError(f"rows with images cannot be moved in a {type(c).__name__}")
+        moved = copy.copy(c)
+        if c.keys is not None and c.values is not None:
+            keys = c.keys[..., : c.offset, :]
+            b, h, t, d = keys.shape
+            flat = keys.reshape(b * h * t, 1, d)  # one position each: all rotated by `delta`
+            moved.keys = mx.fast.rope(flat, d, traditional=False, base=theta, scale=1.0, offset=delta).reshape(
+                b, h, t, d).astype(keys.dtype)
+            moved.values = c.values[..., : c.offset, :]
+        out.append(moved)
+    return out

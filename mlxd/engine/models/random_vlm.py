@@ -1,0 +1,149 @@
+"""Build a random-weight vision-language model dir, from mlx-vlm's own model classes, for tests and
+benchmarks: a Qwen2-VL shape (multimodal rotary positions, image tokens that scale with the
+image's pixels) and a Gemma 3 shape (a SigLIP tower, a fixed number of tokens per image, sliding
+window layers). Each comes with its processor files and a chat template that renders image parts,
+so mlx-vlm's loader and processors take it as they take a real one. Needs the `vision` extra."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, cast
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from tokenizers import AddedToken
+
+from mlxd.engine.models.random_model import make_tokenizer
+
+FAMILIES = ("qwen2_vl", "gemma3")
+
+QWEN_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<start_of_turn>"
+    "{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<start_of_image>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+QWEN_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+GEMMA_SPECIALS = ["<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>",
+                  "<image_soft_token>"]
+
+
+def build_random_vlm(out: Path, family: str = "qwen2_vl", *, vocab_size: int = 384, dtype: str = "float32",
+                     seed: int = 0, image_tokens: int = 16) -> Path:
+    """Write a random `family` VLM (config, weights, tokenizer, processor files) into `out`.
+    `image_tokens`: a Gemma image's tokens; a Qwen image's at most (its pixels are capped so)."""
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}, not {family!r}")
+    out.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer(vocab_size)
+    specials = QWEN_SPECIALS if family == "qwen2_vl" else GEMMA_SPECIALS
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    ids = {s: int(tok.token_to_id(s) or 0) for s in [*specials, "<|im_start|>", "<|im_end|>", "<|endoftext|>"]}
+    vocab = tok.get_vocab_size()
+    tok.save(str(out / "tokenizer.json"))
+    if family == "qwen2_vl":
+        config, files = _qwen(ids, vocab, image_tokens)
+    else:
+        config, files = _gemma(ids, vocab, image_tokens)
+    config["torch_dtype"] = dtype
+    _write_weights(out, family, config, dtype, seed)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for name, value in files.items():
+        (out / name).write_text(json.dumps(value, indent=2))
+    return out
+
+
+def _qwen(ids: dict[str, int], vocab: int, image_tokens: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    # 28-pixel cells (a 14-pixel patch, merged 2x2) make one token each: cap the pixels at `image_tokens` cells.
+    cell = 28 * 28
+    config = {
+        "model_type": "qwen2_vl", "architectures": ["Qwen2VLForConditionalGeneration"],
+        "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": vocab, "max_position_embeddings": 4096,
+        "rope_theta": 1000000.0, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+        "tie_word_embeddings": False,
+        "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],
+        "eos_token_id": ids["<|im_end|>"], "bos_token_id": None,
+        "vision_config": {"model_type": "qwen2_vl", "depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2,
+                          "mlp_ratio": 2, "patch_size": 14, "spatial_patch_size": 14, "spatial_merge_size": 2,
+                          "temporal_patch_size": 2, "in_channels": 3, "in_chans": 3},
+    }
+    preprocessor = {
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor",
+        "min_pixels": cell, "max_pixels": cell * image_tokens, "patch_size": 14, "merge_size": 2,
+        "temporal_patch_size": 2, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711], "do_resize": True, "do_rescale": True,
+        "do_normalize": True, "do_convert_rgb": True,
+    }
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "bos_token": None,
+        "pad_token": "<|endoftext|>", "unk_token": None, "chat_template": QWEN_TEMPLATE, "model_max_length": 4096,
+    }
+    return config, {"preprocessor_config.json": preprocessor, "tokenizer_config.json": tok_config,
+                    "generation_config.json": {"eos_token_id": ids["<|im_end|>"]}}
+
+
+def _gemma(ids: dict[str, int], vocab: int, image_tokens: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    side = int(image_tokens ** 0.5)
+    if side * side != image_tokens:
+        raise ValueError("a Gemma image's tokens must be a square")
+    patch = 14
+    config = {
+        "model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+        "image_token_index": ids["<image_soft_token>"], "pad_token_id": ids["<|endoftext|>"],
+        "boi_token_index": ids["<start_of_image>"], "eoi_token_index": ids["<end_of_image>"],
+        "eos_token_id": [ids["<end_of_turn>"]], "hidden_size": 64, "vocab_size": vocab, "mm_tokens_per_image": image_tokens,
+        "text_config": {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+                        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": vocab,
+                        "query_pre_attn_scalar": 16, "sliding_window": 512, "sliding_window_pattern": 2,
+                        "mm_tokens_per_image": image_tokens, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6},
+        "vision_config": {"model_type": "siglip_vision_model", "num_hidden_layers": 1, "hidden_size": 32,
+                          "intermediate_size": 64, "num_attention_heads": 2, "patch_size": patch,
+                          "image_size": patch * side * 2, "num_channels": 3, "layer_norm_eps": 1e-6},
+    }
+    size = patch * side * 2
+    preprocessor = {
+        "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
+        "size": {"height": size, "width": size}, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True, "resample": 2,
+        "do_pan_and_scan": False,
+    }
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<end_of_turn>", "bos_token": "<bos>",
+        "pad_token": "<|endoftext|>", "unk_token": None, "chat_template": GEMMA_TEMPLATE, "model_max_length": 4096,
+        "add_bos_token": False,
+        "extra_special_tokens": {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                                 "image_token": "<image_soft_token>"},
+    }
+    return config, {"preprocessor_config.json": preprocessor, "tokenizer_config.json": tok_config,
+                    "processor_config.json": {"image_seq_length": image_tokens, "processor_class": "Gemma3Processor"},
+                    "generation_config.json": {"eos_token_id": [ids["<end_of_turn>"]]}}
+
+
+def _write_weights(out: Path, family: str, config: dict[str, Any], dtype: str, seed: int) -> None:
+    """mlx-vlm's model class for `family`, made from `config` with random weights, saved as its loader reads them."""
+    import importlib
+
+    module = importlib.import_module(f"mlx_vlm.models.{family}")
+    model_config = module.ModelConfig.from_dict(json.loads(json.dumps(config)))
+    for key in ("text_config", "vision_config"):
+        sub = getattr(model_config, key)
+        if isinstance(sub, dict):
+            cls = module.TextConfig if key == "text_config" else module.VisionConfig
+            setattr(model_config, key, cls.from_dict(sub))
+    mx.random.seed(seed)
+    model = module.Model(model_config)
+    flat = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+    weights = {k: (v.astype(getattr(mx, dtype)) if mx.issubdtype(v.dtype, mx.floating) else v) for k, v in flat}
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})

@@ -1,0 +1,123 @@
+"""Images and audio in a chat message's content, as OpenAI's chat API sends them: `image_url`
+parts (a `data:` URI, or an http(s) URL the supervisor fetches and turns into one before the
+engine sees it) and `input_audio` parts (base64 with its format). Pure: both processes use it.
+
+The supervisor rewrites remote URLs (supervisor/media_fetch.py); the engine decodes the data
+and hands the bytes to the model's processor (engine/models/vision.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from mlxd.protocol.errors import APIError
+
+MAX_IMAGE_BYTES = 20 << 20  # one image part's bytes (decoded)
+MAX_AUDIO_BYTES = 25 << 20  # one audio part's bytes (OpenAI's own limit)
+AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg", "m4a", "webm")
+_DATA_URI = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(?:;[^;,]*)*?)(?P<b64>;base64)?,", re.ASCII)
+
+
+@dataclass(frozen=True, slots=True)
+class ImagePart:
+    data: bytes
+    where: str  # messages[i].content[j], for errors
+
+
+@dataclass(frozen=True, slots=True)
+class AudioPart:
+    data: bytes
+    format: str
+    where: str
+
+
+Part = str | ImagePart | AudioPart
+
+
+def image_url_of(part: dict[str, Any]) -> Any:
+    """An `image_url` part's URL: `{"image_url": {"url": ...}}`, or the string some clients send."""
+    value = part.get("image_url")
+    return value.get("url") if isinstance(value, dict) else value
+
+
+def content_parts(content: Any, index: int) -> list[Part]:
+    """A message's content as text and media parts, in order; a malformed part is a 400 naming it."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [content]
+    parts: list[Part] = []
+    for j, part in enumerate(content):
+        where = f"messages[{index}].content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise APIError(400, "A text content part needs a string 'text'.", param=where)
+            parts.append(part["text"])
+        elif kind == "image_url":
+            url = image_url_of(part)
+            if not isinstance(url, str) or not url:
+                raise APIError(400, "An image_url part needs image_url.url, a data: URI or an http(s) URL.", param=where)
+            parts.append(ImagePart(decode_data_uri(url, where, MAX_IMAGE_BYTES, "image"), where))
+        elif kind == "input_audio":
+            audio = part.get("input_audio")
+            if not isinstance(audio, dict) or not isinstance(audio.get("data"), str):
+                raise APIError(400, "An input_audio part needs input_audio.data (base64) and input_audio.format.",
+                               param=where)
+            fmt = str(audio.get("format") or "wav").lower()
+            if fmt not in AUDIO_FORMATS:
+                raise APIError(400, f"Audio format {fmt!r} is not supported (one of {', '.join(AUDIO_FORMATS)}).",
+                               param=where)
+            parts.append(AudioPart(decode_base64(audio["data"], where, MAX_AUDIO_BYTES, "audio"), fmt, where))
+        else:
+            raise APIError(400, f"Content part type {kind!r} is not supported; send 'text', 'image_url' or "
+                                "'input_audio' parts.", param=where)
+    return parts
+
+
+def has_media(content: Any) -> bool:
+    """Whether a message's content holds an image or audio part (a cheap look, no decoding)."""
+    return isinstance(content, list) and any(
+        isinstance(p, dict) and p.get("type") in ("image_url", "input_audio") for p in content)
+
+
+def decode_data_uri(url: str, where: str, max_bytes: int, what: str) -> bytes:
+    """The bytes of a `data:` URI (base64 or percent-encoded); a remote URL here is a 400 (the
+    supervisor fetches those before the engine sees the request)."""
+    if url[:5].lower() != "data:":
+        scheme = url.split(":", 1)[0][:16] if ":" in url else ""
+        if scheme.lower() in ("http", "https"):
+            raise APIError(400, f"The {what} URL was not fetched: send it through mlxd's supervisor, or as a data: URI.",
+                           param=where, code="invalid_image_url")
+        raise APIError(400, f"An {what} must be a data: URI or an http(s) URL.", param=where, code="invalid_image_url")
+    head = _DATA_URI.match(url)
+    if head is None:
+        raise APIError(400, f"The {what}'s data: URI is malformed.", param=where, code="invalid_image_url")
+    payload = url[head.end():]
+    if head.group("b64"):
+        return decode_base64(payload, where, max_bytes, what)
+    from urllib.parse import unquote_to_bytes
+
+    data = unquote_to_bytes(payload)
+    _check_size(len(data), where, max_bytes, what)
+    return data
+
+
+def decode_base64(text: str, where: str, max_bytes: int, what: str) -> bytes:
+    # Base64 is 4/3 of the bytes: refuse before decoding what would be too big anyway.
+    _check_size(len(text) * 3 // 4 - 2, where, max_bytes, what)
+    try:
+        return base64.b64decode("".join(text.split()), validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise APIError(400, f"The {what}'s base64 data is malformed ({exc}).", param=where,
+                       code=f"invalid_{what}") from exc
+
+
+def _check_size(n: int, where: str, max_bytes: int, what: str) -> None:
+    if n > max_bytes:
+        raise APIError(400, f"The {what} is {n} bytes; at most {max_bytes} bytes are taken.", param=where,
+                       code=f"{what}_too_large")
