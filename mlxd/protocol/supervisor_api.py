@@ -34,6 +34,9 @@ class ModelInfo(msgspec.Struct):
     size_bytes: int
     load: LoadProgress | None  # while its engine starts: phase, done of total
     sampling: dict[str, float]  # what a request that sets none gets: the model's generation_config, else mlxd's
+    context_window: int | None = None  # tokens (capped by the model's max_context); None: unreadable config
+    # What it takes and does: "completion", and "vision" (images), "tools", "reasoning" (protocol/capabilities.py).
+    capabilities: list[str] = msgspec.field(default_factory=list)
 
 
 class ModelInfoList(msgspec.Struct):

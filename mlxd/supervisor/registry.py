@@ -8,11 +8,13 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
 from mlxd import paths
 from mlxd.protocol import sampling
+from mlxd.protocol.capabilities import Capabilities, capabilities, template_text
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.supervisor_api import Source
 from mlxd.supervisor.config import DEFAULT_BATCH, Batch, ModelConfig
@@ -44,6 +46,24 @@ def sampling_of(entry: ModelEntry) -> dict[str, float]:
     except (OSError, msgspec.DecodeError):
         config = None
     return sampling.in_use(sampling.model_defaults(config))
+
+
+def capabilities_of(entry: ModelEntry) -> Capabilities:
+    """What the model takes and does (protocol/capabilities.py), read from its dir."""
+    def read(name: str) -> Any:
+        try:
+            return msgspec.json.decode((entry.path / name).read_bytes())
+        except (OSError, msgspec.DecodeError):
+            return None
+
+    try:
+        files = {p.name for p in entry.path.iterdir()}
+        jinja = (entry.path / "chat_template.jinja").read_text() if "chat_template.jinja" in files else None
+    except OSError:
+        files, jinja = set(), None
+    config = read("config.json")
+    template = template_text(read("tokenizer_config.json"), jinja) or template_text(read("chat_template.json"), None)
+    return capabilities(config if isinstance(config, dict) else {}, files, template, entry.max_context)
 
 
 def hf_cache_dir(env: Mapping[str, str] = os.environ) -> Path:

@@ -1,5 +1,6 @@
 // The chat view: streamed answers from POST /v1/chat/completions, rendered as Markdown.
 import { ApiError, api, apiJson } from "./api.js";
+import { attachments, clearAttachments, imagesView, messageContent, wireAttach } from "./attach.js";
 import { renderMarkdown } from "./markdown.js";
 import { announce, el, markReady } from "./page.js";
 import { makeLoadView } from "./progress.js";
@@ -32,6 +33,7 @@ function wire() {
   $("chat-clear").addEventListener("click", clearChat);
   $("chat-model").addEventListener("change", (ev) => localStorage.setItem(MODEL_ITEM, ev.target.value));
   $("messages").addEventListener("click", copyCode);
+  wireAttach();
 }
 
 async function loadModels() {
@@ -40,7 +42,8 @@ async function loadModels() {
     const { data } = await apiJson("/v1/models");
     const chosen = select.value || localStorage.getItem(MODEL_ITEM);
     select.replaceChildren(...data.map((m) => {
-      const option = el("option", "", m.loaded ? `${m.id} (loaded)` : m.id);
+      const notes = [m.loaded ? "loaded" : "", (m.capabilities ?? []).includes("vision") ? "images" : ""].filter(Boolean);
+      const option = el("option", "", notes.length ? `${m.id} (${notes.join(", ")})` : m.id);
       option.value = m.id;
       return option;
     }));
@@ -52,8 +55,8 @@ async function loadModels() {
   }
 }
 
-/** The request for `text` as the next user message; throws on bad settings. */
-function requestBody(model, text) {
+/** The request for `content` as the next user message; throws on bad settings. */
+function requestBody(model, content) {
   const tempRaw = $("chat-temperature").value.trim();
   const temperature = Number(tempRaw);
   if (!tempRaw || !(temperature >= 0 && temperature <= 2)) throw new Error("Temperature must be a number from 0 to 2.");
@@ -61,7 +64,7 @@ function requestBody(model, text) {
   const maxTokens = Number(maxRaw);
   if (maxRaw && !(Number.isInteger(maxTokens) && maxTokens > 0)) throw new Error("Max tokens must be a whole number above 0.");
   const system = $("chat-system").value.trim();
-  const messages = [...(system ? [{ role: "system", content: system }] : []), ...history, { role: "user", content: text }];
+  const messages = [...(system ? [{ role: "system", content: system }] : []), ...history, { role: "user", content }];
   return { model, messages, temperature, stream: true, stream_options: { include_usage: true },
     ...(maxRaw ? { max_tokens: maxTokens } : {}) };
 }
@@ -70,19 +73,22 @@ async function send() {
   const prompt = $("chat-prompt");
   const text = prompt.value.trim();
   const model = $("chat-model").value;
-  if (!text || controller) return;
+  const images = attachments();
+  if ((!text && !images.length) || controller) return;
   let body;
+  const content = messageContent(text, images);
   try {
     if (!model) throw new Error("Pick a model first.");
-    body = requestBody(model, text);
+    body = requestBody(model, content);
   } catch (e) {
     announce(e.message, "error");
     return;
   }
   prompt.value = "";
-  history.push({ role: "user", content: text });
+  clearAttachments();
+  history.push({ role: "user", content });
   const answer = makeAnswer(model);
-  $("messages").append(userView(text), answer.item);
+  $("messages").append(userView(text, images), answer.item);
   scrollToEnd();
   controller = new AbortController();
   setBusy(true);
@@ -142,9 +148,11 @@ function makeAnswer(model) {
   return a;
 }
 
-function userView(text) {
+function userView(text, images) {
   const item = el("li", "message user");
-  item.append(el("p", "role", "You"), el("div", "content plain", text));
+  item.append(el("p", "role", "You"));
+  if (images.length) item.append(imagesView(images));
+  if (text) item.append(el("div", "content plain", text));
   return item;
 }
 

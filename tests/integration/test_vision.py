@@ -297,3 +297,45 @@ def test_image_urls_are_fetched_with_a_deadline_and_a_size_cap(vlms: dict[str, P
     finally:
         proc.stop()
         server.close()
+
+
+def test_the_model_list_says_what_each_model_takes(sup: SupervisorProcess) -> None:
+    models = {m.id: m.model_dump() for m in sup.openai().models.list().data}
+    for family in FAMILIES:
+        assert models[family]["context_window"] == 4096 and "vision" in models[family]["capabilities"]
+    assert models["text"]["capabilities"] == ["completion"] and models["text"]["context_window"] == 4096
+
+
+def test_mlxd_run_sends_the_image_files_a_prompt_names(sup: SupervisorProcess, tmp_path: Path) -> None:
+    from tests.support import mlxd
+
+    photo = tmp_path / "photo.png"
+    photo.write_bytes(png(40))
+    ask(sup.openai(), "qwen2_vl", [{"role": "user", "content": "Hi"}])  # its engine up, to read its counts
+    before = sup.engine_stats("qwen2_vl")["tokens"]["prompt"]
+    out = mlxd("run", "--url", sup.url, "qwen2_vl", f"What is in {photo}?", "--max-tokens", "3", "--temperature", "0")
+    assert out.returncode == 0 and out.stdout.strip(), out.stderr
+    sent = sup.engine_stats("qwen2_vl")["tokens"]["prompt"] - before
+    text_only = ask(sup.openai(), "qwen2_vl", [{"role": "user", "content": "What is in ?"}]).usage.prompt_tokens
+    assert sent >= text_only + 16, (sent, text_only)
+    missing = mlxd("run", "--url", sup.url, "text", f"What is in {photo}?", "--max-tokens", "3")
+    assert missing.returncode == 1 and "does not take images" in missing.stderr
+
+
+def test_mlxd_run_slash_image_attaches_to_the_next_message(sup: SupervisorProcess, tmp_path: Path) -> None:
+    from tests.integration.test_run_cli import Chat
+
+    photo = tmp_path / "shot.png"
+    photo.write_bytes(png(41))
+    ask(sup.openai(), "qwen2_vl", [{"role": "user", "content": "Hi"}])  # its engine up, to read its counts
+    chat = Chat(sup, "qwen2_vl", "--temperature", "0", "--max-tokens", "3")
+    chat.command(f"/image {tmp_path / 'nope.png'}", "no such file")
+    chat.command(f"/image {photo}", "it goes with your next message")
+    before = sup.engine_stats("qwen2_vl")["tokens"]
+    chat.ask("Describe it.")
+    after = sup.engine_stats("qwen2_vl")["tokens"]
+    chat.ask("And again?")  # the image stays in the conversation: its prefix comes from the cache
+    again = sup.engine_stats("qwen2_vl")["tokens"]
+    assert after["prompt"] - before["prompt"] > 16
+    assert again["cached"] - after["cached"] >= after["prompt"] - before["prompt"] - 1
+    assert chat.bye() == 0

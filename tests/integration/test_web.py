@@ -479,3 +479,51 @@ def test_a_load_with_a_known_total_draws_a_bar(sup: SupervisorProcess, watched: 
     assert page.locator("#unknown progress").count() == 0 and page.locator("#unknown .spinner").is_visible()
     assert page.inner_text("#unknown .load-text").startswith("Warming up GPU kernels, 3.")
     assert watched.problems == []
+
+
+# Puts a PNG (base64 `b64`) on the page as a File and hands it to `target` in a `kind` event
+# (a drop on the composer, a paste into the prompt), as a person dragging or pasting one would.
+HAND_OVER = """([b64, kind]) => {
+  const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+  const data = new DataTransfer();
+  data.items.add(new File([bytes], kind + '.png', {type: 'image/png'}));
+  const target = document.getElementById(kind === 'drop' ? 'chat-form' : 'chat-prompt');
+  const event = kind === 'drop' ? new DragEvent('drop', {dataTransfer: data, bubbles: true, cancelable: true})
+                                : new ClipboardEvent('paste', {clipboardData: data, bubbles: true, cancelable: true});
+  target.dispatchEvent(event);
+}"""
+
+
+def test_images_attached_by_picker_drop_and_paste_go_with_the_message(
+    vlms: dict[str, Path], tmp_path: Path, watched: Watched,
+) -> None:
+    import base64
+    import io
+
+    from PIL import Image
+
+    def png(color: tuple[int, int, int]) -> bytes:
+        out = io.BytesIO()
+        Image.new("RGB", (112, 112), color).save(out, "PNG")  # 16 image tokens in the tiny Qwen2-VL
+        return out.getvalue()
+
+    picked = tmp_path / "picked.png"
+    picked.write_bytes(png((200, 30, 30)))
+    with serving(vlms["qwen2_vl"], "vlm", tmp_path / "data") as sup:
+        page = watched.open(sup.url + "/#chat")
+        assert page.inner_text("#chat-model option") == "vlm (images)"
+        page.set_input_files("#chat-file", str(picked))
+        page.evaluate(HAND_OVER, [base64.b64encode(png((30, 200, 30))).decode(), "drop"])
+        page.evaluate(HAND_OVER, [base64.b64encode(png((30, 30, 200))).decode(), "paste"])
+        until(page, "document.querySelectorAll('#chat-attachments img').length === 3")
+        page.click("#chat-attachments li:nth-child(2) button")  # the dropped one goes again
+        assert page.locator("#chat-attachments img").count() == 2
+        ask(page, "What colours are these?", 4)
+        wait_answer(page, sup, "done")
+        sent = page.locator(".message.user >> nth=-1 >> .images img")
+        assert sent.count() == 2 and sent.nth(0).get_attribute("alt") == "picked.png"
+        assert page.locator("#chat-attachments").is_hidden()
+        assert re.fullmatch(r"4 tokens · .*", page.inner_text(".message.assistant >> nth=-1 >> .stats"))
+        prompt = sup.engine_stats("vlm")["tokens"]["prompt"]
+        assert prompt >= 2 * 16 + 10, prompt  # the two images' tokens went in with the text
+        assert watched.problems == []

@@ -126,14 +126,19 @@ def test_until_column() -> None:
 
 def test_models_table() -> None:
     listing = {"data": [
-        {"id": "tiny", "size_bytes": 1_500_000, "source": "config", "state": "ready", "loaded": True},
-        {"id": "mlx-community/Qwen3-4B-4bit", "size_bytes": 2_260_000_000, "source": "hf_cache",
-         "state": "stopped", "loaded": False},
+        {"id": "tiny", "size_bytes": 1_500_000, "source": "config", "state": "ready", "loaded": True,
+         "context_window": 2048, "capabilities": ["completion"]},
+        {"id": "mlx-community/Qwen3-VL-4B-4bit", "size_bytes": 2_260_000_000, "source": "hf_cache",
+         "state": "stopped", "loaded": False, "context_window": 262144,
+         "capabilities": ["completion", "vision", "tools", "reasoning"]},
+        {"id": "old", "size_bytes": 1, "source": "config", "state": "stopped"},  # a supervisor before capabilities
     ]}
     lines = tables.models_text(listing).splitlines()
-    assert lines[0].split() == ["NAME", "SIZE", "SOURCE", "STATE"]
-    assert lines[1].split() == ["tiny", "1.5", "MB", "config", "ready"]
-    assert lines[2].split() == ["mlx-community/Qwen3-4B-4bit", "2.3", "GB", "hf_cache", "stopped"]
+    assert lines[0].split() == ["NAME", "SIZE", "CONTEXT", "TAKES", "SOURCE", "STATE"]
+    assert lines[1].split() == ["tiny", "1.5", "MB", "2K", "-", "config", "ready"]
+    assert lines[2].split() == ["mlx-community/Qwen3-VL-4B-4bit", "2.3", "GB", "256K", "vision,tools,reasoning",
+                                "hf_cache", "stopped"]
+    assert lines[3].split() == ["old", "1", "B", "-", "-", "config", "stopped"]
     assert "no models found" in tables.models_text({"data": []})
 
 

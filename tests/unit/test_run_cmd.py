@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import base64
 import io
+from pathlib import Path
 
 import click
 import pytest
 from rich.console import Console
 
 from mlxd.cli.admin.client import HTTPFailure
+from mlxd.cli.chat import images
 from mlxd.cli.chat.answer import Answer, format_duration
 from mlxd.cli.chat.commands import (
     Command,
@@ -170,14 +173,42 @@ def test_durations() -> None:
 def test_the_conversation_sends_system_and_turns_and_keeps_only_answered_ones() -> None:
     convo = Conversation(Settings(system="Be brief."))
     answered = Answer(started=0.0, content=["Hi."])
-    convo.remember("hello", answered)
-    convo.remember("again", Answer(started=0.0))  # stopped before any text: forgotten
-    assert convo.messages("next") == [
+    convo.remember(convo.user_turn("hello"), answered)
+    convo.remember(convo.user_turn("again"), Answer(started=0.0))  # stopped before any text: forgotten
+    assert convo.messages(convo.user_turn("next")) == [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"},
         {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "next"}]
     assert convo.num_turns == 1
     convo.clear()
-    assert convo.messages("x") == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "x"}]
+    assert convo.messages(convo.user_turn("x")) == [{"role": "system", "content": "Be brief."},
+                                                    {"role": "user", "content": "x"}]
+
+
+def test_image_paths_in_a_message_and_slash_image_go_as_image_parts(tmp_path: Path) -> None:
+    photo, shot = tmp_path / "photo.PNG", tmp_path / "my shot.jpg"
+    photo.write_bytes(b"\x89PNG fake")
+    shot.write_bytes(b"jpeg bytes")
+    text, found = images.split_images(f"what is in {photo} and {str(shot).replace(' ', chr(92) + ' ')}?")
+    assert text == "what is in and ?" and found == [photo, shot]
+    assert images.split_images(f"compare '{shot}' please") == ("compare please", [shot])
+    # Not image files, or no such file: the words stay as they were.
+    assert images.split_images("see /no/such.png and notes.txt") == ("see /no/such.png and notes.txt", [])
+    convo = Conversation()
+    convo.pending.append(images.image_path(f'"{shot}"'))  # /image, quoted
+    turn = convo.user_turn(f"{photo} describe")
+    assert turn["content"] == [
+        {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(b"jpeg bytes").decode()}},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"\x89PNG fake").decode()}},
+        {"type": "text", "text": "describe"}]
+    convo.remember(turn, Answer(started=0.0, content=["A cat."]))
+    assert convo.pending == [] and convo.turns[0] == turn  # the images stay in the conversation
+    with pytest.raises(images.ImageError, match="no such file"):
+        images.image_path(str(tmp_path / "gone.png"))
+    with pytest.raises(images.ImageError, match="not an image file"):
+        images.image_path(str(tmp_path))
+    assert parse_command("/image ~/a b.png") == Command("image", value="~/a b.png")
+    with pytest.raises(CommandError, match="Usage: /image PATH"):
+        parse_command("/image")
 
 
 def test_show_lists_the_settings() -> None:

@@ -58,11 +58,22 @@ def shorten(text: str, limit: int) -> str:
 
 def models_text(listing: Mapping[str, Any]) -> str:
     """`mlxd models`: every model the daemon can serve."""
-    rows = [(m["id"], format_size(m.get("size_bytes")), m.get("source", "-"), m.get("state", "-"))
+    rows = [(m["id"], format_size(m.get("size_bytes")), context_text(m.get("context_window")),
+             ",".join(c for c in m.get("capabilities", []) if c != "completion") or "-", m.get("source", "-"),
+             m.get("state", "-"))
             for m in listing.get("data", [])]
     if not rows:
         return "no models found (see `[models.NAME]` in the config, or `mlxd import-default`)"
-    return render_table(("NAME", "SIZE", "SOURCE", "STATE"), rows)
+    return render_table(("NAME", "SIZE", "CONTEXT", "TAKES", "SOURCE", "STATE"), rows)
+
+
+def context_text(tokens: int | None) -> str:
+    """A context window in tokens: 8K, 128K, 1M."""
+    if not tokens:
+        return "-"
+    if tokens >= 1 << 20 and tokens % (1 << 20) == 0:
+        return f"{tokens >> 20}M"
+    return f"{tokens // 1024}K" if tokens % 1024 == 0 else str(tokens)
 
 
 def running_engines(listing: Mapping[str, Any]) -> list[dict[str, Any]]:

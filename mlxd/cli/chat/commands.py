@@ -1,7 +1,8 @@
 """`mlxd run`'s slash commands and settings, as pure functions of the typed line.
 
 `/bye`, `/clear`, `/set system TEXT`, `/set parameter NAME VALUE`, `/show`, `/?` and
-triple-quoted blocks, as ollama's `run` has them; tests/unit/test_run_cmd.py covers them.
+triple-quoted blocks, as ollama's `run` has them, and `/image PATH`; tests/unit/test_run_cmd.py
+covers them.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ HELP = """\
 Available commands:
   /set parameter NAME VALUE   set temperature, top_p, max_tokens or seed
   /set system TEXT            set the system message
+  /image PATH                 send an image with the next message (or write its path in the message)
   /show                       show the model and the settings
   /clear                      forget the conversation
   /bye                        exit (also Ctrl + d)
@@ -70,7 +72,7 @@ class Settings:
 
 @dataclass(frozen=True)
 class Command:
-    """A parsed slash command: `verb` is bye, clear, show, help, system or parameter."""
+    """A parsed slash command: `verb` is bye, clear, show, help, system, parameter or image."""
 
     verb: str
     name: str = ""
@@ -93,6 +95,10 @@ def parse_command(text: str) -> Command:
         return Command(SIMPLE[head])
     if head == "/set":
         return parse_set(words[1:])
+    if head == "/image":
+        if len(words) == 1:
+            raise CommandError("Usage: /image PATH")
+        return Command("image", value=text.strip()[len(words[0]):].strip())
     if head in SIMPLE:
         raise CommandError(f"{head} takes no arguments")
     raise CommandError(f"Unknown command '{words[0]}'. Type /? for help")

@@ -17,6 +17,7 @@ from mlxd.cli.chat.commands import (
     opens_block,
     parse_command,
 )
+from mlxd.cli.chat.images import ImageError, image_path
 from mlxd.cli.chat.session import AnswerView, Conversation, Target, stream_answer
 
 PLACEHOLDER = FormattedText([("#888888", "Send a message (/? for help)")])
@@ -102,17 +103,24 @@ class Repl:
             self.say(settings.describe(self.target.model, self.conversation.num_turns))
         elif command.verb == "help":
             self.say(HELP)
+        elif command.verb == "image":
+            try:
+                path = image_path(command.value)
+            except ImageError as exc:
+                self.say(str(exc))
+                return
+            self.conversation.pending.append(path)
+            self.say(f"Added image {path} (it goes with your next message).")
 
     def ask(self, question: str) -> None:
         """Stream the answer; keep the turn unless it failed."""
         try:
             answer, interrupted = stream_answer(self.target, self.conversation, question, self.view)
-        except AdminError as exc:
+        except (AdminError, ImageError) as exc:
             self.view.end_line()
             self.console.print(f"Error: {exc}", style="red", highlight=False, markup=False, emoji=False)
             return
         self.view.finish(answer, interrupted)
-        self.conversation.remember(question, answer)
 
     def say(self, text: str) -> None:
         self.console.print(text, highlight=False, markup=False, emoji=False)

@@ -18,6 +18,7 @@ from rich.console import Console
 from mlxd.cli.admin.client import AdminClient, AdminError, HTTPFailure, Unreachable
 from mlxd.cli.admin.cmds import daemon_options, daemon_url, resolve_url
 from mlxd.cli.chat.commands import Settings
+from mlxd.cli.chat.images import ImageError
 from mlxd.cli.chat.session import AnswerView, Conversation, Target, stream_answer
 from mlxd.cli.chat.stream import ChatStream
 from mlxd.cli.chat.wait import find_model
@@ -111,6 +112,8 @@ def one_shot(target: Target, conversation: Conversation, prompt: str, think: boo
     except AdminError as exc:
         view.end_line()
         raise click.ClickException(describe_error(exc, target.url, target.key_source)) from None
+    except ImageError as exc:
+        raise click.ClickException(str(exc)) from None
     view.finish(answer, interrupted)
     if interrupted:
         click.echo("mlxd run: interrupted", err=True)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
 from mlxd.cli.admin.client import AdminClient
+from mlxd.cli.chat import images
 from mlxd.cli.chat.answer import Answer, Piece
 from mlxd.cli.chat.commands import Settings
 from mlxd.cli.chat.stream import ChatStream, chat_body
@@ -34,23 +37,33 @@ class Target:
 
 @dataclass
 class Conversation:
-    """The settings and the turns so far; the system message leads every request."""
+    """The settings and the turns so far; the system message leads every request. Images go with
+    the next question: the files its text names, and those `/image` attached (`pending`)."""
 
     settings: Settings = field(default_factory=Settings)
-    turns: list[dict[str, str]] = field(default_factory=list)
+    turns: list[dict[str, Any]] = field(default_factory=list)
+    pending: list[Path] = field(default_factory=list)
 
-    def messages(self, question: str) -> list[dict[str, str]]:
-        """What to send to ask `question` next."""
+    def user_turn(self, question: str) -> dict[str, Any]:
+        """`question` as the next user message, with its images (ImageError for one that cannot go)."""
+        text, named = images.split_images(question)
+        return {"role": "user", "content": images.content(text, [*self.pending, *named])}
+
+    def messages(self, turn: dict[str, Any]) -> list[dict[str, Any]]:
+        """What to send to ask `turn` (a user_turn) next."""
         system = [{"role": "system", "content": self.settings.system}] if self.settings.system else []
-        return [*system, *self.turns, {"role": "user", "content": question}]
+        return [*system, *self.turns, turn]
 
-    def remember(self, question: str, answer: Answer) -> None:
-        """Keep the turn, as far as the answer got; a turn with nothing answered is dropped."""
+    def remember(self, turn: dict[str, Any], answer: Answer) -> None:
+        """Keep the turn, as far as the answer got (its images too: follow-ups see them); a turn
+        with nothing answered is dropped. The attached images went with it either way."""
+        self.pending.clear()
         if answer.text:
-            self.turns += [{"role": "user", "content": question}, {"role": "assistant", "content": answer.text}]
+            self.turns += [turn, {"role": "assistant", "content": answer.text}]
 
     def clear(self) -> None:
         self.turns.clear()
+        self.pending.clear()
 
     @property
     def num_turns(self) -> int:
@@ -117,7 +130,8 @@ def stream_answer(target: Target, conversation: Conversation, question: str, vie
 
     Errors (an `AdminError`) propagate; a Ctrl-C closes the connection, so the daemon stops generating.
     """
-    body = chat_body(target.model, conversation.messages(question), conversation.settings.params)
+    turn = conversation.user_turn(question)
+    body = chat_body(target.model, conversation.messages(turn), conversation.settings.params)
     answer = Answer(started=time.monotonic())
     stream = ChatStream(target.url, target.key)
     wait = FirstTokenWait(view.wait, target.client(), target.model).start() if view.wait is not None else None
@@ -130,9 +144,11 @@ def stream_answer(target: Target, conversation: Conversation, question: str, vie
             for piece in pieces:
                 view.show(piece)
     except KeyboardInterrupt:
+        conversation.remember(turn, answer)
         return answer, True
     finally:
         if wait is not None:
             wait.stop()
         stream.close()
+    conversation.remember(turn, answer)
     return answer, False

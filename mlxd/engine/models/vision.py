@@ -28,9 +28,9 @@ import mlx.nn as nn
 import numpy as np
 import xxhash
 
+from mlxd.protocol.capabilities import is_vlm_config
 from mlxd.protocol.errors import APIError
 
-PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
 # Past these an image is a 400 before it is decoded (a decompression bomb costs nothing to send).
 MAX_IMAGE_PIXELS = 50_000_000
 MAX_IMAGES = 32  # per request
@@ -41,13 +41,6 @@ KEY_BASE = 0x8000_0000
 
 class VisionExtraMissing(Exception):
     """mlx-vlm is not installed: the message names the extra that brings it."""
-
-
-def is_vlm_config(config: dict[str, Any], files: set[str]) -> bool:
-    """Whether a model dir (its config and file names) is a vision-language model: a vision or audio
-    tower in its config and the processor files that prepare its inputs."""
-    towers = any(isinstance(config.get(k), dict) for k in ("vision_config", "audio_config"))
-    return towers and any(name in files for name in PROCESSOR_FILES)
 
 
 def is_vlm_dir(path: Path) -> bool:

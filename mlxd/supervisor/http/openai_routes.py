@@ -12,7 +12,7 @@ from mlxd.protocol.openai import Priority
 from mlxd.supervisor.http.answers import json_answer
 from mlxd.supervisor.http.keys import IMAGES, POOL, REGISTRY
 from mlxd.supervisor.http.relaying import relay, resolve
-from mlxd.supervisor.registry import sampling_of
+from mlxd.supervisor.registry import capabilities_of, sampling_of
 from mlxd.supervisor.relay.dialect import ModelRow
 from mlxd.supervisor.relay.dialects import dialect_of, models_dialect
 
@@ -51,8 +51,9 @@ async def list_models(request: web.Request) -> web.Response:
     registry, pool = request.app[REGISTRY], request.app[POOL]
     registry.refresh()
     engines = {e.model_id: e for e in pool.engines()}
-    rows = [ModelRow(m, engines[m.id].state, engines[m.id].load_progress(), sampling_of(m)) if m.id in engines
-            else ModelRow(m, sampling=sampling_of(m)) for m in registry.entries()]
+    rows = [ModelRow(m, engines[m.id].state, engines[m.id].load_progress(), sampling_of(m), capabilities_of(m))
+            if m.id in engines else ModelRow(m, sampling=sampling_of(m), capabilities=capabilities_of(m))
+            for m in registry.entries()]
     return json_answer(models_dialect(request).model_list(rows, int(time.time())))
 
 

@@ -20,6 +20,7 @@ from typing import Protocol
 import msgspec
 from aiohttp import web
 
+from mlxd.protocol.capabilities import Capabilities
 from mlxd.protocol.chat_chunks import ChatChunk
 from mlxd.protocol.engine_state import EngineState
 from mlxd.protocol.errors import APIError, encode_openai_error
@@ -49,6 +50,7 @@ class ModelRow(msgspec.Struct, frozen=True):
     state: EngineState = EngineState.STOPPED
     load: LoadProgress | None = None  # while its engine starts
     sampling: dict[str, float] = msgspec.field(default_factory=dict)  # registry.sampling_of
+    capabilities: Capabilities | None = None  # registry.capabilities_of
 
 
 class Dialect:
@@ -100,7 +102,8 @@ class Dialect:
         data = [
             ModelInfo(row.entry.id, "model", created=now, owned_by="mlxd", loaded=row.state is EngineState.READY,
                       state=row.state, source=row.entry.source, size_bytes=row.entry.size_bytes, load=row.load,
-                      sampling=row.sampling)
+                      sampling=row.sampling, context_window=row.capabilities.context_window if row.capabilities else None,
+                      capabilities=row.capabilities.capabilities if row.capabilities else [])
             for row in rows
         ]
         return ModelInfoList("list", data)

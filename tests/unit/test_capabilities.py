@@ -1,0 +1,31 @@
+"""What a model takes and does, from its files (protocol/capabilities.py)."""
+
+from __future__ import annotations
+
+from mlxd.protocol.capabilities import capabilities, is_vlm_config, template_text
+
+QWEN3_LIKE = "{% if tools %}...{% endif %}{% if enable_thinking %}<think>{% endif %}"
+
+
+def test_a_vision_tower_with_processor_files_is_a_vlm() -> None:
+    vlm = {"vision_config": {"depth": 1}, "text_config": {"max_position_embeddings": 32768}}
+    assert is_vlm_config(vlm, {"config.json", "preprocessor_config.json"})
+    assert not is_vlm_config(vlm, {"config.json"})  # no processor: the tower cannot be fed
+    assert not is_vlm_config({"max_position_embeddings": 8}, {"preprocessor_config.json"})
+    found = capabilities(vlm, {"processor_config.json"}, QWEN3_LIKE, None)
+    assert found.capabilities == ["completion", "vision", "tools", "reasoning"]
+    assert found.context_window == 32768  # the language model's, from text_config
+
+
+def test_a_plain_model_and_the_context_cap() -> None:
+    found = capabilities({"max_position_embeddings": 131072}, {"config.json"}, "{{ messages }}", 8192)
+    assert found.capabilities == ["completion"] and found.context_window == 8192
+    assert capabilities({}, set(), None, None).capabilities == ["completion"]
+
+
+def test_the_template_comes_from_the_jinja_file_or_the_tokenizer_config() -> None:
+    assert template_text({"chat_template": "a"}, "b") == "b"
+    assert template_text({"chat_template": "a"}, None) == "a"
+    assert template_text({"chat_template": [{"name": "default", "template": "x"}, {"name": "tool_use",
+                                                                                  "template": "tools"}]}, None) == "x\ntools"
+    assert template_text(None, None) is None and template_text({"chat_template": 5}, None) is None
