@@ -7,6 +7,7 @@ so mlx-vlm's loader and processors take it as they take a real one. Needs the `v
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -38,10 +39,23 @@ GEMMA_SPECIALS = ["<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>
                   "<image_soft_token>"]
 
 
+@dataclass(frozen=True)
+class Dims:
+    """A random VLM's sizes: the language model's, and its vision tower's (`vision_*`)."""
+
+    hidden: int = 64
+    layers: int = 2
+    intermediate: int = 128
+    heads: int = 4
+    kv_heads: int = 2
+    vision_layers: int = 1
+    vision_hidden: int = 32
+    image_tokens: int = 16  # a Gemma image's tokens; a Qwen image's at most (its pixels are capped so)
+
+
 def build_random_vlm(out: Path, family: str = "qwen2_vl", *, vocab_size: int = 384, dtype: str = "float32",
-                     seed: int = 0, image_tokens: int = 16) -> Path:
-    """Write a random `family` VLM (config, weights, tokenizer, processor files) into `out`.
-    `image_tokens`: a Gemma image's tokens; a Qwen image's at most (its pixels are capped so)."""
+                     seed: int = 0, dims: Dims = Dims()) -> Path:
+    """Write a random `family` VLM (config, weights, tokenizer, processor files) into `out`."""
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {FAMILIES}, not {family!r}")
     out.mkdir(parents=True, exist_ok=True)
@@ -52,9 +66,9 @@ def build_random_vlm(out: Path, family: str = "qwen2_vl", *, vocab_size: int = 3
     vocab = tok.get_vocab_size()
     tok.save(str(out / "tokenizer.json"))
     if family == "qwen2_vl":
-        config, files = _qwen(ids, vocab, image_tokens)
+        config, files = _qwen(ids, vocab, dims)
     else:
-        config, files = _gemma(ids, vocab, image_tokens)
+        config, files = _gemma(ids, vocab, dims)
     config["torch_dtype"] = dtype
     _write_weights(out, family, config, dtype, seed)
     (out / "config.json").write_text(json.dumps(config, indent=2))
@@ -63,19 +77,24 @@ def build_random_vlm(out: Path, family: str = "qwen2_vl", *, vocab_size: int = 3
     return out
 
 
-def _qwen(ids: dict[str, int], vocab: int, image_tokens: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def _qwen(ids: dict[str, int], vocab: int, dims: Dims) -> tuple[dict[str, Any], dict[str, Any]]:
     # 28-pixel cells (a 14-pixel patch, merged 2x2) make one token each: cap the pixels at `image_tokens` cells.
     cell = 28 * 28
+    image_tokens = dims.image_tokens
+    half = dims.hidden // dims.heads // 2  # rotary frequencies: split among time, height and width
+    sections = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
     config = {
         "model_type": "qwen2_vl", "architectures": ["Qwen2VLForConditionalGeneration"],
-        "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": vocab, "max_position_embeddings": 4096,
-        "rope_theta": 1000000.0, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+        "hidden_size": dims.hidden, "num_hidden_layers": dims.layers, "intermediate_size": dims.intermediate,
+        "num_attention_heads": dims.heads, "num_key_value_heads": dims.kv_heads, "rms_norm_eps": 1e-6,
+        "vocab_size": vocab, "max_position_embeddings": 4096,
+        "rope_theta": 1000000.0, "rope_scaling": {"type": "mrope", "mrope_section": sections},
         "tie_word_embeddings": False,
         "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
         "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],
         "eos_token_id": ids["<|im_end|>"], "bos_token_id": None,
-        "vision_config": {"model_type": "qwen2_vl", "depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2,
+        "vision_config": {"model_type": "qwen2_vl", "depth": dims.vision_layers, "embed_dim": dims.vision_hidden,
+                          "hidden_size": dims.hidden, "num_heads": 2,
                           "mlp_ratio": 2, "patch_size": 14, "spatial_patch_size": 14, "spatial_merge_size": 2,
                           "temporal_patch_size": 2, "in_channels": 3, "in_chans": 3},
     }
@@ -94,7 +113,8 @@ def _qwen(ids: dict[str, int], vocab: int, image_tokens: int) -> tuple[dict[str,
                     "generation_config.json": {"eos_token_id": ids["<|im_end|>"]}}
 
 
-def _gemma(ids: dict[str, int], vocab: int, image_tokens: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def _gemma(ids: dict[str, int], vocab: int, dims: Dims) -> tuple[dict[str, Any], dict[str, Any]]:
+    image_tokens = dims.image_tokens
     side = int(image_tokens ** 0.5)
     if side * side != image_tokens:
         raise ValueError("a Gemma image's tokens must be a square")
@@ -103,13 +123,17 @@ def _gemma(ids: dict[str, int], vocab: int, image_tokens: int) -> tuple[dict[str
         "model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
         "image_token_index": ids["<image_soft_token>"], "pad_token_id": ids["<|endoftext|>"],
         "boi_token_index": ids["<start_of_image>"], "eoi_token_index": ids["<end_of_image>"],
-        "eos_token_id": [ids["<end_of_turn>"]], "hidden_size": 64, "vocab_size": vocab, "mm_tokens_per_image": image_tokens,
-        "text_config": {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
-                        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": vocab,
-                        "query_pre_attn_scalar": 16, "sliding_window": 512, "sliding_window_pattern": 2,
+        "eos_token_id": [ids["<end_of_turn>"]], "hidden_size": dims.hidden, "vocab_size": vocab,
+        "mm_tokens_per_image": image_tokens,
+        "text_config": {"model_type": "gemma3_text", "hidden_size": dims.hidden, "num_hidden_layers": dims.layers,
+                        "intermediate_size": dims.intermediate, "num_attention_heads": dims.heads,
+                        "num_key_value_heads": dims.kv_heads, "head_dim": dims.hidden // dims.heads, "vocab_size": vocab,
+                        "query_pre_attn_scalar": dims.hidden // dims.heads, "sliding_window": 512,
+                        "sliding_window_pattern": 2,
                         "mm_tokens_per_image": image_tokens, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6},
-        "vision_config": {"model_type": "siglip_vision_model", "num_hidden_layers": 1, "hidden_size": 32,
-                          "intermediate_size": 64, "num_attention_heads": 2, "patch_size": patch,
+        "vision_config": {"model_type": "siglip_vision_model", "num_hidden_layers": dims.vision_layers,
+                          "hidden_size": dims.vision_hidden, "intermediate_size": 2 * dims.vision_hidden,
+                          "num_attention_heads": 2, "patch_size": patch,
                           "image_size": patch * side * 2, "num_channels": 3, "layer_norm_eps": 1e-6},
     }
     size = patch * side * 2

@@ -109,6 +109,12 @@ def inference(op_id: str, summary: str, body: str, answer: str, chunk: str) -> d
     return operation(op_id, summary, ok, INFERENCE_ERRORS, tag="OpenAI", body=body, parameters=[lease])
 
 
+def named_event_schema(description: str) -> dict[str, Any]:
+    """One server-sent event with its `event:` name and a JSON `data:` line (Anthropic's, the Responses API's)."""
+    return {"type": "object", "required": ["data"], "description": description,
+            "properties": {"event": {"type": "string"}, "data": {"type": "string"}}}
+
+
 def event_schema(chunk: str) -> dict[str, Any]:
     """One server-sent event of a stream: a chunk, an error (the stream then ends), or `[DONE]`."""
     payload = {"contentMediaType": "application/json", "contentSchema": {"anyOf": [ref(chunk), ref("ErrorBody")]}}
@@ -143,9 +149,9 @@ def make_paths() -> dict[str, Any]:
         "/v1/responses": {"post": operation(
             "createResponse", "Responses API, translated onto the model's engine; stored for chaining "
             "(docs/responses.md)",
-            {**json_content(ref("ResponseObject")), "text/event-stream": {"schema": {
-                "type": "string", "description": "The Responses events (response.created ... response.completed), "
-                                                 "each with its sequence_number; then `data: [DONE]`"}}},
+            {**json_content(ref("ResponseObject")), "text/event-stream": {"schema": named_event_schema(
+                "The Responses events (response.created ... response.completed), each with its "
+                "sequence_number; then `data: [DONE]`")}},
             INFERENCE_ERRORS, tag="Responses", body="ResponsesRequest")},
         "/v1/responses/{response_id}": {
             "get": operation("getResponse", "A stored response (`?stream=true`: as the events of a stream)",
@@ -164,9 +170,9 @@ def make_paths() -> dict[str, Any]:
                 {"name": "after", "in": "query", "required": False, "schema": {"type": "string"}}]])},
         "/v1/messages": {"post": operation(
             "createMessage", "Anthropic Messages, translated onto the model's engine (docs/anthropic.md)",
-            {**json_content(ref("AnthropicMessage")), "text/event-stream": {"schema": {
-                "type": "string", "description": "Anthropic's events: message_start, content_block_start/delta/stop, "
-                                                 "message_delta, message_stop, ping; error"}}},
+            {**json_content(ref("AnthropicMessage")), "text/event-stream": {"schema": named_event_schema(
+                "Anthropic's events: message_start, content_block_start/delta/stop, message_delta, "
+                "message_stop, ping; error")}},
             INFERENCE_ERRORS, tag="Anthropic", body="MessagesRequest", error_body="AnthropicErrorBody")},
         "/v1/messages/count_tokens": {"post": operation(
             "countTokens", "The prompt a Messages request becomes, counted by the model's engine",

@@ -1,0 +1,232 @@
+"""Images: mlxd against raw mlx-vlm and `mlx_vlm.server`, one random VLM, one run (issue 25).
+
+Figures, each a ratio against a baseline measured in the same run:
+  * a lone image request's time to first token and decode tokens/s, mlxd (a streamed chat
+    completion through its supervisor, at its defaults) / raw `mlx_vlm.stream_generate` in a
+    worker process (the same model, image and prompt; the worker gets the engine's environment);
+  * 8 concurrent image requests (each its own image): aggregate completion tokens/s, mlxd /
+    `python -m mlx_vlm.server` at its defaults;
+  * a repeated image question (the same image and words again): its time to first token / the
+    same request's cold one, on mlxd.
+
+The model is a random-weight VLM from mlx-vlm's own classes (mlxd/engine/models/random_vlm.py),
+`--family` and its sizes by `--size` (small: the test model; bench: a few hundred MB, so that the
+model's work, not the HTTP round trip, is what is timed). Requests are greedy; each measured lone
+request has an image of its own (no side's cache can serve it), made of random pixels.
+
+  python benchmarks/vision.py                                  # CPU, the bench size
+  python benchmarks/vision.py --size small --rounds 3 --max-tokens 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+from batching import MlxLmServer, bench_supervisor, stream_chat
+from engine_decode import engine_env
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mlxd.engine.models.random_vlm import Dims, build_random_vlm  # noqa: E402
+
+Row = dict[str, Any]
+SIZES = {
+    "small": Dims(),
+    "bench": Dims(hidden=1024, layers=12, intermediate=2816, heads=16, kv_heads=4, vision_layers=4, vision_hidden=256,
+                  image_tokens=256),
+}
+QUESTION = "Describe this picture in detail."
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def image_png(seed: int, side: int) -> bytes:
+    from PIL import Image
+
+    pixels = (np.random.RandomState(seed).rand(side, side, 3) * 255).astype("uint8")
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG")
+    return out.getvalue()
+
+
+def chat_body(png: bytes, max_tokens: int, model: str) -> Row:
+    uri = "data:image/png;base64," + base64.b64encode(png).decode()
+    return {"model": model, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens,
+            "temperature": 0, "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": QUESTION}]}]}
+
+
+# --- raw mlx-vlm, in a worker process ----------------------------------------------------------
+
+
+def raw_worker(job: Row) -> Row:
+    """stream_generate on each image: time to first token and decode tokens/s."""
+    from mlx_vlm import load, stream_generate
+    from PIL import Image
+
+    model, processor = load(job["model"])
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
+    prompt = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    rows = []
+    for seed in job["seeds"]:
+        image = Image.open(io.BytesIO(image_png(seed, job["side"]))).convert("RGB")
+        t0 = time.perf_counter()
+        first = last = None
+        tokens = 0
+        for _ in stream_generate(model, processor, prompt, image=[image], max_tokens=job["max_tokens"], temperature=0.0):
+            now = time.perf_counter()
+            first, last = first or now, now
+            tokens += 1
+        assert first is not None and last is not None
+        rows.append({"seed": seed, "ttft_s": first - t0, "tokens": tokens,
+                     "decode_tps": (tokens - 1) / (last - first) if last > first else float("nan")})
+    return {"rows": rows}
+
+
+def run_raw(job: Row, env: dict[str, str]) -> Row:
+    with_env = {**os.environ}
+    try:
+        os.environ.clear()
+        os.environ.update(env)
+        ctx = multiprocessing.get_context("spawn")
+        with ctx.Pool(1) as pool:
+            return pool.apply(raw_worker, (job,))
+    finally:
+        os.environ.clear()
+        os.environ.update(with_env)
+
+
+# --- the servers ---------------------------------------------------------------------------------
+
+
+class MlxVlmServer(MlxLmServer):
+    """`python -m mlx_vlm.server --model PATH --port P`, at its defaults."""
+
+    name = "mlx_vlm.server"
+    health = "/health"
+
+    def argv(self, model: Path, extra: list[str]) -> list[str]:
+        return [sys.executable, "-m", "mlx_vlm.server", "--model", str(model), "--port", str(self.port),
+                "--host", "127.0.0.1", *extra]
+
+
+async def lone(url: str, model: str, seeds: list[int], side: int, max_tokens: int) -> list[Row]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        return [await stream_chat(session, url, chat_body(image_png(s, side), max_tokens, model)) for s in seeds]
+
+
+async def together(url: str, model: str, seeds: list[int], side: int, max_tokens: int) -> Row:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        t0 = time.perf_counter()
+        rows = await asyncio.gather(*(stream_chat(session, url, chat_body(image_png(s, side), max_tokens, model))
+                                      for s in seeds))
+        wall = time.perf_counter() - t0
+    tokens = sum(r["tokens"] for r in rows)
+    return {"streams": len(rows), "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+            "ttft_p50_s": statistics.median(r["ttft_s"] for r in rows)}
+
+
+def med(rows: list[Row], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
+def run(args: argparse.Namespace) -> Row:
+    work = Path(tempfile.mkdtemp(prefix="mlxd-vision-"))
+    model = build_random_vlm(work / "model", args.family, dims=SIZES[args.size], dtype=args.dtype)
+    env = engine_env()
+    side = args.side
+    warm = [1000, 1001]
+    seeds = list(range(args.rounds))
+    out: Row = {"family": args.family, "size": args.size, "dims": SIZES[args.size].__dict__, "side": side,
+                "max_tokens": args.max_tokens, "rounds": args.rounds}
+
+    log("raw mlx-vlm: stream_generate, one image after another")
+    raw = run_raw({"model": str(model), "seeds": warm + seeds, "side": side, "max_tokens": args.max_tokens}, env)
+    out["raw"] = raw["rows"][len(warm):]
+
+    log("mlxd: lone requests, then a repeated one, then 8 at once")
+    sup, config = bench_supervisor(model, work / "mlxd")
+    try:
+        sup.wait_health()
+        asyncio.run(lone(sup.url, "bench", warm, side, args.max_tokens))
+        out["mlxd"] = asyncio.run(lone(sup.url, "bench", seeds, side, args.max_tokens))
+        cold, again = asyncio.run(lone(sup.url, "bench", [500, 500], side, args.max_tokens))
+        out["repeat"] = {"cold_ttft_s": cold["ttft_s"], "warm_ttft_s": again["ttft_s"]}
+        asyncio.run(together(sup.url, "bench", [2000 + i for i in range(args.streams)], side, args.max_tokens))
+        out["mlxd_together"] = asyncio.run(together(sup.url, "bench", [3000 + i for i in range(args.streams)], side,
+                                                    args.max_tokens))
+    finally:
+        sup.stop()
+    out["mlxd_config"] = config
+
+    log("mlx_vlm.server: 8 at once")
+    server = MlxVlmServer(model, [], env, work / "mlx_vlm_server.log")
+    try:
+        server.wait_health()
+        asyncio.run(together(server.url, str(model), [2000 + i for i in range(args.streams)], side, args.max_tokens))
+        out["server_together"] = asyncio.run(together(server.url, str(model), [3000 + i for i in range(args.streams)],
+                                                      side, args.max_tokens))
+    finally:
+        server.stop()
+
+    out["ratios"] = {
+        "lone_ttft_raw_over_mlxd": med(out["raw"], "ttft_s") / med(out["mlxd"], "ttft_s"),
+        "lone_decode_mlxd_over_raw": med(out["mlxd"], "decode_tps") / med(out["raw"], "decode_tps"),
+        "together_mlxd_over_server": out["mlxd_together"]["tok_s"] / out["server_together"]["tok_s"],
+        "repeat_warm_over_cold": out["repeat"]["warm_ttft_s"] / out["repeat"]["cold_ttft_s"],
+    }
+    return out
+
+
+def report(r: Row) -> str:
+    q = r["ratios"]
+    lines = [
+        f"{r['family']} {r['size']} ({r['side']}x{r['side']} images, {r['max_tokens']} tokens, {r['rounds']} lone rounds)",
+        f"lone TTFT: raw {med(r['raw'], 'ttft_s') * 1000:.0f} ms, mlxd {med(r['mlxd'], 'ttft_s') * 1000:.0f} ms "
+        f"-> mlxd at {q['lone_ttft_raw_over_mlxd']:.2f}x raw's speed (aim >= 0.97)",
+        f"lone decode: raw {med(r['raw'], 'decode_tps'):.1f} tok/s, mlxd {med(r['mlxd'], 'decode_tps'):.1f} tok/s "
+        f"-> {q['lone_decode_mlxd_over_raw']:.2f}x (aim >= 0.97)",
+        f"{r['mlxd_together']['streams']} at once: mlx_vlm.server {r['server_together']['tok_s']:.1f} tok/s, "
+        f"mlxd {r['mlxd_together']['tok_s']:.1f} tok/s -> {q['together_mlxd_over_server']:.2f}x (aim >= 2)",
+        f"repeated image: cold {r['repeat']['cold_ttft_s'] * 1000:.0f} ms, again {r['repeat']['warm_ttft_s'] * 1000:.0f} ms "
+        f"-> {q['repeat_warm_over_cold']:.3f} (aim <= 0.10)",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", default="qwen2_vl", choices=["qwen2_vl", "gemma3"])
+    p.add_argument("--size", default="bench", choices=sorted(SIZES))
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--side", type=int, default=448, help="image width and height in pixels")
+    p.add_argument("--rounds", type=int, default=5, help="lone requests measured (each its own image)")
+    p.add_argument("--streams", type=int, default=8, help="requests at once")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--json", type=Path, help="write every figure here")
+    args = p.parse_args()
+    result = run(args)
+    print(report(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
