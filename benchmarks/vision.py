@@ -11,7 +11,8 @@ Figures, each a ratio against a baseline measured in the same run:
 
 The model is a random-weight VLM from mlx-vlm's own classes (mlxd/engine/models/random_vlm.py),
 `--family` and its sizes by `--size` (small: the test model; bench: a few hundred MB, so that the
-model's work, not the HTTP round trip, is what is timed). Requests are greedy; each measured lone
+model's work, not the HTTP round trip, is what is timed; its images up to 1024 tokens, as a
+screenshot's are). Requests are greedy; each measured lone
 request has an image of its own (no side's cache can serve it), made of random pixels.
 
   python benchmarks/vision.py                                  # CPU, the bench size
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import io
 import json
 import multiprocessing
@@ -31,12 +33,14 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import numpy as np
 from batching import MlxLmServer, bench_supervisor, stream_chat
+from common import logit_bias
 from engine_decode import engine_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +52,10 @@ Row = dict[str, Any]
 SIZES = {
     "small": Dims(),
     "bench": Dims(hidden=1024, layers=12, intermediate=2816, heads=16, kv_heads=4, vision_layers=4, vision_hidden=256,
-                  image_tokens=256),
+                  image_tokens=1024),
+    # A GPU's: about 1.3B parameters (bf16 with --dtype bfloat16), the language model of a small VLM.
+    "gpu": Dims(hidden=2048, layers=24, intermediate=5632, heads=16, kv_heads=4, vision_layers=8, vision_hidden=512,
+                image_tokens=1024),
 }
 QUESTION = "Describe this picture in detail."
 
@@ -66,51 +73,64 @@ def image_png(seed: int, side: int) -> bytes:
     return out.getvalue()
 
 
-def chat_body(png: bytes, max_tokens: int, model: str) -> Row:
+def chat_body(png: bytes, max_tokens: int, model: str, bias: dict[str, float]) -> Row:
     uri = "data:image/png;base64," + base64.b64encode(png).decode()
     return {"model": model, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens,
-            "temperature": 0, "messages": [{"role": "user", "content": [
+            "temperature": 0, "logit_bias": bias, "messages": [{"role": "user", "content": [
                 {"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": QUESTION}]}]}
 
 
 # --- raw mlx-vlm, in a worker process ----------------------------------------------------------
 
+_raw: Row = {}
 
-def raw_worker(job: Row) -> Row:
-    """stream_generate on each image: time to first token and decode tokens/s."""
-    from mlx_vlm import load, stream_generate
-    from PIL import Image
+
+def raw_init(job: Row) -> None:
+    """The worker's model, processor and prompt, loaded once."""
+    from mlx_vlm import load
 
     model, processor = load(job["model"])
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
     prompt = processor.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    rows = []
-    for seed in job["seeds"]:
-        image = Image.open(io.BytesIO(image_png(seed, job["side"]))).convert("RGB")
-        t0 = time.perf_counter()
-        first = last = None
-        tokens = 0
-        for _ in stream_generate(model, processor, prompt, image=[image], max_tokens=job["max_tokens"], temperature=0.0):
-            now = time.perf_counter()
-            first, last = first or now, now
-            tokens += 1
-        assert first is not None and last is not None
-        rows.append({"seed": seed, "ttft_s": first - t0, "tokens": tokens,
-                     "decode_tps": (tokens - 1) / (last - first) if last > first else float("nan")})
-    return {"rows": rows}
+    _raw.update(job, model=model, processor=processor, prompt=prompt)
 
 
-def run_raw(job: Row, env: dict[str, str]) -> Row:
-    with_env = {**os.environ}
+def raw_one(seed: int) -> Row:
+    """stream_generate on one image: time to first token and decode tokens/s."""
+    from mlx_vlm import stream_generate
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(image_png(seed, _raw["side"]))).convert("RGB")
+    bias = {int(k): v for k, v in _raw["bias"].items()}
+    t0 = time.perf_counter()
+    first = last = None
+    tokens = 0
+    for _ in stream_generate(_raw["model"], _raw["processor"], _raw["prompt"], image=[image],
+                             max_tokens=_raw["max_tokens"], temperature=0.0, logit_bias=bias):
+        now = time.perf_counter()
+        first, last = first or now, now
+        tokens += 1
+    assert first is not None and last is not None
+    return {"seed": seed, "ttft_s": first - t0, "tokens": tokens,
+            "decode_tps": (tokens - 1) / (last - first) if last > first else float("nan")}
+
+
+@contextlib.contextmanager
+def raw_worker(job: Row, env: dict[str, str]) -> Iterator[Any]:
+    """A worker process with the engine's environment (OpenBLAS preloaded on Linux), its model loaded."""
+    saved = dict(os.environ)
     try:
         os.environ.clear()
         os.environ.update(env)
-        ctx = multiprocessing.get_context("spawn")
-        with ctx.Pool(1) as pool:
-            return pool.apply(raw_worker, (job,))
+        pool = multiprocessing.get_context("spawn").Pool(1, initializer=raw_init, initargs=(job,))
     finally:
         os.environ.clear()
-        os.environ.update(with_env)
+        os.environ.update(saved)
+    try:
+        yield pool
+    finally:
+        pool.close()
+        pool.join()
 
 
 # --- the servers ---------------------------------------------------------------------------------
@@ -127,15 +147,15 @@ class MlxVlmServer(MlxLmServer):
                 "--host", "127.0.0.1", *extra]
 
 
-async def lone(url: str, model: str, seeds: list[int], side: int, max_tokens: int) -> list[Row]:
+async def lone(url: str, model: str, seeds: list[int], side: int, max_tokens: int, bias: dict[str, float]) -> list[Row]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
-        return [await stream_chat(session, url, chat_body(image_png(s, side), max_tokens, model)) for s in seeds]
+        return [await stream_chat(session, url, chat_body(image_png(s, side), max_tokens, model, bias)) for s in seeds]
 
 
-async def together(url: str, model: str, seeds: list[int], side: int, max_tokens: int) -> Row:
+async def together(url: str, model: str, seeds: list[int], side: int, max_tokens: int, bias: dict[str, float]) -> Row:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
         t0 = time.perf_counter()
-        rows = await asyncio.gather(*(stream_chat(session, url, chat_body(image_png(s, side), max_tokens, model))
+        rows = await asyncio.gather(*(stream_chat(session, url, chat_body(image_png(s, side), max_tokens, model, bias))
                                       for s in seeds))
         wall = time.perf_counter() - t0
     tokens = sum(r["tokens"] for r in rows)
@@ -157,21 +177,34 @@ def run(args: argparse.Namespace) -> Row:
     out: Row = {"family": args.family, "size": args.size, "dims": SIZES[args.size].__dict__, "side": side,
                 "max_tokens": args.max_tokens, "rounds": args.rounds}
 
-    log("raw mlx-vlm: stream_generate, one image after another")
-    raw = run_raw({"model": str(model), "seeds": warm + seeds, "side": side, "max_tokens": args.max_tokens}, env)
-    out["raw"] = raw["rows"][len(warm):]
-
-    log("mlxd: lone requests, then a repeated one, then 8 at once")
+    # EOS and every token that is not plain ASCII biased away, on every side: each reply is as long
+    # as asked, and each token is text the moment it comes (a random model's stray UTF-8 bytes
+    # would otherwise wait in a server's detokenizer, and its first token look late).
+    bias = logit_bias(model, ascii_only=True)
+    log("raw mlx-vlm (stream_generate in a worker) and mlxd, a lone image request each in turn")
+    (work / "mlxd").mkdir()
     sup, config = bench_supervisor(model, work / "mlxd")
+    job = {"model": str(model), "side": side, "max_tokens": args.max_tokens, "bias": bias}
+    out["raw"], out["mlxd"] = [], []
     try:
-        sup.wait_health()
-        asyncio.run(lone(sup.url, "bench", warm, side, args.max_tokens))
-        out["mlxd"] = asyncio.run(lone(sup.url, "bench", seeds, side, args.max_tokens))
-        cold, again = asyncio.run(lone(sup.url, "bench", [500, 500], side, args.max_tokens))
+        with raw_worker(job, env) as raw:
+            sup.wait_health()
+            for seed in warm:
+                raw.apply(raw_one, (seed,))
+                asyncio.run(lone(sup.url, "bench", [seed], side, args.max_tokens, bias))
+            for i, seed in enumerate(seeds):  # alternated, each side first in turn: the machine drifts
+                first_raw = i % 2 == 0
+                if first_raw:
+                    out["raw"].append(raw.apply(raw_one, (seed,)))
+                out["mlxd"] += asyncio.run(lone(sup.url, "bench", [seed], side, args.max_tokens, bias))
+                if not first_raw:
+                    out["raw"].append(raw.apply(raw_one, (seed,)))
+        log("mlxd: a repeated image question, then 8 requests at once")
+        cold, again = asyncio.run(lone(sup.url, "bench", [500, 500], side, args.max_tokens, bias))
         out["repeat"] = {"cold_ttft_s": cold["ttft_s"], "warm_ttft_s": again["ttft_s"]}
-        asyncio.run(together(sup.url, "bench", [2000 + i for i in range(args.streams)], side, args.max_tokens))
+        asyncio.run(together(sup.url, "bench", [2000 + i for i in range(args.streams)], side, args.max_tokens, bias))
         out["mlxd_together"] = asyncio.run(together(sup.url, "bench", [3000 + i for i in range(args.streams)], side,
-                                                    args.max_tokens))
+                                                    args.max_tokens, bias))
     finally:
         sup.stop()
     out["mlxd_config"] = config
@@ -180,9 +213,10 @@ def run(args: argparse.Namespace) -> Row:
     server = MlxVlmServer(model, [], env, work / "mlx_vlm_server.log")
     try:
         server.wait_health()
-        asyncio.run(together(server.url, str(model), [2000 + i for i in range(args.streams)], side, args.max_tokens))
+        asyncio.run(together(server.url, str(model), [2000 + i for i in range(args.streams)], side, args.max_tokens,
+                             bias))
         out["server_together"] = asyncio.run(together(server.url, str(model), [3000 + i for i in range(args.streams)],
-                                                      side, args.max_tokens))
+                                                      side, args.max_tokens, bias))
     finally:
         server.stop()
 
@@ -216,7 +250,8 @@ def main() -> None:
     p.add_argument("--family", default="qwen2_vl", choices=["qwen2_vl", "gemma3"])
     p.add_argument("--size", default="bench", choices=sorted(SIZES))
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--side", type=int, default=448, help="image width and height in pixels")
+    p.add_argument("--side", type=int, default=896, help="image width and height in pixels (896: 1024 tokens in "
+                                                         "the bench size, a screenshot's order)")
     p.add_argument("--rounds", type=int, default=5, help="lone requests measured (each its own image)")
     p.add_argument("--streams", type=int, default=8, help="requests at once")
     p.add_argument("--max-tokens", type=int, default=64)
