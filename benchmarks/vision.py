@@ -39,7 +39,7 @@ from typing import Any
 
 import aiohttp
 import numpy as np
-from batching import MlxLmServer, bench_supervisor, stream_chat
+from batching import MlxLmServer, bench_supervisor, show_log, stream_chat
 from common import logit_bias
 from engine_decode import engine_env
 
@@ -167,7 +167,7 @@ def med(rows: list[Row], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
 
-def run(args: argparse.Namespace) -> Row:
+def run(args: argparse.Namespace, save: Any = lambda out: None) -> Row:
     work = Path(tempfile.mkdtemp(prefix="mlxd-vision-"))
     model = build_random_vlm(work / "model", args.family, dims=SIZES[args.size], dtype=args.dtype)
     env = engine_env()
@@ -187,10 +187,11 @@ def run(args: argparse.Namespace) -> Row:
     job = {"model": str(model), "side": side, "max_tokens": args.max_tokens, "bias": bias}
     out["raw"], out["mlxd"] = [], []
     try:
-        with raw_worker(job, env) as raw:
+        with raw_worker(job, env) if seeds else contextlib.nullcontext() as raw:
             sup.wait_health()
             for seed in warm:
-                raw.apply(raw_one, (seed,))
+                if raw is not None:
+                    raw.apply(raw_one, (seed,))
                 asyncio.run(lone(sup.url, "bench", [seed], side, args.max_tokens, bias))
             for i, seed in enumerate(seeds):  # alternated, each side first in turn: the machine drifts
                 first_raw = i % 2 == 0
@@ -205,43 +206,64 @@ def run(args: argparse.Namespace) -> Row:
         asyncio.run(together(sup.url, "bench", [2000 + i for i in range(args.streams)], side, args.max_tokens, bias))
         out["mlxd_together"] = asyncio.run(together(sup.url, "bench", [3000 + i for i in range(args.streams)], side,
                                                     args.max_tokens, bias))
+    except Exception:
+        text = (work / "mlxd" / "serve.log").read_text(errors="replace")
+        at = max(text.rfind("the GPU thread failed"), text.rfind("Exception in thread") if "GPU thread failed" not in text else -1)
+        log(text[at:][:12000] if at >= 0 else text[-3000:])
+        raise
     finally:
         sup.stop()
     out["mlxd_config"] = config
+    save(out)
 
     log("mlx_vlm.server: 8 at once")
     server = MlxVlmServer(model, [], env, work / "mlx_vlm_server.log")
     try:
-        server.wait_health()
+        try:
+            server.wait_health()
+        except RuntimeError as exc:  # it could not run here: the figures so far stand
+            show_log(work / "mlx_vlm_server.log")
+            out["server_error"] = str(exc)
+            return finish(out)
         asyncio.run(together(server.url, str(model), [2000 + i for i in range(args.streams)], side, args.max_tokens,
                              bias))
         out["server_together"] = asyncio.run(together(server.url, str(model), [3000 + i for i in range(args.streams)],
                                                       side, args.max_tokens, bias))
     finally:
         server.stop()
+    return finish(out)
 
-    out["ratios"] = {
-        "lone_ttft_raw_over_mlxd": med(out["raw"], "ttft_s") / med(out["mlxd"], "ttft_s"),
-        "lone_decode_mlxd_over_raw": med(out["mlxd"], "decode_tps") / med(out["raw"], "decode_tps"),
-        "together_mlxd_over_server": out["mlxd_together"]["tok_s"] / out["server_together"]["tok_s"],
-        "repeat_warm_over_cold": out["repeat"]["warm_ttft_s"] / out["repeat"]["cold_ttft_s"],
-    }
+
+def finish(out: Row) -> Row:
+    """The ratios of the parts that ran."""
+    ratios = {"repeat_warm_over_cold": out["repeat"]["warm_ttft_s"] / out["repeat"]["cold_ttft_s"]}
+    if out["raw"]:
+        ratios["lone_ttft_raw_over_mlxd"] = med(out["raw"], "ttft_s") / med(out["mlxd"], "ttft_s")
+        ratios["lone_decode_mlxd_over_raw"] = med(out["mlxd"], "decode_tps") / med(out["raw"], "decode_tps")
+    if "server_together" in out:
+        ratios["together_mlxd_over_server"] = out["mlxd_together"]["tok_s"] / out["server_together"]["tok_s"]
+    out["ratios"] = ratios
     return out
 
 
 def report(r: Row) -> str:
     q = r["ratios"]
-    lines = [
-        f"{r['family']} {r['size']} ({r['side']}x{r['side']} images, {r['max_tokens']} tokens, {r['rounds']} lone rounds)",
-        f"lone TTFT: raw {med(r['raw'], 'ttft_s') * 1000:.0f} ms, mlxd {med(r['mlxd'], 'ttft_s') * 1000:.0f} ms "
-        f"-> mlxd at {q['lone_ttft_raw_over_mlxd']:.2f}x raw's speed (aim >= 0.97)",
-        f"lone decode: raw {med(r['raw'], 'decode_tps'):.1f} tok/s, mlxd {med(r['mlxd'], 'decode_tps'):.1f} tok/s "
-        f"-> {q['lone_decode_mlxd_over_raw']:.2f}x (aim >= 0.97)",
-        f"{r['mlxd_together']['streams']} at once: mlx_vlm.server {r['server_together']['tok_s']:.1f} tok/s, "
-        f"mlxd {r['mlxd_together']['tok_s']:.1f} tok/s -> {q['together_mlxd_over_server']:.2f}x (aim >= 2)",
-        f"repeated image: cold {r['repeat']['cold_ttft_s'] * 1000:.0f} ms, again {r['repeat']['warm_ttft_s'] * 1000:.0f} ms "
-        f"-> {q['repeat_warm_over_cold']:.3f} (aim <= 0.10)",
-    ]
+    lines = [f"{r['family']} {r['size']} ({r['side']}x{r['side']} images, {r['max_tokens']} tokens, {r['rounds']} lone rounds)"]
+    if r["raw"]:
+        lines += [
+            f"lone TTFT: raw {med(r['raw'], 'ttft_s') * 1000:.0f} ms, mlxd {med(r['mlxd'], 'ttft_s') * 1000:.0f} ms "
+            f"-> mlxd at {q['lone_ttft_raw_over_mlxd']:.2f}x raw's speed (aim >= 0.97)",
+            f"lone decode: raw {med(r['raw'], 'decode_tps'):.1f} tok/s, mlxd {med(r['mlxd'], 'decode_tps'):.1f} tok/s "
+            f"-> {q['lone_decode_mlxd_over_raw']:.2f}x (aim >= 0.97)"]
+    together = f"{r['mlxd_together']['streams']} at once: mlxd {r['mlxd_together']['tok_s']:.1f} tok/s"
+    if "server_together" in r:
+        together += (f", mlx_vlm.server {r['server_together']['tok_s']:.1f} tok/s -> "
+                     f"{q['together_mlxd_over_server']:.2f}x (aim >= 2)")
+    else:
+        together += f"; mlx_vlm.server could not run here ({r.get('server_error')})"
+    lines += [together,
+              f"repeated image: cold {r['repeat']['cold_ttft_s'] * 1000:.0f} ms, again "
+              f"{r['repeat']['warm_ttft_s'] * 1000:.0f} ms -> {q['repeat_warm_over_cold']:.3f} (aim <= 0.10)"]
     return "\n".join(lines)
 
 
@@ -252,12 +274,13 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--side", type=int, default=896, help="image width and height in pixels (896: 1024 tokens in "
                                                          "the bench size, a screenshot's order)")
-    p.add_argument("--rounds", type=int, default=5, help="lone requests measured (each its own image)")
+    p.add_argument("--rounds", type=int, default=5, help="lone requests measured (each its own image; 0: none, "
+                                                         "and no raw mlx-vlm)")
     p.add_argument("--streams", type=int, default=8, help="requests at once")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--json", type=Path, help="write every figure here")
     args = p.parse_args()
-    result = run(args)
+    result = run(args, lambda out: args.json.write_text(json.dumps(out, indent=2)) if args.json else None)
     print(report(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

@@ -16,6 +16,7 @@ import logging
 import queue
 import threading
 import time
+import traceback
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -183,6 +184,8 @@ class Gateway:
             if self._load_model():
                 self._serve()
         except BaseException:
+            # In the log before anything else: the process ends as soon as this thread does.
+            log.critical("the GPU thread failed:\n%s", traceback.format_exc())
             if self._runner is not None:
                 self._runner.fail_running(GPU_THREAD_DIED, "engine_failed")
             raise

@@ -132,11 +132,19 @@ def shift(kv: list[Any], delta: int, loaded: LoadedModel) -> list[Any]:
             raise ValueError(f"rows with images cannot be moved in a {type(c).__name__}")
         moved = copy.copy(c)
         if c.keys is not None and c.values is not None:
-            keys = c.keys[..., : c.offset, :]
-            b, h, t, d = keys.shape
-            flat = keys.reshape(b * h * t, 1, d)  # one position each: all rotated by `delta`
-            moved.keys = mx.fast.rope(flat, d, traditional=False, base=theta, scale=1.0, offset=delta).reshape(
-                b, h, t, d).astype(keys.dtype)
+            moved.keys = rotate(c.keys[..., : c.offset, :], delta, theta)
             moved.values = c.values[..., : c.offset, :]
         out.append(moved)
     return out
+
+
+def rotate(keys: mx.array, delta: int, theta: float) -> mx.array:
+    """`keys` (..., head_dim, in the rotate-half layout) turned by RoPE's angle for `delta`
+    positions. Written out rather than through mx.fast.rope, whose CUDA kernel refuses a
+    negative offset (cudaLaunchKernelExC: invalid argument on the H200)."""
+    half = keys.shape[-1] // 2
+    angle = delta * mx.power(theta, -mx.arange(half, dtype=mx.float32) * 2 / keys.shape[-1])
+    cos, sin = mx.cos(angle), mx.sin(angle)
+    x = keys.astype(mx.float32)
+    x1, x2 = x[..., :half], x[..., half:]
+    return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(keys.dtype)

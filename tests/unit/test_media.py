@@ -1,0 +1,92 @@
+"""Rows with images (engine/gpu/media.py): the cache key, the rotary shift, and that a Qwen-VL row
+shifted into lane positions decodes as the model places it."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxd.engine.gpu import media
+from mlxd.engine.models.loaded_model import LoadedModel
+from mlxd.engine.models.vision import KEY_BASE, Image, MediaPrompt, runs_of
+
+
+def png(seed: int) -> bytes:
+    from PIL import Image as PILImage
+
+    out = io.BytesIO()
+    PILImage.fromarray((np.random.RandomState(seed).rand(120, 100, 3) * 255).astype("uint8")).save(out, "PNG")
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def qwen(vlms: dict[str, Path]) -> LoadedModel:
+    return LoadedModel(vlms["qwen2_vl"], "qwen")
+
+
+class Job:
+    def __init__(self, prompt: list[int], media_prompt: MediaPrompt) -> None:
+        self.prompt, self.media = prompt, media_prompt
+
+
+def image_prompt(loaded: LoadedModel, seed: int) -> tuple[list[int], MediaPrompt]:
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+    return loaded.media_prompt(messages, None, None, [Image.of(png(seed))])
+
+
+def test_runs_and_the_key_cover_each_image_by_its_digest() -> None:
+    ids = np.array([1, 7, 7, 7, 2, 7, 7, 3])
+    assert runs_of(ids, 7) == [(1, 4), (5, 7)]
+    a, b = Image.of(b"one"), Image.of(b"two")
+    prompt = MediaPrompt({}, [(1, 4), (5, 7)], [a.digest, b.digest])
+    key = prompt.key([*ids.tolist(), 9, 9])  # a history: the prompt, then generated tokens
+    assert key[0] == 1 and key[4] == 2 and key[7] == 3 and key[-2:].tolist() == [9, 9]
+    assert (key[1:4] >= KEY_BASE).all() and (key[5:7] >= KEY_BASE).all() and key.max() < 2**32
+    other = MediaPrompt({}, [(1, 4), (5, 7)], [b.digest, b.digest]).key(ids)
+    assert other[1] != key[1] and other[5:7].tolist() == key[5:7].tolist()  # the same image, the same ids
+    assert prompt.key(ids[:3]).tolist()[:1] == [1]  # a prefix shorter than the image
+
+
+def test_a_shift_and_its_inverse_give_the_keys_back(qwen: LoadedModel) -> None:
+    kv = make_prompt_cache(qwen.model)
+    qwen.model(mx.array([[5, 6, 7, 8, 9]]), cache=kv)
+    back = media.shift(media.shift(kv, -240, qwen), 240, qwen)
+    for before, after in zip(kv, back, strict=True):
+        assert mx.allclose(before.keys[..., :5, :], after.keys, atol=1e-4).item()
+        assert after.values is not None and after.offset == 5
+
+
+def test_a_shift_matches_mlx_rope_by_the_same_positions() -> None:
+    keys = mx.random.normal((1, 2, 3, 16))
+    want = mx.fast.rope(keys.reshape(6, 1, 16), 16, traditional=False, base=1e6, scale=1.0, offset=37).reshape(1, 2, 3, 16)
+    assert mx.allclose(media.rotate(keys, 37, 1e6), want, atol=1e-5).item()
+
+
+def decode_logits(qwen: LoadedModel, kv: list[Any], token: int, position: int | None) -> mx.array:
+    """The next token's logits after `token`: at `position` in all three sections (the model's own
+    placing), or through the lanes' TextView (by the cache offset) when None."""
+    if position is None:
+        return qwen.model(mx.array([[token]]), cache=kv)[0, -1]
+    ids = mx.array([[token]])
+    return qwen.vlm.language_model(ids, cache=kv, position_ids=mx.full((3, 1, 1), position)).logits[0, -1]
+
+
+def test_a_shifted_row_decodes_as_the_model_places_its_text(qwen: LoadedModel) -> None:
+    prompt, prompt_media = image_prompt(qwen, 0)
+    job: Any = Job(prompt, prompt_media)
+    end = len(prompt) - 1
+    native = make_prompt_cache(qwen.model)
+    media.prefill(qwen, prompt_media, prompt, native, 0, end, 16)
+    delta = media.rope_delta(qwen, prompt_media, prompt)
+    assert delta < 0  # the image's tokens take fewer positions than tokens
+    shifted, done = media.complete(qwen, job, prompt, None, 0, 16)
+    assert done == end and shifted is not None
+    want = decode_logits(qwen, native, prompt[-1], end + delta)
+    got = decode_logits(qwen, shifted, prompt[-1], None)
+    assert mx.allclose(want, got, atol=1e-4).item()
