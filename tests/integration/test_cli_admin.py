@@ -124,11 +124,12 @@ def test_models_lists_the_model(sup: SupervisorProcess) -> None:
     out = mlxd("models", "--url", sup.url)
     assert out.returncode == 0, out.stderr
     header, *rows = out.stdout.splitlines()
-    assert header.split() == ["NAME", "SIZE", "SOURCE", "STATE"]
+    assert header.split() == ["NAME", "SIZE", "CONTEXT", "TAKES", "SOURCE", "STATE"]
     [tiny] = [row.split() for row in rows if row.split()[0] == "tiny"]
-    assert tiny[3] == "config"
+    assert tiny[3:6] == ["4K", "-", "config"]  # its 4096-token window; no images, tools or reasoning
     listing = json.loads(mlxd("models", "--json", "--url", sup.url).stdout)
-    assert "tiny" in {m["id"] for m in listing["data"]}
+    [card] = [m for m in listing["data"] if m["id"] == "tiny"]
+    assert card["context_window"] == 4096 and card["capabilities"] == ["completion"]
 
 
 def test_load_ps_unload(sup: SupervisorProcess) -> None:

@@ -339,3 +339,30 @@ def test_mlxd_run_slash_image_attaches_to_the_next_message(sup: SupervisorProces
     assert after["prompt"] - before["prompt"] > 16
     assert again["cached"] - after["cached"] >= after["prompt"] - before["prompt"] - 1
     assert chat.bye() == 0
+
+
+def test_without_the_vision_extra_a_vlm_fails_to_load_naming_it(vlms: dict[str, Path], tmp_path: Path) -> None:
+    import os
+
+    from tests.support import EngineProcess, engine_env
+
+    # An mlx_vlm that cannot be imported shadows the installed one, as if the extra were missing.
+    (tmp_path / "shadow" / "mlx_vlm").mkdir(parents=True)
+    (tmp_path / "shadow" / "mlx_vlm" / "__init__.py").write_text("raise ImportError('no mlx_vlm here')\n")
+    path = os.pathsep.join(p for p in (str(tmp_path / "shadow"), os.environ.get("PYTHONPATH")) if p)
+    engine = EngineProcess(vlms["qwen2_vl"], "vlm", env=engine_env(PYTHONPATH=path))
+    try:
+        assert engine.proc.wait(60) == 4  # MODEL_LOAD_ERROR
+        assert "install mlxd's `vision` extra" in engine.log()
+    finally:
+        engine.stop()
+
+
+def test_a_text_model_never_imports_mlx_vlm(tiny_model: Path) -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys; from pathlib import Path; from mlxd.engine.models.loaded_model import LoadedModel; "
+            f"LoadedModel(Path({str(tiny_model)!r}), 'tiny'); print('mlx_vlm' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False"
