@@ -90,3 +90,13 @@ def test_a_shifted_row_decodes_as_the_model_places_its_text(qwen: LoadedModel) -
     want = decode_logits(qwen, native, prompt[-1], end + delta)
     got = decode_logits(qwen, shifted, prompt[-1], None)
     assert mx.allclose(want, got, atol=1e-4).item()
+
+
+@pytest.mark.parametrize("images", [1, 2])
+def test_qwen_positions_worked_out_here_are_mlx_vlms(qwen: LoadedModel, images: int) -> None:
+    content: list[dict[str, Any]] = [{"type": "image"}, {"type": "text", "text": "and"}] * images
+    prompt, prompt_media = qwen.media_prompt([{"role": "user", "content": [*content, {"type": "text", "text": "?"}]}],
+                                             None, None, [Image.of(png(seed)) for seed in range(images)])
+    mine, delta = media._positions(qwen.vlm, prompt_media, prompt)
+    theirs, their_delta = media._model_positions(qwen.vlm, prompt_media, prompt)
+    assert delta == their_delta < 0 and mx.array_equal(mine, theirs.astype(mine.dtype)).item()

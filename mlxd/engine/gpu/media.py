@@ -24,6 +24,7 @@ import copy
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxd.engine.cache.prefix_cache import PrefixCache
@@ -88,8 +89,48 @@ def rope_delta(loaded: LoadedModel, media: MediaPrompt, prompt: list[int]) -> in
     return media.rope_delta
 
 
+# Model types whose images are placed as Qwen2-VL places them (image_positions reproduces it).
+QWEN_PLACED = ("qwen2_vl", "qwen2_5_vl")
+
+
 def _positions(vlm: Any, media: MediaPrompt, prompt: list[int]) -> tuple[mx.array, int]:
-    """A Qwen-VL prompt's multimodal positions (3, 1, L) and its rope delta."""
+    """A Qwen-VL prompt's multimodal positions (3, 1, L) and its rope delta: worked out here for
+    Qwen2-VL's placing (mlx-vlm's get_rope_index reads each grid back to the host, a wait per
+    value on a GPU), else mlx-vlm's."""
+    grid = media.arrays.get("image_grid_thw")
+    if getattr(vlm.config, "model_type", None) in QWEN_PLACED and grid is not None and "video_grid_thw" not in media.arrays:
+        placed = image_positions(media.spans, np.asarray(grid).reshape(-1, 3),
+                                 int(vlm.config.vision_config.spatial_merge_size), len(prompt))
+        if placed is not None:
+            return mx.array(placed[0])[:, None, :], placed[1]
+    return _model_positions(vlm, media, prompt)
+
+
+def image_positions(spans: list[tuple[int, int]], grids: np.ndarray, merge: int,
+                    length: int) -> tuple[np.ndarray, int] | None:
+    """Qwen2-VL's positions (3, length) for a prompt whose images take `spans` with `grids` (t, h,
+    w patches each, merged `merge` x `merge` into a token), and the rope delta: text runs on one
+    position a token; an image's tokens take its time, row and column index from where it
+    starts, and the text after it starts past its largest extent. None when a span's length is
+    not its grid's tokens (then mlx-vlm's own placing is used)."""
+    pos = np.zeros((3, length), dtype=np.int32)
+    at = done = 0  # the next position; the tokens placed
+    for (start, end), (t, h, w) in zip(spans, grids.tolist(), strict=True):
+        hm, wm = h // merge, w // merge
+        if end - start != t * hm * wm:
+            return None
+        pos[:, done:start] = at + np.arange(start - done)
+        at += start - done
+        pos[0, start:end] = at + np.repeat(np.arange(t), hm * wm)
+        pos[1, start:end] = at + np.tile(np.repeat(np.arange(hm), wm), t)
+        pos[2, start:end] = at + np.tile(np.arange(wm), t * hm)
+        at += max(t, hm, wm)
+        done = end
+    pos[:, done:] = at + np.arange(length - done)
+    return pos, int(at + length - done - length)
+
+
+def _model_positions(vlm: Any, media: MediaPrompt, prompt: list[int]) -> tuple[mx.array, int]:
     arrays = media.arrays
     grid = arrays.get("image_grid_thw")
     video = arrays.get("video_grid_thw")
