@@ -14,7 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxd.engine.gpu import media
 from mlxd.engine.models.loaded_model import LoadedModel
-from mlxd.engine.models.vision import KEY_BASE, Image, MediaPrompt, runs_of
+from mlxd.engine.models.vision import KEY_BASE, Image, MediaPrompt, open_image, runs_of
 
 
 def png(seed: int) -> bytes:
@@ -37,7 +37,8 @@ class Job:
 
 def image_prompt(loaded: LoadedModel, seed: int) -> tuple[list[int], MediaPrompt]:
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
-    return loaded.media_prompt(messages, None, None, [Image.of(png(seed))])
+    image = Image.of(png(seed))
+    return loaded.media_prompt(messages, None, None, [image], [open_image(image)])
 
 
 def test_runs_and_the_key_cover_each_image_by_its_digest() -> None:
@@ -95,8 +96,9 @@ def test_a_shifted_row_decodes_as_the_model_places_its_text(qwen: LoadedModel) -
 @pytest.mark.parametrize("images", [1, 2])
 def test_qwen_positions_worked_out_here_are_mlx_vlms(qwen: LoadedModel, images: int) -> None:
     content: list[dict[str, Any]] = [{"type": "image"}, {"type": "text", "text": "and"}] * images
+    shown = [Image.of(png(seed)) for seed in range(images)]
     prompt, prompt_media = qwen.media_prompt([{"role": "user", "content": [*content, {"type": "text", "text": "?"}]}],
-                                             None, None, [Image.of(png(seed)) for seed in range(images)])
+                                             None, None, shown, [open_image(image) for image in shown])
     mine, delta = media._positions(qwen.vlm, prompt_media, prompt)
     theirs, their_delta = media._model_positions(qwen.vlm, prompt_media, prompt)
     assert delta == their_delta < 0 and mx.array_equal(mine, theirs.astype(mine.dtype)).item()

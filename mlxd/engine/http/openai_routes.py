@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import os
 import time
 import uuid
 from typing import Any
@@ -37,10 +38,10 @@ from mlxd.engine.http.openai_requests import (
 )
 from mlxd.engine.http.openai_streams import stream, stream_choices
 from mlxd.engine.models.loaded_model import LoadedModel
-from mlxd.engine.models.vision import MAX_IMAGES, Image, MediaPrompt
+from mlxd.engine.models.vision import MAX_IMAGES, Image, MediaPrompt, open_image
 from mlxd.protocol import openai as oa
 from mlxd.protocol.errors import APIError
-from mlxd.protocol.media import AudioPart, content_parts
+from mlxd.protocol.media import AudioPart, content_parts, has_media
 
 
 @admitted
@@ -49,7 +50,7 @@ async def chat_completions(request: web.Request, slot: Slot) -> web.StreamRespon
     req = await decode_body(request, oa.ChatCompletionRequest)
     oa.check_chat(req)
     loaded = ready_model(request)
-    chat = await asyncio.get_running_loop().run_in_executor(TEMPLATING, render_chat, loaded, req)
+    chat = await rendered(loaded, req)
     tool_req, fmt, forced, prompt, in_reasoning = chat.tool_req, chat.fmt, chat.forced, chat.prompt, chat.in_reasoning
     budget = req.max_completion_tokens or req.max_tokens
     max_tokens = resolve_max_tokens(budget, len(prompt), loaded.context_window, None, request.app[GATEWAY].kv_budget)
@@ -84,6 +85,35 @@ async def chat_completions(request: web.Request, slot: Slot) -> web.StreamRespon
 # Chat templates are rendered (and prompts tokenized) on this thread: off the event loop, and
 # one at a time (a Hugging Face tokenizer is not meant to be used from two threads at once).
 TEMPLATING = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mlxd-template")
+# Images are decoded (base64, then Pillow, which lets go of the GIL) on these, several at once, before
+# their request's turn on TEMPLATING: requests with images do not wait for each other's decoding.
+IMAGE_DECODING = concurrent.futures.ThreadPoolExecutor(max(2, (os.cpu_count() or 2) // 2),
+                                                       thread_name_prefix="mlxd-images")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReadMessages:
+    """A request's messages as the chat template takes them, and its images, read and decoded."""
+
+    messages: list[dict[str, Any]]
+    images: list[Image]
+    pictures: list[Any]  # each image decoded (Pillow, RGB)
+
+
+def read_messages(loaded: LoadedModel, req: oa.ChatCompletionRequest) -> ReadMessages:
+    """The messages' parts read, their images decoded (a 400 naming a part that cannot be). Blocking."""
+    images: list[Image] = []
+    messages = [chat_message_dict(m, i, loaded, images) for i, m in enumerate(req.messages)]
+    return ReadMessages(messages, images, [open_image(image) for image in images])
+
+
+async def rendered(loaded: LoadedModel, req: oa.ChatCompletionRequest) -> RenderedChat:
+    """render_chat on TEMPLATING, a request with images read and decoded before, on IMAGE_DECODING."""
+    loop = asyncio.get_running_loop()
+    read = None
+    if any(has_media(m.content) for m in req.messages):
+        read = await loop.run_in_executor(IMAGE_DECODING, read_messages, loaded, req)
+    return await loop.run_in_executor(TEMPLATING, render_chat, loaded, req, read)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -96,19 +126,19 @@ class RenderedChat:
     media: MediaPrompt | None = None  # the prompt's images (a vision-language model's)
 
 
-def render_chat(loaded: LoadedModel, req: oa.ChatCompletionRequest) -> RenderedChat:
+def render_chat(loaded: LoadedModel, req: oa.ChatCompletionRequest, read: ReadMessages | None = None) -> RenderedChat:
     """A chat request's prompt as the model gets it (a 400 for what cannot be rendered).
     Blocking: run it on TEMPLATING."""
     tool_req = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
     fmt = loaded.tool_format
-    images: list[Image] = []
-    messages = template_messages([chat_message_dict(m, i, loaded, images) for i, m in enumerate(req.messages)], fmt,
-                                 tool_req.tools if tool_req else None)
+    read = read or read_messages(loaded, req)
+    messages = template_messages(read.messages, fmt, tool_req.tools if tool_req else None)
     kwargs = {"reasoning_effort": req.reasoning_effort} if req.reasoning_effort is not None else {}
     tools = tool_req.tools if tool_req and fmt.in_template else None
     media: MediaPrompt | None = None
-    if images:
-        prompt, media = loaded.media_prompt(messages, tools, {**kwargs, **(req.chat_template_kwargs or {})}, images)
+    if read.images:
+        prompt, media = loaded.media_prompt(messages, tools, {**kwargs, **(req.chat_template_kwargs or {})},
+                                            read.images, read.pictures)
     else:
         prompt = loaded.chat_prompt(messages, tools, {**kwargs, **(req.chat_template_kwargs or {})})
     if not prompt:
@@ -126,7 +156,7 @@ async def render(request: web.Request) -> web.Response:
     req = await decode_body(request, oa.ChatCompletionRequest)
     oa.check_chat(req)
     loaded = ready_model(request)
-    chat = await asyncio.get_running_loop().run_in_executor(TEMPLATING, render_chat, loaded, req)
+    chat = await rendered(loaded, req)
     return json_response(oa.RenderedPrompt(len(chat.prompt), chat.prompt, loaded.decode(chat.prompt),
                                            loaded.context_window, loaded.model_id))
 

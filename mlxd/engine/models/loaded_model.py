@@ -77,10 +77,11 @@ class LoadedModel:
         tools: list[dict[str, Any]] | None,
         template_kwargs: dict[str, Any] | None,
         images: list[vision.Image],
+        pictures: list[Any],
     ) -> tuple[list[int], vision.MediaPrompt]:
         """Token ids of the chat template applied to `messages` whose image parts are `images`
-        (each image's tokens expanded by the model's processor), and what the GPU thread needs
-        for them. Blocking (decodes the images): run it on the templating thread."""
+        (each image's tokens expanded by the model's processor; `pictures`: the images decoded),
+        and what the GPU thread needs for them. Blocking: run it on the templating thread."""
         if self.image_token_id is None:
             raise APIError(400, f"Model {self.model_id} does not take images.", param="messages",
                            code="unsupported_content")
@@ -90,7 +91,7 @@ class LoadedModel:
             )
         except Exception as exc:
             raise APIError(400, f"Chat template failed: {exc}", param="messages") from exc
-        return vision.prepare(self.processor, str(text), images, self.image_token_id)
+        return vision.prepare(self.processor, str(text), images, pictures, self.image_token_id)
 
     @property
     def eos_token_ids(self) -> set[int]:

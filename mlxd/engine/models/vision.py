@@ -192,10 +192,11 @@ def open_image(image: Image, max_pixels: int = MAX_IMAGE_PIXELS) -> Any:
                        param=where, code="invalid_image") from exc
 
 
-def prepare(processor: Any, text: str, images: list[Image], image_token_id: int) -> tuple[list[int], MediaPrompt]:
-    """The processor on the rendered prompt and its images: the prompt's token ids (each image's
-    tokens expanded) and what the GPU thread needs for the images. Blocking, numpy only."""
-    pictures = [open_image(image) for image in images]
+def prepare(processor: Any, text: str, images: list[Image], pictures: list[Any],
+            image_token_id: int) -> tuple[list[int], MediaPrompt]:
+    """The processor on the rendered prompt and its images (`pictures`: decoded, open_image): the
+    prompt's token ids (each image's tokens expanded) and what the GPU thread needs for the
+    images. Blocking, numpy only."""
     try:
         out = processor(text=[text], images=pictures, padding=False, return_tensors="np")
     except APIError:
