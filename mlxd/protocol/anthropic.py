@@ -318,6 +318,20 @@ def chat_messages(msg: Message, index: int) -> list[dict[str, Any]]:
 IMAGE_MEDIA_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
 
 
+def first_image(req: MessagesRequest | CountTokensRequest) -> str | None:
+    """Where the request's first image block is (`messages[i].content[j]`, in a tool result
+    `...content[j].content[k]`), or None."""
+    for i, msg in enumerate(req.messages):
+        for j, block in enumerate(msg.content if isinstance(msg.content, list) else []):
+            if isinstance(block, ImageBlock):
+                return f"messages[{i}].content[{j}]"
+            if isinstance(block, ToolResultBlock) and isinstance(block.content, list):
+                for k, part in enumerate(block.content):
+                    if isinstance(part, ImageBlock):
+                        return f"messages[{i}].content[{j}].content[{k}]"
+    return None
+
+
 def image_part(block: ImageBlock, where: str) -> dict[str, Any]:
     """An image block as an OpenAI `image_url` part: base64 as a data: URI, a URL as it is (the
     supervisor fetches it)."""

@@ -76,6 +76,15 @@ def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
     return [normal_item(item, f"input[{i}]") for i, item in enumerate(req.input)]
 
 
+def first_image(items: list[dict[str, Any]]) -> str | None:
+    """Where this request's first input_image part is (`input[i].content[j]`), or None."""
+    for i, item in enumerate(items):
+        for j, part in enumerate(item.get("content") or [] if item["type"] == "message" else []):
+            if part.get("type") == "input_image":
+                return f"input[{i}].content[{j}]"
+    return None
+
+
 ROLES = ("user", "assistant", "system", "developer")
 
 

@@ -155,9 +155,9 @@ def test_a_codex_shaped_request_is_served(sup: SupervisorProcess) -> None:
 @pytest.mark.parametrize(("body", "status", "param"), [
     ({"model": MODEL, "input": [{"role": "user", "content": [
         {"type": "input_image", "file_id": "file-1"}]}]}, 400, "input[0].content[0].image_url"),
-    # A model without vision: the engine's 400 names the part of the chat request it became.
-    ({"model": MODEL, "input": [{"role": "user", "content": [
-        {"type": "input_image", "image_url": "data:image/png;base64,AA=="}]}]}, 400, "messages[0].content[0]"),
+    # A model without vision: refused naming the part, before any engine starts.
+    ({"model": MODEL, "input": [{"role": "user", "content": [{"type": "input_text", "text": "x"},
+        {"type": "input_image", "image_url": "data:image/png;base64,AA=="}]}]}, 400, "input[0].content[1]"),
     ({"model": MODEL, "input": "x", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}},
      400, "tool_choice.name"),
     ({"model": MODEL, "input": "x", "max_output_tokens": 0}, 400, "max_output_tokens"),

@@ -178,6 +178,26 @@ def test_a_text_model_refuses_an_image_naming_the_part_and_the_model(sup: Superv
     assert "text" in error["message"] and "messages[0].content[0]" in error["message"]
 
 
+def test_anthropic_and_responses_callers_hear_of_a_text_model_in_their_own_terms(sup: SupervisorProcess) -> None:
+    import anthropic
+
+    source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(png(7)).decode()}
+    result = {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "shot:"},
+                                                                     {"type": "image", "source": source}]}
+    with pytest.raises(anthropic.BadRequestError) as info:
+        sup.anthropic().messages.create(model="text", max_tokens=4, messages=[
+            {"role": "user", "content": "Take a screenshot."},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "shot", "input": {}}]},
+            {"role": "user", "content": [result]}])
+    body = info.value.body
+    assert isinstance(body, dict) and "Model text does not take images (messages[2].content[0].content[1]" in \
+        body["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        sup.openai().responses.create(model="text", input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": data_uri(png(7))}]}])
+    assert isinstance(refused.value.body, dict) and refused.value.body["param"] == "input[0].content[0]"
+
+
 def test_several_images_in_one_message_each_take_their_tokens(sup: SupervisorProcess) -> None:
     client = sup.openai()
     one = ask(client, "gemma3", image_message(png(3)))

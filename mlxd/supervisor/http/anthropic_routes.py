@@ -11,6 +11,7 @@ from aiohttp import web
 
 from mlxd.protocol import anthropic
 from mlxd.protocol.json_body import decode_json
+from mlxd.supervisor.http.image_fetch import check_takes_images
 from mlxd.supervisor.http.keys import IMAGES
 from mlxd.supervisor.http.relaying import relay, resolve
 from mlxd.supervisor.relay.anthropic_dialect import AnthropicCountTokens, AnthropicMessages
@@ -25,6 +26,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     req: anthropic.MessagesRequest = decode_json(_messages, await request.read())
     chat = anthropic.to_chat(req, stream=req.stream)
     entry = resolve(request, req.model)
+    check_takes_images(entry, anthropic.first_image(req))
     await request.app[IMAGES].inline(chat)
     dialect = AnthropicMessages(req.model or entry.id)
     return await relay(request, entry, msgspec.json.encode(chat), dialect, stream=req.stream, started=started)
@@ -37,6 +39,7 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
     req: anthropic.CountTokensRequest = decode_json(_count, await request.read())
     chat = anthropic.to_chat(req)
     entry = resolve(request, req.model)
+    check_takes_images(entry, anthropic.first_image(req))
     await request.app[IMAGES].inline(chat)
     dialect = AnthropicCountTokens(req.model or entry.id)
     return await relay(request, entry, msgspec.json.encode(chat), dialect, stream=False, started=started)

@@ -27,6 +27,7 @@ from aiohttp.abc import AbstractResolver, ResolveResult
 
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.media import image_url_of
+from mlxd.supervisor.registry import ModelEntry, capabilities_of
 
 MAX_REDIRECTS = 5
 MAX_URLS = 32  # fetched for one request
@@ -45,6 +46,14 @@ def remote_urls(chat: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
                 if isinstance(url, str) and url[:8].lower().startswith(("http://", "https://")):
                     found.append((f"messages[{i}].content[{j}]", part))
     return found
+
+
+def check_takes_images(entry: ModelEntry, where: str | None) -> None:
+    """A 400 naming the part (`where`, in the caller's API) when the request holds an image and
+    the model takes none: said here, in the caller's own terms, before any engine starts."""
+    if where is not None and "vision" not in capabilities_of(entry).capabilities:
+        raise APIError(400, f"Model {entry.id} does not take images ({where} is an image).", param=where,
+                       code="unsupported_content")
 
 
 def may_hold_urls(body: bytes) -> bool:

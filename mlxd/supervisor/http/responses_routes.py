@@ -23,6 +23,7 @@ from mlxd.protocol.json_body import decode_json
 from mlxd.protocol.responses_stream import replay
 from mlxd.protocol.supervisor_api import InputItemList, ResponseDeleted
 from mlxd.supervisor.http.answers import json_answer
+from mlxd.supervisor.http.image_fetch import check_takes_images
 from mlxd.supervisor.http.keys import CONFIG, IMAGES
 from mlxd.supervisor.http.relaying import relay, resolve
 from mlxd.supervisor.relay.responses_dialect import Responses
@@ -54,6 +55,7 @@ async def create(request: web.Request) -> web.StreamResponse:
         history = [item for turn in chain for item in (*turn.input, *turn.output)]
     chat = responses.to_chat(req, history, items, stream=req.stream)
     entry = resolve(request, req.model)
+    check_takes_images(entry, responses.first_image(items))
     await request.app[IMAGES].inline(chat)
     shell = responses.Shell(req, req.model or entry.id)
     if shell.dropped:
