@@ -154,7 +154,9 @@ def prefill(loaded: LoadedModel, media: MediaPrompt, prompt: list[int], kv: list
     embedded = vlm.get_input_embeddings(ids, mx.array(pixels) if pixels is not None else None,
                                         mask=mx.ones(ids.shape, dtype=mx.int32), **extra)
     embeds = embedded.inputs_embeds
-    positions = _positions(vlm, media, prompt)[0] if uses_mrope(vlm) else None
+    positions = None
+    if uses_mrope(vlm):  # its rope delta comes with it: rope_delta need not work them out again
+        positions, media.rope_delta = _positions(vlm, media, prompt)
     for a in range(start, end, step):
         b = min(a + step, end)
         kwargs = {"position_ids": positions[..., a:b]} if positions is not None else {}
