@@ -23,8 +23,12 @@ _DATA_URI = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(?:;[^;,]*)
 
 @dataclass(frozen=True, slots=True)
 class ImagePart:
-    data: bytes
+    uri: str  # the data: URI as sent (decoded by data(): the engine skips that for images it has seen)
     where: str  # messages[i].content[j], for errors
+
+    def data(self) -> bytes:
+        """The image's bytes; a 400 naming the part for a malformed or oversize URI."""
+        return decode_data_uri(self.uri, self.where, MAX_IMAGE_BYTES, "image")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +65,8 @@ def content_parts(content: Any, index: int) -> list[Part]:
             url = image_url_of(part)
             if not isinstance(url, str) or not url:
                 raise APIError(400, "An image_url part needs image_url.url, a data: URI or an http(s) URL.", param=where)
-            parts.append(ImagePart(decode_data_uri(url, where, MAX_IMAGE_BYTES, "image"), where))
+            check_data_uri(url, where, MAX_IMAGE_BYTES, "image")
+            parts.append(ImagePart(url, where))
         elif kind == "input_audio":
             audio = part.get("input_audio")
             if not isinstance(audio, dict) or not isinstance(audio.get("data"), str):
@@ -87,6 +92,20 @@ def has_media(content: Any) -> bool:
 def decode_data_uri(url: str, where: str, max_bytes: int, what: str) -> bytes:
     """The bytes of a `data:` URI (base64 or percent-encoded); a remote URL here is a 400 (the
     supervisor fetches those before the engine sees the request)."""
+    head = check_data_uri(url, where, max_bytes, what)
+    payload = url[head.end():]
+    if head.group("b64"):
+        return decode_base64(payload, where, max_bytes, what)
+    from urllib.parse import unquote_to_bytes
+
+    data = unquote_to_bytes(payload)
+    _check_size(len(data), where, max_bytes, what)
+    return data
+
+
+def check_data_uri(url: str, where: str, max_bytes: int, what: str) -> re.Match[str]:
+    """A 400 for what cannot be a `data:` URI of at most `max_bytes` (a look at its head and
+    length, nothing decoded); its head matched."""
     if url[:5].lower() != "data:":
         scheme = url.split(":", 1)[0][:16] if ":" in url else ""
         if scheme.lower() in ("http", "https"):
@@ -96,14 +115,9 @@ def decode_data_uri(url: str, where: str, max_bytes: int, what: str) -> bytes:
     head = _DATA_URI.match(url)
     if head is None:
         raise APIError(400, f"The {what}'s data: URI is malformed.", param=where, code="invalid_image_url")
-    payload = url[head.end():]
-    if head.group("b64"):
-        return decode_base64(payload, where, max_bytes, what)
-    from urllib.parse import unquote_to_bytes
-
-    data = unquote_to_bytes(payload)
-    _check_size(len(data), where, max_bytes, what)
-    return data
+    if head.group("b64"):  # base64 is 4/3 of the bytes: refuse before decoding what would be too big anyway
+        _check_size((len(url) - head.end()) * 3 // 4 - 2, where, max_bytes, what)
+    return head
 
 
 def decode_base64(text: str, where: str, max_bytes: int, what: str) -> bytes:

@@ -17,8 +17,9 @@ def test_parts_come_back_in_order_with_their_bytes() -> None:
                            {"type": "image_url", "image_url": "data:,plain%20bytes"},
                            {"type": "input_audio", "input_audio": {"data": PNG, "format": "MP3"}}], 2)
     assert parts[0] == "a"
-    assert parts[1] == ImagePart(b"\x89PNG\r\n\x1a\n fake", "messages[2].content[1]")
-    assert parts[2] == ImagePart(b"plain bytes", "messages[2].content[2]")
+    assert isinstance(parts[1], ImagePart) and parts[1].where == "messages[2].content[1]"
+    assert parts[1].data() == b"\x89PNG\r\n\x1a\n fake"
+    assert isinstance(parts[2], ImagePart) and parts[2].data() == b"plain bytes"
     assert parts[3] == AudioPart(b"\x89PNG\r\n\x1a\n fake", "mp3", "messages[2].content[3]")
     assert content_parts("text", 0) == ["text"] and content_parts(None, 0) == []
 

@@ -37,11 +37,12 @@ from mlxd.engine.http.openai_requests import (
     usage_of,
 )
 from mlxd.engine.http.openai_streams import stream, stream_choices
+from mlxd.engine.models.image_memo import PromptImages, read_images
 from mlxd.engine.models.loaded_model import LoadedModel
-from mlxd.engine.models.vision import MAX_IMAGES, Image, MediaPrompt, open_image
+from mlxd.engine.models.vision import MAX_IMAGES, MediaPrompt
 from mlxd.protocol import openai as oa
 from mlxd.protocol.errors import APIError
-from mlxd.protocol.media import AudioPart, content_parts, has_media
+from mlxd.protocol.media import AudioPart, ImagePart, content_parts, has_media
 
 
 @admitted
@@ -96,15 +97,15 @@ class ReadMessages:
     """A request's messages as the chat template takes them, and its images, read and decoded."""
 
     messages: list[dict[str, Any]]
-    images: list[Image]
-    pictures: list[Any]  # each image decoded (Pillow, RGB)
+    images: PromptImages | None  # None: none
 
 
 def read_messages(loaded: LoadedModel, req: oa.ChatCompletionRequest) -> ReadMessages:
-    """The messages' parts read, their images decoded (a 400 naming a part that cannot be). Blocking."""
-    images: list[Image] = []
-    messages = [chat_message_dict(m, i, loaded, images) for i, m in enumerate(req.messages)]
-    return ReadMessages(messages, images, [open_image(image) for image in images])
+    """The messages' parts read, their images decoded (a 400 naming a part that cannot be) or,
+    when the same images were seen lately, found in the image memo (models/image_memo.py). Blocking."""
+    parts: list[ImagePart] = []
+    messages = [chat_message_dict(m, i, loaded, parts) for i, m in enumerate(req.messages)]
+    return ReadMessages(messages, read_images(loaded.image_memo, parts) if parts else None)
 
 
 async def rendered(loaded: LoadedModel, req: oa.ChatCompletionRequest) -> RenderedChat:
@@ -136,9 +137,9 @@ def render_chat(loaded: LoadedModel, req: oa.ChatCompletionRequest, read: ReadMe
     kwargs = {"reasoning_effort": req.reasoning_effort} if req.reasoning_effort is not None else {}
     tools = tool_req.tools if tool_req and fmt.in_template else None
     media: MediaPrompt | None = None
-    if read.images:
+    if read.images is not None:
         prompt, media = loaded.media_prompt(messages, tools, {**kwargs, **(req.chat_template_kwargs or {})},
-                                            read.images, read.pictures)
+                                            read.images)
     else:
         prompt = loaded.chat_prompt(messages, tools, {**kwargs, **(req.chat_template_kwargs or {})})
     if not prompt:
@@ -216,9 +217,9 @@ async def completions(request: web.Request, slot: Slot) -> web.StreamResponse:
         return json_response(oa.Completion(*meta, choices=[choice], usage=usage_of(done)), headers=usage_headers(done))
 
 
-def chat_message_dict(msg: oa.ChatMessage, index: int, loaded: LoadedModel, images: list[Image]) -> dict[str, Any]:
+def chat_message_dict(msg: oa.ChatMessage, index: int, loaded: LoadedModel, images: list[ImagePart]) -> dict[str, Any]:
     """A message as the chat template expects it (developer -> system, text parts joined; with
-    images, a list of text and image parts, the images' bytes added to `images`). A part the
+    images, a list of text and image parts, the image parts added to `images`). A part the
     model cannot take is a 400 naming it and the model."""
     out: dict[str, Any] = {"role": "system" if msg.role == "developer" else msg.role}
     parts = content_parts(msg.content, index)
@@ -240,7 +241,7 @@ def chat_message_dict(msg: oa.ChatMessage, index: int, loaded: LoadedModel, imag
                                code="too_many_images")
             else:
                 content.append({"type": "image"})
-                images.append(Image.of(part.data, part.where))
+                images.append(part)
         out["content"] = content
     for key in ("name", "tool_calls", "tool_call_id"):
         if (value := getattr(msg, key)) is not None:

@@ -17,6 +17,7 @@ from mlxd.engine.chat.grammar import Grammars
 from mlxd.engine.chat.reasoning import ThinkMarkers, think_markers
 from mlxd.engine.chat.tools import ToolFormat, format_of, template_takes_tools
 from mlxd.engine.models import vision
+from mlxd.engine.models.image_memo import ImageMemo, PromptImages
 from mlxd.engine.models.load_meter import LoadMeter
 from mlxd.protocol import sampling
 from mlxd.protocol.errors import APIError
@@ -76,12 +77,12 @@ class LoadedModel:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
         template_kwargs: dict[str, Any] | None,
-        images: list[vision.Image],
-        pictures: list[Any],
+        images: PromptImages,
     ) -> tuple[list[int], vision.MediaPrompt]:
         """Token ids of the chat template applied to `messages` whose image parts are `images`
-        (each image's tokens expanded by the model's processor; `pictures`: the images decoded),
-        and what the GPU thread needs for them. Blocking: run it on the templating thread."""
+        (each image's tokens expanded by the model's processor, from the decoded pictures or what
+        the image memo kept of them), and what the GPU thread needs for them. Blocking: run it on
+        the templating thread."""
         if self.image_token_id is None:
             raise APIError(400, f"Model {self.model_id} does not take images.", param="messages",
                            code="unsupported_content")
@@ -91,7 +92,13 @@ class LoadedModel:
             )
         except Exception as exc:
             raise APIError(400, f"Chat template failed: {exc}", param="messages") from exc
-        return vision.prepare(self.processor, str(text), images, pictures, self.image_token_id)
+        return vision.prepare(self.processor, str(text), images.images, self.image_token_id,
+                              lambda call: self.image_memo.run(self.processor, call, images))
+
+    @functools.cached_property
+    def image_memo(self) -> ImageMemo:
+        """What the processor made of recently seen images (models/image_memo.py)."""
+        return ImageMemo()
 
     @property
     def eos_token_ids(self) -> set[int]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -192,13 +193,14 @@ def open_image(image: Image, max_pixels: int = MAX_IMAGE_PIXELS) -> Any:
                        param=where, code="invalid_image") from exc
 
 
-def prepare(processor: Any, text: str, images: list[Image], pictures: list[Any],
-            image_token_id: int) -> tuple[list[int], MediaPrompt]:
-    """The processor on the rendered prompt and its images (`pictures`: decoded, open_image): the
-    prompt's token ids (each image's tokens expanded) and what the GPU thread needs for the
-    images. Blocking, numpy only."""
+def prepare(processor: Any, text: str, images: list[Image], image_token_id: int,
+            run: Callable[[Callable[[list[Any]], Any]], Any]) -> tuple[list[int], MediaPrompt]:
+    """The processor on the rendered prompt and its images: the prompt's token ids (each image's
+    tokens expanded) and what the GPU thread needs for the images. `run(call)` calls
+    `call(pictures)` with the pictures to give the processor (the image memo's run: the decoded
+    images, or stand-ins when it answers for them). Blocking, numpy only."""
     try:
-        out = processor(text=[text], images=pictures, padding=False, return_tensors="np")
+        out = run(lambda pictures: processor(text=[text], images=pictures, padding=False, return_tensors="np"))
     except APIError:
         raise
     except Exception as exc:  # a processor refusing the prompt or an image is bad input

@@ -1,0 +1,193 @@
+"""What the model's processor made of recently seen images, so that the same images again (a
+follow-up question about one screenshot, an agent sending its conversation again) are neither
+base64-decoded, nor decoded by Pillow, nor resized and normalised again.
+
+A request's images are looked up by what was sent: a digest of each image part's data URI, all of
+them in order. An entry holds the images' content digests (the prompt cache's key, gpu/media.py)
+and the processor's image outputs (`pixel_values`, grids, ...). On a hit the processor still
+renders the prompt's text, its image placeholders expanded, but the image processor inside it
+hands back the entry's outputs for stand-in pictures.
+
+Whether a processor can be served that way is checked once, on the first images it sees: the
+stand-ins run beside the real pictures and must give the same token ids and the same arrays. A
+processor that reads the pictures anywhere but through its image processor fails the check, and
+its model is never served from the memo.
+
+Blocking, numpy only: runs on the templating thread, one request at a time.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from mlxd.engine.models.vision import Image, open_image
+from mlxd.protocol.media import ImagePart
+
+MAX_BYTES = 256 << 20  # the processors' arrays held, at most
+MAX_ENTRIES = 64
+
+
+def source_key(uris: Sequence[str]) -> bytes:
+    """The memo's key for a request's image parts: a digest of each part as sent, in order."""
+    h = xxhash.xxh3_128()
+    for uri in uris:
+        h.update(xxhash.xxh3_128_digest(uri.encode("utf-8", "surrogatepass")))
+    return h.digest()
+
+
+@dataclass(frozen=True, slots=True)
+class Seen:
+    digests: tuple[bytes, ...]  # each image's content digest (vision.Image.digest), in order
+    outputs: Any  # the image processor's answer for these images (a BatchFeature or dict)
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class PromptImages:
+    """A prompt's images as the processor takes them: decoded (`pictures`), or seen lately (`seen`)."""
+
+    images: list[Image]
+    pictures: list[Any] | None  # each image decoded (Pillow, RGB); None when `seen` answers for them
+    key: bytes = b""  # the memo's key for them (source_key)
+    seen: Seen | None = None
+
+    @staticmethod
+    def decoded(images: list[Image], key: bytes = b"") -> PromptImages:
+        """`images` decoded (a 400 naming the one that cannot be)."""
+        return PromptImages(images, [open_image(image) for image in images], key)
+
+
+def read_images(memo: ImageMemo, parts: list[ImagePart]) -> PromptImages:
+    """A request's image parts: from the memo when the same parts were seen lately (nothing
+    decoded), else decoded from base64 and by Pillow. Blocking."""
+    key = source_key([p.uri for p in parts])
+    if (seen := memo.get(key)) is not None:
+        return PromptImages([Image(b"", d, p.where) for d, p in zip(seen.digests, parts, strict=True)], None, key, seen)
+    return PromptImages.decoded([Image.of(p.data(), p.where) for p in parts], key)
+
+
+class _Replay:
+    """Stands in for a processor's image processor: answers from `outputs` (a copy each time,
+    since processors pop from it), or calls the real one and keeps its answer in `kept`."""
+
+    def __init__(self, inner: Any, outputs: Any = None) -> None:
+        self._inner = inner
+        self._outputs = outputs
+        self.kept: Any = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._outputs is not None:
+            return copy.copy(self._outputs)
+        out = self._inner(*args, **kwargs)
+        self.kept = copy.copy(out)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _arrays(out: Any) -> dict[str, Any]:
+    return {k: v for k, v in dict(out).items()}
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k in a:
+        x, y = np.asarray(a[k]), np.asarray(b[k])
+        if x.shape != y.shape or not np.array_equal(x, y):
+            return False
+    return True
+
+
+def _nbytes(out: Any) -> int:
+    return sum(np.asarray(v).nbytes for v in dict(out).values())
+
+
+class ImageMemo:
+    """Recently seen images' processor outputs, by what was sent (see the module's doc)."""
+
+    def __init__(self, max_bytes: int = MAX_BYTES, max_entries: int = MAX_ENTRIES) -> None:
+        self._max_bytes = max_bytes
+        self._max_entries = max_entries
+        self._entries: OrderedDict[bytes, Seen] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.trusted: bool | None = None  # whether the processor passed the check (None: not yet checked)
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: bytes) -> Seen | None:
+        with self._lock:
+            seen = self._entries.get(key) if self.trusted is not False else None
+            if seen is not None:
+                self._entries.move_to_end(key)
+                self.hits += 1
+            else:
+                self.misses += 1
+            return seen
+
+    def _put(self, key: bytes, seen: Seen) -> None:
+        if seen.nbytes > self._max_bytes:
+            return
+        with self._lock:
+            if (old := self._entries.pop(key, None)) is not None:
+                self._bytes -= old.nbytes
+            self._entries[key] = seen
+            self._bytes += seen.nbytes
+            while self._bytes > self._max_bytes or len(self._entries) > self._max_entries:
+                _, gone = self._entries.popitem(last=False)
+                self._bytes -= gone.nbytes
+
+    def run(self, processor: Any, call: Callable[[list[Any]], Any], images: PromptImages) -> Any:
+        """`call(pictures)`: the processor on the prompt's text and these pictures. For images
+        seen lately it runs on stand-ins, the image processor answering from the memo; otherwise
+        on the decoded pictures, and what the image processor made of them is kept (when the
+        images have a key)."""
+        count = len(images.images)
+        if images.seen is not None:
+            return self._with(processor, _Replay(processor.image_processor, images.seen.outputs), call, stand_ins(count))
+        assert images.pictures is not None
+        replay = _Replay(processor.image_processor)
+        out = self._with(processor, replay, call, images.pictures)
+        if not images.key:
+            return out
+        if self.trusted is False or replay.kept is None:
+            return out
+        if self.trusted is None:  # the first images: do stand-ins give the same answer?
+            try:
+                again = self._with(processor, _Replay(processor.image_processor, replay.kept), call, stand_ins(count))
+                self.trusted = _same(_arrays(out), _arrays(again))
+            except Exception:
+                self.trusted = False
+            if not self.trusted:
+                return out
+        self._put(images.key, Seen(tuple(i.digest for i in images.images), replay.kept, _nbytes(replay.kept)))
+        return out
+
+    @staticmethod
+    def _with(processor: Any, image_processor: _Replay, call: Callable[[list[Any]], Any], pictures: list[Any]) -> Any:
+        real = processor.image_processor
+        processor.image_processor = image_processor
+        try:
+            return call(pictures)
+        finally:
+            processor.image_processor = real
+
+
+def stand_ins(count: int) -> list[Any]:
+    """Pictures for the processor to pass along where the image processor answers from the memo."""
+    from PIL import Image as PILImage
+
+    return [PILImage.new("RGB", (32, 32)) for _ in range(count)]

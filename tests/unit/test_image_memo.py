@@ -1,0 +1,113 @@
+"""The image memo (engine/models/image_memo.py): the same image parts again are neither decoded nor
+processed again, and give the prompt and arrays the first time gave; a processor that reads the
+pictures some other way is never served from it."""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mlxd.engine.models.image_memo import ImageMemo, PromptImages, read_images, source_key
+from mlxd.engine.models.loaded_model import LoadedModel
+from mlxd.engine.models.vision import Image, MediaPrompt
+from mlxd.protocol.errors import APIError
+from mlxd.protocol.media import ImagePart
+
+
+def uri(seed: int, side: int = 64) -> str:
+    from PIL import Image as PILImage
+
+    out = io.BytesIO()
+    PILImage.fromarray((np.random.RandomState(seed).rand(side, side + 8, 3) * 255).astype("uint8")).save(out, "PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "gemma3"])
+def loaded(request: pytest.FixtureRequest, vlms: dict[str, Path]) -> LoadedModel:
+    return LoadedModel(vlms[request.param], request.param)
+
+
+def prompt_of(loaded: LoadedModel, text: str, parts: list[ImagePart]) -> tuple[list[int], MediaPrompt, PromptImages]:
+    images = read_images(loaded.image_memo, parts)
+    content: list[dict[str, Any]] = [{"type": "image"} for _ in parts] + [{"type": "text", "text": text}]
+    ids, media = loaded.media_prompt([{"role": "user", "content": content}], None, None, images)
+    return ids, media, images
+
+
+def same_arrays(a: MediaPrompt, b: MediaPrompt) -> bool:
+    return a.arrays.keys() == b.arrays.keys() and all(np.array_equal(a.arrays[k], b.arrays[k]) for k in a.arrays)
+
+
+def test_the_same_images_again_come_from_the_memo_as_the_first_time_made_them(loaded: LoadedModel) -> None:
+    parts = [ImagePart(uri(1), "messages[0].content[0]"), ImagePart(uri(2, 96), "messages[0].content[1]")]
+    cold_ids, cold, first = prompt_of(loaded, "What differs?", parts)
+    assert first.seen is None and first.pictures is not None and loaded.image_memo.trusted is True
+    # A follow-up: the same parts (sent again as new strings), other words.
+    again = [ImagePart(str(p.uri[:-1] + p.uri[-1]), p.where) for p in parts]
+    ids, media, second = prompt_of(loaded, "What differs? Say more.", again)
+    assert second.seen is not None and second.pictures is None  # nothing decoded
+    assert [i.digest for i in second.images] == [i.digest for i in first.images] and not second.images[0].data
+    assert media.spans == cold.spans and same_arrays(media, cold)
+    assert ids[: cold.end] == cold_ids[: cold.end] and ids != cold_ids
+    # ... and exactly what a fresh processor run makes of that follow-up.
+    fresh_ids, fresh = loaded.media_prompt([{"role": "user", "content": [{"type": "image"}, {"type": "image"},
+                                                                         {"type": "text", "text": "What differs? Say more."}]}],
+                                           None, None, PromptImages.decoded(first.images))
+    assert fresh_ids == ids and same_arrays(fresh, media)
+
+
+def test_other_images_or_another_order_miss(loaded: LoadedModel) -> None:
+    a, b = ImagePart(uri(11), "a"), ImagePart(uri(12), "b")
+    prompt_of(loaded, "?", [a, b])
+    assert read_images(loaded.image_memo, [a, b]).seen is not None
+    assert read_images(loaded.image_memo, [b, a]).seen is None
+    assert read_images(loaded.image_memo, [ImagePart(uri(13), "c")]).seen is None
+
+
+def test_a_broken_image_is_a_400_and_nothing_is_kept(loaded: LoadedModel) -> None:
+    bad = ImagePart("data:image/png;base64," + base64.b64encode(b"not a png at all").decode(), "messages[0].content[0]")
+    with pytest.raises(APIError) as info:
+        prompt_of(loaded, "?", [bad])
+    assert info.value.status == 400 and info.value.param == "messages[0].content[0]"
+    assert loaded.image_memo.get(source_key([bad.uri])) is None
+
+
+class PeekingProcessor:
+    """A processor that reads the pictures' sizes itself, not only through its image processor."""
+
+    def __init__(self) -> None:
+        self.image_processor = lambda images: {"pixel_values": np.ones((len(images), 4), np.float32)}
+
+    def __call__(self, text: list[str], images: list[Any], **_: Any) -> dict[str, Any]:
+        arrays = self.image_processor(images)
+        return {"input_ids": np.array([[1] * images[0].size[0]]), **arrays}
+
+
+def test_a_processor_that_reads_the_pictures_itself_is_never_served_from_the_memo() -> None:
+    from PIL import Image as PILImage
+
+    memo, processor = ImageMemo(), PeekingProcessor()
+    images = PromptImages([Image.of(b"five by five")], [PILImage.new("RGB", (5, 5))], b"k")
+    out = memo.run(processor, lambda pictures: processor(["t"], pictures), images)
+    assert out["input_ids"].shape == (1, 5)
+    assert memo.trusted is False and len(memo) == 0 and memo.get(b"k") is None
+
+
+def test_the_memo_keeps_to_its_bytes_oldest_first() -> None:
+    class Plain:
+        def __init__(self) -> None:
+            self.image_processor = lambda images: {"pixel_values": np.zeros((1000,), np.float32)}  # 4000 bytes
+
+        def __call__(self, text: list[str], images: list[Any], **_: Any) -> dict[str, Any]:
+            return {"input_ids": np.array([[1, 2]]), **self.image_processor(images)}
+
+    memo, processor = ImageMemo(max_bytes=10_000), Plain()
+    for key in (b"a", b"b", b"c"):
+        memo.run(processor, lambda pictures: processor(["t"], pictures), PromptImages([], [], key))
+    assert memo.trusted is True and len(memo) == 2
+    assert memo.get(b"a") is None and memo.get(b"b") is not None and memo.get(b"c") is not None
