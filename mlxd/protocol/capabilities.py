@@ -1,5 +1,5 @@
 """What a model takes and does, read from its files (config.json, the processor files, the chat
-template): its context window, and whether it takes images, calls tools and reasons. Shown in
+template): its context window, and whether it takes images and audio, calls tools and reasons. Shown in
 `/v1/models`, `mlxd models` and the web page's model picker, so clients can build their menus
 from it. Pure: the supervisor reads the files (registry.capabilities_of), the engine agrees on
 what a vision-language model is (engine/models/vision.py)."""
@@ -19,7 +19,8 @@ REASONING_WORDS = ("<think>", "enable_thinking", "reasoning_content", "<|channel
 
 class Capabilities(msgspec.Struct, frozen=True):
     context_window: int  # tokens, capped by the model's max_context
-    capabilities: list[str]  # of "completion", "vision", "tools", "reasoning" (Ollama's names, but reasoning)
+    capabilities: list[str]  # of "completion", "vision", "audio", "tools", "reasoning" (Ollama's names, but
+    # audio and reasoning)
 
 
 def is_vlm_config(config: dict[str, Any], files: set[str]) -> bool:
@@ -33,6 +34,8 @@ def capabilities(config: dict[str, Any], files: set[str], template: str | None, 
     found = ["completion"]
     if is_vlm_config(config, files):
         found.append("vision")
+        if isinstance(config.get("audio_config"), dict):  # an audio tower beside the vision tower
+            found.append("audio")
     if template and "tools" in template:
         found.append("tools")
     if template and any(word in template for word in REASONING_WORDS):

@@ -42,7 +42,8 @@ async function loadModels() {
     const { data } = await apiJson("/v1/models");
     const chosen = select.value || localStorage.getItem(MODEL_ITEM);
     select.replaceChildren(...data.map((m) => {
-      const notes = [m.loaded ? "loaded" : "", (m.capabilities ?? []).includes("vision") ? "images" : ""].filter(Boolean);
+      const notes = [m.loaded ? "loaded" : "", (m.capabilities ?? []).includes("vision") ? "images" : "",
+                     (m.capabilities ?? []).includes("audio") ? "audio" : ""].filter(Boolean);
       const option = el("option", "", notes.length ? `${m.id} (${notes.join(", ")})` : m.id);
       option.value = m.id;
       return option;

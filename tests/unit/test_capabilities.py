@@ -29,3 +29,10 @@ def test_the_template_comes_from_the_jinja_file_or_the_tokenizer_config() -> Non
     assert template_text({"chat_template": [{"name": "default", "template": "x"}, {"name": "tool_use",
                                                                                   "template": "tools"}]}, None) == "x\ntools"
     assert template_text(None, None) is None and template_text({"chat_template": 5}, None) is None
+
+
+def test_an_audio_tower_beside_the_vision_tower_takes_audio() -> None:
+    vlm = {"vision_config": {"depth": 1}, "audio_config": {"hidden_size": 32}}
+    assert capabilities(vlm, {"processor_config.json"}, None, None).capabilities == ["completion", "vision", "audio"]
+    # mlx-vlm builds a default audio tower for some families whose config names none: only a named one counts.
+    assert "audio" not in capabilities({**vlm, "audio_config": None}, {"processor_config.json"}, None, None).capabilities

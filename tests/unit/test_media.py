@@ -13,7 +13,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxd.engine.gpu import media
-from mlxd.engine.models.image_memo import PromptImages
+from mlxd.engine.models.image_memo import PromptMedia
 from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.engine.models.vision import KEY_BASE, Image, MediaPrompt, runs_of
 
@@ -39,7 +39,7 @@ class Job:
 def image_prompt(loaded: LoadedModel, seed: int) -> tuple[list[int], MediaPrompt]:
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
     image = Image.of(png(seed))
-    return loaded.media_prompt(messages, None, None, PromptImages.decoded([image]))
+    return loaded.media_prompt(messages, None, None, PromptMedia.decoded([image]))
 
 
 def test_runs_and_the_key_cover_each_image_by_its_digest() -> None:
@@ -99,7 +99,7 @@ def test_qwen_positions_worked_out_here_are_mlx_vlms(qwen: LoadedModel, images: 
     content: list[dict[str, Any]] = [{"type": "image"}, {"type": "text", "text": "and"}] * images
     shown = [Image.of(png(seed)) for seed in range(images)]
     prompt, prompt_media = qwen.media_prompt([{"role": "user", "content": [*content, {"type": "text", "text": "?"}]}],
-                                             None, None, PromptImages.decoded(shown))
+                                             None, None, PromptMedia.decoded(shown))
     mine, delta = media._positions(qwen.vlm, prompt_media, prompt)
     theirs, their_delta = media._model_positions(qwen.vlm, prompt_media, prompt)
     assert delta == their_delta < 0 and mx.array_equal(mine, theirs.astype(mine.dtype)).item()

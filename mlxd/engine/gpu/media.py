@@ -145,24 +145,42 @@ def _model_positions(vlm: Any, media: MediaPrompt, prompt: list[int]) -> tuple[m
 def prefill(loaded: LoadedModel, media: MediaPrompt, prompt: list[int], kv: list[Any], start: int, end: int,
             step: int) -> None:
     """Run `prompt[start:end]` into `kv` from the model's embeddings of the prompt and its images
-    (the vision tower runs once for all of them), `step` tokens at a time."""
+    and audio (each tower runs once for all of them), `step` tokens at a time: in one go for a
+    model whose image tokens see each other (a Gemma 4's bidirectional vision blocks)."""
     vlm = loaded.vlm
     assert vlm is not None, "a job with images reaches only a vision-language model"
     ids = mx.array(prompt)[None]
-    extra = {k: mx.array(v) for k, v in media.arrays.items() if k != "pixel_values"}
+    extra = {k: device_array(v) for k, v in media.arrays.items() if k != "pixel_values"}
     pixels = media.arrays.get("pixel_values")
-    embedded = vlm.get_input_embeddings(ids, mx.array(pixels) if pixels is not None else None,
+    embedded = vlm.get_input_embeddings(ids, device_array(pixels) if pixels is not None else None,
                                         mask=mx.ones(ids.shape, dtype=mx.int32), **extra)
     embeds = embedded.inputs_embeds
+    per_layer = getattr(embedded, "per_layer_inputs", None)  # a Gemma 4's, its media tokens' zeroed
+    types = extra.get("mm_token_type_ids")
+    if types is not None and getattr(vlm.language_model.config, "use_bidirectional_attention", None) == "vision":
+        step = max(end - start, 1)
+    else:
+        types = None
     positions = None
     if uses_mrope(vlm):  # its rope delta comes with it: rope_delta need not work them out again
         positions, media.rope_delta = _positions(vlm, media, prompt)
     for a in range(start, end, step):
         b = min(a + step, end)
-        kwargs = {"position_ids": positions[..., a:b]} if positions is not None else {}
+        kwargs: dict[str, Any] = {}
+        if positions is not None:
+            kwargs["position_ids"] = positions[..., a:b]
+        if per_layer is not None:
+            kwargs["per_layer_inputs"] = per_layer[:, a:b]
+        if types is not None:
+            kwargs["mm_token_type_ids"] = types[:, a:b]
         vlm.language_model(ids[:, a:b], inputs_embeds=embeds[:, a:b], cache=kv, **kwargs)
         mx.eval([c.state for c in kv])
     mx.clear_cache()
+
+
+def device_array(value: Any) -> Any:
+    """A processor output (models/vision.host_array) on the device: a list stays a list."""
+    return [mx.array(v) for v in value] if isinstance(value, list) else mx.array(value)
 
 
 def shift(kv: list[Any], delta: int, loaded: LoadedModel) -> list[Any]:

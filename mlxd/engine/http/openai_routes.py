@@ -37,7 +37,7 @@ from mlxd.engine.http.openai_requests import (
     usage_of,
 )
 from mlxd.engine.http.openai_streams import stream, stream_choices
-from mlxd.engine.models.image_memo import PromptImages, read_images
+from mlxd.engine.models.image_memo import PromptMedia, read_media
 from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.engine.models.vision import MAX_IMAGES, MediaPrompt
 from mlxd.protocol import openai as oa
@@ -97,15 +97,18 @@ class ReadMessages:
     """A request's messages as the chat template takes them, and its images, read and decoded."""
 
     messages: list[dict[str, Any]]
-    images: PromptImages | None  # None: none
+    media: PromptMedia | None  # its images and audio (None: none)
 
 
 def read_messages(loaded: LoadedModel, req: oa.ChatCompletionRequest) -> ReadMessages:
-    """The messages' parts read, their images decoded (a 400 naming a part that cannot be) or,
-    when the same images were seen lately, found in the image memo (models/image_memo.py). Blocking."""
-    parts: list[ImagePart] = []
+    """The messages' parts read, their images and audio decoded (a 400 naming a part that cannot
+    be) or, when the same images were seen lately, found in the image memo (models/image_memo.py).
+    Blocking."""
+    parts: list[ImagePart | AudioPart] = []
     messages = [chat_message_dict(m, i, loaded, parts) for i, m in enumerate(req.messages)]
-    return ReadMessages(messages, read_images(loaded.image_memo, parts) if parts else None)
+    if not parts:
+        return ReadMessages(messages, None)
+    return ReadMessages(messages, read_media(loaded.image_memo, parts, loaded.audio_rate, loaded.audio_seconds))
 
 
 async def rendered(loaded: LoadedModel, req: oa.ChatCompletionRequest) -> RenderedChat:
@@ -137,9 +140,9 @@ def render_chat(loaded: LoadedModel, req: oa.ChatCompletionRequest, read: ReadMe
     kwargs = {"reasoning_effort": req.reasoning_effort} if req.reasoning_effort is not None else {}
     tools = tool_req.tools if tool_req and fmt.in_template else None
     media: MediaPrompt | None = None
-    if read.images is not None:
+    if read.media is not None:
         prompt, media = loaded.media_prompt(messages, tools, {**kwargs, **(req.chat_template_kwargs or {})},
-                                            read.images)
+                                            read.media)
     else:
         prompt = loaded.chat_prompt(messages, tools, {**kwargs, **(req.chat_template_kwargs or {})})
     if not prompt:
@@ -217,10 +220,11 @@ async def completions(request: web.Request, slot: Slot) -> web.StreamResponse:
         return json_response(oa.Completion(*meta, choices=[choice], usage=usage_of(done)), headers=usage_headers(done))
 
 
-def chat_message_dict(msg: oa.ChatMessage, index: int, loaded: LoadedModel, images: list[ImagePart]) -> dict[str, Any]:
+def chat_message_dict(msg: oa.ChatMessage, index: int, loaded: LoadedModel,
+                      media: list[ImagePart | AudioPart]) -> dict[str, Any]:
     """A message as the chat template expects it (developer -> system, text parts joined; with
-    images, a list of text and image parts, the image parts added to `images`). A part the
-    model cannot take is a 400 naming it and the model."""
+    images or audio, a list of text, image and audio parts, the media parts added to `media`).
+    A part the model cannot take is a 400 naming it and the model."""
     out: dict[str, Any] = {"role": "system" if msg.role == "developer" else msg.role}
     parts = content_parts(msg.content, index)
     if all(isinstance(p, str) for p in parts):
@@ -231,17 +235,23 @@ def chat_message_dict(msg: oa.ChatMessage, index: int, loaded: LoadedModel, imag
             if isinstance(part, str):
                 content.append({"type": "text", "text": part})
             elif isinstance(part, AudioPart):
-                raise APIError(400, f"Model {loaded.model_id} does not take audio ({part.where} is an input_audio part).",
-                               param=part.where, code="unsupported_content")
+                if not loaded.takes_audio:
+                    raise APIError(400, f"Model {loaded.model_id} does not take audio ({part.where} is an input_audio "
+                                        "part).", param=part.where, code="unsupported_content")
+                if len(media) >= MAX_IMAGES:
+                    raise APIError(400, f"At most {MAX_IMAGES} images and audio clips are taken in one request.",
+                                   param=part.where, code="too_many_images")
+                content.append({"type": "audio"})
+                media.append(part)
             elif not loaded.takes_images:
                 raise APIError(400, f"Model {loaded.model_id} does not take images ({part.where} is an image_url part).",
                                param=part.where, code="unsupported_content")
-            elif len(images) >= MAX_IMAGES:
+            elif len(media) >= MAX_IMAGES:
                 raise APIError(400, f"At most {MAX_IMAGES} images are taken in one request.", param=part.where,
                                code="too_many_images")
             else:
                 content.append({"type": "image"})
-                images.append(part)
+                media.append(part)
         out["content"] = content
     for key in ("name", "tool_calls", "tool_call_id"):
         if (value := getattr(msg, key)) is not None:

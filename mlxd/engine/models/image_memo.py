@@ -21,15 +21,16 @@ from __future__ import annotations
 import copy
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import xxhash
 
+from mlxd.engine.models.audio import open_audio
 from mlxd.engine.models.vision import Image, open_image
-from mlxd.protocol.media import ImagePart
+from mlxd.protocol.media import AudioPart, ImagePart
 
 MAX_BYTES = 256 << 20  # the processors' arrays held, at most
 MAX_ENTRIES = 64
@@ -51,27 +52,43 @@ class Seen:
 
 
 @dataclass(frozen=True, slots=True)
-class PromptImages:
-    """A prompt's images as the processor takes them: decoded (`pictures`), or seen lately (`seen`)."""
+class PromptMedia:
+    """A prompt's images and audio clips as the processor takes them: decoded (`pictures`,
+    `sounds`), or the images seen lately (`seen`: then `pictures` is None)."""
 
-    images: list[Image]
+    items: list[Image]  # each image and clip, in the prompt's order (Image.kind says which)
     pictures: list[Any] | None  # each image decoded (Pillow, RGB); None when `seen` answers for them
-    key: bytes = b""  # the memo's key for them (source_key)
+    sounds: list[np.ndarray] = field(default_factory=list)  # each clip decoded (mono float32)
+    key: bytes = b""  # the memo's key for the images (b"": not kept, as for a prompt with audio)
     seen: Seen | None = None
 
+    @property
+    def images(self) -> list[Image]:
+        return [i for i in self.items if i.kind == "image"]
+
     @staticmethod
-    def decoded(images: list[Image], key: bytes = b"") -> PromptImages:
-        """`images` decoded (a 400 naming the one that cannot be)."""
-        return PromptImages(images, [open_image(image) for image in images], key)
+    def decoded(items: list[Image], key: bytes = b"", sounds: list[np.ndarray] | None = None) -> PromptMedia:
+        """`items`' images decoded (a 400 naming the one that cannot be); `sounds`, their clips'."""
+        return PromptMedia(items, [open_image(i) for i in items if i.kind == "image"], sounds or [], key)
 
 
-def read_images(memo: ImageMemo, parts: list[ImagePart]) -> PromptImages:
-    """A request's image parts: from the memo when the same parts were seen lately (nothing
-    decoded), else decoded from base64 and by Pillow. Blocking."""
-    key = source_key([p.uri for p in parts])
+def read_media(memo: ImageMemo, parts: list[ImagePart | AudioPart], rate: int = 16000,
+               longest: float = 30.0) -> PromptMedia:
+    """A request's image and audio parts: its images from the memo when the same parts were seen
+    lately (nothing decoded), else decoded from base64 and by Pillow; its clips (none for the
+    memo) decoded at `rate`, at most `longest` seconds each. Blocking."""
+    if any(isinstance(p, AudioPart) for p in parts):
+        items = [Image.of(p.data, p.where, "audio") if isinstance(p, AudioPart) else Image.of(p.data(), p.where)
+                 for p in parts]
+        sounds = [open_audio(i, p.format, rate, longest) for i, p in zip(items, parts, strict=True)
+                  if isinstance(p, AudioPart)]
+        return PromptMedia.decoded(items, sounds=sounds)
+    images = [p for p in parts if isinstance(p, ImagePart)]
+    key = source_key([p.uri for p in images])
     if (seen := memo.get(key)) is not None:
-        return PromptImages([Image(b"", d, p.where) for d, p in zip(seen.digests, parts, strict=True)], None, key, seen)
-    return PromptImages.decoded([Image.of(p.data(), p.where) for p in parts], key)
+        return PromptMedia([Image(b"", d, p.where) for d, p in zip(seen.digests, images, strict=True)], None, [], key,
+                           seen)
+    return PromptMedia.decoded([Image.of(p.data(), p.where) for p in images], key)
 
 
 class _Replay:
@@ -85,31 +102,46 @@ class _Replay:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._outputs is not None:
-            return copy.copy(self._outputs)
+            return _shell(self._outputs)
         out = self._inner(*args, **kwargs)
-        self.kept = copy.copy(out)
+        self.kept = _shell(out)
         return out
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
 
-def _arrays(out: Any) -> dict[str, Any]:
-    return {k: v for k, v in dict(out).items()}
+def _shell(out: Any) -> Any:
+    """A copy of an image processor's answer whose dicts, lists and tuples are new (a processor may
+    pop from them) and whose arrays are shared (none changes them)."""
+    if isinstance(out, Mapping):
+        fresh: Any = copy.copy(out)  # a BatchFeature stays one
+        for k, v in out.items():
+            fresh[k] = _shell(v)
+        return fresh
+    if isinstance(out, list | tuple):
+        return type(out)(_shell(v) for v in out)
+    return out
 
 
-def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    if a.keys() != b.keys():
-        return False
-    for k in a:
-        x, y = np.asarray(a[k]), np.asarray(b[k])
-        if x.shape != y.shape or not np.array_equal(x, y):
-            return False
-    return True
+def same_outputs(a: Any, b: Any) -> bool:
+    """Whether two processor outputs hold the same arrays (dicts, lists of arrays, arrays)."""
+    if isinstance(a, Mapping) or isinstance(b, Mapping):
+        return (isinstance(a, Mapping) and isinstance(b, Mapping) and a.keys() == b.keys()
+                and all(same_outputs(a[k], b[k]) for k in a))
+    if isinstance(a, list | tuple) or isinstance(b, list | tuple):
+        return (isinstance(a, list | tuple) and isinstance(b, list | tuple) and len(a) == len(b)
+                and all(same_outputs(x, y) for x, y in zip(a, b, strict=True)))
+    x, y = np.asarray(a), np.asarray(b)
+    return x.shape == y.shape and bool(np.array_equal(x, y))
 
 
 def _nbytes(out: Any) -> int:
-    return sum(np.asarray(v).nbytes for v in dict(out).values())
+    if isinstance(out, Mapping):
+        return sum(_nbytes(v) for v in out.values())
+    if isinstance(out, list | tuple):
+        return sum(_nbytes(v) for v in out)
+    return int(getattr(out, "nbytes", 0))
 
 
 class ImageMemo:
@@ -150,12 +182,12 @@ class ImageMemo:
                 _, gone = self._entries.popitem(last=False)
                 self._bytes -= gone.nbytes
 
-    def run(self, processor: Any, call: Callable[[list[Any]], Any], images: PromptImages) -> Any:
+    def run(self, processor: Any, call: Callable[[list[Any]], Any], images: PromptMedia) -> Any:
         """`call(pictures)`: the processor on the prompt's text and these pictures. For images
         seen lately it runs on stand-ins, the image processor answering from the memo; otherwise
         on the decoded pictures, and what the image processor made of them is kept (when the
         images have a key)."""
-        count = len(images.images)
+        count = len(images.pictures) if images.pictures is not None else len(images.items)
         if images.seen is not None:
             return self._with(processor, _Replay(processor.image_processor, images.seen.outputs), call, stand_ins(count))
         assert images.pictures is not None
@@ -168,12 +200,12 @@ class ImageMemo:
         if self.trusted is None:  # the first images: do stand-ins give the same answer?
             try:
                 again = self._with(processor, _Replay(processor.image_processor, replay.kept), call, stand_ins(count))
-                self.trusted = _same(_arrays(out), _arrays(again))
+                self.trusted = same_outputs(dict(out), dict(again))
             except Exception:
                 self.trusted = False
             if not self.trusted:
                 return out
-        self._put(images.key, Seen(tuple(i.digest for i in images.images), replay.kept, _nbytes(replay.kept)))
+        self._put(images.key, Seen(tuple(i.digest for i in images.items), replay.kept, _nbytes(replay.kept)))
         return out
 
     @staticmethod

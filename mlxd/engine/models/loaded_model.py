@@ -16,8 +16,8 @@ from mlx_lm.utils import load_model, load_tokenizer
 from mlxd.engine.chat.grammar import Grammars
 from mlxd.engine.chat.reasoning import ThinkMarkers, think_markers
 from mlxd.engine.chat.tools import ToolFormat, format_of, template_takes_tools
-from mlxd.engine.models import vision
-from mlxd.engine.models.image_memo import ImageMemo, PromptImages
+from mlxd.engine.models import audio, vision
+from mlxd.engine.models.image_memo import ImageMemo, PromptMedia
 from mlxd.engine.models.load_meter import LoadMeter
 from mlxd.protocol import sampling
 from mlxd.protocol.errors import APIError
@@ -62,6 +62,29 @@ class LoadedModel:
     def takes_images(self) -> bool:
         return self.vlm is not None and self.image_token_id is not None
 
+    @property
+    def takes_audio(self) -> bool:
+        return self.audio_token_id is not None
+
+    @functools.cached_property
+    def audio_token_id(self) -> int | None:
+        """The token an audio clip's embeddings take the place of (None: no audio tower)."""
+        return audio.audio_token_id(self.config, self.processor) if self.vlm is not None else None
+
+    @property
+    def media_tokens(self) -> dict[str, int]:
+        """The token each kind of media part's embeddings take the place of."""
+        found = {"image": self.image_token_id, "audio": self.audio_token_id}
+        return {kind: token for kind, token in found.items() if token is not None}
+
+    @property
+    def audio_rate(self) -> int:
+        return audio.sampling_rate(self.processor) if self.takes_audio else 16000
+
+    @property
+    def audio_seconds(self) -> float:
+        return audio.max_seconds(self.processor) if self.takes_audio else audio.DEFAULT_MAX_SECONDS
+
     @functools.cached_property
     def image_token_id(self) -> int | None:
         """The token an image's embeddings take the place of (None: the model takes no images)."""
@@ -77,13 +100,13 @@ class LoadedModel:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None,
         template_kwargs: dict[str, Any] | None,
-        images: PromptImages,
+        images: PromptMedia,
     ) -> tuple[list[int], vision.MediaPrompt]:
         """Token ids of the chat template applied to `messages` whose image parts are `images`
         (each image's tokens expanded by the model's processor, from the decoded pictures or what
         the image memo kept of them), and what the GPU thread needs for them. Blocking: run it on
         the templating thread."""
-        if self.image_token_id is None:
+        if not self.takes_images:
             raise APIError(400, f"Model {self.model_id} does not take images.", param="messages",
                            code="unsupported_content")
         try:
@@ -92,7 +115,7 @@ class LoadedModel:
             )
         except Exception as exc:
             raise APIError(400, f"Chat template failed: {exc}", param="messages") from exc
-        return vision.prepare(self.processor, str(text), images.images, self.image_token_id,
+        return vision.prepare(self.processor, str(text), images, self.media_tokens,
                               lambda call: self.image_memo.run(self.processor, call, images))
 
     @functools.cached_property

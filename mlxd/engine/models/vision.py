@@ -18,6 +18,7 @@ mlx-vlm is the `vision` extra: nothing here imports it until a VLM is loaded.
 from __future__ import annotations
 
 import io
+import itertools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -128,15 +129,17 @@ class TextView(nn.Module):
 
 @dataclass(frozen=True, slots=True)
 class Image:
-    """An image part's content: its bytes (as sent), their digest, and where the part was (for errors)."""
+    """An image (or audio) part's content: its bytes (as sent), their digest, where the part was
+    (for errors), and which kind it is."""
 
     data: bytes
     digest: bytes = b""
     where: str = "messages"
+    kind: str = "image"  # or "audio" (models/audio.py)
 
     @staticmethod
-    def of(data: bytes, where: str = "messages") -> Image:
-        return Image(data, xxhash.xxh3_128_digest(data), where)
+    def of(data: bytes, where: str = "messages", kind: str = "image") -> Image:
+        return Image(data, xxhash.xxh3_128_digest(data), where, kind)
 
 
 @dataclass(slots=True, eq=False)
@@ -144,7 +147,7 @@ class MediaPrompt:
     """A prompt with images, as the GPU thread needs it: the processor's arrays (numpy), where each
     image's tokens are, and (filled on the GPU thread) the rotary shift of its text positions."""
 
-    arrays: dict[str, np.ndarray]  # pixel_values, image_grid_thw, ... (input_ids and masks left out)
+    arrays: dict[str, Any]  # pixel_values, image_grid_thw, ... (numpy; a list of arrays where ragged)
     spans: list[tuple[int, int]]  # [start, end) of each image's tokens in the prompt, in order
     digests: list[bytes]  # each image's content digest, in the same order
     rope_delta: int | None = None  # a Qwen-VL's: text positions after the images run this far from the index
@@ -193,30 +196,45 @@ def open_image(image: Image, max_pixels: int = MAX_IMAGE_PIXELS) -> Any:
                        param=where, code="invalid_image") from exc
 
 
-def prepare(processor: Any, text: str, images: list[Image], image_token_id: int,
+def prepare(processor: Any, text: str, media: Any, tokens: dict[str, int],
             run: Callable[[Callable[[list[Any]], Any]], Any]) -> tuple[list[int], MediaPrompt]:
-    """The processor on the rendered prompt and its images: the prompt's token ids (each image's
-    tokens expanded) and what the GPU thread needs for the images. `run(call)` calls
-    `call(pictures)` with the pictures to give the processor (the image memo's run: the decoded
-    images, or stand-ins when it answers for them). Blocking, numpy only."""
+    """The processor on the rendered prompt and its images and audio (`media`, models/image_memo's
+    PromptMedia; `tokens`: the token each kind's embeddings take the place of): the prompt's
+    token ids (each part's tokens expanded) and what the GPU thread needs for them. `run(call)`
+    calls `call(pictures)` with the pictures to give the processor (the image memo's run: the
+    decoded images, or stand-ins when it answers for them). Blocking, numpy only."""
+    sounds = media.sounds
     try:
-        out = run(lambda pictures: processor(text=[text], images=pictures, padding=False, return_tensors="np"))
+        out = run(lambda pictures: processor(text=[text], images=pictures or None, padding=False, return_tensors="np",
+                                             **({"audio": sounds} if sounds else {})))
     except APIError:
         raise
-    except Exception as exc:  # a processor refusing the prompt or an image is bad input
-        raise APIError(400, f"The model's processor could not take the images: {type(exc).__name__}: {exc}",
+    except Exception as exc:  # a processor refusing the prompt or a part is bad input
+        raise APIError(400, f"The model's processor could not take the images or audio: {type(exc).__name__}: {exc}",
                        param="messages", code="invalid_image") from exc
     ids = np.asarray(out["input_ids"]).reshape(-1).astype(np.int64)
-    arrays = {k: np.asarray(v) for k, v in out.items() if k not in ("input_ids", "attention_mask", "token_type_ids")}
-    spans = runs_of(ids, image_token_id)
-    if len(spans) != len(images):
-        raise APIError(400, f"The chat template placed {len(spans)} images in the prompt for {len(images)} image parts.",
-                       param="messages", code="invalid_image")
-    return ids.tolist(), MediaPrompt(arrays, spans, [image.digest for image in images])
+    arrays = {k: host_array(v) for k, v in out.items() if k not in ("input_ids", "attention_mask", "token_type_ids")}
+    kinds = [tokens[item.kind] for item in media.items]
+    spans = runs_of(ids, kinds)
+    if [int(ids[start]) for start, _ in spans] != kinds:
+        raise APIError(400, f"The chat template placed {len(spans)} images and clips in the prompt for "
+                            f"{len(media.items)} parts.", param="messages", code="invalid_image")
+    return ids.tolist(), MediaPrompt(arrays, spans, [item.digest for item in media.items])
 
 
-def runs_of(ids: np.ndarray, token: int) -> list[tuple[int, int]]:
-    """[start, end) of each run of `token` in `ids`."""
-    hit = np.concatenate([[False], ids == token, [False]])
-    edges = np.flatnonzero(hit[1:] != hit[:-1])
-    return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+def host_array(value: Any) -> Any:
+    """A processor output as numpy: one array, or a list of them where its parts differ in shape
+    (a Gemma 4's pixels, each image at its own size)."""
+    try:
+        return np.asarray(value)
+    except ValueError:
+        return [np.asarray(v) for v in value]
+
+
+def runs_of(ids: np.ndarray, tokens: int | list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each run of one of `tokens` in `ids` (a run ends where its token changes)."""
+    wanted = {tokens} if isinstance(tokens, int) else set(tokens)
+    ids = np.asarray(ids)
+    hit = np.isin(ids, list(wanted))
+    edge = np.flatnonzero(np.diff(np.concatenate([[-1], np.where(hit, ids, -1), [-1]])) != 0)
+    return [(int(a), int(b)) for a, b in itertools.pairwise(edge) if hit[a]]
