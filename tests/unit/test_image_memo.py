@@ -62,14 +62,14 @@ def test_the_same_images_again_come_from_the_memo_as_the_first_time_made_them(lo
     again = [ImagePart(str(p.uri[:-1] + p.uri[-1]), p.where) for p in parts]
     ids, media, second = prompt_of(loaded, "What differs? Say more.", again)
     assert second.seen is not None and second.pictures is None  # nothing decoded
-    assert [i.digest for i in second.images] == [i.digest for i in first.images] and not second.images[0].data
+    assert [i.digest for i in second.items] == [i.digest for i in first.items] and not second.items[0].data
     # The images' arrays are the first time's (a Gemma 4's token types follow the words, and differ).
     assert media.spans == cold.spans and same_arrays(media, cold, ("pixel_values", "image_grid_thw"))
     assert ids[: cold.end] == cold_ids[: cold.end] and ids != cold_ids
     # ... and exactly what a fresh processor run makes of that follow-up.
     fresh_ids, fresh = loaded.media_prompt([{"role": "user", "content": [{"type": "image"}, {"type": "image"},
                                                                          {"type": "text", "text": "What differs? Say more."}]}],
-                                           None, None, PromptMedia.decoded(first.images))
+                                           None, None, PromptMedia.decoded(first.items))
     assert fresh_ids == ids and same_arrays(fresh, media)
 
 

@@ -13,7 +13,10 @@ stand-ins run beside the real pictures and must give the same token ids and the 
 processor that reads the pictures anywhere but through its image processor fails the check, and
 its model is never served from the memo.
 
-Blocking, numpy only: runs on the templating thread, one request at a time.
+`read_media` reads a request's image and audio parts into a `PromptMedia` (on the engine's
+image-decoding threads), from the memo when it can; the memo's `run` wraps the processor's call
+(on the templating thread, one request at a time). A prompt with audio is decoded whole, and
+not kept. Blocking, numpy only.
 """
 
 from __future__ import annotations
@@ -61,10 +64,6 @@ class PromptMedia:
     sounds: list[np.ndarray] = field(default_factory=list)  # each clip decoded (mono float32)
     key: bytes = b""  # the memo's key for the images (b"": not kept, as for a prompt with audio)
     seen: Seen | None = None
-
-    @property
-    def images(self) -> list[Image]:
-        return [i for i in self.items if i.kind == "image"]
 
     @staticmethod
     def decoded(items: list[Image], key: bytes = b"", sounds: list[np.ndarray] | None = None) -> PromptMedia:
