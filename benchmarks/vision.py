@@ -13,7 +13,11 @@ The model is a random-weight VLM from mlx-vlm's own classes (mlxd/engine/models/
 `--family` and its sizes by `--size` (small: the test model; bench: a few hundred MB, so that the
 model's work, not the HTTP round trip, is what is timed; its images up to 1024 tokens, as a
 screenshot's are). Requests are greedy; each measured lone
-request has an image of its own (no side's cache can serve it), made of random pixels.
+request has an image of its own (no side's cache can serve it), made of random pixels. Both
+sides' clocks start from the image's PNG bytes (raw's decodes it with Pillow, as mlx-vlm's
+generate does with an image file; mlxd's gets it as base64 in its request). The repeated
+question's path is warmed up once first (on a GPU its kernels compile on first use). With
+--json, the mlxd supervisor's log goes beside it (.serve.log).
 
   python benchmarks/vision.py                                  # CPU, the bench size
   python benchmarks/vision.py --size small --rounds 3 --max-tokens 16
@@ -65,15 +69,23 @@ def log(msg: str) -> None:
 
 
 def image_png(seed: int, side: int) -> bytes:
+    """A PNG of random pixels (b"" for side 0: no image)."""
     from PIL import Image
 
+    if not side:
+        return b""
     pixels = (np.random.RandomState(seed).rand(side, side, 3) * 255).astype("uint8")
     out = io.BytesIO()
     Image.fromarray(pixels).save(out, "PNG")
     return out.getvalue()
 
 
-def chat_body(png: bytes, max_tokens: int, model: str, bias: dict[str, float]) -> Row:
+def chat_body(png: bytes, max_tokens: int, model: str, bias: dict[str, float], seed: int = 0) -> Row:
+    if not png:  # no image: words of its own instead, about as many tokens as a 1024-token image's prompt
+        rng = np.random.RandomState(seed)
+        words = " ".join(f"w{n}" for n in rng.randint(0, 97, 700))
+        return {"model": model, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens,
+                "temperature": 0, "logit_bias": bias, "messages": [{"role": "user", "content": f"{words} {QUESTION}"}]}
     uri = "data:image/png;base64," + base64.b64encode(png).decode()
     return {"model": model, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens,
             "temperature": 0, "logit_bias": bias, "messages": [{"role": "user", "content": [
@@ -100,9 +112,10 @@ def raw_one(seed: int) -> Row:
     from mlx_vlm import stream_generate
     from PIL import Image
 
-    image = Image.open(io.BytesIO(image_png(seed, _raw["side"]))).convert("RGB")
+    png = image_png(seed, _raw["side"])
     bias = {int(k): v for k, v in _raw["bias"].items()}
-    t0 = time.perf_counter()
+    t0 = time.perf_counter()  # from the image's file bytes, as mlxd's clock starts from its request's
+    image = Image.open(io.BytesIO(png)).convert("RGB")
     first = last = None
     tokens = 0
     for _ in stream_generate(_raw["model"], _raw["processor"], _raw["prompt"], image=[image],
@@ -147,16 +160,22 @@ class MlxVlmServer(MlxLmServer):
                 "--host", "127.0.0.1", *extra]
 
 
+def encoded(seed: int, side: int, max_tokens: int, model: str, bias: dict[str, float]) -> bytes:
+    """A request's body, its image made and the JSON encoded before any clock starts: the
+    client's own work is not the server's."""
+    return json.dumps(chat_body(image_png(seed, side), max_tokens, model, bias, seed)).encode()
+
+
 async def lone(url: str, model: str, seeds: list[int], side: int, max_tokens: int, bias: dict[str, float]) -> list[Row]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
-        return [await stream_chat(session, url, chat_body(image_png(s, side), max_tokens, model, bias)) for s in seeds]
+        return [await stream_chat(session, url, encoded(s, side, max_tokens, model, bias)) for s in seeds]
 
 
 async def together(url: str, model: str, seeds: list[int], side: int, max_tokens: int, bias: dict[str, float]) -> Row:
+    bodies = [encoded(s, side, max_tokens, model, bias) for s in seeds]
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
         t0 = time.perf_counter()
-        rows = await asyncio.gather(*(stream_chat(session, url, chat_body(image_png(s, side), max_tokens, model, bias))
-                                      for s in seeds))
+        rows = await asyncio.gather(*(stream_chat(session, url, body) for body in bodies))
         wall = time.perf_counter() - t0
     tokens = sum(r["tokens"] for r in rows)
     return {"streams": len(rows), "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
@@ -201,11 +220,15 @@ def run(args: argparse.Namespace, save: Any = lambda out: None) -> Row:
                 if not first_raw:
                     out["raw"].append(raw.apply(raw_one, (seed,)))
         log("mlxd: a repeated image question, then 8 requests at once")
+        asyncio.run(lone(sup.url, "bench", [499, 499], side, args.max_tokens, bias))  # its path warmed up (JIT)
         cold, again = asyncio.run(lone(sup.url, "bench", [500, 500], side, args.max_tokens, bias))
         out["repeat"] = {"cold_ttft_s": cold["ttft_s"], "warm_ttft_s": again["ttft_s"]}
         asyncio.run(together(sup.url, "bench", [2000 + i for i in range(args.streams)], side, args.max_tokens, bias))
         out["mlxd_together"] = asyncio.run(together(sup.url, "bench", [3000 + i for i in range(args.streams)], side,
                                                     args.max_tokens, bias))
+        if args.text_too:  # the same at once without images: what batching text rows of that length gives
+            out["mlxd_text_together"] = asyncio.run(together(sup.url, "bench", [4000 + i for i in range(args.streams)],
+                                                             0, args.max_tokens, bias))
     except Exception:
         text = (work / "mlxd" / "serve.log").read_text(errors="replace")
         at = max(text.rfind("the GPU thread failed"), text.rfind("Exception in thread") if "GPU thread failed" not in text else -1)
@@ -213,6 +236,8 @@ def run(args: argparse.Namespace, save: Any = lambda out: None) -> Row:
         raise
     finally:
         sup.stop()
+        if args.json:  # the engine's own account of each request (queue, prefill, decode)
+            args.json.with_suffix(".serve.log").write_text((work / "mlxd" / "serve.log").read_text(errors="replace"))
     out["mlxd_config"] = config
     save(out)
 
@@ -261,6 +286,8 @@ def report(r: Row) -> str:
                      f"{q['together_mlxd_over_server']:.2f}x (aim >= 2)")
     else:
         together += f"; mlx_vlm.server could not run here ({r.get('server_error')})"
+    if "mlxd_text_together" in r:
+        together += f" (text only, no image: {r['mlxd_text_together']['tok_s']:.1f} tok/s)"
     lines += [together,
               f"repeated image: cold {r['repeat']['cold_ttft_s'] * 1000:.0f} ms, again "
               f"{r['repeat']['warm_ttft_s'] * 1000:.0f} ms -> {q['repeat_warm_over_cold']:.3f} (aim <= 0.10)"]
@@ -278,6 +305,8 @@ def main() -> None:
                                                          "and no raw mlx-vlm)")
     p.add_argument("--streams", type=int, default=8, help="requests at once")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--text-too", action="store_true", help="also the same number of text requests at once on "
+                                                           "mlxd, a prompt of about the same length, no image")
     p.add_argument("--json", type=Path, help="write every figure here")
     args = p.parse_args()
     result = run(args, lambda out: args.json.write_text(json.dumps(out, indent=2)) if args.json else None)
