@@ -132,10 +132,12 @@ class Sequence:
                     stop_sequence=self._stops.matched if finish == "stop" else None, paused=self.paused)
         stats.last_timings_ms = {"queue": done.queue_ms, "prefill": done.prefill_ms, "decode": done.decode_ms}
         self.job.ticket.emit(done)
+        media = self.job.media
         log.info(
-            "%d prompt tokens (%d cached) + %d generated, %s; queue %.1f ms, prefill %.1f ms, decode %.1f tok/s",
-            len(self.job.prompt), self.cached, num, finish, done.queue_ms, done.prefill_ms,
-            (num - 1) / (done.decode_ms / 1000) if num > 1 and done.decode_ms else 0.0,
+            "%d prompt tokens (%d cached) + %d generated, %s; %squeue %.1f ms, prefill %.1f ms, decode %.1f tok/s",
+            len(self.job.prompt), self.cached, num, finish,
+            f"{len(media.spans)} images or clips read in {media.request_ms:.1f} ms, " if media is not None else "",
+            done.queue_ms, done.prefill_ms, (num - 1) / (done.decode_ms / 1000) if num > 1 and done.decode_ms else 0.0,
         )
         return done
 

@@ -48,10 +48,13 @@ from mlxd.protocol.media import AudioPart, ImagePart, content_parts, has_media
 @admitted
 async def chat_completions(request: web.Request, slot: Slot) -> web.StreamResponse:
     """POST /v1/chat/completions."""
+    started = time.perf_counter()
     req = await decode_body(request, oa.ChatCompletionRequest)
     oa.check_chat(req)
     loaded = ready_model(request)
     chat = await rendered(loaded, req)
+    if chat.media is not None:  # for its log line: the body read, its images decoded, the prompt rendered
+        chat.media.request_ms = (time.perf_counter() - started) * 1000
     tool_req, fmt, forced, prompt, in_reasoning = chat.tool_req, chat.fmt, chat.forced, chat.prompt, chat.in_reasoning
     budget = req.max_completion_tokens or req.max_tokens
     max_tokens = resolve_max_tokens(budget, len(prompt), loaded.context_window, None, request.app[GATEWAY].kv_budget)

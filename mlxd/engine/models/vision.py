@@ -152,6 +152,7 @@ class MediaPrompt:
     digests: list[bytes]  # each image's content digest, in the same order
     rope_delta: int | None = None  # a Qwen-VL's: text positions after the images run this far from the index
     key_ids: list[np.ndarray] = field(default_factory=list)  # each span's cache-key ids
+    request_ms: float = 0.0  # the request's handling before it was queued (its body read, parts decoded, prompt made)
 
     @property
     def end(self) -> int:
