@@ -57,7 +57,7 @@ def same_arrays(a: MediaPrompt, b: MediaPrompt, only: tuple[str, ...] = ()) -> b
 def test_the_same_images_again_come_from_the_memo_as_the_first_time_made_them(loaded: LoadedModel) -> None:
     parts = [ImagePart(uri(1), "messages[0].content[0]"), ImagePart(uri(2, 96), "messages[0].content[1]")]
     cold_ids, cold, first = prompt_of(loaded, "What differs?", parts)
-    assert first.seen is None and first.pictures is not None and loaded.image_memo.trusted is True
+    assert (first.seen is None or first.seen.fresh) and loaded.image_memo.trusted is True
     # A follow-up: the same parts (sent again as new strings), other words.
     again = [ImagePart(str(p.uri[:-1] + p.uri[-1]), p.where) for p in parts]
     ids, media, second = prompt_of(loaded, "What differs? Say more.", again)
@@ -76,9 +76,22 @@ def test_the_same_images_again_come_from_the_memo_as_the_first_time_made_them(lo
 def test_other_images_or_another_order_miss(loaded: LoadedModel) -> None:
     a, b = ImagePart(uri(11), "a"), ImagePart(uri(12), "b")
     prompt_of(loaded, "?", [a, b])
-    assert read_media(loaded.image_memo, [a, b]).seen is not None
-    assert read_media(loaded.image_memo, [b, a]).seen is None
-    assert read_media(loaded.image_memo, [ImagePart(uri(13), "c")]).seen is None
+    assert (hit := read_media(loaded.image_memo, [a, b]).seen) is not None and not hit.fresh
+    for miss in ([b, a], [ImagePart(uri(13), "c")]):  # made anew (on the decoding threads), not found
+        seen = read_media(loaded.image_memo, miss).seen
+        assert seen is None or seen.fresh
+
+
+def test_new_images_are_processed_off_the_templating_thread_as_the_processor_would(loaded: LoadedModel) -> None:
+    prompt_of(loaded, "First.", [ImagePart(uri(30), "a")])  # shows the memo how the processor calls it
+    parts = [ImagePart(uri(31, 80), "a"), ImagePart(uri(32, 48), "b")]
+    ids, media, read = prompt_of(loaded, "Two new ones?", parts)
+    assert read.seen is not None and read.seen.fresh and read.pictures is None  # made on this (the calling) thread
+    content = [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Two new ones?"}]
+    own_ids, own = loaded.media_prompt([{"role": "user", "content": content}], None, None,
+                                       PromptMedia.decoded(list(read.items)))
+    assert own_ids == ids and same_arrays(own, media)
+    assert (kept := read_media(loaded.image_memo, parts).seen) is not None and not kept.fresh  # and kept
 
 
 def test_a_broken_image_is_a_400_and_nothing_is_kept(loaded: LoadedModel) -> None:
