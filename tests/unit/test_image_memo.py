@@ -136,3 +136,19 @@ def test_the_memo_keeps_to_its_bytes_oldest_first() -> None:
         memo.run(processor, lambda pictures: processor(["t"], pictures), PromptMedia([], [], key=key))
     assert memo.trusted is True and len(memo) == 2
     assert memo.get(b"a") is None and memo.get(b"b") is not None and memo.get(b"c") is not None
+
+
+def test_a_picture_the_image_processor_refuses_is_still_a_400(vlms: dict[str, Path]) -> None:
+    """Once images are processed on the decoding threads, one the image processor refuses (a
+    Qwen-VL's takes no aspect ratio past 200) goes the processor's own way, to its 400."""
+    from PIL import Image as PILImage
+
+    loaded = LoadedModel(vlms["qwen2_vl"], "qwen")
+    prompt_of(loaded, "First.", [ImagePart(uri(40), "a")])
+    out = io.BytesIO()
+    PILImage.new("RGB", (2000, 3)).save(out, "PNG")
+    thin = ImagePart("data:image/png;base64," + base64.b64encode(out.getvalue()).decode(), "messages[0].content[0]")
+    assert read_media(loaded.image_memo, [thin]).seen is None  # not made off the thread: it failed there
+    with pytest.raises(APIError) as info:
+        prompt_of(loaded, "?", [thin])
+    assert info.value.status == 400 and info.value.code == "invalid_image"

@@ -264,8 +264,8 @@ class ImageMemo:
         real, args, kwargs, stand = self._call
         try:
             out = _shell(real(*_with_pictures(args, stand, pictures), **_with_pictures(kwargs, stand, pictures)))
-        except ValueError:
-            return None  # a call shape this count of pictures does not fit: the processor's own way
+        except Exception:  # a call shape these pictures do not fit, or a picture it refuses: the
+            return None  # processor's own way, which answers a refusal with a 400 naming the part
         return Seen(tuple(digests), out, _nbytes(out), fresh=True)
 
     @staticmethod
