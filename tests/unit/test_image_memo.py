@@ -152,3 +152,19 @@ def test_a_picture_the_image_processor_refuses_is_still_a_400(vlms: dict[str, Pa
     with pytest.raises(APIError) as info:
         prompt_of(loaded, "?", [thin])
     assert info.value.status == 400 and info.value.code == "invalid_image"
+
+
+def test_images_read_on_several_threads_at_once_are_each_their_own(loaded: LoadedModel) -> None:
+    import concurrent.futures
+
+    prompt_of(loaded, "First.", [ImagePart(uri(50), "a")])
+    parts = [[ImagePart(uri(60 + i, 48 + 8 * i), "a")] for i in range(6)]
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        reads = list(pool.map(lambda p: read_media(loaded.image_memo, p), parts))
+    for read in reads:
+        assert read.seen is not None and read.seen.fresh
+        content = [{"type": "image"}, {"type": "text", "text": "?"}]
+        ids, media = loaded.media_prompt([{"role": "user", "content": content}], None, None, read)
+        own_ids, own = loaded.media_prompt([{"role": "user", "content": content}], None, None,
+                                           PromptMedia.decoded(list(read.items)))
+        assert ids == own_ids and same_arrays(media, own)
