@@ -6,6 +6,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -197,10 +199,16 @@ class EngineProcess:
     def _is_ready(self) -> bool:
         if self.proc.poll() is not None:
             raise RuntimeError(f"engine exited with {self.proc.returncode}:\n{self.log()}")
-        try:
-            return is_listening(self.socket) and self.client.get("/health").json().get("status") == "ready"
-        except httpx.TransportError:
-            return False  # it went away mid-check (an engine failing its load exits): the next poll sees it
+        # It may go away mid-check (an engine failing its load exits): the next poll sees it. httpx
+        # then leaks the socket of the connect it refused; that is let go here, not as a
+        # ResourceWarning wherever the collector happens to run (it failed a test once).
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            try:
+                return is_listening(self.socket) and self.client.get("/health").json().get("status") == "ready"
+            except httpx.TransportError:
+                gc.collect()
+        return False
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
