@@ -181,8 +181,6 @@ class ImageMemo:
         # How the processor calls its image processor (stand-ins in the pictures' place), once that
         # call was checked to give what the processor's own gives: then `process` runs it anywhere.
         self._call: tuple[Any, tuple[Any, ...], dict[str, Any], list[Any]] | None = None
-        self.hits = 0
-        self.misses = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -192,9 +190,6 @@ class ImageMemo:
             seen = self._entries.get(key) if self.trusted is not False else None
             if seen is not None:
                 self._entries.move_to_end(key)
-                self.hits += 1
-            else:
-                self.misses += 1
             return seen
 
     def _put(self, key: bytes, seen: Seen) -> None:
@@ -247,23 +242,22 @@ class ImageMemo:
         the real pictures in the stand-ins' place, gives what the processor's own call gave."""
         if probe.call is None:
             return
-        args, kwargs = probe.call
+        call = (real, *probe.call, stand)
         try:
-            got = real(*_with_pictures(args, stand, pictures), **_with_pictures(kwargs, stand, pictures))
+            got = _called(call, pictures)
         except Exception:
             return
-        if same_outputs(_shell(got), want):
-            self._call = (real, args, kwargs, stand)
+        if same_outputs(got, want):
+            self._call = call
 
     def process(self, pictures: list[Any], digests: Sequence[bytes]) -> Seen | None:
         """The image processor's answer for `pictures`, made here (on any thread: the image
         decoding pool, several requests at once) the way the processor calls it; None until a
         first request has shown how (then the processor makes it, on the templating thread)."""
-        if self._call is None or self.trusted is not True:
+        if self._call is None:  # set only once the processor passed its check
             return None
-        real, args, kwargs, stand = self._call
         try:
-            out = _shell(real(*_with_pictures(args, stand, pictures), **_with_pictures(kwargs, stand, pictures)))
+            out = _called(self._call, pictures)
         except Exception:  # a call shape these pictures do not fit, or a picture it refuses: the
             return None  # processor's own way, which answers a refusal with a 400 naming the part
         return Seen(tuple(digests), out, _nbytes(out), fresh=True)
@@ -276,6 +270,13 @@ class ImageMemo:
             return call(pictures)
         finally:
             processor.image_processor = real
+
+
+def _called(call: tuple[Any, tuple[Any, ...], dict[str, Any], list[Any]], pictures: list[Any]) -> Any:
+    """The image processor's answer to the processor's recorded `call`, `pictures` in place of
+    its stand-ins."""
+    real, args, kwargs, stand = call
+    return _shell(real(*_with_pictures(args, stand, pictures), **_with_pictures(kwargs, stand, pictures)))
 
 
 def stand_ins(count: int) -> list[Any]:

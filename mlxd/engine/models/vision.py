@@ -23,7 +23,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -32,6 +32,9 @@ import xxhash
 
 from mlxd.protocol.capabilities import is_vlm_config
 from mlxd.protocol.errors import APIError
+
+if TYPE_CHECKING:  # image_memo imports this module
+    from mlxd.engine.models.image_memo import PromptMedia
 
 # Past these an image is a 400 before it is decoded (a decompression bomb costs nothing to send).
 MAX_IMAGE_PIXELS = 50_000_000
@@ -197,10 +200,10 @@ def open_image(image: Image, max_pixels: int = MAX_IMAGE_PIXELS) -> Any:
                        param=where, code="invalid_image") from exc
 
 
-def prepare(processor: Any, text: str, media: Any, tokens: dict[str, int],
+def prepare(processor: Any, text: str, media: PromptMedia, tokens: dict[str, int],
             run: Callable[[Callable[[list[Any]], Any]], Any]) -> tuple[list[int], MediaPrompt]:
-    """The processor on the rendered prompt and its images and audio (`media`, models/image_memo's
-    PromptMedia; `tokens`: the token each kind's embeddings take the place of): the prompt's
+    """The processor on the rendered prompt and its images and audio (`media`; `tokens`: the
+    token each kind's embeddings take the place of): the prompt's
     token ids (each part's tokens expanded) and what the GPU thread needs for them. `run(call)`
     calls `call(pictures)` with the pictures to give the processor (the image memo's run: the
     decoded images, or stand-ins when it answers for them). Blocking, numpy only."""
