@@ -193,7 +193,7 @@ def run(args: argparse.Namespace, save: Any = lambda out: None) -> Row:
     side = args.side
     warm = [1000, 1001]
     seeds = list(range(args.rounds))
-    out: Row = {"family": args.family, "size": args.size, "dims": SIZES[args.size].__dict__, "side": side,
+    out: Row = {"mlxd_pool": args.mlxd_pool, "family": args.family, "size": args.size, "dims": SIZES[args.size].__dict__, "side": side,
                 "max_tokens": args.max_tokens, "rounds": args.rounds}
 
     # EOS and every token that is not plain ASCII biased away, on every side: each reply is as long
@@ -202,7 +202,8 @@ def run(args: argparse.Namespace, save: Any = lambda out: None) -> Row:
     bias = logit_bias(model, ascii_only=True)
     log("raw mlx-vlm (stream_generate in a worker) and mlxd, a lone image request each in turn")
     (work / "mlxd").mkdir()
-    sup, config = bench_supervisor(model, work / "mlxd")
+    sup, config = bench_supervisor(model, work / "mlxd", pool_lines="".join(
+        f"{line.strip()}\n" for line in args.mlxd_pool.split(";") if line.strip()))
     job = {"model": str(model), "side": side, "max_tokens": args.max_tokens, "bias": bias}
     out["raw"], out["mlxd"] = [], []
     try:
@@ -240,6 +241,8 @@ def run(args: argparse.Namespace, save: Any = lambda out: None) -> Row:
             args.json.with_suffix(".serve.log").write_text((work / "mlxd" / "serve.log").read_text(errors="replace"))
     out["mlxd_config"] = config
     save(out)
+    if args.no_server:
+        return finish(out)
 
     log("mlx_vlm.server: 8 at once")
     server = MlxVlmServer(model, [], env, work / "mlx_vlm_server.log")
@@ -284,8 +287,10 @@ def report(r: Row) -> str:
     if "server_together" in r:
         together += (f", mlx_vlm.server {r['server_together']['tok_s']:.1f} tok/s -> "
                      f"{q['together_mlxd_over_server']:.2f}x (aim >= 2)")
+    elif "server_error" in r:
+        together += f"; mlx_vlm.server could not run here ({r['server_error']})"
     else:
-        together += f"; mlx_vlm.server could not run here ({r.get('server_error')})"
+        together += "; mlx_vlm.server left out (--no-server)"
     if "mlxd_text_together" in r:
         together += f" (text only, no image: {r['mlxd_text_together']['tok_s']:.1f} tok/s)"
     lines += [together,
@@ -307,6 +312,9 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--text-too", action="store_true", help="also the same number of text requests at once on "
                                                            "mlxd, a prompt of about the same length, no image")
+    p.add_argument("--mlxd-pool", default="", help="lines for mlxd's [pool] table, ';'-separated (a tuned "
+                                                      "run, named: 'cuda_graphs = true'); none: its defaults")
+    p.add_argument("--no-server", action="store_true", help="leave out mlx_vlm.server (its 8 at once)")
     p.add_argument("--json", type=Path, help="write every figure here")
     args = p.parse_args()
     result = run(args, lambda out: args.json.write_text(json.dumps(out, indent=2)) if args.json else None)

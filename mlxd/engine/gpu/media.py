@@ -30,6 +30,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from mlxd.engine.cache.prefix_cache import PrefixCache
 from mlxd.engine.gpu.job import Job
 from mlxd.engine.models.loaded_model import LoadedModel
+from mlxd.engine.models.pixels import PatchedPixels
 from mlxd.engine.models.vision import MediaPrompt, uses_mrope
 
 
@@ -179,7 +180,10 @@ def prefill(loaded: LoadedModel, media: MediaPrompt, prompt: list[int], kv: list
 
 
 def device_array(value: Any) -> Any:
-    """A processor output (models/vision.host_array) on the device: a list stays a list."""
+    """A processor output (models/vision.host_array) on the device: a list stays a list, an
+    image's bytes become its patches (models/pixels.py)."""
+    if isinstance(value, PatchedPixels):
+        return value.build(mx, mx.array)
     return [mx.array(v) for v in value] if isinstance(value, list) else mx.array(value)
 
 

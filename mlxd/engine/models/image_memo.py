@@ -36,6 +36,7 @@ import numpy as np
 import xxhash
 
 from mlxd.engine.models.audio import open_audio
+from mlxd.engine.models.pixels import make_patcher
 from mlxd.engine.models.vision import Image, open_image
 from mlxd.protocol.media import AudioPart, ImagePart
 
@@ -242,13 +243,16 @@ class ImageMemo:
         the real pictures in the stand-ins' place, gives what the processor's own call gave."""
         if probe.call is None:
             return
-        call = (real, *probe.call, stand)
-        try:
-            got = _called(call, pictures)
-        except Exception:
-            return
-        if same_outputs(got, want):
-            self._call = call
+        patcher = make_patcher(real)  # the same answer, its patches made on the GPU thread (pixels.py)
+        for stand_in in (patcher, real) if patcher is not None else (real,):
+            call = (stand_in, *probe.call, stand)
+            try:
+                got = _called(call, pictures)
+            except Exception:
+                continue
+            if same_outputs(got, want):
+                self._call = call
+                return
 
     def process(self, pictures: list[Any], digests: Sequence[bytes]) -> Seen | None:
         """The image processor's answer for `pictures`, made here (on any thread: the image

@@ -30,6 +30,7 @@ import mlx.nn as nn
 import numpy as np
 import xxhash
 
+from mlxd.engine.models.pixels import PatchedPixels
 from mlxd.protocol.capabilities import is_vlm_config
 from mlxd.protocol.errors import APIError
 
@@ -229,6 +230,8 @@ def prepare(processor: Any, text: str, media: PromptMedia, tokens: dict[str, int
 def host_array(value: Any) -> Any:
     """A processor output as numpy: one array, or a list of them where its parts differ in shape
     (a Gemma 4's pixels, each image at its own size)."""
+    if isinstance(value, PatchedPixels):  # patched on the GPU thread (pixels.py)
+        return value
     try:
         return np.asarray(value)
     except ValueError:
