@@ -24,6 +24,7 @@ from mlxd.engine.models.load_meter import LoadMeter
 from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.engine.parent_watch import set_death_signal, watch_parent
 from mlxd.engine.settings import EngineSettings
+from mlxd.event_loop import loop_factory, loop_name
 from mlxd.paths import check_private_dir, data_dir
 from mlxd.protocol.exit_codes import ExitCode
 from mlxd.protocol.memory import default_prompt_cache_bytes
@@ -94,7 +95,8 @@ def serve(settings: EngineSettings) -> int:
         log.error("cannot start: %s", exc)
         return ExitCode.ENGINE_BOOT_ERROR
     try:
-        return asyncio.run(run(settings, sock, parent))
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:  # uvloop, as the supervisor's (event_loop.py)
+            return runner.run(run(settings, sock, parent))
     finally:
         # The loop's close gave SIGTERM its default action back; a late repeat of the
         # parent-death signal (see run) finds us exiting anyway.
@@ -139,7 +141,7 @@ async def run(settings: EngineSettings, sock: socket.socket, parent: int) -> int
     )
     await runner.setup()  # starts the GPU thread (the app's cleanup context owns it)
     await web.SockSite(runner, sock, backlog=1024).start()  # the kernel may cap it (macOS: 128)
-    log.info("listening on %s; loading the model", settings.socket)
+    log.info("listening on %s (%s loop); loading the model", settings.socket, loop_name(asyncio.get_running_loop()))
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
     watcher = loop.create_task(watch_parent(parent, lambda: stop(ExitCode.PARENT_GONE)))

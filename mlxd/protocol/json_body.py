@@ -22,13 +22,28 @@ _SIGNS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")  # +1 and -1 as signed by
 def json_depth_exceeds(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
     """Whether JSON `body` nests arrays/objects more than `limit` deep.
 
-    Ordinary bodies cost two `count`s. Past that, strings are taken out, brackets become +1/-1
-    and the running sum's peak is the depth: all in C loops (0.7 s for 32 MiB of brackets).
+    Ordinary bodies cost a memchr-speed look for their few brackets (0.3 ms over a 3.2 MB
+    image body on a 2-core host, where two `count`s took 3.5). Past that, strings are taken
+    out, brackets become +1/-1 and the running sum's peak is the depth: all in C loops (0.7 s
+    for 32 MiB of brackets).
     """
-    if body.count(b"[") + body.count(b"{") <= limit:
+    if _num_opening(body, limit) <= limit:
         return False
     signs = _STRING.sub(b"", body).translate(_SIGNS, _NOT_BRACKETS)
     return max(accumulate(memoryview(signs).cast("b")), default=0) > limit
+
+
+def _num_opening(body: bytes, most: int) -> int:
+    """How many `[` and `{` `body` holds, counted up to `most` + 1 (then it stops)."""
+    num = 0
+    for bracket in (b"[", b"{"):
+        at = body.find(bracket)
+        while at >= 0:
+            num += 1
+            if num > most:
+                return num
+            at = body.find(bracket, at + 1)
+    return num
 
 
 def too_deep(limit: int = MAX_JSON_DEPTH) -> APIError:

@@ -10,10 +10,23 @@ from __future__ import annotations
 
 import binascii
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from mlxd.protocol.errors import APIError
+
+
+def _fast_b64decode() -> Callable[..., bytes] | None:
+    """pybase64's decoder (the vision extra brings it); None without it."""
+    try:
+        import pybase64
+    except ImportError:
+        return None
+    return pybase64.b64decode
+
+
+FAST_B64DECODE = _fast_b64decode()
 
 MAX_IMAGE_BYTES = 20 << 20  # one image part's bytes (decoded)
 MAX_AUDIO_BYTES = 25 << 20  # one audio part's bytes (OpenAI's own limit)
@@ -120,17 +133,26 @@ def check_data_uri(url: str, where: str, max_bytes: int, what: str) -> re.Match[
     return head
 
 
+def _strict_b64decode(text: str) -> bytes:
+    """Base64 to bytes, refusing anything but its alphabet and padding (binascii.Error).
+    pybase64 (the vision extra's) where installed: SIMD, 0.3 ms for a 3.2 MB image where
+    binascii takes 12 ms holding the GIL, which queued every other request's images behind it."""
+    if FAST_B64DECODE is not None:
+        return FAST_B64DECODE(text, validate=True)
+    return binascii.a2b_base64(text, strict_mode=True)
+
+
 def decode_base64(text: str, where: str, max_bytes: int, what: str) -> bytes:
     # Base64 is 4/3 of the bytes: refuse before decoding what would be too big anyway.
     _check_size(len(text) * 3 // 4 - 2, where, max_bytes, what)
     try:
         try:  # strict and fast; a body that wraps its base64 in lines is tried again without them
-            return binascii.a2b_base64(text, strict_mode=True)
+            return _strict_b64decode(text)
         except binascii.Error:
             joined = "".join(text.split())
             if joined == text:
                 raise
-            return binascii.a2b_base64(joined, strict_mode=True)
+            return _strict_b64decode(joined)
     except (binascii.Error, ValueError) as exc:
         raise APIError(400, f"The {what}'s base64 data is malformed ({exc}).", param=where,
                        code=f"invalid_{what}") from exc

@@ -11,11 +11,11 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from aiohttp import web
 
+from mlxd.event_loop import loop_factory, loop_name
 from mlxd.fdlimit import raise_open_file_limit
 from mlxd.paths import ensure_private_dir, models_dir, runtime_dir
 from mlxd.protocol.process import STREAM_KEEPALIVE_ENV
@@ -70,21 +70,6 @@ def serve(config: Config, data_dir: Path) -> int:
         return runner.run(run(app, config.server, started))
 
 
-def loop_factory(env: Mapping[str, str] = os.environ) -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop where installed (about a fifth less CPU per relayed token); MLXD_EVENT_LOOP=asyncio opts out."""
-    choice = env.get("MLXD_EVENT_LOOP", "uvloop")
-    if choice not in ("uvloop", "asyncio"):
-        log.warning("MLXD_EVENT_LOOP=%r: expected uvloop or asyncio; using asyncio", choice)
-        return None
-    if choice == "asyncio":
-        return None
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
-
-
 async def run(app: web.Application, server: ServerConfig, started: float) -> int:
     """Bind, serve, and on a signal: stop accepting, let requests finish, stop engines."""
     host, port = server.host, server.port
@@ -100,7 +85,7 @@ async def run(app: web.Application, server: ServerConfig, started: float) -> int
         log.error("cannot listen on %s:%d: %s", host, port, exc.strerror or exc)
         await runner.cleanup()
         return 1
-    loop_kind = type(asyncio.get_running_loop()).__module__.split(".")[0]
+    loop_kind = loop_name(asyncio.get_running_loop())
     took_ms = (time.perf_counter() - started) * 1000
     log.info("mlxd serving on http://%s:%d/v1 (up in %.0f ms, %s loop)", host, port, took_ms, loop_kind)
     # Warm what the first real request needs, off the start-up path (see metrics.py).

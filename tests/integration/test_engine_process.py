@@ -150,6 +150,7 @@ def test_sigterm_mid_stream_ends_stream_cleanly_and_exits_zero(tiny_model: Path)
     assert data[-1]["error"]["code"] == "engine_stopping"
     assert not proc.socket.exists()
     assert "engine stopped" in proc.log()
+    assert "(uvloop loop)" in proc.log()  # the SIGTERM path above ran on uvloop (mlxd/event_loop.py)
     proc.stop()
 
 

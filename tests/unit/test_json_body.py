@@ -67,3 +67,11 @@ def test_bad_bodies_are_400(body: bytes) -> None:
     with pytest.raises(APIError) as info:
         decode_as(body, Body)
     assert info.value.status == 400
+
+
+def test_the_brackets_are_counted_until_past_the_most_asked() -> None:
+    from mlxd.protocol.json_body import _num_opening
+
+    assert _num_opening(b'{"a": [1, {"b": [2]}], "c": "x"}', 10) == 4
+    assert _num_opening(b"[" * 50 + b"{" * 50, 5) == 6  # stops one past
+    assert _num_opening(b'"' + b"A" * 100_000 + b'"', 5) == 0

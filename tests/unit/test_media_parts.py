@@ -6,6 +6,7 @@ import base64
 
 import pytest
 
+from mlxd.protocol import media
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.media import AudioPart, ImagePart, content_parts, decode_data_uri
 
@@ -24,10 +25,16 @@ def test_parts_come_back_in_order_with_their_bytes() -> None:
     assert content_parts("text", 0) == ["text"] and content_parts(None, 0) == []
 
 
-def test_base64_wrapped_in_lines_is_taken_and_broken_base64_is_not() -> None:
+@pytest.mark.parametrize("fast", [True, False], ids=["pybase64", "binascii"])
+def test_base64_wrapped_in_lines_is_taken_and_broken_base64_is_not(fast: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert media.FAST_B64DECODE is not None  # the vision extra brings pybase64
+    if not fast:
+        monkeypatch.setattr(media, "FAST_B64DECODE", None)
+    big = base64.b64encode(bytes(range(256)) * 4000)
+    assert decode_data_uri(f"data:image/png;base64,{big.decode()}", "w", 1 << 20, "image") == bytes(range(256)) * 4000
     wrapped = "\n".join(PNG[i:i + 8] for i in range(0, len(PNG), 8))
     assert decode_data_uri(f"data:image/png;base64,{wrapped}", "w", 1 << 20, "image").startswith(b"\x89PNG")
-    for bad in ("AA=A", "%%%", "AAA"):
+    for bad in ("AA=A", "%%%", "AAA", "QUJDRA==QUJD", "QUJ$", "-_-_"):
         with pytest.raises(APIError) as info:
             decode_data_uri(f"data:image/png;base64,{bad}", "w", 1 << 20, "image")
         assert info.value.status == 400 and info.value.param == "w" and info.value.code == "invalid_image"

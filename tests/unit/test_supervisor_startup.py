@@ -41,7 +41,7 @@ def test_ca_loading_is_deferred_then_done_on_the_same_contexts() -> None:
 def test_event_loop_choice() -> None:
     import uvloop
 
-    from mlxd.supervisor.server import loop_factory
+    from mlxd.event_loop import loop_factory
 
     assert loop_factory({}) is uvloop.new_event_loop
     assert loop_factory({"MLXD_EVENT_LOOP": "uvloop"}) is uvloop.new_event_loop
