@@ -12,7 +12,6 @@ import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import load
 
-from mlxd.engine.cache import prefix_cache
 from mlxd.engine.cache.prefix_cache import PrefixCache, common_prefix, view
 from mlxd.engine.cache.ssd_tier import SsdTier
 from tests.support import wait_for
@@ -189,29 +188,6 @@ def test_write_behind_and_flush_put_entries_on_ssd_and_a_new_cache_restores_them
     assert cached == 30 and restarted.stats.ssd_hits == 1
     assert mx.allclose(last_logits(model, query[cached:], kv), last_logits(model, query), atol=1e-4).item()
     assert restarted.fetch(query)[1] == 30 and restarted.stats.ram_hits == 1  # now in RAM too
-    restarted.close()
-
-
-def test_on_cuda_an_entry_is_written_from_a_copy_and_its_own_arrays_stay_as_they_were(
-        model: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """CUDA's managed memory: the writer reading the entry's own arrays would move them to the
-    host, and the next request using the entry would wait for them to come back."""
-    monkeypatch.setattr(prefix_cache, "writes_from_a_copy", lambda: True)
-    idle = threading.Event()
-    idle.set()
-    pc = PrefixCache(BIG, tier(tmp_path), idle)
-    a = seq(0, 40)
-    pc.store(filled(model, a), a)
-    entry = next(iter(pc._entries.values()))
-    kept = [(c.keys, c.values) for c in entry.kv]
-    assert pc.write_behind() == "queued"
-    assert wait_for(lambda: pc.writes_pending == 0, 10)
-    assert entry.on_ssd and all(k is c.keys and v is c.values for (k, v), c in zip(kept, entry.kv, strict=True))
-    pc.close()
-    restarted = PrefixCache(BIG, tier(tmp_path), idle)
-    kv, cached = restarted.fetch([*a, 5])
-    assert cached == 40 and restarted.stats.ssd_hits == 1
-    assert mx.allclose(last_logits(model, [5], kv), last_logits(model, [*a, 5]), atol=1e-4).item()
     restarted.close()
 
 

@@ -149,17 +149,16 @@ def compact(kv: list[Any]) -> None:
             c.values = tuple(mx.contiguous(x) for x in c.values)
 
 
-def tensors_of(kv: list[Any], copy: bool = False) -> tuple[dict[str, str], list[Tensor], list[Any]]:
+def tensors_of(kv: list[Any]) -> tuple[dict[str, str], list[Tensor], list[Any]]:
     """`kv` laid out as mlx-lm's `save_prompt_cache` lays it out: the metadata it adds (cache
     classes, which entries are scalars), the tensors as host buffers, and the arrays those
-    buffers point into (keep them alive until written; with `copy`, arrays of their own, not
-    `kv`'s). GPU thread; evaluates the arrays."""
+    buffers point into (keep them alive until written). GPU thread; evaluates the arrays."""
     flat: list[tuple[str, Any]] = tree_flatten([c.state for c in kv])  # type: ignore[assignment]
     arrays: list[tuple[str, mx.array]] = []
     scalars: list[tuple[str, str]] = []
     for name, value in flat:
         if isinstance(value, mx.array):
-            arrays.append((name, mx.array(mx.contiguous(value)) if copy else mx.contiguous(value)))
+            arrays.append((name, mx.contiguous(value)))
         elif isinstance(value, bool | int | float):
             scalars.append((name, "scalar"))
             arrays.append((name, mx.array(value)))
@@ -179,15 +178,6 @@ def tensors_of(kv: list[Any], copy: bool = False) -> tuple[dict[str, str], list[
     for i, (name, kind) in enumerate(scalars, start=1):
         meta[f"2.{i}.0"], meta[f"2.{i}.1"] = name, kind
     return meta, tensors, [a for _, a in arrays]
-
-
-def writes_from_a_copy() -> bool:
-    """Whether an entry is written to SSD from a copy of its arrays, not from them. On CUDA,
-    MLX's arrays are managed memory: the writer thread reading one from the host moves its
-    pages to the host, and the next request to use the entry (an agent's follow-up, a moment
-    later) waits for them to come back to the GPU. On Apple silicon and the CPU there is
-    one memory, and a copy would only cost room."""
-    return bool(mx.cuda.is_available())
 
 
 def host_bytes(a: mx.array) -> memoryview:
@@ -382,11 +372,8 @@ class PrefixCache:
         if self._writer is None or entry.unwritable:
             return
         try:
-            if writes_from_a_copy():
-                meta, tensors, owner = tensors_of(entry.kv, copy=True)
-            else:
-                compact(entry.kv)  # the entry keeps the copy it writes: no second one in memory
-                meta, tensors, owner = tensors_of(entry.kv)
+            compact(entry.kv)  # the entry keeps the copy it writes: no second one in memory
+            meta, tensors, owner = tensors_of(entry.kv)
         except Exception as exc:  # a cache kind the format cannot hold: it stays in RAM only
             log.warning("SSD prompt cache: cannot write this cache (%s)", exc)
             entry.unwritable = True
