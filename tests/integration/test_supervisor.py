@@ -297,6 +297,32 @@ def test_a_low_open_file_limit_is_raised_at_start(tiny_model: Path, tmp_path: Pa
         sup.stop()
 
 
+def test_a_translated_streams_time_to_first_token_is_not_its_first_keep_alive(tiny_model: Path, tmp_path: Path) -> None:
+    """An Anthropic stream that waits in the engine gets keep-alives before its answer: its
+    access-log TTFT (and the TTFT histogram) is when the answer began, not the first keep-alive."""
+    config = f'[server]\nstream_keepalive_s = 0.2\n\n[models.tiny]\npath = "{tiny_model}"\nbatch = 1\n'
+    proc = SupervisorProcess(config, tmp_path).wait_up()
+    try:
+        assert proc.client.post("/admin/load", json={"model": "tiny"}).status_code == 200
+        holder = threading.Thread(target=lambda: proc.client.post("/v1/completions", json={**LONG, "max_tokens": 2000}))
+        holder.start()
+        assert wait_for(lambda: proc.engine_stats("tiny")["admission"]["in_flight"] > 0, 10)
+        body = {"model": "tiny", "max_tokens": 3, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+        started, first_text, pings = time.perf_counter(), None, 0
+        with proc.client.stream("POST", "/v1/messages", json=body) as resp:
+            for line in resp.iter_lines():
+                pings += line.startswith(":")
+                if first_text is None and line.startswith("event: content_block_delta"):
+                    first_text = time.perf_counter() - started
+        holder.join(60)
+        assert first_text is not None and pings >= 2  # it waited through keep-alives
+        line = wait_for(lambda: next((x for x in proc.log().splitlines() if "POST /v1/messages 200" in x), None), 10)
+        ttft_ms = int(re.search(r"ttft=(\d+)ms", line).group(1))  # type: ignore[union-attr]
+        assert ttft_ms >= first_text * 1000 * 0.8, (line, first_text)
+    finally:
+        proc.stop()
+
+
 def test_stream_queued_inside_the_engine_gets_comments_through_the_relay(tiny_model: Path, tmp_path: Path) -> None:
     config = f'[server]\nstream_keepalive_s = 0.2\n\n[models.tiny]\npath = "{tiny_model}"\nbatch = 1\n'  # one at a time: the second waits
     proc = SupervisorProcess(config, tmp_path).wait_up()

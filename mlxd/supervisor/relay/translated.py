@@ -110,17 +110,19 @@ class _Translating:
 
     def translate(self, payloads: list[bytes]) -> bytes:
         out: list[bytes] = []
+        answered = False  # an event of the answer went out (not a keep-alive, which waits for it)
         for payload in payloads:
             for data in self.events.feed(payload):
                 if data == b"[DONE]":
                     self.done = True
                 elif not self.done:
-                    out.append(self._event(data))
-        blob = b"".join(out)
-        if blob and not self.sent:
+                    event = self._event(data)
+                    out.append(event)
+                    answered = answered or (data is not None and bool(event))
+        if answered and not self.sent:
             self.sent = True
             self.on_first_chunk()
-        return blob
+        return b"".join(out)
 
     def writer(self, transport: asyncio.Transport, up: Upstream) -> Callable[[list[bytes]], None]:
         """The payload sink: translate, frame and write to the caller, in the read callback."""
