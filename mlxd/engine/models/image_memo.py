@@ -243,8 +243,8 @@ class ImageMemo:
         the real pictures in the stand-ins' place, gives what the processor's own call gave."""
         if probe.call is None:
             return
-        patcher = make_patcher(real)  # the same answer, its patches made on the GPU thread (pixels.py)
-        for stand_in in (patcher, real) if patcher is not None else (real,):
+        # The patcher first (the same answer, its patches made on the GPU thread: pixels.py).
+        for stand_in in [p for p in (make_patcher(real), real) if p is not None]:
             call = (stand_in, *probe.call, stand)
             try:
                 got = _called(call, pictures)

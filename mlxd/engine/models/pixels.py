@@ -98,14 +98,11 @@ class QwenPatcher:
 
 
 def make_patcher(image_processor: Any) -> QwenPatcher | None:
-    """A patcher standing in for `image_processor`, for the kinds it knows (None: another kind,
-    or one whose module lacks what the patcher calls)."""
+    """A patcher standing in for `image_processor`, for the kind it knows (None: another kind).
+    One whose mlx-vlm version lacks what the patcher calls fails the memo's check, which then
+    keeps the processor's own way."""
     kind = type(image_processor)
     if kind.__name__ != "Qwen3VLImageProcessor" or not kind.__module__.startswith("mlx_vlm."):
-        return None
-    mod = sys.modules.get(kind.__module__)
-    needed = ("_IMAGE_PROCESSOR_KWARGS", "_flatten_images", "_to_numpy_image", "_resize_video_frames")
-    if mod is None or not all(hasattr(mod, n) for n in needed) or not hasattr(image_processor, "_resolved_size"):
         return None
     try:
         return QwenPatcher(image_processor)
