@@ -72,6 +72,8 @@ class LaneStats(msgspec.Struct):
     resumed_total: int = 0  # paused rows started again
     shared_prefills: int = 0  # prefixes prefilled once for requests that started together
     shared_tokens: int = 0  # prompt tokens those requests did not prefill again
+    image_batches: int = 0  # prefills of rows with images started together, run as one batch
+    image_batch_rows: int = 0  # the rows in them
 
 
 class TokenCounts(msgspec.Struct):

@@ -125,3 +125,17 @@ def test_row_starts_say_what_mlx_lms_mask_says_through_joins_and_leaves(monkeypa
     assert [len(t) for t in got_tokens] == [3, 14, 14, 8]
     assert all(mx.allclose(a, b, atol=1e-5).item() for a, b in zip(got_logprobs, want_logprobs, strict=True))
     assert set(routed) == {1, 2, 3}  # decode steps of 1, 2 and 3 rows went through the row starts
+
+
+def test_a_qwen_vlms_modules_from_mlx_lm_and_mlx_vlm_are_both_routed(vlms: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlx_lm.models import qwen2
+    from mlx_vlm.models import base as vlm_base
+    from mlx_vlm.models.qwen2_vl import language
+
+    from mlxd.engine.models.loaded_model import LoadedModel
+
+    monkeypatch.setattr(qwen2, "scaled_dot_product_attention", base.scaled_dot_product_attention)
+    monkeypatch.setattr(language, "scaled_dot_product_attention", vlm_base.scaled_dot_product_attention)
+    view = LoadedModel(vlms["qwen2_vl"], "qwen").model  # its text twin is mlx-lm's qwen2 (models/vision.py)
+    assert da.install(view) == ["mlx_lm.models.qwen2", "mlx_vlm.models.qwen2_vl.language"]
+    assert language.scaled_dot_product_attention is not vlm_base.scaled_dot_product_attention

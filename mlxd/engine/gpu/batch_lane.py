@@ -37,7 +37,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxd.engine.cache.prefix_cache import PrefixCache, view
-from mlxd.engine.gpu import media
+from mlxd.engine.gpu import image_batch, media
 from mlxd.engine.gpu.batch_bias import batch_bias
 from mlxd.engine.gpu.job import PrefillGroup
 from mlxd.engine.gpu.sampling import make_sampling
@@ -47,7 +47,7 @@ from mlxd.engine.gpu.sharing import (
     clusters,
     join_target,
     shareable,
-    uniform_start,
+    uniform_ids,
 )
 from mlxd.engine.gpu.stats import Stats
 from mlxd.engine.models.loaded_model import LoadedModel
@@ -174,18 +174,14 @@ class BatchLane:
         for cluster in clusters([np.asarray(s.job.prompt, dtype=np.int64) for s in fresh]):
             members = [fresh[i] for i in cluster.members]
             singles += self._open_group(members, cluster.shared) if len(members) > 1 else members
-        uniform = self._uniform_starts(singles)
+        singles = image_batch.start_batches(  # rows with images the cache lacks: prefilled in batches
+            self._loaded, self._prompt_cache, singles, self._carried, self._solo_step, MAX_PREFILL_ROWS, self._stats,
+            lambda seq, kv, n: self._guarded(lambda s: self._insert_row(s, s.job.prompt, n, kv, s.job.max_tokens), seq, ended))
+        uniform = uniform_ids(self._prompt_cache, singles, self._carried)
         for seq in singles:
             self._guarded(lambda s: self._insert(s, min_share=0.0 if id(s) in uniform else MIN_CACHED_SHARE), seq,
                           ended)
         return ended
-
-    def _uniform_starts(self, seqs: list[Sequence]) -> set[int]:
-        """The ids of rows started together that may take a cached prefix under half their prompt
-        (all or none: sharing.uniform_start). Those carried from the serial lane have their own."""
-        own = [seq for seq in seqs if id(seq) not in self._carried and seq.job.media is None]
-        found = [self._prompt_cache.longest(seq.job.prompt) for seq in own] if len(own) > 1 else []  # a lone row: no scan
-        return {id(seq) for seq in own} if uniform_start(found) else set()
 
     def _cancel_arrival(self, seq: Sequence) -> Sequence:
         """An arrival whose client left before it was placed: it ends here."""

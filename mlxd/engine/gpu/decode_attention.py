@@ -250,18 +250,25 @@ def plain_causal(model: Any) -> bool:
 
 def install(model: Any, wrapper: Callable[[Callable[..., mx.array]], Callable[..., mx.array]] = wrap) -> list[str]:
     """Route the model's attention through `wrapper(mlx-lm's function)` (decode_sdpa unless
-    given: cpu_attention.py passes its own); the mlx-lm modules changed."""
-    from mlx_lm.models import base
-
+    given: cpu_attention.py passes its own); the modules changed. A vision-language model's
+    modules from mlx-vlm (its image prefill runs them) are routed the same way, from
+    mlx-vlm's own function, which takes the same arguments."""
     changed: list[str] = []
     if not plain_causal(model):
         return changed
     names = {type(m).__module__ for _, m in model.named_modules()} | {type(model).__module__}
     for name in sorted(names):
         module = sys.modules.get(name)
-        if module is None or not name.startswith("mlx_lm.models."):
-            continue
-        if getattr(module, "scaled_dot_product_attention", None) is base.scaled_dot_product_attention:
-            module.scaled_dot_product_attention = wrapper(base.scaled_dot_product_attention)  # type: ignore[attr-defined]
+        original = _original_of(name)
+        if module is not None and original is not None and getattr(module, "scaled_dot_product_attention", None) is original:
+            setattr(module, "scaled_dot_product_attention", wrapper(original))  # type: ignore[arg-type]  # noqa: B010
             changed.append(name)
     return changed
+
+
+def _original_of(name: str) -> Callable[..., mx.array] | None:
+    """The scaled_dot_product_attention a model module of mlx-lm or mlx-vlm uses (its package's base's)."""
+    for package in ("mlx_lm.models", "mlx_vlm.models"):
+        if name.startswith(package + ".") and (base := sys.modules.get(package + ".base")) is not None:
+            return getattr(base, "scaled_dot_product_attention", None)
+    return None

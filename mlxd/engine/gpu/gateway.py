@@ -134,6 +134,8 @@ class Gateway:
             resumed_total=self._stats.num_resumed,
             shared_prefills=self._stats.shared_prefills,
             shared_tokens=self._stats.shared_tokens,
+            image_batches=self._stats.image_batches,
+            image_batch_rows=self._stats.image_batch_rows,
         )
 
     def flush_cache(self, timeout_s: float) -> concurrent.futures.Future[FlushReport]:

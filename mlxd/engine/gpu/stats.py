@@ -21,6 +21,8 @@ class Stats:
     completion_tokens: int = 0
     shared_prefills: int = 0  # prefixes prefilled once for requests that started together (batch lane)
     shared_tokens: int = 0  # prompt tokens those requests did not prefill again
+    image_batches: int = 0  # batched prefills of rows with images started together (batch lane)
+    image_batch_rows: int = 0  # the rows in them
     num_paused: int = 0  # running rows paused for a more urgent request
     num_resumed: int = 0  # paused rows started again
     # The GPU thread's time at work (admitting, stepping lanes): its share of uptime is the

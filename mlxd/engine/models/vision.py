@@ -91,14 +91,23 @@ class TextView(nn.Module):
     so each row's positions are its cache offset on (a row with images had its keys shifted to
     make that true: gpu/media.py). mlx-vlm's own code would read positions from state it keeps
     on the model for the last prompt it saw, which rows of a batch cannot share.
+
+    Where one position in all three sections makes the multimodal rotation plain RoPE (a
+    Qwen2-VL's and Qwen2.5-VL's language model is a Qwen2), the lanes run mlx-lm's own model of
+    that architecture on the same weights (`text_twin`): RoPE in one kernel instead of mlx-vlm's
+    cos/sin arithmetic, and the engine's attention routing (gpu/decode_attention.py) for its
+    decode steps and prefill chunks, as for any mlx-lm model.
     """
 
     def __init__(self, vlm: nn.Module) -> None:
         super().__init__()
         self.vlm = vlm
         self._mrope = uses_mrope(vlm)
+        self._twin = text_twin(vlm)  # a child (its modules are the model's) but no parameters of its own
 
     def __call__(self, inputs: mx.array, cache: Any = None, **_: Any) -> mx.array:
+        if self._twin is not None:
+            return self._twin(inputs, cache=cache)
         lm = self.vlm.language_model
         if not self._mrope:
             return lm(inputs, cache=cache).logits
@@ -129,6 +138,43 @@ class TextView(nn.Module):
             else:
                 raise ValueError(f"this model's {type(c).__name__} layers are not served yet")
         return made
+
+
+# mlx-vlm model types whose language model is mlx-lm's Qwen2 but for its multimodal rotation.
+QWEN2_TEXT = ("qwen2_vl", "qwen2_5_vl")
+
+
+def text_twin(vlm: nn.Module) -> nn.Module | None:
+    """mlx-lm's Qwen2 on the language model's own weights (shared, not copied: their dtype
+    too), quantized as they are, for a Qwen2-VL or Qwen2.5-VL; None for other models, or where
+    the two models' parameters do not match name for name and shape for shape."""
+    if getattr(vlm.config, "model_type", None) not in QWEN2_TEXT:
+        return None
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.models import qwen2
+
+    text = vlm.config.text_config
+    try:
+        twin = qwen2.Model(qwen2.ModelArgs(
+            model_type="qwen2", hidden_size=text.hidden_size, num_hidden_layers=text.num_hidden_layers,
+            intermediate_size=text.intermediate_size, num_attention_heads=text.num_attention_heads,
+            rms_norm_eps=text.rms_norm_eps, vocab_size=text.vocab_size, num_key_value_heads=text.num_key_value_heads,
+            max_position_embeddings=text.max_position_embeddings or 32768, rope_theta=text.rope_theta,
+            rope_traditional=False, rope_scaling=None, tie_word_embeddings=text.tie_word_embeddings))
+    except (TypeError, ValueError, AttributeError):
+        return None
+    lm = vlm.language_model
+    quantized = {name: m for name, m in lm.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
+    if quantized:
+        nn.quantize(twin, class_predicate=lambda path, _: (
+            {"group_size": q.group_size, "bits": q.bits, "mode": q.mode} if (q := quantized.get(path)) else False))
+    flat: Callable[[Any], list[tuple[str, Any]]] = tree_flatten  # type: ignore[assignment]
+    weights = {k: v for k, v in flat(lm.parameters()) if ".rotary_emb." not in k}
+    wanted = dict(flat(twin.parameters()))
+    if wanted.keys() != weights.keys() or any(wanted[k].shape != weights[k].shape for k in wanted):
+        return None
+    twin.update(tree_unflatten(list(weights.items())))
+    return twin
 
 
 @dataclass(frozen=True, slots=True)

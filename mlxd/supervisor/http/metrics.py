@@ -110,6 +110,11 @@ def lane_families(lanes: list[tuple[str, LaneStats]]) -> Iterator[Any]:
             labels=["model"]),
         "shared_tokens": CounterMetricFamily(
             "mlxd_engine_shared_prefill_tokens", "Prompt tokens those requests did not prefill again.", labels=["model"]),
+        "image_batches": CounterMetricFamily(
+            "mlxd_engine_image_batches", "Prefills of rows with images started together, run as one batch.",
+            labels=["model"]),
+        "image_batch_rows": CounterMetricFamily(
+            "mlxd_engine_image_batch_rows", "Rows with images prefilled in those batches.", labels=["model"]),
     }
     for model, lane in lanes:
         width.add_metric([model], lane.width)

@@ -1,0 +1,73 @@
+"""Rows with images that start together prefill as one batch in a real engine: their vision
+towers and prompts at once (engine/gpu/image_batch.py), each answering as it does alone.
+
+The requests are made to start in one turn as in test_shared_prefill.py: a text stream holds
+the engine's KV budget while they queue, and leaves once all of them wait.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+from tests.integration.test_vision import image_message, png
+from tests.support import engine_client, lanes, running_engine, wait_for
+
+MAX_TOKENS = 10
+
+
+def no_eos(model: Path) -> dict[str, float]:
+    ids = json.loads((model / "generation_config.json").read_text())["eos_token_id"]
+    return {str(i): -100.0 for i in (ids if isinstance(ids, list) else [ids])}
+
+
+def chat(engine: Any, messages: list[dict[str, Any]], bias: dict[str, float]) -> dict[str, Any]:
+    body = {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, "logit_bias": bias}
+    with engine_client(engine) as c:
+        resp = c.post("/v1/chat/completions", json=body)
+        return {"status": resp.status_code, **resp.json()}
+
+
+def hold_until(engine: Any, bias: dict[str, float], leave: threading.Event, ready: threading.Event) -> None:
+    """A long text stream that books nearly all of a small KV budget; it leaves on `leave`."""
+    budget = lanes(engine)["kv_budget_tokens"]
+    body = {"prompt": "x", "max_tokens": budget - 4, "temperature": 0, "logit_bias": bias, "stream": True}
+    with engine_client(engine) as c, c.stream("POST", "/v1/completions", json=body) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                ready.set()
+            if leave.is_set():
+                return
+
+
+def test_image_rows_started_together_prefill_as_one_batch_and_answer_as_alone(vlms: dict[str, Path]) -> None:
+    model = vlms["qwen2_vl"]
+    bias = no_eos(model)
+    sent = [image_message(png(30), "What is it?"), image_message(png(31, 140, 90), "Name its colours, please, in order."),
+            image_message(png(32)), [{"role": "user", "content": "A text row among them."}]]
+    with running_engine(model, "qwen", "--batch", "8", "--prompt-cache-bytes", "0") as engine:
+        expected = [chat(engine, m, bias) for m in sent]
+        assert [a["status"] for a in expected] == [200] * 4, expected
+        alone_lanes = lanes(engine)
+    assert alone_lanes["image_batches"] == 0
+    need = sum(a["usage"]["prompt_tokens"] + MAX_TOKENS for a in expected) + 8
+    with running_engine(model, "qwen", "--batch", "8", "--prompt-cache-bytes", "0",
+                        "--kv-budget-tokens", str(need)) as engine:
+        leave, ready = threading.Event(), threading.Event()
+        pool = cf.ThreadPoolExecutor(len(sent) + 1)
+        pool.submit(hold_until, engine, bias, leave, ready)
+        assert ready.wait(60), engine.log()
+        futures = [pool.submit(chat, engine, m, bias) for m in sent]
+        wait_for(lambda: lanes(engine)["waiting"] == len(sent), 60, message=lambda: str(lanes(engine)))
+        leave.set()
+        together = [f.result() for f in futures]
+        pool.shutdown()
+        after = lanes(engine)
+    assert [a["status"] for a in together] == [200] * 4, together
+    assert [a["choices"][0]["message"]["content"] for a in together] == \
+        [a["choices"][0]["message"]["content"] for a in expected]
+    assert [a["usage"] for a in together] == [a["usage"] for a in expected]
+    assert (after["image_batches"], after["image_batch_rows"]) == (1, 3), (after, [a["usage"] for a in expected])
