@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -463,3 +464,33 @@ def fake_supervisor(root: Path, mode: str = "ok", model_config: str = "", *, con
     (model / "model.safetensors").write_bytes(b"")
     toml = f'{config}\n[models.fake]\npath = "{model}"\n{model_config}'
     return SupervisorProcess(toml, root / "data", env={**FAKE_ENGINE_ENV, "MLXD_FAKE_MODE": mode, **env}).wait_up()
+
+
+def hold_until(engine: EngineProcess, leave: threading.Event, ready: threading.Event,
+               bias: dict[str, float] | None = None) -> None:
+    """A long text stream that books nearly all of a small KV budget (EOS biased away: NO_EOS,
+    the tiny model's, unless `bias`); it sets `ready` once it streams, and its client leaves on
+    `leave` (leaving the block drops the connection: the engine frees its row)."""
+    budget = lanes(engine)["kv_budget_tokens"]
+    body = {"prompt": "x", "max_tokens": budget - 4, "temperature": 0, "logit_bias": bias or NO_EOS, "stream": True}
+    with engine_client(engine) as c, c.stream("POST", "/v1/completions", json=body) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                ready.set()
+            if leave.is_set():
+                return
+
+
+def start_in_one_turn(engine: EngineProcess, calls: list[Callable[[], T]],
+                      bias: dict[str, float] | None = None) -> list[concurrent.futures.Future[T]]:
+    """Make `calls` (requests to `engine`) start in one turn: sent while a blocker (hold_until)
+    holds the KV budget; once all of them wait, the blocker leaves. Their futures."""
+    leave, ready = threading.Event(), threading.Event()
+    pool = concurrent.futures.ThreadPoolExecutor(len(calls) + 1)
+    pool.submit(hold_until, engine, leave, ready, bias)
+    assert ready.wait(60), engine.log()
+    futures = [pool.submit(call) for call in calls]
+    wait_for(lambda: lanes(engine)["waiting"] == len(calls), 60, message=lambda: str(lanes(engine)))
+    leave.set()
+    pool.shutdown(wait=False)
+    return futures

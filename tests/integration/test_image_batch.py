@@ -1,20 +1,19 @@
 """Rows with images that start together prefill as one batch in a real engine: their vision
 towers and prompts at once (engine/gpu/image_batch.py), each answering as it does alone.
 
-The requests are made to start in one turn as in test_shared_prefill.py: a text stream holds
+The requests are made to start in one turn (support.start_in_one_turn): a text stream holds
 the engine's KV budget while they queue, and leaves once all of them wait.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
+import functools
 import json
-import threading
 from pathlib import Path
 from typing import Any
 
 from tests.integration.test_vision import image_message, png
-from tests.support import engine_client, lanes, running_engine, wait_for
+from tests.support import engine_client, lanes, running_engine, start_in_one_turn
 
 MAX_TOKENS = 10
 
@@ -31,18 +30,6 @@ def chat(engine: Any, messages: list[dict[str, Any]], bias: dict[str, float]) ->
         return {"status": resp.status_code, **resp.json()}
 
 
-def hold_until(engine: Any, bias: dict[str, float], leave: threading.Event, ready: threading.Event) -> None:
-    """A long text stream that books nearly all of a small KV budget; it leaves on `leave`."""
-    budget = lanes(engine)["kv_budget_tokens"]
-    body = {"prompt": "x", "max_tokens": budget - 4, "temperature": 0, "logit_bias": bias, "stream": True}
-    with engine_client(engine) as c, c.stream("POST", "/v1/completions", json=body) as resp:
-        for line in resp.iter_lines():
-            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
-                ready.set()
-            if leave.is_set():
-                return
-
-
 def test_image_rows_started_together_prefill_as_one_batch_and_answer_as_alone(vlms: dict[str, Path]) -> None:
     model = vlms["qwen2_vl"]
     bias = no_eos(model)
@@ -56,15 +43,8 @@ def test_image_rows_started_together_prefill_as_one_batch_and_answer_as_alone(vl
     need = sum(a["usage"]["prompt_tokens"] + MAX_TOKENS for a in expected) + 8
     with running_engine(model, "qwen", "--batch", "8", "--prompt-cache-bytes", "0",
                         "--kv-budget-tokens", str(need)) as engine:
-        leave, ready = threading.Event(), threading.Event()
-        pool = cf.ThreadPoolExecutor(len(sent) + 1)
-        pool.submit(hold_until, engine, bias, leave, ready)
-        assert ready.wait(60), engine.log()
-        futures = [pool.submit(chat, engine, m, bias) for m in sent]
-        wait_for(lambda: lanes(engine)["waiting"] == len(sent), 60, message=lambda: str(lanes(engine)))
-        leave.set()
+        futures = start_in_one_turn(engine, [functools.partial(chat, engine, m, bias) for m in sent], bias)
         together = [f.result() for f in futures]
-        pool.shutdown()
         after = lanes(engine)
     assert [a["status"] for a in together] == [200] * 4, together
     assert [a["choices"][0]["message"]["content"] for a in together] == \

@@ -9,7 +9,7 @@ one by one on an engine without a prompt cache.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
+import functools
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,13 +19,14 @@ import pytest
 
 from tests.support import (
     FAULTY_ENGINE,
-    NO_EOS,
     EngineProcess,
     complete,
     engine_client,
     engine_env,
+    hold_until,
     lanes,
     running_engine,
+    start_in_one_turn,
     text_of,
     wait_for,
 )
@@ -62,30 +63,9 @@ def budget_for(answers: list[dict[str, Any]], fits: int) -> int:
     return sum(a["usage"]["prompt_tokens"] + MAX_TOKENS for a in answers[:fits]) + 8
 
 
-def hold_until(engine: EngineProcess, leave: threading.Event, ready: threading.Event) -> None:
-    """A long stream that books nearly all of a small KV budget; its client leaves on `leave`."""
-    budget = lanes(engine)["kv_budget_tokens"]
-    body = {"prompt": "x", "max_tokens": budget - 4, "temperature": 0, "logit_bias": NO_EOS, "stream": True}
-    with engine_client(engine) as c, c.stream("POST", "/v1/completions", json=body) as resp:
-        for line in resp.iter_lines():
-            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
-                ready.set()
-            if leave.is_set():
-                return  # leaving the block drops the connection: the engine frees its row
-
-
 def held_back(engine: EngineProcess, sent: list[dict[str, Any]]) -> list[Any]:
-    """Send `sent` while a blocker holds the KV budget; once all of them wait, the blocker
-    leaves and they start in one turn. The futures of their answers."""
-    leave, ready = threading.Event(), threading.Event()
-    pool = cf.ThreadPoolExecutor(len(sent) + 1)
-    pool.submit(hold_until, engine, leave, ready)
-    assert ready.wait(60), engine.log()
-    futures = [pool.submit(complete, engine, **b) for b in sent]
-    wait_for(lambda: lanes(engine)["waiting"] == len(sent), 60, message=lambda: str(lanes(engine)))
-    leave.set()
-    pool.shutdown(wait=False)
-    return futures
+    """`sent` started in one turn (support.start_in_one_turn): the futures of their answers."""
+    return start_in_one_turn(engine, [functools.partial(complete, engine, **b) for b in sent])
 
 
 def together_and_alone(tiny_model: Path, alone: EngineProcess, sent: list[dict[str, Any]], fits: int
