@@ -51,3 +51,49 @@ def test_image_rows_started_together_prefill_as_one_batch_and_answer_as_alone(vl
         [a["choices"][0]["message"]["content"] for a in expected]
     assert [a["usage"] for a in together] == [a["usage"] for a in expected]
     assert (after["image_batches"], after["image_batch_rows"]) == (1, 3), (after, [a["usage"] for a in expected])
+
+
+def test_a_batch_that_fails_starts_its_rows_one_by_one(
+    vlms: dict[str, Path], closed_loop: Any, monkeypatch: Any,
+) -> None:
+    """In process: a batch lane given three image rows in one turn; when the batched prefill
+    raises, each row starts alone and answers as with no batch at all."""
+    from mlxd.engine.cache.prefix_cache import PrefixCache
+    from mlxd.engine.gpu import image_batch
+    from mlxd.engine.gpu.batch_lane import BatchLane
+    from mlxd.engine.gpu.job import Job, SamplingParams
+    from mlxd.engine.gpu.sequence import Sequence
+    from mlxd.engine.gpu.stats import Stats
+    from mlxd.engine.gpu.ticket import Ticket
+    from mlxd.engine.models.image_memo import PromptMedia
+    from mlxd.engine.models.loaded_model import LoadedModel
+    from mlxd.engine.models.vision import Image
+
+    loaded = LoadedModel(vlms["qwen2_vl"], "qwen")
+
+    def run(stats: Stats) -> list[list[int]]:
+        lane = BatchLane(loaded, stats, 64, 4, PrefixCache(0))
+        seqs = []
+        for seed in (40, 41, 42):
+            messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+            prompt, prompt_media = loaded.media_prompt(messages, None, None, PromptMedia.decoded([Image.of(png(seed))]))
+            job = Job(prompt, 6, SamplingParams(temperature=0.0), [], Ticket(closed_loop), media=prompt_media)
+            seqs.append(Sequence(job, loaded.tokenizer, set()))  # no EOS: each runs to max_tokens
+            lane.admit(seqs[-1])
+        ended: list[Any] = []
+        while len(ended) < 3:
+            ended += lane.step()
+        assert all(seq.finish_reason == "length" for seq in seqs)
+        return [seq.generated for seq in seqs]
+
+    batched_stats = Stats()
+    batched = run(batched_stats)
+    assert (batched_stats.image_batches, batched_stats.image_batch_rows) == (1, 3)
+
+    def broken(*_: Any) -> Any:
+        raise RuntimeError("out of memory, say")
+
+    monkeypatch.setattr(image_batch, "start_rows", broken)
+    failed_stats = Stats()
+    assert run(failed_stats) == batched
+    assert failed_stats.image_batches == 0
