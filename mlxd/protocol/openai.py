@@ -29,6 +29,7 @@ TokenCount = Annotated[int, Meta(ge=1, le=INT32_MAX)]
 TopK = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 NumChoices = Annotated[int, Meta(ge=1, le=128)]
+AdapterSpec = Annotated[str, Meta(max_length=1024)]
 Priority = Annotated[int, Meta(ge=-INT32_MAX - 1, le=INT32_MAX)]  # lower runs sooner (vLLM's field)
 Stop = Annotated[str, Meta(max_length=MAX_STOP_CHARS)]
 
@@ -65,6 +66,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     n: NumChoices = 1
     user: str | None = None
     priority: Priority | None = None  # None: the key's default (process.PRIORITY_HEADER), else 0
+    adapter: AdapterSpec | None = None  # mlxd's: a LoRA adapter id, "a+b" to stack, "none" for the base
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):

@@ -15,6 +15,7 @@ HEALTH_PATH = "/health"
 STATS_PATH = "/admin/stats"
 DRAIN_PATH = "/admin/drain"
 LEASE_PATH = "/admin/lease"
+ADAPTERS_PATH = "/admin/adapters"  # GET the mounted adapters, POST one to mount, DELETE .../{id}
 
 # `python -m mlxd.engine --spare`: import everything, print SPARE_READY, then read the real
 # command line (a JSON list) from stdin.
@@ -26,6 +27,9 @@ LEASE_HEADER = "X-MLXD-Lease"
 # The default `priority` of a request whose body sets none (the key's, `[server] key_priorities`),
 # from the supervisor to the engine.
 PRIORITY_HEADER = "X-MLXD-Priority"
+# The adapter stack a request runs under, as the supervisor resolved it ("a+b", or "none"); over
+# the body's `adapter`, which the supervisor may have read from a `base:adapter` model id.
+ADAPTER_HEADER = "X-MLXD-Adapter"
 
 # Seconds between SSE comments to a stream still waiting for its first token. The supervisor
 # sets it from `server.stream_keepalive_s` (unless set already); engines inherit it.
@@ -62,6 +66,32 @@ class LeaseLine(msgspec.Struct, omit_defaults=True):
     status: Literal["held"]
     token: str | None = None
     holder: str | None = None
+
+
+AdapterId = Annotated[str, msgspec.Meta(min_length=1, max_length=200, pattern=r"^[^+\s/:][^+\s/:]*$")]
+
+
+class AdapterMount(msgspec.Struct, forbid_unknown_fields=True):
+    """Body of the engine's POST /admin/adapters: read the adapter dir at `path` as `id`."""
+
+    id: AdapterId
+    path: str
+
+
+class AdapterInfo(msgspec.Struct):
+    """One adapter mounted on an engine (its /admin/adapters answer lists them)."""
+
+    id: str
+    path: str
+    kind: str  # "lora" | "dora"
+    rank: int
+    scale: float
+    layers: int  # the model's layers it adapts
+    size_bytes: int
+
+
+class AdapterList(msgspec.Struct):
+    adapters: list[AdapterInfo]
 
 
 class DrainResult(msgspec.Struct):

@@ -74,6 +74,9 @@ class LaneStats(msgspec.Struct):
     shared_tokens: int = 0  # prompt tokens those requests did not prefill again
     image_batches: int = 0  # prefills of rows with images started together, run as one batch
     image_batch_rows: int = 0  # the rows in them
+    adapters: int = 0  # LoRA adapters mounted
+    adapter_bytes: int = 0  # their weights' memory
+    adapter_mixed_passes: int = 0  # forward passes whose rows ran under different adapters
 
 
 class TokenCounts(msgspec.Struct):

@@ -38,6 +38,7 @@ from mlxd.engine.cache.ssd_tier import DiskEntry, SsdTier, WriteJob, Writer, is_
 from mlxd.protocol.stats import CacheHits, PromptCacheStats, RamTierStats
 
 log = logging.getLogger("mlxd.engine")
+Tokens = list[int] | np.ndarray  # a prompt, or its key (gpu/media.cache_key: images and adapters by digest)
 
 
 @dataclass(slots=True, eq=False)
@@ -210,7 +211,7 @@ class PrefixCache:
 
     # --- lookups -------------------------------------------------------------------------------
 
-    def fetch(self, prompt: list[int], min_share: float = 0.0) -> tuple[list[Any] | None, int]:
+    def fetch(self, prompt: Tokens, min_share: float = 0.0) -> tuple[list[Any] | None, int]:
         """A cache holding the longest cached prefix of `prompt`, and its length; (None, 0) on a
         miss. At least one prompt token is left to run (its logits give the first new token).
         A prefix covering less than `min_share` of the prompt is not used."""
@@ -234,11 +235,11 @@ class PrefixCache:
         self.stats.tokens_reused += best_n
         return view(entry.kv, best_n), best_n
 
-    def longest(self, prompt: list[int]) -> int:
+    def longest(self, prompt: Tokens) -> int:
         """How many of `prompt`'s tokens a fetch would serve now (RAM or SSD), counting nothing."""
         return self._best(prompt)[1]
 
-    def _best(self, prompt: list[int]) -> tuple[Entry | DiskEntry | None, int]:
+    def _best(self, prompt: Tokens) -> tuple[Entry | DiskEntry | None, int]:
         """The entry, in RAM or on SSD, sharing the longest usable prefix with `prompt`, and its length."""
         query = np.asarray(prompt, dtype=np.int64)
         limit = len(prompt) - 1
@@ -282,7 +283,7 @@ class PrefixCache:
 
     # --- stores --------------------------------------------------------------------------------
 
-    def store(self, kv: list[Any], tokens: list[int]) -> None:
+    def store(self, kv: list[Any], tokens: Tokens) -> None:
         """Keep `kv`, which holds KV for a prefix of `tokens` (its offset says how much). The
         caller gives `kv` up. Entries that are prefixes of it (and can be cut) are dropped."""
         if self.cap_bytes <= 0 or not kv:

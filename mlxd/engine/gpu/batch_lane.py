@@ -37,18 +37,12 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxd.engine.cache.prefix_cache import PrefixCache, view
-from mlxd.engine.gpu import image_batch, media
+from mlxd.engine.gpu import adapter_rows, image_batch, media
 from mlxd.engine.gpu.batch_bias import batch_bias
 from mlxd.engine.gpu.job import PrefillGroup
 from mlxd.engine.gpu.sampling import make_sampling
 from mlxd.engine.gpu.sequence import Sequence
-from mlxd.engine.gpu.sharing import (
-    MIN_SHARED_TOKENS,
-    clusters,
-    join_target,
-    shareable,
-    uniform_ids,
-)
+from mlxd.engine.gpu.sharing import MIN_SHARED_TOKENS, clusters, join_target, shareable, uniform_ids
 from mlxd.engine.gpu.stats import Stats
 from mlxd.engine.models.loaded_model import LoadedModel
 
@@ -93,6 +87,7 @@ class BatchLane:
             prefill_step_size=self._prefill_step,
         )
         batch_bias(gen)
+        adapter_rows.attach(gen, self._loaded.adapters, lambda uid: r.job.adapters if (r := self._rows.get(uid)) else ())
         return gen
 
     @property
@@ -130,17 +125,18 @@ class BatchLane:
     def has_arrivals(self) -> bool:
         return bool(self._arrivals)
 
-    def shares_with_arrivals(self, prompt: list[int]) -> bool:
-        """Whether `prompt` shares a prefix worth one prefill with a request started this turn
-        (more of it than that request's own start would take from the prompt cache)."""
-        mine = np.asarray(prompt, dtype=np.int64)
-        return any(self._gains(shareable(mine, np.asarray(seq.job.prompt, dtype=np.int64)), seq)
+    def shares_with_arrivals(self, key: Any) -> bool:
+        """Whether a prompt (its cache key: media.cache_key) shares a prefix worth one prefill
+        with a request started this turn (more of it than that request's own start would take
+        from the prompt cache)."""
+        mine = np.asarray(key, dtype=np.int64)
+        return any(self._gains(shareable(mine, media.prompt_key(seq)), seq)
                    for seq in self._arrivals if not seq.generated and seq.job.media is None)
 
     def _own_start(self, seq: Sequence) -> int:
         """The prompt tokens `seq` would take from the prompt cache as a row of its own (_insert)."""
         prompt = seq.job.prompt
-        n = self._prompt_cache.longest(prompt)
+        n = self._prompt_cache.longest(media.prompt_key(seq))
         return n if n >= MIN_CACHED_SHARE * len(prompt) else 0
 
     def _gains(self, shared: int, seq: Sequence) -> bool:
@@ -171,13 +167,13 @@ class BatchLane:
                 singles.append(seq)  # prefilled from its images' embeddings: shares no prefill
             elif id(seq) in self._carried or not self._join(seq):
                 fresh.append(seq)
-        for cluster in clusters([np.asarray(s.job.prompt, dtype=np.int64) for s in fresh]):
+        for cluster in clusters([media.prompt_key(s) for s in fresh]):  # rows under other adapters share nothing
             members = [fresh[i] for i in cluster.members]
             singles += self._open_group(members, cluster.shared) if len(members) > 1 else members
         singles = image_batch.start_batches(  # rows with images the cache lacks: prefilled in batches
             self._loaded, self._prompt_cache, singles, self._carried, self._solo_step, MAX_PREFILL_ROWS, self._stats,
             lambda seq, kv, n: self._guarded(lambda s: self._insert_row(s, s.job.prompt, n, kv, s.job.max_tokens), seq, ended))
-        uniform = uniform_ids(self._prompt_cache, singles, self._carried)
+        uniform = uniform_ids(self._prompt_cache, singles, self._carried, media.prompt_key)
         for seq in singles:
             self._guarded(lambda s: self._insert(s, min_share=0.0 if id(s) in uniform else MIN_CACHED_SHARE), seq,
                           ended)
@@ -228,7 +224,8 @@ class BatchLane:
             return
         kv, cached = media.lookup(self._prompt_cache, job, job.prompt, min_share)
         seq.start(cached)
-        kv, done = media.complete(self._loaded, job, job.prompt, kv, cached, self._solo_step)
+        with self._loaded.adapters.one(job.adapters):
+            kv, done = media.complete(self._loaded, job, job.prompt, kv, cached, self._solo_step)
         self._insert_row(seq, job.prompt, done, kv, job.max_tokens)
 
     def _insert_row(self, seq: Sequence, tokens: list[int], n: int, kv: list[Any] | None, max_tokens: int) -> None:
@@ -250,7 +247,8 @@ class BatchLane:
         there), the rest prefilled again, then its next token as if it had never stopped."""
         history = seq.history
         kv, n = media.lookup(self._prompt_cache, seq.job, history)
-        kv, n = media.complete(self._loaded, seq.job, history, kv, n, self._solo_step)
+        with self._loaded.adapters.one(seq.job.adapters):
+            kv, n = media.complete(self._loaded, seq.job, history, kv, n, self._solo_step)
         self._insert_row(seq, history, n, kv, seq.job.max_tokens - len(seq.generated))
         self._stats.num_resumed += 1
 
@@ -270,7 +268,7 @@ class BatchLane:
             group = PrefillGroup(0, shared, kv, done, min(lead.cached, done), shared=True)
             joining.insert(0, lead)
         else:
-            prefix = joining[0].job.prompt[:shared + 1]  # a fetch leaves one token to run
+            prefix = media.prompt_key(joining[0])[:shared + 1]  # a fetch leaves one token to run
             if shared - self._prompt_cache.longest(prefix) < MIN_SHARED_TOKENS:
                 return members  # the cache holds nearly all of it: too little left to share
             fetched, cached = self._prompt_cache.fetch(prefix)
@@ -283,11 +281,11 @@ class BatchLane:
 
     def _join(self, seq: Sequence) -> bool:
         """A latecomer joins a shared prefill under way that it shares enough with."""
-        prompt = np.asarray(seq.job.prompt, dtype=np.int64)
+        prompt = media.prompt_key(seq)
         for group in self._groups:
             if not group.shared or not group.waiting or group.is_prefilled:
                 continue
-            first = np.asarray(group.waiting[0].job.prompt[:group.target], dtype=np.int64)
+            first = media.prompt_key(group.waiting[0])[:group.target]
             target = join_target(first, group.target, group.done, prompt)
             if target is not None and self._gains(target, seq):
                 group.target = target
@@ -301,7 +299,7 @@ class BatchLane:
             self._start_choice(seq, group)
             return
         if group.kv is None:
-            kv, group.cached = self._prompt_cache.fetch(seq.job.prompt)
+            kv, group.cached = media.lookup(self._prompt_cache, seq.job, seq.job.prompt)
             group.kv, group.done = kv if kv is not None else self._fresh_cache(), group.cached
         group.waiting.append(seq)
         if group not in self._groups:
@@ -338,7 +336,7 @@ class BatchLane:
                 # the prompt cache (a client that retries finds it).
                 self._groups.remove(group)
                 if group.shared and gone:
-                    self._keep(group, gone[0].job.prompt)
+                    self._keep(group, gone[0])
         if not self._groups:
             return ended
         group = self._groups[0]
@@ -347,27 +345,29 @@ class BatchLane:
                 assert group.kv is not None
                 step = self._chunk()
                 end = min((group.done // step + 1) * step, group.target)  # chunks end at multiples of it
-                self._loaded.model(mx.array(group.waiting[0].job.prompt[group.done:end])[None], cache=group.kv)
+                lead = group.waiting[0].job
+                with self._loaded.adapters.one(lead.adapters):  # its members all run under them
+                    self._loaded.model(mx.array(lead.prompt[group.done:end])[None], cache=group.kv)
                 mx.eval([c.state for c in group.kv])
                 group.done = end
             if group.is_prefilled:
                 self._groups.remove(group)
-                prompt = group.waiting[0].job.prompt
+                lead = group.waiting[0]
                 for seq in group.waiting:
                     self._start_choice(seq, group)
                 group.waiting.clear()
                 if group.shared:
-                    self._keep(group, prompt)
+                    self._keep(group, lead)
         except Exception as exc:
             log.error("prefill of a shared prompt failed:\n%s", traceback.format_exc())
             ended += self._fail_group(group, f"generation failed: {type(exc).__name__}: {exc}", "generation_failed")
         return ended
 
-    def _keep(self, group: PrefillGroup, prompt: list[int]) -> None:
+    def _keep(self, group: PrefillGroup, member: Sequence) -> None:
         """A shared prefix's KV goes to the prompt cache (one arriving later starts from it)."""
         kv, group.kv = group.kv, None
-        if kv is not None and group.done > group.cached and len(prompt) >= group.done:
-            self._prompt_cache.store(kv, prompt)
+        if kv is not None and group.done > group.cached and len(member.job.prompt) >= group.done:
+            self._prompt_cache.store(kv, media.prompt_key(member))
 
     def _fail_group(self, group: PrefillGroup, message: str, code: str) -> list[Sequence]:
         if group in self._groups:

@@ -20,6 +20,7 @@ import traceback
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from mlxd.engine.cache.prefix_cache import FlushReport, PrefixCache
 from mlxd.engine.gpu.job import Job
@@ -59,8 +60,17 @@ class Flush:
     done: concurrent.futures.Future[FlushReport] = field(default_factory=concurrent.futures.Future)
 
 
+@dataclass(frozen=True, slots=True)
+class Call:
+    """Inbox command: run `fn` on the GPU thread between turns (mounting an adapter); its result
+    or exception goes to `done`."""
+
+    fn: Callable[[], Any]
+    done: concurrent.futures.Future[Any] = field(default_factory=concurrent.futures.Future)
+
+
 # What the loop thread sends the GPU thread (a Sequence: a job, made when it was submitted).
-Command = Sequence | Stop | Flush
+Command = Sequence | Stop | Flush | Call
 # While the SSD writer holds a write-behind entry and more wait, the idle GPU thread checks
 # this often whether it can hand over the next.
 WRITER_POLL_S = 0.05
@@ -136,6 +146,7 @@ class Gateway:
             shared_tokens=self._stats.shared_tokens,
             image_batches=self._stats.image_batches,
             image_batch_rows=self._stats.image_batch_rows,
+            **_adapter_stats(self.loaded),
         )
 
     def flush_cache(self, timeout_s: float) -> concurrent.futures.Future[FlushReport]:
@@ -146,6 +157,16 @@ class Gateway:
             answer(command.done, FlushReport())
         else:
             self._inbox.put(command)  # the caller bounds its wait: a thread ending now never answers
+        return command.done
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        """Loop thread: run `fn` on the GPU thread before its next turn; the future gets what it
+        returns or raises (503 when the engine is not serving)."""
+        command = Call(fn)
+        if not self.is_serving:
+            command.done.set_exception(APIError(503, STOPPING.message, type="server_error", code=STOPPING.code))
+        else:
+            self._inbox.put(command)
         return command.done
 
     def submit(self, job: Job) -> None:
@@ -239,6 +260,8 @@ class Gateway:
                     stop = True
                 elif isinstance(command, Flush):
                     self._flush(command, skip=stop)
+                elif isinstance(command, Call):
+                    _run_call(command, skip=stop)
                 else:
                     runner.enqueue(command)  # after a Stop: answered by _fail_queued
             if stop:
@@ -338,3 +361,27 @@ class Gateway:
                 command.abandon(STOPPING)
             elif isinstance(command, Flush):
                 answer(command.done, FlushReport(complete=False))
+            elif isinstance(command, Call):
+                _run_call(command, skip=True)
+
+
+def _adapter_stats(loaded: LoadedModel | None) -> dict[str, int]:
+    bank = loaded.adapters if loaded is not None else None
+    if bank is None:
+        return {}
+    mounted = list(bank.mounted.values())
+    return {"adapters": len(mounted), "adapter_bytes": sum(a.nbytes for a in mounted),
+            "adapter_mixed_passes": bank.mixed_passes}
+
+
+def _run_call(command: Call, skip: bool) -> None:
+    """Run a Call's function (`skip`: the thread is ending; answer 503) into its future."""
+    if not command.done.set_running_or_notify_cancel():
+        return
+    if skip:
+        command.done.set_exception(APIError(503, STOPPING.message, type="server_error", code=STOPPING.code))
+        return
+    try:
+        command.done.set_result(command.fn())
+    except Exception as exc:  # the caller decides what it means
+        command.done.set_exception(exc)

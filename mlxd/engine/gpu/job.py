@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxd.engine.gpu.ticket import Ticket
+from mlxd.engine.models.adapter_bank import Stack
 from mlxd.engine.models.vision import MediaPrompt
 
 
@@ -64,3 +65,4 @@ class Job:
     group: PrefillGroup | None = None  # a choice of an n > 1 request: its prompt is prefilled once
     priority: int = 0  # lower starts sooner; equal ones in the order they came (the scheduler's queue)
     media: MediaPrompt | None = None  # the prompt's images (gpu/media.py), for a vision-language model
+    adapters: Stack = ()  # the LoRA adapters it runs under (models/adapter_bank.py); () the base model

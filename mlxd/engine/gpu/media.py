@@ -29,14 +29,26 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxd.engine.cache.prefix_cache import PrefixCache
 from mlxd.engine.gpu.job import Job
+from mlxd.engine.models.adapter_bank import namespace
 from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.engine.models.pixels import PatchedPixels
 from mlxd.engine.models.vision import MediaPrompt, uses_mrope
 
 
 def cache_key(job: Job, tokens: list[int]) -> Any:
-    """The prompt cache's key for `tokens` (the job's prompt or history)."""
-    return job.media.key(tokens) if job.media is not None else tokens
+    """The prompt cache's key for `tokens` (the job's prompt or history): images by their
+    digest (MediaPrompt.key), and under adapters the first token by theirs (so rows under other
+    adapters share nothing with it, in the cache or in a shared prefill)."""
+    key = job.media.key(tokens) if job.media is not None else tokens
+    if job.adapters and len(key):
+        key = np.array(key, dtype=np.int64)
+        key[0] = namespace(job.adapters, int(key[0]))
+    return key
+
+
+def prompt_key(seq: Any) -> np.ndarray:
+    """A Sequence's prompt as the prompt cache and shared prefills know it (`cache_key`)."""
+    return np.asarray(cache_key(seq.job, seq.job.prompt), dtype=np.int64)
 
 
 def lookup(cache: PrefixCache, job: Job, tokens: list[int], min_share: float = 0.0) -> tuple[list[Any] | None, int]:
@@ -44,7 +56,7 @@ def lookup(cache: PrefixCache, job: Job, tokens: list[int], min_share: float = 0
     none) and length. A job with images asks by its key, and takes any prefix (`complete` runs
     the rest of its prompt at once, whatever the cache gave)."""
     if job.media is None:
-        return cache.fetch(tokens, min_share=min_share)
+        return cache.fetch(cache_key(job, tokens), min_share=min_share)
     return cache.fetch(cache_key(job, tokens), min_share=0.0)
 
 
@@ -71,7 +83,7 @@ def store(cache: PrefixCache, loaded: LoadedModel, job: Job, kv: list[Any], toke
     """A row's KV (lane positions) into the prompt cache (the model's positions), under its key."""
     media = job.media
     if media is None:
-        cache.store(kv, tokens)
+        cache.store(kv, cache_key(job, tokens))
         return
     delta = media.rope_delta or 0
     cache.store(shift(kv, delta, loaded) if delta else kv, cache_key(job, tokens))

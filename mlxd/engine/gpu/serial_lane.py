@@ -77,7 +77,8 @@ class SerialLane:
             self._stats.num_resumed += 1
         else:
             seq.start(cached)
-        kv, done = media.complete(self._loaded, seq.job, tokens, kv, cached, self._prefill_step)
+        with self._loaded.adapters.one(seq.job.adapters):
+            kv, done = media.complete(self._loaded, seq.job, tokens, kv, cached, self._prefill_step)
         self._seq, self._tokens, self._done = seq, tokens, done
         self._kv = kv if kv is not None else list(make_prompt_cache(self._loaded.model))
 
@@ -89,12 +90,14 @@ class SerialLane:
             if seq.is_cancelled:
                 seq.cancel()
             else:
-                prefilled_a_chunk = self._steps is None and self._prefill_chunk(self._tokens)
-                # The prompt's last chunk and its first token in one step: under load a batched
-                # step runs between two of this lane's steps, and the first token need not wait it.
-                if prefilled_a_chunk and len(self._tokens) - self._done > 1:
-                    return []
-                if not seq.add(*self._next_token()):
+                with self._loaded.adapters.one(seq.job.adapters):  # the passes built here run under its adapters
+                    prefilled_a_chunk = self._steps is None and self._prefill_chunk(self._tokens)
+                    # The prompt's last chunk and its first token in one step: under load a batched
+                    # step runs between two of this lane's steps, and the first token need not wait it.
+                    if prefilled_a_chunk and len(self._tokens) - self._done > 1:
+                        return []
+                    token = self._next_token()
+                if not seq.add(*token):
                     return []
         except StopIteration:  # generate_step ran out (max_tokens), which `add` has seen
             seq.finish_reason = seq.finish_reason or "length"
@@ -164,12 +167,13 @@ class SerialLane:
         return seq, kv
 
     @property
-    def prefilling_prompt(self) -> list[int] | None:
-        """The running sequence's prompt while it is still being prefilled (no token yet), else None."""
+    def prefilling_prompt(self) -> Any:
+        """The running sequence's prompt while it is still being prefilled (no token yet), as
+        the prompt cache knows it (media.cache_key), else None."""
         seq = self._seq
         if seq is None or self._steps is not None or seq.generated or seq.is_cancelled or seq.job.media is not None:
             return None
-        return seq.job.prompt
+        return media.cache_key(seq.job, seq.job.prompt)
 
     def hand_over_prefill(self) -> tuple[Sequence, list[Any], int] | None:
         """Give up the running sequence while its prompt is being prefilled: it, its KV so far and

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,10 +111,11 @@ def uniform_start(found: Sequence[int]) -> bool:
     return shortest >= MIN_UNIFORM_TOKENS and max(found) - shortest <= shortest // 4
 
 
-def uniform_ids(cache: Any, seqs: list[Any], carried: Container[int]) -> set[int]:
+def uniform_ids(cache: Any, seqs: list[Any], carried: Container[int], key: Callable[[Any], Any]) -> set[int]:
     """The ids of rows started together (Sequences) that may take a cached prefix under half
-    their prompt from `cache` (all or none: uniform_start). Those carried from the serial lane
-    (their ids in `carried`) and rows with images have their own starts."""
+    their prompt from `cache` (all or none: uniform_start), which knows a row's prompt by
+    `key(seq)`. Those carried from the serial lane (their ids in `carried`) and rows with
+    images have their own starts."""
     own = [seq for seq in seqs if id(seq) not in carried and seq.job.media is None]
-    found = [cache.longest(seq.job.prompt) for seq in own] if len(own) > 1 else []  # a lone row: no scan
+    found = [cache.longest(key(seq)) for seq in own] if len(own) > 1 else []  # a lone row: no scan
     return {id(seq) for seq in own} if uniform_start(found) else set()

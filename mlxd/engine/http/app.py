@@ -17,6 +17,7 @@ from mlxd.engine.gpu.gateway import Gateway
 from mlxd.engine.gpu.stats import Stats
 from mlxd.engine.http import openai_requests as oa_requests
 from mlxd.engine.http import openai_routes as routes
+from mlxd.engine.http.adapter_routes import setup_adapter_routes
 from mlxd.engine.http.admission import Admission
 from mlxd.engine.http.keys import ADMISSION, GATEWAY, SETTINGS, STATS
 from mlxd.engine.settings import EngineSettings
@@ -64,6 +65,7 @@ def make_app(settings: EngineSettings, gateway: Gateway, stats: Stats) -> web.Ap
     app.router.add_get(STATS_PATH, admin_stats)
     app.router.add_post(DRAIN_PATH, admin_drain)
     app.router.add_post(LEASE_PATH, admin_lease)
+    setup_adapter_routes(app)
     app.cleanup_ctx.append(gateway_ctx)
     return app
 

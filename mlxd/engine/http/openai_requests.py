@@ -18,6 +18,7 @@ from mlxd.engine.gpu.job import Job, PrefillGroup, SamplingParams
 from mlxd.engine.gpu.ticket import Ticket
 from mlxd.engine.http.admission import Slot
 from mlxd.engine.http.keys import ADMISSION, GATEWAY
+from mlxd.engine.models.adapter_bank import Stack
 from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.engine.models.vision import MediaPrompt
 from mlxd.protocol import openai as oa
@@ -25,7 +26,7 @@ from mlxd.protocol import sampling
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.events import Done, Failed, Token, TokenLogprob
 from mlxd.protocol.json_body import decode_as
-from mlxd.protocol.process import PRIORITY_HEADER, USAGE_HEADER, RequestUsage
+from mlxd.protocol.process import ADAPTER_HEADER, PRIORITY_HEADER, USAGE_HEADER, RequestUsage
 
 T = TypeVar("T")
 LEGACY_COMPLETION_MAX_TOKENS = 16
@@ -97,6 +98,16 @@ def sampling_params(req: oa.SamplingFields, loaded: LoadedModel) -> SamplingPara
     )
 
 
+def adapter_stack(request: web.Request, req: oa.SamplingFields, loaded: LoadedModel) -> Stack:
+    """The adapters the request runs under: the supervisor's resolved ADAPTER_HEADER, else the
+    body's `adapter`; a 400 naming one that is not loaded."""
+    spec = request.headers.get(ADAPTER_HEADER, req.adapter)
+    try:
+        return loaded.adapters.resolve(spec)
+    except ValueError as exc:
+        raise APIError(400, f"{exc}.", param="adapter", code="adapter_not_found") from None
+
+
 def header_priority(request: web.Request) -> int:
     """The priority the supervisor sends for the caller's key (PRIORITY_HEADER), else 0."""
     try:
@@ -117,7 +128,8 @@ def submit(request: web.Request, slot: Slot, prompt: list[int], max_tokens: int,
     if row and sampling.seed is not None:
         sampling = dataclasses.replace(sampling, seed=(sampling.seed + row + 2**63) % 2**64 - 2**63)
     job = Job(list(prompt), max_tokens, sampling, oa.stop_list(req.stop), ticket, grammar=grammar, logprobs=logprobs,
-              group=group, priority=req.priority if req.priority is not None else header_priority(request), media=media)
+              group=group, priority=req.priority if req.priority is not None else header_priority(request), media=media,
+              adapters=adapter_stack(request, req, loaded))
     slot.enter_gpu()
     request.app[GATEWAY].submit(job)
     return ticket

@@ -17,6 +17,7 @@ from mlxd.engine.chat.grammar import Grammars
 from mlxd.engine.chat.reasoning import ThinkMarkers, think_markers
 from mlxd.engine.chat.tools import ToolFormat, format_of, template_takes_tools
 from mlxd.engine.models import audio, vision
+from mlxd.engine.models.adapter_bank import AdapterBank
 from mlxd.engine.models.image_memo import ImageMemo, PromptMedia
 from mlxd.engine.models.load_meter import LoadMeter
 from mlxd.protocol import sampling
@@ -117,6 +118,12 @@ class LoadedModel:
             raise APIError(400, f"Chat template failed: {exc}", param="messages") from exc
         return vision.prepare(self.processor, str(text), images, self.media_tokens,
                               lambda call: self.image_memo.run(self.processor, call, images))
+
+    @functools.cached_property
+    def adapters(self) -> AdapterBank:
+        """The LoRA adapters mounted on the model, served per row (models/adapter_bank.py)."""
+        refusal = "adapters are served on text models only" if self.vlm is not None else None
+        return AdapterBank(self.model, refusal)
 
     @functools.cached_property
     def image_memo(self) -> ImageMemo:
