@@ -25,6 +25,11 @@ def models_dir(root: Path | None = None) -> Path:
     return (root or data_dir()) / "models"
 
 
+def adapters_dir(root: Path | None = None) -> Path:
+    """mlxd's own LoRA adapters dir (one adapter dir per adapter), inside the data dir."""
+    return (root or data_dir()) / "adapters"
+
+
 def runtime_dir() -> Path:
     """A short private dir for Unix sockets (paths must stay under ~100 bytes)."""
     if env := os.environ.get("MLXD_RUNTIME_DIR"):

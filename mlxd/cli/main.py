@@ -30,6 +30,7 @@ COMMANDS = {
     "unload": "mlxd.cli.admin.cmds:unload",
     "drain": "mlxd.cli.admin.cmds:drain",
     "lease": "mlxd.cli.admin.cmds:lease",
+    "adapters": "mlxd.cli.admin.adapter_cmds:adapters",
     "pull": "mlxd.cli.pull_cmds:pull",
     "rm": "mlxd.cli.pull_cmds:rm",
     "import-default": "mlxd.cli.import_cmds:import_default",

@@ -137,6 +137,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
     metadata: dict[str, Any] | None = None
+    adapter: Annotated[str, Meta(max_length=1024)] | None = None  # mlxd's: the LoRA adapters it runs under
 
 
 class CountTokensRequest(msgspec.Struct, kw_only=True):

@@ -58,6 +58,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     store: bool = True
     truncation: str | None = None
     user: str | None = None
+    adapter: Annotated[str, Meta(max_length=1024)] | None = None  # mlxd's: the LoRA adapters it runs under
 
 
 def new_id(prefix: str) -> str:

@@ -220,3 +220,30 @@ class TimelineView(msgspec.Struct):
     end: float
     buckets: int
     models: dict[str, ModelTimeline]
+
+
+class AdapterCard(msgspec.Struct, kw_only=True):
+    """One LoRA adapter in GET /v1/adapters (and the answer to loading one)."""
+
+    id: str
+    object: Literal["adapter"] = "adapter"
+    base_model: str | None
+    path: str
+    kind: str
+    rank: int
+    scale: float
+    num_layers: int | None
+    size_bytes: int
+    source: str  # adapters_dir | models_dir | registered
+    loaded_on: list[str]  # the models whose engine has it loaded
+
+
+class AdapterCardList(msgspec.Struct):
+    data: list[AdapterCard]
+    object: Literal["list"] = "list"
+
+
+class AdapterUnloaded(msgspec.Struct):
+    id: str
+    unloaded_from: list[str]
+    object: Literal["adapter"] = "adapter"

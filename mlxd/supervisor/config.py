@@ -71,6 +71,7 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_context: Annotated[int, msgspec.Meta(ge=1)] | None = None
     idle_ttl_s: TTL | None = None  # None: [pool] idle_ttl_s
     batch: Batch | None = None  # None: [pool] batch
+    adapter: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)] | None = None  # requests' default adapters
 
     def resolved_path(self) -> Path:
         """`path` with `~` expanded."""

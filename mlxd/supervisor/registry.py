@@ -36,6 +36,7 @@ class ModelEntry(msgspec.Struct, frozen=True, kw_only=True):
     idle_ttl_s: int | None = None  # None: the pool's default
     batch: Batch = DEFAULT_BATCH  # sequences its engine decodes at once ("auto"): the entry's, else [pool] batch
     is_available: bool = True  # False: a config entry whose path is not an MLX model dir
+    adapter: str | None = None  # the adapters a request that names none runs under ("none": the base)
 
 
 def sampling_of(entry: ModelEntry) -> dict[str, float]:
@@ -171,6 +172,7 @@ def config_entries(models: Mapping[str, ModelConfig], batch: Batch = DEFAULT_BAT
                 idle_ttl_s=model.idle_ttl_s,
                 batch=model.batch if model.batch is not None else batch,
                 is_available=is_available,
+                adapter=model.adapter,
             )
         )
     return found

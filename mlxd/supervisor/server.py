@@ -17,8 +17,9 @@ from aiohttp import web
 
 from mlxd.event_loop import loop_factory, loop_name
 from mlxd.fdlimit import raise_open_file_limit
-from mlxd.paths import ensure_private_dir, models_dir, runtime_dir
+from mlxd.paths import adapters_dir, ensure_private_dir, models_dir, runtime_dir
 from mlxd.protocol.process import STREAM_KEEPALIVE_ENV
+from mlxd.supervisor.adapters import AdapterCatalog
 from mlxd.supervisor.config import Config, ServerConfig
 from mlxd.supervisor.engines.engine import EngineOptions
 from mlxd.supervisor.engines.pool import Pool
@@ -65,7 +66,8 @@ def serve(config: Config, data_dir: Path) -> int:
         log.error("cannot open the response store: %s (move the file away to start a new one)", exc)
         return 1
     pool = Pool(runtime, EngineOptions.from_env(), config.pool, kv_dir=data_dir / "kv")
-    app = make_app(config, registry, pool, store)
+    adapters = AdapterCatalog(adapters_dir(data_dir), models_dir(data_dir))
+    app = make_app(config, registry, pool, store, adapters)
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         return runner.run(run(app, config.server, started))
 

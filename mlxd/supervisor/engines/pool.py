@@ -27,6 +27,7 @@ from mlxd.protocol.memory import default_prompt_cache_bytes
 from mlxd.protocol.process import DrainResult
 from mlxd.supervisor.config import DEFAULT_GATHER_MS, PoolConfig
 from mlxd.supervisor.engines import policy
+from mlxd.supervisor.engines.adapter_mounts import AdapterMounts
 from mlxd.supervisor.engines.engine import Engine, EngineOptions
 from mlxd.supervisor.engines.footprint import default_budget_bytes, estimate_bytes, this_device
 from mlxd.supervisor.engines.machine_hold import MachineHold
@@ -152,6 +153,7 @@ class Pool:
         self.admin = PoolAdmin(self)  # loads, unloads, drains, a lease's hold
         self.machine = MachineHold(self.schedule_replan, self.spare.stop)  # `mlxd lease --all`
         self.num_evictions = 0  # engines stopped to make room for another model
+        self.adapters = AdapterMounts()  # what each engine has mounted, and what is kept loaded
 
     # --- requests -------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from mlxd.protocol import anthropic
 from mlxd.protocol.json_body import decode_json
 from mlxd.supervisor.http.image_fetch import check_takes_images
 from mlxd.supervisor.http.keys import IMAGES
-from mlxd.supervisor.http.relaying import relay, resolve
+from mlxd.supervisor.http.relaying import relay, resolve_target
 from mlxd.supervisor.relay.anthropic_dialect import AnthropicCountTokens, AnthropicMessages
 
 _messages = msgspec.json.Decoder(anthropic.MessagesRequest)
@@ -25,11 +25,11 @@ async def messages(request: web.Request) -> web.StreamResponse:
     started = time.perf_counter()
     req: anthropic.MessagesRequest = decode_json(_messages, await request.read())
     chat = anthropic.to_chat(req, stream=req.stream)
-    entry = resolve(request, req.model)
-    check_takes_images(entry, anthropic.first_image(req))
+    target = resolve_target(request, req.model, req.adapter)
+    check_takes_images(target.entry, anthropic.first_image(req))
     await request.app[IMAGES].inline(chat)
-    dialect = AnthropicMessages(req.model or entry.id)
-    return await relay(request, entry, msgspec.json.encode(chat), dialect, stream=req.stream, started=started)
+    dialect = AnthropicMessages(req.model or target.entry.id)
+    return await relay(request, target, msgspec.json.encode(chat), dialect, stream=req.stream, started=started)
 
 
 async def count_tokens(request: web.Request) -> web.StreamResponse:
@@ -38,7 +38,7 @@ async def count_tokens(request: web.Request) -> web.StreamResponse:
     started = time.perf_counter()
     req: anthropic.CountTokensRequest = decode_json(_count, await request.read())
     chat = anthropic.to_chat(req)
-    entry = resolve(request, req.model)
+    entry = resolve_target(request, req.model, None).entry  # the prompt is the same under any adapter
     check_takes_images(entry, anthropic.first_image(req))
     await request.app[IMAGES].inline(chat)
     dialect = AnthropicCountTokens(req.model or entry.id)

@@ -8,9 +8,11 @@ from aiohttp import web
 
 from mlxd.http_errors import Handler, make_error_middleware
 from mlxd.protocol.errors import APIError
+from mlxd.supervisor.adapters import AdapterCatalog
 from mlxd.supervisor.config import Config
 from mlxd.supervisor.engines.leases import Leases
 from mlxd.supervisor.engines.pool import Pool
+from mlxd.supervisor.http.adapter_routes import is_admin_route, setup_adapter_routes
 from mlxd.supervisor.http.admin_routes import setup_admin_routes
 from mlxd.supervisor.http.anthropic_routes import setup_anthropic_routes
 from mlxd.supervisor.http.auth import Auth
@@ -23,6 +25,7 @@ from mlxd.supervisor.http.guard import (
 )
 from mlxd.supervisor.http.image_fetch import ImageFetcher
 from mlxd.supervisor.http.keys import (
+    ADAPTERS,
     AUTH,
     CONFIG,
     IMAGES,
@@ -47,8 +50,10 @@ OPEN_PATHS = frozenset({"/health", "/"})  # and the web page's files, under /ui/
 BODY_TIMEOUTS_PER_HEAD = 6  # a request body must arrive within 6 head deadlines (60 s by default)
 
 
-def make_app(config: Config, registry: Registry, pool: Pool, store: ResponseStore | None = None) -> web.Application:
-    """The supervisor app; its cleanup context stops every engine."""
+def make_app(config: Config, registry: Registry, pool: Pool, store: ResponseStore | None = None,
+             adapters: AdapterCatalog | None = None) -> web.Application:
+    """The supervisor app; its cleanup context stops every engine. `adapters`: the adapters that
+    exist (default: none but those loaded by path)."""
     metrics, server, timeline = LazyMetrics(pool), config.server, Timeline()
     hosts = HostPolicy.make(server.host, server.allowed_hosts, server.allowed_origins, machine_names())
     app = web.Application(
@@ -59,6 +64,7 @@ def make_app(config: Config, registry: Registry, pool: Pool, store: ResponseStor
     app.on_response_prepare.append(add_cors_headers)
     app[CONFIG], app[REGISTRY], app[POOL], app[METRICS], app[TIMELINE] = config, registry, pool, metrics, timeline
     app[LEASES] = Leases(pool)
+    app[ADAPTERS] = adapters if adapters is not None else AdapterCatalog(None)
     app[AUTH] = Auth(config.server.api_keys, config.server.admin_keys, config.server.key_priorities)
     app[IMAGES] = ImageFetcher(server.image_fetch_timeout_s, server.image_fetch_max_bytes, server.image_fetch_private)
     setup_openai_routes(app)
@@ -67,6 +73,7 @@ def make_app(config: Config, registry: Registry, pool: Pool, store: ResponseStor
     setup_service_routes(app)
     app.router.add_get("/openapi.json", openapi_json)
     setup_admin_routes(app)
+    setup_adapter_routes(app)
     setup_web_routes(app)
     app.cleanup_ctx.append(engines_ctx)
     return app
@@ -90,7 +97,7 @@ def is_open(request: web.Request) -> bool:
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every route but /health needs a key when keys are configured (admin routes, an admin key)."""
     if not is_open(request) and not request.app[AUTH].check(
-        request.headers, admin=request.path.startswith("/admin/")
+        request.headers, admin=request.path.startswith("/admin/") or is_admin_route(request)
     ):
         raise APIError(401, "Missing or invalid API key (send `Authorization: Bearer KEY` or `x-api-key`).",
                        type="authentication_error", code="invalid_api_key")

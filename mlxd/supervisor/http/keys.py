@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from mlxd.supervisor.adapters import AdapterCatalog
 from mlxd.supervisor.config import Config
 from mlxd.supervisor.engines.leases import Leases
 from mlxd.supervisor.engines.pool import Pool
@@ -13,6 +14,7 @@ from mlxd.supervisor.http.metrics import LazyMetrics
 from mlxd.supervisor.http.timeline import Timeline
 from mlxd.supervisor.registry import Registry
 
+ADAPTERS = web.AppKey("adapters", AdapterCatalog)
 AUTH = web.AppKey("auth", Auth)
 CONFIG = web.AppKey("config", Config)
 IMAGES = web.AppKey("images", ImageFetcher)

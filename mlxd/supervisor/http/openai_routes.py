@@ -8,10 +8,10 @@ import msgspec
 from aiohttp import web
 
 from mlxd.protocol.json_body import decode_json
-from mlxd.protocol.openai import Priority
+from mlxd.protocol.openai import AdapterSpec, Priority
 from mlxd.supervisor.http.answers import json_answer
 from mlxd.supervisor.http.keys import IMAGES, POOL, REGISTRY
-from mlxd.supervisor.http.relaying import relay, resolve
+from mlxd.supervisor.http.relaying import relay, resolve_target
 from mlxd.supervisor.registry import capabilities_of, sampling_of
 from mlxd.supervisor.relay.dialect import ModelRow
 from mlxd.supervisor.relay.dialects import dialect_of, models_dialect
@@ -23,6 +23,7 @@ class RoutingFields(msgspec.Struct):
     model: str | None = None
     stream: bool | None = None
     priority: Priority | None = None  # orders the pool's queue too (the engine checks the rest)
+    adapter: AdapterSpec | None = None  # mlxd's: the LoRA adapters it runs under
 
 
 _routing_decoder = msgspec.json.Decoder(RoutingFields)
@@ -39,9 +40,9 @@ async def inference(request: web.Request) -> web.StreamResponse:
     started = time.perf_counter()
     body = await request.read()
     fields = routing_fields(body)
-    entry = resolve(request, fields.model)
+    target = resolve_target(request, fields.model, fields.adapter)
     body = await request.app[IMAGES].inline_body(body)  # images by URL: fetched here (http/image_fetch.py)
-    return await relay(request, entry, body, dialect_of(request), stream=bool(fields.stream), started=started,
+    return await relay(request, target, body, dialect_of(request), stream=bool(fields.stream), started=started,
                        priority=fields.priority)
 
 

@@ -21,6 +21,7 @@ from mlxd.protocol import anthropic, openai, responses
 from mlxd.protocol import supervisor_api as api
 from mlxd.protocol.errors import ErrorBody
 from mlxd.protocol.process import LEASE_HEADER
+from mlxd.supervisor.http import adapter_routes as adapters
 from mlxd.supervisor.http import admin_routes as admin
 
 SCHEMA_TYPES: tuple[Any, ...] = (
@@ -30,7 +31,8 @@ SCHEMA_TYPES: tuple[Any, ...] = (
     api.LoadAnswer, api.UnloadAnswer, api.DrainAnswer, api.Lease, api.LeaseList, api.LeaseDeleted,
     anthropic.MessagesRequest, anthropic.CountTokensRequest, anthropic.AnthropicMessage,
     anthropic.AnthropicErrorBody, anthropic.InputTokens, anthropic.ModelCardList, responses.ResponsesRequest, responses.ResponseObject,
-    api.ResponseDeleted, api.InputItemList, api.TimelineView,
+    api.ResponseDeleted, api.InputItemList, api.TimelineView, adapters.LoadRequest, api.AdapterCardList,
+    api.AdapterCard, api.AdapterUnloaded,
 )
 
 
@@ -192,6 +194,30 @@ def make_paths() -> dict[str, Any]:
         "/openapi.json": {"get": operation("openapi", "This document", json_content({"type": "object"}), GUARDED,
                                            tag="Service")},
         **make_admin_paths(),
+        **make_adapter_paths(),
+    }
+
+
+def make_adapter_paths() -> dict[str, Any]:
+    """/v1/adapters: LoRA adapters (docs/adapters.md); loading and unloading take an admin key."""
+    listing = json_content(ref("AdapterCardList"))
+    model_param = {"name": "model", "in": "query", "required": False, "schema": {"type": "string"},
+                   "description": "only the adapters made for this model"}
+    id_param = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
+    return {
+        "/v1/adapters": {
+            "get": operation("listAdapters", "Every adapter mlxd knows, and the models it is loaded on", listing,
+                             GUARDED, tag="Adapters"),
+            "post": operation("loadAdapter", "Load an adapter (by `id`, or the `path` of its dir) onto a model and "
+                              "keep it loaded; answers once loaded", json_content(ref("AdapterCard")),
+                              ADMIN_BODY_ERRORS, tag="Adapters", body="LoadRequest"),
+        },
+        "/v1/adapters/available": {"get": operation(
+            "availableAdapters", "The adapters made for a model", listing, (*GUARDED, 404), tag="Adapters",
+            parameters=[model_param])},
+        "/v1/adapters/{id}": {"delete": operation(
+            "unloadAdapter", "Unload an adapter from every model", json_content(ref("AdapterUnloaded")),
+            (*GUARDED, 404), tag="Adapters", parameters=[id_param])},
     }
 
 

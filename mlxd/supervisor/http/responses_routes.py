@@ -25,7 +25,7 @@ from mlxd.protocol.supervisor_api import InputItemList, ResponseDeleted
 from mlxd.supervisor.http.answers import json_answer
 from mlxd.supervisor.http.image_fetch import check_takes_images
 from mlxd.supervisor.http.keys import CONFIG, IMAGES
-from mlxd.supervisor.http.relaying import relay, resolve
+from mlxd.supervisor.http.relaying import relay, resolve_target
 from mlxd.supervisor.relay.responses_dialect import Responses
 from mlxd.supervisor.relay.sse import SSE_HEADERS
 from mlxd.supervisor.response_store import AsyncStore, ChainBroken, ResponseStore, Stored
@@ -54,7 +54,8 @@ async def create(request: web.Request) -> web.StreamResponse:
                            param="previous_response_id", code="previous_response_not_found") from None
         history = [item for turn in chain for item in (*turn.input, *turn.output)]
     chat = responses.to_chat(req, history, items, stream=req.stream)
-    entry = resolve(request, req.model)
+    target = resolve_target(request, req.model, req.adapter)
+    entry = target.entry
     check_takes_images(entry, responses.first_image(items))
     await request.app[IMAGES].inline(chat)
     shell = responses.Shell(req, req.model or entry.id)
@@ -72,7 +73,7 @@ async def create(request: web.Request) -> web.StreamResponse:
             log.error("responses: storing %s failed: %s", shell.id, exc)
 
     dialect = Responses(shell, keep)
-    return await relay(request, entry, msgspec.json.encode(chat), dialect, stream=req.stream, started=started)
+    return await relay(request, target, msgspec.json.encode(chat), dialect, stream=req.stream, started=started)
 
 
 async def retrieve(request: web.Request) -> web.StreamResponse:

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from aiohttp import web
 
 from mlxd.protocol.errors import APIError
-from mlxd.protocol.process import LEASE_HEADER, PRIORITY_HEADER
+from mlxd.protocol.process import ADAPTER_HEADER, LEASE_HEADER, PRIORITY_HEADER
+from mlxd.supervisor.adapters import AdapterEntry, header_value
 from mlxd.supervisor.engines.pool import Pool
 from mlxd.supervisor.engines.upstream import EngineBusy, EngineUnreachable, crashed_error
 from mlxd.supervisor.registry import ModelEntry
@@ -31,12 +32,13 @@ UNREACHABLE_PAUSE_S = 0.05
 async def serve(
     request: web.Request, pool: Pool, entry: ModelEntry, body: bytes, dialect: Dialect, *, stream: bool,
     keepalive_s: float, on_first_chunk: Callable[[float], None] = lambda at: None, priority: int | None = None,
-    key_priority: int | None = None,
+    key_priority: int | None = None, adapters: tuple[AdapterEntry, ...] = (),
 ) -> web.StreamResponse:
     """Queue for `entry`'s engine and relay `body` to it, answering in `dialect`.
     `on_first_chunk` hears when the first streamed event went out (perf_counter()).
     `key_priority` is the caller's key's default, sent to the engine for a body that sets none;
-    the pool's queue orders by `priority` (the body's), else by it."""
+    the pool's queue orders by `priority` (the body's), else by it. The request runs under
+    `adapters` (mounted on the engine first)."""
     request[MODEL_KEY], request[DIALECT_KEY] = entry.id, dialect
     engine = pool.slot_for(entry).engine
     waiting = WaitingStream(request, keepalive_s, dialect, engine.load_progress) if stream else None
@@ -47,7 +49,7 @@ async def serve(
 
     try:
         queued = priority if priority is not None else key_priority if key_priority is not None else 0
-        return await _route(request, pool, entry, body, dialect, waiting, first_chunk, queued, key_priority)
+        return await _route(request, pool, entry, body, dialect, waiting, first_chunk, queued, key_priority, adapters)
     except APIError as err:
         if waiting is None or waiting.response is None:
             raise
@@ -61,6 +63,7 @@ async def serve(
 async def _route(
     request: web.Request, pool: Pool, entry: ModelEntry, body: bytes, dialect: Dialect,
     waiting: WaitingStream | None, on_first_chunk: Callable[[], None], queued: int, key_priority: int | None,
+    adapters: tuple[AdapterEntry, ...],
 ) -> web.StreamResponse:
     lease_id = request.headers.get(LEASE_HEADER)
     pause_s, num_resent = 0.0, 0
@@ -72,6 +75,8 @@ async def _route(
             headers = {LEASE_HEADER: slot.engine_lease_token} if lease_id and slot.engine_lease_token else {}
             if key_priority is not None:
                 headers[PRIORITY_HEADER] = str(key_priority)
+            await pool.adapters.ensure(slot.engine, adapters)
+            headers[ADAPTER_HEADER] = header_value(adapters)
             prepared = waiting.response if waiting is not None else None
             resp = await forward(request, slot.engine.socket, slot.engine.connections, body, headers, dialect,
                                  on_first_chunk=on_first_chunk, prepared=prepared)
