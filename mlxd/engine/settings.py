@@ -34,6 +34,7 @@ class EngineSettings:
     kv_bits: int | None = None
     kv_group_size: int = 64
     write_behind: bool = True
+    adapter_merge: str = "auto"
 
 
 def batch_value(text: str) -> int | None:
@@ -73,6 +74,11 @@ def parse_args(argv: list[str]) -> EngineSettings:
     p.add_argument(
         "--warmup", choices=("auto", "on", "off"), default="auto",
         help="run warm-up jobs through the lanes at load, compiling their kernels (auto: on CUDA only)",
+    )
+    p.add_argument(
+        "--adapter-merge", choices=("auto", "on", "off"), default="auto",
+        help="run an adapter stack that has every row to itself on a merged copy of its layers (as fast as the "
+             "base model, for that copy's memory; auto: on a GPU)",
     )
     p.add_argument(
         "--width-probe", choices=("auto", "on", "off"), default="auto",
@@ -126,4 +132,5 @@ def parse_args(argv: list[str]) -> EngineSettings:
         gather_ms=a.gather_ms, max_body=a.max_body, parent_pid=a.parent_pid,
         prompt_cache_bytes=a.prompt_cache_bytes, ssd_cache_bytes=a.ssd_cache_bytes, ssd_cache_dir=a.ssd_cache_dir,
         kv_bits=a.kv_bits, kv_group_size=a.kv_group_size, write_behind=a.ssd_write_behind == "on",
+        adapter_merge=a.adapter_merge,
     )

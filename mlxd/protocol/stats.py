@@ -77,6 +77,7 @@ class LaneStats(msgspec.Struct):
     adapters: int = 0  # LoRA adapters mounted
     adapter_bytes: int = 0  # their weights' memory
     adapter_mixed_passes: int = 0  # forward passes whose rows ran under different adapters
+    adapter_merged_bytes: int = 0  # the merged copy of the layers of the stack that has every row to itself
 
 
 class TokenCounts(msgspec.Struct):

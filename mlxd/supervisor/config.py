@@ -90,6 +90,7 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     drain_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
     batch: Batch = DEFAULT_BATCH  # continuous batching width of each engine ("auto"); per model: [models.NAME] batch
     warmup: Literal["auto", "on", "off"] = "auto"  # engines' --warmup (auto: on CUDA only)
+    adapter_merge: Literal["auto", "on", "off"] = "auto"  # engines' --adapter-merge (auto: on a GPU)
     gather_ms: Annotated[float, msgspec.Meta(ge=0, le=1000)] = DEFAULT_GATHER_MS  # engines' --gather-ms (0: never)
     # CUDA graphs for every engine (MLX_USE_CUDA_GRAPHS=1): a lone stream decodes faster, batches
     # run slower (docs/engine.md, "MLX settings"); only MLX's CUDA backend reads it.

@@ -184,3 +184,17 @@ def test_a_malformed_mount_body_is_a_400(smol: EngineProcess) -> None:
         for body in (b"{", b'{"id": 3, "path": "x"}', b'{"id": "x"}'):
             resp = c.post("/admin/adapters", content=body, headers={"content-type": "application/json"})
             assert resp.status_code == 400, body
+
+
+def test_with_merging_on_a_lone_adapter_runs_merged_and_answers_the_same(
+    smollm2: Path, adapter_dirs: dict[str, Path], reference: dict[str, str]
+) -> None:
+    with running_engine(smollm2, "merging", "--adapter-merge", "on") as engine, engine_client(engine) as c:
+        assert c.post("/admin/adapters", json={"id": "dora", "path": str(adapter_dirs["dora"])}).status_code == 200
+        first = ask(engine, "dora")  # merged once it had every row for MERGE_AFTER_PASSES passes
+        assert lanes(engine)["adapter_merged_bytes"] > 0
+        second = ask(engine, "dora")
+        assert [text_of(first), text_of(second)] == [reference["dora"]] * 2
+        assert text_of(ask(engine, "none")) == reference["none"]  # the base model's layers are untouched
+        assert c.delete("/admin/adapters/dora").status_code == 200
+        assert lanes(engine)["adapter_merged_bytes"] == 0

@@ -371,7 +371,7 @@ def _adapter_stats(loaded: LoadedModel | None) -> dict[str, int]:
         return {}
     mounted = list(bank.mounted.values())
     return {"adapters": len(mounted), "adapter_bytes": sum(a.nbytes for a in mounted),
-            "adapter_mixed_passes": bank.mixed_passes}
+            "adapter_mixed_passes": bank.mixed_passes, "adapter_merged_bytes": bank.merged_bytes}
 
 
 def _run_call(command: Call, skip: bool) -> None:

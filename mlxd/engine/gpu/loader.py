@@ -38,6 +38,8 @@ def open_model(load: Callable[[], LoadedModel], opts: GatewayOptions) -> LoadedM
     """The model, its memory wired, checked against the options (raises what makes it unusable)."""
     loaded = load()
     wire_model_memory()
+    on_gpu = bool(mx.cuda.is_available() or mx.metal.is_available())
+    loaded.adapters.merge = opts.adapter_merge == "on" or (opts.adapter_merge == "auto" and on_gpu)
     if opts.kv_bits is not None:
         check_quantized_kv(loaded.config, activation_dtype(loaded.model), opts.kv_bits, opts.kv_group_size)
     return loaded

@@ -31,10 +31,13 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from mlxd.engine.models.adapters import (
     Adapter,
     AdapterError,
+    compute_dtype,
+    dense_weight,
     find_module,
     linear_dims,
     read_adapter,
@@ -43,6 +46,7 @@ from mlxd.engine.models.adapters import (
 Stack = tuple[Adapter, ...]  # the adapters one row runs under, by id; () for the base model
 NO_ADAPTER = "none"
 PLANS_KEPT = 16  # stacked weights kept for recent row mixes (each is one copy of its adapters' A and B)
+MERGE_AFTER_PASSES = 8  # passes a stack must have every row to itself before its merged copy is made
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -57,6 +61,7 @@ class Plan:
     weights: dict[str, LayerWeights]
     slots: mx.array | None  # each row's slot (None: every row under the one stack)
     gather: bool  # mx.gather_mm takes this dtype (else the rows' A and B are gathered first)
+    merged: dict[str, nn.Module] | None = None  # the one stack's layers with its update in their weights
 
 
 class _Hook:
@@ -77,9 +82,11 @@ def _adapted_class(base: type) -> type:
         return made
 
     def __call__(self: Any, x: mx.array) -> mx.array:
-        y = base.__call__(self, x)
         hook: _Hook = self._mlxd_adapters
         plan = hook.bank.plan
+        if plan is not None and plan.merged is not None and (merged := plan.merged.get(hook.name)) is not None:
+            return merged(x)
+        y = base.__call__(self, x)
         if plan is None or (w := plan.weights.get(hook.name)) is None:
             return y
         if plan.slots is None:
@@ -113,6 +120,9 @@ class AdapterBank:
         self.mounted: dict[str, Adapter] = {}
         self.plan: Plan | None = None
         self.mixed_passes = 0  # plans whose rows ran under different stacks (/admin/stats)
+        self.merge = False  # run a stack that has every row to itself on merged weights (see `_merged_for`)
+        self._merged: tuple[Stack, dict[str, nn.Module]] | None = None
+        self._streak: tuple[Stack, int] = ((), 0)  # the stack that had every row in the last passes, how many
         self._plans: OrderedDict[tuple[Stack, ...], dict[str, LayerWeights]] = OrderedDict()
         self._gather: dict[Any, bool] = {}
         self._adapted: set[str] = set()
@@ -145,7 +155,17 @@ class AdapterBank:
             return False
         for key in [k for k in self._plans if any(adapter in stack for stack in k)]:
             del self._plans[key]
+        if self._merged is not None and adapter in self._merged[0]:
+            self._merged = None
         return True
+
+    @property
+    def merged_bytes(self) -> int:
+        """Memory of the merged copy of the hot stack's layers (0: none)."""
+        if self._merged is None:
+            return 0
+        pairs: list[Any] = [pair for m in self._merged[1].values() for pair in tree_flatten(m.parameters())]
+        return sum(array.nbytes for _, array in pairs)
 
     def resolve(self, spec: str | None) -> Stack:
         """The stack a request's `adapter` names: "id", "a+b", or "none"/""/None for the base.
@@ -180,13 +200,35 @@ class AdapterBank:
         if not any(distinct):
             return None
         if len(distinct) == 1:
-            return Plan(self._weights((distinct[0],), mixed=False), None, False)
+            stack = distinct[0]
+            return Plan(self._weights((stack,), mixed=False), None, False, self._merged_for(stack))
         self.mixed_passes += 1
         keys = sorted((s for s in distinct if s), key=lambda s: tuple(a.id for a in s))
         order = {stack: i + 1 for i, stack in enumerate(keys)}
         weights = self._weights(tuple(keys), mixed=True)
         dtype = next(iter(weights.values())).a.dtype
         return Plan(weights, mx.array([order.get(s, 0) for s in stacks], dtype=mx.uint32), self._gathers(dtype))
+
+    def _merged_for(self, stack: Stack) -> dict[str, nn.Module] | None:
+        """The stack's layers with its update merged into their weights, once it has had every
+        row to itself for MERGE_AFTER_PASSES passes in a row (one stack at a time is kept):
+        such passes then cost what the base model's do, instead of two small matmuls more per
+        adapted layer (on a GPU, where each op has a fixed cost, that is most of a small model's
+        step). None while the stack runs unmerged."""
+        if not self.merge:
+            return None
+        if self._merged is not None and self._merged[0] == stack:
+            return self._merged[1]
+        seen, count = self._streak
+        self._streak = (stack, count + 1 if seen == stack else 1)
+        if self._streak[1] < MERGE_AFTER_PASSES:
+            return None
+        self._merged = None  # the old copy goes before the new one is made
+        made = {name: merged_layer(find_module(self._model, name), w)
+                for name, w in self._weights((stack,), mixed=False).items()}
+        mx.eval([m.parameters() for m in made.values()])
+        self._merged = (stack, made)
+        return made
 
     def _weights(self, stacks: tuple[Stack, ...], mixed: bool) -> dict[str, LayerWeights]:
         """Per adapted layer: one stack's A and B (`mixed` False), or every stack's in slots 1..S."""
@@ -211,6 +253,26 @@ class AdapterBank:
             except (RuntimeError, ValueError):
                 self._gather[dtype] = False
         return self._gather[dtype]
+
+
+def merged_layer(module: nn.Module, update: LayerWeights) -> nn.Module:
+    """A copy of the (adapted) layer with the update in its weight, as mlx-lm's fuse makes it:
+    W + (A B)ᵀ (DoRA: scaled by the gain per output), quantized again as the layer was."""
+    original = type(module).__mro__[1]  # the class before it was adapted
+    weight = dense_weight(module).astype(mx.float32) + (update.a.astype(mx.float32) @ update.b.astype(mx.float32)).T
+    if update.gain is not None:
+        weight = update.gain.astype(mx.float32)[:, None] * weight
+    d_in, d_out = linear_dims(module)
+    bias = module.get("bias")
+    linear = nn.Linear(d_in, d_out, bias=bias is not None)
+    linear.weight = weight.astype(compute_dtype(module))
+    if bias is not None:
+        linear.bias = bias
+    if not isinstance(module, nn.QuantizedLinear):
+        return linear
+    quantized = nn.QuantizedLinear.from_linear(linear, module.group_size, module.bits, mode=getattr(module, "mode", "affine"))
+    quantized.__class__ = original
+    return quantized
 
 
 def namespace(stack: Stack, first: int) -> int:

@@ -20,16 +20,19 @@ DEFAULT_KEYS = ("self_attn.q_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp
 
 def build_random_adapter(
     model_dir: Path, out_dir: Path, *, rank: int = 8, scale: float = 10.0, seed: int = 0, dora: bool = False,
-    num_layers: int | None = None, keys: tuple[str, ...] = DEFAULT_KEYS, base_model: str | None = None,
+    num_layers: int | None = None, keys: tuple[str, ...] | None = DEFAULT_KEYS, base_model: str | None = None,
     strength: float = 0.02,
 ) -> Path:
     """An adapter for the model at `model_dir` in `out_dir` (rank `rank` on `keys` of the last
-    `num_layers` layers, all by default); `strength` is the spread of the random B."""
+    `num_layers` layers, all by default; `keys` None: every linear layer, as mlx-lm's default);
+    `strength` is the spread of the random B."""
     model, _ = load_model(model_dir, lazy=True)
     layers = len(model.layers)
     num_layers = layers if num_layers is None else num_layers
     model.freeze()
-    params = {"rank": rank, "scale": scale, "dropout": 0.0, "keys": list(keys)}
+    params: dict[str, object] = {"rank": rank, "scale": scale, "dropout": 0.0}
+    if keys is not None:
+        params["keys"] = list(keys)
     mx.random.seed(seed)  # A is drawn by mlx-lm's layers, B here
     linear_to_lora_layers(model, num_layers, params, use_dora=dora)
     weights = dict(tree_flatten(model.trainable_parameters()))

@@ -91,6 +91,8 @@ def engine_args_from(config: PoolConfig, kv_dir: Path | None = None) -> tuple[st
     args: list[str] = []
     if config.warmup != "auto":
         args += ["--warmup", config.warmup]
+    if config.adapter_merge != "auto":
+        args += ["--adapter-merge", config.adapter_merge]
     if config.gather_ms != DEFAULT_GATHER_MS:
         args += ["--gather-ms", f"{config.gather_ms:g}"]
     if config.prompt_cache_bytes is not None:
