@@ -197,6 +197,11 @@ class Registry:
         self._rescanned_at = -math.inf  # monotonic time of the last rescan for a name not found
         self.refresh()
 
+    @property
+    def models_dir(self) -> Path:
+        """mlxd's own models dir (where pulls, imports and quantize jobs put models)."""
+        return self._models_dir
+
     def refresh(self) -> None:
         """Rescan every source; config entries win over the same id elsewhere, then models_dir."""
         merged: dict[str, ModelEntry] = {}

@@ -144,6 +144,6 @@ def test_after_an_engine_crash_its_adapters_are_loaded_again(sup: SupervisorProc
     before = pid()
     assert before is not None
     psutil.Process(before).kill()
-    wait_for(lambda: pid() not in (None, before) or None, 60)
+    wait_for(lambda: pid() != before, 30)  # the supervisor saw it die; the next request starts another
     assert chat(sup, adapter="dora") == answers["dora"]
     assert chat(sup) == answers["terse"]

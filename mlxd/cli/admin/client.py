@@ -9,7 +9,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -126,6 +126,24 @@ class AdminClient:
         except ValueError:
             raise AdminError(f"{self.url}{path} answered {resp.status} with something that is not JSON; "
                              "is that an mlxd?") from None
+
+    def events(self, path: str) -> Iterator[Any]:
+        """GET an SSE stream at `path`: each event's `data`, decoded JSON, until it ends."""
+        conn = self._connect()
+        try:
+            conn.sock.settimeout(None)
+            conn.request("GET", self._prefix + path, headers=self._headers(None))
+            resp = conn.getresponse()
+            if resp.status >= 400:
+                raise error_from_response(resp.status, resp.reason, resp.read())
+            while line := resp.readline():
+                if line.startswith(b"data: "):
+                    yield json.loads(line[6:])
+        except (http.client.HTTPException, OSError) as exc:
+            raise AdminError(f"mlxd at {self.url} dropped the stream of {path} ({exc or type(exc).__name__}); "
+                             "did it stop?") from None
+        finally:
+            conn.close()
 
     def _connect(self) -> http.client.HTTPConnection:
         """An open connection, or `Unreachable`."""

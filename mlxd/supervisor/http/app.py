@@ -8,6 +8,7 @@ from aiohttp import web
 
 from mlxd.http_errors import Handler, make_error_middleware
 from mlxd.protocol.errors import APIError
+from mlxd.protocol.jobs import Made
 from mlxd.supervisor.adapters import AdapterCatalog
 from mlxd.supervisor.config import Config
 from mlxd.supervisor.engines.leases import Leases
@@ -29,12 +30,14 @@ from mlxd.supervisor.http.keys import (
     AUTH,
     CONFIG,
     IMAGES,
+    JOBS,
     LEASES,
     METRICS,
     POOL,
     REGISTRY,
     TIMELINE,
 )
+from mlxd.supervisor.http.lab_routes import is_lab_route, setup_lab_routes
 from mlxd.supervisor.http.metrics import LazyMetrics, make_metrics_middleware
 from mlxd.supervisor.http.openai_routes import setup_openai_routes
 from mlxd.supervisor.http.openapi import openapi_json
@@ -42,6 +45,8 @@ from mlxd.supervisor.http.responses_routes import setup_responses_routes
 from mlxd.supervisor.http.service_routes import setup_service_routes
 from mlxd.supervisor.http.timeline import Timeline
 from mlxd.supervisor.http.web_routes import setup_web_routes
+from mlxd.supervisor.jobs.runner import JobRunner
+from mlxd.supervisor.jobs.store import JobStore
 from mlxd.supervisor.registry import Registry
 from mlxd.supervisor.relay.dialects import render_error
 from mlxd.supervisor.response_store import ResponseStore
@@ -51,9 +56,10 @@ BODY_TIMEOUTS_PER_HEAD = 6  # a request body must arrive within 6 head deadlines
 
 
 def make_app(config: Config, registry: Registry, pool: Pool, store: ResponseStore | None = None,
-             adapters: AdapterCatalog | None = None) -> web.Application:
+             adapters: AdapterCatalog | None = None, jobs: JobStore | None = None) -> web.Application:
     """The supervisor app; its cleanup context stops every engine. `adapters`: the adapters that
-    exist (default: none but those loaded by path)."""
+    exist (default: none but those loaded by path); `jobs`: the lab's job store (default: none
+    kept, none taken)."""
     metrics, server, timeline = LazyMetrics(pool), config.server, Timeline()
     hosts = HostPolicy.make(server.host, server.allowed_hosts, server.allowed_origins, machine_names())
     app = web.Application(
@@ -64,7 +70,13 @@ def make_app(config: Config, registry: Registry, pool: Pool, store: ResponseStor
     app.on_response_prepare.append(add_cors_headers)
     app[CONFIG], app[REGISTRY], app[POOL], app[METRICS], app[TIMELINE] = config, registry, pool, metrics, timeline
     app[LEASES] = Leases(pool)
-    app[ADAPTERS] = adapters if adapters is not None else AdapterCatalog(None)
+    app[ADAPTERS] = catalog = adapters if adapters is not None else AdapterCatalog(None)
+
+    def made(_: Made) -> None:  # a finished job's adapter or model is served at once
+        catalog.refresh()
+        registry.refresh()
+
+    app[JOBS] = JobRunner(jobs if jobs is not None else JobStore(None), app[LEASES], made)
     app[AUTH] = Auth(config.server.api_keys, config.server.admin_keys, config.server.key_priorities)
     app[IMAGES] = ImageFetcher(server.image_fetch_timeout_s, server.image_fetch_max_bytes, server.image_fetch_private)
     setup_openai_routes(app)
@@ -74,6 +86,7 @@ def make_app(config: Config, registry: Registry, pool: Pool, store: ResponseStor
     app.router.add_get("/openapi.json", openapi_json)
     setup_admin_routes(app)
     setup_adapter_routes(app)
+    setup_lab_routes(app)
     setup_web_routes(app)
     app.cleanup_ctx.append(engines_ctx)
     return app
@@ -82,7 +95,9 @@ def make_app(config: Config, registry: Registry, pool: Pool, store: ResponseStor
 async def engines_ctx(app: web.Application) -> AsyncIterator[None]:
     """Engines live while the app does: all are stopped (gracefully, then killed) at shutdown."""
     app[POOL].spare_timing.arm()  # a spare engine for the first model, once start-up is over (1 s quiet)
+    await app[JOBS].start()  # queued jobs run; one left running is adopted or marked failed
     yield
+    await app[JOBS].stop()  # a running worker keeps running: the next supervisor adopts it
     app[LEASES].end_all()
     await app[IMAGES].close()
     await app[POOL].stop_all()
@@ -97,7 +112,7 @@ def is_open(request: web.Request) -> bool:
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every route but /health needs a key when keys are configured (admin routes, an admin key)."""
     if not is_open(request) and not request.app[AUTH].check(
-        request.headers, admin=request.path.startswith("/admin/") or is_admin_route(request)
+        request.headers, admin=request.path.startswith("/admin/") or is_admin_route(request) or is_lab_route(request)
     ):
         raise APIError(401, "Missing or invalid API key (send `Authorization: Bearer KEY` or `x-api-key`).",
                        type="authentication_error", code="invalid_api_key")

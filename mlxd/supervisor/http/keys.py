@@ -12,12 +12,14 @@ from mlxd.supervisor.http.auth import Auth
 from mlxd.supervisor.http.image_fetch import ImageFetcher
 from mlxd.supervisor.http.metrics import LazyMetrics
 from mlxd.supervisor.http.timeline import Timeline
+from mlxd.supervisor.jobs.runner import JobRunner
 from mlxd.supervisor.registry import Registry
 
 ADAPTERS = web.AppKey("adapters", AdapterCatalog)
 AUTH = web.AppKey("auth", Auth)
 CONFIG = web.AppKey("config", Config)
 IMAGES = web.AppKey("images", ImageFetcher)
+JOBS = web.AppKey("jobs", JobRunner)
 LEASES = web.AppKey("leases", Leases)
 METRICS = web.AppKey("metrics", LazyMetrics)
 POOL = web.AppKey("pool", Pool)

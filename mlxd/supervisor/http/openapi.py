@@ -17,7 +17,7 @@ import msgspec
 from aiohttp import web
 
 from mlxd import __version__
-from mlxd.protocol import anthropic, openai, responses
+from mlxd.protocol import anthropic, jobs, openai, responses
 from mlxd.protocol import supervisor_api as api
 from mlxd.protocol.errors import ErrorBody
 from mlxd.protocol.process import LEASE_HEADER
@@ -32,7 +32,7 @@ SCHEMA_TYPES: tuple[Any, ...] = (
     anthropic.MessagesRequest, anthropic.CountTokensRequest, anthropic.AnthropicMessage,
     anthropic.AnthropicErrorBody, anthropic.InputTokens, anthropic.ModelCardList, responses.ResponsesRequest, responses.ResponseObject,
     api.ResponseDeleted, api.InputItemList, api.TimelineView, adapters.LoadRequest, api.AdapterCardList,
-    api.AdapterCard, api.AdapterUnloaded,
+    api.AdapterCard, api.AdapterUnloaded, jobs.FinetuneRequest, jobs.QuantizeRequest, jobs.Job, jobs.JobList,
 )
 
 
@@ -90,16 +90,17 @@ def error_response(status: int, body: str = "ErrorBody") -> dict[str, Any]:
 def operation(
     op_id: str, summary: str, ok: dict[str, Any], errors: tuple[int, ...], *, tag: str,
     body: str | None = None, body_required: bool = True, parameters: list[dict[str, Any]] | None = None,
-    error_body: str = "ErrorBody",
+    error_body: str = "ErrorBody", status: int = 200,
 ) -> dict[str, Any]:
-    """One OpenAPI operation; `ok` is the 200 answer's content."""
+    """One OpenAPI operation; `ok` is the success answer's content (status `status`)."""
     op: dict[str, Any] = {"operationId": op_id, "summary": summary, "tags": [tag]}
     if parameters:
         op["parameters"] = parameters
     if body is not None:
         op["requestBody"] = {"required": body_required, "content": json_content(ref(body))}
     responses = {str(s): error_response(s, error_body) for s in sorted(errors)}
-    op["responses"] = {"200": {"description": "OK", "content": ok}, **responses}
+    op["responses"] = {str(status): {"description": "OK" if status == 200 else "Accepted", "content": ok},
+                       **responses}
     return op
 
 
@@ -195,7 +196,38 @@ def make_paths() -> dict[str, Any]:
                                            tag="Service")},
         **make_admin_paths(),
         **make_adapter_paths(),
+        **make_lab_paths(),
     }
+
+
+def make_lab_paths() -> dict[str, Any]:
+    """/lab: fine-tune and quantize jobs (docs/lab.md), with the reference's /api/... aliases."""
+    job = json_content(ref("Job"))
+    id_param = [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    paths: dict[str, Any] = {}
+    for prefix, submit, alias in (("/lab", "", ""), ("/api", "/submit", "Alias")):
+        paths.update({
+            f"{prefix}/finetune{submit}": {"post": operation(
+                f"finetune{alias}", "Queue a LoRA/DoRA fine-tune (the dataset is checked first)", job,
+                ADMIN_BODY_ERRORS, tag="Lab", body="FinetuneRequest", status=202)},
+            f"{prefix}/quantize{submit}": {"post": operation(
+                f"quantize{alias}", "Queue a quantization", job, ADMIN_BODY_ERRORS, tag="Lab",
+                body="QuantizeRequest", status=202)},
+            f"{prefix}/jobs": {"get": operation(f"listJobs{alias}", "The jobs, newest first",
+                                                json_content(ref("JobList")), GUARDED, tag="Lab")},
+            f"{prefix}/jobs/{{id}}": {"get": operation(f"getJob{alias}", "One job", job, (*GUARDED, 404), tag="Lab",
+                                                       parameters=id_param)},
+            f"{prefix}/jobs/{{id}}/stream": {"get": operation(
+                f"streamJob{alias}", "The job as server-sent events (`event: job`) until it ends",
+                {"text/event-stream": {"schema": {"type": "string"}}}, (*GUARDED, 404), tag="Lab",
+                parameters=id_param)},
+            f"{prefix}/jobs/{{id}}/cancel": {"post": operation(
+                f"cancelJob{alias}", "Cancel a job", job, (*GUARDED, 404), tag="Lab", parameters=id_param)},
+            f"{prefix}/jobs/{{id}}/log": {"get": operation(
+                f"jobLog{alias}", "The worker's log (the last 1 MB)", {"text/plain": {"schema": {"type": "string"}}},
+                (*GUARDED, 404), tag="Lab", parameters=id_param)},
+        })
+    return paths
 
 
 def make_adapter_paths() -> dict[str, Any]:

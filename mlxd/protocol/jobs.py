@@ -1,0 +1,126 @@
+"""Lab jobs on the wire: what a job asks for, what its worker reports, and the job as stored.
+
+A job is submitted to the supervisor (`POST /lab/finetune`, `/lab/quantize`; docs/lab.md), which
+checks it, stores it (supervisor/jobs/store.py) and runs it in a worker process of its own
+(`python -m mlxd.lab`, mlxd/lab/), never in the supervisor or an engine. The worker gets the
+request with its paths resolved (`WorkerJob`) and reports on stdout, one JSON line each:
+progress (`Progress`), then what it made (`Made`), or why it failed (`Failure`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+Name = Annotated[str, Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")]
+ModelName = Annotated[str, Meta(min_length=1, max_length=1024)]
+JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+FINISHED: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
+JobKind = Literal["finetune", "quantize"]
+
+
+class FinetuneRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A LoRA or DoRA fine-tune of `model` on the mlx-lm dataset dir `data` (train.jsonl,
+    valid.jsonl: chat `messages`, `prompt`/`completion`, or `text` rows), as `mlx_lm.lora
+    --train` runs it; the adapter is written to the adapters dir as `name`."""
+
+    model: ModelName
+    data: Annotated[str, Meta(min_length=1, max_length=4096)]
+    name: Name
+    fine_tune_type: Literal["lora", "dora"] = "lora"
+    iters: Annotated[int, Meta(ge=1, le=10_000_000)] = 1000
+    batch_size: Annotated[int, Meta(ge=1, le=1024)] = 4
+    learning_rate: Annotated[float, Meta(gt=0, le=1)] = 1e-5
+    num_layers: Annotated[int, Meta(ge=-1, le=10_000)] = 16  # the last N layers (-1: all)
+    rank: Annotated[int, Meta(ge=1, le=1024)] = 8
+    scale: Annotated[float, Meta(gt=0, le=1e4)] = 20.0
+    dropout: Annotated[float, Meta(ge=0, lt=1)] = 0.0
+    max_seq_length: Annotated[int, Meta(ge=8, le=1 << 20)] = 2048
+    mask_prompt: bool = False  # train on completions only
+    steps_per_report: Annotated[int, Meta(ge=1)] = 10
+    steps_per_eval: Annotated[int, Meta(ge=1)] = 200
+    val_batches: Annotated[int, Meta(ge=-1)] = 25
+    grad_checkpoint: bool = False
+    seed: int = 0
+
+
+class QuantizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """`model` quantized with `mlx_lm.convert` to `bits` (or a mixed-precision recipe), written
+    to the models dir as `name` (default: MODEL-Nbit)."""
+
+    model: ModelName
+    bits: Literal[2, 3, 4, 5, 6, 8] = 4
+    group_size: Literal[32, 64, 128] = 64
+    recipe: Literal["mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6"] | None = None
+    name: Name | None = None
+
+
+class WorkerJob(msgspec.Struct, kw_only=True):
+    """What the worker process is given: the job, its request, and the paths resolved."""
+
+    id: str
+    kind: JobKind
+    request: dict[str, Any]
+    model_path: str | None = None
+    data_path: str | None = None
+    output_path: str  # where it writes what it makes (a temp dir beside it until it is done)
+    base_model: str | None = None  # the model id an adapter records as its base
+
+
+class Progress(msgspec.Struct, kw_only=True, omit_defaults=True, tag_field="event", tag="progress"):
+    """A worker's progress line (`"event": "progress"`)."""
+
+    stage: str  # loading, checking, training, saving, quantizing, ...
+    step: int | None = None
+    total: int | None = None
+    loss: float | None = None
+    val_loss: float | None = None
+    tokens_per_s: float | None = None
+    trained_tokens: int | None = None
+    eta_s: float | None = None
+    message: str | None = None
+
+
+class Made(msgspec.Struct, kw_only=True, tag_field="event", tag="made"):
+    """A worker's last line when it succeeds: what it made, and where."""
+
+    kind: Literal["adapter", "model", "dataset"]
+    path: str
+    name: str
+    details: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class Failure(msgspec.Struct, kw_only=True, tag_field="event", tag="failed"):
+    """A worker's last line when the job cannot be done (bad input found late, an error)."""
+
+    error: str
+
+
+WorkerLine = Progress | Made | Failure
+worker_line = msgspec.json.Decoder(Progress | Made | Failure)
+
+
+class Job(msgspec.Struct, kw_only=True):
+    """A job as `GET /lab/jobs/{id}` shows it."""
+
+    id: str
+    object: Literal["job"] = "job"
+    kind: str
+    state: JobState
+    request: dict[str, Any]
+    created_at: float
+    started_at: float | None = None
+    ended_at: float | None = None
+    pid: int | None = None
+    progress: Progress | None = None
+    losses: list[list[float]] = msgspec.field(default_factory=list)  # [step, train loss] as reported
+    error: str | None = None
+    result: Made | None = None
+    log_path: str | None = None
+
+
+class JobList(msgspec.Struct):
+    data: list[Job]
+    object: Literal["list"] = "list"

@@ -1,0 +1,173 @@
+"""The lab's routes: submit a fine-tune or a quantization, list jobs, follow one, cancel it.
+
+Under `/lab/` (mlxd's own; docs/lab.md), with the reference's `/api/...` paths as aliases. All
+take an admin key where keys are configured: a job reads paths on this machine and takes the
+GPU. A submission is checked before it is queued (the model exists, the dataset's files and
+every line of them, the output's name is free): what fails is a 400 naming it, and nothing is
+queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from mlxd.protocol.datasets import DatasetError, check_dir
+from mlxd.protocol.errors import APIError
+from mlxd.protocol.jobs import FINISHED, FinetuneRequest, Job, JobList, QuantizeRequest, WorkerJob
+from mlxd.protocol.json_body import decode_json
+from mlxd.supervisor.http.answers import json_answer
+from mlxd.supervisor.http.keys import ADAPTERS, JOBS, REGISTRY
+from mlxd.supervisor.registry import ModelEntry
+from mlxd.supervisor.relay.sse import SSE_HEADERS
+
+LAB = "/lab"
+STREAM_KEEPALIVE_S = 15.0
+_finetune = msgspec.json.Decoder(FinetuneRequest)
+_quantize = msgspec.json.Decoder(QuantizeRequest)
+
+
+def _model(request: web.Request, name: str) -> ModelEntry:
+    """The model a job names; an unknown one is a 400 (the job's input is bad, not the route)."""
+    try:
+        return request.app[REGISTRY].resolve(name)
+    except APIError as err:
+        raise APIError(400, err.message, param="model", code=err.code) from None
+
+
+def _free(path: Path, what: str) -> None:
+    if path.exists():
+        raise APIError(400, f"{what} {path.name!r} exists already ({path}); choose another name.", param="name",
+                       code="name_taken")
+
+
+async def finetune(request: web.Request) -> web.Response:
+    """POST /lab/finetune: queue a LoRA/DoRA fine-tune; its job, queued."""
+    req: FinetuneRequest = decode_json(_finetune, await request.read())
+    entry = _model(request, req.model)
+    data = Path(req.data).expanduser()
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, check_dir, data)
+    except DatasetError as exc:
+        raise APIError(400, f"The dataset cannot be trained on: {exc}", param="data", code="dataset_invalid") from None
+    catalog = request.app[ADAPTERS]
+    if catalog.adapters_dir is None:
+        raise APIError(503, "This supervisor has no adapters dir.", type="server_error")
+    out = catalog.adapters_dir / req.name
+    _free(out, "Adapter")
+    if catalog.get(req.name) is not None:
+        raise APIError(400, f"Adapter {req.name!r} exists already; choose another name.", param="name",
+                       code="name_taken")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    request_dict = msgspec.to_builtins(req)
+    job = request.app[JOBS].submit("finetune", request_dict, lambda job_id: WorkerJob(
+        id=job_id, kind="finetune", request=request_dict, model_path=str(entry.path), data_path=str(data.resolve()),
+        output_path=str(out), base_model=entry.id))
+    return json_answer(job, 202)
+
+
+async def quantize(request: web.Request) -> web.Response:
+    """POST /lab/quantize: queue a quantization; its job, queued."""
+    req: QuantizeRequest = decode_json(_quantize, await request.read())
+    entry = _model(request, req.model)
+    config = _read_json(entry.path / "config.json")
+    if isinstance(config, dict) and (config.get("quantization") or config.get("quantization_config")):
+        raise APIError(400, f"{entry.id} is quantized already; quantize a full-precision model.", param="model",
+                       code="already_quantized")
+    models_dir = request.app[REGISTRY].models_dir
+    name = req.name or f"{entry.id.rpartition('/')[2]}-{req.recipe or f'{req.bits}bit'}"
+    out = models_dir / name
+    _free(out, "Model")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    request_dict = msgspec.to_builtins(req)
+    job = request.app[JOBS].submit("quantize", request_dict, lambda job_id: WorkerJob(
+        id=job_id, kind="quantize", request=request_dict, model_path=str(entry.path), output_path=str(out),
+        base_model=entry.id))
+    return json_answer(job, 202)
+
+
+def _job(request: web.Request) -> Job:
+    job_id = request.match_info["id"]
+    job = request.app[JOBS].store.get(job_id)
+    if job is None:
+        raise APIError(404, f"No job {job_id[:100]!r}.", param="id", code="job_not_found")
+    return job
+
+
+async def list_jobs(request: web.Request) -> web.Response:
+    """GET /lab/jobs[?kind=K&limit=N]: the newest jobs first."""
+    try:
+        limit = max(1, min(1000, int(request.query.get("limit", "50"))))
+    except ValueError:
+        raise APIError(400, "`limit` must be an integer.", param="limit") from None
+    return json_answer(JobList(request.app[JOBS].store.recent(limit, request.query.get("kind"))))
+
+
+async def get_job(request: web.Request) -> web.Response:
+    return json_answer(_job(request))
+
+
+async def stream_job(request: web.Request) -> web.StreamResponse:
+    """GET /lab/jobs/{id}/stream: the job as SSE (`event: job`), sent at every change until it ends."""
+    job = _job(request)
+    runner = request.app[JOBS]
+    resp = web.StreamResponse(headers=SSE_HEADERS)
+    await resp.prepare(request)
+    last = b""
+    while True:
+        body = msgspec.json.encode(job)
+        if body != last:
+            await resp.write(b"event: job\ndata: " + body + b"\n\n")
+            last = body
+        else:
+            await resp.write(b": waiting\n\n")
+        if job.state in FINISHED:
+            break
+        found = await runner.changes(job.id, STREAM_KEEPALIVE_S)
+        if found is None:
+            break
+        job = found
+    await resp.write_eof()
+    return resp
+
+
+async def cancel_job(request: web.Request) -> web.Response:
+    """POST /lab/jobs/{id}/cancel: a queued job never starts; a running one's worker is stopped."""
+    job = _job(request)
+    return json_answer(await request.app[JOBS].cancel(job.id))
+
+
+async def job_log(request: web.Request) -> web.Response:
+    """GET /lab/jobs/{id}/log: the worker's output (mlx-lm's own, tracebacks), the last 1 MB."""
+    job = _job(request)
+    try:
+        data = Path(job.log_path or "").read_bytes()[-(1 << 20):]
+    except OSError:
+        data = b""
+    return web.Response(body=data, content_type="text/plain", charset="utf-8")
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return msgspec.json.decode(path.read_bytes())
+    except (OSError, msgspec.DecodeError):
+        return None
+
+
+def setup_lab_routes(app: web.Application) -> None:
+    for prefix, submit in ((LAB, ""), ("/api", "/submit")):
+        app.router.add_post(f"{prefix}/finetune{submit}", finetune)
+        app.router.add_post(f"{prefix}/quantize{submit}", quantize)
+        app.router.add_get(f"{prefix}/jobs", list_jobs)
+        app.router.add_get(f"{prefix}/jobs/{{id}}", get_job)
+        app.router.add_get(f"{prefix}/jobs/{{id}}/stream", stream_job)
+        app.router.add_post(f"{prefix}/jobs/{{id}}/cancel", cancel_job)
+        app.router.add_get(f"{prefix}/jobs/{{id}}/log", job_log)
+
+
+def is_lab_route(request: web.Request) -> bool:
+    return request.path.startswith((LAB + "/", "/api/"))
