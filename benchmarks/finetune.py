@@ -23,10 +23,10 @@ import sys
 import tempfile
 import time
 import types
+import urllib.request
 from pathlib import Path
 from typing import Any
 
-import httpx2 as httpx
 from batching import bench_supervisor, default_model, log, show_log
 from engine_decode import engine_env
 
@@ -93,15 +93,18 @@ def run_mlxd(args: argparse.Namespace, data: Path, work: Path) -> dict[str, Any]
     sup, _ = bench_supervisor(args.model, work)
     try:
         sup.wait_health()
-        with httpx.Client(base_url=sup.url, timeout=60) as client:
-            t0 = time.perf_counter()
-            resp = client.post("/lab/finetune", json={"model": "bench", "data": str(data), "name": "bench-ft",
-                                                      **params(args)})
-            resp.raise_for_status()
-            job_id = resp.json()["id"]
-            while (job := client.get(f"/lab/jobs/{job_id}").json())["state"] in ("queued", "running"):
-                time.sleep(0.2)
-            wall = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        body = json.dumps({"model": "bench", "data": str(data), "name": "bench-ft", **params(args)}).encode()
+        post = urllib.request.Request(f"{sup.url}/lab/finetune", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(post, timeout=60) as resp:
+            job_id = json.loads(resp.read())["id"]
+        while True:
+            with urllib.request.urlopen(f"{sup.url}/lab/jobs/{job_id}", timeout=60) as resp:
+                job = json.loads(resp.read())
+            if job["state"] not in ("queued", "running"):
+                break
+            time.sleep(0.2)
+        wall = time.perf_counter() - t0
         if job["state"] != "succeeded":
             raise RuntimeError(f"the job {job['state']}: {job.get('error')}")
         events = (work / "data" / "jobs" / job_id / "events.jsonl").read_text().splitlines()
