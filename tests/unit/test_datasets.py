@@ -38,7 +38,7 @@ def test_bad_lines_are_named_with_their_reason(tmp_path: Path) -> None:
 def test_a_dir_needs_train_and_valid_and_reports_every_problem(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match="not a dir"):
         check_dir(tmp_path / "nope")
-    with pytest.raises(DatasetError, match="train.jsonl or valid.jsonl"):
+    with pytest.raises(DatasetError, match=r"train\.jsonl or valid\.jsonl"):
         check_dir(tmp_path)
     write(tmp_path / "train.jsonl", CHAT, "{bad")
     write(tmp_path / "valid.jsonl", {"prompt": "p", "completion": "c"})
