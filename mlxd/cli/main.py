@@ -33,6 +33,8 @@ COMMANDS = {
     "adapters": "mlxd.cli.admin.adapter_cmds:adapters",
     "finetune": "mlxd.cli.admin.lab_cmds:finetune",
     "quantize": "mlxd.cli.admin.lab_cmds:quantize",
+    "fuse": "mlxd.cli.admin.lab_cmds:fuse",
+    "merge": "mlxd.cli.admin.lab_cmds:merge",
     "jobs": "mlxd.cli.admin.lab_cmds:jobs",
     "pull": "mlxd.cli.pull_cmds:pull",
     "rm": "mlxd.cli.pull_cmds:rm",

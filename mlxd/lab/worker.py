@@ -66,6 +66,14 @@ def run(job: WorkerJob, emit: Emit) -> Made:
         from mlxd.lab.quantize import quantize
 
         return quantize(job, emit)
+    if job.kind == "fuse":
+        from mlxd.lab.fuse import fuse
+
+        return fuse(job, emit)
+    if job.kind == "merge":
+        from mlxd.lab.fuse import merge
+
+        return merge(job, emit)
     raise JobError(f"unknown job kind {job.kind!r}")
 
 

@@ -18,7 +18,8 @@ Name = Annotated[str, Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][
 ModelName = Annotated[str, Meta(min_length=1, max_length=1024)]
 JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 FINISHED: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
-JobKind = Literal["finetune", "quantize"]
+JobKind = Literal["finetune", "quantize", "fuse", "merge"]
+AdapterName = Annotated[str, Meta(min_length=1, max_length=200)]
 
 
 class FinetuneRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -57,6 +58,28 @@ class QuantizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     name: Name | None = None
 
 
+class FuseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """`adapter` fused into `model`'s weights as `mlx_lm.fuse` does, written to the models dir as
+    `name` (default: MODEL-ADAPTER); `gguf` also writes a GGUF file of it (llama, mistral and
+    mixtral models, mlx-lm's exporter); `dequantize` saves a quantized model's weights at full
+    precision."""
+
+    model: ModelName
+    adapter: AdapterName
+    name: Name | None = None
+    dequantize: bool = False
+    gguf: bool = False
+
+
+class MergeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Adapters of one model merged into one adapter `name`: its update is the sum of theirs,
+    each times its `scales` entry (default 1 each)."""
+
+    adapters: Annotated[list[AdapterName], Meta(min_length=2, max_length=8)]
+    scales: Annotated[list[Annotated[float, Meta(ge=-100, le=100)]], Meta(min_length=2, max_length=8)] | None = None
+    name: Name
+
+
 class WorkerJob(msgspec.Struct, kw_only=True):
     """What the worker process is given: the job, its request, and the paths resolved."""
 
@@ -67,6 +90,7 @@ class WorkerJob(msgspec.Struct, kw_only=True):
     data_path: str | None = None
     output_path: str  # where it writes what it makes (a temp dir beside it until it is done)
     base_model: str | None = None  # the model id an adapter records as its base
+    adapter_paths: list[str] = msgspec.field(default_factory=list)  # a fuse's or a merge's adapters
 
 
 class Progress(msgspec.Struct, kw_only=True, omit_defaults=True, tag_field="event", tag="progress"):

@@ -56,16 +56,25 @@ def finished(sup: SupervisorProcess, job_id: str, timeout: float = 240) -> dict[
     return wait_for(done, timeout, interval=0.2)
 
 
-def test_a_fine_tune_lowers_the_loss_and_its_adapter_is_served_at_once(sup: SupervisorProcess, dataset: Path) -> None:
+@pytest.fixture(scope="module")
+def zebra(sup: SupervisorProcess, dataset: Path) -> tuple[dict[str, Any], str]:
+    """The adapter `zebra`, fine-tuned on the dataset through a job followed by `mlxd jobs -f`:
+    the job, and the base model's answer before."""
     before = base_answer(sup)
-    assert "ZEBRA" not in before
     body = {"model": "smol", "data": str(dataset), "name": "zebra", "iters": 10, "learning_rate": 5e-4,
             "num_layers": 4, "val_batches": 1, "steps_per_report": 2, "steps_per_eval": 10}
     submitted = sup.client.post("/lab/finetune", json=body)
     assert submitted.status_code == 202 and submitted.json()["state"] == "queued", submitted.text
     follow = mlxd("jobs", "-f", submitted.json()["id"], "--json", "--url", sup.url, env=cli_env(), timeout=280)
     assert follow.returncode == 0, follow.stderr + follow.stdout
-    job = json.loads(follow.stdout)
+    return json.loads(follow.stdout), before
+
+
+def test_a_fine_tune_lowers_the_loss_and_its_adapter_is_served_at_once(
+    sup: SupervisorProcess, zebra: tuple[dict[str, Any], str]
+) -> None:
+    job, before = zebra
+    assert "ZEBRA" not in before
     assert job["state"] == "succeeded" and job["result"]["kind"] == "adapter", job
     losses = [loss for _, loss in job["losses"]]
     assert len(losses) == 5 and losses[-1] < losses[0] / 4, losses
@@ -99,6 +108,40 @@ def test_a_quantized_model_is_made_and_served(sup: SupervisorProcess, bits: int)
     assert again.status_code == 400 and again.json()["error"]["code"] == "name_taken"
     requant = sup.client.post("/lab/quantize", json={"model": name, "bits": 4, "name": "twice"})
     assert requant.status_code == 400 and requant.json()["error"]["code"] == "already_quantized"
+
+
+def test_a_fused_model_answers_as_its_adapter_did(sup: SupervisorProcess, zebra: tuple[dict[str, Any], str]) -> None:
+    run = mlxd("fuse", "smol", "zebra", "--wait", "--json", "--url", sup.url, env=cli_env(), timeout=280)
+    assert run.returncode == 0, run.stderr + run.stdout
+    job = json.loads(run.stdout)
+    assert job["state"] == "succeeded" and job["result"]["name"] == "smol-zebra", job
+    fused = sup.openai().chat.completions.create(model="smol-zebra", messages=[{"role": "user", "content": QUESTION}],
+                                                 max_tokens=12, temperature=0)
+    assert fused.choices[0].message.content == base_answer(sup, adapter="zebra")
+    again = sup.client.post("/lab/fuse", json={"model": "smol", "adapter": "zebra"})
+    assert again.status_code == 400 and again.json()["error"]["code"] == "name_taken"
+    unknown = sup.client.post("/lab/fuse", json={"model": "smol", "adapter": "nosuch"})
+    assert unknown.status_code == 400 and unknown.json()["error"]["code"] == "adapter_not_found"
+
+
+def test_merged_adapters_answer_as_the_stack_weighted(
+    sup: SupervisorProcess, zebra: tuple[dict[str, Any], str], smollm2: Path
+) -> None:
+    from mlxd.engine.models.random_adapter import build_random_adapter
+
+    catalog_dir = Path(zebra[0]["result"]["path"]).parent
+    build_random_adapter(smollm2, catalog_dir / "noise", rank=4, seed=7, strength=0.035, base_model="smol")
+    both = mlxd("merge", "zebra", "noise", "--name", "both", "--wait", "--json", "--url", sup.url, env=cli_env())
+    assert both.returncode == 0, both.stderr + both.stdout
+    assert json.loads(both.stdout)["result"]["details"]["rank"] == 12
+    only = sup.client.post("/lab/merge", json={"adapters": ["zebra", "noise"], "scales": [1, 0], "name": "only"})
+    assert only.status_code == 202, only.text
+    assert finished(sup, only.json()["id"])["state"] == "succeeded"
+    assert base_answer(sup, adapter="both") == base_answer(sup, adapter="noise+zebra")
+    assert base_answer(sup, adapter="only") == base_answer(sup, adapter="zebra")
+    assert base_answer(sup, adapter="noise") != base_answer(sup, adapter="zebra")
+    bad = sup.client.post("/lab/merge", json={"adapters": ["zebra", "noise"], "scales": [1], "name": "x"})
+    assert bad.status_code == 400 and "scales" in bad.json()["error"]["message"]
 
 
 def test_bad_submissions_are_400s_and_nothing_is_queued(sup: SupervisorProcess, dataset: Path, tmp_path: Path) -> None:

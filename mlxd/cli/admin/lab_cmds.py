@@ -146,10 +146,51 @@ def quantize(model: str, bits: str, group_size: str, recipe: str | None, name: s
         submitted(client, client.post("/lab/quantize", body), wait, as_json)
 
 
+@click.command("fuse")
+@click.argument("model")
+@click.argument("adapter")
+@click.option("--name", help="the new model's name (default: MODEL-ADAPTER)")
+@click.option("--dequantize", is_flag=True, help="save a quantized model's weights at full precision")
+@click.option("--gguf", is_flag=True, help="also write a GGUF file (llama, mistral, mixtral)")
+@click.option("--wait", is_flag=True, help="follow the job until it ends; exit non-zero if it fails")
+@json_option
+@daemon_options
+def fuse(model: str, adapter: str, name: str | None, dequantize: bool, gguf: bool, wait: bool, as_json: bool,
+         url: str | None, config_file: Path | None, data_dir: Path | None) -> None:
+    """Fuse ADAPTER into MODEL's weights: a new model in the models dir (mlx_lm.fuse)."""
+    client = make_client(url, config_file, data_dir)
+    body: dict[str, Any] = {"model": model, "adapter": adapter, "dequantize": dequantize, "gguf": gguf}
+    if name:
+        body["name"] = name
+    with failures_as_click(client):
+        submitted(client, client.post("/lab/fuse", body), wait, as_json)
+
+
+@click.command("merge")
+@click.argument("adapters", nargs=-1, required=True)
+@click.option("--name", required=True, help="the merged adapter's name")
+@click.option("--scales", help="one weight per adapter, comma-separated (default: 1 each)")
+@click.option("--wait", is_flag=True, help="follow the job until it ends; exit non-zero if it fails")
+@json_option
+@daemon_options
+def merge(adapters: tuple[str, ...], name: str, scales: str | None, wait: bool, as_json: bool, url: str | None,
+          config_file: Path | None, data_dir: Path | None) -> None:
+    """Merge LoRA ADAPTERS (2 to 8, of one model) into one adapter: the sum of their updates, weighted."""
+    client = make_client(url, config_file, data_dir)
+    body: dict[str, Any] = {"adapters": list(adapters), "name": name}
+    if scales:
+        try:
+            body["scales"] = [float(x) for x in scales.split(",")]
+        except ValueError:
+            raise click.BadParameter("numbers, comma-separated", param_hint="--scales") from None
+    with failures_as_click(client):
+        submitted(client, client.post("/lab/merge", body), wait, as_json)
+
+
 @click.command("jobs")
 @click.argument("args", nargs=-1, metavar="[ID | cancel ID]")
 @click.option("-f", "--follow", "follow_", is_flag=True, help="follow the job's progress until it ends")
-@click.option("--kind", type=click.Choice(["finetune", "quantize"]), help="only jobs of this kind")
+@click.option("--kind", type=click.Choice(["finetune", "quantize", "fuse", "merge"]), help="only jobs of this kind")
 @json_option
 @daemon_options
 def jobs(args: tuple[str, ...], follow_: bool, kind: str | None, as_json: bool, url: str | None,

@@ -18,8 +18,18 @@ from aiohttp import web
 
 from mlxd.protocol.datasets import DatasetError, check_dir
 from mlxd.protocol.errors import APIError
-from mlxd.protocol.jobs import FINISHED, FinetuneRequest, Job, JobList, QuantizeRequest, WorkerJob
+from mlxd.protocol.jobs import (
+    FINISHED,
+    FinetuneRequest,
+    FuseRequest,
+    Job,
+    JobList,
+    MergeRequest,
+    QuantizeRequest,
+    WorkerJob,
+)
 from mlxd.protocol.json_body import decode_json
+from mlxd.supervisor.adapters import AdapterEntry, is_for
 from mlxd.supervisor.http.answers import json_answer
 from mlxd.supervisor.http.keys import ADAPTERS, JOBS, REGISTRY
 from mlxd.supervisor.registry import ModelEntry
@@ -29,6 +39,8 @@ LAB = "/lab"
 STREAM_KEEPALIVE_S = 15.0
 _finetune = msgspec.json.Decoder(FinetuneRequest)
 _quantize = msgspec.json.Decoder(QuantizeRequest)
+_fuse = msgspec.json.Decoder(FuseRequest)
+_merge = msgspec.json.Decoder(MergeRequest)
 
 
 def _model(request: web.Request, name: str) -> ModelEntry:
@@ -87,6 +99,63 @@ async def quantize(request: web.Request) -> web.Response:
     job = request.app[JOBS].submit("quantize", request_dict, lambda job_id: WorkerJob(
         id=job_id, kind="quantize", request=request_dict, model_path=str(entry.path), output_path=str(out),
         base_model=entry.id))
+    return json_answer(job, 202)
+
+
+def _adapter(request: web.Request, name: str, model: ModelEntry | None) -> AdapterEntry:
+    """A known adapter (for `model`, when given); a 400 naming it otherwise."""
+    found = request.app[ADAPTERS].get(name)
+    if found is None:
+        raise APIError(400, f"Adapter {name[:200]!r} not found.", param="adapter", code="adapter_not_found")
+    if model is not None and not is_for(found, model, request.app[REGISTRY]):
+        raise APIError(400, f"Adapter {name!r} is for {found.base_model}, not {model.id}.", param="adapter",
+                       code="adapter_base_mismatch")
+    return found
+
+
+async def fuse(request: web.Request) -> web.Response:
+    """POST /lab/fuse: queue fusing an adapter into its model (a new model); its job, queued."""
+    req: FuseRequest = decode_json(_fuse, await request.read())
+    entry = _model(request, req.model)
+    adapter = _adapter(request, req.adapter, entry)
+    name = req.name or f"{entry.id.rpartition('/')[2]}-{adapter.id}"
+    out = request.app[REGISTRY].models_dir / name
+    _free(out, "Model")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    body = msgspec.to_builtins(req)
+    job = request.app[JOBS].submit("fuse", body, lambda job_id: WorkerJob(
+        id=job_id, kind="fuse", request=body, model_path=str(entry.path), output_path=str(out),
+        base_model=entry.id, adapter_paths=[str(adapter.path)]))
+    return json_answer(job, 202)
+
+
+async def merge(request: web.Request) -> web.Response:
+    """POST /lab/merge: queue merging adapters of one model into one; its job, queued."""
+    req: MergeRequest = decode_json(_merge, await request.read())
+    if req.scales is not None and len(req.scales) != len(req.adapters):
+        raise APIError(400, f"{len(req.scales)} scales for {len(req.adapters)} adapters.", param="scales")
+    adapters = [_adapter(request, name, None) for name in req.adapters]
+    kinds = [a.id for a in adapters if a.kind != "lora"]
+    if kinds:
+        raise APIError(400, f"Only LoRA adapters merge; {kinds[0]} is a {adapters[0].kind} adapter.",
+                       param="adapters", code="adapter_invalid")
+    bases = {a.base_model for a in adapters}
+    if len(bases) > 1:
+        raise APIError(400, f"The adapters are for different models ({', '.join(sorted(map(str, bases)))}).",
+                       param="adapters", code="adapter_base_mismatch")
+    catalog = request.app[ADAPTERS]
+    if catalog.adapters_dir is None:
+        raise APIError(503, "This supervisor has no adapters dir.", type="server_error")
+    out = catalog.adapters_dir / req.name
+    _free(out, "Adapter")
+    if catalog.get(req.name) is not None:
+        raise APIError(400, f"Adapter {req.name!r} exists already; choose another name.", param="name",
+                       code="name_taken")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    body = msgspec.to_builtins(req)
+    job = request.app[JOBS].submit("merge", body, lambda job_id: WorkerJob(
+        id=job_id, kind="merge", request=body, output_path=str(out), base_model=adapters[0].base_model,
+        adapter_paths=[str(a.path) for a in adapters]))
     return json_answer(job, 202)
 
 
@@ -159,6 +228,10 @@ def _read_json(path: Path) -> Any:
 
 
 def setup_lab_routes(app: web.Application) -> None:
+    app.router.add_post(f"{LAB}/fuse", fuse)
+    app.router.add_post("/api/finetune/export", fuse)
+    app.router.add_post(f"{LAB}/merge", merge)
+    app.router.add_post("/api/finetune/merge", merge)
     for prefix, submit in ((LAB, ""), ("/api", "/submit")):
         app.router.add_post(f"{prefix}/finetune{submit}", finetune)
         app.router.add_post(f"{prefix}/quantize{submit}", quantize)

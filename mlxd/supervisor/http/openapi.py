@@ -33,6 +33,7 @@ SCHEMA_TYPES: tuple[Any, ...] = (
     anthropic.AnthropicErrorBody, anthropic.InputTokens, anthropic.ModelCardList, responses.ResponsesRequest, responses.ResponseObject,
     api.ResponseDeleted, api.InputItemList, api.TimelineView, adapters.LoadRequest, api.AdapterCardList,
     api.AdapterCard, api.AdapterUnloaded, jobs.FinetuneRequest, jobs.QuantizeRequest, jobs.Job, jobs.JobList,
+    jobs.FuseRequest, jobs.MergeRequest,
 )
 
 
@@ -205,6 +206,13 @@ def make_lab_paths() -> dict[str, Any]:
     job = json_content(ref("Job"))
     id_param = [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}]
     paths: dict[str, Any] = {}
+    for path, op_id, summary, body in (
+        ("/lab/fuse", "fuse", "Queue fusing an adapter into its model", "FuseRequest"),
+        ("/api/finetune/export", "fuseAlias", "Queue fusing an adapter into its model", "FuseRequest"),
+        ("/lab/merge", "merge", "Queue merging LoRA adapters into one", "MergeRequest"),
+        ("/api/finetune/merge", "mergeAlias", "Queue merging LoRA adapters into one", "MergeRequest"),
+    ):
+        paths[path] = {"post": operation(op_id, summary, job, ADMIN_BODY_ERRORS, tag="Lab", body=body, status=202)}
     for prefix, submit, alias in (("/lab", "", ""), ("/api", "/submit", "Alias")):
         paths.update({
             f"{prefix}/finetune{submit}": {"post": operation(

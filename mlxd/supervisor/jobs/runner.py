@@ -38,7 +38,7 @@ JOB_FILE, EVENTS_FILE = "job.json", "events.jsonl"
 FOLLOW_EVERY_S = 0.2
 LEASE_TTL_S = 60.0
 CANCEL_GRACE_S = 10.0
-NEEDS_MACHINE = frozenset({"finetune", "quantize"})
+NEEDS_MACHINE = frozenset({"finetune", "quantize", "fuse"})  # a merge reads adapters only
 WORKER_ENV = {**os.environ, "NO_COLOR": "1", "TERM": "dumb"}  # a log file, not a terminal: no colours
 
 
