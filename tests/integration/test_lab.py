@@ -142,6 +142,10 @@ def test_merged_adapters_answer_as_the_stack_weighted(
     assert base_answer(sup, adapter="noise") != base_answer(sup, adapter="zebra")
     bad = sup.client.post("/lab/merge", json={"adapters": ["zebra", "noise"], "scales": [1], "name": "x"})
     assert bad.status_code == 400 and "scales" in bad.json()["error"]["message"]
+    build_random_adapter(smollm2, catalog_dir / "dor", rank=2, seed=8, dora=True, base_model="smol")
+    time.sleep(1.1)  # the catalog rescans for an unknown name at most once a second
+    dora = sup.client.post("/lab/merge", json={"adapters": ["zebra", "dor"], "name": "x"})
+    assert dora.status_code == 400 and "dor is a dora adapter" in dora.json()["error"]["message"], dora.text
 
 
 def test_bad_submissions_are_400s_and_nothing_is_queued(sup: SupervisorProcess, dataset: Path, tmp_path: Path) -> None:

@@ -51,10 +51,24 @@ def _model(request: web.Request, name: str) -> ModelEntry:
         raise APIError(400, err.message, param="model", code=err.code) from None
 
 
-def _free(path: Path, what: str) -> None:
+def _free(path: Path, what: str) -> Path:
+    """`path`, its parent made; a 400 when something is there already."""
     if path.exists():
         raise APIError(400, f"{what} {path.name!r} exists already ({path}); choose another name.", param="name",
                        code="name_taken")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _new_adapter_dir(request: web.Request, name: str) -> Path:
+    """Where a job's new adapter `name` goes: the adapters dir; a 400 when the name is taken."""
+    catalog = request.app[ADAPTERS]
+    if catalog.adapters_dir is None:
+        raise APIError(503, "This supervisor has no adapters dir.", type="server_error")
+    if catalog.get(name) is not None:
+        raise APIError(400, f"Adapter {name!r} exists already; choose another name.", param="name",
+                       code="name_taken")
+    return _free(catalog.adapters_dir / name, "Adapter")
 
 
 async def finetune(request: web.Request) -> web.Response:
@@ -66,15 +80,7 @@ async def finetune(request: web.Request) -> web.Response:
         await asyncio.get_running_loop().run_in_executor(None, check_dir, data)
     except DatasetError as exc:
         raise APIError(400, f"The dataset cannot be trained on: {exc}", param="data", code="dataset_invalid") from None
-    catalog = request.app[ADAPTERS]
-    if catalog.adapters_dir is None:
-        raise APIError(503, "This supervisor has no adapters dir.", type="server_error")
-    out = catalog.adapters_dir / req.name
-    _free(out, "Adapter")
-    if catalog.get(req.name) is not None:
-        raise APIError(400, f"Adapter {req.name!r} exists already; choose another name.", param="name",
-                       code="name_taken")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = _new_adapter_dir(request, req.name)
     request_dict = msgspec.to_builtins(req)
     job = request.app[JOBS].submit("finetune", request_dict, lambda job_id: WorkerJob(
         id=job_id, kind="finetune", request=request_dict, model_path=str(entry.path), data_path=str(data.resolve()),
@@ -92,9 +98,7 @@ async def quantize(request: web.Request) -> web.Response:
                        code="already_quantized")
     models_dir = request.app[REGISTRY].models_dir
     name = req.name or f"{entry.id.rpartition('/')[2]}-{req.recipe or f'{req.bits}bit'}"
-    out = models_dir / name
-    _free(out, "Model")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = _free(models_dir / name, "Model")
     request_dict = msgspec.to_builtins(req)
     job = request.app[JOBS].submit("quantize", request_dict, lambda job_id: WorkerJob(
         id=job_id, kind="quantize", request=request_dict, model_path=str(entry.path), output_path=str(out),
@@ -119,9 +123,7 @@ async def fuse(request: web.Request) -> web.Response:
     entry = _model(request, req.model)
     adapter = _adapter(request, req.adapter, entry)
     name = req.name or f"{entry.id.rpartition('/')[2]}-{adapter.id}"
-    out = request.app[REGISTRY].models_dir / name
-    _free(out, "Model")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = _free(request.app[REGISTRY].models_dir / name, "Model")
     body = msgspec.to_builtins(req)
     job = request.app[JOBS].submit("fuse", body, lambda job_id: WorkerJob(
         id=job_id, kind="fuse", request=body, model_path=str(entry.path), output_path=str(out),
@@ -135,23 +137,14 @@ async def merge(request: web.Request) -> web.Response:
     if req.scales is not None and len(req.scales) != len(req.adapters):
         raise APIError(400, f"{len(req.scales)} scales for {len(req.adapters)} adapters.", param="scales")
     adapters = [_adapter(request, name, None) for name in req.adapters]
-    kinds = [a.id for a in adapters if a.kind != "lora"]
-    if kinds:
-        raise APIError(400, f"Only LoRA adapters merge; {kinds[0]} is a {adapters[0].kind} adapter.",
+    if (other := next((a for a in adapters if a.kind != "lora"), None)) is not None:
+        raise APIError(400, f"Only LoRA adapters merge; {other.id} is a {other.kind} adapter.",
                        param="adapters", code="adapter_invalid")
     bases = {a.base_model for a in adapters}
     if len(bases) > 1:
         raise APIError(400, f"The adapters are for different models ({', '.join(sorted(map(str, bases)))}).",
                        param="adapters", code="adapter_base_mismatch")
-    catalog = request.app[ADAPTERS]
-    if catalog.adapters_dir is None:
-        raise APIError(503, "This supervisor has no adapters dir.", type="server_error")
-    out = catalog.adapters_dir / req.name
-    _free(out, "Adapter")
-    if catalog.get(req.name) is not None:
-        raise APIError(400, f"Adapter {req.name!r} exists already; choose another name.", param="name",
-                       code="name_taken")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = _new_adapter_dir(request, req.name)
     body = msgspec.to_builtins(req)
     job = request.app[JOBS].submit("merge", body, lambda job_id: WorkerJob(
         id=job_id, kind="merge", request=body, output_path=str(out), base_model=adapters[0].base_model,
