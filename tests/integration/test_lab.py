@@ -131,6 +131,7 @@ def test_merged_adapters_answer_as_the_stack_weighted(
 
     catalog_dir = Path(zebra[0]["result"]["path"]).parent
     build_random_adapter(smollm2, catalog_dir / "noise", rank=4, seed=7, strength=0.035, base_model="smol")
+    assert "noise" in {a["id"] for a in sup.client.get("/v1/adapters").json()["data"]}  # listing rescans the dir
     both = mlxd("merge", "zebra", "noise", "--name", "both", "--wait", "--json", "--url", sup.url, env=cli_env())
     assert both.returncode == 0, both.stderr + both.stdout
     assert json.loads(both.stdout)["result"]["details"]["rank"] == 12
@@ -143,7 +144,7 @@ def test_merged_adapters_answer_as_the_stack_weighted(
     bad = sup.client.post("/lab/merge", json={"adapters": ["zebra", "noise"], "scales": [1], "name": "x"})
     assert bad.status_code == 400 and "scales" in bad.json()["error"]["message"]
     build_random_adapter(smollm2, catalog_dir / "dor", rank=2, seed=8, dora=True, base_model="smol")
-    time.sleep(1.1)  # the catalog rescans for an unknown name at most once a second
+    assert "dor" in {a["id"] for a in sup.client.get("/v1/adapters").json()["data"]}
     dora = sup.client.post("/lab/merge", json={"adapters": ["zebra", "dor"], "name": "x"})
     assert dora.status_code == 400 and "dor is a dora adapter" in dora.json()["error"]["message"], dora.text
 
