@@ -90,7 +90,7 @@ def test_a_fine_tune_lowers_the_loss_and_its_adapter_is_served_at_once(
     assert log.status_code == 200 and "mlx_lm.lora" in log.text  # mlx-lm's own words
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, pytest.param(4, marks=pytest.mark.slow)])
 def test_a_quantized_model_is_made_and_served(sup: SupervisorProcess, bits: int) -> None:
     run = mlxd("quantize", "smol", "--bits", str(bits), "--wait", "--json", "--url", sup.url, env=cli_env(),
                timeout=280)
@@ -110,6 +110,7 @@ def test_a_quantized_model_is_made_and_served(sup: SupervisorProcess, bits: int)
     assert requant.status_code == 400 and requant.json()["error"]["code"] == "already_quantized"
 
 
+@pytest.mark.slow
 def test_a_fused_model_answers_as_its_adapter_did(sup: SupervisorProcess, zebra: tuple[dict[str, Any], str]) -> None:
     run = mlxd("fuse", "smol", "zebra", "--wait", "--json", "--url", sup.url, env=cli_env(), timeout=280)
     assert run.returncode == 0, run.stderr + run.stdout
