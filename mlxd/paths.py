@@ -30,6 +30,16 @@ def adapters_dir(root: Path | None = None) -> Path:
     return (root or data_dir()) / "adapters"
 
 
+def datasets_dir(root: Path | None = None) -> Path:
+    """mlxd's own fine-tune datasets (one dir each: train.jsonl, valid.jsonl), inside the data dir."""
+    return (root or data_dir()) / "datasets"
+
+
+def hf_token_file(root: Path | None = None) -> Path:
+    """Where `mlxd login` keeps the Hugging Face token (mode 0600)."""
+    return (root or data_dir()) / "hf_token"
+
+
 def runtime_dir() -> Path:
     """A short private dir for Unix sockets (paths must stay under ~100 bytes)."""
     if env := os.environ.get("MLXD_RUNTIME_DIR"):

@@ -1,4 +1,4 @@
-"""A stand-in Hugging Face hub on a local port, for `mlxd pull` tests.
+"""A stand-in Hugging Face hub on a local port, for `mlxd pull` and lab push tests.
 
 It answers what huggingface_hub 2.x asks (model_info, the tree listing, HEAD/GET of
 `/{repo}/resolve/{rev}/{path}` with Range) with the headers it reads (X-Repo-Commit, ETag,
@@ -7,10 +7,16 @@ RevisionNotFound, EntryNotFound; 401 + GatedRepo), and never a xet header. It ca
 file's download short on cue, the way a dropped connection would, answer a Range with the
 whole file, as some proxies do, and send `*.safetensors` to a "CDN" (the same server under
 another host name, so another origin) as the hub sends LFS files.
+
+For pushes it takes what huggingface_hub's `create_repo` and `upload_folder` send (repo
+creation, the pre-upload check, which it answers "regular" for every file, and the commit,
+one NDJSON line a file with its bytes in base64) and keeps the files it was sent in `pushed`,
+with the Authorization header each request carried; a `token` set makes any other a 401.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import re
@@ -75,6 +81,10 @@ class HubStub:
     lock: threading.Lock = field(default_factory=threading.Lock)
     stalled: threading.Event = field(default_factory=threading.Event)
     healed: threading.Event = field(default_factory=threading.Event)
+    token: str | None = None  # pushes: the only token it takes
+    pushed: dict[str, dict[str, bytes]] = field(default_factory=dict)  # "model:owner/name" -> files
+    created: list[dict[str, Any]] = field(default_factory=list)  # repo creation bodies
+    auth_seen: list[str] = field(default_factory=list)  # Authorization headers of pushes
 
     def add_repo(self, repo: str, files: dict[str, bytes], *, gated: bool = False,
                  revisions: tuple[str, ...] = ("main",)) -> str:
@@ -135,6 +145,48 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         self._route("GET")
+
+    def do_POST(self) -> None:
+        hub = self.server.hub
+        path = unquote(urlsplit(self.path).path)
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        auth = self.headers.get("Authorization", "")
+        with hub.lock:
+            hub.seen.append(Seen("POST", path, None, bool(auth)))
+            hub.auth_seen.append(auth)
+        if hub.token is not None and auth != f"Bearer {hub.token}":
+            self._error(401, None, "Invalid credentials in Authorization header")
+            return
+        if path == "/api/repos/create":
+            spec = json.loads(body)
+            hub.created.append(spec)
+            repo = f"{spec.get('organization') or 'me'}/{spec['name']}"
+            prefix = "datasets/" if spec.get("type") == "dataset" else ""
+            key = f"{spec.get('type') or 'model'}:{repo}"
+            if key in hub.pushed:
+                self._error(409, None, "You already created this repo")
+                return
+            hub.pushed[key] = {}
+            self._json({"url": f"{hub.url}/{prefix}{repo}"})
+            return
+        match = re.fullmatch(r"/api/(models|datasets)/([^/]+/[^/]+)/(preupload|commit)/([^/]+)", path)
+        if match is None:
+            self._error(404, None, "no such route")
+            return
+        kind, repo, action, _ = match.groups()
+        key = f"{kind[:-1]}:{repo}"
+        if key not in hub.pushed:
+            self._error(404, "RepoNotFound", "Repository not found")
+        elif action == "preupload":
+            files = json.loads(body)["files"]
+            self._json({"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]})
+        else:
+            for line in body.splitlines():
+                item = json.loads(line)
+                if item["key"] == "file":
+                    hub.pushed[key][item["value"]["path"]] = base64.b64decode(item["value"]["content"])
+            oid = hashlib.sha1(body).hexdigest()
+            self._json({"commitUrl": f"{hub.url}/{repo}/commit/{oid}", "commitOid": oid, "pullRequestUrl": None})
 
     def _route(self, method: str) -> None:
         hub = self.server.hub
@@ -240,7 +292,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        if self.command == "GET":
+        if self.command in ("GET", "POST"):
             self.wfile.write(body)
 
     def _error(self, status: int, code: str | None, message: str) -> None:
@@ -252,7 +304,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        if self.command == "GET":
+        if self.command in ("GET", "POST"):
             self.wfile.write(body)
 
 

@@ -419,10 +419,12 @@ def cli_env(**extra: str) -> dict[str, str]:
     return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
 
 
-def mlxd(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """`python -m mlxd ARGS` to completion."""
+def mlxd(*args: str, env: dict[str, str] | None = None, timeout: float = 120,
+         input_text: str | None = None) -> subprocess.CompletedProcess[str]:
+    """`python -m mlxd ARGS` to completion (`input_text` on its stdin)."""
     argv = [sys.executable, "-m", "mlxd", *args]
-    return subprocess.run(argv, capture_output=True, text=True, env=env or cli_env(), timeout=timeout, check=False)
+    return subprocess.run(argv, capture_output=True, text=True, env=env or cli_env(), timeout=timeout, check=False,
+                          input=input_text)
 
 
 @contextlib.contextmanager

@@ -74,6 +74,14 @@ def run(job: WorkerJob, emit: Emit) -> Made:
         from mlxd.lab.fuse import merge
 
         return merge(job, emit)
+    if job.kind == "dataset":
+        from mlxd.lab.dataset import dataset
+
+        return dataset(job, emit)
+    if job.kind == "push":
+        from mlxd.lab.push import push
+
+        return push(job, emit)
     raise JobError(f"unknown job kind {job.kind!r}")
 
 
@@ -85,7 +93,7 @@ def main(argv: list[str]) -> int:
     job_dir = Path(argv[0])
     events = Events(job_dir / EVENTS_FILE)
     job = msgspec.json.decode((job_dir / JOB_FILE).read_bytes(), type=WorkerJob)
-    staged = staging_dir(Path(job.output_path))
+    staged = staging_dir(Path(job.output_path)) if job.kind != "push" else None  # a push writes nothing here
     try:
         made = run(job, events.write)
     except JobError as exc:
@@ -96,6 +104,7 @@ def main(argv: list[str]) -> int:
         events.write(Failure(error=f"{type(exc).__name__}: {exc}"))
         return 1
     finally:
-        shutil.rmtree(staged, ignore_errors=True)
+        if staged is not None:
+            shutil.rmtree(staged, ignore_errors=True)
     events.write(made)
     return 0

@@ -18,7 +18,8 @@ Name = Annotated[str, Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][
 ModelName = Annotated[str, Meta(min_length=1, max_length=1024)]
 JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 FINISHED: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
-JobKind = Literal["finetune", "quantize", "fuse", "merge"]
+JobKind = Literal["finetune", "quantize", "fuse", "merge", "dataset", "push"]
+DATASET_KEY_ENV = "MLXD_JOB_API_KEY"  # a dataset job's key to its supervisor's /v1 (where keys are on)
 AdapterName = Annotated[str, Meta(min_length=1, max_length=200)]
 
 
@@ -48,14 +49,32 @@ class FinetuneRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class QuantizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """`model` quantized with `mlx_lm.convert` to `bits` (or a mixed-precision recipe), written
-    to the models dir as `name` (default: MODEL-Nbit)."""
+    """`model` quantized to `bits`, written to the models dir as `name` (default: MODEL-Nbit).
+
+    How (docs/lab.md): `mlx_lm.convert`'s round-to-nearest, uniform or by one of its
+    mixed-precision `recipe`s; with `target_bpw`, mlx-lm's dynamic quantization (a layer's
+    sensitivity measured on calibration text decides which layers get `high_bits`, until the
+    model is at `target_bpw` bits per weight); with `method="gptq"`, mlx-lm's GPTQ (weights
+    rounded to undo the error the layer's calibration inputs see). The last two read
+    `calibration`: a dataset's name or dir, or a text file (default: mlx-lm's own calibration
+    text, which mlx-lm downloads once).
+    """
 
     model: ModelName
     bits: Literal[2, 3, 4, 5, 6, 8] = 4
     group_size: Literal[32, 64, 128] = 64
     recipe: Literal["mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6"] | None = None
+    method: Literal["convert", "dynamic", "gptq"] | None = None  # default: dynamic with target_bpw, else convert
+    target_bpw: Annotated[float, Meta(ge=1.5, le=16)] | None = None
+    high_bits: Literal[3, 4, 5, 6, 8] | None = None  # dynamic: the sensitive layers' bits (default bits+1)
+    calibration: Annotated[str, Meta(min_length=1, max_length=4096)] | None = None
+    calibration_samples: Annotated[int, Meta(ge=1, le=4096)] = 128
+    calibration_length: Annotated[int, Meta(ge=16, le=8192)] = 512
     name: Name | None = None
+
+    def how(self) -> str:
+        """The method this request resolves to."""
+        return self.method or ("dynamic" if self.target_bpw is not None else "convert")
 
 
 class FuseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -80,6 +99,36 @@ class MergeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     name: Name
 
 
+TemplateInput = str | int | float | bool
+RepoId = Annotated[str, Meta(min_length=3, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")]
+
+
+class DatasetRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A dataset made by asking `model` (through mlxd's own `/v1/chat/completions`) for `rows`
+    rows by the template `template` (`GET /lab/dataset/templates`), filled with `inputs`;
+    written to the datasets dir as `name` (train.jsonl, valid.jsonl), ready to fine-tune on."""
+
+    template: Annotated[str, Meta(min_length=1, max_length=100)]
+    model: ModelName
+    name: Name
+    rows: Annotated[int, Meta(ge=2, le=100_000)] = 100
+    inputs: dict[str, TemplateInput] = msgspec.field(default_factory=dict)
+    valid_fraction: Annotated[float, Meta(gt=0, lt=1)] = 0.1
+    temperature: Annotated[float, Meta(ge=0, le=2)] = 0.9
+    seed: int = 0
+
+
+class PushRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A model, adapter or dataset of mlxd's dirs uploaded to the Hugging Face hub as `repo_id`
+    (made when missing, `private` then), with the token `mlxd login` saved."""
+
+    kind: Literal["model", "adapter", "dataset"]
+    name: Annotated[str, Meta(min_length=1, max_length=1024)]
+    repo_id: RepoId
+    private: bool = False
+    commit_message: Annotated[str, Meta(min_length=1, max_length=500)] | None = None
+
+
 class WorkerJob(msgspec.Struct, kw_only=True):
     """What the worker process is given: the job, its request, and the paths resolved."""
 
@@ -91,6 +140,8 @@ class WorkerJob(msgspec.Struct, kw_only=True):
     output_path: str  # where it writes what it makes (a temp dir beside it until it is done)
     base_model: str | None = None  # the model id an adapter records as its base
     adapter_paths: list[str] = msgspec.field(default_factory=list)  # a fuse's or a merge's adapters
+    api_url: str | None = None  # a dataset job's mlxd (its key, where keys are on: MLXD_JOB_API_KEY)
+    hub_endpoint: str | None = None  # a push's hub (its token: HF_TOKEN in the worker's environment)
 
 
 class Progress(msgspec.Struct, kw_only=True, omit_defaults=True, tag_field="event", tag="progress"):
@@ -110,7 +161,7 @@ class Progress(msgspec.Struct, kw_only=True, omit_defaults=True, tag_field="even
 class Made(msgspec.Struct, kw_only=True, tag_field="event", tag="made"):
     """A worker's last line when it succeeds: what it made, and where."""
 
-    kind: Literal["adapter", "model", "dataset"]
+    kind: Literal["adapter", "model", "dataset", "upload"]
     path: str
     name: str
     details: dict[str, Any] = msgspec.field(default_factory=dict)

@@ -26,6 +26,7 @@ from mlxd.supervisor.engines.pool import Pool
 from mlxd.supervisor.http.app import make_app
 from mlxd.supervisor.http.connections import ConnectionTable, GuardedSite
 from mlxd.supervisor.jobs.store import JobStore
+from mlxd.supervisor.lab_files import LabFiles
 from mlxd.supervisor.registry import Registry
 from mlxd.supervisor.response_store import ResponseStore, StoreError
 
@@ -68,7 +69,7 @@ def serve(config: Config, data_dir: Path) -> int:
         return 1
     pool = Pool(runtime, EngineOptions.from_env(), config.pool, kv_dir=data_dir / "kv")
     adapters = AdapterCatalog(adapters_dir(data_dir), models_dir(data_dir))
-    app = make_app(config, registry, pool, store, adapters, JobStore(data_dir / "jobs"))
+    app = make_app(config, registry, pool, store, adapters, JobStore(data_dir / "jobs"), LabFiles(data_dir))
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         return runner.run(run(app, config.server, started))
 

@@ -5,11 +5,17 @@ let asking = null;  // the open key dialog: concurrent 401s share one question
 let declined = false;  // cancelled: background polls stop asking until the user chooses to
 
 export class ApiError extends Error {
-  constructor(status, message, code) {
+  constructor(status, message, code, param) {
     super(message);
     this.status = status;
     this.code = code;
+    this.param = param;  // the request field the server blames, when it names one
   }
+}
+
+/** Whether `e` says this mlxd has no such route (an older server, or a part not built yet). */
+export function isMissingRoute(e) {
+  return e instanceof ApiError && ((e.status === 404 && e.code === "not_found") || e.status === 405);
 }
 
 export function getKey() {
@@ -59,8 +65,13 @@ function showKeyDialog(reason) {
   });
 }
 
+// The dashboard's and the lab's routes take an admin key where keys are configured.
+function isAdminPath(path) {
+  return path.startsWith("/admin/") || path.startsWith("/lab/");
+}
+
 function keyReason(path) {
-  return path.startsWith("/admin/")
+  return isAdminPath(path)
     ? "This needs an admin key (one of server.admin_keys, or an API key when no admin keys are set)."
     : "mlxd needs an API key (server.api_keys).";
 }
@@ -79,7 +90,7 @@ export async function errorOf(resp) {
   try { text = await resp.text(); } catch { /* the body broke off: the status still says enough */ }
   try {
     const err = JSON.parse(text).error;
-    if (err && err.message) return new ApiError(resp.status, err.message, err.code);
+    if (err && err.message) return new ApiError(resp.status, err.message, err.code, err.param);
   } catch { /* not JSON */ }
   return new ApiError(resp.status, `${resp.status} ${resp.statusText} ${text.slice(0, 200)}`.trim());
 }
@@ -93,7 +104,7 @@ export async function api(path, { method = "GET", body, signal, quiet = false } 
     const resp = await fetch(path, {
       method, signal, headers: headersFor(body), body: body === undefined ? undefined : JSON.stringify(body),
     });
-    if (resp.status === 401 && attempt === 0 && !(quiet && declined) && await askKey(keyReason(path), path.startsWith("/admin/"))) continue;
+    if (resp.status === 401 && attempt === 0 && !(quiet && declined) && await askKey(keyReason(path), isAdminPath(path))) continue;
     if (!resp.ok) throw await errorOf(resp);
     return resp;
   }

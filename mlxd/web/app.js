@@ -1,10 +1,13 @@
-// The page's entry: hash routing between the dashboard and the chat, and the key button.
+// The page's entry: hash routing between the dashboard, the chat and the lab, and the key button.
 import { askKey, forgetKey, getKey, onKeyChange } from "./api.js";
 import { openChat } from "./chat.js";
 import { startDashboard, stopDashboard } from "./dashboard.js";
 import { announce } from "./page.js";
 
-const VIEWS = ["dashboard", "chat"];
+const VIEWS = ["dashboard", "chat", "lab"];
+const TITLES = { dashboard: "Dashboard", chat: "Chat", lab: "Lab" };
+// The lab's modules load when it is first opened: the dashboard's first load stays as small.
+let lab = null;
 
 function currentView() {
   const name = location.hash.slice(1);
@@ -19,10 +22,17 @@ function route() {
     if (view === name) link.setAttribute("aria-current", "page");
     else link.removeAttribute("aria-current");
   }
-  document.title = `${name === "chat" ? "Chat" : "Dashboard"} · mlxd`;
+  document.title = `${TITLES[name]} · mlxd`;
   if (name === "dashboard") startDashboard();
   else stopDashboard();
   if (name === "chat") openChat();
+  if (name === "lab") {
+    (lab ??= import("./lab.js")).then((m) => m.startLab(), (e) => {
+      lab = null;
+      announce(`Could not load the lab: ${e.message}`, "error");
+    });
+  }
+  else lab?.then((m) => m.stopLab());
 }
 
 function showKeyButton() {
@@ -36,7 +46,7 @@ document.getElementById("key-button").addEventListener("click", async () => {
   if (getKey()) {
     forgetKey();
     announce("The key is forgotten in this browser.");
-  } else if (await askKey("Enter an API key (an admin key also opens the dashboard).")) {
+  } else if (await askKey("Enter an API key (an admin key also opens the dashboard and the lab).")) {
     announce("Key saved.");
     route();
   }

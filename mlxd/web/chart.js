@@ -33,9 +33,9 @@ function polylines(values, x, y) {
 
 /**
  * Draw `series` ([{name, values, index}]) into `svg`; `spanLabel` names the left edge
- * ("-10 min"); `format` writes the y axis top.
+ * ("-10 min") and `endLabel` the right one; `format` writes the y axis top.
  */
-export function drawChart(svg, series, { spanLabel, format, label }) {
+export function drawChart(svg, series, { spanLabel, endLabel = "now", format, label }) {
   svg.replaceChildren();
   const count = Math.max(1, ...series.map((s) => s.values.length));
   const max = niceMax(Math.max(0, ...series.flatMap((s) => s.values.filter((v) => v !== null))));
@@ -47,7 +47,7 @@ export function drawChart(svg, series, { spanLabel, format, label }) {
   }
   svg.append(svgNode("text", { x: PAD_L, y: PAD_T - 5, class: "axis" }, format(max)));
   svg.append(svgNode("text", { x: PAD_L, y: H - 4, class: "axis" }, spanLabel));
-  svg.append(svgNode("text", { x: W - PAD_R, y: H - 4, class: "axis", "text-anchor": "end" }, "now"));
+  svg.append(svgNode("text", { x: W - PAD_R, y: H - 4, class: "axis", "text-anchor": "end" }, endLabel));
   for (const s of series) {
     for (const run of polylines(s.values, x, y)) {
       const tag = run.length === 1 ? "circle" : "polyline";

@@ -39,21 +39,55 @@ function wire() {
 async function loadModels() {
   const select = $("chat-model");
   try {
-    const { data } = await apiJson("/v1/models");
+    const [{ data }, adapters] = await Promise.all([apiJson("/v1/models"), listAdapters()]);
     const chosen = select.value || localStorage.getItem(MODEL_ITEM);
-    select.replaceChildren(...data.map((m) => {
-      const notes = [m.loaded ? "loaded" : "", (m.capabilities ?? []).includes("vision") ? "images" : "",
-                     (m.capabilities ?? []).includes("audio") ? "audio" : ""].filter(Boolean);
-      const option = el("option", "", notes.length ? `${m.id} (${notes.join(", ")})` : m.id);
-      option.value = m.id;
-      return option;
-    }));
-    const pick = data.find((m) => m.id === chosen) || data.find((m) => m.loaded) || data[0];
-    if (pick) select.value = pick.id;
+    const groups = data.map((m) => [m, adapters.filter((a) => isAdapterFor(a, m.id))]).filter(([, list]) => list.length);
+    select.replaceChildren(...data.map(modelOption), ...groups.map(([m, list]) => adapterGroup(m, list)));
+    const values = [...select.options].map((o) => o.value);
+    const pick = values.includes(chosen) ? chosen : (data.find((m) => m.loaded) || data[0])?.id;
+    if (pick) select.value = pick;
     else announce("No models found: add one with mlxd pull.", "error");
   } catch (e) {
     announce(`Could not list the models: ${e.message}`, "error");
   }
+}
+
+function modelOption(m) {
+  const notes = [m.loaded ? "loaded" : "", (m.capabilities ?? []).includes("vision") ? "images" : "",
+                 (m.capabilities ?? []).includes("audio") ? "audio" : ""].filter(Boolean);
+  const option = el("option", "", notes.length ? `${m.id} (${notes.join(", ")})` : m.id);
+  option.value = m.id;
+  return option;
+}
+
+/** A model's adapters as `MODEL:ADAPTER` ids (the server takes that form), in a group named for the model. */
+function adapterGroup(m, adapters) {
+  const group = el("optgroup");
+  group.label = `Adapters of ${m.id}`;
+  group.append(...adapters.map((a) => {
+    const loaded = (a.loaded_on ?? []).includes(m.id);
+    const option = el("option", "", `${m.id}:${a.id}${loaded ? " (loaded)" : ""}`);
+    option.value = `${m.id}:${a.id}`;
+    option.dataset.base = m.id;
+    return option;
+  }));
+  return group;
+}
+
+async function listAdapters() {
+  try {
+    return (await apiJson("/v1/adapters", { quiet: true })).data;
+  } catch {
+    return [];  // an mlxd without adapters: the models alone
+  }
+}
+
+// The server's own match (supervisor/adapters.py is_for), less its path test (the page does not
+// see the models' paths): no recorded base, or the same name without the org, or loaded there.
+function isAdapterFor(adapter, modelId) {
+  const bare = (name) => name.replace(/\/+$/, "").split("/").pop().toLowerCase();
+  const base = adapter.base_model;
+  return !base || bare(base) === bare(modelId) || (adapter.loaded_on ?? []).includes(modelId);
 }
 
 /** The request for `content` as the next user message; throws on bad settings. */
@@ -93,7 +127,7 @@ async function send() {
   scrollToEnd();
   controller = new AbortController();
   setBusy(true);
-  const watch = watchLoad(model, answer);
+  const watch = watchLoad($("chat-model").selectedOptions[0]?.dataset.base || model, answer);
   try {
     await streamAnswer(body, answer, controller.signal);
   } catch (e) {

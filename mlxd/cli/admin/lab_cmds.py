@@ -97,7 +97,7 @@ def submitted(client: AdminClient, job: dict[str, Any], wait: bool, as_json: boo
 
 @click.command("finetune")
 @click.argument("model")
-@click.argument("dataset", metavar="DATA_DIR", type=click.Path(path_type=Path))
+@click.argument("dataset", metavar="DATA_DIR", type=click.Path(path_type=Path))  # or a dataset's name
 @click.option("--name", required=True, help="the adapter's name (its dir in the adapters dir)")
 @click.option("--iters", type=click.IntRange(min=1), default=1000, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True)
@@ -114,9 +114,11 @@ def submitted(client: AdminClient, job: dict[str, Any], wait: bool, as_json: boo
 def finetune(model: str, dataset: Path, name: str, iters: int, batch_size: int, learning_rate: float, rank: int,
              num_layers: int, dora: bool, mask_prompt: bool, max_seq_length: int, wait: bool, as_json: bool,
              url: str | None, config_file: Path | None, data_dir: Path | None) -> None:
-    """Fine-tune a LoRA adapter for MODEL on DATA_DIR (train.jsonl, valid.jsonl: chat, completion or text rows)."""
+    """Fine-tune a LoRA adapter for MODEL on DATA_DIR (train.jsonl, valid.jsonl: chat, completion or text
+    rows), or on a dataset of the datasets dir by its name (`mlxd dataset`)."""
     client = make_client(url, config_file, data_dir)
-    body = {"model": model, "data": str(dataset.expanduser().resolve()), "name": name, "iters": iters,
+    data = str(dataset.expanduser().resolve()) if dataset.expanduser().exists() or "/" in str(dataset) else str(dataset)
+    body = {"model": model, "data": data, "name": name, "iters": iters,
             "batch_size": batch_size, "learning_rate": learning_rate, "rank": rank, "num_layers": num_layers,
             "fine_tune_type": "dora" if dora else "lora", "mask_prompt": mask_prompt, "max_seq_length": max_seq_length}
     with failures_as_click(client):
@@ -129,17 +131,35 @@ def finetune(model: str, dataset: Path, name: str, iters: int, batch_size: int, 
 @click.option("--group-size", type=click.Choice(["32", "64", "128"]), default="64", show_default=True)
 @click.option("--recipe", type=click.Choice(["mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6"]),
               help="mixed precision: the sensitive layers at the higher bits")
+@click.option("--target-bpw", type=click.FloatRange(1.5, 16),
+              help="dynamic quantization: measure each layer's sensitivity, reach this many bits per weight")
+@click.option("--high-bits", type=click.Choice(["3", "4", "5", "6", "8"]),
+              help="with --target-bpw: the sensitive layers' bits (default: --bits + 1)")
+@click.option("--gptq", is_flag=True, help="GPTQ: round each layer to undo the error its calibration inputs see")
+@click.option("--calibration", help="calibration text for --target-bpw / --gptq: a dataset, dir or file "
+              "(default: mlx-lm's own, downloaded once)")
 @click.option("--name", help="the new model's name (default: MODEL-Nbit)")
 @click.option("--wait", is_flag=True, help="follow the job until it ends; exit non-zero if it fails")
 @json_option
 @daemon_options
-def quantize(model: str, bits: str, group_size: str, recipe: str | None, name: str | None, wait: bool, as_json: bool,
+def quantize(model: str, bits: str, group_size: str, recipe: str | None, target_bpw: float | None,
+             high_bits: str | None, gptq: bool, calibration: str | None, name: str | None, wait: bool, as_json: bool,
              url: str | None, config_file: Path | None, data_dir: Path | None) -> None:
-    """Quantize MODEL into a new model in the models dir (mlx_lm.convert)."""
+    """Quantize MODEL into a new model in the models dir (mlx_lm.convert, or mlx-lm's dynamic
+    quantization to a target bits per weight, or its GPTQ)."""
     client = make_client(url, config_file, data_dir)
     body: dict[str, Any] = {"model": model, "bits": int(bits), "group_size": int(group_size)}
     if recipe:
         body["recipe"] = recipe
+    if target_bpw is not None:
+        body["target_bpw"] = target_bpw
+    if high_bits:
+        body["high_bits"] = int(high_bits)
+    if gptq:
+        body["method"] = "gptq"
+    if calibration:
+        body["calibration"] = str(Path(calibration).expanduser().resolve()) if Path(calibration).expanduser().exists() \
+            else calibration
     if name:
         body["name"] = name
     with failures_as_click(client):
@@ -190,7 +210,8 @@ def merge(adapters: tuple[str, ...], name: str, scales: str | None, wait: bool, 
 @click.command("jobs")
 @click.argument("args", nargs=-1, metavar="[ID | cancel ID]")
 @click.option("-f", "--follow", "follow_", is_flag=True, help="follow the job's progress until it ends")
-@click.option("--kind", type=click.Choice(["finetune", "quantize", "fuse", "merge"]), help="only jobs of this kind")
+@click.option("--kind", type=click.Choice(["finetune", "quantize", "fuse", "merge", "dataset", "push"]),
+              help="only jobs of this kind")
 @json_option
 @daemon_options
 def jobs(args: tuple[str, ...], follow_: bool, kind: str | None, as_json: bool, url: str | None,

@@ -8,7 +8,7 @@ from aiohttp import web
 
 from mlxd.http_errors import Handler, make_error_middleware
 from mlxd.protocol.errors import APIError
-from mlxd.protocol.jobs import Made
+from mlxd.protocol.jobs import DATASET_KEY_ENV, Job, Made
 from mlxd.supervisor.adapters import AdapterCatalog
 from mlxd.supervisor.config import Config
 from mlxd.supervisor.engines.leases import Leases
@@ -31,12 +31,14 @@ from mlxd.supervisor.http.keys import (
     CONFIG,
     IMAGES,
     JOBS,
+    LAB_FILES,
     LEASES,
     METRICS,
     POOL,
     REGISTRY,
     TIMELINE,
 )
+from mlxd.supervisor.http.lab_data_routes import setup_lab_data_routes
 from mlxd.supervisor.http.lab_routes import is_lab_route, setup_lab_routes
 from mlxd.supervisor.http.metrics import LazyMetrics, make_metrics_middleware
 from mlxd.supervisor.http.openai_routes import setup_openai_routes
@@ -47,6 +49,7 @@ from mlxd.supervisor.http.timeline import Timeline
 from mlxd.supervisor.http.web_routes import setup_web_routes
 from mlxd.supervisor.jobs.runner import JobRunner
 from mlxd.supervisor.jobs.store import JobStore
+from mlxd.supervisor.lab_files import LabFiles
 from mlxd.supervisor.registry import Registry
 from mlxd.supervisor.relay.dialects import render_error
 from mlxd.supervisor.response_store import ResponseStore
@@ -56,10 +59,11 @@ BODY_TIMEOUTS_PER_HEAD = 6  # a request body must arrive within 6 head deadlines
 
 
 def make_app(config: Config, registry: Registry, pool: Pool, store: ResponseStore | None = None,
-             adapters: AdapterCatalog | None = None, jobs: JobStore | None = None) -> web.Application:
+             adapters: AdapterCatalog | None = None, jobs: JobStore | None = None,
+             lab: LabFiles | None = None) -> web.Application:
     """The supervisor app; its cleanup context stops every engine. `adapters`: the adapters that
     exist (default: none but those loaded by path); `jobs`: the lab's job store (default: none
-    kept, none taken)."""
+    kept, none taken); `lab`: its datasets dir and token file (default: none)."""
     metrics, server, timeline = LazyMetrics(pool), config.server, Timeline()
     hosts = HostPolicy.make(server.host, server.allowed_hosts, server.allowed_origins, machine_names())
     app = web.Application(
@@ -76,7 +80,16 @@ def make_app(config: Config, registry: Registry, pool: Pool, store: ResponseStor
         catalog.refresh()
         registry.refresh()
 
-    app[JOBS] = JobRunner(jobs if jobs is not None else JobStore(None), app[LEASES], made)
+    app[LAB_FILES] = lab_files = lab if lab is not None else LabFiles(None)
+
+    def worker_env(job: Job) -> dict[str, str]:  # a job's secrets: never in its files or its log
+        if job.kind == "dataset" and (keys := server.api_keys or server.admin_keys):
+            return {DATASET_KEY_ENV: keys[0]}  # it calls this supervisor's /v1
+        if job.kind == "push" and (token := lab_files.token()):
+            return {"HF_TOKEN": token}
+        return {}
+
+    app[JOBS] = JobRunner(jobs if jobs is not None else JobStore(None), app[LEASES], made, worker_env)
     app[AUTH] = Auth(config.server.api_keys, config.server.admin_keys, config.server.key_priorities)
     app[IMAGES] = ImageFetcher(server.image_fetch_timeout_s, server.image_fetch_max_bytes, server.image_fetch_private)
     setup_openai_routes(app)
@@ -87,6 +100,7 @@ def make_app(config: Config, registry: Registry, pool: Pool, store: ResponseStor
     setup_admin_routes(app)
     setup_adapter_routes(app)
     setup_lab_routes(app)
+    setup_lab_data_routes(app)
     setup_web_routes(app)
     app.cleanup_ctx.append(engines_ctx)
     return app

@@ -13,6 +13,7 @@ from mlxd.supervisor.http.image_fetch import ImageFetcher
 from mlxd.supervisor.http.metrics import LazyMetrics
 from mlxd.supervisor.http.timeline import Timeline
 from mlxd.supervisor.jobs.runner import JobRunner
+from mlxd.supervisor.lab_files import LabFiles
 from mlxd.supervisor.registry import Registry
 
 ADAPTERS = web.AppKey("adapters", AdapterCatalog)
@@ -20,6 +21,7 @@ AUTH = web.AppKey("auth", Auth)
 CONFIG = web.AppKey("config", Config)
 IMAGES = web.AppKey("images", ImageFetcher)
 JOBS = web.AppKey("jobs", JobRunner)
+LAB_FILES = web.AppKey("lab_files", LabFiles)
 LEASES = web.AppKey("leases", Leases)
 METRICS = web.AppKey("metrics", LazyMetrics)
 POOL = web.AppKey("pool", Pool)

@@ -31,7 +31,8 @@ from mlxd.protocol.jobs import (
 from mlxd.protocol.json_body import decode_json
 from mlxd.supervisor.adapters import AdapterEntry, is_for
 from mlxd.supervisor.http.answers import json_answer
-from mlxd.supervisor.http.keys import ADAPTERS, JOBS, REGISTRY
+from mlxd.supervisor.http.keys import ADAPTERS, JOBS, LAB_FILES, REGISTRY
+from mlxd.supervisor.model_inspect import InspectError, inspect_model
 from mlxd.supervisor.registry import ModelEntry
 from mlxd.supervisor.relay.sse import SSE_HEADERS
 
@@ -43,7 +44,7 @@ _fuse = msgspec.json.Decoder(FuseRequest)
 _merge = msgspec.json.Decoder(MergeRequest)
 
 
-def _model(request: web.Request, name: str) -> ModelEntry:
+def job_model(request: web.Request, name: str) -> ModelEntry:
     """The model a job names; an unknown one is a 400 (the job's input is bad, not the route)."""
     try:
         return request.app[REGISTRY].resolve(name)
@@ -51,7 +52,7 @@ def _model(request: web.Request, name: str) -> ModelEntry:
         raise APIError(400, err.message, param="model", code=err.code) from None
 
 
-def _free(path: Path, what: str) -> Path:
+def free_path(path: Path, what: str) -> Path:
     """`path`, its parent made; a 400 when something is there already."""
     if path.exists():
         raise APIError(400, f"{what} {path.name!r} exists already ({path}); choose another name.", param="name",
@@ -68,14 +69,21 @@ def _new_adapter_dir(request: web.Request, name: str) -> Path:
     if catalog.get(name) is not None:
         raise APIError(400, f"Adapter {name!r} exists already; choose another name.", param="name",
                        code="name_taken")
-    return _free(catalog.adapters_dir / name, "Adapter")
+    return free_path(catalog.adapters_dir / name, "Adapter")
+
+
+def dataset_dir(request: web.Request, data: str) -> Path:
+    """The dir a fine-tune's `data` names: a dataset of the datasets dir by its name, else a path."""
+    if "/" not in data and (named := request.app[LAB_FILES].dataset_path(data)) is not None:
+        return named
+    return Path(data).expanduser()
 
 
 async def finetune(request: web.Request) -> web.Response:
     """POST /lab/finetune: queue a LoRA/DoRA fine-tune; its job, queued."""
     req: FinetuneRequest = decode_json(_finetune, await request.read())
-    entry = _model(request, req.model)
-    data = Path(req.data).expanduser()
+    entry = job_model(request, req.model)
+    data = dataset_dir(request, req.data)
     try:
         await asyncio.get_running_loop().run_in_executor(None, check_dir, data)
     except DatasetError as exc:
@@ -91,19 +99,62 @@ async def finetune(request: web.Request) -> web.Response:
 async def quantize(request: web.Request) -> web.Response:
     """POST /lab/quantize: queue a quantization; its job, queued."""
     req: QuantizeRequest = decode_json(_quantize, await request.read())
-    entry = _model(request, req.model)
+    entry = job_model(request, req.model)
     config = _read_json(entry.path / "config.json")
     if isinstance(config, dict) and (config.get("quantization") or config.get("quantization_config")):
         raise APIError(400, f"{entry.id} is quantized already; quantize a full-precision model.", param="model",
                        code="already_quantized")
+    calibration = _check_method(request, entry, req)
     models_dir = request.app[REGISTRY].models_dir
-    name = req.name or f"{entry.id.rpartition('/')[2]}-{req.recipe or f'{req.bits}bit'}"
-    out = _free(models_dir / name, "Model")
+    method = req.how()
+    how = f"{req.target_bpw:g}bpw" if method == "dynamic" else f"gptq-{req.bits}bit" if method == "gptq" \
+        else req.recipe or f"{req.bits}bit"
+    name = req.name or f"{entry.id.rpartition('/')[2]}-{how}"
+    out = free_path(models_dir / name, "Model")
     request_dict = msgspec.to_builtins(req)
     job = request.app[JOBS].submit("quantize", request_dict, lambda job_id: WorkerJob(
         id=job_id, kind="quantize", request=request_dict, model_path=str(entry.path), output_path=str(out),
-        base_model=entry.id))
+        base_model=entry.id, data_path=calibration))
     return json_answer(job, 202)
+
+
+def _check_method(request: web.Request, entry: ModelEntry, req: QuantizeRequest) -> str | None:
+    """A 400 for options that do not go together; the calibration source's path, if any."""
+    method = req.how()
+    if method == "dynamic" and req.target_bpw is None:
+        raise APIError(400, "Dynamic quantization needs `target_bpw` (bits per weight to reach).", param="target_bpw")
+    if method != "dynamic" and req.target_bpw is not None:
+        raise APIError(400, f"`target_bpw` is for dynamic quantization, not {method}.", param="target_bpw")
+    if method != "convert" and req.recipe is not None:
+        raise APIError(400, f"`recipe` is for convert, not {method} quantization.", param="recipe")
+    if method == "dynamic":
+        assert req.target_bpw is not None
+        high = req.high_bits or min(8, req.bits + 1)
+        if high <= req.bits:
+            raise APIError(400, f"`high_bits` ({high}) must be more than `bits` ({req.bits}).", param="high_bits")
+        low_bpw, high_bpw = _bpw_range(entry, req.bits, high, req.group_size)
+        if not low_bpw < req.target_bpw < high_bpw:
+            raise APIError(400, f"`target_bpw` {req.target_bpw:g} is out of reach: {entry.id} at {req.bits} bits is "
+                           f"{low_bpw:.2f} bits per weight, at {high} bits {high_bpw:.2f} (scales and biases "
+                           "included).", param="target_bpw")
+    if req.calibration is None:
+        return None
+    if method == "convert":
+        raise APIError(400, "`calibration` is read by dynamic and gptq quantization only.", param="calibration")
+    path = dataset_dir(request, req.calibration)
+    if not path.exists():
+        raise APIError(400, f"Calibration {req.calibration[:200]!r} is neither a dataset nor a file or dir.",
+                       param="calibration", code="calibration_not_found")
+    return str(path.resolve())
+
+
+def _bpw_range(entry: ModelEntry, low: int, high: int, group_size: int) -> tuple[float, float]:
+    """The bits per weight of `entry` with every layer at `low` bits, and at `high` bits."""
+    try:
+        estimates = {e.bits: e.bits_per_weight for e in inspect_model(entry.id, entry.path, group_size).estimates}
+    except InspectError as exc:
+        raise APIError(400, f"{entry.id} cannot be inspected: {exc}", param="model", code="model_invalid") from None
+    return estimates[low], estimates[high]
 
 
 def _adapter(request: web.Request, name: str, model: ModelEntry | None) -> AdapterEntry:
@@ -120,10 +171,10 @@ def _adapter(request: web.Request, name: str, model: ModelEntry | None) -> Adapt
 async def fuse(request: web.Request) -> web.Response:
     """POST /lab/fuse: queue fusing an adapter into its model (a new model); its job, queued."""
     req: FuseRequest = decode_json(_fuse, await request.read())
-    entry = _model(request, req.model)
+    entry = job_model(request, req.model)
     adapter = _adapter(request, req.adapter, entry)
     name = req.name or f"{entry.id.rpartition('/')[2]}-{adapter.id}"
-    out = _free(request.app[REGISTRY].models_dir / name, "Model")
+    out = free_path(request.app[REGISTRY].models_dir / name, "Model")
     body = msgspec.to_builtins(req)
     job = request.app[JOBS].submit("fuse", body, lambda job_id: WorkerJob(
         id=job_id, kind="fuse", request=body, model_path=str(entry.path), output_path=str(out),

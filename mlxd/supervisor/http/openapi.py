@@ -23,6 +23,9 @@ from mlxd.protocol.errors import ErrorBody
 from mlxd.protocol.process import LEASE_HEADER
 from mlxd.supervisor.http import adapter_routes as adapters
 from mlxd.supervisor.http import admin_routes as admin
+from mlxd.supervisor.http import lab_data_routes as lab
+from mlxd.supervisor.lab_files import TokenState
+from mlxd.supervisor.model_inspect import ModelInspection
 
 SCHEMA_TYPES: tuple[Any, ...] = (
     openai.ChatCompletionRequest, openai.CompletionRequest, openai.ChatCompletion,
@@ -33,7 +36,9 @@ SCHEMA_TYPES: tuple[Any, ...] = (
     anthropic.AnthropicErrorBody, anthropic.InputTokens, anthropic.ModelCardList, responses.ResponsesRequest, responses.ResponseObject,
     api.ResponseDeleted, api.InputItemList, api.TimelineView, adapters.LoadRequest, api.AdapterCardList,
     api.AdapterCard, api.AdapterUnloaded, jobs.FinetuneRequest, jobs.QuantizeRequest, jobs.Job, jobs.JobList,
-    jobs.FuseRequest, jobs.MergeRequest,
+    jobs.FuseRequest, jobs.MergeRequest, jobs.DatasetRequest, jobs.PushRequest, lab.InspectDatasetBody,
+    lab.InspectModelBody, lab.TokenBody, lab.PushAliasBody, lab.DatasetInspection, lab.DatasetList, lab.TemplateList,
+    TokenState, ModelInspection,
 )
 
 
@@ -234,6 +239,47 @@ def make_lab_paths() -> dict[str, Any]:
             f"{prefix}/jobs/{{id}}/log": {"get": operation(
                 f"jobLog{alias}", "The worker's log (the last 1 MB)", {"text/plain": {"schema": {"type": "string"}}},
                 (*GUARDED, 404), tag="Lab", parameters=id_param)},
+        })
+    paths.update(make_lab_data_paths())
+    return paths
+
+
+def make_lab_data_paths() -> dict[str, Any]:
+    """/lab's routes around jobs: inspections, datasets, templates, the hub token, push."""
+    job = json_content(ref("Job"))
+    token = json_content(ref("TokenState"))
+    paths: dict[str, Any] = {
+        "/lab/datasets": {"get": operation("listDatasets", "The datasets in the datasets dir",
+                                           json_content(ref("DatasetList")), GUARDED, tag="Lab")},
+        "/lab/push": {"post": operation("push", "Queue uploading a model, adapter or dataset to the Hugging Face hub",
+                                        job, ADMIN_BODY_ERRORS, tag="Lab", body="PushRequest", status=202)},
+    }
+    for kind in ("quantize", "finetune", "dataset"):
+        paths[f"/api/{kind}/push"] = {"post": operation(
+            f"push{kind.title()}Alias", "Queue uploading what a finished job made to the hub", job,
+            ADMIN_BODY_ERRORS, tag="Lab", body="PushAliasBody", status=202)}
+    for prefix, inspect, submit, alias in (("/lab", "/finetune/inspect", "", ""),
+                                           ("/api", "/finetune/inspect-dataset", "/submit", "Alias")):
+        paths.update({
+            f"{prefix}{inspect}": {"post": operation(
+                f"inspectDataset{alias}", "Each split file's rows, format and bad lines",
+                json_content(ref("DatasetInspection")), ADMIN_BODY_ERRORS, tag="Lab", body="InspectDatasetBody")},
+            f"{prefix}/quantize/inspect": {"post": operation(
+                f"inspectModel{alias}", "A model's parameters and size, and what each bit width would weigh",
+                json_content(ref("ModelInspection")), ADMIN_BODY_ERRORS, tag="Lab", body="InspectModelBody")},
+            f"{prefix}/dataset/templates": {"get": operation(
+                f"datasetTemplates{alias}", "What a dataset job can make", json_content(ref("TemplateList")),
+                GUARDED, tag="Lab")},
+            f"{prefix}/dataset{submit}": {"post": operation(
+                f"makeDataset{alias}", "Queue a dataset job: a model writes rows by a template", job,
+                ADMIN_BODY_ERRORS, tag="Lab", body="DatasetRequest", status=202)},
+            f"{prefix}/settings/hf-token": {
+                "get": operation(f"hfToken{alias}", "Whether a Hugging Face token is kept (never the token)", token,
+                                 GUARDED, tag="Lab"),
+                "post": operation(f"saveHfToken{alias}", "Keep a Hugging Face token (mode 0600)", token,
+                                  ADMIN_BODY_ERRORS, tag="Lab", body="TokenBody"),
+                "delete": operation(f"forgetHfToken{alias}", "Remove the kept token", token, GUARDED, tag="Lab"),
+            },
         })
     return paths
 

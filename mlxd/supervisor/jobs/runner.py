@@ -45,8 +45,10 @@ WORKER_ENV = {**os.environ, "NO_COLOR": "1", "TERM": "dumb"}  # a log file, not 
 class JobRunner:
     """The queue of lab jobs and the one running (loop thread only)."""
 
-    def __init__(self, store: JobStore, leases: Leases | None, on_made: Callable[[Made], None] = lambda m: None) -> None:
+    def __init__(self, store: JobStore, leases: Leases | None, on_made: Callable[[Made], None] = lambda m: None,
+                 secrets: Callable[[Job], dict[str, str]] = lambda job: {}) -> None:
         self.store = store
+        self._secrets = secrets  # a job's keys and tokens: given in its worker's environment only
         self._leases = leases
         self._on_made = on_made  # a finished job's output: rescan what can be served
         self._wake = asyncio.Event()
@@ -132,7 +134,7 @@ class JobRunner:
             with (job_dir / "log.txt").open("ab") as log_file:
                 proc = await asyncio.create_subprocess_exec(
                     sys.executable, "-m", "mlxd.lab", str(job_dir), stdin=asyncio.subprocess.DEVNULL,
-                    stdout=log_file, stderr=log_file, start_new_session=True, env=WORKER_ENV)
+                    stdout=log_file, stderr=log_file, start_new_session=True, env={**WORKER_ENV, **self._secrets(job)})
             self.store.started(job.id, proc.pid)
             log.info("job %s (%s) started: pid %d", job.id, job.kind, proc.pid)
             await self._notify()

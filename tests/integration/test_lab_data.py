@@ -1,0 +1,219 @@
+"""The lab around jobs, through a real supervisor on SmolLM2 with an API key on: a dataset made
+by a template through mlxd's own /v1, inspecting a dataset and a model, dynamic quantization to
+a target bits per weight, and the Hugging Face token and a push against the stand-in hub
+(mlxd/lab/, mlxd/supervisor/http/lab_data_routes.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx2 as httpx
+import pytest
+
+from mlxd.protocol.datasets import check_dir
+from tests.hub_stub import HubStub, running_hub
+from tests.support import SupervisorProcess, cli_env, mlxd, serving, wait_for
+
+KEY = "lab-data-key"
+TOKEN = "hf_TestTokenThatMustNeverShow0123456789"
+
+
+@pytest.fixture(scope="module")
+def hub() -> Iterator[HubStub]:
+    with running_hub() as stub:
+        stub.token = TOKEN
+        yield stub
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("lab-data")
+
+
+@pytest.fixture(scope="module")
+def sup(smollm2: Path, data_dir: Path, hub: HubStub) -> Iterator[SupervisorProcess]:
+    env = {k: v for k, v in os.environ.items() if k != "HF_TOKEN"}
+    env.update(MLXD_API_KEY=KEY, HF_ENDPOINT=hub.url, HF_HOME=str(data_dir / "hf-home"))
+    with serving(smollm2, "smol", data_dir, env=env) as proc:
+        proc.client.close()
+        proc.client = httpx.Client(base_url=proc.url, timeout=120, headers={"Authorization": f"Bearer {KEY}"})
+        yield proc
+
+
+def finished(sup: SupervisorProcess, job_id: str, timeout: float = 240) -> dict[str, Any]:
+    def done() -> dict[str, Any] | None:
+        job: dict[str, Any] = sup.client.get(f"/lab/jobs/{job_id}").json()
+        return job if job["state"] in ("succeeded", "failed", "cancelled") else None
+    return wait_for(done, timeout, interval=0.2)
+
+
+def rows_of(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tides(sup: SupervisorProcess) -> dict[str, Any]:
+    """The dataset `tides`: 6 question-and-answer rows SmolLM2 wrote through a dataset job."""
+    templates = {t["id"]: t for t in sup.client.get("/lab/dataset/templates").json()["data"]}
+    assert {"qa", "instruct", "rewrite", "classify"} <= set(templates)
+    body = {"template": "qa", "model": "smol", "name": "tides", "rows": 6,
+            "inputs": {"topic": "ocean tides", "max_answer_chars": 160}}
+    submitted = sup.client.post("/lab/dataset", json=body)
+    assert submitted.status_code == 202, submitted.text
+    job = finished(sup, submitted.json()["id"])
+    assert job["state"] == "succeeded", job
+    return job
+
+
+def test_a_dataset_job_writes_the_rows_its_template_asks_for(sup: SupervisorProcess, tides: dict[str, Any]) -> None:
+    made = tides["result"]
+    assert made["kind"] == "dataset" and made["details"]["rows"] == {"train": 5, "valid": 1}
+    path = Path(made["path"])
+    reports = check_dir(path)  # what a fine-tune checks: every line a good chat row
+    assert {r.split: (r.rows, r.format) for r in reports} == {"train": (5, "chat"), "valid": (1, "chat")}
+    rows = rows_of(path / "train.jsonl") + rows_of(path / "valid.jsonl")
+    questions = {r["messages"][0]["content"] for r in rows}
+    assert len(questions) == 6  # no repeats
+    for row in rows:
+        user, assistant = row["messages"]
+        assert user["role"] == "user" and assistant["role"] == "assistant"
+        assert user["content"].strip() and 0 < len(assistant["content"]) <= 160
+    # SmolLM2 wrote them (through the engine, like any client): the engine counted the requests.
+    assert sup.engine_stats("smol")["requests"]["completed"] >= 6
+    listed = {d["name"]: d for d in sup.client.get("/lab/datasets").json()["data"]}
+    assert listed["tides"]["rows"] == {"train": 5, "valid": 1} and listed["tides"]["format"] == "chat"
+    inspected = sup.client.post("/lab/finetune/inspect", json={"data": "tides"}).json()  # by its name
+    assert inspected["ok"] and [f["rows"] for f in inspected["files"]] == [5, 1]
+    classify = sup.client.post("/lab/dataset", json={
+        "template": "classify", "model": "smol", "name": "moods", "rows": 4,
+        "inputs": {"labels": "happy, sad", "max_chars": 80}})
+    job = finished(sup, classify.json()["id"])
+    assert job["state"] == "succeeded", job
+    labels = [r["messages"][2]["content"] for r in rows_of(Path(job["result"]["path"]) / "train.jsonl")
+              + rows_of(Path(job["result"]["path"]) / "valid.jsonl")]
+    assert sorted(labels) == ["happy", "happy", "sad", "sad"]  # the labels in turn
+
+
+def test_bad_lab_requests_are_400s_naming_the_problem(sup: SupervisorProcess, tmp_path: Path) -> None:
+    before = len(sup.client.get("/lab/jobs").json()["data"])
+
+    def refused(path: str, body: dict[str, Any], param: str | None = None) -> dict[str, Any]:
+        answer = sup.client.post(path, json=body)
+        assert answer.status_code == 400, (path, body, answer.text)
+        error: dict[str, Any] = answer.json()["error"]
+        if param:
+            assert error["param"] == param, error
+        return error
+
+    base = {"template": "qa", "model": "smol", "name": "x", "inputs": {"topic": "t"}}
+    assert "templates: qa" in refused("/lab/dataset", {**base, "template": "nope"}, "template")["message"]
+    assert "'topic'" in refused("/lab/dataset", {**base, "inputs": {}}, "inputs")["message"]
+    assert "no input 'colour'" in refused("/lab/dataset", {**base, "inputs": {"topic": "t", "colour": "red"}})["message"]
+    refused("/lab/dataset", {**base, "inputs": {"topic": "t", "max_answer_chars": "many"}}, "inputs")
+    refused("/lab/dataset", {**base, "model": "no-such-model"}, "model")
+    refused("/lab/dataset", {**base, "rows": 1}, "rows")
+    refused("/lab/dataset", {**base, "labels": ["surprise"]})
+    assert sup.client.post("/lab/dataset", content=b"{nope").status_code == 400
+    refused("/lab/quantize", {"model": "smol", "method": "dynamic"}, "target_bpw")
+    assert "out of reach" in refused("/lab/quantize", {"model": "smol", "target_bpw": 9.0}, "target_bpw")["message"]
+    refused("/lab/quantize", {"model": "smol", "target_bpw": 4.5, "recipe": "mixed_3_6"}, "recipe")
+    refused("/lab/quantize", {"model": "smol", "calibration": "x"}, "calibration")
+    refused("/lab/quantize", {"model": "smol", "method": "gptq", "calibration": str(tmp_path / "none")}, "calibration")
+    refused("/lab/quantize/inspect", {"model": "no-such-model"}, "model")
+    refused("/lab/quantize/inspect", {"model": "smol", "group_size": 48}, "group_size")
+    refused("/lab/finetune/inspect", {}, "data")
+    assert len(sup.client.get("/lab/jobs").json()["data"]) == before  # nothing was queued
+    # An inspection of a dataset that cannot be trained on says why, line by line.
+    (tmp_path / "train.jsonl").write_text('{"text": "fine"}\nnot json\n{"prompt": "p", "completion": "c"}\n')
+    inspected = sup.client.post("/api/finetune/inspect-dataset", json={"path": str(tmp_path)}).json()
+    assert not inspected["ok"] and "valid.jsonl" in inspected["error"]
+    (tmp_path / "valid.jsonl").write_text('{"text": "fine"}\n')
+    inspected = sup.client.post("/lab/finetune/inspect", json={"data": str(tmp_path)}).json()
+    train = inspected["files"][0]
+    assert not inspected["ok"] and train["rows"] == 1 and [b["line"] for b in train["bad"]] == [2, 3]
+
+
+def test_a_model_inspection_matches_what_mlx_counts(sup: SupervisorProcess, smollm2: Path) -> None:
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import compute_bits_per_weight, load_model
+
+    found = sup.client.post("/api/quantize/inspect", json={"model_id": "smol"}).json()
+    model, _ = load_model(smollm2, lazy=True)
+    assert found["parameters"] == sum(v.size for _, v in tree_flatten(model.parameters()))
+    assert not found["quantized"] and found["model_type"] == "llama" and found["layers"] == 30
+    nn.quantize(model, group_size=64, bits=4)
+    four = next(e for e in found["estimates"] if e["bits"] == 4)
+    assert abs(four["bits_per_weight"] - compute_bits_per_weight(model)) < 0.01, four
+
+
+@pytest.mark.slow  # a minute of CPU: mlx-lm's threshold search quantizes the model ~10 times
+def test_dynamic_quantization_reaches_its_target_and_is_served(sup: SupervisorProcess, tmp_path: Path) -> None:
+    estimates = {e["bits"]: e["bits_per_weight"] for e in
+                 sup.client.post("/lab/quantize/inspect", json={"model": "smol"}).json()["estimates"]}
+    target = round((estimates[4] + estimates[5]) / 2, 2)  # halfway between all at 4 bits and all at 5
+    text = tmp_path / "calibration.txt"
+    text.write_text(" ".join(f"The tide at harbour {i} rose {i % 7} feet before noon." for i in range(200)))
+    run = mlxd("quantize", "smol", "--bits", "4", "--target-bpw", str(target), "--calibration", str(text), "--wait",
+               "--json", "--url", sup.url, env=cli_env(MLXD_API_KEY=KEY), timeout=280)
+    assert run.returncode == 0, run.stderr + run.stdout
+    job = json.loads(run.stdout)
+    details = job["result"]["details"]
+    assert job["result"]["name"] == f"smol-{target:g}bpw" and details["method"] == "dynamic"
+    assert target - 0.25 < details["bits_per_weight"] <= target + 0.02, (target, details)
+    config = json.loads((Path(job["result"]["path"]) / "config.json").read_text())["quantization"]
+    per_layer = {v["bits"] for v in config.values() if isinstance(v, dict)}
+    assert per_layer == {5}, config  # the sensitive layers named, at the high bits
+    answer = sup.openai(KEY).chat.completions.create(model=f"smol-{target:g}bpw", messages=[{"role": "user", "content": "Hi"}],
+                                                     max_tokens=8, temperature=0)
+    assert answer.choices[0].message.content
+
+
+def test_the_token_is_kept_private_and_a_push_reaches_the_hub(
+    sup: SupervisorProcess, hub: HubStub, data_dir: Path, tides: dict[str, Any], smollm2: Path
+) -> None:
+    from mlxd.engine.models.random_adapter import build_random_adapter
+
+    assert sup.client.get("/lab/settings/hf-token").json() == {"has_token": False, "source": None}
+    missing = sup.client.post("/lab/push", json={"kind": "dataset", "name": "tides", "repo_id": "me/tides"})
+    assert missing.status_code == 400 and missing.json()["error"]["code"] == "hf_token_missing"
+    login = mlxd("login", "--data-dir", str(data_dir), env=cli_env(), input_text=TOKEN + "\n")
+    assert login.returncode == 0 and TOKEN not in login.stdout + login.stderr, login.stderr
+    token_file = data_dir / "hf_token"
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600 and token_file.read_text().strip() == TOKEN
+    assert sup.client.get("/lab/settings/hf-token").json() == {"has_token": True, "source": "file"}
+
+    build_random_adapter(smollm2, data_dir / "adapters" / "noisy", rank=2, seed=3, base_model="smol")
+    jobs = []
+    for body in ({"kind": "adapter", "name": "noisy", "repo_id": "me/noisy", "private": True},
+                 {"kind": "dataset", "name": "tides", "repo_id": "me/tides"}):
+        submitted = sup.client.post("/lab/push", json=body)
+        assert submitted.status_code == 202, submitted.text
+        jobs.append(finished(sup, submitted.json()["id"]))
+    assert [j["state"] for j in jobs] == ["succeeded", "succeeded"], jobs
+    adapter_dir = data_dir / "adapters" / "noisy"
+    assert hub.pushed["model:me/noisy"] == {f.name: f.read_bytes() for f in adapter_dir.iterdir() if f.is_file()}
+    assert set(hub.pushed["dataset:me/tides"]) == {"train.jsonl", "valid.jsonl"}
+    assert {c["visibility"] if "visibility" in c else c.get("private") for c in hub.created} >= {"private"}
+    assert set(hub.auth_seen) == {f"Bearer {TOKEN}"}
+    # Never shown: not in a job, its files or log, the supervisor's log, or the token route.
+    for job in jobs:
+        job_dir = data_dir / "jobs" / job["id"]
+        seen = json.dumps(job) + "".join(f.read_text(errors="replace") for f in job_dir.rglob("*") if f.is_file())
+        assert TOKEN not in seen and "hf_Test" not in seen
+    assert TOKEN not in sup.log()
+
+    # A token the hub refuses fails the push, saying why; the reference's alias pushes a job's dataset.
+    sup.client.post("/lab/settings/hf-token", json={"token": "hf_wrong"})
+    refused = finished(sup, sup.client.post("/api/dataset/push", json={"job_id": tides["id"], "repo_id": "me/tides2"})
+                       .json()["id"])
+    assert refused["state"] == "failed" and "refused the token" in refused["error"], refused
+    assert sup.client.delete("/lab/settings/hf-token").json()["has_token"] is False
+    assert not token_file.exists()
+    bad = sup.client.post("/lab/settings/hf-token", json={"token": "two words"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "token"
