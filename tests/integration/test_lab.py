@@ -101,6 +101,12 @@ def test_a_quantized_model_is_made_and_served(sup: SupervisorProcess, bits: int)
     assert name == f"smol-{bits}bit" and abs(job["result"]["details"]["bits_per_weight"] - (bits + 0.5)) < 1.5
     models = {m["id"] for m in sup.client.get("/v1/models").json()["data"]}
     assert name in models
+    # The inspection's estimate, made from the base's headers before any job, is what came out.
+    base = sup.client.post("/lab/quantize/inspect", json={"model": "smol"}).json()
+    estimate = next(e for e in base["estimates"] if e["bits"] == bits)
+    assert abs(estimate["bits_per_weight"] - job["result"]["details"]["bits_per_weight"]) < 0.01, (estimate, job)
+    made = sup.client.post("/lab/quantize/inspect", json={"model": name}).json()
+    assert made["quantized"] and made["parameters"] == base["parameters"] and made["estimates"] == []
     answer = sup.openai().chat.completions.create(model=name, messages=[{"role": "user", "content": "Hi"}],
                                                   max_tokens=8, temperature=0)
     assert answer.choices[0].message.content
@@ -176,6 +182,7 @@ def test_bad_submissions_are_400s_and_nothing_is_queued(sup: SupervisorProcess, 
     assert sup.client.post("/api/finetune/submit", json=cases[0][0]).status_code == 400  # the reference's path
 
 
+@pytest.mark.slow  # 14 s: a fine-tune's worker started, only to be stopped
 def test_a_cancelled_fine_tune_stops_its_worker_and_leaves_no_adapter(sup: SupervisorProcess, dataset: Path) -> None:
     resp = sup.client.post("/lab/finetune", json={"model": "smol", "data": str(dataset), "name": "never",
                                                   "iters": 100000, "steps_per_report": 1, "num_layers": 2})

@@ -12,7 +12,8 @@ plan, and for as long as the pass is built every adapted layer reads it:
 - rows under different stacks: each distinct stack is a slot of the layer's stacked A (S, in, R)
   and B (S, R, out), ranks padded with zeros, slot 0 all zeros for rows under none, and each row
   gathers its own slot: `gather_mm(gather_mm(x, A, idx), B, idx)`. The base weights run once for
-  all rows; the updates cost two small matmuls per layer.
+  all rows; the updates cost two small matmuls per layer. On an NVIDIA GPU a decode step's
+  updates are one kernel launch per layer instead (lora_kernel.py).
 
 DoRA's per-output gain multiplies the row's output (before the bias), the same per row. The
 stacked weights of recent plans are kept, so a step whose rows hold the same stacks as the last
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -33,6 +35,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from mlxd.engine.models import lora_kernel
 from mlxd.engine.models.adapters import (
     Adapter,
     AdapterError,
@@ -46,6 +49,7 @@ from mlxd.engine.models.adapters import (
 Stack = tuple[Adapter, ...]  # the adapters one row runs under, by id; () for the base model
 NO_ADAPTER = "none"
 PLANS_KEPT = 16  # stacked weights kept for recent row mixes (each is one copy of its adapters' A and B)
+KERNEL_ENV = "MLXD_LORA_KERNEL"  # 0: mixed decode steps use MLX ops even on CUDA (to compare)
 MERGE_AFTER_PASSES = 8  # passes a stack must have every row to itself before its merged copy is made
 
 
@@ -61,6 +65,7 @@ class Plan:
     weights: dict[str, LayerWeights]
     slots: mx.array | None  # each row's slot (None: every row under the one stack)
     gather: bool  # mx.gather_mm takes this dtype (else the rows' A and B are gathered first)
+    fused: bool = False  # decode steps take lora_kernel.py's one-launch update (NVIDIA GPUs)
     merged: dict[str, nn.Module] | None = None  # the one stack's layers with its update in their weights
 
 
@@ -92,6 +97,8 @@ def _adapted_class(base: type) -> type:
         if plan.slots is None:
             delta = (x @ w.a) @ w.b
             gain = w.gain
+        elif plan.fused and w.gain is None and lora_kernel.fits(x, w.a):
+            return lora_kernel.rows_update(x, y, w.a, w.b, plan.slots)  # one launch (CUDA decode)
         elif plan.gather:
             delta = mx.gather_mm(mx.gather_mm(x, w.a, rhs_indices=plan.slots), w.b, rhs_indices=plan.slots)
             gain = w.gain[plan.slots][:, None, :] if w.gain is not None else None
@@ -121,6 +128,7 @@ class AdapterBank:
         self.plan: Plan | None = None
         self.mixed_passes = 0  # plans whose rows ran under different stacks (/admin/stats)
         self.merge = False  # run a stack that has every row to itself on merged weights (see `_merged_for`)
+        self.fused = os.environ.get(KERNEL_ENV, "1") != "0"  # lora_kernel.py where it runs (0: MLX ops)
         self._merged: tuple[Stack, dict[str, nn.Module]] | None = None
         self._streak: tuple[Stack, int] = ((), 0)  # the stack that had every row in the last passes, how many
         self._plans: OrderedDict[tuple[Stack, ...], dict[str, LayerWeights]] = OrderedDict()
@@ -201,13 +209,14 @@ class AdapterBank:
             return None
         if len(distinct) == 1:
             stack = distinct[0]
-            return Plan(self._weights((stack,), mixed=False), None, False, self._merged_for(stack))
+            return Plan(self._weights((stack,), mixed=False), None, False, merged=self._merged_for(stack))
         self.mixed_passes += 1
         keys = sorted((s for s in distinct if s), key=lambda s: tuple(a.id for a in s))
         order = {stack: i + 1 for i, stack in enumerate(keys)}
         weights = self._weights(tuple(keys), mixed=True)
         dtype = next(iter(weights.values())).a.dtype
-        return Plan(weights, mx.array([order.get(s, 0) for s in stacks], dtype=mx.uint32), self._gathers(dtype))
+        return Plan(weights, mx.array([order.get(s, 0) for s in stacks], dtype=mx.uint32), self._gathers(dtype),
+                    fused=self.fused and lora_kernel.usable())
 
     def _merged_for(self, stack: Stack) -> dict[str, nn.Module] | None:
         """The stack's layers with its update merged into their weights, once it has had every
