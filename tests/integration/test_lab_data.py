@@ -127,6 +127,14 @@ def test_bad_lab_requests_are_400s_naming_the_problem(sup: SupervisorProcess, tm
     refused("/lab/quantize/inspect", {"model": "no-such-model"}, "model")
     refused("/lab/quantize/inspect", {"model": "smol", "group_size": 48}, "group_size")
     refused("/lab/finetune/inspect", {}, "data")
+    # The reference's field names on its /api paths: each error names mlxd's field, so the name was read.
+    assert "no-such" in refused("/api/quantize/submit", {"model_id": "no-such"}, "model")["message"]
+    assert "/nowhere" in refused("/api/finetune/submit", {"model_dir": "smol", "data_dir": "/nowhere",
+                                                         "adapter_path": "/x/ada"}, "data")["message"]
+    assert refused("/api/finetune/merge", {"adapter_a": "gone-a", "adapter_b": "gone-b"},
+                   "adapter")["message"] == "Adapter 'gone-a' not found."
+    assert refused("/api/finetune/export", {"base_model": "smol", "adapter_path": "/some/dir/gone-c"},
+                   "adapter")["message"] == "Adapter 'gone-c' not found."
     assert len(sup.client.get("/lab/jobs").json()["data"]) == before  # nothing was queued
     # An inspection of a dataset that cannot be trained on says why, line by line.
     (tmp_path / "train.jsonl").write_text('{"text": "fine"}\nnot json\n{"prompt": "p", "completion": "c"}\n')
@@ -217,3 +225,23 @@ def test_the_token_is_kept_private_and_a_push_reaches_the_hub(
     assert not token_file.exists()
     bad = sup.client.post("/lab/settings/hf-token", json={"token": "two words"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "token"
+
+
+@pytest.mark.slow  # GPTQ evaluates each column of each layer on the CPU
+def test_gptq_quantization_is_made_from_calibration_text_and_served(sup: SupervisorProcess, data_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    text = tmp_path / "calibration.jsonl"  # a JSON-lines file: the text of its rows
+    text.write_text("".join(json.dumps({"text": f"The tide at harbour {i} rose {i % 7} feet before noon."}) + "\n"
+                            for i in range(120)))
+    body = {"model": "smol", "bits": 4, "method": "gptq", "calibration": str(text), "calibration_samples": 4,
+            "calibration_length": 64}
+    submitted = sup.client.post("/lab/quantize", json=body)
+    assert submitted.status_code == 202, submitted.text
+    job = finished(sup, submitted.json()["id"], timeout=600)
+    assert job["state"] == "succeeded", job
+    assert job["result"]["name"] == "smol-gptq-4bit" and job["result"]["details"]["method"] == "gptq"
+    events = (data_dir / "jobs" / job["id"] / "events.jsonl").read_text()
+    assert "4 calibration samples of 64 tokens" in events  # drawn from the file's rows
+    answer = sup.openai(KEY).chat.completions.create(model="smol-gptq-4bit", messages=[{"role": "user", "content": "Hi"}],
+                                                     max_tokens=8, temperature=0)
+    assert answer.choices[0].message.content

@@ -10,6 +10,7 @@ queued.
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -79,9 +80,9 @@ def dataset_dir(request: web.Request, data: str) -> Path:
     return Path(data).expanduser()
 
 
-async def finetune(request: web.Request) -> web.Response:
+async def finetune(request: web.Request, raw: bytes | None = None) -> web.Response:
     """POST /lab/finetune: queue a LoRA/DoRA fine-tune; its job, queued."""
-    req: FinetuneRequest = decode_json(_finetune, await request.read())
+    req: FinetuneRequest = decode_json(_finetune, raw if raw is not None else await request.read())
     entry = job_model(request, req.model)
     data = dataset_dir(request, req.data)
     try:
@@ -96,9 +97,9 @@ async def finetune(request: web.Request) -> web.Response:
     return json_answer(job, 202)
 
 
-async def quantize(request: web.Request) -> web.Response:
+async def quantize(request: web.Request, raw: bytes | None = None) -> web.Response:
     """POST /lab/quantize: queue a quantization; its job, queued."""
-    req: QuantizeRequest = decode_json(_quantize, await request.read())
+    req: QuantizeRequest = decode_json(_quantize, raw if raw is not None else await request.read())
     entry = job_model(request, req.model)
     config = _read_json(entry.path / "config.json")
     if isinstance(config, dict) and (config.get("quantization") or config.get("quantization_config")):
@@ -168,9 +169,9 @@ def _adapter(request: web.Request, name: str, model: ModelEntry | None) -> Adapt
     return found
 
 
-async def fuse(request: web.Request) -> web.Response:
+async def fuse(request: web.Request, raw: bytes | None = None) -> web.Response:
     """POST /lab/fuse: queue fusing an adapter into its model (a new model); its job, queued."""
-    req: FuseRequest = decode_json(_fuse, await request.read())
+    req: FuseRequest = decode_json(_fuse, raw if raw is not None else await request.read())
     entry = job_model(request, req.model)
     adapter = _adapter(request, req.adapter, entry)
     name = req.name or f"{entry.id.rpartition('/')[2]}-{adapter.id}"
@@ -182,9 +183,9 @@ async def fuse(request: web.Request) -> web.Response:
     return json_answer(job, 202)
 
 
-async def merge(request: web.Request) -> web.Response:
+async def merge(request: web.Request, raw: bytes | None = None) -> web.Response:
     """POST /lab/merge: queue merging adapters of one model into one; its job, queued."""
-    req: MergeRequest = decode_json(_merge, await request.read())
+    req: MergeRequest = decode_json(_merge, raw if raw is not None else await request.read())
     if req.scales is not None and len(req.scales) != len(req.adapters):
         raise APIError(400, f"{len(req.scales)} scales for {len(req.adapters)} adapters.", param="scales")
     adapters = [_adapter(request, name, None) for name in req.adapters]
@@ -271,14 +272,64 @@ def _read_json(path: Path) -> Any:
         return None
 
 
+# The reference's field names on its /api/... paths, and mlxd's for them.
+FINETUNE_FIELDS = {"model_dir": "model", "data_dir": "data", "model_id": "model", "lora_rank": "rank",
+                   "lora_layers": "num_layers", "lr": "learning_rate"}
+QUANTIZE_FIELDS = {"model_id": "model", "model_dir": "model", "n_calibration": "calibration_samples"}
+FUSE_FIELDS = {"base_model": "model", "adapter_path": "adapter"}
+
+
+def reference_body(raw: bytes, fields: dict[str, str]) -> bytes:
+    """A reference request's body with mlxd's field names; a fine-tune's `adapter_path` names
+    the adapter by its last part. Anything else is left for the decoder to check."""
+    try:
+        body = msgspec.json.decode(raw or b"{}")
+    except msgspec.DecodeError:
+        return raw  # the decoder says what is wrong with it
+    if not isinstance(body, dict):
+        return raw
+    renamed = {fields.get(k, k): v for k, v in body.items() if not (k in fields and fields[k] in body)}
+    if isinstance(path := renamed.pop("adapter_path", None), str) and "name" not in renamed:
+        renamed["name"] = Path(path.rstrip("/")).name
+    if isinstance(adapter := renamed.get("adapter"), str) and "/" in adapter:
+        renamed["adapter"] = Path(adapter.rstrip("/")).name  # an adapter dir of the adapters dir, by its name
+    if "adapter_a" in renamed or "adapter_b" in renamed:
+        renamed["adapters"] = [renamed.pop("adapter_a", None), renamed.pop("adapter_b", None)]
+        renamed.setdefault("name", f"merged-{int(time.time())}")
+    renamed.pop("method", None)  # the reference's export method: mlxd's fuse is mlx-lm's
+    return msgspec.json.encode(renamed)
+
+
+async def finetune_alias(request: web.Request) -> web.Response:
+    """POST /api/finetune/submit: the reference's fine-tune (`model_dir`, `data_dir`, `adapter_path`)."""
+    return await finetune(request, reference_body(await request.read(), FINETUNE_FIELDS))
+
+
+async def quantize_alias(request: web.Request) -> web.Response:
+    """POST /api/quantize/submit: the reference's quantization (`model_id`, `n_calibration`)."""
+    return await quantize(request, reference_body(await request.read(), QUANTIZE_FIELDS))
+
+
+async def fuse_alias(request: web.Request) -> web.Response:
+    """POST /api/finetune/export: the reference's export (`base_model`, `adapter_path`)."""
+    return await fuse(request, reference_body(await request.read(), FUSE_FIELDS))
+
+
+async def merge_alias(request: web.Request) -> web.Response:
+    """POST /api/finetune/merge: the reference's merge (`adapter_a`, `adapter_b`, `scales`)."""
+    return await merge(request, reference_body(await request.read(), {}))
+
+
 def setup_lab_routes(app: web.Application) -> None:
     app.router.add_post(f"{LAB}/fuse", fuse)
-    app.router.add_post("/api/finetune/export", fuse)
+    app.router.add_post("/api/finetune/export", fuse_alias)
     app.router.add_post(f"{LAB}/merge", merge)
-    app.router.add_post("/api/finetune/merge", merge)
-    for prefix, submit in ((LAB, ""), ("/api", "/submit")):
-        app.router.add_post(f"{prefix}/finetune{submit}", finetune)
-        app.router.add_post(f"{prefix}/quantize{submit}", quantize)
+    app.router.add_post("/api/finetune/merge", merge_alias)
+    app.router.add_post(f"{LAB}/finetune", finetune)
+    app.router.add_post(f"{LAB}/quantize", quantize)
+    app.router.add_post("/api/finetune/submit", finetune_alias)
+    app.router.add_post("/api/quantize/submit", quantize_alias)
+    for prefix in (LAB, "/api"):
         app.router.add_get(f"{prefix}/jobs", list_jobs)
         app.router.add_get(f"{prefix}/jobs/{{id}}", get_job)
         app.router.add_get(f"{prefix}/jobs/{{id}}/stream", stream_job)
