@@ -27,7 +27,7 @@ import hashlib
 import os
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,11 @@ from mlxd.engine.models.adapters import (
 Stack = tuple[Adapter, ...]  # the adapters one row runs under, by id; () for the base model
 NO_ADAPTER = "none"
 PLANS_KEPT = 16  # stacked weights kept for recent row mixes (each is one copy of its adapters' A and B)
-KERNEL_ENV = "MLXD_LORA_KERNEL"  # 0: mixed decode steps use MLX ops even on CUDA (to compare)
+# The layers after a group's first that read its input (mlx-lm's attention and MLP call them in
+# this order, on one x): their updates go in the first one's launch.
+SIBLINGS = {"q_proj": ("k_proj", "v_proj"), "gate_proj": ("up_proj",)}
+KERNEL_ENV = "MLXD_LORA_KERNEL"
+GROUP_ENV = "MLXD_LORA_GROUP"  # 0: mixed decode steps use MLX ops even on CUDA (to compare)
 MERGE_AFTER_PASSES = 8  # passes a stack must have every row to itself before its merged copy is made
 
 
@@ -66,6 +70,7 @@ class Plan:
     slots: mx.array | None  # each row's slot (None: every row under the one stack)
     gather: bool  # mx.gather_mm takes this dtype (else the rows' A and B are gathered first)
     fused: bool = False  # decode steps take lora_kernel.py's one-launch update (NVIDIA GPUs)
+    done: dict[str, tuple[mx.array, mx.array]] = field(default_factory=dict)  # name -> (its x, its output)
     merged: dict[str, nn.Module] | None = None  # the one stack's layers with its update in their weights
 
 
@@ -91,14 +96,16 @@ def _adapted_class(base: type) -> type:
         plan = hook.bank.plan
         if plan is not None and plan.merged is not None and (merged := plan.merged.get(hook.name)) is not None:
             return merged(x)
+        if plan is not None and plan.done and (done := plan.done.pop(hook.name, None)) is not None and done[0] is x:
+            return done[1]  # made with its group's first layer, in the same launch
         y = base.__call__(self, x)
         if plan is None or (w := plan.weights.get(hook.name)) is None:
             return y
+        if plan.fused and w.gain is None and lora_kernel.fits(x, w.a):
+            return hook.bank.fused_update(plan, hook.name, x, y, w)
         if plan.slots is None:
             delta = (x @ w.a) @ w.b
             gain = w.gain
-        elif plan.fused and w.gain is None and lora_kernel.fits(x, w.a):
-            return lora_kernel.rows_update(x, y, w.a, w.b, plan.slots)  # one launch (CUDA decode)
         elif plan.gather:
             delta = mx.gather_mm(mx.gather_mm(x, w.a, rhs_indices=plan.slots), w.b, rhs_indices=plan.slots)
             gain = w.gain[plan.slots][:, None, :] if w.gain is not None else None
@@ -134,6 +141,8 @@ class AdapterBank:
         self._plans: OrderedDict[tuple[Stack, ...], dict[str, LayerWeights]] = OrderedDict()
         self._gather: dict[Any, bool] = {}
         self._adapted: set[str] = set()
+        self._modules: dict[str, nn.Module] = {}  # fused_update's look-ups of sibling layers
+        self.grouped = os.environ.get(GROUP_ENV, "1") != "0"  # siblings' updates in one launch (0: one each)
 
     @property
     def nbytes(self) -> int:
@@ -217,6 +226,27 @@ class AdapterBank:
         dtype = next(iter(weights.values())).a.dtype
         return Plan(weights, mx.array([order.get(s, 0) for s in stacks], dtype=mx.uint32), self._gathers(dtype),
                     fused=self.fused and lora_kernel.usable())
+
+    def fused_update(self, plan: Plan, name: str, x: mx.array, y: mx.array, w: LayerWeights) -> mx.array:
+        """Layer `name`'s output with each row's update, by lora_kernel.py: in one launch with the
+        layers after it that read the same input (q's with k's and v's, gate's with up's), whose
+        outputs wait in `plan.done` until they are called with that same `x`."""
+        group = [(y, w.a, w.b)]
+        followers = []
+        for other in SIBLINGS.get(name.rpartition(".")[2], ()) if self.grouped else ():
+            other_name = f"{name.rpartition('.')[0]}.{other}"
+            ow = plan.weights.get(other_name)
+            if ow is None or ow.gain is not None or not lora_kernel.fits(x, ow.a):
+                continue
+            if (module := self._modules.get(other_name)) is None:
+                module = self._modules[other_name] = find_module(self._model, other_name)
+            group.append((type(module).__mro__[1].__call__(module, x), ow.a, ow.b))  # its base output
+            followers.append(other_name)
+        assert plan.slots is not None
+        outs = lora_kernel.rows_update_group(x, plan.slots, group)
+        for other_name, out in zip(followers, outs[1:], strict=True):
+            plan.done[other_name] = (x, out)
+        return outs[0]
 
     def _merged_for(self, stack: Stack) -> dict[str, nn.Module] | None:
         """The stack's layers with its update merged into their weights, once it has had every

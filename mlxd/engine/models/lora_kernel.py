@@ -4,9 +4,11 @@ Rows under different adapters in one batched step each add their own low-rank up
 layer's output: `y[i] + (x[i] @ A[slot[i]]) @ B[slot[i]]`. Done with MLX ops that is two
 gather_mm, a cast and an add: four kernel launches for every adapted layer, each ~10 µs on
 MLX's CUDA backend whatever its size (benchmarks/lora_step_probe.py), which at decode, where
-the updates themselves are tiny, cost more than the updates. This kernel does the whole of it
-in one launch: a block per (row, 256 outputs) first reduces the row's `x @ A` (R values, each
-block again: A is a few KB, read from L2), then writes its 256 outputs `y + h @ B`, in float.
+the updates themselves are tiny, cost more than the updates. This kernel does it in one
+launch, and for up to MAX_GROUP layers that read the same input (an attention's q, k and v
+projections; an MLP's gate and up) in that same launch: a block per (layer, row, 256 outputs)
+first reduces the row's `x @ A` (R values; each block again: A is a few KB, read from L2),
+then writes its 256 outputs `y + h @ B`, in float.
 
 Used for decode steps (one token a row) with ranks up to MAX_RANK and no DoRA gain; prefill
 chunks and everything else keep the MLX ops, whose matmuls are the faster there. On Metal
@@ -16,28 +18,33 @@ and CPU it is never used (`usable()`).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
 
 THREADS = 256
 MAX_RANK = 16  # above it the redundant A reads of every block cost more than the launches saved
+MAX_GROUP = 3
 
-_SOURCE = """
+_HEADER = """
+template <int R, int DIN, int DOUT, typename TX, typename TY, typename TW, typename TO>
+__device__ void mlxd_lora_block(const TX* x, const TY* y, const TW* A, const TW* B, const uint32_t* slots,
+                                TO* out, int bx) {
     constexpr int WARPS = 256 / 32;
     __shared__ float partial[WARPS][R];
     __shared__ float h[R];
     const int row = blockIdx.y;
     const int tid = threadIdx.x;
     const int slot = static_cast<int>(slots[row]);
-    const auto* xr = x + static_cast<size_t>(row) * DIN;
-    const auto* a = A + static_cast<size_t>(slot) * DIN * R;
+    const TX* xr = x + static_cast<size_t>(row) * DIN;
+    const TW* a = A + static_cast<size_t>(slot) * DIN * R;
     float acc[R];
     #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] = 0.0f;
     for (int i = tid; i < DIN; i += 256) {
         const float xv = static_cast<float>(xr[i]);
-        const auto* ai = a + static_cast<size_t>(i) * R;
+        const TW* ai = a + static_cast<size_t>(i) * R;
         #pragma unroll
         for (int r = 0; r < R; ++r) acc[r] += xv * static_cast<float>(ai[r]);
     }
@@ -54,16 +61,26 @@ _SOURCE = """
         h[r] = v;
     }
     __syncthreads();
-    const int j = blockIdx.x * 256 + tid;
+    const int j = bx * 256 + tid;
     if (j < DOUT) {
-        const auto* b = B + static_cast<size_t>(slot) * R * DOUT + j;
+        const TW* b = B + static_cast<size_t>(slot) * R * DOUT + j;
         float d = 0.0f;
         #pragma unroll
         for (int r = 0; r < R; ++r) d += h[r] * static_cast<float>(b[static_cast<size_t>(r) * DOUT]);
         const size_t at = static_cast<size_t>(row) * DOUT + j;
-        out[at] = static_cast<OutT>(static_cast<float>(y[at]) + d);
+        out[at] = static_cast<TO>(static_cast<float>(y[at]) + d);
     }
+}
 """
+
+
+def _source(count: int) -> str:
+    """The kernel's body for `count` layers: each block finds its layer by its x index."""
+    lines = ["    const int bx = blockIdx.x;"]
+    for k in range(count):
+        lines.append(f"    if (bx >= OFF{k} && bx < OFF{k + 1}) {{ mlxd_lora_block<R{k}, DIN, DOUT{k}>"
+                     f"(x, y{k}, A{k}, B{k}, slots, out{k}, bx - OFF{k}); return; }}")
+    return "\n".join(lines)
 
 
 @functools.cache
@@ -76,9 +93,10 @@ def usable() -> bool:
 
 
 @functools.cache
-def _kernel() -> Any:
-    return mx.fast.cuda_kernel(name="mlxd_lora_rows", input_names=["x", "y", "A", "B", "slots"],
-                               output_names=["out"], source=_SOURCE)
+def _kernel(count: int) -> Any:
+    inputs = ["x", "slots", *(f"{n}{k}" for k in range(count) for n in ("y", "A", "B"))]
+    return mx.fast.cuda_kernel(name=f"mlxd_lora_rows{count}", input_names=inputs,
+                               output_names=[f"out{k}" for k in range(count)], source=_source(count), header=_HEADER)
 
 
 def fits(x: mx.array, a: mx.array) -> bool:
@@ -86,27 +104,26 @@ def fits(x: mx.array, a: mx.array) -> bool:
     return x.ndim == 3 and x.shape[1] == 1 and a.ndim == 3 and a.shape[2] <= MAX_RANK
 
 
-def launch(x: mx.array, y: mx.array, a: mx.array, b: mx.array, slots: mx.array) -> mx.array:
-    """`y + (x[i] @ a[slots[i]]) @ b[slots[i]]` for every row i, in y's dtype (x: (N, 1, in),
-    y: (N, 1, out), a: (S, in, R), b: (S, R, out), slots: (N,) uint32)."""
-    n, d_in, d_out, rank = x.shape[0], x.shape[2], y.shape[-1], a.shape[2]
-    blocks = (d_out + THREADS - 1) // THREADS
-    (out,) = _kernel()(
-        inputs=[x, y, a, b, slots],
-        template=[("OutT", y.dtype), ("R", rank), ("DIN", d_in), ("DOUT", d_out)],
-        grid=(blocks * THREADS, n, 1), threadgroup=(THREADS, 1, 1),
-        output_shapes=[y.shape], output_dtypes=[y.dtype],
-    )
-    return out
-
-
-@functools.cache
-def _compiled() -> Any:
-    # Traced once per shape: a step then replays the kernel node, without building the
-    # kernel's source string and its template arguments again on every call.
-    return mx.compile(launch)
+def rows_update_group(x: mx.array, slots: mx.array,
+                      layers: Sequence[tuple[mx.array, mx.array, mx.array]]) -> list[mx.array]:
+    """For each (y, a, b) of layers that read `x`: `y + (x[i] @ a[slots[i]]) @ b[slots[i]]` for
+    every row i, in y's dtype (x: (N, 1, in), y: (N, 1, out), a: (S, in, R), b: (S, R, out),
+    slots: (N,) uint32); all in one launch."""
+    n, d_in = x.shape[0], x.shape[2]
+    template: list[tuple[str, Any]] = [("DIN", d_in)]
+    inputs = [x, slots]
+    offset = 0
+    for k, (y, a, b) in enumerate(layers):
+        template += [(f"R{k}", a.shape[2]), (f"DOUT{k}", y.shape[-1]), (f"OFF{k}", offset)]
+        inputs += [y, a, b]
+        offset += (y.shape[-1] + THREADS - 1) // THREADS
+    template.append((f"OFF{len(layers)}", offset))
+    return list(_kernel(len(layers))(
+        inputs=inputs, template=template, grid=(offset * THREADS, n, 1), threadgroup=(THREADS, 1, 1),
+        output_shapes=[y.shape for y, _, _ in layers], output_dtypes=[y.dtype for y, _, _ in layers],
+    ))
 
 
 def rows_update(x: mx.array, y: mx.array, a: mx.array, b: mx.array, slots: mx.array) -> mx.array:
-    """`launch`, compiled."""
-    return _compiled()(x, y, a, b, slots)
+    """One layer's `rows_update_group`."""
+    return rows_update_group(x, slots, [(y, a, b)])[0]
