@@ -147,3 +147,20 @@ def test_after_an_engine_crash_its_adapters_are_loaded_again(sup: SupervisorProc
     wait_for(lambda: pid() != before, 30)  # the supervisor saw it die; the next request starts another
     assert chat(sup, adapter="dora") == answers["dora"]
     assert chat(sup) == answers["terse"]
+
+
+def test_adapters_a_request_loaded_count_in_the_models_memory_booking(
+    sup: SupervisorProcess, answers: dict[str, str]
+) -> None:
+    def estimate() -> int:
+        rows = sup.client.get("/admin/engines").json()["data"]
+        return int(next(r["memory_estimate_bytes"] for r in rows if r["model"] == "smol"))
+
+    assert chat(sup, adapter="dora") == answers["dora"]  # loaded on first use (not kept)
+    with_dora, engine_bytes = estimate(), sup.engine_stats("smol")["lanes"]["adapter_bytes"]
+    assert sup.client.delete("/v1/adapters/dora").status_code == 200
+    without = estimate()
+    dora_bytes = engine_bytes - sup.engine_stats("smol")["lanes"]["adapter_bytes"]
+    assert dora_bytes > 0 and with_dora - without == dora_bytes  # what the engine says it holds
+    assert chat(sup, adapter="dora") == answers["dora"]
+    assert estimate() == with_dora  # loaded again, booked again

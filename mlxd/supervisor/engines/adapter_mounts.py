@@ -5,7 +5,9 @@ engine's POST /admin/adapters, which reads the weights on its GPU thread between
 an engine has mounted is known per engine process: one that restarted (a crash, a swap) has
 none, and they are mounted again as requests ask for them. Adapters loaded on purpose
 (`POST /v1/adapters`) are mounted again as soon as the next request reaches the new process,
-and count in the model's memory booking for as long as they are kept.
+and count in the model's memory booking for as long as they are kept. Adapters a request
+loaded count in it too (their size as the engine reports it), for as long as that engine
+process has them: an engine that restarts gives their booking back.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ MOUNT_TIMEOUT_S = 120.0  # reading an adapter is quick, but waits for the GPU th
 class _Mounted:
     pid: int | None  # the engine process these are mounted in
     adapters: dict[str, tuple[AdapterEntry, AdapterInfo]] = field(default_factory=dict)
+    booked: dict[str, int] = field(default_factory=dict)  # bytes booked for those mounted on first use
 
 
 class AdapterMounts:
@@ -53,6 +56,7 @@ class AdapterMounts:
         old = kept.get(adapter.id)
         kept[adapter.id] = adapter
         slot.memory_bytes += adapter.size_bytes - (old.size_bytes if old is not None else 0)
+        self._unbook(slot, adapter.id)  # booked as kept from now on, not twice
 
     def forget(self, slot: Any, adapter_id: str) -> bool:
         """Keep it no more (its booking goes); whether it was kept."""
@@ -61,16 +65,34 @@ class AdapterMounts:
             slot.memory_bytes -= old.size_bytes
         return old is not None
 
-    async def ensure(self, engine: Engine, stack: tuple[AdapterEntry, ...]) -> None:
-        """Mount on `engine` each adapter of `stack` (and those kept for its model) it lacks.
-        A 400 when the engine cannot load one; EngineUnreachable if it is gone."""
+    async def ensure(self, slot: Any, stack: tuple[AdapterEntry, ...]) -> None:
+        """Mount on the slot's engine each adapter of `stack` (and those kept for its model) it
+        lacks. A 400 when the engine cannot load one; EngineUnreachable if it is gone."""
+        engine: Engine = slot.engine
         wanted = {a.id: a for a in (*self.kept.get(engine.model_id, {}).values(), *stack)}
         if all(self._has(engine, a) for a in wanted.values()):
             return
         async with self._locks.setdefault(engine.model_id, asyncio.Lock()):
             for adapter in wanted.values():
                 if not self._has(engine, adapter):
-                    await self._mount(engine, adapter)
+                    await self._mount(slot, adapter)
+
+    def _unbook(self, slot: Any, adapter_id: str) -> None:
+        """Give back what a mount on first use booked for `adapter_id` on the slot's model."""
+        state = self._mounted.get(slot.entry.id)
+        if state is not None and (size := state.booked.pop(adapter_id, None)) is not None:
+            slot.memory_bytes -= size
+
+    def release(self, slot: Any) -> None:
+        """The slot's engine starts a new process, which has none mounted: their booking goes."""
+        state = self._mounted.pop(slot.entry.id, None)
+        if state is not None:
+            slot.memory_bytes -= sum(state.booked.values())
+
+    def booked_bytes(self, model_id: str) -> int:
+        """What adapters mounted on first use book on the model (kept ones are in `kept`)."""
+        state = self._mounted.get(model_id)
+        return sum(state.booked.values()) if state is not None else 0
 
     def _has(self, engine: Engine, adapter: AdapterEntry) -> bool:
         state = self._mounted.get(engine.model_id)
@@ -79,7 +101,8 @@ class AdapterMounts:
         found = state.adapters.get(adapter.id)
         return found is not None and found[0].path == adapter.path
 
-    async def _mount(self, engine: Engine, adapter: AdapterEntry) -> None:
+    async def _mount(self, slot: Any, adapter: AdapterEntry) -> None:
+        engine: Engine = slot.engine
         body = msgspec.json.encode(AdapterMount(adapter.id, str(adapter.path)))
         try:
             status, data = await call(engine.socket, "POST", ADAPTERS_PATH, body, timeout_s=MOUNT_TIMEOUT_S)
@@ -90,19 +113,26 @@ class AdapterMounts:
         info = msgspec.json.decode(data, type=AdapterInfo)
         state = self._mounted.get(engine.model_id)
         if state is None or state.pid != engine.pid:
+            if state is not None:  # a process that is gone, with its adapters: their booking goes
+                slot.memory_bytes -= sum(state.booked.values())
             state = self._mounted[engine.model_id] = _Mounted(engine.pid)
         state.adapters[adapter.id] = (adapter, info)
+        if adapter.id not in self.kept.get(engine.model_id, {}):
+            slot.memory_bytes += info.size_bytes - state.booked.get(adapter.id, 0)
+            state.booked[adapter.id] = info.size_bytes
         log.info("%s: adapter %s loaded (%s, rank %d, %.1f MB)", engine.model_id, adapter.id, info.kind, info.rank,
                  info.size_bytes / 1e6)
 
-    async def unmount(self, engine: Engine, adapter_id: str) -> bool:
-        """Unload `adapter_id` from `engine` (requests running under it finish under it);
-        whether it was mounted there."""
+    async def unmount(self, slot: Any, adapter_id: str) -> bool:
+        """Unload `adapter_id` from the slot's engine (requests running under it finish under
+        it); whether it was mounted there."""
+        engine: Engine = slot.engine
         state = self._mounted.get(engine.model_id)
         if state is None or state.pid != engine.pid or adapter_id not in state.adapters:
             return False
         async with self._locks.setdefault(engine.model_id, asyncio.Lock()):
             state.adapters.pop(adapter_id, None)
+            self._unbook(slot, adapter_id)
             try:
                 status, _ = await call(engine.socket, "DELETE", f"{ADAPTERS_PATH}/{adapter_id}", timeout_s=MOUNT_TIMEOUT_S)
             except (OSError, UpstreamError, TimeoutError):

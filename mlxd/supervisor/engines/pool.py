@@ -322,6 +322,7 @@ class Pool:
         if slot.engine.state is EngineState.FAILED:  # its waiters queued before it failed
             self._fail_waiters(slot, slot.engine.boot_error or slot.engine.failed_error())
             return
+        self.adapters.release(slot)  # a new process: adapters loaded on first use are loaded again when asked
         slot.engine.start()
         # Its idle clock starts now: an engine whose one waiter left while it loaded lives its TTL
         # (it had `last_used` 0, so the TTL had passed before it was ready and it was unloaded).

@@ -92,7 +92,7 @@ async def load(request: web.Request) -> web.Response:
         raise APIError(400, f"Adapter '{adapter.id}' is for {adapter.base_model}, not {model.id}.",
                        param="model", code="adapter_base_mismatch")
     async with pool.use(model) as slot:
-        await pool.adapters.ensure(slot.engine, (adapter,))
+        await pool.adapters.ensure(slot, (adapter,))
         pool.adapters.keep(slot, adapter)
     return json_answer(card(adapter, pool))
 
@@ -118,7 +118,7 @@ async def unload(request: web.Request) -> web.Response:
     models = []
     for slot in pool.slots():
         kept = pool.adapters.forget(slot, adapter_id)
-        if await pool.adapters.unmount(slot.engine, adapter_id) or kept:
+        if await pool.adapters.unmount(slot, adapter_id) or kept:
             models.append(slot.entry.id)
     if not models:
         raise APIError(404, f"Adapter '{adapter_id[:200]}' is not loaded.", param="id", code="adapter_not_loaded")

@@ -75,7 +75,7 @@ async def _route(
             headers = {LEASE_HEADER: slot.engine_lease_token} if lease_id and slot.engine_lease_token else {}
             if key_priority is not None:
                 headers[PRIORITY_HEADER] = str(key_priority)
-            await pool.adapters.ensure(slot.engine, adapters)
+            await pool.adapters.ensure(slot, adapters)
             headers[ADAPTER_HEADER] = header_value(adapters)
             prepared = waiting.response if waiting is not None else None
             resp = await forward(request, slot.engine.socket, slot.engine.connections, body, headers, dialect,
