@@ -2,6 +2,7 @@
 import { ApiError, apiJson } from "./api.js";
 import { drawChart } from "./chart.js";
 import { announce, confirmAction, el, markReady } from "./page.js";
+import { makePoller } from "./poller.js";
 import { makeLoadView } from "./progress.js";
 import { formatBytes, formatRate, formatSeconds } from "./units.js";
 
@@ -10,37 +11,15 @@ const CHART_SPAN_S = 300;  // of the timeline's 10 minutes, the last 5: recent t
 const FACTS = [["memory", "Memory"], ["disk", "On disk"], ["work", "In flight / queued"], ["ttl", "Idle unload"],
   ["lease", "Lease"], ["restarts", "Restarts"], ["uptime", "Up for"]];
 const cards = new Map();  // model id -> card
-let timer = null;
-let active = false;
-let polling = false;
+const poller = makePoller(refresh, POLL_MS);  // a hidden tab polls nothing
+const pollSoon = poller.soon;
 
 export function startDashboard() {
-  active = true;
-  pollSoon(0);
+  poller.start();
 }
 
 export function stopDashboard() {
-  active = false;
-  clearTimeout(timer);
-}
-
-// A hidden tab polls nothing; showing it again refreshes at once.
-document.addEventListener("visibilitychange", () => { if (active && !document.hidden) pollSoon(0); });
-
-function pollSoon(ms) {
-  clearTimeout(timer);
-  timer = setTimeout(poll, ms);
-}
-
-async function poll() {
-  if (!active || document.hidden || polling) return;
-  polling = true;
-  try {
-    await refresh();
-  } finally {
-    polling = false;
-  }
-  if (active && !document.hidden) pollSoon(POLL_MS);
+  poller.stop();
 }
 
 async function fetchTimeline() {

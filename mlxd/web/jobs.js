@@ -4,6 +4,7 @@ import { api, apiJson } from "./api.js";
 import { drawChart } from "./chart.js";
 import { announce, confirmAction, el, markReady } from "./page.js";
 import { sseData } from "./stream.js";
+import { makePoller } from "./poller.js";
 import { formatRate, formatSeconds } from "./units.js";
 
 const POLL_MS = 2000;
@@ -15,26 +16,23 @@ const KINDS = { finetune: "Fine-tune", quantize: "Quantize", fuse: "Fuse", merge
 const cards = new Map();  // job id -> card
 const states = new Map();  // job id -> its last state seen, to tell when one finishes
 let onFinished = () => {};
-let active = false;
-let polling = false;
-let timer = 0;
 let selected = null;  // the job shown in detail: {id, job, controller, logTimer}
 let submitted = 0;  // jobs submitted from this page: a list read before the last one is stale
 const $ = (id) => document.getElementById(id);
+const poller = makePoller(refresh, POLL_MS);  // a hidden tab polls nothing
+const pollSoon = poller.soon;
 
 /** Start polling the job list (and following the selected job); `finished(job)` is called when
  * a job is seen to end, so that the forms can list what it made. */
 export function startJobs(finished) {
   onFinished = finished;
-  active = true;
   wire();
-  pollSoon(0);  // at once, also when already polling: a key was just entered
+  poller.start();  // at once, also when already polling: a key was just entered
   if (selected) follow(selected.id);
 }
 
 export function stopJobs() {
-  active = false;
-  clearTimeout(timer);
+  poller.stop();
   stopFollowing();
 }
 
@@ -58,23 +56,6 @@ function wire() {
     markSelected();
     cards.get(id)?.buttons.show.focus();
   });
-  document.addEventListener("visibilitychange", () => { if (active && !document.hidden) pollSoon(0); });
-}
-
-function pollSoon(ms) {
-  clearTimeout(timer);
-  timer = setTimeout(poll, ms);
-}
-
-async function poll() {
-  if (!active || document.hidden || polling) return;
-  polling = true;
-  try {
-    await refresh();
-  } finally {
-    polling = false;
-  }
-  if (active && !document.hidden) pollSoon(POLL_MS);
 }
 
 async function refresh() {
@@ -83,7 +64,7 @@ async function refresh() {
     const before = submitted;
     const { data } = await apiJson("/lab/jobs?limit=50", { quiet: true });
     error.hidden = true;
-    if (active && before === submitted) renderList(data);
+    if (poller.active && before === submitted) renderList(data);
   } catch (e) {
     error.hidden = false;
     error.textContent = `Could not read the jobs: ${e.message}`;
@@ -273,7 +254,7 @@ function follow(id, job = null) {
   markSelected();
   $("job-detail").hidden = false;
   if (job) renderDetail(job);
-  if (!active || selected.controller) return;
+  if (!poller.active || selected.controller) return;
   const sel = selected;
   sel.controller = new AbortController();
   stream(sel);
