@@ -89,10 +89,12 @@ def test_a_dataset_job_writes_the_rows_its_template_asks_for(sup: SupervisorProc
     assert listed["tides"]["rows"] == {"train": 3, "valid": 1} and listed["tides"]["format"] == "chat"
     inspected = sup.client.post("/lab/finetune/inspect", json={"data": "tides"}).json()  # by its name
     assert inspected["ok"] and [f["rows"] for f in inspected["files"]] == [3, 1]
-    classify = sup.client.post("/lab/dataset", json={
-        "template": "classify", "model": "smol", "name": "moods", "rows": 2,
-        "inputs": {"labels": "happy, sad", "max_chars": 80}})
-    job = finished(sup, classify.json()["id"])
+    listed_templates = mlxd("dataset", "--templates", "--url", sup.url, env=cli_env(MLXD_API_KEY=KEY))
+    assert listed_templates.returncode == 0 and "classify" in listed_templates.stdout and "labels" in listed_templates.stdout
+    run = mlxd("dataset", "classify", "smol", "--name", "moods", "--rows", "2", "-i", "labels=happy, sad",
+               "-i", "max_chars=80", "--wait", "--json", "--url", sup.url, env=cli_env(MLXD_API_KEY=KEY), timeout=200)
+    assert run.returncode == 0, run.stderr + run.stdout
+    job = json.loads(run.stdout)
     assert job["state"] == "succeeded", job
     labels = [r["messages"][2]["content"] for r in rows_of(Path(job["result"]["path"]) / "train.jsonl")
               + rows_of(Path(job["result"]["path"]) / "valid.jsonl")]
@@ -127,6 +129,10 @@ def test_bad_lab_requests_are_400s_naming_the_problem(sup: SupervisorProcess, tm
     refused("/lab/quantize/inspect", {"model": "no-such-model"}, "model")
     refused("/lab/quantize/inspect", {"model": "smol", "group_size": 48}, "group_size")
     refused("/lab/finetune/inspect", {}, "data")
+    cli = mlxd("dataset", "nope", "smol", "--name", "x", "--url", sup.url, env=cli_env(MLXD_API_KEY=KEY))
+    assert cli.returncode == 1 and "Unknown template 'nope'" in cli.stderr
+    cli = mlxd("dataset", "qa", "smol", "--name", "x", "-i", "topic", "--url", sup.url, env=cli_env(MLXD_API_KEY=KEY))
+    assert cli.returncode == 2 and "KEY=VALUE" in cli.stderr
     # The reference's field names on its /api paths: each error names mlxd's field, so the name was read.
     assert "no-such" in refused("/api/quantize/submit", {"model_id": "no-such"}, "model")["message"]
     assert "/nowhere" in refused("/api/finetune/submit", {"model_dir": "smol", "data_dir": "/nowhere",
@@ -223,6 +229,13 @@ def test_the_token_is_kept_private_and_a_push_reaches_the_hub(
     assert refused["state"] == "failed" and "refused the token" in refused["error"], refused
     assert sup.client.delete("/lab/settings/hf-token").json()["has_token"] is False
     assert not token_file.exists()
+    login = mlxd("login", "--data-dir", str(data_dir), env=cli_env(), input_text="not a token\n")
+    assert login.returncode == 1 and "one word" in login.stderr and not token_file.exists()
+    mlxd("login", "--data-dir", str(data_dir), env=cli_env(), input_text=TOKEN + "\n")
+    logout = mlxd("logout", "--data-dir", str(data_dir), env=cli_env())
+    assert logout.returncode == 0 and "removed" in logout.stdout and not token_file.exists()
+    nothing = mlxd("push", "adapter", "nosuch", "me/x", "--url", sup.url, env=cli_env(MLXD_API_KEY=KEY))
+    assert nothing.returncode == 1 and "No Hugging Face token" in nothing.stderr  # said before any lookup
     bad = sup.client.post("/lab/settings/hf-token", json={"token": "two words"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "token"
 
