@@ -58,8 +58,11 @@ def jobs_text(listing: Mapping[str, Any]) -> str:
     rows = []
     for j in listing.get("data", []):
         made = (j.get("result") or {}).get("name") or "-"
+        progress = progress_text(j).removeprefix(j["state"]).strip(" ·") or "-"
+        if j["state"] == "failed" and j.get("error"):  # why, rather than where it was
+            progress = j["error"] if len(j["error"]) <= 100 else j["error"][:99] + "…"
         rows.append((j["id"], j["kind"], j["state"], time.strftime("%Y-%m-%d %H:%M", time.localtime(j["created_at"])),
-                     progress_text(j).removeprefix(j["state"]).strip(" ·") or "-", made))
+                     progress, made))
     if not rows:
         return "no jobs yet (`mlxd finetune`, `mlxd quantize`)"
     return render_table(("JOB", "KIND", "STATE", "CREATED", "PROGRESS", "MADE"), rows)
