@@ -121,6 +121,14 @@ class AdapterCatalog:
             entry = self._entries.get(adapter_id)
         return entry
 
+    def find(self, adapter_id: str) -> AdapterEntry | None:
+        """`get`, rescanning on a miss whatever the last scan's age: for the admin routes that
+        act on an adapter a user may have put in the dir a moment ago (a push, a fuse)."""
+        if (entry := self._entries.get(adapter_id)) is None:
+            self.refresh()
+            entry = self._entries.get(adapter_id)
+        return entry
+
     def register(self, path: Path, adapter_id: str | None = None) -> AdapterEntry:
         """Serve the adapter dir at `path` under `adapter_id` (its dir's name by default) until
         the supervisor stops; a 400 when it is not an adapter dir or the id is taken by another."""

@@ -212,7 +212,7 @@ def _push_source(request: web.Request, req: PushRequest) -> Path:
         entry = job_model(request, req.name)
         return entry.path
     if req.kind == "adapter":
-        found = request.app[ADAPTERS].get(req.name)
+        found = request.app[ADAPTERS].find(req.name)
         if found is None:
             raise APIError(400, f"Adapter {req.name[:200]!r} not found.", param="name", code="adapter_not_found")
         return Path(found.path)

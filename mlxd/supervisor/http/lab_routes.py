@@ -67,7 +67,7 @@ def _new_adapter_dir(request: web.Request, name: str) -> Path:
     catalog = request.app[ADAPTERS]
     if catalog.adapters_dir is None:
         raise APIError(503, "This supervisor has no adapters dir.", type="server_error")
-    if catalog.get(name) is not None:
+    if catalog.find(name) is not None:
         raise APIError(400, f"Adapter {name!r} exists already; choose another name.", param="name",
                        code="name_taken")
     return free_path(catalog.adapters_dir / name, "Adapter")
@@ -160,7 +160,7 @@ def _bpw_range(entry: ModelEntry, low: int, high: int, group_size: int) -> tuple
 
 def _adapter(request: web.Request, name: str, model: ModelEntry | None) -> AdapterEntry:
     """A known adapter (for `model`, when given); a 400 naming it otherwise."""
-    found = request.app[ADAPTERS].get(name)
+    found = request.app[ADAPTERS].find(name)
     if found is None:
         raise APIError(400, f"Adapter {name[:200]!r} not found.", param="adapter", code="adapter_not_found")
     if model is not None and not is_for(found, model, request.app[REGISTRY]):
