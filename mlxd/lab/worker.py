@@ -13,6 +13,7 @@ the registry would find it.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import shutil
@@ -57,32 +58,25 @@ def publish(staged: Path, final: Path) -> None:
     staged.rename(final)
 
 
+# Each job kind's function, "module:name", imported only for the job that runs it (mlx-lm's
+# tools are slow to import, and a push or a dataset job needs none of them).
+KINDS = {
+    "finetune": "mlxd.lab.finetune:finetune",
+    "quantize": "mlxd.lab.quantize:quantize",
+    "fuse": "mlxd.lab.fuse:fuse",
+    "merge": "mlxd.lab.fuse:merge",
+    "dataset": "mlxd.lab.dataset:dataset",
+    "push": "mlxd.lab.push:push",
+}
+
+
 def run(job: WorkerJob, emit: Emit) -> Made:
-    if job.kind == "finetune":
-        from mlxd.lab.finetune import finetune
-
-        return finetune(job, emit)
-    if job.kind == "quantize":
-        from mlxd.lab.quantize import quantize
-
-        return quantize(job, emit)
-    if job.kind == "fuse":
-        from mlxd.lab.fuse import fuse
-
-        return fuse(job, emit)
-    if job.kind == "merge":
-        from mlxd.lab.fuse import merge
-
-        return merge(job, emit)
-    if job.kind == "dataset":
-        from mlxd.lab.dataset import dataset
-
-        return dataset(job, emit)
-    if job.kind == "push":
-        from mlxd.lab.push import push
-
-        return push(job, emit)
-    raise JobError(f"unknown job kind {job.kind!r}")
+    target = KINDS.get(job.kind)
+    if target is None:
+        raise JobError(f"unknown job kind {job.kind!r}")
+    module, name = target.split(":")
+    made: Made = getattr(importlib.import_module(module), name)(job, emit)
+    return made
 
 
 def main(argv: list[str]) -> int:
