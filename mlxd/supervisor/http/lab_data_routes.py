@@ -24,6 +24,7 @@ from mlxd.protocol.json_body import decode_json
 from mlxd.supervisor.http.answers import json_answer
 from mlxd.supervisor.http.keys import ADAPTERS, JOBS, LAB_FILES
 from mlxd.supervisor.http.lab_routes import LAB, dataset_dir, free_path, job_model
+from mlxd.supervisor.http.relaying import resolve_target
 from mlxd.supervisor.lab_files import DatasetInfo, check_token
 from mlxd.supervisor.model_inspect import InspectError, inspect_model
 
@@ -146,8 +147,10 @@ async def make_dataset(request: web.Request) -> web.Response:
     except TemplateError as exc:
         raise APIError(400, str(exc), param="inputs" if req.template in TEMPLATES else "template",
                        code="template_invalid") from None
-    base, _, adapter = req.model.partition(":")
-    job_model(request, req.model if not adapter or request.app[ADAPTERS].get(adapter) is None else base)
+    try:  # the model (and a `base:adapter` form's adapter) as the job's own requests will resolve it
+        resolve_target(request, req.model, None)
+    except APIError as err:
+        raise APIError(400, err.message, param="model", code=err.code) from None
     lab = request.app[LAB_FILES]
     if lab.datasets_dir is None:
         raise APIError(503, "This supervisor has no datasets dir.", type="server_error")
