@@ -4,7 +4,7 @@
 import { announce, el } from "./page.js";
 
 const MAX_BYTES = 20 * 1024 * 1024;  // the server's limit for one image
-const pending = [];  // {name, url}
+const pending = [];  // {name, url}, in the order attached (url null while it is read)
 const $ = (id) => document.getElementById(id);
 
 export function wireAttach() {
@@ -30,11 +30,20 @@ function hasFiles(ev) {
 }
 
 async function addFiles(files) {
+  // Each image takes its place in the list now, in the order it came, and shows once read: a
+  // drop right after a pick must not pass it while the pick is still being read.
+  const reads = [];
   for (const file of files) {
     if (!file.type.startsWith("image/")) { announce(`${file.name} is not an image.`, "error"); continue; }
     if (file.size > MAX_BYTES) { announce(`${file.name} is over 20 MB.`, "error"); continue; }
-    pending.push({ name: file.name || "pasted image", url: await readAsDataUrl(file) });
+    const image = { name: file.name || "pasted image", url: null };
+    pending.push(image);
+    reads.push(readAsDataUrl(file).then((url) => { image.url = url; }, () => {
+      pending.splice(pending.indexOf(image), 1);
+      announce(`${image.name} could not be read.`, "error");
+    }));
   }
+  await Promise.all(reads);
   render();
 }
 
@@ -49,8 +58,9 @@ function readAsDataUrl(file) {
 
 function render() {
   const list = $("chat-attachments");
-  list.hidden = pending.length === 0;
-  list.replaceChildren(...pending.map((image, i) => {
+  const ready = pending.filter((image) => image.url !== null);
+  list.hidden = ready.length === 0;
+  list.replaceChildren(...ready.map((image) => {
     const item = el("li", "attachment");
     const img = el("img");
     img.src = image.url;
@@ -58,7 +68,7 @@ function render() {
     const remove = el("button", "quiet", "×");
     remove.type = "button";
     remove.setAttribute("aria-label", `Remove ${image.name}`);
-    remove.addEventListener("click", () => { pending.splice(i, 1); render(); });
+    remove.addEventListener("click", () => { pending.splice(pending.indexOf(image), 1); render(); });
     item.append(img, remove);
     return item;
   }));
@@ -66,7 +76,7 @@ function render() {
 
 /** The images attached to the next message. */
 export function attachments() {
-  return [...pending];
+  return pending.filter((image) => image.url !== null);
 }
 
 /** Empty the list (the message with them was sent). */
