@@ -491,6 +491,10 @@ def start_in_one_turn(engine: EngineProcess, calls: list[Callable[[], T]],
     pool = concurrent.futures.ThreadPoolExecutor(len(calls) + 1)
     pool.submit(hold_until, engine, leave, ready, bias)
     assert ready.wait(60), engine.log()
+    held = lanes(engine)
+    # A blocker that leaves room lets the calls start as they come, one turn each: the engine's
+    # budget must be under its context window (--kv-budget-tokens), which clamps max_tokens.
+    assert held["kv_budget_tokens"] - held["kv_booked_tokens"] < 64, f"the blocker left KV free: {held}"
     futures = [pool.submit(call) for call in calls]
     wait_for(lambda: lanes(engine)["waiting"] == len(calls), 60, message=lambda: str(lanes(engine)))
     leave.set()

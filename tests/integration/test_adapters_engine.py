@@ -77,8 +77,9 @@ def _unflatten(pairs: list[tuple[str, Any]]) -> Any:
 
 @pytest.fixture(scope="module")
 def smol(smollm2: Path, adapter_dirs: dict[str, Path]) -> Iterator[EngineProcess]:
-    """SmolLM2 with four batch rows and every adapter mounted."""
-    with running_engine(smollm2, "smol", "--batch", "4") as engine:
+    """SmolLM2 with four batch rows and every adapter mounted; a KV budget under the window, so
+    start_in_one_turn's blocker can hold all of it."""
+    with running_engine(smollm2, "smol", "--batch", "4", "--kv-budget-tokens", "4096") as engine:
         with engine_client(engine) as c:
             for name, path in adapter_dirs.items():
                 resp = c.post("/admin/adapters", json={"id": name, "path": str(path)})
