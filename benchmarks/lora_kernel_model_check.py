@@ -1,6 +1,6 @@
 """The one-launch LoRA kernel inside a model (NVIDIA GPU): a decode-shaped forward pass whose 8
 rows run under different adapters gives the same logits with the kernel (its grouped q/k/v and
-gate/up launches included) as with the MLX ops.
+gate/up launches included) as with the MLX ops; so do passes whose rows all run under one stack.
 
   python benchmarks/lora_kernel_model_check.py --model /tmp/models/l1b
 
@@ -55,6 +55,19 @@ def main() -> None:
     adapted = [i for i, s in enumerate(stacks) if s]
     assert all(moved[i].item() > 20 * diff for i in adapted), "the adapters must move the logits far more than the error"
     assert all(moved[i].item() == 0 for i, s in enumerate(stacks) if not s)
+    # Every row under one stack (a lone stream before its merged copy): the kernel with each row
+    # in slot 0 against the MLX ops.
+    for spec in ("a2", "a0+a1"):
+        one = {}
+        for fused in (True, False):
+            bank.fused = fused
+            with bank.one(bank.resolve(spec)):
+                one[fused] = model(tokens[:3]).astype(mx.float32)
+            mx.eval(one[fused])
+        gap = mx.max(mx.abs(one[True] - one[False])).item()
+        shift = mx.max(mx.abs(one[False] - logits["base"][:3])).item()
+        print(f"one stack {spec}: max |kernel - ops| {gap:.5f}, ops - base {shift:.4f}")
+        assert shift > 20 * gap, "one stack's kernel update must match the ops"
 
 if __name__ == "__main__":
     main()

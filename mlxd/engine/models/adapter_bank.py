@@ -142,6 +142,7 @@ class AdapterBank:
         self._gather: dict[Any, bool] = {}
         self._adapted: set[str] = set()
         self._modules: dict[str, nn.Module] = {}  # fused_update's look-ups of sibling layers
+        self._zeros: dict[int, mx.array] = {}  # _slot_zero's, by row count
         self.grouped = os.environ.get(GROUP_ENV, "1") != "0"  # siblings' updates in one launch (0: one each)
 
     @property
@@ -218,7 +219,8 @@ class AdapterBank:
             return None
         if len(distinct) == 1:
             stack = distinct[0]
-            return Plan(self._weights((stack,), mixed=False), None, False, merged=self._merged_for(stack))
+            return Plan(self._weights((stack,), mixed=False), None, False, fused=self.fused and lora_kernel.usable(),
+                        merged=self._merged_for(stack))
         self.mixed_passes += 1
         keys = sorted((s for s in distinct if s), key=lambda s: tuple(a.id for a in s))
         order = {stack: i + 1 for i, stack in enumerate(keys)}
@@ -242,11 +244,18 @@ class AdapterBank:
                 module = self._modules[other_name] = find_module(self._model, other_name)
             group.append((type(module).__mro__[1].__call__(module, x), ow.a, ow.b))  # its base output
             followers.append(other_name)
-        assert plan.slots is not None
-        outs = lora_kernel.rows_update_group(x, plan.slots, group)
+        outs = lora_kernel.rows_update_group(x, plan.slots if plan.slots is not None else self._slot_zero(x.shape[0]),
+                                             group)
         for other_name, out in zip(followers, outs[1:], strict=True):
             plan.done[other_name] = (x, out)
         return outs[0]
+
+    def _slot_zero(self, rows: int) -> mx.array:
+        """Slot 0 for each of `rows` rows: a one-stack plan's weights are its only slot."""
+        if (zeros := self._zeros.get(rows)) is None:
+            zeros = self._zeros[rows] = mx.zeros((rows,), dtype=mx.uint32)
+            mx.eval(zeros)
+        return zeros
 
     def _merged_for(self, stack: Stack) -> dict[str, nn.Module] | None:
         """The stack's layers with its update merged into their weights, once it has had every

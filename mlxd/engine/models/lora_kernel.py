@@ -100,19 +100,21 @@ def _kernel(count: int) -> Any:
 
 
 def fits(x: mx.array, a: mx.array) -> bool:
-    """Whether the kernel takes this step: one token a row, a stacked A of a small rank."""
-    return x.ndim == 3 and x.shape[1] == 1 and a.ndim == 3 and a.shape[2] <= MAX_RANK
+    """Whether the kernel takes this step: one token a row, an A (one stack's, or stacked per
+    slot) of a small rank."""
+    return x.ndim == 3 and x.shape[1] == 1 and a.ndim in (2, 3) and a.shape[-1] <= MAX_RANK
 
 
 def rows_update_group(x: mx.array, slots: mx.array,
                       layers: Sequence[tuple[mx.array, mx.array, mx.array]]) -> list[mx.array]:
     """For each (y, a, b) of layers that read `x`: `y + (x[i] @ a[slots[i]]) @ b[slots[i]]` for
     every row i, in y's dtype (x: (N, 1, in), y: (N, 1, out), a: (S, in, R), b: (S, R, out),
-    slots: (N,) uint32); all in one launch."""
+    slots: (N,) uint32; a 2-D a and b are one slot's); all in one launch."""
     n, d_in = x.shape[0], x.shape[2]
     template: list[tuple[str, Any]] = [("DIN", d_in)]
     inputs = [x, slots]
     offset = 0
+    layers = [(y, a[None] if a.ndim == 2 else a, b[None] if b.ndim == 2 else b) for y, a, b in layers]
     for k, (y, a, b) in enumerate(layers):
         template += [(f"R{k}", a.shape[2]), (f"DOUT{k}", y.shape[-1]), (f"OFF{k}", offset)]
         inputs += [y, a, b]
