@@ -9,6 +9,14 @@ finds it, so it can be served at once.
   keep `high_bits` until the model is at the target.
 - `gptq`: mlx-lm's GPTQ (`mlx_lm.quant.gptq`): each linear layer's rounding corrects the error
   its calibration inputs would see; other quantizable layers go to 6 bits.
+- `awq`: mlx-lm's AWQ (`mlx_lm.quant.awq`): block by block, the input channels its calibration
+  activations show to matter are scaled up before rounding (and the weights clipped) where that
+  brings the block's output nearer the full model's; embeddings and the output head at 4 bits
+  (or N, above 4).
+- `dwq`: mlx-lm's DWQ (`mlx_lm.quant.dwq`): the model rounded to N bits, then its scales and
+  biases trained so that its outputs on the calibration text match the full model's (the
+  teacher, held beside it). The job reports that distance (mean KL divergence per token, on
+  held-out calibration rows) before and after.
 
 Calibration text is a dataset (its rows' text), a text or JSON-lines file, or by default
 mlx-lm's own calibration file (which mlx-lm downloads once into ~/.cache/mlx-lm).
@@ -23,7 +31,9 @@ from typing import Any
 import msgspec
 
 from mlxd.lab.worker import Emit, JobError, publish, staging_dir
-from mlxd.protocol.jobs import Made, Progress, QuantizeRequest, WorkerJob
+from mlxd.protocol.jobs import DWQ_LEARNING_RATE, Made, Progress, QuantizeRequest, WorkerJob
+
+DWQ_BATCH = 4  # mlx_lm.quant.dwq's --batch-size
 
 
 def quantize(job: WorkerJob, emit: Emit) -> Made:
@@ -37,10 +47,11 @@ def quantize(job: WorkerJob, emit: Emit) -> Made:
     final = Path(job.output_path)
     staged = staging_dir(final)
     method = req.how()
+    learned: dict[str, Any] = {}
     if method == "convert":
         _convert(job, req, staged, emit)
     else:
-        _calibrated(job, req, method, staged, emit)
+        learned = _calibrated(job, req, method, staged, emit)
     model, _ = load_model(staged, lazy=True)
     bpw = float(compute_bits_per_weight(model))
     size = sum(f.stat().st_size for f in staged.glob("*.safetensors"))
@@ -49,7 +60,7 @@ def quantize(job: WorkerJob, emit: Emit) -> Made:
     return Made(kind="model", path=str(final), name=final.name,
                 details={"bits_per_weight": round(bpw, 3), "size_bytes": size, "bits": req.bits,
                          "group_size": req.group_size, "recipe": req.recipe, "method": method,
-                         "target_bpw": req.target_bpw})
+                         "target_bpw": req.target_bpw, **learned})
 
 
 def _convert(job: WorkerJob, req: QuantizeRequest, staged: Path, emit: Emit) -> None:
@@ -61,17 +72,34 @@ def _convert(job: WorkerJob, req: QuantizeRequest, staged: Path, emit: Emit) -> 
             quant_predicate=req.recipe)
 
 
-def _calibrated(job: WorkerJob, req: QuantizeRequest, method: str, staged: Path, emit: Emit) -> None:
+def _calibrated(job: WorkerJob, req: QuantizeRequest, method: str, staged: Path, emit: Emit) -> dict[str, Any]:
+    """Quantize by a calibrated method into `staged`; what it learned, for the job's result."""
     import mlx.core as mx
     from mlx_lm.utils import load, quantize_model, save
 
     emit(Progress(stage="loading", message=f"{req.model}"))
     model, tokenizer, config = load(str(job.model_path), return_config=True)  # type: ignore[misc]
     mx.random.seed(0)
-    data = calibration(job.data_path, tokenizer, req.calibration_samples, req.calibration_length)
+    held_out = max(DWQ_BATCH, req.calibration_samples // 8) if method == "dwq" else 0
+    data = calibration(job.data_path, tokenizer, req.calibration_samples + held_out, req.calibration_length)
     emit(Progress(stage="calibrating", message=f"{data.shape[0]} calibration samples of {data.shape[1]} tokens"))
     gs = req.group_size
-    if method == "gptq":
+    learned: dict[str, Any] = {}
+    if method == "dwq":
+        model, config, learned = _dwq(model, config, data, held_out, req, emit)
+    elif method == "awq":
+        from mlx_lm.quant.awq import AWQ_MODEL_CONFIGS, awq_quantize, update_config
+
+        awq_config = AWQ_MODEL_CONFIGS.get(str(config.get("model_type")))
+        if awq_config is None:
+            raise JobError(f"AWQ does not know the model type {config.get('model_type')!r}")
+        embed_bits = max(4, req.bits)
+        emit(Progress(stage="quantizing", message=f"AWQ to {req.bits} bits, group size {gs}, block by block "
+                                                  f"(embeddings and output head at {embed_bits} bits)"))
+        awq_quantize(model, data, awq_config, group_size=gs, bits=req.bits, embed_group_size=min(32, gs),
+                     embed_bits=embed_bits)
+        config = update_config(model, config)
+    elif method == "gptq":
         from mlx_lm.quant.gptq import gptq_quantize
 
         emit(Progress(stage="quantizing", message=f"GPTQ to {req.bits} bits, group size {gs}"))
@@ -93,6 +121,67 @@ def _calibrated(job: WorkerJob, req: QuantizeRequest, method: str, staged: Path,
         emit(Progress(stage="quantizing", message=f"to {req.target_bpw} bits per weight ({req.bits} and {high} bits)"))
         model, config = quantize_model(model, config, group_size=gs, bits=req.bits, quant_predicate=predicate)
     save(staged, str(job.model_path), model, tokenizer, config)
+    return learned
+
+
+def _dwq(teacher: Any, config: dict[str, Any], data: Any, held_out: int, req: QuantizeRequest,
+         emit: Emit) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """mlx-lm's DWQ: a copy of `teacher` rounded to req.bits, its scales and biases trained on
+    `data`'s rows (the last `held_out` kept to measure it) to give the teacher's outputs. The
+    student, its config, and the distance to the teacher before and after."""
+    import copy
+    import time
+
+    import mlx.core as mx
+    import mlx.optimizers as optimizers
+    from mlx.utils import tree_flatten
+    from mlx_lm.quant.dwq import dwq_quantize
+    from mlx_lm.utils import quantize_model
+
+    rows = [(row, 0) for row in data.tolist()]
+    train, valid = rows[:-held_out], rows[-held_out:]
+    if len(train) < DWQ_BATCH:
+        raise JobError(f"DWQ needs at least {DWQ_BATCH + held_out} calibration samples ({DWQ_BATCH} to train on, "
+                       f"{held_out} to measure); the calibration text gave {len(rows)} (give more text, or a smaller "
+                       "calibration_length)")
+    student = copy.deepcopy(teacher)
+    student, config = quantize_model(student, config, group_size=req.group_size, bits=req.bits)
+    pairs: Any = tree_flatten(student.parameters())
+    dtype = next(v.dtype for k, v in pairs if k.endswith(".scales"))
+    before = round(_distance(student, teacher, valid), 6)
+    steps = len(train) // DWQ_BATCH
+    rate = req.learning_rate or DWQ_LEARNING_RATE
+    emit(Progress(stage="training", step=0, total=steps, val_loss=before,
+                  message=f"DWQ to {req.bits} bits: {steps} steps at learning rate {rate:g}"))
+    start = time.monotonic()
+
+    def target(batch: Any, index: int, split: str) -> Any:
+        if split == "train" and index:
+            spent = time.monotonic() - start
+            emit(Progress(stage="training", step=index, total=steps, eta_s=round(spent / index * (steps - index), 1)))
+        return teacher(batch)
+
+    dwq_quantize(student, target, optimizers.Adam(learning_rate=rate, bias_correction=True), train, valid,
+                 batch_size=DWQ_BATCH, max_seq_length=data.shape[1], seed=0, dtype=dtype)
+    student.eval()
+    after = round(_distance(student, teacher, valid), 6)
+    emit(Progress(stage="training", step=steps, total=steps, val_loss=after,
+                  message=f"mean KL to the full model on {len(valid)} held-out rows: {before:.5f} -> {after:.5f}"))
+    mx.eval(student.parameters())
+    return student, config, {"learning_rate": rate, "kl_before": before, "kl_after": after}
+
+
+def _distance(student: Any, teacher: Any, rows: list[tuple[list[int], int]]) -> float:
+    """The mean KL divergence per token of `student`'s next-token distribution from `teacher`'s."""
+    import mlx.core as mx
+    from mlx_lm.tuner.losses import kl_div_loss
+
+    total = 0.0
+    for at in range(0, len(rows), DWQ_BATCH):  # a batch's logits at a time: the vocabulary is wide
+        tokens = mx.array([row for row, _ in rows[at:at + DWQ_BATCH]])[:, :-1]
+        losses = kl_div_loss(student(tokens).astype(mx.float32), teacher(tokens).astype(mx.float32))
+        total += float(losses.sum().item())
+    return total / (len(rows) * (len(rows[0][0]) - 1))
 
 
 def calibration(source: str | None, tokenizer: Any, samples: int, length: int) -> Any:

@@ -57,24 +57,36 @@ class QuantizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model is at `target_bpw` bits per weight); with `method="gptq"`, mlx-lm's GPTQ (weights
     rounded to undo the error the layer's calibration inputs see). The last two read
     `calibration`: a dataset's name or dir, or a text file (default: mlx-lm's own calibration
-    text, which mlx-lm downloads once).
+    text, which mlx-lm downloads once). So do `method="awq"`, mlx-lm's AWQ (activation-aware
+    scales and clipping, for the model types in AWQ_MODEL_TYPES), and `method="dwq"`, mlx-lm's
+    DWQ (the quantized model's scales and biases trained, at `learning_rate`, to give the full
+    model's outputs on the calibration text).
     """
 
     model: ModelName
     bits: Literal[2, 3, 4, 5, 6, 8] = 4
     group_size: Literal[32, 64, 128] = 64
     recipe: Literal["mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6"] | None = None
-    method: Literal["convert", "dynamic", "gptq"] | None = None  # default: dynamic with target_bpw, else convert
+    method: Literal["convert", "dynamic", "gptq", "awq", "dwq"] | None = None  # default: dynamic with target_bpw, else convert
     target_bpw: Annotated[float, Meta(ge=1.5, le=16)] | None = None
     high_bits: Literal[3, 4, 5, 6, 8] | None = None  # dynamic: the sensitive layers' bits (default bits+1)
     calibration: Annotated[str, Meta(min_length=1, max_length=4096)] | None = None
     calibration_samples: Annotated[int, Meta(ge=1, le=4096)] = 128
     calibration_length: Annotated[int, Meta(ge=16, le=8192)] = 512
+    learning_rate: Annotated[float, Meta(gt=0, le=1)] | None = None  # dwq (default DWQ_LEARNING_RATE, mlx-lm's)
     name: Name | None = None
 
     def how(self) -> str:
         """The method this request resolves to."""
         return self.method or ("dynamic" if self.target_bpw is not None else "convert")
+
+
+CALIBRATED_METHODS = ("dynamic", "gptq", "awq", "dwq")  # the methods that read calibration text
+# The model types mlx-lm's AWQ knows how to scale (mlx_lm.quant.awq.AWQ_MODEL_CONFIGS; a unit
+# test keeps the two lists equal), so an AWQ job for another is refused before it is queued.
+AWQ_MODEL_TYPES = ("llama", "mistral", "ministral3", "mistral3", "llava", "qwen2", "qwen3", "gemma3_text", "gemma3",
+                   "deepseek_v2")
+DWQ_LEARNING_RATE = 1e-6  # mlx_lm.quant.dwq's default
 
 
 class FuseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -79,7 +79,8 @@ export function jobSubject(job) {
   if (job.kind === "fuse") return `${r.adapter} into ${r.model}${r.name ? ` → ${r.name}` : ""}`;
   if (job.kind === "push") return `${r.kind} ${r.name} → ${r.repo_id}`;
   if (job.kind === "quantize") {
-    const how = r.recipe || (r.target_bpw ? `${r.target_bpw} bits/weight` : `${r.bits ?? 4}-bit`);
+    const learned = ["gptq", "awq", "dwq"].includes(r.method) ? ` ${r.method.toUpperCase()}` : "";
+    const how = r.recipe || (r.target_bpw ? `${r.target_bpw} bits/weight` : `${r.bits ?? 4}-bit${learned}`);
     return `${r.model}, ${how}${r.name ? ` → ${r.name}` : ""}`;
   }
   if (job.kind === "dataset") return `${r.name}, ${r.template} by ${r.model}`;

@@ -1,6 +1,6 @@
 """The lab around jobs, through a real supervisor on SmolLM2 with an API key on: a dataset made
 by a template through mlxd's own /v1, inspecting a dataset and a model, dynamic quantization to
-a target bits per weight, and the Hugging Face token and a push against the stand-in hub
+a target bits per weight, GPTQ, AWQ and DWQ, and the Hugging Face token and a push against the stand-in hub
 (mlxd/lab/, mlxd/supervisor/http/lab_data_routes.py)."""
 
 from __future__ import annotations
@@ -101,7 +101,8 @@ def test_a_dataset_job_writes_the_rows_its_template_asks_for(sup: SupervisorProc
     assert sorted(labels) == ["happy", "sad"]  # the labels in turn
 
 
-def test_bad_lab_requests_are_400s_naming_the_problem(sup: SupervisorProcess, tmp_path: Path) -> None:
+def test_bad_lab_requests_are_400s_naming_the_problem(sup: SupervisorProcess, smollm2: Path, data_dir: Path,
+                                                      tmp_path: Path) -> None:
     before = len(sup.client.get("/lab/jobs").json()["data"])
 
     def refused(path: str, body: dict[str, Any], param: str | None = None) -> dict[str, Any]:
@@ -126,6 +127,23 @@ def test_bad_lab_requests_are_400s_naming_the_problem(sup: SupervisorProcess, tm
     refused("/lab/quantize", {"model": "smol", "target_bpw": 4.5, "recipe": "mixed_3_6"}, "recipe")
     refused("/lab/quantize", {"model": "smol", "calibration": "x"}, "calibration")
     refused("/lab/quantize", {"model": "smol", "method": "gptq", "calibration": str(tmp_path / "none")}, "calibration")
+    two = mlxd("quantize", "smol", "--gptq", "--method", "awq", "--url", sup.url, env=cli_env(MLXD_API_KEY=KEY))
+    assert two.returncode == 2 and "two methods" in two.stderr
+    assert "below 8 bits" in refused("/lab/quantize", {"model": "smol", "method": "dwq", "bits": 8}, "bits")["message"]
+    refused("/lab/quantize", {"model": "smol", "learning_rate": 1e-5}, "learning_rate")  # DWQ's only
+    refused("/lab/quantize", {"model": "smol", "method": "dwq", "learning_rate": 0}, "learning_rate")
+    refused("/lab/quantize", {"model": "smol", "method": "awq", "target_bpw": 4.5}, "target_bpw")
+    # A model type mlx-lm's AWQ has no recipe for: refused before a job, naming the ones it has.
+    odd = data_dir / "models" / "odd-arch"
+    odd.mkdir(parents=True)
+    for f in smollm2.iterdir():
+        if f.name != "config.json":
+            (odd / f.name).symlink_to(f)
+    (odd / "config.json").write_text(json.dumps({**json.loads((smollm2 / "config.json").read_text()),
+                                                 "model_type": "phi3"}))
+    wait_for(lambda: "odd-arch" in {m["id"] for m in sup.client.get("/v1/models").json()["data"]}, 10)
+    error = refused("/lab/quantize", {"model": "odd-arch", "method": "awq"}, "method")
+    assert error["code"] == "method_unsupported" and "(phi3)" in error["message"] and "llama" in error["message"]
     refused("/lab/quantize/inspect", {"model": "no-such-model"}, "model")
     refused("/lab/quantize/inspect", {"model": "smol", "group_size": 48}, "group_size")
     refused("/lab/finetune/inspect", {}, "data")
@@ -257,4 +275,71 @@ def test_gptq_quantization_is_made_from_calibration_text_and_served(sup: Supervi
     assert "4 calibration samples of 64 tokens" in events  # drawn from the file's rows
     answer = sup.openai(KEY).chat.completions.create(model="smol-gptq-4bit", messages=[{"role": "user", "content": "Hi"}],
                                                      max_tokens=8, temperature=0)
+    assert answer.choices[0].message.content
+
+
+def calibration_file(tmp_path: Path) -> Path:
+    text = tmp_path / "calibration.jsonl"
+    text.write_text("".join(json.dumps({"text": f"The tide at harbour {i} rose {i % 7} feet before noon, and the "
+                                                f"boats of the {i}th fleet waited."}) + "\n" for i in range(200)))
+    return text
+
+
+def mean_kl(model: Any, full: Any, tokens: Any) -> float:
+    """The mean KL divergence per token of `model`'s next-token distribution from `full`'s."""
+    import mlx.core as mx
+    from mlx_lm.tuner.losses import kl_div_loss
+
+    return float(kl_div_loss(model(tokens).astype(mx.float32), full(tokens).astype(mx.float32)).mean().item())
+
+
+@pytest.mark.slow  # AWQ searches each block's scales on the CPU (about 2 minutes)
+def test_awq_quantization_brings_the_model_nearer_the_full_one_than_rounding(
+        sup: SupervisorProcess, smollm2: Path, data_dir: Path, tmp_path: Path) -> None:
+    import copy
+
+    import mlx.core as mx
+    from mlx_lm.utils import load, quantize_model
+
+    text = calibration_file(tmp_path)
+    body = {"model": "smol", "bits": 4, "method": "awq", "calibration": str(text), "calibration_samples": 8,
+            "calibration_length": 24}
+    submitted = sup.client.post("/lab/quantize", json=body)
+    assert submitted.status_code == 202, submitted.text
+    job = finished(sup, submitted.json()["id"], timeout=900)
+    assert job["state"] == "succeeded", job
+    made = job["result"]
+    assert made["name"] == "smol-awq-4bit" and made["details"]["method"] == "awq"
+    quantization = json.loads((Path(made["path"]) / "config.json").read_text())["quantization"]
+    assert quantization["model.layers.0.mlp.down_proj"] == {"group_size": 64, "bits": 4}
+    # Nearer the full model than every layer rounded to nearest at the same bits, on text like
+    # the calibration's (rows it was not calibrated on).
+    full, tokenizer, config = load(str(smollm2), return_config=True)
+    rounded, _ = quantize_model(copy.deepcopy(full), config, group_size=64, bits=4)
+    awq, _ = load(made["path"])
+    tokens = mx.array([tokenizer.encode(f"The tide at harbour {i} rose {i % 7} feet before noon.")[:14]
+                       for i in (501, 777)])
+    assert mean_kl(awq, full, tokens) < mean_kl(rounded, full, tokens)
+    answer = sup.openai(KEY).chat.completions.create(model="smol-awq-4bit", messages=[{"role": "user", "content": "Hi"}],
+                                                     max_tokens=6, temperature=0)
+    assert answer.choices[0].message.content
+
+
+@pytest.mark.slow  # DWQ trains through quantized layers, whose matmuls are slow on MLX's CPU
+def test_dwq_trains_the_quantized_model_towards_the_full_one(sup: SupervisorProcess, data_dir: Path,
+                                                             tmp_path: Path) -> None:
+    cli = mlxd("quantize", "smol", "--method", "dwq", "--calibration", str(calibration_file(tmp_path)),
+               "--calibration-samples", "8", "--calibration-length", "24", "--learning-rate", "1e-5",
+               "--name", "smol-dwq", "--json", "--url", sup.url, env=cli_env(MLXD_API_KEY=KEY))
+    assert cli.returncode == 0, cli.stderr
+    job = finished(sup, json.loads(cli.stdout)["id"], timeout=900)
+    assert job["state"] == "succeeded", job
+    details = job["result"]["details"]
+    assert details["method"] == "dwq" and details["learning_rate"] == 1e-5
+    assert details["kl_after"] < details["kl_before"]  # measured on 4 held-out rows
+    events = [json.loads(line) for line in (data_dir / "jobs" / job["id"] / "events.jsonl").read_text().splitlines()]
+    steps = [e for e in events if e.get("stage") == "training"]
+    assert steps[0]["total"] == 2 and steps[-1]["step"] == 2 and steps[-1]["val_loss"] == details["kl_after"]
+    answer = sup.openai(KEY).chat.completions.create(model="smol-dwq", messages=[{"role": "user", "content": "Hi"}],
+                                                     max_tokens=6, temperature=0)
     assert answer.choices[0].message.content

@@ -138,18 +138,27 @@ def finetune(model: str, dataset: Path, name: str, iters: int, batch_size: int, 
               help="dynamic quantization: measure each layer's sensitivity, reach this many bits per weight")
 @click.option("--high-bits", type=click.Choice(["3", "4", "5", "6", "8"]),
               help="with --target-bpw: the sensitive layers' bits (default: --bits + 1)")
-@click.option("--gptq", is_flag=True, help="GPTQ: round each layer to undo the error its calibration inputs see")
-@click.option("--calibration", help="calibration text for --target-bpw / --gptq: a dataset, dir or file "
+@click.option("--method", type=click.Choice(["convert", "dynamic", "gptq", "awq", "dwq"]),
+              help="convert (round to nearest; the default), dynamic (with --target-bpw), gptq, awq or dwq: "
+                   "see docs/lab.md")
+@click.option("--gptq", is_flag=True, help="the same as --method gptq")
+@click.option("--calibration", help="calibration text for the methods that read it: a dataset, dir or file "
               "(default: mlx-lm's own, downloaded once)")
+@click.option("--calibration-samples", type=click.IntRange(1, 4096), help="samples drawn from it (default 128)")
+@click.option("--calibration-length", type=click.IntRange(16, 8192), help="tokens a sample (default 512)")
+@click.option("--learning-rate", type=click.FloatRange(0, 1, min_open=True),
+              help="dwq: the scales' learning rate (default mlx-lm's, 1e-6)")
 @click.option("--name", help="the new model's name (default: MODEL-Nbit)")
 @click.option("--wait", is_flag=True, help="follow the job until it ends; exit non-zero if it fails")
 @json_option
 @daemon_options
 def quantize(model: str, bits: str, group_size: str, recipe: str | None, target_bpw: float | None,
-             high_bits: str | None, gptq: bool, calibration: str | None, name: str | None, wait: bool, as_json: bool,
-             url: str | None, config_file: Path | None, data_dir: Path | None) -> None:
+             high_bits: str | None, method: str | None, gptq: bool, calibration: str | None,
+             calibration_samples: int | None, calibration_length: int | None, learning_rate: float | None,
+             name: str | None, wait: bool, as_json: bool, url: str | None, config_file: Path | None,
+             data_dir: Path | None) -> None:
     """Quantize MODEL into a new model in the models dir (mlx_lm.convert, or mlx-lm's dynamic
-    quantization to a target bits per weight, or its GPTQ)."""
+    quantization to a target bits per weight, GPTQ, AWQ or DWQ)."""
     client = make_client(url, config_file, data_dir)
     body: dict[str, Any] = {"model": model, "bits": int(bits), "group_size": int(group_size)}
     if recipe:
@@ -158,8 +167,14 @@ def quantize(model: str, bits: str, group_size: str, recipe: str | None, target_
         body["target_bpw"] = target_bpw
     if high_bits:
         body["high_bits"] = int(high_bits)
-    if gptq:
-        body["method"] = "gptq"
+    if gptq and method not in (None, "gptq"):
+        raise click.UsageError(f"--gptq and --method {method} say two methods")
+    if gptq or method:
+        body["method"] = method or "gptq"
+    for key, value in (("calibration_samples", calibration_samples), ("calibration_length", calibration_length),
+                       ("learning_rate", learning_rate)):
+        if value is not None:
+            body[key] = value
     if calibration:
         body["calibration"] = str(Path(calibration).expanduser().resolve()) if Path(calibration).expanduser().exists() \
             else calibration

@@ -20,6 +20,8 @@ from aiohttp import web
 from mlxd.protocol.datasets import DatasetError, check_dir
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.jobs import (
+    AWQ_MODEL_TYPES,
+    CALIBRATED_METHODS,
     FINISHED,
     FinetuneRequest,
     FuseRequest,
@@ -108,7 +110,7 @@ async def quantize(request: web.Request, raw: bytes | None = None) -> web.Respon
     calibration = _check_method(request, entry, req)
     models_dir = request.app[REGISTRY].models_dir
     method = req.how()
-    how = f"{req.target_bpw:g}bpw" if method == "dynamic" else f"gptq-{req.bits}bit" if method == "gptq" \
+    how = f"{req.target_bpw:g}bpw" if method == "dynamic" else f"{method}-{req.bits}bit" if method in CALIBRATED_METHODS \
         else req.recipe or f"{req.bits}bit"
     name = req.name or f"{entry.id.rpartition('/')[2]}-{how}"
     out = free_path(models_dir / name, "Model")
@@ -128,6 +130,18 @@ def _check_method(request: web.Request, entry: ModelEntry, req: QuantizeRequest)
         raise APIError(400, f"`target_bpw` is for dynamic quantization, not {method}.", param="target_bpw")
     if method != "convert" and req.recipe is not None:
         raise APIError(400, f"`recipe` is for convert, not {method} quantization.", param="recipe")
+    if method != "dwq" and req.learning_rate is not None:
+        raise APIError(400, f"`learning_rate` is for DWQ, not {method} quantization.", param="learning_rate")
+    if method == "dwq" and req.bits == 8:
+        raise APIError(400, "DWQ trains the scales of layers below 8 bits; at 8 bits it has nothing to learn "
+                       "(quantize to 8 bits with the default method).", param="bits")
+    if method == "awq":
+        config = _read_json(entry.path / "config.json")
+        model_type = config.get("model_type") if isinstance(config, dict) else None
+        if model_type not in AWQ_MODEL_TYPES:
+            raise APIError(400, f"AWQ does not know {entry.id}'s model type ({model_type or 'none given'}); it takes "
+                           f"{', '.join(AWQ_MODEL_TYPES)}. GPTQ or dynamic quantization take any model.",
+                           param="method", code="method_unsupported")
     if method == "dynamic":
         assert req.target_bpw is not None
         high = req.high_bits or min(8, req.bits + 1)
@@ -141,7 +155,8 @@ def _check_method(request: web.Request, entry: ModelEntry, req: QuantizeRequest)
     if req.calibration is None:
         return None
     if method == "convert":
-        raise APIError(400, "`calibration` is read by dynamic and gptq quantization only.", param="calibration")
+        raise APIError(400, f"`calibration` is read by {', '.join(CALIBRATED_METHODS)} quantization only.",
+                       param="calibration")
     path = dataset_dir(request, req.calibration)
     if not path.exists():
         raise APIError(400, f"Calibration {req.calibration[:200]!r} is neither a dataset nor a file or dir.",
