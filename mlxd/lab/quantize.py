@@ -104,6 +104,8 @@ def _calibrated(job: WorkerJob, req: QuantizeRequest, method: str, staged: Path,
 
         emit(Progress(stage="quantizing", message=f"GPTQ to {req.bits} bits, group size {gs}"))
         model, config["quantization"] = gptq_quantize(model, data, req.bits, gs, 6, 64)
+    elif req.candidate_bits:
+        model, config, learned = _several_widths(model, config, data, req, emit)
     else:
         from mlx_lm.quant.dynamic_quant import estimate_sensitivities, estimate_threshold
 
@@ -122,6 +124,50 @@ def _calibrated(job: WorkerJob, req: QuantizeRequest, method: str, staged: Path,
         model, config = quantize_model(model, config, group_size=gs, bits=req.bits, quant_predicate=predicate)
     save(staged, str(job.model_path), model, tokenizer, config)
     return learned
+
+
+def _several_widths(model: Any, config: dict[str, Any], data: Any, req: QuantizeRequest,
+                    emit: Emit) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """Dynamic quantization over `req.candidate_bits` (lab/mixed_bits.py): each layer's
+    sensitivity at every width below the highest, then the widths shared out for the target."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.quant.dynamic_quant import estimate_sensitivities
+    from mlx_lm.utils import quantize_model
+
+    from mlxd.lab.mixed_bits import allocate, layer_bits
+
+    assert req.candidate_bits is not None and req.target_bpw is not None
+    levels, gs = sorted(req.candidate_bits), req.group_size
+    loss: dict[int, dict[str, float]] = {}
+    for i, bits in enumerate(levels[:-1]):
+        emit(Progress(stage="measuring", step=i, total=len(levels) - 1,
+                      message=f"each layer's sensitivity, {bits} vs {levels[-1]} bits"))
+        loss[bits] = dict(estimate_sensitivities(model, data, bits, gs, levels[-1], gs))
+    layers: Any = tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)
+    quantizable = {path: m for path, m in layers if hasattr(m, "to_quantized") and m.weight.shape[-1] % gs == 0}
+    sizes = {path: int(m.weight.size) for path, m in quantizable.items()}
+    # The sensitivities are per million weights (mlx-lm's); the knapsack weighs a layer's whole loss.
+    loss = {bits: {p: v * sizes[p] / 1e6 for p, v in per.items() if p in sizes} for bits, per in loss.items()}
+    params: Any = tree_flatten(model.parameters())
+    dtype_bits = next(v.dtype.size for _, v in params) * 8
+    total_weights = sum(v.size for _, v in params)
+    fixed = sum(v.size * v.dtype.size * 8 for k, v in params if not (k.endswith(".weight") and k[:-7] in sizes))
+    overhead = 2 * dtype_bits / gs  # an affine group's scale and bias
+    chosen = allocate(sizes, levels, loss, req.target_bpw * total_weights - fixed, overhead)
+    spent = sum(layer_bits(sizes[p], b, overhead) for p, b in chosen.items())
+    counts = {str(b): sum(1 for v in chosen.values() if v == b) for b in levels}
+    emit(Progress(stage="quantizing", message=f"to {req.target_bpw} bits per weight: layers at "
+                  + ", ".join(f"{b} bits: {n}" for b, n in counts.items())
+                  + f" (estimated {(spent + fixed) / total_weights:.2f} bits per weight)"))
+
+    def predicate(path: str, module: Any) -> bool | dict[str, int]:
+        if path not in chosen:
+            return False
+        return {"bits": chosen[path], "group_size": gs}
+
+    model, config = quantize_model(model, config, group_size=gs, bits=levels[0], quant_predicate=predicate)
+    return model, config, {"candidate_bits": levels, "layers_by_bits": counts}
 
 
 def _dwq(teacher: Any, config: dict[str, Any], data: Any, held_out: int, req: QuantizeRequest,

@@ -70,6 +70,8 @@ class QuantizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     method: Literal["convert", "dynamic", "gptq", "awq", "dwq"] | None = None  # default: dynamic with target_bpw, else convert
     target_bpw: Annotated[float, Meta(ge=1.5, le=16)] | None = None
     high_bits: Literal[3, 4, 5, 6, 8] | None = None  # dynamic: the sensitive layers' bits (default bits+1)
+    # dynamic over several widths instead of bits and high_bits (lab/mixed_bits.py)
+    candidate_bits: Annotated[list[Literal[2, 3, 4, 5, 6, 8]], Meta(min_length=2, max_length=6)] | None = None
     calibration: Annotated[str, Meta(min_length=1, max_length=4096)] | None = None
     calibration_samples: Annotated[int, Meta(ge=1, le=4096)] = 128
     calibration_length: Annotated[int, Meta(ge=16, le=8192)] = 512

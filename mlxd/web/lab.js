@@ -15,7 +15,8 @@ const $ = (id) => document.getElementById(id);
 // Each form: its route, and its fields' values (formBody) made into the route's body.
 const FORMS = {
   "ft-form": ["/lab/finetune", "fine-tune", (b) => b],
-  "qz-form": ["/lab/quantize", "quantization", (b) => b],
+  "qz-form": ["/lab/quantize", "quantization", (b) => (b.candidate_bits
+    ? { ...b, candidate_bits: String(b.candidate_bits).split(",").map((w) => Number(w.trim())) } : b)],
   "ds-form": ["/lab/dataset", "dataset", (b) => ({ inputs: {}, ...b })],
   "fu-form": ["/lab/fuse", "fuse", (b) => b],
   "mg-form": ["/lab/merge", "merge", (b) => ({

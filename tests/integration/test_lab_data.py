@@ -127,6 +127,17 @@ def test_bad_lab_requests_are_400s_naming_the_problem(sup: SupervisorProcess, sm
     refused("/lab/quantize", {"model": "smol", "target_bpw": 4.5, "recipe": "mixed_3_6"}, "recipe")
     refused("/lab/quantize", {"model": "smol", "calibration": "x"}, "calibration")
     refused("/lab/quantize", {"model": "smol", "method": "gptq", "calibration": str(tmp_path / "none")}, "calibration")
+    refused("/lab/quantize", {"model": "smol", "method": "gptq", "candidate_bits": [3, 4]}, "candidate_bits")
+    refused("/lab/quantize", {"model": "smol", "target_bpw": 4.5, "candidate_bits": [4, 4, 6]}, "candidate_bits")
+    refused("/lab/quantize", {"model": "smol", "target_bpw": 4.5, "candidate_bits": [3, 6], "high_bits": 8}, "high_bits")
+    refused("/lab/quantize", {"model": "smol", "target_bpw": 4.5, "candidate_bits": [7, 8]}, "candidate_bits[0]")
+    assert "out of reach" in refused("/lab/quantize", {"model": "smol", "target_bpw": 6.5, "candidate_bits": [3, 4]},
+                                     "target_bpw")["message"]
+    assert "reference" in refused("/api/quantize/submit", {"model_id": "smol", "target_bpw": 4.5,
+                                                           "reference": "x"})["message"]
+    listed = mlxd("quantize", "smol", "--target-bpw", "4.5", "--candidate-bits", "3,x", "--url", sup.url,
+                  env=cli_env(MLXD_API_KEY=KEY))
+    assert listed.returncode == 2 and "comma-separated" in listed.stderr
     two = mlxd("quantize", "smol", "--gptq", "--method", "awq", "--url", sup.url, env=cli_env(MLXD_API_KEY=KEY))
     assert two.returncode == 2 and "two methods" in two.stderr
     assert "below 8 bits" in refused("/lab/quantize", {"model": "smol", "method": "dwq", "bits": 8}, "bits")["message"]
@@ -203,6 +214,31 @@ def test_dynamic_quantization_reaches_its_target_and_is_served(sup: SupervisorPr
     assert per_layer == {5}, config  # the sensitive layers named, at the high bits
     answer = sup.openai(KEY).chat.completions.create(model=f"smol-{target:g}bpw", messages=[{"role": "user", "content": "Hi"}],
                                                      max_tokens=8, temperature=0)
+    assert answer.choices[0].message.content
+
+
+@pytest.mark.slow  # a sensitivity pass a width below the highest, on the CPU (about a minute)
+def test_several_candidate_widths_are_shared_out_to_the_target(sup: SupervisorProcess, tmp_path: Path) -> None:
+    estimates = {e["bits"]: e["bits_per_weight"] for e in
+                 sup.client.post("/lab/quantize/inspect", json={"model": "smol"}).json()["estimates"]}
+    target = round((estimates[4] + estimates[6]) / 2, 2)
+    # The reference's request on its path: model_id, n_calibration, candidate_bits, target_bpw.
+    body = {"model_id": "smol", "target_bpw": target, "candidate_bits": [3, 4, 6], "n_calibration": 8,
+            "calibration": str(calibration_file(tmp_path)), "calibration_length": 32}
+    submitted = sup.client.post("/api/quantize/submit", json=body)
+    assert submitted.status_code == 202, submitted.text
+    job = finished(sup, submitted.json()["id"], timeout=600)
+    assert job["state"] == "succeeded", job
+    details = job["result"]["details"]
+    assert target - 0.05 < details["bits_per_weight"] <= target + 0.005, (target, details)
+    config = json.loads((Path(job["result"]["path"]) / "config.json").read_text())["quantization"]
+    widths = [v["bits"] for v in config.values() if isinstance(v, dict)]
+    assert set(widths) <= {3, 4, 6} and len(set(widths)) >= 2, config  # a mix, of the candidates only
+    assert {int(k): n for k, n in details["layers_by_bits"].items() if n} == \
+        {b: widths.count(b) for b in set(widths)}
+    answer = sup.openai(KEY).chat.completions.create(model=job["result"]["name"],
+                                                     messages=[{"role": "user", "content": "Hi"}],
+                                                     max_tokens=6, temperature=0)
     assert answer.choices[0].message.content
 
 

@@ -96,12 +96,22 @@ def test_a_merge_submitted_from_the_lab_succeeds_and_a_taken_name_is_refused(
         error = page.locator("#mg-form .form-error")
         error.wait_for()
         assert "exists already" in error.inner_text() and page.locator("#mg-name[aria-invalid=true]").count() == 1
+        # Widths to share out go as a list: the server reads the lowest and highest of them.
+        page.click("#view-lab summary:text('Quantize a model')")
+        page.wait_for_selector("#qz-model option[value=tiny]", state="attached")
+        page.fill("#qz-bpw", "15")
+        page.fill("#qz-widths", "3, 4")
+        page.click("#qz-form button[type=submit]")
+        error = page.locator("#qz-form .form-error")
+        error.wait_for()
+        assert "out of reach" in error.inner_text() and "at 3 bits" in error.inner_text() \
+            and "at 4 bits" in error.inner_text(), error.inner_text()
         for summary in page.locator("#view-lab summary").all():
             summary.click()  # every form open: none may widen a phone's screen
         assert page.evaluate(OVERFLOW) == [0, 0]
     finally:
         context.close()
-    # The one failure expected: the taken name's 400 (its answer, and the browser's console line).
+    # The failures expected: the taken name's and the target's 400s (each answer, and the browser's console line).
     expected = [p for p in problems if "400: POST" in p or ("status of 400" in p and p.startswith("console:"))]
     assert [p for p in problems if p not in expected] == []
 

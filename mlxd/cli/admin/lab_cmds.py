@@ -138,6 +138,8 @@ def finetune(model: str, dataset: Path, name: str, iters: int, batch_size: int, 
               help="dynamic quantization: measure each layer's sensitivity, reach this many bits per weight")
 @click.option("--high-bits", type=click.Choice(["3", "4", "5", "6", "8"]),
               help="with --target-bpw: the sensitive layers' bits (default: --bits + 1)")
+@click.option("--candidate-bits", help="with --target-bpw: the widths to share out, e.g. 3,4,6 (instead of --bits "
+              "and --high-bits)")
 @click.option("--method", type=click.Choice(["convert", "dynamic", "gptq", "awq", "dwq"]),
               help="convert (round to nearest; the default), dynamic (with --target-bpw), gptq, awq or dwq: "
                    "see docs/lab.md")
@@ -153,7 +155,7 @@ def finetune(model: str, dataset: Path, name: str, iters: int, batch_size: int, 
 @json_option
 @daemon_options
 def quantize(model: str, bits: str, group_size: str, recipe: str | None, target_bpw: float | None,
-             high_bits: str | None, method: str | None, gptq: bool, calibration: str | None,
+             high_bits: str | None, candidate_bits: str | None, method: str | None, gptq: bool, calibration: str | None,
              calibration_samples: int | None, calibration_length: int | None, learning_rate: float | None,
              name: str | None, wait: bool, as_json: bool, url: str | None, config_file: Path | None,
              data_dir: Path | None) -> None:
@@ -167,6 +169,11 @@ def quantize(model: str, bits: str, group_size: str, recipe: str | None, target_
         body["target_bpw"] = target_bpw
     if high_bits:
         body["high_bits"] = int(high_bits)
+    if candidate_bits:
+        try:
+            body["candidate_bits"] = [int(b) for b in candidate_bits.split(",")]
+        except ValueError:
+            raise click.BadParameter("a comma-separated list of widths, e.g. 3,4,6", param_hint="--candidate-bits") from None
     if gptq and method not in (None, "gptq"):
         raise click.UsageError(f"--gptq and --method {method} say two methods")
     if gptq or method:

@@ -142,14 +142,24 @@ def _check_method(request: web.Request, entry: ModelEntry, req: QuantizeRequest)
             raise APIError(400, f"AWQ does not know {entry.id}'s model type ({model_type or 'none given'}); it takes "
                            f"{', '.join(AWQ_MODEL_TYPES)}. GPTQ or dynamic quantization take any model.",
                            param="method", code="method_unsupported")
+    if req.candidate_bits is not None:
+        if method != "dynamic":
+            raise APIError(400, f"`candidate_bits` is for dynamic quantization (with `target_bpw`), not {method}.",
+                           param="candidate_bits")
+        if len(set(req.candidate_bits)) != len(req.candidate_bits):
+            raise APIError(400, "`candidate_bits` names a width twice.", param="candidate_bits")
+        if req.high_bits is not None:
+            raise APIError(400, "`high_bits` and `candidate_bits` both say which widths to use; give one.",
+                           param="high_bits")
     if method == "dynamic":
         assert req.target_bpw is not None
-        high = req.high_bits or min(8, req.bits + 1)
-        if high <= req.bits:
-            raise APIError(400, f"`high_bits` ({high}) must be more than `bits` ({req.bits}).", param="high_bits")
-        low_bpw, high_bpw = _bpw_range(entry, req.bits, high, req.group_size)
+        low = min(req.candidate_bits) if req.candidate_bits else req.bits
+        high = max(req.candidate_bits) if req.candidate_bits else req.high_bits or min(8, req.bits + 1)
+        if high <= low:
+            raise APIError(400, f"`high_bits` ({high}) must be more than `bits` ({low}).", param="high_bits")
+        low_bpw, high_bpw = _bpw_range(entry, low, high, req.group_size)
         if not low_bpw < req.target_bpw < high_bpw:
-            raise APIError(400, f"`target_bpw` {req.target_bpw:g} is out of reach: {entry.id} at {req.bits} bits is "
+            raise APIError(400, f"`target_bpw` {req.target_bpw:g} is out of reach: {entry.id} at {low} bits is "
                            f"{low_bpw:.2f} bits per weight, at {high} bits {high_bpw:.2f} (scales and biases "
                            "included).", param="target_bpw")
     if req.calibration is None:
