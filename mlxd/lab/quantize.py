@@ -24,7 +24,10 @@ mlx-lm's own calibration file (which mlx-lm downloads once into ~/.cache/mlx-lm)
 
 from __future__ import annotations
 
+import contextlib
 import json
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +91,7 @@ def _calibrated(job: WorkerJob, req: QuantizeRequest, method: str, staged: Path,
     if method == "dwq":
         model, config, learned = _dwq(model, config, data, held_out, req, emit)
     elif method == "awq":
+        from mlx_lm.quant import awq
         from mlx_lm.quant.awq import AWQ_MODEL_CONFIGS, awq_quantize, update_config
 
         awq_config = AWQ_MODEL_CONFIGS.get(str(config.get("model_type")))
@@ -96,23 +100,28 @@ def _calibrated(job: WorkerJob, req: QuantizeRequest, method: str, staged: Path,
         embed_bits = max(4, req.bits)
         emit(Progress(stage="quantizing", message=f"AWQ to {req.bits} bits, group size {gs}, block by block "
                                                   f"(embeddings and output head at {embed_bits} bits)"))
-        awq_quantize(model, data, awq_config, group_size=gs, bits=req.bits, embed_group_size=min(32, gs),
-                     embed_bits=embed_bits)
+        with progress_bars(emit, "quantizing", awq):  # a step a block
+            awq_quantize(model, data, awq_config, group_size=gs, bits=req.bits, embed_group_size=min(32, gs),
+                         embed_bits=embed_bits)
         config = update_config(model, config)
     elif method == "gptq":
+        from mlx_lm.quant import gptq
         from mlx_lm.quant.gptq import gptq_quantize
 
         emit(Progress(stage="quantizing", message=f"GPTQ to {req.bits} bits, group size {gs}"))
-        model, config["quantization"] = gptq_quantize(model, data, req.bits, gs, 6, 64)
+        with progress_bars(emit, "quantizing", gptq):  # the Hessians' batches, then a step a layer
+            model, config["quantization"] = gptq_quantize(model, data, req.bits, gs, 6, 64)
     elif req.candidate_bits:
         model, config, learned = _several_widths(model, config, data, req, emit)
     else:
+        from mlx_lm.quant import dynamic_quant
         from mlx_lm.quant.dynamic_quant import estimate_sensitivities, estimate_threshold
 
         high = req.high_bits or min(8, req.bits + 1)
         assert req.target_bpw is not None
         emit(Progress(stage="measuring", message=f"each layer's sensitivity, {req.bits} vs {high} bits"))
-        sensitivities = dict(estimate_sensitivities(model, data, req.bits, gs, high, gs))
+        with progress_bars(emit, "measuring", dynamic_quant):  # a step a batch of 4 samples
+            sensitivities = dict(estimate_sensitivities(model, data, req.bits, gs, high, gs))
         threshold = estimate_threshold(model, sensitivities, req.target_bpw, req.bits, gs, high, gs)
 
         def predicate(path: str, module: Any) -> bool | dict[str, int]:
@@ -132,6 +141,7 @@ def _several_widths(model: Any, config: dict[str, Any], data: Any, req: Quantize
     sensitivity at every width below the highest, then the widths shared out for the target."""
     import mlx.nn as nn
     from mlx.utils import tree_flatten
+    from mlx_lm.quant import dynamic_quant
     from mlx_lm.quant.dynamic_quant import estimate_sensitivities
     from mlx_lm.utils import quantize_model
 
@@ -143,7 +153,8 @@ def _several_widths(model: Any, config: dict[str, Any], data: Any, req: Quantize
     for i, bits in enumerate(levels[:-1]):
         emit(Progress(stage="measuring", step=i, total=len(levels) - 1,
                       message=f"each layer's sensitivity, {bits} vs {levels[-1]} bits"))
-        loss[bits] = dict(estimate_sensitivities(model, data, bits, gs, levels[-1], gs))
+        with progress_bars(emit, "measuring", dynamic_quant):
+            loss[bits] = dict(estimate_sensitivities(model, data, bits, gs, levels[-1], gs))
     layers: Any = tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)
     quantizable = {path: m for path, m in layers if hasattr(m, "to_quantized") and m.weight.shape[-1] % gs == 0}
     sizes = {path: int(m.weight.size) for path, m in quantizable.items()}
@@ -228,6 +239,32 @@ def _distance(student: Any, teacher: Any, rows: list[tuple[list[int], int]]) -> 
         losses = kl_div_loss(student(tokens).astype(mx.float32), teacher(tokens).astype(mx.float32))
         total += float(losses.sum().item())
     return total / (len(rows) * (len(rows[0][0]) - 1))
+
+
+@contextlib.contextmanager
+def progress_bars(emit: Emit, stage: str, *modules: Any) -> Iterator[None]:
+    """While it lasts, the progress bars of mlx-lm's quantizers in `modules` (their `tqdm`)
+    also emit the job's progress: one event per item done, with its step, total and ETA."""
+    from tqdm import tqdm
+
+    class Emitting(tqdm):
+        def __iter__(self) -> Iterator[Any]:
+            start = time.monotonic()
+            for done, item in enumerate(super().__iter__(), start=1):
+                yield item
+                total = self.total if isinstance(self.total, int) else None
+                eta = (time.monotonic() - start) / done * (total - done) if total else None
+                emit(Progress(stage=stage, step=done, total=total, message=self.desc or None,
+                              eta_s=round(eta, 1) if eta is not None else None))
+
+    saved = [(m, m.tqdm) for m in modules]
+    for m in modules:
+        m.tqdm = Emitting
+    try:
+        yield
+    finally:
+        for m, original in saved:
+            m.tqdm = original
 
 
 def calibration(source: str | None, tokenizer: Any, samples: int, length: int) -> Any:

@@ -52,6 +52,21 @@ def finished(sup: SupervisorProcess, job_id: str, timeout: float = 240) -> dict[
     return wait_for(done, timeout, interval=0.2)
 
 
+def quantized(sup: SupervisorProcess, body: dict[str, Any], path: str = "/lab/quantize") -> dict[str, Any]:
+    """The quantize job `body` queued at `path`, once it succeeded."""
+    submitted = sup.client.post(path, json=body)
+    assert submitted.status_code == 202, submitted.text
+    job = finished(sup, submitted.json()["id"], timeout=900)
+    assert job["state"] == "succeeded", job
+    return job
+
+
+def assert_served(sup: SupervisorProcess, model: str) -> None:
+    answer = sup.openai(KEY).chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                                     max_tokens=6, temperature=0)
+    assert answer.choices[0].message.content
+
+
 def rows_of(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -212,9 +227,7 @@ def test_dynamic_quantization_reaches_its_target_and_is_served(sup: SupervisorPr
     config = json.loads((Path(job["result"]["path"]) / "config.json").read_text())["quantization"]
     per_layer = {v["bits"] for v in config.values() if isinstance(v, dict)}
     assert per_layer == {5}, config  # the sensitive layers named, at the high bits
-    answer = sup.openai(KEY).chat.completions.create(model=f"smol-{target:g}bpw", messages=[{"role": "user", "content": "Hi"}],
-                                                     max_tokens=8, temperature=0)
-    assert answer.choices[0].message.content
+    assert_served(sup, f"smol-{target:g}bpw")
 
 
 @pytest.mark.slow  # a sensitivity pass a width below the highest, on the CPU (about a minute)
@@ -225,10 +238,7 @@ def test_several_candidate_widths_are_shared_out_to_the_target(sup: SupervisorPr
     # The reference's request on its path: model_id, n_calibration, candidate_bits, target_bpw.
     body = {"model_id": "smol", "target_bpw": target, "candidate_bits": [3, 4, 6], "n_calibration": 8,
             "calibration": str(calibration_file(tmp_path)), "calibration_length": 32}
-    submitted = sup.client.post("/api/quantize/submit", json=body)
-    assert submitted.status_code == 202, submitted.text
-    job = finished(sup, submitted.json()["id"], timeout=600)
-    assert job["state"] == "succeeded", job
+    job = quantized(sup, body, "/api/quantize/submit")
     details = job["result"]["details"]
     assert target - 0.05 < details["bits_per_weight"] <= target + 0.005, (target, details)
     config = json.loads((Path(job["result"]["path"]) / "config.json").read_text())["quantization"]
@@ -236,10 +246,7 @@ def test_several_candidate_widths_are_shared_out_to_the_target(sup: SupervisorPr
     assert set(widths) <= {3, 4, 6} and len(set(widths)) >= 2, config  # a mix, of the candidates only
     assert {int(k): n for k, n in details["layers_by_bits"].items() if n} == \
         {b: widths.count(b) for b in set(widths)}
-    answer = sup.openai(KEY).chat.completions.create(model=job["result"]["name"],
-                                                     messages=[{"role": "user", "content": "Hi"}],
-                                                     max_tokens=6, temperature=0)
-    assert answer.choices[0].message.content
+    assert_served(sup, job["result"]["name"])
 
 
 def test_the_token_is_kept_private_and_a_push_reaches_the_hub(
@@ -302,16 +309,11 @@ def test_gptq_quantization_is_made_from_calibration_text_and_served(sup: Supervi
                             for i in range(120)))
     body = {"model": "smol", "bits": 4, "method": "gptq", "calibration": str(text), "calibration_samples": 4,
             "calibration_length": 64}
-    submitted = sup.client.post("/lab/quantize", json=body)
-    assert submitted.status_code == 202, submitted.text
-    job = finished(sup, submitted.json()["id"], timeout=600)
-    assert job["state"] == "succeeded", job
+    job = quantized(sup, body)
     assert job["result"]["name"] == "smol-gptq-4bit" and job["result"]["details"]["method"] == "gptq"
     events = (data_dir / "jobs" / job["id"] / "events.jsonl").read_text()
     assert "4 calibration samples of 64 tokens" in events  # drawn from the file's rows
-    answer = sup.openai(KEY).chat.completions.create(model="smol-gptq-4bit", messages=[{"role": "user", "content": "Hi"}],
-                                                     max_tokens=8, temperature=0)
-    assert answer.choices[0].message.content
+    assert_served(sup, "smol-gptq-4bit")
 
 
 def calibration_file(tmp_path: Path) -> Path:
@@ -340,12 +342,12 @@ def test_awq_quantization_brings_the_model_nearer_the_full_one_than_rounding(
     text = calibration_file(tmp_path)
     body = {"model": "smol", "bits": 4, "method": "awq", "calibration": str(text), "calibration_samples": 8,
             "calibration_length": 24}
-    submitted = sup.client.post("/lab/quantize", json=body)
-    assert submitted.status_code == 202, submitted.text
-    job = finished(sup, submitted.json()["id"], timeout=900)
-    assert job["state"] == "succeeded", job
+    job = quantized(sup, body)
     made = job["result"]
     assert made["name"] == "smol-awq-4bit" and made["details"]["method"] == "awq"
+    events = [json.loads(line) for line in (data_dir / "jobs" / job["id"] / "events.jsonl").read_text().splitlines()]
+    blocks = [(e["step"], e["total"]) for e in events if e.get("stage") == "quantizing" and "step" in e]
+    assert blocks == [(i, 30) for i in range(1, 31)]  # a step a block of SmolLM2's 30
     quantization = json.loads((Path(made["path"]) / "config.json").read_text())["quantization"]
     assert quantization["model.layers.0.mlp.down_proj"] == {"group_size": 64, "bits": 4}
     # Nearer the full model than every layer rounded to nearest at the same bits, on text like
@@ -356,9 +358,7 @@ def test_awq_quantization_brings_the_model_nearer_the_full_one_than_rounding(
     tokens = mx.array([tokenizer.encode(f"The tide at harbour {i} rose {i % 7} feet before noon.")[:14]
                        for i in (501, 777)])
     assert mean_kl(awq, full, tokens) < mean_kl(rounded, full, tokens)
-    answer = sup.openai(KEY).chat.completions.create(model="smol-awq-4bit", messages=[{"role": "user", "content": "Hi"}],
-                                                     max_tokens=6, temperature=0)
-    assert answer.choices[0].message.content
+    assert_served(sup, "smol-awq-4bit")
 
 
 @pytest.mark.slow  # DWQ trains through quantized layers, whose matmuls are slow on MLX's CPU
@@ -376,6 +376,4 @@ def test_dwq_trains_the_quantized_model_towards_the_full_one(sup: SupervisorProc
     events = [json.loads(line) for line in (data_dir / "jobs" / job["id"] / "events.jsonl").read_text().splitlines()]
     steps = [e for e in events if e.get("stage") == "training"]
     assert steps[0]["total"] == 2 and steps[-1]["step"] == 2 and steps[-1]["val_loss"] == details["kl_after"]
-    answer = sup.openai(KEY).chat.completions.create(model="smol-dwq", messages=[{"role": "user", "content": "Hi"}],
-                                                     max_tokens=6, temperature=0)
-    assert answer.choices[0].message.content
+    assert_served(sup, "smol-dwq")

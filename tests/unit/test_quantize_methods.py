@@ -38,3 +38,27 @@ def test_a_request_resolves_to_its_method(body: dict[str, object], method: str) 
 def test_an_unknown_method_is_refused_by_the_request_type() -> None:
     with pytest.raises(msgspec.ValidationError, match="method"):
         msgspec.convert({"model": "m", "method": "hqq"}, QuantizeRequest)
+
+
+def test_the_quantizers_progress_bars_emit_the_jobs_progress() -> None:
+    """mlx-lm's quantizers loop over `tqdm(...)` of their module: while progress_bars lasts,
+    each item done is a progress event (tqdm.write still works); after it, the module's own."""
+    import types
+
+    from tqdm import tqdm
+
+    from mlxd.lab.quantize import progress_bars
+    from mlxd.protocol.jobs import Progress
+
+    module = types.SimpleNamespace(tqdm=tqdm)
+    events: list[Progress] = []
+    seen = []
+    with progress_bars(events.append, "quantizing", module):
+        for block in module.tqdm(["a", "b", "c"], desc="Blocks"):
+            seen.append((block, len(events)))  # its event comes once the loop's body is done
+            module.tqdm.write(f"done {block}")
+    assert seen == [("a", 0), ("b", 1), ("c", 2)]
+    assert [(e.stage, e.step, e.total, e.message) for e in events] == [
+        ("quantizing", 1, 3, "Blocks"), ("quantizing", 2, 3, "Blocks"), ("quantizing", 3, 3, "Blocks")]
+    assert events[-1].eta_s == 0 and all(e.eta_s is not None and e.eta_s >= 0 for e in events)
+    assert module.tqdm is tqdm
