@@ -150,9 +150,8 @@ def _several_widths(model: Any, config: dict[str, Any], data: Any, req: Quantize
     assert req.candidate_bits is not None and req.target_bpw is not None
     levels, gs = sorted(req.candidate_bits), req.group_size
     loss: dict[int, dict[str, float]] = {}
-    for i, bits in enumerate(levels[:-1]):
-        emit(Progress(stage="measuring", step=i, total=len(levels) - 1,
-                      message=f"each layer's sensitivity, {bits} vs {levels[-1]} bits"))
+    for bits in levels[:-1]:  # each pass's batches are its steps (progress_bars)
+        emit(Progress(stage="measuring", message=f"each layer's sensitivity, {bits} vs {levels[-1]} bits"))
         with progress_bars(emit, "measuring", dynamic_quant):
             loss[bits] = dict(estimate_sensitivities(model, data, bits, gs, levels[-1], gs))
     layers: Any = tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)
@@ -187,7 +186,6 @@ def _dwq(teacher: Any, config: dict[str, Any], data: Any, held_out: int, req: Qu
     `data`'s rows (the last `held_out` kept to measure it) to give the teacher's outputs. The
     student, its config, and the distance to the teacher before and after."""
     import copy
-    import time
 
     import mlx.core as mx
     import mlx.optimizers as optimizers
