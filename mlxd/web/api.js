@@ -96,15 +96,23 @@ export async function errorOf(resp) {
 }
 
 /**
- * fetch() with the key; on a 401 ask for a key once and retry. `quiet` calls (background
- * polls) do not ask again after the user cancelled the dialog.
+ * fetch() with the key; on a 401 ask for a key once and retry. A 401 to a call sent before
+ * a key was saved (a poll that was out while the dialog was answered) goes again with the
+ * new key instead of asking again. `quiet` calls (background polls) do not ask again after
+ * the user cancelled the dialog.
  */
 export async function api(path, { method = "GET", body, signal, quiet = false } = {}) {
-  for (let attempt = 0; ; attempt++) {
+  let asked = false;
+  for (;;) {
+    const sent = getKey();
     const resp = await fetch(path, {
       method, signal, headers: headersFor(body), body: body === undefined ? undefined : JSON.stringify(body),
     });
-    if (resp.status === 401 && attempt === 0 && !(quiet && declined) && await askKey(keyReason(path), isAdminPath(path))) continue;
+    if (resp.status === 401 && getKey() && getKey() !== sent) continue;
+    if (resp.status === 401 && !asked && !(quiet && declined)) {
+      asked = true;
+      if (await askKey(keyReason(path), isAdminPath(path))) continue;
+    }
     if (!resp.ok) throw await errorOf(resp);
     return resp;
   }

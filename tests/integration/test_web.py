@@ -250,6 +250,30 @@ def test_a_refused_action_shows_the_servers_message(sup: SupervisorProcess, watc
     assert [p for p in watched.problems if "409" not in p] == []
 
 
+# In the page: api() on /v1/models, whose first fetch saves `key` while it is out and answers 401
+# (the page's other calls pass through).
+RACED_401 = """async (key) => {
+  const { api } = await import("/ui/api.js");
+  const realFetch = window.fetch;
+  const sent = [];
+  window.fetch = async (path, init) => {
+    if (path !== "/v1/models?raced") return realFetch(path, init);  // the dashboard's own polls
+    sent.push(init.headers.Authorization || "");
+    if (sent.length > 1) return realFetch(path, init);
+    localStorage.setItem("mlxd.apiKey", key);
+    return new Response('{"error": {"message": "Missing or invalid API key"}}', { status: 401 });
+  };
+  const dialog = document.getElementById("key-dialog");
+  const late = new Promise((resolve) => setTimeout(() => resolve("no answer in 10 s"), 10000));
+  try {
+    const resp = await Promise.race([api("/v1/models?raced"), late]);
+    return { status: resp.status ?? resp, sent, open: dialog.open };
+  } finally {
+    window.fetch = realFetch;
+  }
+}"""
+
+
 def test_with_keys_the_page_asks_for_one_and_keeps_it(tiny_model: Path, tmp_path: Path, watched: Watched) -> None:
     config = f'[server]\napi_keys = ["{USER_KEY}"]\nadmin_keys = ["{ADMIN_KEY}"]\n\n[models.tiny]\npath = "{tiny_model}"\n'
     keyed = SupervisorProcess(config, tmp_path / "data").wait_up()
@@ -270,6 +294,11 @@ def test_with_keys_the_page_asks_for_one_and_keeps_it(tiny_model: Path, tmp_path
         page.click("#key-button")  # "Forget key"
         assert page.evaluate("localStorage.getItem('mlxd.apiKey')") is None
         assert page.inner_text("#key-button") == "Enter key"
+        # A call that was out while a key was saved (a dashboard poll as the dialog closed) gets
+        # its 401 after the fact: it goes again with the key instead of asking again. Before,
+        # it opened a second dialog, and the poll waiting on it stopped the dashboard's polling.
+        raced = page.evaluate(RACED_401, USER_KEY)
+        assert raced == {"status": 200, "sent": ["", f"Bearer {USER_KEY}"], "open": False}, raced
     finally:
         keyed.stop()
     # Only the first, keyless calls were refused.
