@@ -106,6 +106,14 @@ def test_a_merge_submitted_from_the_lab_succeeds_and_a_taken_name_is_refused(
         error.wait_for()
         assert "out of reach" in error.inner_text() and "at 3 bits" in error.inner_text() \
             and "at 4 bits" in error.inner_text(), error.inner_text()
+        # A learning rate is DWQ's: with GPTQ it is refused, and its field marked.
+        page.fill("#qz-bpw", "")
+        page.fill("#qz-widths", "")
+        page.select_option("#qz-method", "gptq")
+        page.fill("#qz-lr", "0.00001")
+        page.click("#qz-form button[type=submit]")
+        page.wait_for_selector("#qz-lr[aria-invalid=true]")
+        assert "is for DWQ" in page.inner_text("#qz-form .form-error")
         for summary in page.locator("#view-lab summary").all():
             summary.click()  # every form open: none may widen a phone's screen
         assert page.evaluate(OVERFLOW) == [0, 0]
