@@ -52,8 +52,8 @@ PLANS_KEPT = 16  # stacked weights kept for recent row mixes (each is one copy o
 # The layers after a group's first that read its input (mlx-lm's attention and MLP call them in
 # this order, on one x): their updates go in the first one's launch.
 SIBLINGS = {"q_proj": ("k_proj", "v_proj"), "gate_proj": ("up_proj",)}
-KERNEL_ENV = "MLXD_LORA_KERNEL"
-GROUP_ENV = "MLXD_LORA_GROUP"  # 0: mixed decode steps use MLX ops even on CUDA (to compare)
+KERNEL_ENV = "MLXD_LORA_KERNEL"  # 0: decode steps use MLX ops even on CUDA (to compare)
+GROUP_ENV = "MLXD_LORA_GROUP"  # 0: one kernel launch a layer, siblings not grouped (to compare)
 MERGE_AFTER_PASSES = 8  # passes a stack must have every row to itself before its merged copy is made
 
 

@@ -89,11 +89,6 @@ class AdapterMounts:
         if state is not None:
             slot.memory_bytes -= sum(state.booked.values())
 
-    def booked_bytes(self, model_id: str) -> int:
-        """What adapters mounted on first use book on the model (kept ones are in `kept`)."""
-        state = self._mounted.get(model_id)
-        return sum(state.booked.values()) if state is not None else 0
-
     def _has(self, engine: Engine, adapter: AdapterEntry) -> bool:
         state = self._mounted.get(engine.model_id)
         if state is None or state.pid != engine.pid:

@@ -107,7 +107,7 @@ async def quantize(request: web.Request, raw: bytes | None = None) -> web.Respon
     if isinstance(config, dict) and (config.get("quantization") or config.get("quantization_config")):
         raise APIError(400, f"{entry.id} is quantized already; quantize a full-precision model.", param="model",
                        code="already_quantized")
-    calibration = _check_method(request, entry, req)
+    calibration = _check_method(request, entry, req, config if isinstance(config, dict) else {})
     models_dir = request.app[REGISTRY].models_dir
     method = req.how()
     how = f"{req.target_bpw:g}bpw" if method == "dynamic" else f"{method}-{req.bits}bit" if method in CALIBRATED_METHODS \
@@ -121,8 +121,10 @@ async def quantize(request: web.Request, raw: bytes | None = None) -> web.Respon
     return json_answer(job, 202)
 
 
-def _check_method(request: web.Request, entry: ModelEntry, req: QuantizeRequest) -> str | None:
-    """A 400 for options that do not go together; the calibration source's path, if any."""
+def _check_method(request: web.Request, entry: ModelEntry, req: QuantizeRequest,
+                  config: dict[str, Any]) -> str | None:
+    """A 400 for options that do not go together (`config`: the model's config.json); the
+    calibration source's path, if any."""
     method = req.how()
     if method == "dynamic" and req.target_bpw is None:
         raise APIError(400, "Dynamic quantization needs `target_bpw` (bits per weight to reach).", param="target_bpw")
@@ -136,8 +138,7 @@ def _check_method(request: web.Request, entry: ModelEntry, req: QuantizeRequest)
         raise APIError(400, "DWQ trains the scales of layers below 8 bits; at 8 bits it has nothing to learn "
                        "(quantize to 8 bits with the default method).", param="bits")
     if method == "awq":
-        config = _read_json(entry.path / "config.json")
-        model_type = config.get("model_type") if isinstance(config, dict) else None
+        model_type = config.get("model_type")
         if model_type not in AWQ_MODEL_TYPES:
             raise APIError(400, f"AWQ does not know {entry.id}'s model type ({model_type or 'none given'}); it takes "
                            f"{', '.join(AWQ_MODEL_TYPES)}. GPTQ or dynamic quantization take any model.",
