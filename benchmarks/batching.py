@@ -323,7 +323,7 @@ async def stream_chat(session: aiohttp.ClientSession, url: str, body: Row | byte
         raise RuntimeError(f"{url}: no content streamed")
     tokens = usage["completion_tokens"] if usage else chunks
     return {"ttft_s": first - t0, "tokens": tokens, "chunks": chunks, "finish_reason": finish, "text": "".join(parts),
-            "prompt_tokens": usage["prompt_tokens"] if usage else None,
+            "prompt_tokens": usage["prompt_tokens"] if usage else None, "usage": usage,
             "decode_tps": (tokens - 1) / (last - first) if last > first else float("nan")}
 
 

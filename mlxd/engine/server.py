@@ -24,6 +24,7 @@ from mlxd.engine.models.load_meter import LoadMeter
 from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.engine.parent_watch import set_death_signal, watch_parent
 from mlxd.engine.settings import EngineSettings
+from mlxd.engine.spec.config import DraftConfig
 from mlxd.event_loop import loop_factory, loop_name
 from mlxd.paths import check_private_dir, data_dir
 from mlxd.protocol.exit_codes import ExitCode
@@ -184,6 +185,7 @@ def gateway_options(settings: EngineSettings) -> GatewayOptions:
         prompt_cache_bytes=cache_bytes, ssd_root=settings.ssd_cache_dir or data_dir() / "kv",
         ssd_cache_bytes=settings.ssd_cache_bytes, kv_bits=settings.kv_bits, kv_group_size=settings.kv_group_size,
         write_behind=settings.write_behind, adapter_merge=settings.adapter_merge,
+        draft=DraftConfig(settings.draft, settings.num_draft_tokens),
     )
 
 

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from mlxd.engine.spec.config import DEFAULT_NUM_DRAFT_TOKENS, DRAFT_KINDS
 from mlxd.protocol.sizing import parse_batch
 
 DEFAULT_MAX_BODY = 64 * 1024 * 1024
@@ -35,6 +36,8 @@ class EngineSettings:
     kv_group_size: int = 64
     write_behind: bool = True
     adapter_merge: str = "auto"
+    draft: str = "none"
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
 
 
 def batch_value(text: str) -> int | None:
@@ -81,6 +84,13 @@ def parse_args(argv: list[str]) -> EngineSettings:
              "base model, for that copy's memory; auto: on a GPU)",
     )
     p.add_argument(
+        "--draft", choices=DRAFT_KINDS, default="none",
+        help="speculative decoding: ngram drafts tokens from the request's own context (prompt lookup) and the "
+             "model checks them in one pass; greedy output is unchanged (none: off)",
+    )
+    p.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT_TOKENS,
+                   help="the most drafted tokens one pass checks (the length adapts to what is accepted)")
+    p.add_argument(
         "--width-probe", choices=("auto", "on", "off"), default="auto",
         help="with --batch auto, measure decode throughput at widths 1, 2, 4, ... at load and go no wider than "
              "it still grows (auto: on a GPU)",
@@ -119,6 +129,8 @@ def parse_args(argv: list[str]) -> EngineSettings:
         value = getattr(a, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 1 <= a.num_draft_tokens <= 64:
+        p.error("--num-draft-tokens must be between 1 and 64")
     if not 0 <= a.gather_ms <= 1000:
         p.error("--gather-ms must be between 0 and 1000")
     for name in ("prompt_cache_bytes", "ssd_cache_bytes"):
@@ -132,5 +144,5 @@ def parse_args(argv: list[str]) -> EngineSettings:
         gather_ms=a.gather_ms, max_body=a.max_body, parent_pid=a.parent_pid,
         prompt_cache_bytes=a.prompt_cache_bytes, ssd_cache_bytes=a.ssd_cache_bytes, ssd_cache_dir=a.ssd_cache_dir,
         kv_bits=a.kv_bits, kv_group_size=a.kv_group_size, write_behind=a.ssd_write_behind == "on",
-        adapter_merge=a.adapter_merge,
+        adapter_merge=a.adapter_merge, draft=a.draft, num_draft_tokens=a.num_draft_tokens,
     )

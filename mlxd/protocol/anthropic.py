@@ -138,6 +138,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     output_config: OutputConfig | None = None
     metadata: dict[str, Any] | None = None
     adapter: Annotated[str, Meta(max_length=1024)] | None = None  # mlxd's: the LoRA adapters it runs under
+    speculation: bool | None = None  # mlxd's: false decodes without drafts
 
 
 class CountTokensRequest(msgspec.Struct, kw_only=True):
@@ -154,11 +155,12 @@ class CountTokensRequest(msgspec.Struct, kw_only=True):
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 
-class AnthropicUsage(msgspec.Struct):
+class AnthropicUsage(msgspec.Struct, omit_defaults=True):
     input_tokens: int  # prompt tokens computed
     output_tokens: int
     cache_read_input_tokens: int  # prompt tokens served from the prompt cache
     cache_creation_input_tokens: int
+    speculation: dict[str, int] | None = None  # mlxd's: drafts checked and kept, where it drafted
 
 
 class AnthropicMessage(msgspec.Struct):
@@ -244,6 +246,8 @@ def to_chat(req: MessagesRequest | CountTokensRequest, stream: bool = False) -> 
                 body[name] = value
         if req.stop_sequences:
             body["stop"] = req.stop_sequences
+        if req.speculation is not None:
+            body["speculation"] = req.speculation
         if stream:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
@@ -414,7 +418,8 @@ def usage_of(usage: dict[str, Any] | None) -> AnthropicUsage:
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0
     prompt = usage.get("prompt_tokens", 0) or 0
     return AnthropicUsage(input_tokens=prompt - cached, output_tokens=usage.get("completion_tokens", 0) or 0,
-                          cache_read_input_tokens=cached, cache_creation_input_tokens=0)
+                          cache_read_input_tokens=cached, cache_creation_input_tokens=0,
+                          speculation=usage.get("speculation"))
 
 
 def from_chat(completion: dict[str, Any], model: str) -> AnthropicMessage:

@@ -21,6 +21,13 @@ class Token(msgspec.Struct, tag="token"):
     logprobs: list[TokenLogprob] | None = None
 
 
+class Speculation(msgspec.Struct):
+    """A reply's drafted tokens: how many drafts the target checked, and how many it kept."""
+
+    proposed: int
+    accepted: int
+
+
 class Done(msgspec.Struct, tag="done"):
     """Generation ended normally."""
 
@@ -33,6 +40,7 @@ class Done(msgspec.Struct, tag="done"):
     decode_ms: float = 0.0  # first token -> last token
     stop_sequence: str | None = None  # the stop string that ended it (finish_reason "stop")
     paused: int = 0  # times it was paused for a more urgent request (and resumed)
+    speculation: Speculation | None = None  # drafts, when it decoded with them (None: it did not)
 
 
 class Failed(msgspec.Struct, tag="failed"):

@@ -67,6 +67,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     user: str | None = None
     priority: Priority | None = None  # None: the key's default (process.PRIORITY_HEADER), else 0
     adapter: AdapterSpec | None = None  # mlxd's: a LoRA adapter id, "a+b" to stack, "none" for the base
+    speculation: bool | None = None  # mlxd's: false decodes without drafts where the model has them
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -183,11 +184,19 @@ class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int = 0
 
 
-class Usage(msgspec.Struct):
+class SpeculationUsage(msgspec.Struct):
+    """mlxd's: drafted tokens the model checked for this answer, and how many it kept."""
+
+    proposed: int
+    accepted: int
+
+
+class Usage(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = msgspec.field(default_factory=PromptTokensDetails)
+    speculation: SpeculationUsage | None = None  # only where the answer was decoded with drafts
 
 
 class AssistantMessage(msgspec.Struct, omit_defaults=True):

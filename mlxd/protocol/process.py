@@ -126,3 +126,5 @@ class RequestUsage(msgspec.Struct):
     decode_ms: float  # first token -> last token
     finish_reason: str
     paused: int = 0  # times the engine paused it for a more urgent request
+    draft_proposed: int = 0  # drafted tokens the model checked (speculative decoding)
+    draft_accepted: int = 0  # ... and kept

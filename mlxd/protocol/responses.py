@@ -59,6 +59,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     truncation: str | None = None
     user: str | None = None
     adapter: Annotated[str, Meta(max_length=1024)] | None = None  # mlxd's: the LoRA adapters it runs under
+    speculation: bool | None = None  # mlxd's: false decodes without drafts
 
 
 def new_id(prefix: str) -> str:
@@ -216,7 +217,8 @@ def to_chat(req: ResponsesRequest, history: list[dict[str, Any]], items: list[di
         if isinstance(effort, str):
             body["reasoning_effort"] = effort
     for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
-                         ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty")):
+                         ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"),
+                         ("speculation", "speculation")):
         if (value := getattr(req, ours)) is not None:
             body[theirs] = value
     if stream:
@@ -312,9 +314,12 @@ def usage_of(usage: dict[str, Any] | None) -> dict[str, Any]:
     usage = usage or {}
     prompt, completion = usage.get("prompt_tokens", 0) or 0, usage.get("completion_tokens", 0) or 0
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": prompt + completion}
+    out = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+           "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": 0},
+           "total_tokens": prompt + completion}
+    if usage.get("speculation"):
+        out["speculation"] = usage["speculation"]  # mlxd's: drafts checked and kept
+    return out
 
 
 class ResponseObject(msgspec.Struct, forbid_unknown_fields=True):

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from mlxd.paths import shell_quote
+from mlxd.protocol.speculation import DEFAULT_NUM_DRAFT_TOKENS
 
 log = logging.getLogger("mlxd.config")
 MIB = 1024 * 1024
@@ -63,6 +64,10 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     image_fetch_private: bool = False
 
 
+Draft = Literal["none", "ngram"]
+NumDraft = Annotated[int, msgspec.Meta(ge=1, le=64)]
+
+
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """One `[models.NAME]` table: an alias for a model dir."""
 
@@ -72,6 +77,8 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     idle_ttl_s: TTL | None = None  # None: [pool] idle_ttl_s
     batch: Batch | None = None  # None: [pool] batch
     adapter: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)] | None = None  # requests' default adapters
+    draft: Draft | None = None  # speculative decoding's drafts (None: [pool] draft)
+    num_draft_tokens: NumDraft | None = None  # the most drafts a pass checks (None: [pool] num_draft_tokens)
 
     def resolved_path(self) -> Path:
         """`path` with `~` expanded."""
@@ -92,6 +99,8 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     warmup: Literal["auto", "on", "off"] = "auto"  # engines' --warmup (auto: on CUDA only)
     adapter_merge: Literal["auto", "on", "off"] = "auto"  # engines' --adapter-merge (auto: on a GPU)
     gather_ms: Annotated[float, msgspec.Meta(ge=0, le=1000)] = DEFAULT_GATHER_MS  # engines' --gather-ms (0: never)
+    draft: Draft = "none"  # engines' --draft: "ngram" drafts from the request's context; per model: [models.NAME] draft
+    num_draft_tokens: NumDraft = DEFAULT_NUM_DRAFT_TOKENS  # engines' --num-draft-tokens
     # CUDA graphs for every engine (MLX_USE_CUDA_GRAPHS=1): a lone stream decodes faster, batches
     # run slower (docs/engine.md, "MLX settings"); only MLX's CUDA backend reads it.
     cuda_graphs: bool = False

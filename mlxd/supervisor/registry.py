@@ -37,6 +37,8 @@ class ModelEntry(msgspec.Struct, frozen=True, kw_only=True):
     batch: Batch = DEFAULT_BATCH  # sequences its engine decodes at once ("auto"): the entry's, else [pool] batch
     is_available: bool = True  # False: a config entry whose path is not an MLX model dir
     adapter: str | None = None  # the adapters a request that names none runs under ("none": the base)
+    draft: str | None = None  # [models.NAME] draft (None: the engines' [pool] one)
+    num_draft_tokens: int | None = None
 
 
 def sampling_of(entry: ModelEntry) -> dict[str, float]:
@@ -173,6 +175,8 @@ def config_entries(models: Mapping[str, ModelConfig], batch: Batch = DEFAULT_BAT
                 batch=model.batch if model.batch is not None else batch,
                 is_available=is_available,
                 adapter=model.adapter,
+                draft=model.draft,
+                num_draft_tokens=model.num_draft_tokens,
             )
         )
     return found

@@ -233,6 +233,42 @@ class GrammarMask:
         words = self._device.get(self.words(new, vocab)[None])
         return apply_words(logits.reshape(1, vocab), words).reshape(logits.shape)
 
+    def draft_limit(self, history: list[int], drafts: list[int]) -> int:
+        """How many of `drafts` (tokens that would follow `history`, the row's tokens so far)
+        the grammar allows in a row; the matcher is left as it was (speculation, spec/)."""
+        if not drafts or self._m.is_error() or self._m.is_stopped():
+            return 0
+        pending = history[self._seen:] if self._seen is not None else []
+        return max(0, int(self._m.validate_tokens(pending + drafts)) - len(pending))
+
+    def forced(self, history: list[int], limit: int) -> list[int]:
+        """Tokens the grammar forces after `history` (a JSON key's rest, say): a draft that the
+        mask would let through alone. The matcher is left as it was."""
+        if limit <= 0 or self._m.is_error() or self._m.is_stopped():
+            return []
+        pending = history[self._seen:] if self._seen is not None else []
+        if pending and int(self._m.try_consume_tokens(pending)) != len(pending):
+            return []
+        try:
+            return [int(t) for t in self._m.compute_ff_tokens()[:limit]]
+        finally:
+            if pending:
+                self._m.rollback(len(pending))
+
+    def rollback(self, count: int) -> None:
+        """Forget the last `count` tokens the matcher took (drafts the target rejected)."""
+        if count > 0:
+            self._m.rollback(count)
+            assert self._seen is not None
+            self._seen -= count
+
+    def catch_up(self, history: list[int]) -> None:
+        """Feed the matcher the tokens of `history` it has not seen, as the next call would (a
+        row handed to a lane that makes a fresh mask over the same matcher)."""
+        if self._seen is not None and len(history) > self._seen:
+            self._m.consume_tokens(history[self._seen:])
+            self._seen = len(history)
+
     def words(self, new_tokens: list[int], vocab: int) -> np.ndarray:
         """Host: feed the matcher the tokens sampled since the last step; the allowed next
         tokens as ceil(vocab / 32) uint32 words. Once the grammar is complete (or lost): only

@@ -66,3 +66,4 @@ class Job:
     priority: int = 0  # lower starts sooner; equal ones in the order they came (the scheduler's queue)
     media: MediaPrompt | None = None  # the prompt's images (gpu/media.py), for a vision-language model
     adapters: Stack = ()  # the LoRA adapters it runs under (models/adapter_bank.py); () the base model
+    speculate: bool = True  # may decode with drafts where the model has them (False: the request opted out)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from mlxd.engine.spec.config import DraftConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,3 +27,4 @@ class GatewayOptions:
     kv_group_size: int = 64
     write_behind: bool = True  # idle: write new entries to SSD (off: drains, evictions and stops only)
     adapter_merge: str = "auto"  # a stack with every row to itself runs merged: on, off, auto (a GPU); adapter_bank.py
+    draft: DraftConfig = field(default_factory=DraftConfig)  # speculative decoding's drafts (spec/): none, ngram

@@ -16,7 +16,7 @@ from typing import Any
 from mlxd.engine.gpu.job import Job
 from mlxd.engine.gpu.scheduling import kv_tokens
 from mlxd.engine.gpu.stats import Stats
-from mlxd.protocol.events import Done, Failed, Token, TokenLogprob
+from mlxd.protocol.events import Done, Failed, Speculation, Token, TokenLogprob
 from mlxd.protocol.stops import StopMatcher
 
 log = logging.getLogger("mlxd.engine")
@@ -30,7 +30,7 @@ class Sequence:
     """A job being generated: its text state, its clock, and how it ended."""
 
     __slots__ = ("_detok", "_eos", "_has_relayed", "_pending", "_stops", "_tokenizer", "cached", "clock", "finish_reason",
-                 "generated", "job", "paused")
+                 "generated", "job", "paused", "tally")
 
     def __init__(self, job: Job, tokenizer: Any, eos: set[int]) -> None:
         self.job = job
@@ -39,6 +39,7 @@ class Sequence:
         self.generated: list[int] = []
         self.finish_reason: str | None = None  # set once it ended
         self.paused = 0  # times a lane paused it for a more urgent job
+        self.tally: Any = None  # drafts proposed and kept, once it decoded with drafts (spec/serial.py's Tally)
         self._detok = tokenizer.detokenizer
         self._eos = eos
         self._stops = StopMatcher(job.stops)
@@ -128,8 +129,13 @@ class Sequence:
             stats.num_cancelled += 1
         else:
             stats.num_completed += 1
+        tally = self.tally
         done = Done(finish, len(self.job.prompt), num, self.cached, *self.clock.split_ms(),
-                    stop_sequence=self._stops.matched if finish == "stop" else None, paused=self.paused)
+                    stop_sequence=self._stops.matched if finish == "stop" else None, paused=self.paused,
+                    speculation=Speculation(tally.proposed, tally.accepted) if tally is not None else None)
+        if tally is not None:
+            stats.draft_proposed += tally.proposed
+            stats.draft_accepted += tally.accepted
         stats.last_timings_ms = {"queue": done.queue_ms, "prefill": done.prefill_ms, "decode": done.decode_ms}
         self.job.ticket.emit(done)
         media = self.job.media

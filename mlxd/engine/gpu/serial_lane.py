@@ -19,14 +19,18 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step, generation_stream, maybe_quantize_kv_cache
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from mlxd.engine.cache.prefix_cache import PrefixCache
 from mlxd.engine.gpu import media
-from mlxd.engine.gpu.sampling import make_sampling
+from mlxd.engine.gpu.sampling import make_sampling, sampler_args
 from mlxd.engine.gpu.sequence import Sequence
 from mlxd.engine.gpu.stats import Stats
 from mlxd.engine.models.loaded_model import LoadedModel
+from mlxd.engine.spec.accept import Distribution
+from mlxd.engine.spec.config import DraftConfig
+from mlxd.engine.spec.ngram import NgramDrafter
+from mlxd.engine.spec.serial import Speculator, Tally
 
 log = logging.getLogger("mlxd.engine")
 QUANTIZED_KV_START = 0  # --kv-bits quantizes the KV from the first token
@@ -37,7 +41,7 @@ class SerialLane:
 
     def __init__(
         self, loaded: LoadedModel, stats: Stats, prefill_step: int, prompt_cache: PrefixCache,
-        kv_bits: int | None = None, kv_group_size: int = 64,
+        kv_bits: int | None = None, kv_group_size: int = 64, draft: DraftConfig | None = None,
     ) -> None:
         self._loaded = loaded
         self._stats = stats
@@ -45,6 +49,8 @@ class SerialLane:
         self._prompt_cache = prompt_cache
         self._kv_bits = kv_bits  # quantize the KV from the first token (mlx-lm's QuantizedKVCache)
         self._kv_group_size = kv_group_size
+        self._draft = draft if draft is not None and draft.kind != "none" else None
+        self._spec: Speculator | None = None  # the running sequence's decoder when it speculates
         self._seq: Sequence | None = None
         self._steps: Iterator[tuple[Any, Any]] | None = None  # None while the prompt is prefilled
         self._kv: list[Any] = []
@@ -96,8 +102,8 @@ class SerialLane:
                     # step runs between two of this lane's steps, and the first token need not wait it.
                     if prefilled_a_chunk and len(self._tokens) - self._done > 1:
                         return []
-                    token = self._next_token()
-                if not seq.add(*token):
+                    tokens = self._next_tokens()
+                if not any(seq.add(token, logprobs) for token, logprobs in tokens):  # stops at the first that ends it
                     return []
         except StopIteration:  # generate_step ran out (max_tokens), which `add` has seen
             seq.finish_reason = seq.finish_reason or "length"
@@ -106,10 +112,18 @@ class SerialLane:
             self._close()
             seq.fail(self._stats, f"generation failed: {type(exc).__name__}: {exc}")
             return [seq]
-        media.store(self._prompt_cache, self._loaded, seq.job, self._kv, seq.history)
+        media.store(self._prompt_cache, self._loaded, seq.job, self._kept_kv(seq), seq.history)
         self._close()
         seq.finish(self._stats)
         return [seq]
+
+    def _kept_kv(self, seq: Sequence) -> list[Any]:
+        """The KV to keep for an ended sequence: drafts kept past where it stopped are cut."""
+        kv = self._kv
+        offset = getattr(kv[0], "offset", None) if kv else None
+        if self._spec is not None and isinstance(offset, int) and offset > len(seq.history):
+            trim_prompt_cache(kv, offset - len(seq.history))
+        return kv
 
     def _prefill_chunk(self, prompt: list[int]) -> bool:
         """Run the next chunk of the prompt, as generate_step's prefill loop would; False when
@@ -126,11 +140,33 @@ class SerialLane:
         self._done += n
         return True
 
-    def _next_token(self) -> tuple[int, Any]:
+    def _next_tokens(self) -> list[tuple[int, Any]]:
+        if self._spec is not None:
+            return self._spec.next_tokens()
         if self._steps is None:
+            self._spec = self._speculator()
+            if self._spec is not None:
+                return self._spec.next_tokens()
             self._steps = self._generate()
         token, logprobs = next(self._steps)
-        return int(token), logprobs
+        return [(int(token), logprobs)]
+
+    def _speculator(self) -> Speculator | None:
+        """A speculative decoder for the running sequence, if the model drafts and it may."""
+        seq, draft = self._seq, self._draft
+        assert seq is not None
+        job = seq.job
+        if (draft is None or not job.speculate or job.media is not None or self._done != len(self._tokens) - 1
+                or not can_trim_prompt_cache(self._kv)):
+            return None
+        sampler_kw = sampler_args(job.sampling)
+        _, processors = make_sampling(job.sampling, [], job.grammar, sorted(self._loaded.eos_token_ids))
+        if seq.tally is None:
+            seq.tally = Tally()
+        self._steps = iter(())  # the prompt is done: this lane's "decoding" state
+        return Speculator(self._loaded.model, self._kv, list(self._tokens), Distribution(**sampler_kw), processors,
+                          NgramDrafter(), draft.num_draft_tokens, job.max_tokens - len(seq.generated),
+                          seed=job.sampling.seed, tally=seq.tally)
 
     def _generate(self) -> Iterator[tuple[Any, Any]]:
         """generate_step from the prompt's last token (its KV holds the rest)."""
@@ -162,8 +198,11 @@ class SerialLane:
         seq, kv = self._seq, self._kv
         if seq is None or not self._can_move(seq):
             return None
+        if self._spec is not None:
+            kv = self._spec.release()
+        else:
+            trim_prompt_cache(kv, 1)
         self._close()
-        trim_prompt_cache(kv, 1)
         return seq, kv
 
     @property
@@ -189,6 +228,8 @@ class SerialLane:
         if not seq.generated or seq.job.sampling.seed is not None or seq.is_finished:
             return False
         offset = getattr(self._kv[0], "offset", None) if self._kv else None
+        if self._spec is not None:
+            return offset == len(seq.history) - (not self._spec.queued)
         return offset == len(seq.job.prompt) + len(seq.generated)
 
     def pausable(self) -> list[Sequence]:
@@ -216,3 +257,4 @@ class SerialLane:
             if close is not None:
                 close()
         self._seq, self._steps, self._kv, self._tokens, self._done = None, None, [], [], 0
+        self._spec = None

@@ -25,6 +25,8 @@ class Stats:
     image_batch_rows: int = 0  # the rows in them
     num_paused: int = 0  # running rows paused for a more urgent request
     num_resumed: int = 0  # paused rows started again
+    draft_proposed: int = 0  # drafted tokens the target checked (speculative decoding, spec/)
+    draft_accepted: int = 0  # ... and kept
     # The GPU thread's time at work (admitting, stepping lanes): its share of uptime is the
     # engine's load. One tuple, (seconds of finished turns, perf_counter at the start of the turn
     # under way or None), swapped whole, so a reader in another thread never sees half an update.

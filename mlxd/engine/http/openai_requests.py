@@ -129,7 +129,7 @@ def submit(request: web.Request, slot: Slot, prompt: list[int], max_tokens: int,
         sampling = dataclasses.replace(sampling, seed=(sampling.seed + row + 2**63) % 2**64 - 2**63)
     job = Job(list(prompt), max_tokens, sampling, oa.stop_list(req.stop), ticket, grammar=grammar, logprobs=logprobs,
               group=group, priority=req.priority if req.priority is not None else header_priority(request), media=media,
-              adapters=adapter_stack(request, req, loaded))
+              adapters=adapter_stack(request, req, loaded), speculate=req.speculation is not False)
     slot.enter_gpu()
     request.app[GATEWAY].submit(job)
     return ticket
@@ -155,6 +155,8 @@ def summary_of(done: Done, *more: Done) -> RequestUsage:
     return RequestUsage(
         done.prompt_tokens, done.cached_tokens, sum(d.completion_tokens for d in every), done.queue_ms,
         done.prefill_ms, max(d.decode_ms for d in every), done.finish_reason, sum(d.paused for d in every),
+        sum(d.speculation.proposed for d in every if d.speculation is not None),
+        sum(d.speculation.accepted for d in every if d.speculation is not None),
     )
 
 
@@ -166,8 +168,12 @@ def usage_headers(done: Done, *more: Done) -> dict[str, str]:
 def usage_of(done: Done, *more: Done) -> oa.Usage:
     """OpenAI usage from the Done events of a request's choices (the prompt counted once)."""
     completion = done.completion_tokens + sum(d.completion_tokens for d in more)
+    drafted = [d.speculation for d in (done, *more) if d.speculation is not None]
+    speculation = (oa.SpeculationUsage(sum(x.proposed for x in drafted), sum(x.accepted for x in drafted))
+                   if drafted else None)
     return oa.Usage(
         done.prompt_tokens, completion, done.prompt_tokens + completion, oa.PromptTokensDetails(done.cached_tokens),
+        speculation,
     )
 
 

@@ -88,6 +88,7 @@ class Engine:
     def __init__(
         self, model_id: str, model_dir: Path, runtime_dir: Path, max_context: int | None = None,
         options: EngineOptions | None = None, *, batch: int | None = 1, memory_bytes: int | None = None,
+        draft: tuple[str | None, int | None] = (None, None),
     ) -> None:
         self.options = options or EngineOptions()
         self.model_id = model_id
@@ -97,6 +98,7 @@ class Engine:
         self.max_context = max_context
         self.batch = batch  # sequences the engine decodes at once (`--batch`; None: auto)
         self.memory_bytes = memory_bytes  # what it may size itself within (`--memory-bytes`; None: the device's)
+        self.draft = draft  # its model's own draft and draft length ([models.NAME]; None: the pool's flags)
         self.lanes: LaneStats | None = None  # its /admin/stats `lanes` (the width and KV budget it chose)
         self.state = EngineState.STOPPED
         self.on_change: Callable[[], None] = lambda: None  # after every state change (the pool replans)
@@ -259,7 +261,13 @@ class Engine:
             args += ["--memory-bytes", str(self.memory_bytes)]
         if self.max_context:
             args += ["--max-context", str(self.max_context)]
-        return args + list(self.options.engine_args)
+        args += self.options.engine_args
+        kind, length = self.draft  # the model's own settings after the pool's: the last flag wins
+        if kind is not None:
+            args += ["--draft", kind]
+        if length is not None:
+            args += ["--num-draft-tokens", str(length)]
+        return args
 
     async def _spawn(self) -> asyncio.subprocess.Process:
         """A spare process given this model, else a new one."""

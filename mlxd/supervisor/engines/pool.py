@@ -25,6 +25,7 @@ from mlxd.protocol.engine_state import ACCEPTING, LIVE, SERVING, EngineState
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.memory import default_prompt_cache_bytes
 from mlxd.protocol.process import DrainResult
+from mlxd.protocol.speculation import DEFAULT_NUM_DRAFT_TOKENS
 from mlxd.supervisor.config import DEFAULT_GATHER_MS, PoolConfig
 from mlxd.supervisor.engines import policy
 from mlxd.supervisor.engines.adapter_mounts import AdapterMounts
@@ -93,6 +94,10 @@ def engine_args_from(config: PoolConfig, kv_dir: Path | None = None) -> tuple[st
         args += ["--warmup", config.warmup]
     if config.adapter_merge != "auto":
         args += ["--adapter-merge", config.adapter_merge]
+    if config.draft != "none":
+        args += ["--draft", config.draft]
+    if config.num_draft_tokens != DEFAULT_NUM_DRAFT_TOKENS:
+        args += ["--num-draft-tokens", str(config.num_draft_tokens)]
     if config.gather_ms != DEFAULT_GATHER_MS:
         args += ["--gather-ms", f"{config.gather_ms:g}"]
     if config.prompt_cache_bytes is not None:
@@ -218,7 +223,8 @@ class Pool:
             # gives (protocol/sizing.py), so it waits for, or evicts, what the engine will take.
             width = None if entry.batch == "auto" else entry.batch
             engine = Engine(entry.id, entry.path, self._runtime_dir, entry.max_context, self._options,
-                            batch=width, memory_bytes=self.limits.budget_bytes)
+                            batch=width, memory_bytes=self.limits.budget_bytes,
+                            draft=(entry.draft, entry.num_draft_tokens))
             engine.spare = self.spare
             cache = prompt_cache_bytes(self.config)
             memory = estimate_bytes(entry.path, entry.size_bytes, entry.max_context, width,

@@ -53,6 +53,7 @@ def access_record(request: web.Request, status: int, duration_ms: float, model: 
         "duration_ms": round(duration_ms, 1),
         "finish_reason": usage.finish_reason if usage else None,
         "paused": usage.paused if usage else None,
+        "drafts": [usage.draft_accepted, usage.draft_proposed] if usage and usage.draft_proposed else None,
         "client": request.remote,
     }
 
@@ -79,6 +80,8 @@ def access_line(r: dict[str, Any]) -> str:
         parts.append(f"finish={r['finish_reason']}")
     if r.get("paused"):
         parts.append(f"paused={r['paused']}")
+    if r.get("drafts"):
+        parts.append(f"drafts={r['drafts'][0]}/{r['drafts'][1]}")  # kept / checked
     duration = r["duration_ms"]
     parts.append(f"{duration / 1000:.2f}s" if duration >= 1000 else f"{duration:.0f}ms")
     return " ".join(parts)

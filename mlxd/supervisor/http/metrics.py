@@ -115,6 +115,10 @@ def lane_families(lanes: list[tuple[str, LaneStats]]) -> Iterator[Any]:
             labels=["model"]),
         "image_batch_rows": CounterMetricFamily(
             "mlxd_engine_image_batch_rows", "Rows with images prefilled in those batches.", labels=["model"]),
+        "draft_proposed": CounterMetricFamily(
+            "mlxd_engine_draft_tokens", "Drafted tokens the model checked (speculative decoding).", labels=["model"]),
+        "draft_accepted": CounterMetricFamily(
+            "mlxd_engine_draft_accepted_tokens", "Drafted tokens the model kept.", labels=["model"]),
     }
     for model, lane in lanes:
         width.add_metric([model], lane.width)

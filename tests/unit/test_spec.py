@@ -1,0 +1,271 @@
+"""Speculative decoding's parts (mlxd/engine/spec/): the n-gram drafter, which drafts a row
+keeps, and the pace that stops drafting when it does not pay. The decoder itself runs in real
+engines in tests/integration/test_speculation.py."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from mlxd.engine.spec.accept import Distribution, accept
+from mlxd.engine.spec.ngram import NgramDrafter
+from mlxd.engine.spec.pace import (
+    COOLDOWN_TOKENS,
+    DRAFT,
+    EMPTY_RUNS,
+    EXPLORE,
+    MAX_COOLDOWN_TOKENS,
+    PLAIN,
+    WINDOW,
+    Pace,
+)
+
+# --- the n-gram drafter ---
+
+
+def test_it_drafts_what_followed_the_last_tokens_where_they_appeared_before() -> None:
+    tokens = [1, 2, 3, 4, 5, 6, 9, 9, 2, 3]
+    assert NgramDrafter().propose(tokens, 3) == [4, 5, 6]
+
+
+def test_the_longest_matching_suffix_wins_over_a_more_recent_shorter_one() -> None:
+    # "3 4" last appeared before 8; "2 3 4" only before 5.
+    tokens = [2, 3, 4, 5, 0, 3, 4, 8, 0, 2, 3, 4]
+    assert NgramDrafter().propose(tokens, 2) == [5, 0]
+
+
+def test_of_equal_matches_the_most_recent_wins() -> None:
+    tokens = [7, 8, 1, 7, 8, 2, 7, 8]
+    assert NgramDrafter().propose(tokens, 1) == [2]
+
+
+def test_no_draft_without_an_earlier_occurrence_or_from_a_single_token() -> None:
+    d = NgramDrafter()
+    assert d.propose([1, 2, 3, 4], 4) == []
+    assert d.propose([5, 1, 6, 1], 4) == []  # only "1" repeats: a 1-gram is too weak to draft from
+    assert d.propose([1, 2], 0) == []
+
+
+def test_the_draft_is_cut_at_the_limit_and_at_the_end_of_the_history() -> None:
+    tokens = [1, 2, 3, 1, 2]
+    d = NgramDrafter()
+    assert d.propose(tokens, 8) == [3, 1, 2]  # what follows the earlier "1 2", up to the end
+    assert d.propose(tokens, 1) == [3]
+
+
+def test_it_follows_a_growing_history_incrementally() -> None:
+    d = NgramDrafter()
+    tokens = [4, 5, 6, 7]
+    assert d.propose(tokens, 2) == []
+    tokens += [4, 5]
+    assert d.propose(tokens, 2) == [6, 7]
+    tokens += [6, 9, 4, 5]
+    assert d.propose(tokens, 2) == [6, 9]  # the newer continuation
+    assert d.propose(tokens, 2) == NgramDrafter().propose(tokens, 2)  # as a fresh index of the same history
+
+
+# --- which drafts a row keeps ---
+
+
+def logprobs_with(best: list[int], vocab: int = 8) -> mx.array:
+    """Rows whose likeliest token is `best[j]`."""
+    rows = mx.full((len(best), vocab), -5.0)
+    for j, t in enumerate(best):
+        rows[j, t] = -0.1
+    return rows
+
+
+def test_greedy_keeps_drafts_while_the_target_agrees_then_takes_its_own_token() -> None:
+    greedy = Distribution(temp=0.0)
+    assert accept(greedy, logprobs_with([3, 4, 5, 6]), [3, 4, 2]) == [3, 4, 5]
+    assert accept(greedy, logprobs_with([3, 4, 5, 6]), [3, 4, 5]) == [3, 4, 5, 6]  # all kept, and a bonus token
+    assert accept(greedy, logprobs_with([3, 4]), [1]) == [3]  # the first refused: the target's token alone
+    assert accept(greedy, logprobs_with([7]), []) == [7]
+
+
+def test_top_k_one_is_greedy() -> None:
+    assert Distribution(temp=0.9, top_k=1).greedy
+    assert not Distribution(temp=0.9).greedy
+
+
+def test_sampled_drafts_keep_the_targets_distribution() -> None:
+    """The first emitted token, over many draws, is distributed as the target's (tempered)
+    distribution, whichever token was drafted: rejection sampling is exact. Keys are fixed, so
+    the result is the same every run; the tolerance is five standard errors."""
+    p = mx.array([0.5, 0.3, 0.15, 0.05])
+    dist = Distribution(temp=1.0)
+    logprobs = mx.log(mx.broadcast_to(p, (2, 4)))
+    trials = 3000
+    for draft in (0, 3):
+        counts = [0, 0, 0, 0]
+        for i in range(trials):
+            counts[accept(dist, logprobs, [draft], key=mx.random.key(i * 7 + draft))[0]] += 1
+        for token, want in enumerate(p.tolist()):  # type: ignore[arg-type]
+            got = counts[token] / trials
+            assert abs(got - want) < 5 * math.sqrt(want * (1 - want) / trials), (draft, counts)
+
+
+def test_a_draft_the_target_would_never_sample_is_always_refused() -> None:
+    dist = Distribution(temp=1.0, top_k=2)  # tokens 2 and 3 are filtered out
+    logprobs = mx.log(mx.broadcast_to(mx.array([0.5, 0.3, 0.15, 0.05]), (3, 4)))
+    for i in range(50):
+        out = accept(dist, logprobs, [3, 3], key=mx.random.key(i))
+        assert len(out) == 1 and out[0] in (0, 1)
+
+
+def test_the_same_key_draws_the_same_tokens() -> None:
+    dist = Distribution(temp=0.8)
+    logprobs = mx.log(mx.broadcast_to(mx.array([0.4, 0.3, 0.2, 0.1]), (4, 4)))
+    assert accept(dist, logprobs, [0, 1, 2], key=mx.random.key(5)) == accept(dist, logprobs, [0, 1, 2],
+                                                                                 key=mx.random.key(5))
+
+
+# --- the pace ---
+
+
+def test_the_draft_length_grows_when_all_are_kept_and_shrinks_otherwise() -> None:
+    pace = Pace(4)
+    assert pace.length == 4
+    pace.verified(4, 2)
+    assert pace.length == 3
+    pace.verified(3, 3)
+    assert pace.length == 4
+    pace.verified(4, 4)
+    assert pace.length == 4  # never past the configured number
+    for length in (3, 2, 1, 1):
+        pace.verified(pace.length, pace.length - 1 if pace.length > 1 else 0)
+        assert pace.length == length  # never under one
+    assert pace.drafting
+
+
+def test_drafting_pauses_after_verifications_that_keep_nothing_and_comes_back() -> None:
+    pace = Pace(4)
+    for _ in range(EMPTY_RUNS):
+        assert pace.drafting
+        pace.verified(2, 0)
+    assert not pace.drafting
+    pace.spent(COOLDOWN_TOKENS - 1, 0.01)
+    assert not pace.drafting
+    pace.spent(1, 0.01)
+    assert pace.drafting
+
+
+def run_windows(pace: Pace, draft_s: float, plain_s: float, windows: int) -> list[str]:
+    """Feed `windows` windows, each timed at its regime's seconds per token; the regimes run."""
+    ran = []
+    for _ in range(windows):
+        ran.append(pace.regime)
+        pace.spent(WINDOW, WINDOW * (draft_s if pace.regime == DRAFT else plain_s))
+    return ran
+
+
+def test_where_drafting_is_slower_it_runs_at_most_one_window_in_five_and_ever_less() -> None:
+    pace = Pace(4)
+    ran = run_windows(pace, draft_s=0.012, plain_s=0.010, windows=100)
+    assert ran[:2] == [DRAFT, PLAIN]  # each measured once at the start
+    assert ran[1:1 + EXPLORE] == [PLAIN] * EXPLORE  # the faster one, its first window counted
+    assert ran[1 + EXPLORE] == DRAFT  # measured again (it loses again)
+    assert ran.count(DRAFT) <= 100 // (EXPLORE + 1)
+    assert ran[-40:].count(DRAFT) <= 1  # explored less and less often
+    assert pace.rate(DRAFT) == pytest.approx(0.012) and pace.rate(PLAIN) == pytest.approx(0.010)
+
+
+def test_where_drafting_pays_it_runs_nearly_always() -> None:
+    pace = Pace(4)
+    ran = run_windows(pace, draft_s=0.004, plain_s=0.010, windows=100)
+    assert ran[:2] == [DRAFT, PLAIN]
+    assert ran.count(PLAIN) <= 100 // (EXPLORE + 1)
+    assert ran[-40:].count(PLAIN) <= 1
+
+
+def test_when_what_pays_changes_the_pace_follows() -> None:
+    pace = Pace(4)
+    run_windows(pace, draft_s=0.004, plain_s=0.010, windows=20)
+    ran = run_windows(pace, draft_s=0.030, plain_s=0.010, windows=20)  # the context grew, say
+    assert ran[-10:].count(DRAFT) <= 1
+    ran = run_windows(pace, draft_s=0.002, plain_s=0.010, windows=200)
+    assert ran[-20:].count(DRAFT) >= 19
+
+
+@pytest.mark.parametrize("runs", [1, 3, 10])
+def test_the_pause_doubles_up_to_its_cap(runs: int) -> None:
+    pace = Pace(2)
+    pause = COOLDOWN_TOKENS
+    for _ in range(runs):
+        for _ in range(EMPTY_RUNS):
+            pace.verified(2, 0)
+        left = 0
+        while not pace.drafting:
+            pace.spent(1, 0.0)
+            left += 1
+            if pace.regime != DRAFT:  # a window ended and plain decoding gets measured: not the pause
+                break
+        if pace.regime == DRAFT:
+            assert left == pause
+        pause = min(MAX_COOLDOWN_TOKENS, pause * 2)
+
+
+# --- configuration: [pool] and [models.NAME] to the engine's flags ---
+
+
+def test_the_draft_goes_from_the_config_to_the_engines_flags(tmp_path: Path) -> None:
+    from mlxd.engine.settings import parse_args
+    from mlxd.supervisor.config import ConfigError, decode_config
+    from mlxd.supervisor.engines.engine import Engine, EngineOptions
+    from mlxd.supervisor.engines.pool import engine_args_from
+    from mlxd.supervisor.registry import config_entries
+
+    config = decode_config(b'[pool]\ndraft = "ngram"\nnum_draft_tokens = 6\n[models.a]\npath = "/m/a"\n'
+                           b'[models.b]\npath = "/m/b"\ndraft = "none"\n[models.c]\npath = "/m/c"\nnum_draft_tokens = 2\n',
+                           tmp_path / "c.toml")
+    pool_args = engine_args_from(config.pool)
+    entries = {e.id: e for e in config_entries(config.models)}
+    argv = {name: Engine(name, e.path, tmp_path, options=EngineOptions(engine_args=pool_args),
+                         draft=(e.draft, e.num_draft_tokens)).argv() for name, e in entries.items()}
+    settings = {name: parse_args(a) for name, a in argv.items()}  # the engine reads the last of a repeated flag
+    assert (settings["a"].draft, settings["a"].num_draft_tokens) == ("ngram", 6)
+    assert (settings["b"].draft, settings["b"].num_draft_tokens) == ("none", 6)
+    assert (settings["c"].draft, settings["c"].num_draft_tokens) == ("ngram", 2)
+    assert "--draft" not in engine_args_from(decode_config(b"", tmp_path / "d.toml").pool)  # off by default
+    for bad in (b'[pool]\ndraft = "eagle"\n', b'[models.a]\npath = "/m"\nnum_draft_tokens = 0\n'):
+        with pytest.raises(ConfigError):
+            decode_config(bad, tmp_path / "bad.toml")
+
+
+@pytest.mark.parametrize(("flags", "error"), [(["--draft", "medusa"], "--draft"),
+                                              (["--num-draft-tokens", "0"], "--num-draft-tokens")])
+def test_the_engine_refuses_bad_draft_flags(flags: list[str], error: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from mlxd.engine.settings import parse_args
+
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--model", "m", "--model-id", "m", "--socket", "s", *flags])
+    assert exited.value.code == 2 and error in capsys.readouterr().err
+
+
+# --- the opt-out and usage.speculation through the Anthropic and Responses translations ---
+
+
+def test_anthropic_and_responses_requests_carry_the_opt_out_and_answers_the_drafts() -> None:
+    import json
+
+    import msgspec
+
+    from mlxd.protocol import anthropic as an
+    from mlxd.protocol import responses as rs
+
+    msg = {"model": "m", "max_tokens": 9, "messages": [{"role": "user", "content": "hi"}]}
+    assert an.to_chat(msgspec.json.decode(json.dumps({**msg, "speculation": False}), type=an.MessagesRequest))[
+        "speculation"] is False
+    assert "speculation" not in an.to_chat(msgspec.json.decode(json.dumps(msg), type=an.MessagesRequest))
+    req = msgspec.json.decode(json.dumps({"model": "m", "input": "hi", "speculation": False}), type=rs.ResponsesRequest)
+    assert rs.to_chat(req, [], rs.input_items(req))["speculation"] is False
+    usage = {"prompt_tokens": 5, "completion_tokens": 7, "speculation": {"proposed": 6, "accepted": 4}}
+    assert msgspec.to_builtins(an.usage_of(usage))["speculation"] == {"proposed": 6, "accepted": 4}
+    assert rs.usage_of(usage)["speculation"] == {"proposed": 6, "accepted": 4}
+    assert "speculation" not in msgspec.to_builtins(an.usage_of({"prompt_tokens": 5}))
+    assert "speculation" not in rs.usage_of({"prompt_tokens": 5})
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(json.dumps({**msg, "speculation": "no"}), type=an.MessagesRequest)
