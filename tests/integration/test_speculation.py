@@ -8,6 +8,7 @@ edit of a code snippet, so the reply copies most of it and the n-gram drafter ha
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,8 +41,8 @@ MAX_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def smol(smollm2: Path) -> Iterator[EngineProcess]:
-    """Two rows (so a drafting row can be handed to the batch lane), drafts from the context."""
-    with running_engine(smollm2, "smol", "--draft", "ngram", "--batch", "2", "--kv-budget-tokens", "4096") as e:
+    """Four batch rows (a drafting row can be handed to the batch lane), drafts from the context."""
+    with running_engine(smollm2, "smol", "--draft", "ngram", "--batch", "4", "--kv-budget-tokens", "4096") as e:
         yield e
 
 
@@ -149,7 +150,7 @@ def test_drafts_never_run_past_max_tokens(smol: EngineProcess, max_tokens: int) 
     plain, drafted = both(smol, max_tokens=max_tokens)
     assert drafted["usage"]["completion_tokens"] == max_tokens
     assert message(drafted)["content"] == message(plain)["content"]
-    assert lanes(smol)["kv_booked_tokens"] == 0
+    wait_for(lambda: lanes(smol)["kv_booked_tokens"] == 0, 10, message=lambda: str(lanes(smol)))  # released after the answer
 
 
 def test_sampled_answers_with_a_seed_repeat(smol: EngineProcess) -> None:
@@ -207,3 +208,22 @@ def test_a_speculation_field_that_is_not_a_boolean_is_a_400(smol: EngineProcess)
                                                     "speculation": "off"})
     assert resp.status_code == 400
     assert "speculation" in resp.json()["error"]["message"] + str(resp.json()["error"].get("param"))
+
+
+def test_rows_decoding_together_draft_in_the_batch_and_answer_as_alone(smol: EngineProcess) -> None:
+    """Four requests at once decode in the batch lane: two draft (one held to a stop string),
+    one opted out, one with logprobs. Each answer is what it gets alone without drafts, and
+    the drafting rows kept drafts there."""
+    asks = [{"max_tokens": 48}, {"max_tokens": 40, "stop": ["perimeter("]}, {"max_tokens": 32, "speculation": False},
+            {"max_tokens": 24, "logprobs": True}]
+    alone = [chat(smol, False, **{k: v for k, v in a.items() if k != "speculation"}) for a in asks]
+    with concurrent.futures.ThreadPoolExecutor(len(asks)) as pool:
+        together = list(pool.map(lambda a: chat(smol, True, **a), asks))
+    assert [message(t)["content"] for t in together] == [message(a)["content"] for a in alone]
+    for answer in (together[0], together[1], together[3]):
+        assert answer["usage"]["speculation"]["accepted"] > 0, answer["usage"]
+    assert "speculation" not in together[2]["usage"]
+    got, want = together[3]["choices"][0]["logprobs"]["content"], alone[3]["choices"][0]["logprobs"]["content"]
+    assert [x["token"] for x in got] == [x["token"] for x in want]
+    assert [x["logprob"] for x in got] == pytest.approx([x["logprob"] for x in want], abs=2e-3)
+    wait_for(lambda: lanes(smol)["kv_booked_tokens"] == 0, 10, message=lambda: str(lanes(smol)))  # released after the answer

@@ -19,6 +19,7 @@ from mlxd.engine.spec.pace import (
     EXPLORE,
     MAX_COOLDOWN_TOKENS,
     PLAIN,
+    PLAIN_WINDOW,
     WINDOW,
     Pace,
 )
@@ -153,41 +154,43 @@ def test_drafting_pauses_after_verifications_that_keep_nothing_and_comes_back() 
     assert pace.drafting
 
 
-def run_windows(pace: Pace, draft_s: float, plain_s: float, windows: int) -> list[str]:
-    """Feed `windows` windows, each timed at its regime's seconds per token; the regimes run."""
+def run_tokens(pace: Pace, draft_s: float, plain_s: float, tokens: int) -> list[str]:
+    """Feed `tokens` tokens one at a time, each timed at its regime's seconds per token; the
+    regime of each."""
     ran = []
-    for _ in range(windows):
+    for _ in range(tokens):
         ran.append(pace.regime)
-        pace.spent(WINDOW, WINDOW * (draft_s if pace.regime == DRAFT else plain_s))
+        pace.spent(1, draft_s if pace.regime == DRAFT else plain_s)
     return ran
 
 
-def test_where_drafting_is_slower_it_runs_at_most_one_window_in_five_and_ever_less() -> None:
+def test_where_drafting_is_slower_it_runs_ever_less() -> None:
     pace = Pace(4)
-    ran = run_windows(pace, draft_s=0.012, plain_s=0.010, windows=100)
-    assert ran[:2] == [DRAFT, PLAIN]  # each measured once at the start
-    assert ran[1:1 + EXPLORE] == [PLAIN] * EXPLORE  # the faster one, its first window counted
-    assert ran[1 + EXPLORE] == DRAFT  # measured again (it loses again)
-    assert ran.count(DRAFT) <= 100 // (EXPLORE + 1)
-    assert ran[-40:].count(DRAFT) <= 1  # explored less and less often
+    ran = run_tokens(pace, draft_s=0.012, plain_s=0.010, tokens=4000)
+    assert ran[:WINDOW] == [DRAFT] * WINDOW  # each measured once at the start
+    assert ran[WINDOW:WINDOW + EXPLORE] == [PLAIN] * EXPLORE  # the faster one, its first window counted
+    assert ran[WINDOW + EXPLORE] == DRAFT  # measured again (it loses again)
+    assert ran.count(DRAFT) <= 6 * WINDOW
+    assert ran[-1500:].count(DRAFT) <= WINDOW  # explored less and less often
     assert pace.rate(DRAFT) == pytest.approx(0.012) and pace.rate(PLAIN) == pytest.approx(0.010)
 
 
-def test_where_drafting_pays_it_runs_nearly_always() -> None:
+def test_where_drafting_pays_plain_decoding_runs_only_to_be_measured() -> None:
     pace = Pace(4)
-    ran = run_windows(pace, draft_s=0.004, plain_s=0.010, windows=100)
-    assert ran[:2] == [DRAFT, PLAIN]
-    assert ran.count(PLAIN) <= 100 // (EXPLORE + 1)
-    assert ran[-40:].count(PLAIN) <= 1
+    ran = run_tokens(pace, draft_s=0.004, plain_s=0.010, tokens=4000)
+    assert ran[:WINDOW] == [DRAFT] * WINDOW
+    assert ran[WINDOW:WINDOW + PLAIN_WINDOW] == [PLAIN] * PLAIN_WINDOW
+    assert ran.count(PLAIN) <= 6 * PLAIN_WINDOW
+    assert ran[-1500:].count(PLAIN) <= PLAIN_WINDOW
 
 
 def test_when_what_pays_changes_the_pace_follows() -> None:
     pace = Pace(4)
-    run_windows(pace, draft_s=0.004, plain_s=0.010, windows=20)
-    ran = run_windows(pace, draft_s=0.030, plain_s=0.010, windows=20)  # the context grew, say
-    assert ran[-10:].count(DRAFT) <= 1
-    ran = run_windows(pace, draft_s=0.002, plain_s=0.010, windows=200)
-    assert ran[-20:].count(DRAFT) >= 19
+    run_tokens(pace, draft_s=0.004, plain_s=0.010, tokens=300)
+    ran = run_tokens(pace, draft_s=0.030, plain_s=0.010, tokens=300)  # the context grew, say
+    assert ran[-100:].count(DRAFT) == 0
+    ran = run_tokens(pace, draft_s=0.002, plain_s=0.010, tokens=3000)
+    assert ran[-200:].count(DRAFT) == 200
 
 
 @pytest.mark.parametrize("runs", [1, 3, 10])
@@ -269,3 +272,13 @@ def test_anthropic_and_responses_requests_carry_the_opt_out_and_answers_the_draf
     assert "speculation" not in rs.usage_of({"prompt_tokens": 5})
     with pytest.raises(msgspec.ValidationError):
         msgspec.json.decode(json.dumps({**msg, "speculation": "no"}), type=an.MessagesRequest)
+
+
+def test_a_batch_rows_pace_is_not_timed_and_a_batchs_windows_scale_with_its_width() -> None:
+    row = Pace(4, timed=False)
+    run_tokens(row, draft_s=0.030, plain_s=0.010, tokens=1000)
+    assert row.regime == DRAFT and row.rate(DRAFT) is None  # the batch decides for it
+    batch = Pace(1, scale=8)
+    ran = run_tokens(batch, draft_s=0.030, plain_s=0.010, tokens=4000)
+    assert ran[:8 * WINDOW] == [DRAFT] * (8 * WINDOW)
+    assert ran[8 * WINDOW:8 * (WINDOW + EXPLORE)] == [PLAIN] * (8 * EXPLORE)

@@ -40,11 +40,17 @@ from mlxd.engine.cache.prefix_cache import PrefixCache, view
 from mlxd.engine.gpu import adapter_rows, image_batch, media
 from mlxd.engine.gpu.batch_bias import batch_bias
 from mlxd.engine.gpu.job import PrefillGroup
-from mlxd.engine.gpu.sampling import make_sampling
+from mlxd.engine.gpu.sampling import make_sampling, sampler_args
 from mlxd.engine.gpu.sequence import Sequence
 from mlxd.engine.gpu.sharing import MIN_SHARED_TOKENS, clusters, join_target, shareable, uniform_ids
 from mlxd.engine.gpu.stats import Stats
 from mlxd.engine.models.loaded_model import LoadedModel
+from mlxd.engine.spec import batch as spec_batch
+from mlxd.engine.spec.accept import Distribution
+from mlxd.engine.spec.batch import RowDrafts
+from mlxd.engine.spec.config import DraftConfig
+from mlxd.engine.spec.pace import Pace
+from mlxd.engine.spec.serial import Tally
 
 log = logging.getLogger("mlxd.engine")
 # Prompts prefilled together in one chunk; more wait for the next chunk.
@@ -63,7 +69,7 @@ class BatchLane:
 
     def __init__(
         self, loaded: LoadedModel, stats: Stats, prefill_step: int, width: int, prompt_cache: PrefixCache,
-        solo_step: int | None = None,
+        solo_step: int | None = None, draft: DraftConfig | None = None,
     ) -> None:
         self._loaded = loaded
         self._stats = stats
@@ -77,6 +83,8 @@ class BatchLane:
         # Sequences the serial lane was prefilling, handed over to share that prefill: id -> (KV, tokens in it)
         self._carried: dict[int, tuple[list[Any], int]] = {}
         self._hold_arrivals = 0  # steps arrivals still wait for just-prefilled rows' first tokens
+        self._draft = draft if draft is not None and draft.kind != "none" else None
+        self._drafts: dict[int, RowDrafts] = {}  # rows that draft (spec/batch.py), by uid
         self._gen = self._new_generator()
 
     def _new_generator(self) -> BatchGenerator:
@@ -88,6 +96,10 @@ class BatchLane:
         )
         batch_bias(gen)
         adapter_rows.attach(gen, self._loaded.adapters, lambda uid: r.job.adapters if (r := self._rows.get(uid)) else ())
+        if self._draft is not None:
+            bank = self._loaded.adapters
+            spec_batch.attach(gen, self._drafts.get, lambda uids: bank.rows(
+                [r.job.adapters if (r := self._rows.get(uid)) else () for uid in uids]))
         return gen
 
     @property
@@ -238,6 +250,21 @@ class BatchLane:
             all_tokens=[tokens[:n]], samplers=[sampler], logits_processors=[processors],
         )
         self._rows[uid] = seq
+        if (drafts := self._row_drafts(seq)) is not None:
+            self._drafts[uid] = drafts
+
+    def _row_drafts(self, seq: Sequence) -> RowDrafts | None:
+        """The row's drafting, if the model drafts and the row may: not with images or a grammar
+        (spec/batch.py), nor sampled with a seed (its draws must not depend on the batch)."""
+        job = seq.job
+        if self._draft is None or not job.speculate or job.media is not None or job.grammar is not None:
+            return None
+        dist = Distribution(**sampler_args(job.sampling))
+        if job.sampling.seed is not None and not dist.greedy:
+            return None
+        if seq.tally is None:
+            seq.tally = Tally()
+        return RowDrafts(lambda: seq.history, dist, Pace(self._draft.num_draft_tokens, timed=False), seq.tally)
 
     def _fresh_cache(self) -> list[Any]:
         return list(make_prompt_cache(self._loaded.model))
@@ -434,9 +461,9 @@ class BatchLane:
             self._hold_arrivals = FIRST_TOKEN_STEPS  # a prompt is prefilled but for its last token
         leaving: list[int] = []
         kept: list[tuple[Sequence, list[Any], list[int]]] = []  # the KV of rows that ended, for the prompt cache
-        for r in responses:
+        for r in responses:  # a row that kept drafts has several, in order
             seq = self._rows.get(r.uid)
-            if seq is None:
+            if seq is None or seq.is_finished or r.uid in leaving:
                 continue
             try:
                 is_done = seq.add(int(r.token), getattr(r, "logprobs", None))
@@ -457,6 +484,9 @@ class BatchLane:
             ended += [self._rows.pop(uid) for uid in leaving]
         for seq, kv, tokens in kept:
             media.store(self._prompt_cache, self._loaded, seq.job, kv, tokens)
+        if self._drafts:
+            for uid in [uid for uid in self._drafts if uid not in self._rows]:
+                del self._drafts[uid]
 
     def _drop_cancelled(self) -> list[Sequence]:
         """Rows whose client left: out of the generator; their KV so far goes to the prompt

@@ -37,7 +37,8 @@ class Runner:
         self.scheduler: Scheduler[Sequence] = Scheduler(options.batch, kv_budget_tokens, short_budget_hint)
         solo = max(options.solo_prefill_step, options.prefill_step)
         serial = SerialLane(loaded, stats, solo, cache, options.kv_bits, options.kv_group_size, options.draft)
-        batch = (BatchLane(loaded, stats, options.prefill_step, options.batch, cache, solo_step=solo)
+        batch = (BatchLane(loaded, stats, options.prefill_step, options.batch, cache, solo_step=solo,
+                           draft=options.draft)
                  if options.batch > 1 else None)
         self._lanes: dict[LaneName, Lane] = {"serial": serial} if batch is None else {"serial": serial, "batch": batch}
         self._merge = (serial, batch) if batch is not None else None

@@ -6,5 +6,7 @@
 - `pace.py`: per row, how long drafts are and whether drafting pays right now.
 - `serial.py`: the serial lane's decoder for a row that drafts (plain steps a pass ahead
   when it has no drafts, verification when it has).
+- `batch.py`: the batch lane's step with drafts (every row's drafts in one pass, each row's
+  KV rolled back by its own count).
 - `config.py`: what a model drafts with (`--draft`, `--num-draft-tokens`).
 """

@@ -5,14 +5,16 @@ while it is measured to pay (pure code, no MLX).
   after one that kept fewer, between 1 and the configured number.
 - **Short pauses.** Three verifications in a row that kept nothing pause drafting for 16
   tokens (32, 64, ... up to 256 while it keeps happening).
-- **Drafting against not drafting, measured.** A row's tokens are timed in windows of
-  WINDOW tokens as the row really ran (each step of the lane to its next, the host's work,
-  the switches between modes and the short pauses included). Windows alternate between
-  drafting allowed and plain decoding until each has been measured; then the faster one runs,
-  and the other gets one window again after EXPLORE windows (then 2x, 4x ... as long as it
-  keeps losing), so a change in what pays (the context, the batch) is seen. So a row where
-  drafts do not pay, whatever the reason (wrong drafts; a GPU whose wider passes cost more than
-  they save), spends at most one window in EXPLORE+1 drafting.
+- **Drafting against not drafting, measured.** A row's tokens are timed in windows (WINDOW
+  tokens drafting, PLAIN_WINDOW tokens plain) as the row really ran: each step of the lane to
+  its next, the host's work, the switches between modes and the short pauses included. One
+  window of each runs first; then the faster one runs, and the other gets a window again after
+  EXPLORE tokens (then 2x, 4x ... up to MAX_EXPLORE as long as it keeps losing), so a change in
+  what pays (the context, the batch) is seen. So a row where drafts do not pay, whatever the
+  reason (wrong drafts; a GPU whose wider passes cost more than they save), drafts one window
+  of 32 tokens after 128 plain ones, then after 256, and so on. A batch is timed as a whole
+  (its steps' tokens, with windows and exploring scaled by its width): a row's drafts make
+  every row's step wider, so only the batch's rate says whether they pay.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from __future__ import annotations
 COOLDOWN_TOKENS = 16
 MAX_COOLDOWN_TOKENS = 256
 EMPTY_RUNS = 3  # verifications in a row that kept nothing
-WINDOW = 32  # tokens a regime runs before it is timed
-EXPLORE = 4  # windows of the faster regime before the slower one runs one again (doubling while it loses)
-MAX_EXPLORE = 64
+WINDOW = 32  # tokens drafting runs before it is timed (drafts come in bursts)
+PLAIN_WINDOW = 8  # tokens plain decoding runs before it is timed (one token a step: steady)
+EXPLORE = 128  # tokens of the faster regime before the slower one runs a window again (doubling while it loses)
+MAX_EXPLORE = 2048
 EMA = 0.5  # weight of the newest window in a regime's running mean
 
 DRAFT, PLAIN = "draft", "plain"
@@ -31,17 +34,22 @@ DRAFT, PLAIN = "draft", "plain"
 class Pace:
     """One row's drafting state."""
 
-    __slots__ = ("_cooldown", "_empty", "_explore", "_exploring", "_next_cooldown", "_rates", "_streak", "_window_s",
-                 "_window_tokens", "length", "limit", "regime")
+    __slots__ = ("_cooldown", "_empty", "_explore", "_exploring", "_next_cooldown", "_rates", "_scale", "_streak",
+                 "_timed", "_window_s", "_window_tokens", "length", "limit", "regime")
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, *, scale: int = 1, timed: bool = True) -> None:
+        """`scale` multiplies the windows and the exploring (a whole batch's tokens: its rows);
+        `timed` False: no windows, drafting runs always but for the short pauses (a batch row,
+        whose batch times itself)."""
+        self._scale = max(1, scale)
+        self._timed = timed
         self.limit = max(1, limit)
         self.length = self.limit
         self.regime = DRAFT
         self._rates: dict[str, float | None] = {DRAFT: None, PLAIN: None}  # seconds per token, running means
         self._window_tokens = 0
         self._window_s = 0.0
-        self._streak = 0  # windows the faster regime has run since the other was measured
+        self._streak = 0  # tokens the faster regime has made since the other was measured
         self._explore = EXPLORE
         self._exploring = False  # this window runs the slower regime to measure it again
         self._cooldown = 0  # plain tokens left before drafting again (a short pause)
@@ -61,9 +69,11 @@ class Pace:
         if tokens <= 0:
             return
         self._cooldown = max(0, self._cooldown - tokens)
+        if not self._timed:
+            return
         self._window_tokens += tokens
         self._window_s += seconds
-        if self._window_tokens >= WINDOW:
+        if self._window_tokens >= (WINDOW if self.regime == DRAFT else PLAIN_WINDOW) * self._scale:
             self._close_window()
 
     def verified(self, proposed: int, accepted: int) -> None:
@@ -80,7 +90,7 @@ class Pace:
             self._empty = 0
 
     def _close_window(self) -> None:
-        regime, per_token = self.regime, self._window_s / self._window_tokens
+        regime, per_token, tokens = self.regime, self._window_s / self._window_tokens, self._window_tokens
         old = self._rates[regime]
         self._rates[regime] = per_token if old is None else old + EMA * (per_token - old)
         self._window_tokens, self._window_s = 0, 0.0
@@ -96,8 +106,8 @@ class Pace:
                 self._explore = EXPLORE
                 self._streak = 0
                 return
-            self._streak += 1
-            if self._streak >= self._explore:  # time to measure the other again
+            self._streak += tokens
+            if self._streak >= self._explore * self._scale:  # time to measure the other again
                 self._streak = 0
                 self._exploring = True
                 self.regime = other

@@ -1,0 +1,241 @@
+"""Drafts verified in the batch lane: every row's drafts in one forward pass (GPU thread).
+
+mlx-lm's generation batch keeps each row's next token sampled but not yet fed (`_next_tokens`)
+and returns, each step, the tokens it feeds. A step with drafts reads those next tokens on the
+host, asks each row that drafts for its drafts (after its history and that token), and runs
+one pass over every row's next token followed by its drafts, padded to the longest. Each row
+keeps the drafts the target agrees with (accept.py) and takes one token of the target's as its
+new next token; a row without drafts rides along with its one token.
+
+Rows keep different numbers of tokens, so each row's KV is rolled back by its own count: mlx-lm's
+batch cache does this for right-padded prompts (`prepare(right_padding=...)` then `finalize`,
+which rolls each row's keys so its last valid one ends the buffer and counts the rest as left
+padding). When every row drops the same count, a plain trim does. The step answers with every
+token it emitted, in order, several per row; the batch lane takes them one by one.
+
+Only a batch whose caches are all mlx-lm's plain batch cache drafts (no sliding windows, no
+recurrent layers, no quantized KV), and only rows without a grammar (their masks follow the
+one-token step of batch_bias.py). Every other step is mlx-lm's own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache
+
+from mlxd.engine.chat.grammar import GrammarMask
+from mlxd.engine.spec.accept import Distribution, accept
+from mlxd.engine.spec.ngram import NgramDrafter
+from mlxd.engine.spec.pace import Pace
+from mlxd.engine.spec.serial import Tally
+
+
+@dataclass(eq=False)
+class RowDrafts:
+    """One batch row's drafting: its drafter, pace, distribution and counts."""
+
+    history: Callable[[], list[int]]  # the row's tokens so far, the ones it was answered with
+    dist: Distribution
+    pace: Pace
+    tally: Tally
+    drafter: NgramDrafter = field(default_factory=NgramDrafter)
+    key: Any = None  # a seeded row's random key
+
+
+def drafting_batch(base: Any) -> Any:
+    """A subclass of the generation batch class `base` whose steps verify drafts."""
+
+    class DraftingBatch(base):
+        row_drafts: Callable[[int], RowDrafts | None] = staticmethod(lambda uid: None)
+        rows_context: Callable[[list[int]], Any] | None = None  # the adapters' per-row plan (adapter_rows.py)
+        _last_step: tuple[float, dict[int, tuple[RowDrafts, int]], int] | None = None
+        batch_pace: Pace  # the whole batch's: drafting against not, timed in tokens of all rows
+        _next_tokens: Any  # mlx-lm's: the rows' next tokens, sampled and not yet fed
+        _next_logprobs: Any
+        _current_tokens: Any
+        _current_logprobs: Any
+
+        def next(self) -> list[Any]:
+            if not self.uids:
+                return []
+            now = time.perf_counter()
+            self._account(now)
+            rows = [self.row_drafts(uid) for uid in self.uids]
+            if (not self.batch_pace.drafting or not any(r is not None and r.pace.drafting for r in rows)
+                    or not self._plain_rows()):
+                out = super().next()
+                self._last_step = (now, {r.uid: (d, 1) for r, d in zip(out, rows, strict=False) if d is not None},
+                                   len(out))
+                return out
+            return self._draft_step(now, rows)
+
+        def _plain_rows(self) -> bool:
+            """mlx-lm's plain batch cache in every layer, and no row held to a grammar (its mask
+            takes one token a step: batch_bias.py)."""
+            return (all(type(c) is BatchKVCache for c in self.prompt_cache)
+                    and not any(isinstance(p, GrammarMask) for procs in self.logits_processors for p in procs or ()))
+
+        def _account(self, now: float) -> None:
+            """Time the previous step: the batch's tokens in that time (the rows count down their pauses)."""
+            last, self._last_step = self._last_step, None
+            if last is None:
+                return
+            started, counts, total = last
+            for rd, emitted in counts.values():
+                rd.pace.spent(emitted, now - started)
+            self.batch_pace.spent(total, now - started)
+
+        def _draft_step(self, now: float, rows: list[RowDrafts | None]) -> list[Any]:
+            mx.eval(self._next_tokens)
+            nexts: list[int] = [int(t) for t in self._next_tokens.tolist()]
+            next_logprobs = list(self._next_logprobs)
+            drafts: list[list[int]] = []
+            for i, rd in enumerate(rows):
+                left = self.max_tokens[i] - self._num_tokens[i] - 1  # this step emits the next token at least
+                if rd is None or not rd.pace.drafting or left <= 0:
+                    drafts.append([])
+                    continue
+                history = [*rd.history(), nexts[i]]
+                drafts.append(rd.drafter.propose(history, min(rd.pace.length, left)))
+            width = max(len(d) for d in drafts)
+            if width == 0:  # nothing to check: mlx-lm's step, from the tokens it already has
+                out = super().next()
+                self._last_step = (now, {r.uid: (d, 1) for r, d in zip(out, rows, strict=False) if d is not None},
+                                   len(out))
+                return out
+            inputs = mx.array([[nexts[i], *d, *([nexts[i]] * (width - len(d)))] for i, d in enumerate(drafts)])
+            context = self.rows_context(self.uids) if self.rows_context is not None else None
+            if context is not None:
+                with context:
+                    logits = self.model(inputs, cache=self.prompt_cache)
+            else:
+                logits = self.model(inputs, cache=self.prompt_cache)
+            logprobs = self._processed(logits, nexts, drafts)
+            kept: list[list[int]] = []
+            own: dict[int, mx.array] = {}  # rows without drafts: their own sampler, as mlx-lm's step samples them
+            for i, d in enumerate(drafts):
+                rd = rows[i]
+                if d and rd is not None:
+                    kept.append(accept(rd.dist, logprobs[i, :len(d) + 1], d, self._split(rd)))
+                else:
+                    sampler = (self.samplers[i] if self.samplers else None) or self.fallback_sampler
+                    own[i] = sampler(logprobs[i, :1])
+                    kept.append([])
+            if own:
+                mx.eval(list(own.values()))
+                for i, token in own.items():
+                    kept[i] = [int(token.reshape(-1).tolist()[0])]  # type: ignore[arg-type, index]
+            self._roll_back([width - (len(k) - 1) for k in kept])
+            return self._answer(now, rows, nexts, next_logprobs, drafts, kept, logprobs)
+
+        @staticmethod
+        def _split(rd: RowDrafts) -> Any:
+            if rd.key is None or rd.dist.greedy:
+                return None
+            rd.key, draw = mx.random.split(rd.key)
+            return draw
+
+        def _processed(self, logits: mx.array, nexts: list[int], drafts: list[list[int]]) -> mx.array:
+            """Log probabilities at every position, after each row's processors (which see the
+            row's context, its next token and the drafts before each position)."""
+            if any(self.logits_processors):
+                rows = []
+                for i, procs in enumerate(self.logits_processors):
+                    if not procs:
+                        rows.append(logits[i])
+                        continue
+                    seen = self._token_context[i].update_and_fetch(mx.array([], dtype=mx.int32))  # fetched, not grown
+                    base = mx.concatenate([seen, mx.array([nexts[i]], dtype=seen.dtype)])
+                    positions = []
+                    for j in range(logits.shape[1]):
+                        row = logits[i, j:j + 1]
+                        ctx = mx.concatenate([base, mx.array(drafts[i][:j], dtype=base.dtype)]) if j else base
+                        for p in procs:
+                            row = p(ctx, row)
+                        positions.append(row)
+                    rows.append(mx.concatenate(positions, axis=0))
+                logits = mx.stack(rows)
+            return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+        def _roll_back(self, drop: list[int]) -> None:
+            """Each row's KV loses its last `drop[i]` entries (the drafts it refused, the padding)."""
+            low = min(drop)
+            if low:
+                for c in self.prompt_cache:
+                    c.trim(low)
+            rest = [d - low for d in drop]
+            if any(rest):
+                for c in self.prompt_cache:
+                    c.prepare(right_padding=rest)
+                    c.finalize()
+
+        def _answer(self, now: float, rows: list[RowDrafts | None], nexts: list[int], next_logprobs: list[Any],
+                    drafts: list[list[int]], kept: list[list[int]], logprobs: mx.array) -> list[Any]:
+            """Emit each row's next token and its kept drafts; the target's last token is its new next."""
+            responses: list[Any] = []
+            keep: list[int] = []
+            counts: dict[int, tuple[RowDrafts, int]] = {}
+            for i, uid in enumerate(self.uids):
+                accepted = kept[i][:-1]
+                emitted = [nexts[i], *accepted]
+                emitted_logprobs = [next_logprobs[i], *(logprobs[i, j] for j in range(len(accepted)))]
+                self.tokens[i].extend(emitted)
+                if self.logits_processors[i]:
+                    self._token_context[i].update_and_fetch(mx.array(emitted, dtype=mx.int32))
+                rd = rows[i]
+                if rd is not None and drafts[i]:
+                    rd.tally.proposed += len(drafts[i])
+                    rd.tally.accepted += len(accepted)
+                    rd.pace.verified(len(drafts[i]), len(accepted))
+                finish = None
+                for n, (token, lp) in enumerate(zip(emitted, emitted_logprobs, strict=True)):
+                    self._num_tokens[i] += 1
+                    if self._num_tokens[i] >= self.max_tokens[i]:
+                        finish = "length"
+                    if self._matchers[i].advance(token):
+                        finish = "stop"
+                    if finish is not None:
+                        cache = self.extract_cache(i)
+                        extra = len(emitted) - n - 1  # kept drafts after the end: not in the answer
+                        if extra:
+                            for c in cache:
+                                c.trim(extra)
+                        responses.append(self.Response(uid, token, lp, finish, cache, self.tokens[i][:len(self.tokens[i]) - extra]))
+                        break
+                    responses.append(self.Response(uid, token, lp, None, None, None))
+                if rd is not None:
+                    counts[uid] = (rd, len(emitted))
+                if finish is None:
+                    keep.append(i)
+            self._current_tokens = mx.array(nexts, dtype=self._next_tokens.dtype)
+            self._current_logprobs = next_logprobs
+            self._next_tokens = mx.array([k[-1] for k in kept], dtype=self._next_tokens.dtype)
+            self._next_logprobs = [logprobs[i, len(k) - 1] for i, k in enumerate(kept)]
+            mx.async_eval(self._next_tokens, self._next_logprobs)
+            self._last_step = (now, counts, len(responses))
+            if len(keep) < len(self.uids):
+                self.filter(keep)
+            return responses
+
+    DraftingBatch.__name__ = f"Drafting{base.__name__}"
+    return DraftingBatch
+
+
+def attach(gen: Any, row_drafts: Callable[[int], RowDrafts | None],
+           rows_context: Callable[[list[int]], Any] | None = None) -> bool:
+    """Have `gen`'s generation batch verify the drafts `row_drafts(uid)` gives its rows."""
+    steps = getattr(gen, "_generation_batch", None)
+    if steps is None or not all(hasattr(steps, a) for a in ("_next_tokens", "_next_logprobs", "_token_context",
+                                                            "_num_tokens", "_matchers", "tokens")):
+        return False
+    cls = drafting_batch(type(steps))
+    cls.row_drafts = staticmethod(row_drafts)
+    cls.batch_pace = Pace(1, scale=getattr(gen, "completion_batch_size", 8))
+    cls.rows_context = staticmethod(rows_context) if rows_context is not None else None
+    steps.__class__ = cls
+    return True
