@@ -103,6 +103,7 @@ def test_logprobs_are_those_of_each_emitted_token(smol: EngineProcess) -> None:
     assert drafted["usage"]["speculation"]["accepted"] > 0
 
 
+@pytest.mark.slow  # about 9 s on 2 cores: `make test` stays under 10 minutes
 def test_a_json_schema_held_answer_drafts_and_is_the_same(smol: EngineProcess) -> None:
     schema = {"type": "object", "properties": {"function_name": {"type": "string"}, "renamed_to": {"type": "string"},
                                                "line_count": {"type": "integer"}},
@@ -116,6 +117,7 @@ def test_a_json_schema_held_answer_drafts_and_is_the_same(smol: EngineProcess) -
     assert spec["accepted"] > 0, spec  # the keys the schema forces are drafts the grammar vouches for
 
 
+@pytest.mark.slow  # about 5 s: `make test` stays under 10 minutes
 def test_a_tool_call_is_the_same_with_drafts(smol: EngineProcess) -> None:
     tool = {"type": "function", "function": {
         "name": "rename", "description": "Rename a function in the code.",
@@ -128,6 +130,7 @@ def test_a_tool_call_is_the_same_with_drafts(smol: EngineProcess) -> None:
     assert b[0]["function"]["name"] == "rename"
 
 
+@pytest.mark.slow  # about 6 s: `make test` stays under 10 minutes
 def test_a_streamed_answer_is_the_same_and_ends_with_what_was_drafted(smol: EngineProcess) -> None:
     with openai_client(smol) as client:
         def stream(extra: dict[str, Any]) -> tuple[str, Any]:
@@ -153,6 +156,7 @@ def test_drafts_never_run_past_max_tokens(smol: EngineProcess, max_tokens: int) 
     wait_for(lambda: lanes(smol)["kv_booked_tokens"] == 0, 10, message=lambda: str(lanes(smol)))  # released after the answer
 
 
+@pytest.mark.slow  # about 6 s: `make test` stays under 10 minutes
 def test_sampled_answers_with_a_seed_repeat(smol: EngineProcess) -> None:
     first = chat(smol, True, temperature=0.7, seed=11)
     again = chat(smol, True, temperature=0.7, seed=11)

@@ -12,8 +12,8 @@ serves as well on its own (a client's next turn, whose previous turn is cached, 
 the system prompt with others) starts from its own entry instead. Per-row sampling,
 penalties and logit bias are mlx-lm's (rows with equal parameters share one sampler, so they
 are sampled in one call; logit biases are added as one matrix, batch_bias.py); stop strings,
-EOS and max_tokens are each row's Sequence. A row can be paused for a more urgent request
-(its KV goes to the prompt cache) and resumed later where it stopped.
+EOS and max_tokens are each row's Sequence. A row can be paused for a more urgent request (its
+KV to the prompt cache) and resumed where it stopped. Rows draft as spec/batch.py says.
 
 Rows whose prefill has just ended get their first token before newer arrivals are prefilled:
 mlx-lm's generator samples a prefilled row's first token in the step after its last chunk and
@@ -21,8 +21,7 @@ hands it out a step later, and a step that also prefills new prompts hands out n
 that prefill is done. So arrivals wait those two steps (`FIRST_TOKEN_STEPS`), and a burst
 split by a late few does not give its first part the late part's prefill as time to first
 token (on the 2-core CPU: 3.4 s of 9.2; docs/benchmarks.md). One that can join a shared
-prefill under way joins it at once, and one more urgent than the rows it would wait for
-starts at once.
+prefill under way joins it at once; one more urgent than the rows it would wait for starts at once.
 """
 
 from __future__ import annotations
@@ -40,17 +39,13 @@ from mlxd.engine.cache.prefix_cache import PrefixCache, view
 from mlxd.engine.gpu import adapter_rows, image_batch, media
 from mlxd.engine.gpu.batch_bias import batch_bias
 from mlxd.engine.gpu.job import PrefillGroup
-from mlxd.engine.gpu.sampling import make_sampling, sampler_args
+from mlxd.engine.gpu.sampling import make_sampling
 from mlxd.engine.gpu.sequence import Sequence
 from mlxd.engine.gpu.sharing import MIN_SHARED_TOKENS, clusters, join_target, shareable, uniform_ids
 from mlxd.engine.gpu.stats import Stats
+from mlxd.engine.models.adapter_bank import Stack
 from mlxd.engine.models.loaded_model import LoadedModel
-from mlxd.engine.spec import batch as spec_batch
-from mlxd.engine.spec.accept import Distribution
-from mlxd.engine.spec.batch import RowDrafts
-from mlxd.engine.spec.config import DraftConfig
-from mlxd.engine.spec.pace import Pace
-from mlxd.engine.spec.serial import Tally
+from mlxd.engine.spec.batch import BatchDrafts, DraftConfig
 
 log = logging.getLogger("mlxd.engine")
 # Prompts prefilled together in one chunk; more wait for the next chunk.
@@ -83,24 +78,19 @@ class BatchLane:
         # Sequences the serial lane was prefilling, handed over to share that prefill: id -> (KV, tokens in it)
         self._carried: dict[int, tuple[list[Any], int]] = {}
         self._hold_arrivals = 0  # steps arrivals still wait for just-prefilled rows' first tokens
-        self._draft = draft if draft is not None and draft.kind != "none" else None
-        self._drafts: dict[int, RowDrafts] = {}  # rows that draft (spec/batch.py), by uid
+        self._drafts = BatchDrafts(draft)  # rows that draft (spec/batch.py)
         self._gen = self._new_generator()
 
     def _new_generator(self) -> BatchGenerator:
-        gen = BatchGenerator(
-            self._loaded.model,
-            completion_batch_size=self._width,
-            prefill_batch_size=min(self._width, MAX_PREFILL_ROWS),
-            prefill_step_size=self._prefill_step,
-        )
+        gen = BatchGenerator(self._loaded.model, completion_batch_size=self._width,
+                             prefill_batch_size=min(self._width, MAX_PREFILL_ROWS), prefill_step_size=self._prefill_step)
         batch_bias(gen)
-        adapter_rows.attach(gen, self._loaded.adapters, lambda uid: r.job.adapters if (r := self._rows.get(uid)) else ())
-        if self._draft is not None:
-            bank = self._loaded.adapters
-            spec_batch.attach(gen, self._drafts.get, lambda uids: bank.rows(
-                [r.job.adapters if (r := self._rows.get(uid)) else () for uid in uids]))
+        adapter_rows.attach(gen, self._loaded.adapters, self._stack_of)
+        self._drafts.attach(gen, self._loaded.adapters, self._stack_of)  # spec/batch.py, last: it wraps the others
         return gen
+
+    def _stack_of(self, uid: int) -> Stack:  # a row's adapters (none for a row that has left)
+        return r.job.adapters if (r := self._rows.get(uid)) else ()
 
     @property
     def has_work(self) -> bool:
@@ -250,21 +240,7 @@ class BatchLane:
             all_tokens=[tokens[:n]], samplers=[sampler], logits_processors=[processors],
         )
         self._rows[uid] = seq
-        if (drafts := self._row_drafts(seq)) is not None:
-            self._drafts[uid] = drafts
-
-    def _row_drafts(self, seq: Sequence) -> RowDrafts | None:
-        """The row's drafting, if the model drafts and the row may: not with images or a grammar
-        (spec/batch.py), nor sampled with a seed (its draws must not depend on the batch)."""
-        job = seq.job
-        if self._draft is None or not job.speculate or job.media is not None or job.grammar is not None:
-            return None
-        dist = Distribution(**sampler_args(job.sampling))
-        if job.sampling.seed is not None and not dist.greedy:
-            return None
-        if seq.tally is None:
-            seq.tally = Tally()
-        return RowDrafts(lambda: seq.history, dist, Pace(self._draft.num_draft_tokens, timed=False), seq.tally)
+        self._drafts.add(uid, seq)
 
     def _fresh_cache(self) -> list[Any]:
         return list(make_prompt_cache(self._loaded.model))
@@ -484,9 +460,7 @@ class BatchLane:
             ended += [self._rows.pop(uid) for uid in leaving]
         for seq, kv, tokens in kept:
             media.store(self._prompt_cache, self._loaded, seq.job, kv, tokens)
-        if self._drafts:
-            for uid in [uid for uid in self._drafts if uid not in self._rows]:
-                del self._drafts[uid]
+        self._drafts.prune(self._rows)
 
     def _drop_cancelled(self) -> list[Sequence]:
         """Rows whose client left: out of the generator; their KV so far goes to the prompt

@@ -29,7 +29,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
 from mlxd.engine.chat.grammar import GrammarMask
+from mlxd.engine.gpu.sampling import sampler_args
 from mlxd.engine.spec.accept import Distribution, accept
+from mlxd.engine.spec.config import DraftConfig
 from mlxd.engine.spec.ngram import NgramDrafter
 from mlxd.engine.spec.pace import Pace
 from mlxd.engine.spec.serial import Tally
@@ -45,6 +47,42 @@ class RowDrafts:
     tally: Tally
     drafter: NgramDrafter = field(default_factory=NgramDrafter)
     key: Any = None  # a seeded row's random key
+
+
+class BatchDrafts:
+    """The batch lane's drafting rows, by uid (nothing when the model does not draft)."""
+
+    def __init__(self, draft: DraftConfig | None) -> None:
+        self.draft = draft if draft is not None and draft.kind != "none" else None
+        self.rows: dict[int, RowDrafts] = {}
+
+    def attach(self, gen: Any, bank: Any, stack_of: Callable[[int], Any]) -> None:
+        """Have `gen` verify its rows' drafts, each row under its adapters (adapter_rows.py)."""
+        if self.draft is not None:
+            attach(gen, self.rows.get, lambda uids: bank.rows([stack_of(uid) for uid in uids]))
+
+    def add(self, uid: int, seq: Any) -> None:
+        if self.draft is not None and (drafts := row_drafts_for(seq, self.draft)) is not None:
+            self.rows[uid] = drafts
+
+    def prune(self, live: Any) -> None:
+        """Forget rows no longer in the batch (`live`: the uids that are)."""
+        for uid in [uid for uid in self.rows if uid not in live]:
+            del self.rows[uid]
+
+
+def row_drafts_for(seq: Any, draft: DraftConfig) -> RowDrafts | None:
+    """A batch row's drafting (`seq` a gpu/sequence.py Sequence), if it may draft: not with
+    images or a grammar, nor sampled with a seed (its draws must not depend on the batch)."""
+    job = seq.job
+    if not job.speculate or job.media is not None or job.grammar is not None:
+        return None
+    dist = Distribution(**sampler_args(job.sampling))
+    if job.sampling.seed is not None and not dist.greedy:
+        return None
+    if seq.tally is None:
+        seq.tally = Tally()  # a row the serial lane handed over keeps its counts
+    return RowDrafts(lambda: seq.history, dist, Pace(draft.num_draft_tokens, timed=False), seq.tally)
 
 
 def drafting_batch(base: Any) -> Any:
