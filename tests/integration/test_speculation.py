@@ -36,7 +36,7 @@ def perimeter(width, height):
     return 2 * (width + height)
 '''
 EDIT = f"```python\n{SNIPPET}```\n\nRewrite this code with the function `area` renamed to `surface`. Output the complete code."
-MAX_TOKENS = 40
+MAX_TOKENS = 28
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +83,7 @@ def test_drafted_greedy_answers_are_the_undrafted_ones_and_say_what_was_drafted(
     assert stats["draft"] == "ngram" and stats["draft_accepted"] >= spec["accepted"]
 
 
+@pytest.mark.slow  # about 8 s: `make test` stays under 10 minutes (the batch test keeps a stop string)
 def test_a_stop_string_inside_kept_drafts_ends_the_answer_where_it_would(smol: EngineProcess) -> None:
     full = message(chat(smol, False))["content"]
     stop = "perimeter("  # in the copied code, after the renamed function
@@ -94,9 +95,9 @@ def test_a_stop_string_inside_kept_drafts_ends_the_answer_where_it_would(smol: E
 
 
 def test_logprobs_are_those_of_each_emitted_token(smol: EngineProcess) -> None:
-    plain, drafted = both(smol, logprobs=True, top_logprobs=2, max_tokens=24)
+    plain, drafted = both(smol, logprobs=True, top_logprobs=2, max_tokens=16)
     a, b = plain["choices"][0]["logprobs"]["content"], drafted["choices"][0]["logprobs"]["content"]
-    assert [x["token"] for x in a] == [x["token"] for x in b] and len(a) == 24
+    assert [x["token"] for x in a] == [x["token"] for x in b] and len(a) == 16
     for x, y in zip(a, b, strict=True):
         assert y["logprob"] == pytest.approx(x["logprob"], abs=2e-3)
         assert [t["token"] for t in y["top_logprobs"]] == [t["token"] for t in x["top_logprobs"]]
@@ -148,7 +149,7 @@ def test_a_streamed_answer_is_the_same_and_ends_with_what_was_drafted(smol: Engi
     assert usage is not None and usage.model_extra["speculation"]["accepted"] > 0
 
 
-@pytest.mark.parametrize("max_tokens", [1, 2, 7, 23])
+@pytest.mark.parametrize("max_tokens", [1, 2, 9])
 def test_drafts_never_run_past_max_tokens(smol: EngineProcess, max_tokens: int) -> None:
     plain, drafted = both(smol, max_tokens=max_tokens)
     assert drafted["usage"]["completion_tokens"] == max_tokens
@@ -168,7 +169,7 @@ def test_sampled_answers_with_a_seed_repeat(smol: EngineProcess) -> None:
 def test_a_drafting_row_handed_to_the_batch_lane_goes_on_as_it_would_alone(smol: EngineProcess) -> None:
     """A second request arriving moves the lone drafting row into the batch lane, mid-answer;
     both answers are what each gets decoded alone without drafts."""
-    long_ask = {"max_tokens": 64}
+    long_ask = {"max_tokens": 40}
     other = {"messages": [{"role": "user", "content": "List three colours."}], "max_tokens": 16}
     alone = message(chat(smol, False, **long_ask))["content"]
     other_alone = message(chat(smol, False, **other))["content"]
@@ -218,8 +219,8 @@ def test_rows_decoding_together_draft_in_the_batch_and_answer_as_alone(smol: Eng
     """Four requests at once decode in the batch lane: two draft (one held to a stop string),
     one opted out, one with logprobs. Each answer is what it gets alone without drafts, and
     the drafting rows kept drafts there."""
-    asks = [{"max_tokens": 48}, {"max_tokens": 40, "stop": ["perimeter("]}, {"max_tokens": 32, "speculation": False},
-            {"max_tokens": 24, "logprobs": True}]
+    asks = [{"max_tokens": 40}, {"max_tokens": 40, "stop": ["perimeter("]}, {"max_tokens": 16, "speculation": False},
+            {"max_tokens": 20, "logprobs": True}]
     alone = [chat(smol, False, **{k: v for k, v in a.items() if k != "speculation"}) for a in asks]
     with concurrent.futures.ThreadPoolExecutor(len(asks)) as pool:
         together = list(pool.map(lambda a: chat(smol, True, **a), asks))
