@@ -166,6 +166,7 @@ def test_sampled_answers_with_a_seed_repeat(smol: EngineProcess) -> None:
     assert "speculation" in first["usage"]
 
 
+@pytest.mark.slow  # about 10 s: `make test` stays under 10 minutes (test_spec_decoder.py checks `release` fast)
 def test_a_drafting_row_handed_to_the_batch_lane_goes_on_as_it_would_alone(smol: EngineProcess) -> None:
     """A second request arriving moves the lone drafting row into the batch lane, mid-answer;
     both answers are what each gets decoded alone without drafts."""
