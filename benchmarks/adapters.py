@@ -38,15 +38,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 from batching import (
     bench_supervisor,
     chat_ids,
+    concurrent_streams,
     default_model,
     log,
     make_template,
     show_log,
-    stream_chat,
 )
 from common import logit_bias
 from engine_decode import engine_env
@@ -104,11 +103,7 @@ def run_raw(job: Row, env: dict[str, str]) -> Row:
 # --- mlxd ----------------------------------------------------------------------------------
 
 async def streams(url: str, bodies: list[Row]) -> Row:
-    timeout = aiohttp.ClientTimeout(total=None, sock_read=3600)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        t0 = time.perf_counter()
-        rows = await asyncio.gather(*(stream_chat(session, url, b) for b in bodies))
-        wall = time.perf_counter() - t0
+    rows, wall = await concurrent_streams(url, bodies)
     tokens = sum(r["tokens"] for r in rows)
     return {"streams": len(rows), "tokens": tokens, "wall_s": wall, "aggregate_tps": tokens / wall,
             "decode_tps": statistics.median(r["decode_tps"] for r in rows),

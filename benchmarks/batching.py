@@ -327,6 +327,15 @@ async def stream_chat(session: aiohttp.ClientSession, url: str, body: Row | byte
             "decode_tps": (tokens - 1) / (last - first) if last > first else float("nan")}
 
 
+async def concurrent_streams(url: str, bodies: list[Row]) -> tuple[list[Row], float]:
+    """The bodies streamed at once, each on a connection of its own: their rows and the wall time."""
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=3600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        t0 = time.perf_counter()
+        rows = await asyncio.gather(*(stream_chat(session, url, b) for b in bodies))
+        return list(rows), time.perf_counter() - t0
+
+
 async def client(session: aiohttp.ClientSession, url: str, bodies: list[Row]) -> list[Row]:
     return [await stream_chat(session, url, body) for body in bodies]
 

@@ -28,12 +28,17 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-from batching import MODEL_ID, bench_supervisor, default_model, log, show_log, stream_chat
+from batching import (
+    MODEL_ID,
+    bench_supervisor,
+    concurrent_streams,
+    default_model,
+    log,
+    show_log,
+)
 
 Row = dict[str, Any]
 
@@ -108,11 +113,7 @@ def body(workload: str, n: int, max_tokens: int, drafts: bool) -> Row:
 
 
 async def streams(url: str, bodies: list[Row]) -> Row:
-    timeout = aiohttp.ClientTimeout(total=None, sock_read=3600)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        t0 = time.perf_counter()
-        rows = await asyncio.gather(*(stream_chat(session, url, b) for b in bodies))
-        wall = time.perf_counter() - t0
+    rows, wall = await concurrent_streams(url, bodies)
     tokens = sum(r["tokens"] for r in rows)
     spec = [(r["usage"] or {}).get("speculation") or {} for r in rows]
     return {"streams": len(rows), "tokens": tokens, "wall_s": wall, "aggregate_tps": tokens / wall,
