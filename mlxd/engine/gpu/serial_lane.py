@@ -152,12 +152,14 @@ class SerialLane:
         return [(int(token), logprobs)]
 
     def _speculator(self) -> Speculator | None:
-        """A speculative decoder for the running sequence, if the model drafts and it may."""
+        """A speculative decoder for the running sequence, if the model drafts and it may (not
+        with images, nor with --kv-bits: generate_step quantizes the KV as it grows, the decoder
+        does not)."""
         seq, draft = self._seq, self._draft
         assert seq is not None
         job = seq.job
-        if (draft is None or not job.speculate or job.media is not None or self._done != len(self._tokens) - 1
-                or not can_trim_prompt_cache(self._kv)):
+        if (draft is None or not job.speculate or job.media is not None or self._kv_bits is not None
+                or self._done != len(self._tokens) - 1 or not can_trim_prompt_cache(self._kv)):
             return None
         sampler_kw = sampler_args(job.sampling)
         _, processors = make_sampling(job.sampling, [], job.grammar, sorted(self._loaded.eos_token_ids))
