@@ -7,8 +7,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from mlxd.engine.spec.config import DEFAULT_NUM_DRAFT_TOKENS, DRAFT_KINDS
+from mlxd.engine.spec.config import DEFAULT_NUM_DRAFT_TOKENS
 from mlxd.protocol.sizing import parse_batch
+from mlxd.protocol.speculation import parse_draft
 
 DEFAULT_MAX_BODY = 64 * 1024 * 1024
 
@@ -84,9 +85,10 @@ def parse_args(argv: list[str]) -> EngineSettings:
              "base model, for that copy's memory; auto: on a GPU)",
     )
     p.add_argument(
-        "--draft", choices=DRAFT_KINDS, default="none",
-        help="speculative decoding: ngram drafts tokens from the request's own context (prompt lookup) and the "
-             "model checks them in one pass; greedy output is unchanged (none: off)",
+        "--draft", default="none", metavar="none|ngram|self:N|DIR",
+        help="speculative decoding: drafted tokens the model checks in one pass (greedy output is unchanged). "
+             "ngram: copied from the request's own context (prompt lookup); self:N: the model's own first N "
+             "layers and its head; DIR: a small draft model of the same tokenizer (none: off)",
     )
     p.add_argument("--num-draft-tokens", type=int, default=DEFAULT_NUM_DRAFT_TOKENS,
                    help="the most drafted tokens one pass checks (the length adapts to what is accepted)")
@@ -129,6 +131,12 @@ def parse_args(argv: list[str]) -> EngineSettings:
         value = getattr(a, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    try:
+        kind, _, draft_dir = parse_draft(a.draft)
+    except ValueError as exc:
+        p.error(f"--draft: {exc}")
+    if kind == "model":  # a dir that is not a model is a load error (the supervisor shows those)
+        a.draft = str(Path(draft_dir).expanduser())
     if not 1 <= a.num_draft_tokens <= 64:
         p.error("--num-draft-tokens must be between 1 and 64")
     if not 0 <= a.gather_ms <= 1000:

@@ -78,7 +78,7 @@ class LaneStats(msgspec.Struct):
     adapter_bytes: int = 0  # their weights' memory
     adapter_mixed_passes: int = 0  # forward passes whose rows ran under different adapters
     adapter_merged_bytes: int = 0  # the merged copy of the layers of the stack that has every row to itself
-    draft: str = "none"  # what the model drafts with (--draft): none, ngram
+    draft: str = "none"  # what the model drafts with (--draft): none, ngram, self:N, model:DIR
     draft_proposed: int = 0  # drafted tokens the target checked since the engine started
     draft_accepted: int = 0  # ... and kept (their share is the acceptance)
 

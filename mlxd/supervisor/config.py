@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from mlxd.paths import shell_quote
-from mlxd.protocol.speculation import DEFAULT_NUM_DRAFT_TOKENS
+from mlxd.protocol.speculation import DEFAULT_NUM_DRAFT_TOKENS, parse_draft
 
 log = logging.getLogger("mlxd.config")
 MIB = 1024 * 1024
@@ -64,7 +64,8 @@ class ServerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     image_fetch_private: bool = False
 
 
-Draft = Literal["none", "ngram"]
+# "none", "ngram", "self:N", or a draft model's name or directory (protocol/speculation.py).
+Draft = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
 NumDraft = Annotated[int, msgspec.Meta(ge=1, le=64)]
 
 
@@ -79,6 +80,10 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     adapter: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)] | None = None  # requests' default adapters
     draft: Draft | None = None  # speculative decoding's drafts (None: [pool] draft)
     num_draft_tokens: NumDraft | None = None  # the most drafts a pass checks (None: [pool] num_draft_tokens)
+
+    def __post_init__(self) -> None:
+        if self.draft is not None:
+            parse_draft(self.draft)  # its ValueError is the key's error
 
     def resolved_path(self) -> Path:
         """`path` with `~` expanded."""
@@ -120,6 +125,9 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cooldown_s: Annotated[float, msgspec.Meta(gt=0)] = 15.0
     cooldown_max_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
     healthy_reset_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0
+
+    def __post_init__(self) -> None:
+        parse_draft(self.draft)  # its ValueError is the key's error
 
 
 class ResponsesConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -16,6 +16,7 @@ from mlxd import paths
 from mlxd.protocol import sampling
 from mlxd.protocol.capabilities import Capabilities, capabilities, template_text
 from mlxd.protocol.errors import APIError
+from mlxd.protocol.speculation import parse_draft
 from mlxd.protocol.supervisor_api import Source
 from mlxd.supervisor.config import DEFAULT_BATCH, Batch, ModelConfig
 
@@ -37,8 +38,9 @@ class ModelEntry(msgspec.Struct, frozen=True, kw_only=True):
     batch: Batch = DEFAULT_BATCH  # sequences its engine decodes at once ("auto"): the entry's, else [pool] batch
     is_available: bool = True  # False: a config entry whose path is not an MLX model dir
     adapter: str | None = None  # the adapters a request that names none runs under ("none": the base)
-    draft: str | None = None  # [models.NAME] draft (None: the engines' [pool] one)
+    draft: str | None = None  # [models.NAME] draft (None: the engines' [pool] one); a draft model's, its dir
     num_draft_tokens: int | None = None
+    draft_bytes: int = 0  # the draft model's size on disk (its weights load beside the model's)
 
 
 def sampling_of(entry: ModelEntry) -> dict[str, float]:
@@ -192,9 +194,11 @@ class Registry:
         models_dir: Path | None = None,
         hf_cache: Path | None = None,
         batch: Batch = DEFAULT_BATCH,
+        draft: str = "none",
     ) -> None:
         self._configured = dict(models or {})
         self._batch = batch  # [pool] batch: the width of models without their own
+        self._draft = draft  # [pool] draft: a draft model named there drafts for every other model
         self._models_dir = models_dir if models_dir is not None else paths.models_dir()
         self._hf_cache = hf_cache if hf_cache is not None else hf_cache_dir()
         self._entries: dict[str, ModelEntry] = {}
@@ -216,6 +220,21 @@ class Registry:
         ):
             merged.update((entry.id, entry) for entry in entries)
         self._entries = dict(sorted(merged.items(), key=lambda item: _sort_key(item[0])))
+        self._entries = {key: self._with_draft(entry) for key, entry in self._entries.items()}
+
+    def _with_draft(self, entry: ModelEntry) -> ModelEntry:
+        """`entry` with its draft model's name resolved to its dir (by the names requests use, else
+        as a path), and its size; a model named as its own draft does not draft."""
+        value = entry.draft if entry.draft is not None else self._draft
+        kind, _, name = parse_draft(value)
+        if kind != "model":
+            return entry
+        found = self._lookup(name)
+        path = found.path if found is not None else Path(name).expanduser()
+        if path == entry.path:
+            return msgspec.structs.replace(entry, draft="none")
+        size = found.size_bytes if found is not None else dir_size(path) if is_mlx_model_dir(path) else 0
+        return msgspec.structs.replace(entry, draft=str(path), draft_bytes=size)
 
     def entries(self) -> list[ModelEntry]:
         """Every known model, sorted by id."""

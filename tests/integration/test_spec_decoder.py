@@ -44,6 +44,12 @@ class Scripted:
         self.draft = draft
         self.calls = 0
 
+    def start(self, tokens: list[int]) -> None:
+        pass
+
+    def ready(self, tokens: list[int]) -> bool:
+        return bool(self.draft(tokens, 1))
+
     def propose(self, tokens: list[int], limit: int) -> list[int]:
         self.calls += 1
         return self.draft(tokens, limit)[:limit]

@@ -180,6 +180,33 @@ def test_batch_width_is_the_entry_s_else_the_pool_s(dirs: tuple[Path, Path], tmp
     assert reg.resolve("scanned", []).batch == 5
 
 
+def test_a_draft_model_is_named_as_requests_name_it_and_given_to_the_engine_as_its_dir(
+    dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    models, _ = dirs
+    small = make_model(models / "small", weights=7)
+    elsewhere = make_model(tmp_path / "elsewhere", weights=5)
+    config = {
+        "big": ModelConfig(path=str(make_model(tmp_path / "big")), draft="small"),
+        "by-path": ModelConfig(path=str(make_model(tmp_path / "by-path")), draft=str(elsewhere)),
+        "lookup": ModelConfig(path=str(make_model(tmp_path / "lookup")), draft="ngram"),
+        "gone": ModelConfig(path=str(make_model(tmp_path / "gone")), draft="no-such-model"),
+    }
+    reg = Registry(config, models_dir=models, draft="self:2")
+    got = {e.id: (e.draft, e.draft_bytes) for e in reg.entries()}
+    assert got["big"] == (str(small), 7 + 4)  # its weights, config.json and tokenizer.json
+    assert got["by-path"] == (str(elsewhere), 5 + 4)
+    assert got["lookup"] == ("ngram", 0)
+    assert got["gone"] == ("no-such-model", 0)  # the engine's load error says it is not a model
+    assert got["small"] == (None, 0)  # the pool's self:2 reaches it through the engines' flags
+    # A draft model named in [pool] drafts for every model but itself.
+    reg = Registry({}, models_dir=models, draft="small")
+    make_model(models / "other")
+    reg.refresh()
+    got = {e.id: (e.draft, e.draft_bytes) for e in reg.entries()}
+    assert got == {"other": (str(small), 11), "small": ("none", 0)}
+
+
 def test_config_entry_with_bad_path_is_listed_but_unavailable(
     dirs: tuple[Path, Path], tmp_path: Path
 ) -> None:

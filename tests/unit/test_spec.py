@@ -233,12 +233,13 @@ def test_the_draft_goes_from_the_config_to_the_engines_flags(tmp_path: Path) -> 
     assert (settings["b"].draft, settings["b"].num_draft_tokens) == ("none", 6)
     assert (settings["c"].draft, settings["c"].num_draft_tokens) == ("ngram", 2)
     assert "--draft" not in engine_args_from(decode_config(b"", tmp_path / "d.toml").pool)  # off by default
-    for bad in (b'[pool]\ndraft = "eagle"\n', b'[models.a]\npath = "/m"\nnum_draft_tokens = 0\n'):
+    for bad in (b'[pool]\ndraft = "self:0"\n', b'[models.a]\npath = "/m"\ndraft = "self:two"\n',
+                b'[pool]\ndraft = ""\n', b'[models.a]\npath = "/m"\nnum_draft_tokens = 0\n'):
         with pytest.raises(ConfigError):
             decode_config(bad, tmp_path / "bad.toml")
 
 
-@pytest.mark.parametrize(("flags", "error"), [(["--draft", "medusa"], "--draft"),
+@pytest.mark.parametrize(("flags", "error"), [(["--draft", "self:0"], "--draft"),
                                               (["--num-draft-tokens", "0"], "--num-draft-tokens")])
 def test_the_engine_refuses_bad_draft_flags(flags: list[str], error: str, capsys: pytest.CaptureFixture[str]) -> None:
     from mlxd.engine.settings import parse_args

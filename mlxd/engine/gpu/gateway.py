@@ -146,7 +146,7 @@ class Gateway:
             shared_tokens=self._stats.shared_tokens,
             image_batches=self._stats.image_batches,
             image_batch_rows=self._stats.image_batch_rows,
-            draft=self._options.draft.kind,
+            draft=self._options.draft.label,
             draft_proposed=self._stats.draft_proposed,
             draft_accepted=self._stats.draft_accepted,
             **_adapter_stats(self.loaded),

@@ -12,6 +12,8 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 
@@ -28,7 +30,8 @@ from mlxd.engine.gpu.runner import Runner
 from mlxd.engine.gpu.stats import Stats
 from mlxd.engine.gpu.warmup import wanted, warm_up
 from mlxd.engine.models.load_meter import LoadMeter
-from mlxd.engine.models.loaded_model import LoadedModel, wire_model_memory
+from mlxd.engine.models.loaded_model import LoadedModel, ModelLoadError, wire_model_memory
+from mlxd.engine.spec.drafters import DraftSource, open_draft
 from mlxd.protocol.sizing import Sizing, plateau_width, short_memory_hint
 
 log = logging.getLogger("mlxd.engine")
@@ -42,7 +45,29 @@ def open_model(load: Callable[[], LoadedModel], opts: GatewayOptions) -> LoadedM
     loaded.adapters.merge = opts.adapter_merge == "on" or (opts.adapter_merge == "auto" and on_gpu)
     if opts.kv_bits is not None:
         check_quantized_kv(loaded.config, activation_dtype(loaded.model), opts.kv_bits, opts.kv_group_size)
+    loaded.drafts = open_drafts(loaded, opts)
     return loaded
+
+
+def open_drafts(loaded: LoadedModel, opts: GatewayOptions) -> DraftSource | None:
+    """What the model drafts with (spec/drafters.py), its draft model loaded and checked; a draft
+    that cannot work is a load error that says why."""
+    def load(path: str) -> tuple[Any, Any]:
+        try:
+            draft = LoadedModel(Path(path), "draft")
+        except ModelLoadError as exc:
+            raise ValueError(f"the draft model: {exc}") from exc
+        return draft.model, draft.tokenizer
+
+    try:
+        source = open_draft(opts.draft, loaded.model, loaded.tokenizer, loaded.vocab_size,
+                            opts.solo_prefill_step or opts.prefill_step, load)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from exc
+    if source is not None and source.kind != "ngram":
+        log.info("speculative decoding drafts with %s (lone requests; batch rows decode without drafts)",
+                 opts.draft.label)
+    return source
 
 
 # A prefill chunk while no other row waits for tokens, on a GPU: mlx-lm's own chunk. A lone 1B

@@ -166,8 +166,10 @@ class SerialLane:
         if seq.tally is None:
             seq.tally = Tally()
         self._steps = iter(())  # the prompt is done: this lane's "decoding" state
+        source = self._loaded.drafts  # spec/drafters.py's, opened at load (none: the model-free kind)
+        drafter = source.drafter(self._kv) if source is not None else NgramDrafter()
         return Speculator(self._loaded.model, self._kv, list(self._tokens), Distribution(**sampler_kw), processors,
-                          NgramDrafter(), draft.num_draft_tokens, job.max_tokens - len(seq.generated),
+                          drafter, draft.num_draft_tokens, job.max_tokens - len(seq.generated),
                           seed=job.sampling.seed, tally=seq.tally)
 
     def _generate(self) -> Iterator[tuple[Any, Any]]:

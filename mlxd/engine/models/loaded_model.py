@@ -58,6 +58,7 @@ class LoadedModel:
         self.native_context = context_window(self.config, None)  # the model's own, uncapped
         self.vocab_size = int(self.config.get("vocab_size") or len(self.tokenizer))
         self.generation_defaults = generation_defaults(path)
+        self.drafts: Any = None  # what it drafts with, once opened (spec/drafters.py's DraftSource)
 
     @property
     def takes_images(self) -> bool:

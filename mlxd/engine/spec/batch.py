@@ -53,7 +53,8 @@ class BatchDrafts:
     """The batch lane's drafting rows, by uid (nothing when the model does not draft)."""
 
     def __init__(self, draft: DraftConfig | None) -> None:
-        self.draft = draft if draft is not None and draft.kind != "none" else None
+        # Only model-free drafts in the batch: a draft model's or a self-draft's passes run per row.
+        self.draft = draft if draft is not None and draft.kind == "ngram" else None
         self.rows: dict[int, RowDrafts] = {}
 
     def attach(self, gen: Any, bank: Any, stack_of: Callable[[int], Any]) -> None:

@@ -34,6 +34,12 @@ class NgramDrafter:
                 last[tuple(tokens[end + 1 - n:end + 1])] = end
         self._indexed = max(self._indexed, upto)
 
+    def start(self, tokens: list[int]) -> None:
+        pass  # indexed as drafts are asked for
+
+    def ready(self, tokens: list[int]) -> bool:
+        return bool(self.propose(tokens, 1))
+
     def propose(self, tokens: list[int], limit: int) -> list[int]:
         """Up to `limit` tokens to follow `tokens`, or none when its suffix appeared nowhere before."""
         size = len(tokens)

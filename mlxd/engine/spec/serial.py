@@ -29,7 +29,7 @@ from mlx_lm.models.cache import trim_prompt_cache
 
 from mlxd.engine.chat.grammar import GrammarMask
 from mlxd.engine.spec.accept import Distribution, accept, as_int
-from mlxd.engine.spec.ngram import NgramDrafter
+from mlxd.engine.spec.drafters import Drafter
 from mlxd.engine.spec.pace import Pace
 
 Emitted = list[tuple[int, Any]]  # (token, its position's log probabilities over the vocabulary)
@@ -49,7 +49,7 @@ class Speculator:
     """Decodes one row whose KV holds all of `tokens` but the last."""
 
     def __init__(self, model: Any, kv: list[Any], tokens: list[int], dist: Distribution, processors: list[Any],
-                 drafter: NgramDrafter, num_draft: int, max_tokens: int, seed: int | None = None,
+                 drafter: Drafter, num_draft: int, max_tokens: int, seed: int | None = None,
                  tally: Tally | None = None) -> None:
         self._model = model
         self._kv = kv
@@ -65,6 +65,7 @@ class Speculator:
         self._ahead: tuple[mx.array, mx.array] | None = None  # plain mode: the next token, being computed
         self._drain = False  # plain mode: the queued token is the last plain one (drafts next)
         self._last: tuple[float, int, int] | None = None  # the previous call: start, drafts, tokens emitted
+        drafter.start(tokens)  # a draft model reads the prompt now, before the row's tokens are timed
 
     # --- the lane's calls ---
 
@@ -133,7 +134,7 @@ class Speculator:
         mx.async_eval(self._ahead[0])
         token = as_int(token_dev)
         self.tokens.append(token)
-        if self.pace.drafting and self._drafter.propose(self.tokens, 1):
+        if self.pace.drafting and self._drafter.ready(self.tokens):
             self._drain = True
         return [(token, logprobs[0])]
 

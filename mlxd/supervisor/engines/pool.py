@@ -25,7 +25,7 @@ from mlxd.protocol.engine_state import ACCEPTING, LIVE, SERVING, EngineState
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.memory import default_prompt_cache_bytes
 from mlxd.protocol.process import DrainResult
-from mlxd.protocol.speculation import DEFAULT_NUM_DRAFT_TOKENS
+from mlxd.protocol.speculation import DEFAULT_NUM_DRAFT_TOKENS, parse_draft
 from mlxd.supervisor.config import DEFAULT_GATHER_MS, PoolConfig
 from mlxd.supervisor.engines import policy
 from mlxd.supervisor.engines.adapter_mounts import AdapterMounts
@@ -94,7 +94,7 @@ def engine_args_from(config: PoolConfig, kv_dir: Path | None = None) -> tuple[st
         args += ["--warmup", config.warmup]
     if config.adapter_merge != "auto":
         args += ["--adapter-merge", config.adapter_merge]
-    if config.draft != "none":
+    if config.draft != "none" and parse_draft(config.draft)[0] != "model":  # a draft model: per model (registry.py)
         args += ["--draft", config.draft]
     if config.num_draft_tokens != DEFAULT_NUM_DRAFT_TOKENS:
         args += ["--num-draft-tokens", str(config.num_draft_tokens)]
@@ -229,7 +229,7 @@ class Pool:
             cache = prompt_cache_bytes(self.config)
             memory = estimate_bytes(entry.path, entry.size_bytes, entry.max_context, width,
                                     memory_bytes=self.limits.budget_bytes, prompt_cache_bytes=cache,
-                                    device=self._device) + cache
+                                    device=self._device) + cache + entry.draft_bytes
             ttl = entry.idle_ttl_s if entry.idle_ttl_s is not None else self.config.idle_ttl_s
             slot = Slot(engine, entry, memory, ttl, entry.pin)
             engine.on_change = lambda: self._on_engine_change(slot)
