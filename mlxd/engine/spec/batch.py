@@ -32,6 +32,7 @@ from mlxd.engine.chat.grammar import GrammarMask
 from mlxd.engine.gpu.sampling import sampler_args
 from mlxd.engine.spec.accept import Distribution, accept
 from mlxd.engine.spec.config import DraftConfig
+from mlxd.engine.spec.holes import HoleyKV, punch
 from mlxd.engine.spec.ngram import NgramDrafter
 from mlxd.engine.spec.pace import Pace
 from mlxd.engine.spec.serial import Tally
@@ -116,7 +117,7 @@ def drafting_batch(base: Any) -> Any:
         def _plain_rows(self) -> bool:
             """mlx-lm's plain batch cache in every layer, and no row held to a grammar (its mask
             takes one token a step: batch_bias.py)."""
-            return (all(type(c) is BatchKVCache for c in self.prompt_cache)
+            return (all(type(c) in (BatchKVCache, HoleyKV) for c in self.prompt_cache)
                     and not any(isinstance(p, GrammarMask) for procs in self.logits_processors for p in procs or ()))
 
         def _account(self, now: float) -> None:
@@ -207,11 +208,7 @@ def drafting_batch(base: Any) -> Any:
             if low:
                 for c in self.prompt_cache:
                     c.trim(low)
-            rest = [d - low for d in drop]
-            if any(rest):
-                for c in self.prompt_cache:
-                    c.prepare(right_padding=rest)
-                    c.finalize()
+            punch(self.prompt_cache, [d - low for d in drop])  # the rest: holes (holes.py)
 
         def _answer(self, now: float, rows: list[RowDrafts | None], nexts: list[int], next_logprobs: list[Any],
                     drafts: list[list[int]], kept: list[list[int]], logprobs: mx.array) -> list[Any]:
