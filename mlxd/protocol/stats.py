@@ -81,6 +81,7 @@ class LaneStats(msgspec.Struct):
     draft: str = "none"  # what the model drafts with (--draft): none, ngram, self:N, model:DIR
     draft_proposed: int = 0  # drafted tokens the target checked since the engine started
     draft_accepted: int = 0  # ... and kept (their share is the acceptance)
+    draft_batch_passes: int = 0  # batch steps that checked drafts (rows decoding together)
 
 
 class TokenCounts(msgspec.Struct):

@@ -233,3 +233,25 @@ def test_rows_decoding_together_draft_in_the_batch_and_answer_as_alone(smol: Eng
     assert [x["token"] for x in got] == [x["token"] for x in want]
     assert [x["logprob"] for x in got] == pytest.approx([x["logprob"] for x in want], abs=2e-3)
     wait_for(lambda: lanes(smol)["kv_booked_tokens"] == 0, 10, message=lambda: str(lanes(smol)))  # released after the answer
+    assert lanes(smol)["draft_batch_passes"] > 0
+
+
+@pytest.mark.slow  # about 15 s on 2 cores: `make test` stays under 10 minutes
+def test_rows_held_to_a_json_schema_draft_in_the_batch_and_answer_as_alone(smol: EngineProcess) -> None:
+    """Two rows under a JSON schema and one free row decode together: each answer is what it
+    gets alone without drafts; the held rows kept drafts (the keys their schema forces)."""
+    schema = {"type": "object", "properties": {"old_name": {"type": "string"}, "new_name": {"type": "string"},
+                                               "changed_lines": {"type": "integer"}},
+              "required": ["old_name", "new_name", "changed_lines"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "edit", "schema": schema, "strict": True}}
+    asks = [{"max_tokens": 48, "response_format": fmt}, {"max_tokens": 40},
+            {"max_tokens": 48, "response_format": fmt, "stop": ["}"]}]
+    alone = [chat(smol, False, **a) for a in asks]
+    before = lanes(smol)
+    with concurrent.futures.ThreadPoolExecutor(len(asks)) as pool:
+        together = list(pool.map(lambda a: chat(smol, True, **a), asks))
+    assert [message(t)["content"] for t in together] == [message(a)["content"] for a in alone]
+    assert set(json.loads(message(together[0])["content"])) == {"old_name", "new_name", "changed_lines"}
+    for answer in together:
+        assert answer["usage"]["speculation"]["accepted"] > 0, answer["usage"]
+    assert lanes(smol)["draft_batch_passes"] > before["draft_batch_passes"], lanes(smol)  # they met in the batch

@@ -236,17 +236,23 @@ class GrammarMask:
     def draft_limit(self, history: list[int], drafts: list[int]) -> int:
         """How many of `drafts` (tokens that would follow `history`, the row's tokens so far)
         the grammar allows in a row; the matcher is left as it was (speculation, spec/)."""
+        return self.allowed_after(self._pending(history), drafts)
+
+    def allowed_after(self, pending: list[int], drafts: list[int]) -> int:
+        """How many of `drafts` the grammar allows after the matcher's tokens and `pending`."""
         if not drafts or self._m.is_error() or self._m.is_stopped():
             return 0
-        pending = history[self._seen:] if self._seen is not None else []
         return max(0, int(self._m.validate_tokens(pending + drafts)) - len(pending))
 
     def forced(self, history: list[int], limit: int) -> list[int]:
         """Tokens the grammar forces after `history` (a JSON key's rest, say): a draft that the
         mask would let through alone. The matcher is left as it was."""
+        return self.forced_after(self._pending(history), limit)
+
+    def forced_after(self, pending: list[int], limit: int) -> list[int]:
+        """Tokens the grammar forces after the matcher's tokens and `pending`."""
         if limit <= 0 or self._m.is_error() or self._m.is_stopped():
             return []
-        pending = history[self._seen:] if self._seen is not None else []
         if pending and int(self._m.try_consume_tokens(pending)) != len(pending):
             return []
         try:
@@ -254,6 +260,9 @@ class GrammarMask:
         finally:
             if pending:
                 self._m.rollback(len(pending))
+
+    def _pending(self, history: list[int]) -> list[int]:
+        return history[self._seen:] if self._seen is not None else []
 
     def rollback(self, count: int) -> None:
         """Forget the last `count` tokens the matcher took (drafts the target rejected)."""

@@ -149,6 +149,7 @@ class Gateway:
             draft=self._options.draft.label,
             draft_proposed=self._stats.draft_proposed,
             draft_accepted=self._stats.draft_accepted,
+            draft_batch_passes=self._stats.draft_batch_passes,
             **_adapter_stats(self.loaded),
         )
 

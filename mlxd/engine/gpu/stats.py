@@ -27,6 +27,7 @@ class Stats:
     num_resumed: int = 0  # paused rows started again
     draft_proposed: int = 0  # drafted tokens the target checked (speculative decoding, spec/)
     draft_accepted: int = 0  # ... and kept
+    draft_batch_passes: int = 0  # batch steps that checked drafts (spec/batch.py)
     # The GPU thread's time at work (admitting, stepping lanes): its share of uptime is the
     # engine's load. One tuple, (seconds of finished turns, perf_counter at the start of the turn
     # under way or None), swapped whole, so a reader in another thread never sees half an update.

@@ -7,15 +7,18 @@ one pass over every row's next token followed by its drafts, padded to the longe
 keeps the drafts the target agrees with (accept.py) and takes one token of the target's as its
 new next token; a row without drafts rides along with its one token.
 
-Rows keep different numbers of tokens, so each row's KV is rolled back by its own count: mlx-lm's
-batch cache does this for right-padded prompts (`prepare(right_padding=...)` then `finalize`,
-which rolls each row's keys so its last valid one ends the buffer and counts the rest as left
-padding). When every row drops the same count, a plain trim does. The step answers with every
-token it emitted, in order, several per row; the batch lane takes them one by one.
+Rows keep different numbers of tokens, so each row's KV is rolled back by its own count: what
+every row drops is trimmed off the end, and the rest a row drops stays in the buffer as holes
+its attention never sees (holes.py), where mlx-lm's own way (`prepare(right_padding=...)` and
+`finalize`) would roll every row's whole buffer each step. The step answers with every token
+it emitted, in order, several per row; the batch lane takes them one by one.
 
 Only a batch whose caches are all mlx-lm's plain batch cache drafts (no sliding windows, no
-recurrent layers, no quantized KV), and only rows without a grammar (their masks follow the
-one-token step of batch_bias.py). Every other step is mlx-lm's own.
+recurrent layers, no quantized KV). A row held to a grammar drafts the tokens its grammar
+forces, else the drafter's cut where the grammar refuses them; its mask is applied at every
+position of the pass (each matcher takes the row's next token and drafts), and the matcher
+forgets the drafts the row refused. Every other step is mlx-lm's own (batch_bias.py's, whose
+one-op masks feed each matcher the token it feeds the model).
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ class RowDrafts:
 class BatchDrafts:
     """The batch lane's drafting rows, by uid (nothing when the model does not draft)."""
 
-    def __init__(self, draft: DraftConfig | None) -> None:
+    def __init__(self, draft: DraftConfig | None, stats: Any = None) -> None:
+        self._stats = stats  # the engine's (gpu/stats.py): counts the batch's verification passes
         # Only model-free drafts in the batch: a draft model's or a self-draft's passes run per row.
         self.draft = draft if draft is not None and draft.kind == "ngram" else None
         self.rows: dict[int, RowDrafts] = {}
@@ -61,7 +65,7 @@ class BatchDrafts:
     def attach(self, gen: Any, bank: Any, stack_of: Callable[[int], Any]) -> None:
         """Have `gen` verify its rows' drafts, each row under its adapters (adapter_rows.py)."""
         if self.draft is not None:
-            attach(gen, self.rows.get, lambda uids: bank.rows([stack_of(uid) for uid in uids]))
+            attach(gen, self.rows.get, lambda uids: bank.rows([stack_of(uid) for uid in uids]), self._stats)
 
     def add(self, uid: int, seq: Any) -> None:
         if self.draft is not None and (drafts := row_drafts_for(seq, self.draft)) is not None:
@@ -75,9 +79,9 @@ class BatchDrafts:
 
 def row_drafts_for(seq: Any, draft: DraftConfig) -> RowDrafts | None:
     """A batch row's drafting (`seq` a gpu/sequence.py Sequence), if it may draft: not with
-    images or a grammar, nor sampled with a seed (its draws must not depend on the batch)."""
+    images, nor sampled with a seed (its draws must not depend on the batch)."""
     job = seq.job
-    if not job.speculate or job.media is not None or job.grammar is not None:
+    if not job.speculate or job.media is not None:
         return None
     dist = Distribution(**sampler_args(job.sampling))
     if job.sampling.seed is not None and not dist.greedy:
@@ -93,6 +97,7 @@ def drafting_batch(base: Any) -> Any:
     class DraftingBatch(base):
         row_drafts: Callable[[int], RowDrafts | None] = staticmethod(lambda uid: None)
         rows_context: Callable[[list[int]], Any] | None = None  # the adapters' per-row plan (adapter_rows.py)
+        stats: Any = None  # the engine's, which counts verification passes
         _last_step: tuple[float, dict[int, tuple[RowDrafts, int]], int] | None = None
         batch_pace: Pace  # the whole batch's: drafting against not, timed in tokens of all rows
         _next_tokens: Any  # mlx-lm's: the rows' next tokens, sampled and not yet fed
@@ -117,8 +122,7 @@ def drafting_batch(base: Any) -> Any:
         def _plain_rows(self) -> bool:
             """mlx-lm's plain batch cache in every layer, and no row held to a grammar (its mask
             takes one token a step: batch_bias.py)."""
-            return (all(type(c) in (BatchKVCache, HoleyKV) for c in self.prompt_cache)
-                    and not any(isinstance(p, GrammarMask) for procs in self.logits_processors for p in procs or ()))
+            return all(type(c) in (BatchKVCache, HoleyKV) for c in self.prompt_cache)
 
         def _account(self, now: float) -> None:
             """Time the previous step: the batch's tokens in that time (the rows count down their pauses)."""
@@ -140,8 +144,7 @@ def drafting_batch(base: Any) -> Any:
                 if rd is None or not rd.pace.drafting or left <= 0:
                     drafts.append([])
                     continue
-                history = [*rd.history(), nexts[i]]
-                drafts.append(rd.drafter.propose(history, min(rd.pace.length, left)))
+                drafts.append(self._drafts_of(i, rd, nexts[i], min(rd.pace.length, left)))
             width = max(len(d) for d in drafts)
             if width == 0:  # nothing to check: mlx-lm's step, from the tokens it already has
                 out = super().next()
@@ -156,12 +159,16 @@ def drafting_batch(base: Any) -> Any:
             else:
                 logits = self.model(inputs, cache=self.prompt_cache)
             logprobs = self._processed(logits, nexts, drafts)
+            if self.stats is not None:
+                self.stats.draft_batch_passes += 1
             kept: list[list[int]] = []
             own: dict[int, mx.array] = {}  # rows without drafts: their own sampler, as mlx-lm's step samples them
             for i, d in enumerate(drafts):
                 rd = rows[i]
                 if d and rd is not None:
                     kept.append(accept(rd.dist, logprobs[i, :len(d) + 1], d, self._split(rd)))
+                    if (grammar := grammar_of(self.logits_processors[i])) is not None:
+                        grammar.rollback(len(d) - (len(kept[-1]) - 1))  # it took every draft (_processed)
                 else:
                     sampler = (self.samplers[i] if self.samplers else None) or self.fallback_sampler
                     own[i] = sampler(logprobs[i, :1])
@@ -172,6 +179,20 @@ def drafting_batch(base: Any) -> Any:
                     kept[i] = [int(token.reshape(-1).tolist()[0])]  # type: ignore[arg-type, index]
             self._roll_back([width - (len(k) - 1) for k in kept])
             return self._answer(now, rows, nexts, next_logprobs, drafts, kept, logprobs)
+
+        def _drafts_of(self, i: int, rd: RowDrafts, nxt: int, limit: int) -> list[int]:
+            """Row i's drafts after its next token `nxt`: under a grammar, the tokens it forces,
+            else the drafter's cut where the grammar would refuse them (its matcher has taken
+            every token fed so far, so `nxt` alone is pending)."""
+            grammar = grammar_of(self.logits_processors[i])
+            if grammar is None:
+                return rd.drafter.propose([*rd.history(), nxt], limit)
+            if not grammar.started:
+                return []
+            if forced := grammar.forced_after([nxt], limit):
+                return forced
+            drafts = rd.drafter.propose([*rd.history(), nxt], limit)
+            return drafts[:grammar.allowed_after([nxt], drafts)]
 
         @staticmethod
         def _split(rd: RowDrafts) -> Any:
@@ -262,8 +283,12 @@ def drafting_batch(base: Any) -> Any:
     return DraftingBatch
 
 
+def grammar_of(processors: list[Any] | None) -> GrammarMask | None:
+    return next((p for p in processors or () if isinstance(p, GrammarMask)), None)
+
+
 def attach(gen: Any, row_drafts: Callable[[int], RowDrafts | None],
-           rows_context: Callable[[list[int]], Any] | None = None) -> bool:
+           rows_context: Callable[[list[int]], Any] | None = None, stats: Any = None) -> bool:
     """Have `gen`'s generation batch verify the drafts `row_drafts(uid)` gives its rows."""
     steps = getattr(gen, "_generation_batch", None)
     if steps is None or not all(hasattr(steps, a) for a in ("_next_tokens", "_next_logprobs", "_token_context",
@@ -273,5 +298,6 @@ def attach(gen: Any, row_drafts: Callable[[int], RowDrafts | None],
     cls.row_drafts = staticmethod(row_drafts)
     cls.batch_pace = Pace(1, scale=getattr(gen, "completion_batch_size", 8))
     cls.rows_context = staticmethod(rows_context) if rows_context is not None else None
+    cls.stats = stats
     steps.__class__ = cls
     return True

@@ -34,13 +34,17 @@ def punch(caches: list[Any], drop: list[int]) -> None:
         return
     for c in caches:
         if type(c) is BatchKVCache:
-            c.__class__ = HoleyKV
-            c.holes = mx.zeros((c.offset.shape[0], c._idx), dtype=mx.bool_)
+            become_holey(c)
         c.punch(drop)
     first = caches[0]
     if first.hole_count() > max(COMPACT_MIN, COMPACT_SHARE * first._idx * first.offset.shape[0]):
         for c in caches:
             c.compact()
+
+
+def become_holey(c: Any) -> None:
+    c.__class__ = HoleyKV
+    c.holes = mx.zeros((c.offset.shape[0], c._idx), dtype=mx.bool_)
 
 
 class HoleyKV(BatchKVCache):
@@ -61,7 +65,7 @@ class HoleyKV(BatchKVCache):
         self.offset = self.offset - mx.array(drop)
 
     def hole_count(self) -> int:
-        return int(self._holes(self._idx).sum().item())
+        return int(self._holes(self._idx).sum().item())  # type: ignore[arg-type]
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> Any:
         mask = super().make_mask(N, return_array=return_array, **kwargs)
@@ -96,10 +100,11 @@ class HoleyKV(BatchKVCache):
     def extract(self, idx: int) -> KVCache:
         """Row `idx`'s kept keys alone, as a plain cache (a finished or paused row's KV)."""
         mx.eval(self.left_padding, self.holes)
-        start = int(self.left_padding[idx].item())
+        start = int(self.left_padding[idx].item())  # type: ignore[arg-type]
         holes: list[bool] = self._holes(self._idx)[idx].tolist()  # type: ignore[assignment]
         kept = mx.array([p for p in range(start, self._idx) if not holes[p]], dtype=mx.int32)
         cache = KVCache()
+        assert self.keys is not None and self.values is not None
         cache.keys = mx.contiguous(mx.take(self.keys[idx:idx + 1], kept, axis=2))
         cache.values = mx.contiguous(mx.take(self.values[idx:idx + 1], kept, axis=2))
         cache.offset = cache.keys.shape[2]
@@ -119,8 +124,10 @@ class HoleyKV(BatchKVCache):
         width = self._idx
         rows: list[list[int]] = []
         pads: list[int] = []
-        for row, start in zip(holes.tolist(), self.left_padding.tolist(), strict=True):
-            kept = [p for p in range(int(start), width) if not row[p]]  # type: ignore[index, arg-type, call-overload]
+        starts: list[int] = self.left_padding.tolist()  # type: ignore[assignment]
+        masks: list[list[bool]] = holes.tolist()  # type: ignore[assignment]
+        for row, start in zip(masks, starts, strict=True):
+            kept = [p for p in range(start, width) if not row[p]]
             pads.append(width - len(kept))
             rows.append([kept[0] if kept else 0] * (width - len(kept)) + kept)
         index = mx.array(rows, dtype=mx.int32)[:, None, :, None]
@@ -129,7 +136,7 @@ class HoleyKV(BatchKVCache):
             self.values = mx.take_along_axis(self.values[..., :width, :], index, axis=2)
         self.left_padding = mx.array(pads)
         del self.holes
-        self.__class__ = BatchKVCache
+        self.__class__ = BatchKVCache  # type: ignore[assignment]
         shift = min(pads)
         if shift and self.keys is not None:  # padding every row has: cut, as filter does
             self.keys = self.keys[..., shift:, :]
