@@ -165,3 +165,26 @@ def test_an_engine_given_a_draft_of_another_tokenizer_fails_to_load_saying_why(m
         assert "does not share the model's tokenizer" in engine.log()
     finally:
         engine.stop()
+
+
+def test_rows_decoding_together_self_draft_in_the_batch_and_answer_as_alone(models: dict[str, Path]) -> None:
+    import concurrent.futures
+
+    from tests.support import engine_client, lanes, running_engine
+
+    prompts = ["The quick brown fox", "Paris is the capital", "Hello, world! How are", "Streaming text, stop"]
+    with running_engine(models["target"], "target", "--draft", "self:2", "--batch", "4") as engine:
+        def ask(prompt: str, drafts: bool) -> dict[str, Any]:
+            body = {"prompt": prompt, "max_tokens": 48, "temperature": 0, **({} if drafts else {"speculation": False})}
+            with engine_client(engine) as c:
+                resp = c.post("/v1/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            return dict(resp.json())
+
+        alone = [ask(p, False)["choices"][0]["text"] for p in prompts]
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(lambda p: ask(p, True), prompts))
+        passes = lanes(engine)["draft_batch_passes"]
+    assert [t["choices"][0]["text"] for t in together] == alone
+    assert passes > 0
+    assert sum(t["usage"]["speculation"]["proposed"] for t in together) > 0

@@ -255,3 +255,48 @@ def test_rows_held_to_a_json_schema_draft_in_the_batch_and_answer_as_alone(smol:
     for answer in together:
         assert answer["usage"]["speculation"]["accepted"] > 0, answer["usage"]
     assert lanes(smol)["draft_batch_passes"] > before["draft_batch_passes"], lanes(smol)  # they met in the batch
+
+
+def test_a_row_leaving_the_batch_mid_answer_leaves_the_others_as_alone(smol: EngineProcess) -> None:
+    """Three rows draft together; one client goes after a few tokens. Its row leaves the batch's
+    KV (holes and all, spec/holes.py) and the other two answer as they do alone."""
+    asks = [{"max_tokens": 40}, {"max_tokens": 36, "stop": ["perimeter("]}]
+    alone = [chat(smol, False, **a) for a in asks]
+    before = lanes(smol)["draft_batch_passes"]
+
+    def leaving() -> int:
+        with engine_client(smol) as c, c.stream("POST", "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": EDIT}], "temperature": 0, "stream": True,
+                "max_tokens": 200}) as resp:
+            for n, _line in enumerate(resp.iter_lines()):
+                if n > 12:
+                    return n
+        return -1
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        gone = pool.submit(leaving)
+        together = list(pool.map(lambda a: chat(smol, True, **a), asks))
+    assert gone.result() > 0
+    assert [message(t)["content"] for t in together] == [message(a)["content"] for a in alone]
+    assert lanes(smol)["draft_batch_passes"] > before, lanes(smol)
+    wait_for(lambda: lanes(smol)["serial"] + lanes(smol)["batch"] == 0 and lanes(smol)["kv_booked_tokens"] == 0, 30,
+             message=lambda: str(lanes(smol)))
+
+
+@pytest.mark.slow  # a fresh engine, about 15 s: `make test` stays under 10 minutes
+def test_drafting_rows_stay_within_the_kv_budget(smollm2: Path) -> None:
+    """A KV budget that holds two of the four requests at once: the others wait, what is booked
+    never passes the budget while rows draft, and every answer is the one it gets alone."""
+    with running_engine(smollm2, "smol", "--draft", "ngram", "--batch", "4", "--kv-budget-tokens", "400") as engine:
+        alone = chat(engine, False, max_tokens=40)
+        need = alone["usage"]["prompt_tokens"] + 40
+        assert 2 * need <= 400 < 3 * need, need  # two rows fit, not three
+        seen: list[int] = []
+        with concurrent.futures.ThreadPoolExecutor(5) as pool:
+            answers = [pool.submit(chat, engine, True, max_tokens=40) for _ in range(4)]
+            while not all(a.done() for a in answers):
+                seen.append(lanes(engine)["kv_booked_tokens"])
+            together = [a.result() for a in answers]
+        assert max(seen) <= 400 and max(seen) >= need, seen
+        assert all(message(t)["content"] == message(alone)["content"] for t in together)
+        assert sum(t["usage"]["speculation"]["accepted"] for t in together) > 0

@@ -283,3 +283,14 @@ def test_a_batch_rows_pace_is_not_timed_and_a_batchs_windows_scale_with_its_widt
     ran = run_tokens(batch, draft_s=0.030, plain_s=0.010, tokens=4000)
     assert ran[:8 * WINDOW] == [DRAFT] * (8 * WINDOW)
     assert ran[8 * WINDOW:8 * (WINDOW + EXPLORE)] == [PLAIN] * (8 * EXPLORE)
+
+
+def test_a_forgetful_pace_measures_both_regimes_again_drafting_first() -> None:
+    pace = Pace(1, scale=8)
+    run_tokens(pace, draft_s=0.030, plain_s=0.010, tokens=20000)  # drafting lost and lost again: backed off
+    assert pace.regime == PLAIN and pace.rate(DRAFT) is not None
+    pace.forget()
+    assert pace.regime == DRAFT and pace.rate(DRAFT) is None and pace.rate(PLAIN) is None
+    ran = run_tokens(pace, draft_s=0.010, plain_s=0.030, tokens=8 * (WINDOW + PLAIN_WINDOW) + 100)
+    assert ran[:8 * WINDOW] == [DRAFT] * (8 * WINDOW)  # drafts at once, and keeps them where they now pay
+    assert ran[-100:] == [DRAFT] * 100

@@ -78,7 +78,7 @@ class BatchLane:
         # Sequences the serial lane was prefilling, handed over to share that prefill: id -> (KV, tokens in it)
         self._carried: dict[int, tuple[list[Any], int]] = {}
         self._hold_arrivals = 0  # steps arrivals still wait for just-prefilled rows' first tokens
-        self._drafts = BatchDrafts(draft, stats)  # rows that draft (spec/batch.py)
+        self._drafts = BatchDrafts(draft, stats, loaded.drafts)  # rows that draft (spec/batch.py)
         self._gen = self._new_generator()
 
     def _new_generator(self) -> BatchGenerator:

@@ -64,9 +64,9 @@ def open_drafts(loaded: LoadedModel, opts: GatewayOptions) -> DraftSource | None
                             opts.solo_prefill_step or opts.prefill_step, load)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from exc
-    if source is not None and source.kind != "ngram":
-        log.info("speculative decoding drafts with %s (lone requests; batch rows decode without drafts)",
-                 opts.draft.label)
+    if source is not None:
+        log.info("speculative decoding drafts with %s%s", opts.draft.label,
+                 " (lone requests: rows decoding together do not draft)" if source.kind == "model" else "")
     return source
 
 

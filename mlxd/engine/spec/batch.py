@@ -23,6 +23,7 @@ one-op masks feed each matcher the token it feeds the model).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -56,16 +57,24 @@ class RowDrafts:
 class BatchDrafts:
     """The batch lane's drafting rows, by uid (nothing when the model does not draft)."""
 
-    def __init__(self, draft: DraftConfig | None, stats: Any = None) -> None:
+    def __init__(self, draft: DraftConfig | None, stats: Any = None, source: Any = None) -> None:
         self._stats = stats  # the engine's (gpu/stats.py): counts the batch's verification passes
-        # Only model-free drafts in the batch: a draft model's or a self-draft's passes run per row.
-        self.draft = draft if draft is not None and draft.kind == "ngram" else None
+        # n-gram drafts and self-drafts (the batch's own first layers, all rows in one pass) run
+        # here; a draft model's would need a batch KV of its own: its rows decode without drafts.
+        self.draft = draft if draft is not None and draft.kind in ("ngram", "self") else None
+        self._source = source  # spec/drafters.py's DraftSource (a self-draft's cut model)
         self.rows: dict[int, RowDrafts] = {}
 
     def attach(self, gen: Any, bank: Any, stack_of: Callable[[int], Any]) -> None:
         """Have `gen` verify its rows' drafts, each row under its adapters (adapter_rows.py)."""
-        if self.draft is not None:
-            attach(gen, self.rows.get, lambda uids: bank.rows([stack_of(uid) for uid in uids]), self._stats)
+        if self.draft is None:
+            return
+        shallow = None
+        if self.draft.kind == "self":
+            if self._source is None:
+                return
+            shallow = (self._source.shallow_model(), self.draft.layers)
+        attach(gen, self.rows.get, lambda uids: bank.rows([stack_of(uid) for uid in uids]), self._stats, shallow)
 
     def add(self, uid: int, seq: Any) -> None:
         if self.draft is not None and (drafts := row_drafts_for(seq, self.draft)) is not None:
@@ -98,7 +107,11 @@ def drafting_batch(base: Any) -> Any:
         row_drafts: Callable[[int], RowDrafts | None] = staticmethod(lambda uid: None)
         rows_context: Callable[[list[int]], Any] | None = None  # the adapters' per-row plan (adapter_rows.py)
         stats: Any = None  # the engine's, which counts verification passes
+        shallow: tuple[Any, int] | None = None  # a self-draft: the model cut to its first layers, and their count
         _last_step: tuple[float, dict[int, tuple[RowDrafts, int]], int] | None = None
+        _known_uids: set[int] | None = None  # the rows at the last step (_note_rows)
+        _new_rows = 0  # ... of which joined since it last measured afresh
+        batch_pace_width = 8  # the batch's width: half of it new means a new batch
         batch_pace: Pace  # the whole batch's: drafting against not, timed in tokens of all rows
         _next_tokens: Any  # mlx-lm's: the rows' next tokens, sampled and not yet fed
         _next_logprobs: Any
@@ -110,6 +123,7 @@ def drafting_batch(base: Any) -> Any:
                 return []
             now = time.perf_counter()
             self._account(now)
+            self._note_rows()
             rows = [self.row_drafts(uid) for uid in self.uids]
             if (not self.batch_pace.drafting or not any(r is not None and r.pace.drafting for r in rows)
                     or not self._plain_rows()):
@@ -118,6 +132,15 @@ def drafting_batch(base: Any) -> Any:
                                    len(out))
                 return out
             return self._draft_step(now, rows)
+
+        def _note_rows(self) -> None:
+            """Have the batch's pace measure again once half its rows are new (pace.py's `forget`)."""
+            known = self._known_uids or set()
+            self._new_rows += sum(1 for uid in self.uids if uid not in known)
+            self._known_uids = set(self.uids)
+            if self._new_rows * 2 >= self.batch_pace_width:
+                self.batch_pace.forget()
+                self._new_rows = 0
 
         def _plain_rows(self) -> bool:
             """mlx-lm's plain batch cache in every layer, and no row held to a grammar (its mask
@@ -138,13 +161,13 @@ def drafting_batch(base: Any) -> Any:
             mx.eval(self._next_tokens)
             nexts: list[int] = [int(t) for t in self._next_tokens.tolist()]
             next_logprobs = list(self._next_logprobs)
-            drafts: list[list[int]] = []
+            limits = []
             for i, rd in enumerate(rows):
                 left = self.max_tokens[i] - self._num_tokens[i] - 1  # this step emits the next token at least
-                if rd is None or not rd.pace.drafting or left <= 0:
-                    drafts.append([])
-                    continue
-                drafts.append(self._drafts_of(i, rd, nexts[i], min(rd.pace.length, left)))
+                limits.append(0 if rd is None or not rd.pace.drafting or left <= 0 else min(rd.pace.length, left))
+            guesses = self._shallow_drafts(nexts, max(limits)) if self.shallow is not None and any(limits) else None
+            drafts = [self._drafts_of(i, rd, nexts[i], limit, guesses[i][:limit] if guesses else None)
+                      if rd is not None and limit else [] for i, (rd, limit) in enumerate(zip(rows, limits, strict=True))]
             width = max(len(d) for d in drafts)
             if width == 0:  # nothing to check: mlx-lm's step, from the tokens it already has
                 out = super().next()
@@ -180,19 +203,37 @@ def drafting_batch(base: Any) -> Any:
             self._roll_back([width - (len(k) - 1) for k in kept])
             return self._answer(now, rows, nexts, next_logprobs, drafts, kept, logprobs)
 
-        def _drafts_of(self, i: int, rd: RowDrafts, nxt: int, limit: int) -> list[int]:
-            """Row i's drafts after its next token `nxt`: under a grammar, the tokens it forces,
-            else the drafter's cut where the grammar would refuse them (its matcher has taken
-            every token fed so far, so `nxt` alone is pending)."""
+        def _drafts_of(self, i: int, rd: RowDrafts, nxt: int, limit: int, guess: list[int] | None) -> list[int]:
+            """Row i's drafts after its next token `nxt` (`guess`: the self-draft's, else the
+            n-gram drafter's): under a grammar, the tokens it forces, else the drafts cut where
+            the grammar would refuse them (its matcher has taken every token fed so far, so
+            `nxt` alone is pending)."""
             grammar = grammar_of(self.logits_processors[i])
-            if grammar is None:
-                return rd.drafter.propose([*rd.history(), nxt], limit)
-            if not grammar.started:
+            if grammar is not None and not grammar.started:
                 return []
-            if forced := grammar.forced_after([nxt], limit):
+            if grammar is not None and (forced := grammar.forced_after([nxt], limit)):
                 return forced
-            drafts = rd.drafter.propose([*rd.history(), nxt], limit)
-            return drafts[:grammar.allowed_after([nxt], drafts)]
+            drafts = guess if guess is not None else rd.drafter.propose([*rd.history(), nxt], limit)
+            return drafts if grammar is None else drafts[:grammar.allowed_after([nxt], drafts)]
+
+        def _shallow_drafts(self, nexts: list[int], count: int) -> list[list[int]]:
+            """`count` greedy drafts for every row from the model's first layers, in their own
+            KV (the batch's, trimmed back after: drafters.py's SelfDrafter, for all rows at once)."""
+            assert self.shallow is not None
+            model, layers = self.shallow
+            kv = self.prompt_cache[:layers]
+            context = self.rows_context(self.uids) if self.rows_context is not None else None
+            with context if context is not None else contextlib.nullcontext():
+                token = mx.array(nexts)[:, None]
+                out = []
+                for _ in range(count):
+                    token = mx.argmax(model(token, cache=kv)[:, -1, :], axis=-1)[:, None]
+                    out.append(token)
+                guesses = mx.concatenate(out, axis=1)
+                mx.eval(guesses)
+            for c in kv:
+                c.trim(count)
+            return guesses.tolist()  # type: ignore[return-value]
 
         @staticmethod
         def _split(rd: RowDrafts) -> Any:
@@ -288,7 +329,8 @@ def grammar_of(processors: list[Any] | None) -> GrammarMask | None:
 
 
 def attach(gen: Any, row_drafts: Callable[[int], RowDrafts | None],
-           rows_context: Callable[[list[int]], Any] | None = None, stats: Any = None) -> bool:
+           rows_context: Callable[[list[int]], Any] | None = None, stats: Any = None,
+           shallow: tuple[Any, int] | None = None) -> bool:
     """Have `gen`'s generation batch verify the drafts `row_drafts(uid)` gives its rows."""
     steps = getattr(gen, "_generation_batch", None)
     if steps is None or not all(hasattr(steps, a) for a in ("_next_tokens", "_next_logprobs", "_token_context",
@@ -296,8 +338,10 @@ def attach(gen: Any, row_drafts: Callable[[int], RowDrafts | None],
         return False
     cls = drafting_batch(type(steps))
     cls.row_drafts = staticmethod(row_drafts)
-    cls.batch_pace = Pace(1, scale=getattr(gen, "completion_batch_size", 8))
+    cls.batch_pace_width = getattr(gen, "completion_batch_size", 8)
+    cls.batch_pace = Pace(1, scale=cls.batch_pace_width)
     cls.rows_context = staticmethod(rows_context) if rows_context is not None else None
     cls.stats = stats
+    cls.shallow = shallow
     steps.__class__ = cls
     return True

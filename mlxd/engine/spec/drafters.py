@@ -66,17 +66,16 @@ class DraftSource:
     def kind(self) -> str:
         return self.config.kind
 
-    @property
-    def batched(self) -> bool:
-        """Whether batch rows draft too (only model-free drafts do: spec/batch.py)."""
-        return self.config.kind == "ngram"
+    def shallow_model(self) -> Any:
+        """A self-draft's model: the target cut to its first layers (made at first use)."""
+        if self._cut is None:
+            self._cut = shallow(self._model, self.config.layers)
+        return self._cut
 
     def drafter(self, kv: list[Any]) -> Drafter:
         """A drafter for a serial row whose target KV is `kv`."""
         if self.config.kind == "self":
-            if self._cut is None:
-                self._cut = shallow(self._model, self.config.layers)
-            return SelfDrafter(self._cut, kv[:self.config.layers], self._vocab_size)
+            return SelfDrafter(self.shallow_model(), kv[:self.config.layers], self._vocab_size)
         if self.config.kind == "model":
             if self._kept is None:
                 self._kept = ModelDrafter(self._model, self._vocab_size, self._prefill_step)

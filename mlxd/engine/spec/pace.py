@@ -14,7 +14,10 @@ while it is measured to pay (pure code, no MLX).
   reason (wrong drafts; a GPU whose wider passes cost more than they save), drafts one window
   of 32 tokens after 128 plain ones, then after 256, and so on. A batch is timed as a whole
   (its steps' tokens, with windows and exploring scaled by its width): a row's drafts make
-  every row's step wider, so only the batch's rate says whether they pay.
+  every row's step wider, so only the batch's rate says whether they pay. Once half its rows
+  are new since it last started measuring, it forgets both rates and measures again (`forget`):
+  a batch that moved from telling stories to editing code would otherwise wait up to
+  MAX_EXPLORE x its width tokens to try drafts again.
 """
 
 from __future__ import annotations
@@ -55,6 +58,14 @@ class Pace:
         self._cooldown = 0  # plain tokens left before drafting again (a short pause)
         self._next_cooldown = COOLDOWN_TOKENS
         self._empty = 0
+
+    def forget(self) -> None:
+        """Measure both regimes again, drafting first (a batch whose rows have mostly changed:
+        what paid for the rows before says little about these)."""
+        self.regime = DRAFT
+        self._rates = {DRAFT: None, PLAIN: None}
+        self._window_tokens, self._window_s = 0, 0.0
+        self._streak, self._explore, self._exploring = 0, EXPLORE, False
 
     @property
     def drafting(self) -> bool:
