@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -294,3 +295,43 @@ def test_a_forgetful_pace_measures_both_regimes_again_drafting_first() -> None:
     ran = run_tokens(pace, draft_s=0.010, plain_s=0.030, tokens=8 * (WINDOW + PLAIN_WINDOW) + 100)
     assert ran[:8 * WINDOW] == [DRAFT] * (8 * WINDOW)  # drafts at once, and keeps them where they now pay
     assert ran[-100:] == [DRAFT] * 100
+
+
+# --- the batch's verification width (mlxd/engine/spec/width.py) ---
+
+
+def cpu_costs() -> Any:
+    """8 rows of SmolLM2 on the 2-core CPU: a pass of 1, 2, 3 and 5 positions a row (ms)."""
+    from mlxd.engine.spec.width import PassCosts
+
+    costs = PassCosts()
+    for positions, ms in ((1, 142), (2, 202), (3, 253), (5, 338)):
+        costs.add(positions, ms / 1000)
+    return costs
+
+
+def test_expected_tokens_count_a_run_of_kept_drafts_and_the_models_own() -> None:
+    from mlxd.engine.spec.width import expected_tokens
+
+    assert expected_tokens(0, 0.9) == 1.0
+    assert expected_tokens(2, 0.5) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens(4, 1.0) == 5.0
+
+
+def test_a_batch_checks_drafts_only_as_wide_as_they_pay() -> None:
+    from mlxd.engine.spec.width import best_width
+
+    costs = cpu_costs()
+    assert best_width([4] * 8, [0.8] * 8, costs) >= 3  # an edit: every row copies
+    assert best_width([4, 0, 0, 0, 0, 0, 0, 0], [0.5] + [0.7] * 7, costs) == 0  # a story: one row, half kept
+    assert best_width([0] * 8, [0.9] * 8, costs) == 0
+    assert best_width([4, 4, 4, 4, 0, 0, 0, 0], [0.9] * 4 + [0.7] * 4, costs) in (1, 2, 3, 4)
+
+
+def test_a_width_never_measured_is_priced_from_the_one_below_so_it_gets_tried() -> None:
+    from mlxd.engine.spec.width import UNMEASURED_STEP, PassCosts, best_width
+
+    assert best_width([4] * 8, [0.3] * 8, PassCosts()) == 4  # nothing measured: try drafts
+    costs = cpu_costs()
+    assert costs.relative(4) == pytest.approx(253 / 142 + UNMEASURED_STEP)
+    assert costs.relative(8) == pytest.approx(338 / 142 + 3 * UNMEASURED_STEP)

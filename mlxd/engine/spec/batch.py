@@ -40,6 +40,10 @@ from mlxd.engine.spec.holes import HoleyKV, punch
 from mlxd.engine.spec.ngram import NgramDrafter
 from mlxd.engine.spec.pace import Pace
 from mlxd.engine.spec.serial import Tally
+from mlxd.engine.spec.width import PassCosts, best_width
+
+ACCEPTANCE_START = 0.7  # a new row's acceptance: hopeful, so that it drafts and is measured
+ACCEPTANCE_EMA = 0.3
 
 
 @dataclass(eq=False)
@@ -52,6 +56,7 @@ class RowDrafts:
     tally: Tally
     drafter: NgramDrafter = field(default_factory=NgramDrafter)
     key: Any = None  # a seeded row's random key
+    acceptance: float = ACCEPTANCE_START  # running share of its drafts kept (width.py prices a pass with it)
 
 
 class BatchDrafts:
@@ -108,7 +113,8 @@ def drafting_batch(base: Any) -> Any:
         rows_context: Callable[[list[int]], Any] | None = None  # the adapters' per-row plan (adapter_rows.py)
         stats: Any = None  # the engine's, which counts verification passes
         shallow: tuple[Any, int] | None = None  # a self-draft: the model cut to its first layers, and their count
-        _last_step: tuple[float, dict[int, tuple[RowDrafts, int]], int] | None = None
+        _last_step: tuple[float, dict[int, tuple[RowDrafts, int]], int, int] | None = None  # with positions fed
+        _costs: PassCosts | None = None  # what passes cost, by their width (width.py)
         _known_uids: set[int] | None = None  # the rows at the last step (_note_rows)
         _new_rows = 0  # ... of which joined since it last measured afresh
         batch_pace_width = 8  # the batch's width: half of it new means a new batch
@@ -129,7 +135,7 @@ def drafting_batch(base: Any) -> Any:
                     or not self._plain_rows()):
                 out = super().next()
                 self._last_step = (now, {r.uid: (d, 1) for r, d in zip(out, rows, strict=False) if d is not None},
-                                   len(out))
+                                   len(out), 1)
                 return out
             return self._draft_step(now, rows)
 
@@ -152,7 +158,10 @@ def drafting_batch(base: Any) -> Any:
             last, self._last_step = self._last_step, None
             if last is None:
                 return
-            started, counts, total = last
+            started, counts, total, positions = last
+            if self._costs is None:
+                self._costs = PassCosts()
+            self._costs.add(positions, now - started)
             for rd, emitted in counts.values():
                 rd.pace.spent(emitted, now - started)
             self.batch_pace.spent(total, now - started)
@@ -168,11 +177,14 @@ def drafting_batch(base: Any) -> Any:
             guesses = self._shallow_drafts(nexts, max(limits)) if self.shallow is not None and any(limits) else None
             drafts = [self._drafts_of(i, rd, nexts[i], limit, guesses[i][:limit] if guesses else None)
                       if rd is not None and limit else [] for i, (rd, limit) in enumerate(zip(rows, limits, strict=True))]
+            chosen = best_width([len(d) for d in drafts], [r.acceptance if r is not None else 0.0 for r in rows],
+                                self._costs or PassCosts())
+            drafts = [d[:chosen] for d in drafts]  # a grammar's matcher takes them only in _processed
             width = max(len(d) for d in drafts)
-            if width == 0:  # nothing to check: mlx-lm's step, from the tokens it already has
+            if width == 0:  # nothing to check, or not enough to pay: mlx-lm's step, from the tokens it already has
                 out = super().next()
                 self._last_step = (now, {r.uid: (d, 1) for r, d in zip(out, rows, strict=False) if d is not None},
-                                   len(out))
+                                   len(out), 1)
                 return out
             inputs = mx.array([[nexts[i], *d, *([nexts[i]] * (width - len(d)))] for i, d in enumerate(drafts)])
             context = self.rows_context(self.uids) if self.rows_context is not None else None
@@ -290,6 +302,7 @@ def drafting_batch(base: Any) -> Any:
                     rd.tally.proposed += len(drafts[i])
                     rd.tally.accepted += len(accepted)
                     rd.pace.verified(len(drafts[i]), len(accepted))
+                    rd.acceptance += ACCEPTANCE_EMA * (len(accepted) / len(drafts[i]) - rd.acceptance)
                 finish = None
                 for n, (token, lp) in enumerate(zip(emitted, emitted_logprobs, strict=True)):
                     self._num_tokens[i] += 1
@@ -315,7 +328,7 @@ def drafting_batch(base: Any) -> Any:
             self._next_tokens = mx.array([k[-1] for k in kept], dtype=self._next_tokens.dtype)
             self._next_logprobs = [logprobs[i, len(k) - 1] for i, k in enumerate(kept)]
             mx.async_eval(self._next_tokens, self._next_logprobs)
-            self._last_step = (now, counts, len(responses))
+            self._last_step = (now, counts, len(responses), 1 + max(len(d) for d in drafts))
             if len(keep) < len(self.uids):
                 self.filter(keep)
             return responses
