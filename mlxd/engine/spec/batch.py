@@ -115,6 +115,7 @@ def drafting_batch(base: Any) -> Any:
         shallow: tuple[Any, int] | None = None  # a self-draft: the model cut to its first layers, and their count
         _last_step: tuple[float, dict[int, tuple[RowDrafts, int]], int, int] | None = None  # with positions fed
         _costs: PassCosts | None = None  # what passes cost, by their width (width.py)
+        _forced: set[int]  # this step's rows whose drafts their grammar forces (always kept), set by _draft_step
         _known_uids: set[int] | None = None  # the rows at the last step (_note_rows)
         _new_rows = 0  # ... of which joined since it last measured afresh
         batch_pace_width = 8  # the batch's width: half of it new means a new batch
@@ -175,10 +176,11 @@ def drafting_batch(base: Any) -> Any:
                 left = self.max_tokens[i] - self._num_tokens[i] - 1  # this step emits the next token at least
                 limits.append(0 if rd is None or not rd.pace.drafting or left <= 0 else min(rd.pace.length, left))
             guesses = self._shallow_drafts(nexts, max(limits)) if self.shallow is not None and any(limits) else None
+            self._forced = set()
             drafts = [self._drafts_of(i, rd, nexts[i], limit, guesses[i][:limit] if guesses else None)
                       if rd is not None and limit else [] for i, (rd, limit) in enumerate(zip(rows, limits, strict=True))]
-            chosen = best_width([len(d) for d in drafts], [r.acceptance if r is not None else 0.0 for r in rows],
-                                self._costs or PassCosts())
+            sure = [1.0 if i in self._forced else r.acceptance if r is not None else 0.0 for i, r in enumerate(rows)]
+            chosen = best_width([len(d) for d in drafts], sure, self._costs or PassCosts())
             drafts = [d[:chosen] for d in drafts]  # a grammar's matcher takes them only in _processed
             width = max(len(d) for d in drafts)
             if width == 0:  # nothing to check, or not enough to pay: mlx-lm's step, from the tokens it already has
@@ -224,6 +226,7 @@ def drafting_batch(base: Any) -> Any:
             if grammar is not None and not grammar.started:
                 return []
             if grammar is not None and (forced := grammar.forced_after([nxt], limit)):
+                self._forced.add(i)  # always kept: a pass is priced with them as certain
                 return forced
             drafts = guess if guess is not None else rd.drafter.propose([*rd.history(), nxt], limit)
             return drafts if grammar is None else drafts[:grammar.allowed_after([nxt], drafts)]
@@ -302,7 +305,8 @@ def drafting_batch(base: Any) -> Any:
                     rd.tally.proposed += len(drafts[i])
                     rd.tally.accepted += len(accepted)
                     rd.pace.verified(len(drafts[i]), len(accepted))
-                    rd.acceptance += ACCEPTANCE_EMA * (len(accepted) / len(drafts[i]) - rd.acceptance)
+                    if i not in self._forced:  # a guess's record, not the grammar's
+                        rd.acceptance += ACCEPTANCE_EMA * (len(accepted) / len(drafts[i]) - rd.acceptance)
                 finish = None
                 for n, (token, lp) in enumerate(zip(emitted, emitted_logprobs, strict=True)):
                     self._num_tokens[i] += 1
