@@ -13,12 +13,12 @@ a pass of 1, 2, 3 and 5 positions a row, and a 5-position pass followed by the r
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+from batching import default_model
 from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.utils import load
 
@@ -38,11 +38,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--context", type=int, default=700)
     a = p.parse_args()
-    path = a.model
-    if path is None:
-        from mlxd.engine.models.importer import import_default
-
-        path = import_default(Path(tempfile.mkdtemp()))
+    path = a.model or default_model()
     model, _ = load(str(path))
     rows = a.rows
     cache = [BatchKVCache([0] * rows) for _ in model.layers]

@@ -13,11 +13,11 @@ a draft of one token pays only when agreement > (cost of the draft pass) / (cost
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 from pathlib import Path
 
 import mlx.core as mx
+from batching import default_model
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load
@@ -46,11 +46,7 @@ def main() -> None:
     p.add_argument("--layers", default="")
     p.add_argument("--tokens", type=int, default=200)
     args = p.parse_args()
-    path = args.model
-    if path is None:
-        from mlxd.engine.models.importer import import_default
-
-        path = import_default(Path(tempfile.mkdtemp()))
+    path = args.model or default_model()
     model, tokenizer = load(str(path))
     total = len(model.model.layers)
     counts = [int(x) for x in args.layers.split(",")] if args.layers else sorted({total // 4, total // 2, 3 * total // 4,
