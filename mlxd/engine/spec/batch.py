@@ -150,8 +150,8 @@ def drafting_batch(base: Any) -> Any:
                 self._new_rows = 0
 
         def _plain_rows(self) -> bool:
-            """mlx-lm's plain batch cache in every layer, and no row held to a grammar (its mask
-            takes one token a step: batch_bias.py)."""
+            """mlx-lm's plain batch cache in every layer (or that cache with holes: holes.py), not
+            sliding windows, recurrent layers or quantized KV."""
             return all(type(c) in (BatchKVCache, HoleyKV) for c in self.prompt_cache)
 
         def _account(self, now: float) -> None:
