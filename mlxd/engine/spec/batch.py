@@ -36,6 +36,7 @@ from mlxd.engine.chat.grammar import GrammarMask
 from mlxd.engine.gpu.sampling import sampler_args
 from mlxd.engine.spec.accept import Distribution, accept
 from mlxd.engine.spec.config import DraftConfig
+from mlxd.engine.spec.drafters import greedy_drafts
 from mlxd.engine.spec.holes import HoleyKV, punch
 from mlxd.engine.spec.ngram import NgramDrafter
 from mlxd.engine.spec.pace import Pace
@@ -239,12 +240,7 @@ def drafting_batch(base: Any) -> Any:
             kv = self.prompt_cache[:layers]
             context = self.rows_context(self.uids) if self.rows_context is not None else None
             with context if context is not None else contextlib.nullcontext():
-                token = mx.array(nexts)[:, None]
-                out = []
-                for _ in range(count):
-                    token = mx.argmax(model(token, cache=kv)[:, -1, :], axis=-1)[:, None]
-                    out.append(token)
-                guesses = mx.concatenate(out, axis=1)
+                guesses = greedy_drafts(model, kv, mx.array(nexts)[:, None], count)
                 mx.eval(guesses)
             for c in kv:
                 c.trim(count)

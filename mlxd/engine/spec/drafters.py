@@ -139,16 +139,17 @@ def tokenizer_mismatch(target: Any, draft: Any) -> str | None:
     return None
 
 
-def _greedy_run(model: Any, kv: list[Any], first: mx.array, limit: int) -> mx.array:
-    """`limit` greedy tokens, the first after the pass over `first` (lazy until the end)."""
+def greedy_drafts(model: Any, kv: list[Any], inputs: mx.array, limit: int) -> mx.array:
+    """(rows, limit) greedy tokens, each row's first after the pass over its `inputs` (rows,
+    tokens); the last is not fed (lazy until the caller evaluates it)."""
     out = []
-    logits = model(first[None], cache=kv)[:, -1, :]
+    logits = model(inputs, cache=kv)[:, -1, :]
     for i in range(limit):
-        token = mx.argmax(logits, axis=-1)
+        token = mx.argmax(logits, axis=-1)[:, None]
         out.append(token)
         if i + 1 < limit:
-            logits = model(token.reshape(1, 1), cache=kv)[:, -1, :]
-    return mx.concatenate(out)
+            logits = model(token, cache=kv)[:, -1, :]
+    return mx.concatenate(out, axis=1)
 
 
 def _cut(drafts: list[int], vocab_size: int) -> list[int]:
@@ -178,7 +179,7 @@ class SelfDrafter:
             return []
         assert self._kv[0].offset == len(tokens) - 1, "the row's KV holds all its tokens but the last"
         with mx.stream(generation_stream):
-            drafts = _greedy_run(self._model, self._kv, mx.array(tokens[-1:]), limit)
+            drafts = greedy_drafts(self._model, self._kv, mx.array(tokens[-1:])[None], limit)[0]
             mx.eval(drafts)
         trim_prompt_cache(self._kv, limit)  # the last token and all drafts but the last were fed
         return _cut(drafts.tolist(), self._vocab_size)  # type: ignore[arg-type]
@@ -206,7 +207,7 @@ class ModelDrafter:
         self._catch_up(tokens[:-1])
         pending = tokens[len(self._fed):]
         with mx.stream(generation_stream):
-            drafts = _greedy_run(self._model, self._kv, mx.array(pending), limit)
+            drafts = greedy_drafts(self._model, self._kv, mx.array(pending)[None], limit)[0]
             mx.eval(drafts)
         out: list[int] = drafts.tolist()  # type: ignore[assignment]
         self._fed = [*tokens, *out[:-1]]
