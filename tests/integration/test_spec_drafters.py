@@ -167,13 +167,15 @@ def test_an_engine_given_a_draft_of_another_tokenizer_fails_to_load_saying_why(m
         engine.stop()
 
 
-def test_rows_decoding_together_self_draft_in_the_batch_and_answer_as_alone(models: dict[str, Path]) -> None:
+@pytest.mark.parametrize("draft", ["self:2", "draft", "itself"])
+def test_rows_decoding_together_draft_in_the_batch_and_answer_as_alone(models: dict[str, Path], draft: str) -> None:
     import concurrent.futures
 
     from tests.support import engine_client, lanes, running_engine
 
     prompts = ["The quick brown fox", "Paris is the capital", "Hello, world! How are", "Streaming text, stop"]
-    with running_engine(models["target"], "target", "--draft", "self:2", "--batch", "4") as engine:
+    value = {"draft": str(models["draft"]), "itself": str(models["target"])}.get(draft, draft)
+    with running_engine(models["target"], "target", "--draft", value, "--batch", "4") as engine:
         def ask(prompt: str, drafts: bool) -> dict[str, Any]:
             body = {"prompt": prompt, "max_tokens": 48, "temperature": 0, **({} if drafts else {"speculation": False})}
             with engine_client(engine) as c:
@@ -187,4 +189,8 @@ def test_rows_decoding_together_self_draft_in_the_batch_and_answer_as_alone(mode
         passes = lanes(engine)["draft_batch_passes"]
     assert [t["choices"][0]["text"] for t in together] == alone
     assert passes > 0
-    assert sum(t["usage"]["speculation"]["proposed"] for t in together) > 0
+    proposed = sum(t["usage"]["speculation"]["proposed"] for t in together)
+    accepted = sum(t["usage"]["speculation"]["accepted"] for t in together)
+    assert proposed > 0
+    if draft == "itself":  # the model drafting for itself, in the batch's own draft KV: right every time
+        assert accepted == proposed, (accepted, proposed)

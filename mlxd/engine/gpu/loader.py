@@ -65,8 +65,7 @@ def open_drafts(loaded: LoadedModel, opts: GatewayOptions) -> DraftSource | None
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from exc
     if source is not None:
-        log.info("speculative decoding drafts with %s%s", opts.draft.label,
-                 " (lone requests: rows decoding together do not draft)" if source.kind == "model" else "")
+        log.info("speculative decoding drafts with %s", opts.draft.label)
     return source
 
 

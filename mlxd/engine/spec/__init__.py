@@ -10,6 +10,7 @@
   when it has no drafts, verification when it has).
 - `batch.py`: the batch lane's step with drafts (every row's drafts in one pass, each row's
   KV rolled back by its own count).
+- `draft_batch.py`: a draft model's batch KV, kept in step with the batch's rows.
 - `holes.py`: the batch KV whose rows' refused drafts stay as masked holes.
 - `width.py`: how wide a batch's verification pass pays to be.
 - `config.py`: what a model drafts with (`--draft`, `--num-draft-tokens`).

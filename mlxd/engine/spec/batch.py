@@ -36,6 +36,7 @@ from mlxd.engine.chat.grammar import GrammarMask
 from mlxd.engine.gpu.sampling import sampler_args
 from mlxd.engine.spec.accept import Distribution, accept
 from mlxd.engine.spec.config import DraftConfig
+from mlxd.engine.spec.draft_batch import DraftModelBatch
 from mlxd.engine.spec.drafters import greedy_drafts
 from mlxd.engine.spec.holes import HoleyKV, punch
 from mlxd.engine.spec.ngram import NgramDrafter
@@ -65,9 +66,9 @@ class BatchDrafts:
 
     def __init__(self, draft: DraftConfig | None, stats: Any = None, source: Any = None) -> None:
         self._stats = stats  # the engine's (gpu/stats.py): counts the batch's verification passes
-        # n-gram drafts and self-drafts (the batch's own first layers, all rows in one pass) run
-        # here; a draft model's would need a batch KV of its own: its rows decode without drafts.
-        self.draft = draft if draft is not None and draft.kind in ("ngram", "self") else None
+        # n-gram drafts, self-drafts (the batch's own first layers, all rows in one pass) and a
+        # draft model's (a batch KV of its own: draft_batch.py).
+        self.draft = draft if draft is not None and draft.kind in ("ngram", "self", "model") else None
         self._source = source  # spec/drafters.py's DraftSource (a self-draft's cut model)
         self.rows: dict[int, RowDrafts] = {}
 
@@ -75,12 +76,16 @@ class BatchDrafts:
         """Have `gen` verify its rows' drafts, each row under its adapters (adapter_rows.py)."""
         if self.draft is None:
             return
-        shallow = None
-        if self.draft.kind == "self":
+        shallow = drafting = None
+        if self.draft.kind != "ngram":
             if self._source is None:
                 return
-            shallow = (self._source.shallow_model(), self.draft.layers)
-        attach(gen, self.rows.get, lambda uids: bank.rows([stack_of(uid) for uid in uids]), self._stats, shallow)
+            if self.draft.kind == "self":
+                shallow = (self._source.shallow_model(), self.draft.layers)
+            else:
+                drafting = DraftModelBatch(self._source.draft_model(), self._source.prefill_step)
+        attach(gen, self.rows.get, lambda uids: bank.rows([stack_of(uid) for uid in uids]), self._stats, shallow,
+               drafting)
 
     def add(self, uid: int, seq: Any) -> None:
         if self.draft is not None and (drafts := row_drafts_for(seq, self.draft)) is not None:
@@ -114,6 +119,7 @@ def drafting_batch(base: Any) -> Any:
         rows_context: Callable[[list[int]], Any] | None = None  # the adapters' per-row plan (adapter_rows.py)
         stats: Any = None  # the engine's, which counts verification passes
         shallow: tuple[Any, int] | None = None  # a self-draft: the model cut to its first layers, and their count
+        draft_batch: DraftModelBatch | None = None  # a draft model's batch KV (draft_batch.py)
         _last_step: tuple[float, dict[int, tuple[RowDrafts, int]], int, int] | None = None  # with positions fed
         _costs: PassCosts | None = None  # what passes cost, by their width (width.py)
         _forced: set[int]  # this step's rows whose drafts their grammar forces (always kept), set by _draft_step
@@ -176,15 +182,16 @@ def drafting_batch(base: Any) -> Any:
             for i, rd in enumerate(rows):
                 left = self.max_tokens[i] - self._num_tokens[i] - 1  # this step emits the next token at least
                 limits.append(0 if rd is None or not rd.pace.drafting or left <= 0 else min(rd.pace.length, left))
-            guesses = self._shallow_drafts(nexts, max(limits)) if self.shallow is not None and any(limits) else None
+            guesses = self._model_drafts(rows, nexts, max(limits)) if any(limits) else None
             self._forced = set()
-            drafts = [self._drafts_of(i, rd, nexts[i], limit, guesses[i][:limit] if guesses else None)
+            drafts = [self._drafts_of(i, rd, nexts[i], limit, g[:limit] if guesses and (g := guesses[i]) is not None else None)
                       if rd is not None and limit else [] for i, (rd, limit) in enumerate(zip(rows, limits, strict=True))]
             sure = [1.0 if i in self._forced else r.acceptance if r is not None else 0.0 for i, r in enumerate(rows)]
             chosen = best_width([len(d) for d in drafts], sure, self._costs or PassCosts())
             drafts = [d[:chosen] for d in drafts]  # a grammar's matcher takes them only in _processed
             width = max(len(d) for d in drafts)
             if width == 0:  # nothing to check, or not enough to pay: mlx-lm's step, from the tokens it already has
+                self._settle_drafts(rows, [[]] * len(rows))
                 out = super().next()
                 self._last_step = (now, {r.uid: (d, 1) for r, d in zip(out, rows, strict=False) if d is not None},
                                    len(out), 1)
@@ -216,6 +223,7 @@ def drafting_batch(base: Any) -> Any:
                 for i, token in own.items():
                     kept[i] = [int(token.reshape(-1).tolist()[0])]  # type: ignore[arg-type, index]
             self._roll_back([width - (len(k) - 1) for k in kept])
+            self._settle_drafts(rows, [k if d else [] for k, d in zip(kept, drafts, strict=True)])
             return self._answer(now, rows, nexts, next_logprobs, drafts, kept, logprobs)
 
         def _drafts_of(self, i: int, rd: RowDrafts, nxt: int, limit: int, guess: list[int] | None) -> list[int]:
@@ -231,6 +239,26 @@ def drafting_batch(base: Any) -> Any:
                 return forced
             drafts = guess if guess is not None else rd.drafter.propose([*rd.history(), nxt], limit)
             return drafts if grammar is None else drafts[:grammar.allowed_after([nxt], drafts)]
+
+        def _model_drafts(self, rows: list[RowDrafts | None], nexts: list[int], count: int) -> list[Any] | None:
+            """Each row's greedy guesses from a self-draft or a draft model (None: n-gram drafts)."""
+            if self.shallow is not None:
+                return self._shallow_drafts(nexts, count)
+            if self.draft_batch is None:
+                return None
+            idx = [i for i, rd in enumerate(rows) if rd is not None]
+            histories = [rows[i].history() for i in idx]  # type: ignore[union-attr]
+            self.draft_batch.sync([self.uids[i] for i in idx], histories)
+            got = self.draft_batch.propose([[*h, nexts[i]] for h, i in zip(histories, idx, strict=True)], count)
+            guesses: list[Any] = [None] * len(rows)
+            for j, i in enumerate(idx):
+                guesses[i] = got[j]
+            return guesses
+
+        def _settle_drafts(self, rows: list[RowDrafts | None], kept: list[list[int]]) -> None:
+            """A draft model's KV keeps what each row kept of its drafts (draft_batch.py)."""
+            if self.draft_batch is not None and self.draft_batch.pending:
+                self.draft_batch.settle([max(0, len(kept[i]) - 1) for i, rd in enumerate(rows) if rd is not None])
 
         def _shallow_drafts(self, nexts: list[int], count: int) -> list[list[int]]:
             """`count` greedy drafts for every row from the model's first layers, in their own
@@ -343,7 +371,7 @@ def grammar_of(processors: list[Any] | None) -> GrammarMask | None:
 
 def attach(gen: Any, row_drafts: Callable[[int], RowDrafts | None],
            rows_context: Callable[[list[int]], Any] | None = None, stats: Any = None,
-           shallow: tuple[Any, int] | None = None) -> bool:
+           shallow: tuple[Any, int] | None = None, draft_batch: DraftModelBatch | None = None) -> bool:
     """Have `gen`'s generation batch verify the drafts `row_drafts(uid)` gives its rows."""
     steps = getattr(gen, "_generation_batch", None)
     if steps is None or not all(hasattr(steps, a) for a in ("_next_tokens", "_next_logprobs", "_token_context",
@@ -356,5 +384,6 @@ def attach(gen: Any, row_drafts: Callable[[int], RowDrafts | None],
     cls.rows_context = staticmethod(rows_context) if rows_context is not None else None
     cls.stats = stats
     cls.shallow = shallow
+    cls.draft_batch = draft_batch
     steps.__class__ = cls
     return True

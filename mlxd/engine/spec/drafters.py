@@ -66,6 +66,14 @@ class DraftSource:
     def kind(self) -> str:
         return self.config.kind
 
+    def draft_model(self) -> Any:
+        """A draft model's model."""
+        return self._model
+
+    @property
+    def prefill_step(self) -> int:
+        return self._prefill_step
+
     def shallow_model(self) -> Any:
         """A self-draft's model: the target cut to its first layers (made at first use)."""
         if self._cut is None:
