@@ -28,9 +28,13 @@ class DraftModelBatch:
         self._kv: list[Any] | None = None
         self._uids: list[int] = []
         self._fed: list[int] = []  # tokens of each row in the draft KV
-        self._drafted: list[int] = []  # the last proposal's length per row (what `settle` reconciles)
-        self._base: list[int] = []  # ... and each row's token count before it
-        self.pending = False  # a proposal waits for `settle`
+        self._count = 0  # drafts a row of the last proposal has (0: none waits for `settle`)
+        self._base: list[int] = []  # each row's token count before that proposal
+
+    @property
+    def pending(self) -> bool:
+        """A proposal waits for `settle`."""
+        return self._count > 0
 
     def sync(self, uids: list[int], histories: list[list[int]]) -> None:
         """Match the batch's rows `uids` (their known tokens `histories`, all but the next one)."""
@@ -83,16 +87,15 @@ class DraftModelBatch:
             drafts = mx.concatenate(out, axis=1)
             mx.eval(drafts)
         self._base = [len(t) for t in tokens]
-        self._drafted = [count] * len(tokens)
+        self._count = count
         self._fed = [n + count - 1 for n in self._base]
-        self.pending = True
         return drafts.tolist()  # type: ignore[return-value]
 
     def settle(self, kept: list[int]) -> None:
         """Row i kept its first `kept[i]` drafts: the draft KV keeps those it was fed, no more."""
-        fed_drafts = [d - 1 for d in self._drafted]
-        keep = [min(k, f) for k, f in zip(kept, fed_drafts, strict=True)]
-        drop = [f - k for f, k in zip(fed_drafts, keep, strict=True)]
+        fed = self._count - 1  # the last draft was not fed
+        keep = [min(k, fed) for k in kept]
+        drop = [fed - k for k in keep]
         assert self._kv is not None
         low = min(drop)
         if low:
@@ -100,4 +103,4 @@ class DraftModelBatch:
                 c.trim(low)
         punch(self._kv, [d - low for d in drop])
         self._fed = [b + k for b, k in zip(self._base, keep, strict=True)]
-        self.pending = False
+        self._count = 0
