@@ -17,11 +17,16 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load
 
+from mlxd.engine.gpu.device_memory import size_for
+from mlxd.engine.gpu.loader import open_model
+from mlxd.engine.gpu.options import GatewayOptions
+from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.engine.models.random_model import build_random_llama
 from mlxd.engine.spec.accept import Distribution
 from mlxd.engine.spec.config import DraftConfig
 from mlxd.engine.spec.drafters import ModelDrafter, open_draft, tokenizer_mismatch
 from mlxd.engine.spec.serial import Speculator
+from mlxd.protocol.memory import kv_bytes_per_token
 
 PROMPT = [5, 17, 3, 99, 42, 8, 17, 3, 61, 2, 30, 7]
 
@@ -113,6 +118,25 @@ def test_a_draft_model_of_another_tokenizer_is_refused(target: tuple[Any, Any], 
     with pytest.raises(ValueError, match="does not share the model's tokenizer"):
         opened(str(models["alien"]), target, models)
     assert tokenizer_mismatch(target[1], load(str(models["draft"]))[1]) is None
+
+
+@pytest.mark.parametrize("draft", ["draft", "self:2", "ngram"])
+def test_the_kv_budget_counts_a_draft_models_kv_beside_the_models(models: dict[str, Path], draft: str) -> None:
+    # Memory-bound sizing: the same room left, a token costs the model's KV and a draft model's.
+    value = str(models["draft"]) if draft == "draft" else draft
+    opts = GatewayOptions(memory_bytes=8 * 1024**3, batch=4, draft=DraftConfig.parse(value))
+    loaded = open_model(lambda: LoadedModel(models["target"], "target"), opts)
+    with_drafts = size_for(loaded, opts).memory_tokens
+    source, loaded.drafts = loaded.drafts, None
+    alone = size_for(loaded, opts).memory_tokens
+    assert with_drafts is not None and alone is not None
+    own = kv_bytes_per_token(loaded.config)
+    if draft != "draft":  # a self-draft writes in the model's own KV, n-grams need none
+        assert source.kv_bytes_per_token == 0 and with_drafts == alone
+        return
+    assert source.kv_bytes_per_token == own // 4  # one layer of the target's four, the same shape
+    room = alone * own  # within a token's bytes of what both sizings had
+    assert room - (own + own // 4) < with_drafts * (own + own // 4) <= room + own, (alone, with_drafts)
 
 
 @pytest.mark.parametrize("value", ["self:4", "self:9"])

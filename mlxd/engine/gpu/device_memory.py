@@ -2,7 +2,8 @@
 
 Read once, at load, on the GPU thread: Metal's recommended working set on macOS, the CUDA
 device's memory, 75% of RAM on the CPU (the pool's default budget share). The supervisor's
-`--memory-bytes` (its budget) bounds each; the weights are what MLX holds once they are loaded.
+`--memory-bytes` (its budget) bounds each; the weights are what MLX holds once they are loaded (a
+draft model's among them), and a budgeted token costs the model's KV and a draft model's.
 """
 
 from __future__ import annotations
@@ -51,10 +52,16 @@ def size_for(loaded: LoadedModel, opts: GatewayOptions, probed: tuple[int, str] 
     for this model on this device."""
     device = device_kind()
     memory = allowed_memory_bytes(device, opts)
-    per_token = kv_bytes_per_token(text_config(loaded.config))
-    tokens = kv_memory_tokens(memory, weights_bytes(loaded), opts.prompt_cache_bytes, per_token)
+    tokens = kv_memory_tokens(memory, weights_bytes(loaded), opts.prompt_cache_bytes, token_kv_bytes(loaded))
     return size_engine(width=opts.batch, context=loaded.context_window, memory_tokens=tokens, device=device,
                        kv_budget_tokens=opts.kv_budget_tokens, probed=probed)
+
+
+def token_kv_bytes(loaded: LoadedModel) -> int:
+    """The KV one budgeted token costs: the model's, and a draft model's beside it (its rows
+    hold a draft KV as long as their own; a self-draft writes in the model's, n-grams need none)."""
+    draft = loaded.drafts.kv_bytes_per_token if loaded.drafts is not None else 0
+    return kv_bytes_per_token(text_config(loaded.config)) + draft
 
 
 def cache_limit_bytes(opts: GatewayOptions) -> int | None:

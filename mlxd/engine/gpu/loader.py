@@ -32,6 +32,7 @@ from mlxd.engine.gpu.warmup import wanted, warm_up
 from mlxd.engine.models.load_meter import LoadMeter
 from mlxd.engine.models.loaded_model import LoadedModel, ModelLoadError, wire_model_memory
 from mlxd.engine.spec.drafters import DraftSource, open_draft
+from mlxd.protocol.memory import kv_bytes_per_token
 from mlxd.protocol.sizing import Sizing, plateau_width, short_memory_hint
 
 log = logging.getLogger("mlxd.engine")
@@ -52,11 +53,14 @@ def open_model(load: Callable[[], LoadedModel], opts: GatewayOptions) -> LoadedM
 def open_drafts(loaded: LoadedModel, opts: GatewayOptions) -> DraftSource | None:
     """What the model drafts with (spec/drafters.py), its draft model loaded and checked; a draft
     that cannot work is a load error that says why."""
+    configs: list[dict[str, Any]] = []
+
     def load(path: str) -> tuple[Any, Any]:
         try:
             draft = LoadedModel(Path(path), "draft")
         except ModelLoadError as exc:
             raise ValueError(f"the draft model: {exc}") from exc
+        configs.append(draft.config)
         return draft.model, draft.tokenizer
 
     try:
@@ -64,7 +68,13 @@ def open_drafts(loaded: LoadedModel, opts: GatewayOptions) -> DraftSource | None
                             opts.solo_prefill_step or opts.prefill_step, load)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from exc
-    if source is not None:
+    if source is None:
+        return None
+    if configs:  # each row that drafts holds the draft model's KV beside its own, as long
+        source.kv_bytes_per_token = kv_bytes_per_token(configs[0])
+        log.info("speculative decoding drafts with %s (its KV: %d bytes a token, beside the model's %d)",
+                 opts.draft.label, source.kv_bytes_per_token, kv_bytes_per_token(loaded.config))
+    else:
         log.info("speculative decoding drafts with %s", opts.draft.label)
     return source
 

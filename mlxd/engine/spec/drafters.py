@@ -61,6 +61,7 @@ class DraftSource:
         self._prefill_step = prefill_step
         self._kept: ModelDrafter | None = None  # the draft model's drafter, with its KV, between requests
         self._cut: Any = None  # a self-draft's shallow model, made at first use (after the model's patches)
+        self.kv_bytes_per_token = 0  # a draft model's KV for one token (the KV budget counts it beside the model's)
 
     @property
     def kind(self) -> str:
