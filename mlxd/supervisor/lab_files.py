@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 from pathlib import Path
 from typing import Literal
 
@@ -111,14 +112,18 @@ def check_token(token: object) -> str:
 
 
 def write_private(path: Path, text: str) -> None:
-    """Write `text` to `path` with mode 0600: a private temp file beside it, renamed over it."""
+    """Write `text` to `path` with mode 0600: a private temp file beside it, renamed over it (a
+    name of its own for each write: two saves at once each rename a whole file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # mode 0600
     try:
-        os.fchmod(fd, 0o600)  # a leftover temp file of another mode keeps it otherwise
-        os.write(fd, text.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(temp, path)
+        try:
+            os.write(fd, text.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(name, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(name)
+        raise

@@ -33,13 +33,16 @@ def test_the_token_file_is_private_and_the_state_never_holds_the_token(tmp_path:
     assert lab.token() == "hf_env" and lab.token_state() == TokenState(has_token=True, source="env")
 
 
-def test_a_leftover_temp_file_of_another_mode_does_not_leak_its_mode(tmp_path: Path) -> None:
+def test_saves_at_once_each_write_a_whole_private_file(tmp_path: Path) -> None:
+    """Two saves at once (a fuzzer's concurrent POSTs found this) must not share a temp file."""
+    import concurrent.futures
+
     target = tmp_path / "hf_token"
-    leftover = tmp_path / f".hf_token.{os.getpid()}.tmp"
-    leftover.write_text("old")
-    leftover.chmod(0o644)
-    write_private(target, "hf_new\n")
-    assert stat.S_IMODE(target.stat().st_mode) == 0o600 and target.read_text() == "hf_new\n"
+    texts = [f"hf_{i:03d}\n" for i in range(64)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda t: write_private(target, t), texts))  # raises if any save failed
+    assert target.read_text() in texts and stat.S_IMODE(target.stat().st_mode) == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["hf_token"]  # no temp file left behind
 
 
 @pytest.mark.parametrize("bad", [None, 7, "", "   ", "two words", "tab\there", "x" * 401])
