@@ -31,6 +31,7 @@ class ChunkDelta(msgspec.Struct):
 
 class ChunkChoice(msgspec.Struct):
     delta: ChunkDelta = msgspec.field(default_factory=ChunkDelta)
+    text: str | None = None  # a text completion's chunk (no delta)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 

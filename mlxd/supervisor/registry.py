@@ -53,21 +53,33 @@ def sampling_of(entry: ModelEntry) -> dict[str, float]:
     return sampling.in_use(sampling.model_defaults(config))
 
 
+def _read_json(path: Path) -> Any:
+    try:
+        return msgspec.json.decode(path.read_bytes())
+    except (OSError, msgspec.DecodeError):
+        return None
+
+
+def chat_template_of(entry: ModelEntry, files: set[str] | None = None) -> str | None:
+    """The model's chat template (chat_template.jinja, else its tokenizer's or chat_template.json's)."""
+    jinja = None
+    if files is None or "chat_template.jinja" in files:
+        try:
+            jinja = (entry.path / "chat_template.jinja").read_text()
+        except OSError:
+            jinja = None
+    return (template_text(_read_json(entry.path / "tokenizer_config.json"), jinja)
+            or template_text(_read_json(entry.path / "chat_template.json"), None))
+
+
 def capabilities_of(entry: ModelEntry) -> Capabilities:
     """What the model takes and does (protocol/capabilities.py), read from its dir."""
-    def read(name: str) -> Any:
-        try:
-            return msgspec.json.decode((entry.path / name).read_bytes())
-        except (OSError, msgspec.DecodeError):
-            return None
-
     try:
         files = {p.name for p in entry.path.iterdir()}
-        jinja = (entry.path / "chat_template.jinja").read_text() if "chat_template.jinja" in files else None
     except OSError:
-        files, jinja = set(), None
-    config = read("config.json")
-    template = template_text(read("tokenizer_config.json"), jinja) or template_text(read("chat_template.json"), None)
+        files = set()
+    config = _read_json(entry.path / "config.json")
+    template = chat_template_of(entry, files)
     return capabilities(config if isinstance(config, dict) else {}, files, template, entry.max_context)
 
 

@@ -62,3 +62,13 @@ def test_a_waited_anthropic_stream_ends_with_its_error_event(sup: SupervisorProc
     assert "event: error" in lines
     [event] = events(lines)
     assert event["type"] == "error" and event["error"]["type"] in ("api_error", "overloaded_error")  # type: ignore[index]
+
+
+def test_a_waited_ollama_stream_has_no_comments_and_ends_with_an_error_line(sup: SupervisorProcess) -> None:
+    """NDJSON has no comments: the head goes out while it waits, then nothing but JSON lines."""
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}  # Ollama streams by default
+    with sup.client.stream("POST", "/api/chat", json=body) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("application/x-ndjson")
+        lines = [line for line in resp.iter_lines() if line]
+    assert len(lines) == 1, lines
+    assert set(json.loads(lines[0])) == {"error"} and "wait" in json.loads(lines[0])["error"].lower()

@@ -43,7 +43,9 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from mlxd.protocol.errors import ErrorBody
+from mlxd.protocol.ollama_answers import OllamaError
 from mlxd.supervisor.http.openapi import make_openapi
+from mlxd.supervisor.relay.ollama_dialect import OLLAMA_PATHS
 from tests.support import SupervisorProcess
 
 KEY = "fuzz-key"
@@ -222,12 +224,15 @@ class Fuzzer:
         except Failure as failure:
             yield f"{failure.title}: {failure.message}"[:1000]
         if response.status_code >= 400:
+            shape, name = (OllamaError, "Ollama's") if case.path in OLLAMA_PATHS else (ErrorBody, "OpenAI's")
             try:
-                msgspec.json.decode(response.content, type=ErrorBody)
+                msgspec.json.decode(response.content, type=shape)
             except msgspec.DecodeError:
-                yield f"error body is not OpenAI's error JSON: {response.content[:200]!r}"
+                yield f"error body is not {name} error JSON: {response.content[:200]!r}"
         elif response.headers.get("Content-Type", "").startswith("text/event-stream"):
             yield from _stream_problems(response.text)
+        elif response.headers.get("Content-Type", "").startswith("application/x-ndjson"):
+            yield from _ndjson_problems(response.text)
 
     def _track_leases(self, route: str, response: requests.Response) -> None:
         """Remember the leases taken, so that renew and delete can name them."""
@@ -265,6 +270,19 @@ def _stream_problems(text: str) -> Iterator[str]:
             yield f"error event in the stream: {event[:300]}"
     if not events or events[-1] != "[DONE]":
         yield f"stream does not end with [DONE]: {text[-200:]!r}"
+
+
+def _ndjson_problems(text: str) -> Iterator[str]:
+    """An Ollama stream is JSON lines, the last with `done: true`; an error line is a failure."""
+    try:
+        lines = [json.loads(line) for line in text.splitlines() if line]
+    except ValueError:
+        yield f"a stream line is not JSON: {text[:200]!r}"
+        return
+    if any("error" in line for line in lines):
+        yield f"error line in the stream: {text[-300:]!r}"
+    elif not lines or lines[-1].get("done") is not True:
+        yield f"stream does not end with done: {text[-200:]!r}"
 
 
 def _curl(case: Case) -> str:

@@ -237,6 +237,24 @@ def test_responses_input_image_answers(sup: SupervisorProcess) -> None:
     assert response.status == "incomplete" and response.usage.input_tokens > 16
 
 
+def test_ollama_images_answer_as_the_same_image_does_through_openai(sup: SupervisorProcess) -> None:
+    import ollama
+
+    image = png(8)
+    via_openai = ask(sup.openai(), "qwen2_vl", image_message(image, "What is it?"), max_tokens=6)
+    with ollama.Client(host=sup.url) as client:
+        out = client.chat(model="qwen2_vl", messages=[{"role": "user", "content": "What is it?", "images": [image]}],
+                          options={"temperature": 0, "num_predict": 6})
+        assert out.message.content == via_openai.choices[0].message.content
+        assert out.prompt_eval_count == via_openai.usage.prompt_tokens
+        gen = client.generate(model="qwen2_vl", prompt="What is it?", images=[image],
+                              options={"temperature": 0, "num_predict": 6})
+        assert gen.response == out.message.content
+        with pytest.raises(ollama.ResponseError) as info:
+            client.chat(model="text", messages=[{"role": "user", "content": "x", "images": [image]}])
+        assert info.value.status_code == 400 and "does not take images" in info.value.error
+
+
 class ImageServer:
     """A local HTTP server: /a.png an image, /big a large one, /slow answers late, /moved redirects."""
 

@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import Case, GenerationMode
 
-from mlxd.protocol import anthropic, openai, responses
+from mlxd.protocol import anthropic, ollama, openai, responses
 from mlxd.protocol.json_body import decode_as
 from mlxd.supervisor.config import Config
 from mlxd.supervisor.engines.pool import Pool
@@ -25,6 +25,7 @@ from mlxd.supervisor.http import admin_routes as admin
 from mlxd.supervisor.http.app import make_app
 from mlxd.supervisor.http.openapi import make_openapi, openapi_bytes, openapi_json, prompt_schema
 from mlxd.supervisor.registry import Registry
+from mlxd.supervisor.relay.ollama_dialect import OLLAMA_PATHS
 
 BODIES: dict[tuple[str, str], type[Any]] = {
     ("POST", "/v1/chat/completions"): openai.ChatCompletionRequest,
@@ -37,6 +38,9 @@ BODIES: dict[tuple[str, str], type[Any]] = {
     ("POST", "/admin/drain"): admin.DrainBody,
     ("POST", "/admin/leases"): admin.LeaseBody,
     ("POST", "/admin/leases/{lease_id}/renew"): admin.RenewBody,
+    ("POST", "/api/chat"): ollama.ChatRequest,
+    ("POST", "/api/generate"): ollama.GenerateRequest,
+    ("POST", "/api/show"): ollama.ModelRequest,
 }
 
 
@@ -78,7 +82,8 @@ def test_keys_are_documented_and_health_needs_none() -> None:
 
 def test_every_error_answer_is_json_in_the_routes_api() -> None:
     for path, item in make_openapi()["paths"].items():
-        body = "AnthropicErrorBody" if path.startswith("/v1/messages") else "ErrorBody"
+        body = ("AnthropicErrorBody" if path.startswith("/v1/messages") else
+                "OllamaError" if path in OLLAMA_PATHS else "ErrorBody")
         for method, op in item.items():
             for status, answer in op["responses"].items():
                 if int(status) >= 400:

@@ -230,11 +230,25 @@ class Pool:
             memory = estimate_bytes(entry.path, entry.size_bytes, entry.max_context, width,
                                     memory_bytes=self.limits.budget_bytes, prompt_cache_bytes=cache,
                                     device=self._device) + cache + entry.draft_bytes
-            ttl = entry.idle_ttl_s if entry.idle_ttl_s is not None else self.config.idle_ttl_s
-            slot = Slot(engine, entry, memory, ttl, entry.pin)
+            slot = Slot(engine, entry, memory, self._configured_ttl(entry), entry.pin)
             engine.on_change = lambda: self._on_engine_change(slot)
             self._slots[entry.id] = slot
         return slot
+
+    @property
+    def device(self) -> str:
+        """What the engines run on: metal, cuda or cpu."""
+        return self._device
+
+    def keep_alive(self, entry: ModelEntry, seconds: int | None) -> None:
+        """How long the model's engine stays loaded once idle, from now on (Ollama's `keep_alive`):
+        `seconds` (-1: for good, 0: unloaded once idle), None: its configured idle TTL."""
+        slot = self.slot_for(entry)
+        slot.idle_ttl_s = self._configured_ttl(entry) if seconds is None else seconds
+        self.schedule_replan()
+
+    def _configured_ttl(self, entry: ModelEntry) -> int:
+        return entry.idle_ttl_s if entry.idle_ttl_s is not None else self.config.idle_ttl_s
 
     def slots(self) -> list[Slot]:
         """Every model the pool has seen, in any state."""

@@ -41,6 +41,7 @@ from mlxd.supervisor.http.keys import (
 from mlxd.supervisor.http.lab_data_routes import setup_lab_data_routes
 from mlxd.supervisor.http.lab_routes import is_lab_route, setup_lab_routes
 from mlxd.supervisor.http.metrics import LazyMetrics, make_metrics_middleware
+from mlxd.supervisor.http.ollama_routes import setup_ollama_routes
 from mlxd.supervisor.http.openai_routes import setup_openai_routes
 from mlxd.supervisor.http.openapi import openapi_json
 from mlxd.supervisor.http.responses_routes import setup_responses_routes
@@ -94,6 +95,7 @@ def make_app(config: Config, registry: Registry, pool: Pool, store: ResponseStor
     app[IMAGES] = ImageFetcher(server.image_fetch_timeout_s, server.image_fetch_max_bytes, server.image_fetch_private)
     setup_openai_routes(app)
     setup_anthropic_routes(app)
+    setup_ollama_routes(app)
     setup_responses_routes(app, store)
     setup_service_routes(app)
     app.router.add_get("/openapi.json", openapi_json)

@@ -37,6 +37,7 @@ from mlxd.supervisor.http.answers import json_answer
 from mlxd.supervisor.http.keys import ADAPTERS, JOBS, LAB_FILES, REGISTRY
 from mlxd.supervisor.model_inspect import InspectError, inspect_model
 from mlxd.supervisor.registry import ModelEntry
+from mlxd.supervisor.relay.ollama_dialect import OLLAMA_USER_PATHS
 from mlxd.supervisor.relay.sse import SSE_HEADERS
 
 LAB = "/lab"
@@ -364,4 +365,6 @@ def setup_lab_routes(app: web.Application) -> None:
 
 
 def is_lab_route(request: web.Request) -> bool:
-    return request.path.startswith((LAB + "/", "/api/"))
+    """The admin calls under /lab/* and /api/* (the reference's lab routes, and Ollama's that
+    change what is on disk); Ollama's inference and listing routes take any key."""
+    return request.path.startswith((LAB + "/", "/api/")) and request.path not in OLLAMA_USER_PATHS

@@ -17,7 +17,7 @@ import msgspec
 from aiohttp import web
 
 from mlxd import __version__
-from mlxd.protocol import anthropic, jobs, openai, responses
+from mlxd.protocol import anthropic, jobs, ollama, ollama_answers, openai, responses
 from mlxd.protocol import supervisor_api as api
 from mlxd.protocol.errors import ErrorBody
 from mlxd.protocol.process import LEASE_HEADER
@@ -38,7 +38,8 @@ SCHEMA_TYPES: tuple[Any, ...] = (
     api.AdapterCard, api.AdapterUnloaded, jobs.FinetuneRequest, jobs.QuantizeRequest, jobs.Job, jobs.JobList,
     jobs.FuseRequest, jobs.MergeRequest, jobs.DatasetRequest, jobs.PushRequest, lab.InspectDatasetBody,
     lab.InspectModelBody, lab.TokenBody, lab.PushAliasBody, lab.DatasetInspection, lab.DatasetList, lab.TemplateList,
-    TokenState, ModelInspection,
+    TokenState, ModelInspection, ollama.ChatRequest, ollama.GenerateRequest, ollama.ModelRequest, ollama_answers.ChatLine,
+    ollama_answers.GenerateLine, ollama_answers.OllamaError, ollama_answers.TagList, ollama_answers.RunningList, ollama_answers.ShowAnswer, ollama_answers.Version,
 )
 
 
@@ -203,6 +204,35 @@ def make_paths() -> dict[str, Any]:
         **make_admin_paths(),
         **make_adapter_paths(),
         **make_lab_paths(),
+        **make_ollama_paths(),
+    }
+
+
+def make_ollama_paths() -> dict[str, Any]:
+    """Ollama's API (docs/ollama.md): its own error shape (`{"error": "..."}`), NDJSON streams."""
+    def op(op_id: str, summary: str, ok: dict[str, Any], errors: tuple[int, ...], body: str | None = None) -> Any:
+        return operation(op_id, summary, ok, errors, tag="Ollama", body=body, error_body="OllamaError")
+
+    def lines(line: str) -> dict[str, Any]:
+        each = {"anyOf": [ref(line), ref("OllamaError")],
+                "description": f"One JSON object a line ({line}); the last has `done: true`, or is an error."}
+        return {**json_content(ref(line)), "application/x-ndjson": {"schema": each}}
+
+    return {
+        "/api/chat": {"post": op("ollamaChat", "Ollama's chat (streamed unless `stream: false`); no messages: "
+                                 "load the model, or with `keep_alive: 0` unload it", lines("ChatLine"),
+                                 INFERENCE_ERRORS, "ChatRequest")},
+        "/api/generate": {"post": op("ollamaGenerate", "Ollama's generate (`raw`: no chat template); no prompt: "
+                                     "load or unload the model", lines("GenerateLine"), INFERENCE_ERRORS,
+                                     "GenerateRequest")},
+        "/api/tags": {"get": op("ollamaTags", "Every model there is, in Ollama's shape", json_content(ref("TagList")),
+                                GUARDED)},
+        "/api/ps": {"get": op("ollamaRunning", "The models loaded, and when each unloads",
+                              json_content(ref("RunningList")), GUARDED)},
+        "/api/show": {"post": op("ollamaShow", "One model's details, parameters, chat template and capabilities",
+                                 json_content(ref("ShowAnswer")), (*GUARDED, 404, 413), "ModelRequest")},
+        "/api/version": {"get": op("ollamaVersion", "The Ollama API version these routes follow",
+                                   json_content(ref("Version")), GUARDED)},
     }
 
 
@@ -355,7 +385,8 @@ def make_openapi() -> dict[str, Any]:
             "title": "mlxd", "version": __version__,
             "description": "A local LLM inference daemon on MLX: OpenAI's API, one engine process per model. "
                            "Keys are needed only when `api_keys`/`admin_keys` are configured; admin routes "
-                           "then take an admin key. Errors are always JSON in OpenAI's shape.",
+                           "then take an admin key. Errors are JSON in each API's own shape (OpenAI's; Anthropic's under "
+                           "/v1/messages; Ollama's under /api/chat and its siblings).",
         },
         "paths": make_paths(),
         "components": {"schemas": schemas, "securitySchemes": security_schemes},

@@ -24,9 +24,11 @@ from mlxd.protocol.capabilities import Capabilities
 from mlxd.protocol.chat_chunks import ChatChunk
 from mlxd.protocol.engine_state import EngineState
 from mlxd.protocol.errors import APIError, encode_openai_error
+from mlxd.protocol.process import RequestUsage
 from mlxd.protocol.stats import LoadProgress
 from mlxd.protocol.supervisor_api import ModelInfo, ModelInfoList
 from mlxd.supervisor.registry import ModelEntry
+from mlxd.supervisor.relay.sse import SSE_HEADERS
 
 
 class StreamTranslator(Protocol):
@@ -66,6 +68,13 @@ class Dialect:
         "X-Stainless-Package-Version", "X-Stainless-Runtime", "X-Stainless-Runtime-Version",
         "X-Stainless-Retry-Count", "X-Stainless-Timeout")
 
+    # The head of a streamed answer (server-sent events; Ollama's NDJSON has its own)
+    stream_headers: dict[str, str] = SSE_HEADERS
+
+    def comment(self, text: bytes) -> bytes:
+        """A keep-alive or waiting note in this API's stream (an SSE comment; b"": it has none)."""
+        return text
+
     def error_body(self, err: APIError) -> bytes:
         return encode_openai_error(err)
 
@@ -93,6 +102,9 @@ class Dialect:
     async def whole(self, status: int, data: bytes) -> tuple[int, bytes]:
         """The engine's whole 200 answer in this API."""
         return status, data
+
+    def engine_usage(self, usage: RequestUsage | None) -> None:
+        """What a whole answer cost, as the engine said (before `whole` is asked)."""
 
     async def on_final(self, translator: StreamTranslator) -> None:
         """After the stream's `finish` and before its closing events go out."""

@@ -9,6 +9,7 @@ from mlxd.protocol.errors import APIError
 from mlxd.supervisor.relay.anthropic_dialect import AnthropicMessages
 from mlxd.supervisor.relay.dialect import Dialect, OpenAIChat, OpenAICompletions
 from mlxd.supervisor.relay.keys import DIALECT_KEY
+from mlxd.supervisor.relay.ollama_dialect import OLLAMA, OLLAMA_PATHS
 from mlxd.supervisor.relay.responses_dialect import Responses
 
 OPENAI = OpenAIChat()
@@ -16,7 +17,7 @@ ANTHROPIC = AnthropicMessages()
 # path prefix -> the dialect of everything under it (the longest prefix wins; else OpenAI's)
 BY_PATH: dict[str, Dialect] = {
     "/v1/messages": ANTHROPIC, "/v1/responses": Responses(), "/v1/completions": OpenAICompletions(),
-    "/v1/chat/completions": OPENAI,
+    "/v1/chat/completions": OPENAI, **dict.fromkeys(OLLAMA_PATHS, OLLAMA),
 }
 _LONGEST_FIRST = sorted(BY_PATH, key=len, reverse=True)  # sorted once, not per request
 

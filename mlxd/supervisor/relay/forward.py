@@ -70,4 +70,5 @@ async def _relay(
             return await relay_translated(request, up, dialect, on_first_chunk, prepared)
         return await relay_stream(request, up, dialect, on_first_chunk, prepared)
     whole = await relay_whole(up)
+    dialect.engine_usage(up.usage())
     return await translate_whole(whole, dialect) if dialect.engine_path is not None else whole

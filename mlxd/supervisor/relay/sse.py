@@ -12,11 +12,12 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 DRAIN_POLL_S = 0.005
 
 
-async def open_stream(request: web.Request, prepared: web.StreamResponse | None) -> web.StreamResponse:
+async def open_stream(request: web.Request, prepared: web.StreamResponse | None,
+                      headers: dict[str, str] = SSE_HEADERS) -> web.StreamResponse:
     """The caller's event stream: `prepared` when its head is already out, else a new one."""
     if prepared is not None:
         return prepared
-    resp = web.StreamResponse(headers=SSE_HEADERS)
+    resp = web.StreamResponse(headers=headers)
     await resp.prepare(request)
     return resp
 

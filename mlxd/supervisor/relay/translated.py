@@ -46,7 +46,7 @@ async def relay_translated(
     """The engine's chat stream, event by event, in the caller's API."""
     translator = dialect.translator()
     assert translator is not None
-    resp = await open_stream(request, prepared)
+    resp = await open_stream(request, prepared, dialect.stream_headers)
     relay = _Translating(translator, dialect, on_first_chunk)
     try:
         await resp.write(translator.start())
@@ -144,7 +144,7 @@ class _Translating:
     def _event(self, data: bytes | None) -> bytes:
         """One SSE event from the engine (its data; None for a comment, a keep-alive) in the caller's API."""
         if data is None:
-            return b": keep-alive\n\n"
+            return self.dialect.comment(b": keep-alive\n\n")
         if self.translator.ended:
             return b""
         try:

@@ -22,7 +22,6 @@ from aiohttp import web
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.stats import LoadProgress, phase_words
 from mlxd.supervisor.relay.dialect import Dialect
-from mlxd.supervisor.relay.sse import SSE_HEADERS
 
 T = TypeVar("T")
 COMMENT = b": waiting for the model\n\n"
@@ -63,9 +62,10 @@ class WaitingStream:
 
     async def _ping(self) -> None:
         if self.response is None:
-            self.response = web.StreamResponse(headers=SSE_HEADERS)
+            self.response = web.StreamResponse(headers=self._dialect.stream_headers)
             await self.response.prepare(self._request)
-        await self.response.write(comment(self._progress()))
+        if note := self._dialect.comment(comment(self._progress())):
+            await self.response.write(note)
 
     async def fail(self, err: APIError) -> web.StreamResponse:
         """End the started stream with `err` as an SSE error event, in the caller's API."""
