@@ -15,10 +15,12 @@ PING = sse("ping", {"type": "ping"})
 class MessageStream:
     """Turns the engine's chat chunks (chat_chunks.py) into Anthropic's stream events (SSE bytes).
 
-    Blocks are numbered as they open; a block closes when another kind begins (text after
-    thinking, a new tool call) and at the end. The stop reason comes with the chunk that
-    carries `finish_reason`; usage with the last chunk (the engine is asked for it), so
-    `message_delta` and `message_stop` go out at the end.
+    `message_start` goes out with the engine's first chunk, whose usage (asked for with
+    process.EARLY_USAGE_HEADER) gives it the prompt's tokens, as Anthropic's does; clients that
+    track their context read them there. Blocks are numbered as they open; a block closes when
+    another kind begins (text after thinking, a new tool call) and at the end. The stop reason
+    comes with the chunk that carries `finish_reason`; the whole usage with the last chunk (the
+    engine is asked for it), so `message_delta` and `message_stop` go out at the end.
     """
 
     def __init__(self, model: str) -> None:
@@ -34,19 +36,26 @@ class MessageStream:
         self.ended = False
 
     def start(self) -> bytes:
-        """`message_start` and a ping (sent once, before anything else)."""
+        """Nothing yet: `message_start` waits for the engine's first chunk (its usage)."""
+        return b""
+
+    def _message_start(self, usage: dict[str, Any] | None) -> bytes:
+        """`message_start` with the prompt's usage, and a ping (sent once, before anything else)."""
         if self._started:
             return b""
         self._started = True
+        counts = usage_of(usage)
         message: dict[str, Any] = {
             "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
-            "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0},
+            "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": counts.input_tokens, "output_tokens": 0,
+                      "cache_read_input_tokens": counts.cache_read_input_tokens, "cache_creation_input_tokens": 0},
         }
         return sse("message_start", {"type": "message_start", "message": message}) + PING
 
     def feed(self, chunk: ChatChunk) -> bytes:
         """The events for one chunk of the engine's stream."""
-        out = [self.start()]
+        out = [self._message_start(chunk.usage)]
         for choice in chunk.choices:
             delta = choice.delta
             if text := delta.reasoning_content:
@@ -74,7 +83,7 @@ class MessageStream:
         delta = {"type": "message_delta",
                  "delta": {"stop_reason": reason, "stop_sequence": self._stop if reason == "stop_sequence" else None},
                  "usage": usage}
-        return b"".join([self.start(), self._close(), sse("message_delta", delta),
+        return b"".join([self._message_start(self._usage), self._close(), sse("message_delta", delta),
                          sse("message_stop", {"type": "message_stop"})])
 
     def fail(self, status: int, message: str, code: str | None = None) -> bytes:

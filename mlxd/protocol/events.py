@@ -19,6 +19,8 @@ class Token(msgspec.Struct, tag="token"):
 
     text: str
     logprobs: list[TokenLogprob] | None = None
+    prompt_tokens: int | None = None  # on a reply's first Token: the prompt's size ...
+    cached_tokens: int | None = None  # ... and the tokens of it the prompt cache held
 
 
 class Speculation(msgspec.Struct):

@@ -130,8 +130,16 @@ class Version(msgspec.Struct):
 # ---- building answers ----
 
 
+_second: list[Any] = [-1, ""]  # the last whole second formatted, and its text
+
+
 def now_rfc3339() -> str:
-    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+    """Now in UTC, RFC 3339 with microseconds (each stream line has one: the second's text is kept)."""
+    now = time.time()
+    second = int(now)
+    if second != _second[0]:
+        _second[:] = [second, datetime.fromtimestamp(second, UTC).strftime("%Y-%m-%dT%H:%M:%S")]
+    return f"{_second[1]}.{int((now - second) * 1e6):06d}Z"
 
 
 def done_reason(finish: str | None) -> str:

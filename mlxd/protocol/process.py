@@ -30,6 +30,10 @@ PRIORITY_HEADER = "X-MLXD-Priority"
 # The adapter stack a request runs under, as the supervisor resolved it ("a+b", or "none"); over
 # the body's `adapter`, which the supervisor may have read from a `base:adapter` model id.
 ADAPTER_HEADER = "X-MLXD-Adapter"
+# Asks a chat stream's opening chunk (with the first text) to carry `usage` with the prompt's
+# tokens and those the prompt cache held: Anthropic's message_start says them before any text.
+# Only translated streams ask (OpenAI's own chunks carry usage only at the end).
+EARLY_USAGE_HEADER = "X-MLXD-Early-Usage"
 
 # Seconds between SSE comments to a stream still waiting for its first token. The supervisor
 # sets it from `server.stream_keepalive_s` (unless set already); engines inherit it.

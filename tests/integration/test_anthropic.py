@@ -54,9 +54,14 @@ def test_a_message_with_text_usage_and_a_stop_reason(client: anthropic.Anthropic
 def test_the_stream_helpers_see_anthropics_event_sequence_and_the_same_message(client: anthropic.Anthropic) -> None:
     whole = create(client)
     with client.messages.stream(model=MODEL, max_tokens=40, messages=COUNT, extra_body=GREEDY) as stream:
-        kinds = [e.type for e in stream]
+        seen = list(stream)
         final = stream.get_final_message()
+    kinds = [e.type for e in seen]
     raw = [k for k in kinds if k not in ("text", "input_json", "thinking", "signature")]  # the helper's own events
+    # message_start says the prompt's tokens (clients that track their context read them there)
+    opening = seen[0].message.usage  # type: ignore[union-attr]
+    assert opening.input_tokens + (opening.cache_read_input_tokens or 0) == \
+        final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0) > 10
     assert raw[0] == "message_start" and raw[-2:] == ["message_delta", "message_stop"]
     assert raw[1] == "content_block_start" and raw[-3] == "content_block_stop"
     assert final.content[0].text == whole.content[0].text

@@ -212,6 +212,23 @@ def test_a_stream_ended_by_a_stop_string_says_which() -> None:
     assert delta == {"stop_reason": "stop_sequence", "stop_sequence": ", 4"}
 
 
+def test_message_start_carries_the_prompts_tokens_from_the_first_chunk() -> None:
+    """The engine's opening chunk carries the prompt's usage (process.EARLY_USAGE_HEADER):
+    message_start says it, split into what the prompt cache held and the rest, as Anthropic's."""
+    s = MessageStream("m")
+    assert s.start() == b""  # nothing before the engine's first chunk
+    opening = as_chunk({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
+                        "usage": {"prompt_tokens": 50, "completion_tokens": 0, "prompt_tokens_details": {"cached_tokens": 20}}})
+    data = s.feed(opening) + s.feed(chunk(content="Hi"))
+    data += s.feed(as_chunk({"choices": [], "usage": {"prompt_tokens": 50, "completion_tokens": 3,
+                                                      "prompt_tokens_details": {"cached_tokens": 20}}}))
+    evs = events(data + s.finish())
+    start = evs[0][1]["message"]["usage"]
+    assert evs[0][0] == "message_start" and start["input_tokens"] == 30 and start["cache_read_input_tokens"] == 20
+    assert start["output_tokens"] == 0
+    assert evs[-2][1]["usage"]["input_tokens"] == 30 and evs[-2][1]["usage"]["output_tokens"] == 3
+
+
 def test_an_empty_reply_still_makes_a_whole_event_sequence() -> None:
     s = MessageStream("m")
     names = [n for n, _ in events(s.finish())]
@@ -264,7 +281,8 @@ def test_a_stream_cut_after_any_chunk_ends_with_an_error_event(cut: int) -> None
     s = MessageStream("m")
     data = s.start() + b"".join(s.feed(c) for c in full_stream()[:cut]) + s.fail(502, "The engine crashed.")
     evs = events(data)
-    assert [n for n, _ in evs[:2]] == ["message_start", "ping"]
+    # message_start goes with the engine's first chunk: cut before it, the error is all there is
+    assert [n for n, _ in evs[:2]] == (["message_start", "ping"] if cut else ["error"])
     assert evs[-1] == ("error", {"type": "error", "error": {"type": "api_error", "message": "The engine crashed."}})
     assert "message_stop" not in [n for n, _ in evs]
     opened = [e["index"] for n, e in evs if n == "content_block_start"]

@@ -109,8 +109,10 @@ class Sequence:
 
     def _emit(self, text: str) -> None:
         pending, self._pending = self._pending, []
-        self.job.ticket.emit(Token(text, pending or None))
-        if not self._has_relayed:
+        if self._has_relayed:
+            self.job.ticket.emit(Token(text, pending or None))
+        else:
+            self.job.ticket.emit(Token(text, pending or None, len(self.job.prompt), self.cached))
             self._has_relayed = True
             time.sleep(FIRST_RELAY_PAUSE_S)
 

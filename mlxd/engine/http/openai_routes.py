@@ -43,6 +43,7 @@ from mlxd.engine.models.vision import MAX_IMAGES, MediaPrompt
 from mlxd.protocol import openai as oa
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.media import AudioPart, ImagePart, content_parts, has_media
+from mlxd.protocol.process import EARLY_USAGE_HEADER
 
 
 @admitted
@@ -73,7 +74,8 @@ async def chat_completions(request: web.Request, slot: Slot) -> web.StreamRespon
                                   media=chat.media))
         if req.stream:
             if req.n == 1:
-                return await stream(request, tickets[0], replies[0], include_usage)
+                return await stream(request, tickets[0], replies[0], include_usage,
+                                    early_usage=EARLY_USAGE_HEADER in request.headers)
             return await stream_choices(request, tickets, replies, include_usage)
         results = await asyncio.gather(*(collect(t) for t in tickets))
         choices = []

@@ -12,14 +12,17 @@ from mlxd.engine.gpu.ticket import Ticket
 from mlxd.engine.http.openai_replies import ChatReply, Reply
 from mlxd.engine.http.openai_requests import summary_of, usage_of
 from mlxd.engine.http.sse import SSEWriter, keepalive_interval
+from mlxd.protocol import openai as oa
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.events import Done, Failed, Token
 
 KEEPALIVE_S = keepalive_interval()
 
 
-async def stream(request: web.Request, ticket: Ticket, reply: Reply, include_usage: bool) -> web.StreamResponse:
-    """Relay a generation as OpenAI SSE chunks, ending with `data: [DONE]`."""
+async def stream(request: web.Request, ticket: Ticket, reply: Reply, include_usage: bool,
+                 early_usage: bool = False) -> web.StreamResponse:
+    """Relay a generation as OpenAI SSE chunks, ending with `data: [DONE]`; with `early_usage`
+    (process.EARLY_USAGE_HEADER) the opening chunk carries the prompt's usage."""
     sse = SSEWriter()
     resp = await sse.start(request)
     # The opening chunks go out with the first generated text, so a client's (and the
@@ -28,6 +31,8 @@ async def stream(request: web.Request, ticket: Ticket, reply: Reply, include_usa
     try:
         await keep_alive_until_first_event(sse, ticket)
         async for batch in ticket.events():
+            if opening and early_usage:
+                opening[0].usage = prompt_usage(batch)
             for chunk in opening:
                 await sse.send(chunk)
             opening = []
@@ -39,6 +44,14 @@ async def stream(request: web.Request, ticket: Ticket, reply: Reply, include_usa
     except ConnectionResetError:
         ticket.cancel()  # the client went away mid-stream
     return resp
+
+
+def prompt_usage(batch: list[Any]) -> oa.Usage | None:
+    """The prompt's usage from a reply's first Token (None: the batch starts with none)."""
+    first = batch[0] if batch else None
+    if not isinstance(first, Token) or first.prompt_tokens is None:
+        return None
+    return oa.Usage(first.prompt_tokens, 0, first.prompt_tokens, oa.PromptTokensDetails(first.cached_tokens or 0))
 
 
 async def keep_alive_until_first_event(sse: SSEWriter, ticket: Ticket) -> None:

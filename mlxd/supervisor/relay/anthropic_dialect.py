@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar
 
 import msgspec
 
 from mlxd.protocol import anthropic
 from mlxd.protocol.anthropic_stream import MessageStream
 from mlxd.protocol.errors import APIError
-from mlxd.protocol.process import CHAT_PATH, RENDER_PATH
+from mlxd.protocol.process import CHAT_PATH, EARLY_USAGE_HEADER, RENDER_PATH
 from mlxd.supervisor.relay.dialect import Dialect, ModelRow, StreamTranslator
 
 # the engine's chat field names, as this API calls them (in error messages' `param`)
@@ -22,6 +23,7 @@ class AnthropicMessages(Dialect):
 
     name = "anthropic"
     engine_path = CHAT_PATH
+    engine_headers: ClassVar[dict[str, str]] = {EARLY_USAGE_HEADER: "1"}  # message_start: the prompt's tokens
     params = PARAMS
     request_headers = ("Anthropic-Version", "Anthropic-Beta", "Anthropic-Dangerous-Direct-Browser-Access")
 

@@ -15,7 +15,7 @@ Adding an API means a dialect here (and its paths in dialects.py) and its routes
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import msgspec
 from aiohttp import web
@@ -60,6 +60,7 @@ class Dialect:
 
     name = "openai"
     engine_path: str | None = None  # the engine route a translated body goes to; None: the same path
+    engine_headers: ClassVar[dict[str, str]] = {}  # what it asks of the engine's answer (process.EARLY_USAGE_HEADER)
     # The engine's error `param` names a chat field: (chat prefix, the caller's name for it)
     params: tuple[tuple[str, str], ...] = ()
     # Headers this API's SDKs send from a browser (the CORS preflight allows them)

@@ -77,6 +77,7 @@ async def _route(
                 headers[PRIORITY_HEADER] = str(key_priority)
             await pool.adapters.ensure(slot, adapters)
             headers[ADAPTER_HEADER] = header_value(adapters)
+            headers.update(dialect.engine_headers)
             prepared = waiting.response if waiting is not None else None
             resp = await forward(request, slot.engine.socket, slot.engine.connections, body, headers, dialect,
                                  on_first_chunk=on_first_chunk, prepared=prepared)
