@@ -68,7 +68,7 @@ def main() -> int:
             from mlxd.engine.models.random_model import build_random_llama
 
             model = build_random_llama(Path(work) / "tiny", context=4096)
-        sup = SupervisorProcess(fuzz_config(model), Path(work) / "data").wait_up()
+        sup = SupervisorProcess(fuzz_config(model), Path(work) / "data", env={"HF_HUB_OFFLINE": "1"}).wait_up()
         fuzzer = Fuzzer(sup.url)
         started = time.monotonic()
         try:

@@ -5,11 +5,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import shlex
-import shutil
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,6 +18,7 @@ from mlxd.cli.admin.client import AdminError, Unreachable
 from mlxd.cli.admin.cmds import daemon_options, describe_failure, make_client
 from mlxd.cli.options import data_dir_option
 from mlxd.hub.pull_record import PullRecord
+from mlxd.hub.removal import RemovalError, removal_target, remove_model, tree_bytes
 from mlxd.protocol.units import format_size
 
 if TYPE_CHECKING:
@@ -116,15 +114,14 @@ def rm(model: str, yes: bool, url: str | None, config_file: Path | None, data_di
     cache = hf_cache_dir()
     entry = find_entry(Registry({}, models_dir=paths.models_dir(root), hf_cache=cache), model)
     record = PullRecord(root)
-    target = removal_target(entry, record, cache)
-    refuse_if_loaded(entry.id, url, config_file, data_dir)
-    num_bytes = tree_bytes(target)
-    if not yes and sys.stdin.isatty():
-        click.confirm(f"Remove {entry.id} ({format_size(num_bytes)}, {target})?", abort=True, err=True)
-    delete_tree(target)
-    if entry.source == "hf_cache":
-        shutil.rmtree(cache / ".locks" / target.name, ignore_errors=True)
-        record.remove(entry.id, cache)
+    try:
+        target = removal_target(entry, record, cache)
+        refuse_if_loaded(entry.id, url, config_file, data_dir)
+        if not yes and sys.stdin.isatty():
+            click.confirm(f"Remove {entry.id} ({format_size(tree_bytes(target))}, {target})?", abort=True, err=True)
+        target, num_bytes = remove_model(entry, record, cache)
+    except RemovalError as exc:
+        raise click.ClickException(str(exc)) from None
     click.echo(f"removed {entry.id} ({target}): {format_size(num_bytes)} freed")
 
 
@@ -142,19 +139,6 @@ def find_entry(registry: Registry, model: str) -> ModelEntry:
     raise click.ClickException(f"no model '{model}'; did you mean '{near.id}'? (`mlxd rm` takes the exact id)")
 
 
-def removal_target(entry: ModelEntry, record: PullRecord, cache: Path) -> Path:
-    """The dir to delete for `entry`; an error if mlxd does not own it."""
-    if entry.source == "models_dir":
-        return entry.path
-    storage = entry.path.parent.parent  # models--ORG--NAME/snapshots/<commit>
-    if record.find(entry.id, cache) is None:
-        raise click.ClickException(
-            f"{entry.id} is in the Hugging Face cache ({storage}) but `mlxd pull` did not put it there, "
-            f"so mlxd leaves it alone; delete it with: hf cache rm model/{entry.id}"
-        )
-    return storage
-
-
 def refuse_if_loaded(model_id: str, url: str | None, config_file: Path | None, data_dir: Path | None) -> None:
     """An error if a running mlxd has an engine on the model; nothing if no mlxd runs."""
     client = make_client(url, config_file, data_dir)
@@ -168,26 +152,3 @@ def refuse_if_loaded(model_id: str, url: str | None, config_file: Path | None, d
         ) from None
     if any(e.get("model") == model_id and e.get("state") != "stopped" for e in listing.get("data", [])):
         raise click.ClickException(f"mlxd has {model_id} loaded; unload it first: mlxd unload {shlex.quote(model_id)}")
-
-
-def tree_bytes(path: Path) -> int:
-    """Bytes the files under `path` take (links not followed: each blob counts once)."""
-    if path.is_symlink():
-        return 0
-    total = 0
-    for top, _, files in os.walk(path):
-        for name in files:
-            with contextlib.suppress(OSError):  # gone meanwhile
-                total += os.lstat(os.path.join(top, name)).st_size
-    return total
-
-
-def delete_tree(path: Path) -> None:
-    """Delete a dir (or just the link, when it is one)."""
-    try:
-        if path.is_symlink():
-            path.unlink()
-        else:
-            shutil.rmtree(path)
-    except OSError as exc:
-        raise click.ClickException(f"cannot remove {path}: {exc.strerror or exc}") from None

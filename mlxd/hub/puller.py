@@ -17,11 +17,12 @@ from __future__ import annotations
 import ast
 import fnmatch
 import importlib.util
+import io
 import json
 import os
 import re
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -199,10 +200,12 @@ def mlx_model_type(config: Mapping[str, Any], models: MlxLmModels) -> str:
 class Puller:
     """Pulls repos into one hub cache and records them for `mlxd rm`."""
 
-    def __init__(self, cache: Path, record: PullRecord, events: PullEvents) -> None:
+    def __init__(self, cache: Path, record: PullRecord, events: PullEvents,
+                 bar: Callable[[str], type[tqdm]] | None = None) -> None:
         self.cache = cache
         self.record = record
         self.events = events
+        self.bar = bar or named_bar  # a file's progress bar class, by its name
 
     def pull(self, repo: str, revision: str = DEFAULT_REVISION) -> PullResult:
         """Download what `repo@revision` needs to run; PullError with the reason if it cannot."""
@@ -270,7 +273,7 @@ class Puller:
             if not is_cached and is_resumable(file):
                 num_bytes = self._fetch_blob(repo, commit, file)
             # A blob already there is only linked into the snapshot (after one HEAD).
-            hf_hub_download(repo, file.name, revision=commit, cache_dir=self.cache, tqdm_class=named_bar(file.name))
+            hf_hub_download(repo, file.name, revision=commit, cache_dir=self.cache, tqdm_class=self.bar(file.name))
         except HfHubHTTPError as exc:
             if _status(exc) in FINAL_STATUSES:
                 raise PullError(describe_hub_error(exc, repo, commit)) from None
@@ -304,7 +307,7 @@ class Puller:
             self.events.resuming(file, download.num_fetched(), _reason(exc))
 
         try:
-            download.run(named_bar(file.name), on_retry)
+            download.run(self.bar(file.name), on_retry)
         except KeyboardInterrupt:
             raise PullInterrupted(_resume_hint(download)) from None
         except (OSError, httpx2.HTTPError) as exc:
@@ -359,6 +362,23 @@ def named_bar(name: str) -> type[tqdm]:
             super().__init__(*args, **{**kwargs, "desc": name})
 
     return NamedBar
+
+
+def counting_bar(on_bytes: Callable[[str, int], None]) -> Callable[[str], type[tqdm]]:
+    """Progress bars that draw nothing and tell `on_bytes(file name, bytes)` of each step (a
+    server's pull reports its progress so)."""
+    def bar(name: str) -> type[tqdm]:
+        class CountingBar(tqdm):
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **{**kwargs, "desc": name, "file": io.StringIO()})
+
+            def update(self, n: float | None = 1) -> bool | None:
+                on_bytes(name, int(n or 0))
+                return super().update(n)
+
+        return CountingBar
+
+    return bar
 
 
 def _read_ref(storage: Path, revision: str) -> str | None:

@@ -115,6 +115,13 @@ class ModelRequest(msgspec.Struct, kw_only=True):
         return model
 
 
+class PullRequest(ModelRequest, kw_only=True):
+    """`/api/pull`: `model` is a Hugging Face repo id, ORG/NAME[@REVISION]."""
+
+    insecure: bool = False  # accepted, not used (the hub is always https)
+    stream: bool = True
+
+
 # The engine's chat field names (an error's `param`) as this API calls them.
 PARAMS = (("response_format", "format"), ("max_tokens", "options.num_predict"),
           ("repetition_penalty", "options.repeat_penalty"), ("temperature", "options.temperature"),

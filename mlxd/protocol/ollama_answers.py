@@ -123,6 +123,16 @@ class ShowAnswer(msgspec.Struct):
     modified_at: str
 
 
+class PullStatus(msgspec.Struct, omit_defaults=True):
+    """One line of a pull's progress (the last `success`), or a whole pull's answer."""
+
+    status: str
+    digest: str | None = None  # the file a line is about (Ollama names its layers so)
+    total: int | None = None  # its bytes
+    completed: int | None = None  # ... fetched so far
+    model: str | None = None  # mlxd's: on `success`, the id the model is served under
+
+
 class Version(msgspec.Struct):
     version: str
 

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from mlxd.event_loop import loop_factory, loop_name
 from mlxd.fdlimit import raise_open_file_limit
+from mlxd.hub.removal import OwnedModels
 from mlxd.paths import adapters_dir, ensure_private_dir, models_dir, runtime_dir
 from mlxd.protocol.process import STREAM_KEEPALIVE_ENV
 from mlxd.supervisor.adapters import AdapterCatalog
@@ -27,7 +28,7 @@ from mlxd.supervisor.http.app import make_app
 from mlxd.supervisor.http.connections import ConnectionTable, GuardedSite
 from mlxd.supervisor.jobs.store import JobStore
 from mlxd.supervisor.lab_files import LabFiles
-from mlxd.supervisor.registry import Registry
+from mlxd.supervisor.registry import Registry, hf_cache_dir
 from mlxd.supervisor.response_store import ResponseStore, StoreError
 
 log = logging.getLogger("mlxd.supervisor")
@@ -70,7 +71,8 @@ def serve(config: Config, data_dir: Path) -> int:
         return 1
     pool = Pool(runtime, EngineOptions.from_env(), config.pool, kv_dir=data_dir / "kv")
     adapters = AdapterCatalog(adapters_dir(data_dir), models_dir(data_dir))
-    app = make_app(config, registry, pool, store, adapters, JobStore(data_dir / "jobs"), LabFiles(data_dir))
+    app = make_app(config, registry, pool, store, adapters, JobStore(data_dir / "jobs"), LabFiles(data_dir),
+                   OwnedModels(data_dir, hf_cache_dir()))
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         return runner.run(run(app, config.server, started))
 

@@ -294,7 +294,9 @@ def _curl(case: Case) -> str:
 
 @pytest.fixture(scope="module")
 def sup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SupervisorProcess]:
-    proc = SupervisorProcess(fuzz_config(tiny_model), tmp_path_factory.mktemp("fuzz")).wait_up()
+    # Offline: a fuzzed /api/pull answers from the (empty) hub cache instead of reaching for the hub.
+    proc = SupervisorProcess(fuzz_config(tiny_model), tmp_path_factory.mktemp("fuzz"),
+                             env={"HF_HUB_OFFLINE": "1"}).wait_up()
     yield proc
     proc.stop()
 

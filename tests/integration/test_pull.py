@@ -384,3 +384,68 @@ def test_rm_imports_neither_huggingface_hub_nor_aiohttp_nor_mlx(env: dict[str, s
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60,
                          check=False)
     assert (out.returncode, out.stdout) == (0, "[]\n"), out.stderr
+
+
+# --- Ollama's /api/pull and /api/delete: the same over HTTP ---
+
+
+@pytest.fixture
+def served(env: dict[str, str], tmp_path: Path) -> Iterator[SupervisorProcess]:
+    """A supervisor whose hub is the stub, its hub cache and data dir the CLI's, with an admin key."""
+    hf = {k: env[k] for k in ("HF_ENDPOINT", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_DISABLE_TELEMETRY")}
+    config = '[server]\napi_keys = ["sk-user"]\nadmin_keys = ["sk-admin"]\n'
+    sup = SupervisorProcess(config, Path(env["MLXD_DATA_DIR"]), env=hf).wait_up()
+    yield sup
+    sup.stop()
+
+
+ADMIN = {"Authorization": "Bearer sk-admin"}
+
+
+def test_ollama_pull_streams_progress_serves_the_model_and_delete_removes_it(served: SupervisorProcess,
+                                                                               env: dict[str, str]) -> None:
+    import ollama
+
+    with ollama.Client(host=served.url, headers=ADMIN) as client:
+        lines = list(client.pull(REPO, stream=True))
+        assert lines[0].status == "pulling manifest" and lines[-1].status == "success"
+        files = {p.digest: p for p in lines if p.digest}
+        assert set(files) == NEEDED  # only what mlx needs: the other formats are skipped
+        for name, last in files.items():
+            assert last.total and last.completed == last.total, name  # each file's last line: all of it
+        assert snapshot_files(env) == NEEDED and pulled(env) == [REPO]
+        assert REPO in [m.model for m in client.list().models]  # served at once
+        answer = client.chat(model=REPO, messages=[{"role": "user", "content": "hi"}], options={"num_predict": 3})
+        assert answer.done and answer.eval_count == 3
+        assert client.pull(REPO, stream=False).status == "success"  # again: all of it cached
+        assert client.delete(REPO).status == "success"  # its engine drained and stopped first
+        assert REPO not in [m.model for m in client.list().models]
+    assert not (Path(env["HF_HUB_CACHE"]) / "models--test-org--tiny-llama").exists() and pulled(env) == []
+
+
+def test_ollama_pull_and_delete_refuse_what_they_cannot_do(served: SupervisorProcess, tiny_model: Path,
+                                                           env: dict[str, str]) -> None:
+    import ollama
+
+    with ollama.Client(host=served.url, headers={"Authorization": "Bearer sk-user"}) as user:
+        with pytest.raises(ollama.ResponseError) as info:
+            user.pull(REPO, stream=False)
+        assert info.value.status_code == 401  # a user key may not change what is on disk
+    storage = Path(env["HF_HUB_CACHE"]) / "models--other-tool--model"
+    shutil.copytree(tiny_model, storage / "snapshots" / ("a" * 40))
+    (storage / "refs").mkdir()
+    (storage / "refs" / "main").write_text("a" * 40)
+    with ollama.Client(host=served.url, headers=ADMIN) as client:
+        with pytest.raises(ollama.ResponseError) as info:
+            client.delete("other-tool/model")
+        assert info.value.status_code == 409 and "did not put it there" in info.value.error
+        assert (storage / "snapshots" / ("a" * 40) / "model.safetensors").is_file()
+        with pytest.raises(ollama.ResponseError) as info:
+            client.delete("test-org/nothing")
+        assert info.value.status_code == 404
+        with pytest.raises(ollama.ResponseError) as info:
+            client.pull("not a repo id", stream=False)
+        assert info.value.status_code == 400 and "repo id" in info.value.error
+        with pytest.raises(ollama.ResponseError) as info:  # streamed: the error is the last line
+            list(client.pull("test-org/no-config", stream=True))
+        assert "no config.json" in info.value.error

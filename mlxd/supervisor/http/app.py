@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from mlxd.http_errors import Handler, make_error_middleware
+from mlxd.hub.removal import OwnedModels
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.jobs import DATASET_KEY_ENV, Job, Made
 from mlxd.supervisor.adapters import AdapterCatalog
@@ -34,6 +35,7 @@ from mlxd.supervisor.http.keys import (
     LAB_FILES,
     LEASES,
     METRICS,
+    OWNED,
     POOL,
     REGISTRY,
     TIMELINE,
@@ -41,6 +43,7 @@ from mlxd.supervisor.http.keys import (
 from mlxd.supervisor.http.lab_data_routes import setup_lab_data_routes
 from mlxd.supervisor.http.lab_routes import is_lab_route, setup_lab_routes
 from mlxd.supervisor.http.metrics import LazyMetrics, make_metrics_middleware
+from mlxd.supervisor.http.ollama_models import setup_ollama_model_routes
 from mlxd.supervisor.http.ollama_routes import setup_ollama_routes
 from mlxd.supervisor.http.openai_routes import setup_openai_routes
 from mlxd.supervisor.http.openapi import openapi_json
@@ -61,10 +64,11 @@ BODY_TIMEOUTS_PER_HEAD = 6  # a request body must arrive within 6 head deadlines
 
 def make_app(config: Config, registry: Registry, pool: Pool, store: ResponseStore | None = None,
              adapters: AdapterCatalog | None = None, jobs: JobStore | None = None,
-             lab: LabFiles | None = None) -> web.Application:
+             lab: LabFiles | None = None, owned: OwnedModels | None = None) -> web.Application:
     """The supervisor app; its cleanup context stops every engine. `adapters`: the adapters that
     exist (default: none but those loaded by path); `jobs`: the lab's job store (default: none
-    kept, none taken); `lab`: its datasets dir and token file (default: none)."""
+    kept, none taken); `lab`: its datasets dir and token file (default: none); `owned`: where
+    Ollama's pulls go and what its deletes may remove (default: nothing)."""
     metrics, server, timeline = LazyMetrics(pool), config.server, Timeline()
     hosts = HostPolicy.make(server.host, server.allowed_hosts, server.allowed_origins, machine_names())
     app = web.Application(
@@ -82,6 +86,7 @@ def make_app(config: Config, registry: Registry, pool: Pool, store: ResponseStor
         registry.refresh()
 
     app[LAB_FILES] = lab_files = lab if lab is not None else LabFiles(None)
+    app[OWNED] = owned
 
     def worker_env(job: Job) -> dict[str, str]:  # a job's secrets: never in its files or its log
         if job.kind == "dataset" and (keys := server.api_keys or server.admin_keys):
@@ -96,6 +101,7 @@ def make_app(config: Config, registry: Registry, pool: Pool, store: ResponseStor
     setup_openai_routes(app)
     setup_anthropic_routes(app)
     setup_ollama_routes(app)
+    setup_ollama_model_routes(app)
     setup_responses_routes(app, store)
     setup_service_routes(app)
     app.router.add_get("/openapi.json", openapi_json)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from mlxd.hub.removal import OwnedModels
 from mlxd.supervisor.adapters import AdapterCatalog
 from mlxd.supervisor.config import Config
 from mlxd.supervisor.engines.leases import Leases
@@ -24,6 +25,7 @@ JOBS = web.AppKey("jobs", JobRunner)
 LAB_FILES = web.AppKey("lab_files", LabFiles)
 LEASES = web.AppKey("leases", Leases)
 METRICS = web.AppKey("metrics", LazyMetrics)
+OWNED: web.AppKey[OwnedModels | None] = web.AppKey("owned")  # None: no data dir (pulls and deletes refused)
 POOL = web.AppKey("pool", Pool)
 REGISTRY = web.AppKey("registry", Registry)
 TIMELINE = web.AppKey("timeline", Timeline)

@@ -40,6 +40,7 @@ SCHEMA_TYPES: tuple[Any, ...] = (
     lab.InspectModelBody, lab.TokenBody, lab.PushAliasBody, lab.DatasetInspection, lab.DatasetList, lab.TemplateList,
     TokenState, ModelInspection, ollama.ChatRequest, ollama.GenerateRequest, ollama.ModelRequest, ollama_answers.ChatLine,
     ollama_answers.GenerateLine, ollama_answers.OllamaError, ollama_answers.TagList, ollama_answers.RunningList, ollama_answers.ShowAnswer, ollama_answers.Version,
+    ollama.PullRequest, ollama_answers.PullStatus,
 )
 
 
@@ -233,6 +234,11 @@ def make_ollama_paths() -> dict[str, Any]:
                                  json_content(ref("ShowAnswer")), (*GUARDED, 404, 413), "ModelRequest")},
         "/api/version": {"get": op("ollamaVersion", "The Ollama API version these routes follow",
                                    json_content(ref("Version")), GUARDED)},
+        "/api/pull": {"post": op("ollamaPull", "Fetch an MLX model (a Hugging Face repo id) into the hub cache, "
+                                 "its progress streamed unless `stream: false` (an admin call)", lines("PullStatus"),
+                                 (*GUARDED, 413), "PullRequest")},
+        "/api/delete": {"delete": op("ollamaDelete", "Remove a model mlxd owns, its engine drained first (an admin "
+                                     "call)", {}, (*GUARDED, 404, 409, 413, 500), "ModelRequest")},
     }
 
 
