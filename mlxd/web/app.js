@@ -58,3 +58,8 @@ window.addEventListener("hashchange", () => {
 });
 showKeyButton();
 route();
+// Installable as an app, and openable while mlxd is down (sw.js: the shell only, never the APIs).
+// Browsers allow service workers on https and localhost only; elsewhere the page works as it is.
+if ("serviceWorker" in navigator && window.isSecureContext) {
+  navigator.serviceWorker.register("/sw.js").catch(() => {});
+}

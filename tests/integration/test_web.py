@@ -172,6 +172,30 @@ def test_the_page_and_its_files_are_served_with_a_strict_policy(sup: SupervisorP
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found", bad
 
 
+def test_the_page_installs_as_an_app_and_opens_while_mlxd_is_down(sup: SupervisorProcess, watched: Watched) -> None:
+    manifest = sup.client.get("/ui/manifest.webmanifest")
+    assert manifest.status_code == 200 and manifest.headers["content-type"] == "application/manifest+json"
+    app = manifest.json()
+    assert app["display"] == "standalone" and app["start_url"].startswith("/") and app["scope"] == "/"
+    assert all(sup.client.get(icon["src"]).status_code == 200 for icon in app["icons"])
+    page = watched.open(sup.url + "/")
+    assert page.evaluate("async () => (await navigator.serviceWorker.ready).scope") == sup.url + "/"
+    until(page, "navigator.serviceWorker.controller !== null")
+    page.reload()  # now under the worker: the shell's files pass through it
+    page.wait_for_selector("body[data-ready='1']")
+    page.evaluate("() => Promise.all(['/health', '/v1/models', '/admin/engines'].map((u) => fetch(u)))")
+    cached = page.evaluate("""async () => (await (await caches.open('mlxd-shell-1')).keys())
+        .map((r) => new URL(r.url).pathname)""")
+    assert "/" in cached and "/ui/app.js" in cached and "/ui/app.css" in cached, cached
+    assert all(path == "/" or path.startswith("/ui/") for path in cached), cached  # never API traffic
+    assert watched.problems == []
+    page.context.set_offline(True)
+    page.reload()  # mlxd unreachable: the shell still opens, from the worker's copy
+    page.wait_for_selector("nav a[data-view=chat]")
+    assert page.title().endswith("mlxd")
+    page.context.set_offline(False)
+
+
 def test_the_dashboard_loads_with_no_errors(sup: SupervisorProcess, watched: Watched) -> None:
     page = watched.open(sup.url + "/")
     page.wait_for_selector("[data-model=tiny] .badge")

@@ -58,7 +58,7 @@ from mlxd.supervisor.registry import Registry
 from mlxd.supervisor.relay.dialects import render_error
 from mlxd.supervisor.response_store import ResponseStore
 
-OPEN_PATHS = frozenset({"/health", "/"})  # and the web page's files, under /ui/: the page asks for a key itself
+OPEN_PATHS = frozenset({"/health", "/", "/sw.js"})  # and the web page's files, under /ui/: the page asks for a key itself
 BODY_TIMEOUTS_PER_HEAD = 6  # a request body must arrive within 6 head deadlines (60 s by default)
 
 

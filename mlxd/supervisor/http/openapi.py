@@ -195,9 +195,13 @@ def make_paths() -> dict[str, Any]:
         "/": {"get": {**operation("webPage", "The web page: dashboard and chat (docs/web.md; it asks for a key "
                                   "itself)", {"text/html": {"schema": {"type": "string"}}}, ANY, tag="Web"),
                       "security": []}},
+        "/sw.js": {"get": {**operation("serviceWorker", "The web page's service worker (it caches the page's own "
+                                       "files, never API traffic)", {"text/javascript": {"schema": {"type": "string"}}},
+                                       ANY, tag="Web"), "security": []}},
         "/ui/{name}": {"get": {**operation(
-            "webAsset", "A file of the web page (script, style sheet, icon)",
-            {t: {"schema": {"type": "string"}} for t in ("text/javascript", "text/css", "image/svg+xml")},
+            "webAsset", "A file of the web page (script, style sheet, icon, app manifest)",
+            {t: {"schema": {"type": "string"}}
+             for t in ("text/javascript", "text/css", "image/svg+xml", "application/manifest+json")},
             (*ANY, 404), tag="Web", parameters=[{"name": "name", "in": "path", "required": True,
                                                  "schema": {"type": "string"}}]), "security": []}},
         "/openapi.json": {"get": operation("openapi", "This document", json_content({"type": "object"}), GUARDED,

@@ -23,12 +23,13 @@ from mlxd.protocol.errors import APIError
 CONTENT_TYPES = {
     ".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
     ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml", ".png": "image/png", ".ico": "image/x-icon",
+    ".webmanifest": "application/manifest+json",
 }
 # Same-origin only, no inline script or style, no eval: model output rendered by the page
 # can never run code, even if the Markdown renderer had a hole.
 CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
        "object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'")
-ASSET_NAME = re.compile(r"[a-z0-9][a-z0-9_-]*\.(?:js|css|svg|png|ico)")
+ASSET_NAME = re.compile(r"[a-z0-9][a-z0-9_-]*\.(?:js|css|svg|png|ico|webmanifest)")
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,16 @@ async def ui_file(request: web.Request) -> web.Response:
     return asset_response(request, asset)
 
 
+async def service_worker(request: web.Request) -> web.Response:
+    """GET /sw.js: the page's service worker, at the root so that its scope is the whole page."""
+    asset = load_asset("sw.js")
+    if asset is None:
+        raise APIError(404, "The web page is not installed (mlxd.web has no sw.js).", code="not_found")
+    return asset_response(request, asset)
+
+
 def setup_web_routes(app: web.Application) -> None:
-    """Wire `/` and `/ui/*` (the lead's auth middleware leaves both open: they hold no data)."""
+    """Wire `/`, `/sw.js` and `/ui/*` (the lead's auth middleware leaves them open: they hold no data)."""
     app.router.add_get("/", index)
+    app.router.add_get("/sw.js", service_worker)
     app.router.add_get("/ui/{name}", ui_file)
