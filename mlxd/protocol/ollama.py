@@ -8,7 +8,8 @@ functions and types: no I/O.
 What maps to what:
   * `options`: `temperature`, `top_p`, `top_k`, `min_p`, `seed`, `stop`, `presence_penalty`
     and `frequency_penalty` as they are; `num_predict` is `max_tokens` (-1 and -2: as much as
-    the context holds); `repeat_penalty` is `repetition_penalty`. Ollama's runner settings
+    the context holds); `repeat_penalty` is `repetition_penalty`, `repeat_last_n` its window
+    (0: no penalty, -1: the whole context). Ollama's runner settings
     (`num_ctx`, `num_gpu`, `num_thread`, `mirostat`, ...) are accepted and not used: mlxd
     sizes its engines itself.
   * `format`: `"json"` is a JSON object, a schema is that schema (the engine's grammar).
@@ -45,6 +46,7 @@ class OllamaOptions(msgspec.Struct, kw_only=True):
     num_predict: int | None = None
     stop: list[str] | str | None = None
     repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
 
@@ -127,7 +129,8 @@ PARAMS = (("response_format", "format"), ("max_tokens", "options.num_predict"),
           ("repetition_penalty", "options.repeat_penalty"), ("temperature", "options.temperature"),
           ("top_p", "options.top_p"), ("top_k", "options.top_k"), ("min_p", "options.min_p"),
           ("seed", "options.seed"), ("stop", "options.stop"), ("presence_penalty", "options.presence_penalty"),
-          ("frequency_penalty", "options.frequency_penalty"), ("reasoning_effort", "think"))
+          ("frequency_penalty", "options.frequency_penalty"), ("reasoning_effort", "think"),
+          ("repetition_context_size", "options.repeat_last_n"))
 
 
 # ---- keep_alive ----
@@ -176,6 +179,10 @@ def _sampling(options: OllamaOptions | None) -> dict[str, Any]:
             out[name] = value
     if options.repeat_penalty is not None:
         out["repetition_penalty"] = options.repeat_penalty
+    if options.repeat_last_n == 0:  # Ollama's "no repeat penalty"
+        out["repetition_penalty"] = 1.0
+    elif options.repeat_last_n is not None:  # -1: the whole context (the longest window mlxd takes)
+        out["repetition_context_size"] = options.repeat_last_n if options.repeat_last_n > 0 else 2**20
     if options.num_predict is not None:
         if options.num_predict == 0:
             raise APIError(400, "options.num_predict must be positive, or -1 for as much as the context holds.",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -32,6 +34,8 @@ NumChoices = Annotated[int, Meta(ge=1, le=128)]
 AdapterSpec = Annotated[str, Meta(max_length=1024)]
 Priority = Annotated[int, Meta(ge=-INT32_MAX - 1, le=INT32_MAX)]  # lower runs sooner (vLLM's field)
 Stop = Annotated[str, Meta(max_length=MAX_STOP_CHARS)]
+PenaltyContext = Annotated[int, Meta(ge=1, le=2**20)]  # tokens a penalty looks back over
+XtcThreshold = Annotated[float, Meta(ge=0.0, le=0.5)]  # mlx-lm's range: above 0.5 two tokens cannot both exceed it
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -60,6 +64,11 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     repetition_penalty: RepetitionPenalty | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
+    repetition_context_size: PenaltyContext | None = None  # the reference's and mlx-lm's; default 256
+    presence_context_size: PenaltyContext | None = None
+    frequency_context_size: PenaltyContext | None = None
+    xtc_probability: Probability | None = None  # XTC (exclude top choices); EOS and newline exempt
+    xtc_threshold: XtcThreshold | None = None
     logit_bias: Annotated[dict[str, Bias], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
     max_tokens: TokenCount | None = None
     stop: Stop | Annotated[list[Stop], Meta(max_length=MAX_STOPS)] | None = None
@@ -68,6 +77,13 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     priority: Priority | None = None  # None: the key's default (process.PRIORITY_HEADER), else 0
     adapter: AdapterSpec | None = None  # mlxd's: a LoRA adapter id, "a+b" to stack, "none" for the base
     speculation: bool | None = None  # mlxd's: false decodes without drafts where the model has them
+    response_format: Any = None  # checked by mlxd.engine.chat.grammar.response_format_grammar
+    # vLLM's structured-output fields, held as response_format is (guided_format)
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Meta(min_length=1, max_length=1024)] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -78,7 +94,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tools: Any = None  # checked by mlxd.engine.chat.tools.check_tools (a 400 naming the field)
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    response_format: Any = None  # checked by mlxd.engine.chat.grammar.response_format_grammar
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
 
@@ -90,6 +105,60 @@ class CompletionRequest(SamplingFields, kw_only=True):
     suffix: str | None = None
     logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
     best_of: Annotated[int, Meta(ge=1, le=20)] | None = None
+
+
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+
+
+def held_format(req: SamplingFields) -> Any:
+    """The `response_format` a request's reply is held to: its own, or one made of vLLM's
+    `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` (a Lark grammar, as
+    llguidance reads it) or `structured_outputs` (`json`, `regex`, `choice`, `grammar`,
+    `json_object`). More than one of them is a 400 naming the second."""
+    named = [(name, getattr(req, name)) for name in GUIDED if getattr(req, name) is not None]
+    own = req.response_format if req.response_format not in (None, {"type": "text"}) else None
+    if own is not None:
+        named.insert(0, ("response_format", own))
+    if len(named) > 1:
+        raise APIError(400, f"{named[0][0]} and {named[1][0]} both hold the reply; send one.", param=named[1][0])
+    if not named:
+        return req.response_format
+    name, value = named[0]
+    if name == "response_format":
+        return value
+    if name == "structured_outputs":
+        return structured_format(value)
+    return guided(name.removeprefix("guided_"), value, name)
+
+
+def structured_format(spec: dict[str, Any]) -> Any:
+    kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object") if spec.get(k) not in (None, False)]
+    if len(kinds) != 1:
+        raise APIError(400, "structured_outputs needs exactly one of json, regex, choice, grammar, json_object.",
+                       param="structured_outputs")
+    if kinds[0] == "json_object":
+        return {"type": "json_object"}
+    return guided(kinds[0], spec[kinds[0]], f"structured_outputs.{kinds[0]}")
+
+
+def guided(kind: str, value: Any, param: str) -> dict[str, Any]:
+    """One of vLLM's guided forms as a response_format (a 400 naming `param` when malformed)."""
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise APIError(400, f"{param} is a string that is not JSON.", param=param) from None
+        if not isinstance(value, dict | bool):
+            raise APIError(400, f"{param} must be a JSON Schema (an object).", param=param)
+        return {"type": "json_schema", "json_schema": {"name": "guided", "schema": value}}
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise APIError(400, f"{param} must be a list of non-empty strings.", param=param)
+        return {"type": "regex", "regex": "(" + "|".join(re.escape(c) for c in value) + ")"}
+    if not isinstance(value, str) or not value:
+        raise APIError(400, f"{param} must be a non-empty string.", param=param)
+    return {"type": "regex", "regex": value} if kind == "regex" else {"type": "lark", "lark": value}
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
@@ -126,9 +195,17 @@ def is_token_id_key(key: str) -> bool:
     return key.isascii() and key.isdigit() and len(key) <= MAX_TOKEN_ID_DIGITS
 
 
+# `reasoning_effort` on the chat API: "none" turns a template's thinking off, a level on (and is
+# passed to the template, which may set the depth from it: gpt-oss's do). Anthropic's `max` too.
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
 def check_chat(req: ChatCompletionRequest) -> None:
     """Validate a chat request beyond what its types say."""
     check_common(req, MAX_CHOICES)
+    if req.reasoning_effort is not None and req.reasoning_effort not in REASONING_EFFORTS:
+        raise APIError(400, f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}; "
+                       f"got {req.reasoning_effort!r}.", param="reasoning_effort")
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(req.chat_template_kwargs or {}))
     if reserved:
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}.", param="chat_template_kwargs")
@@ -204,6 +281,7 @@ class AssistantMessage(msgspec.Struct, omit_defaults=True):
     content: str | None
     tool_calls: list[dict[str, Any]] | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None  # the same text, under the name the reference and several clients read
 
 
 class ChatChoice(msgspec.Struct):
@@ -228,6 +306,7 @@ class Delta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None  # the same text (as AssistantMessage's)
     tool_calls: list[dict[str, Any]] | None = None
 
 

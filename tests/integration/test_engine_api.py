@@ -155,6 +155,11 @@ def error_of(resp: httpx.Response) -> dict[str, object]:
         (b'{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"chat_template": "x"}}', "chat_template_kwargs"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"tokenize": false}}', "chat_template_kwargs"),
         (b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}', "messages[0].content[0]"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "xtc_threshold": 0.7}', "xtc_threshold"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "xtc_probability": 1.5}', "xtc_probability"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "repetition_context_size": 0}', "repetition_context_size"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "frequency_context_size": "x"}', "frequency_context_size"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "max_power"}', "reasoning_effort"),
     ],
 )
 def test_bad_chat_fields_are_400_naming_the_field(tiny_engine: EngineProcess, body: bytes, param: str) -> None:
@@ -234,3 +239,12 @@ def test_penalties_give_the_same_output_with_a_warm_prompt_cache(client: openai.
     assert cold.usage.prompt_tokens_details.cached_tokens < 10
     assert warm.usage.prompt_tokens_details.cached_tokens == warm.usage.prompt_tokens - 1
     assert warm.choices[0].message.content == cold.choices[0].message.content
+
+
+def test_xtc_changes_a_sampled_answer_and_a_seed_repeats_it(client: openai.OpenAI) -> None:
+    kwargs = {"model": "tiny", "messages": MSG, "max_tokens": 12, "temperature": 0.7, "seed": 5, "logit_bias": NO_EOS}
+    plain = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    xtc = {"xtc_probability": 1.0, "xtc_threshold": 0.0}  # every step: all but the least likely token excluded
+    cut = [client.chat.completions.create(**kwargs, extra_body=xtc) for _ in range(2)]  # type: ignore[call-overload]
+    assert cut[0].choices[0].message.content == cut[1].choices[0].message.content  # the seed holds XTC's coin too
+    assert cut[0].choices[0].message.content != plain.choices[0].message.content

@@ -63,3 +63,18 @@ def test_follow_up_turn_reuses_the_cached_prefix(client: openai.OpenAI) -> None:
     assert out.usage is not None and out.usage.prompt_tokens_details is not None
     assert out.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens  # type: ignore[union-attr]
     assert "Rome" in (out.choices[0].message.content or "")
+
+
+def test_a_text_completion_keeps_the_space_that_continues_the_prompt(client: openai.OpenAI) -> None:
+    """ "The capital of France is" goes on with " Paris": the reply's first space is the text's
+    (mlx-lm's detokenizer drops it, as a chat reply wants), whole and streamed."""
+    out = client.completions.create(model="smol", prompt="The capital of France is", max_tokens=3, temperature=0,
+                                    logprobs=1)
+    assert out.choices[0].text == "".join(out.choices[0].logprobs.tokens)  # type: ignore[union-attr]
+    assert out.choices[0].text.startswith(" Paris")
+    streamed = client.completions.create(model="smol", prompt="The capital of France is", max_tokens=3, temperature=0,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == out.choices[0].text
+    echoed = client.completions.create(model="smol", prompt="The capital of France is", max_tokens=3, temperature=0,
+                                       echo=True)
+    assert echoed.choices[0].text.startswith("The capital of France is Paris")

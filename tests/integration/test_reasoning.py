@@ -64,3 +64,21 @@ def test_reasoning_effort_reaches_the_template(client: openai.OpenAI) -> None:
     assert "Reasoning:" not in rendered()
     # chat_template_kwargs, the more specific, wins over the field
     assert "Reasoning: high" in rendered(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"})
+
+
+def test_reasoning_effort_gates_thinking_and_a_bad_one_is_a_400(client: openai.OpenAI) -> None:
+    def ask(effort: str, **extra: object) -> object:
+        return client.chat.completions.create(model="smol-think", messages=ASK, temperature=0, max_tokens=12,  # type: ignore[arg-type]
+                                              reasoning_effort=effort, **extra)  # type: ignore[arg-type]
+
+    off = ask("none").choices[0].message  # type: ignore[attr-defined]
+    assert off.content and getattr(off, "reasoning_content", None) is None  # "none": the template's thinking off
+    on = ask("low").choices[0].message  # type: ignore[attr-defined]
+    assert on.reasoning_content and on.content == ""  # a level turns it on (SmolLM2's vocabulary alone would not)
+    # the reasoning also under `reasoning`, whole and streamed (the reference's and several clients' field)
+    assert on.reasoning == on.reasoning_content
+    deltas = [c.choices[0].delta for c in ask("low", stream=True) if c.choices]  # type: ignore[attr-defined]
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == on.reasoning_content
+    with pytest.raises(openai.BadRequestError) as info:
+        ask("extreme")
+    assert info.value.body["param"] == "reasoning_effort"  # type: ignore[index]

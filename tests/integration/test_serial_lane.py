@@ -87,6 +87,21 @@ def test_quantized_kv_and_penalties_give_generate_steps_tokens_too(
     assert seq.generated == want
 
 
+def test_a_penalty_looks_back_over_the_window_the_request_sets(
+    tiny_loaded: LoadedModel, closed_loop: asyncio.AbstractEventLoop
+) -> None:
+    prompt = prompt_of(tiny_loaded, 40, salt=5)
+    out = {}
+    for window in (2, PENALTY_CONTEXT):
+        params = SamplingParams(temperature=0.0, repetition_penalty=5.0, repetition_context_size=window)
+        seq = sequence(tiny_loaded, closed_loop, prompt, 24, params)
+        run_lane(SerialLane(tiny_loaded, Stats(), STEP, PrefixCache(0)), seq)
+        processors = make_logits_processors(repetition_penalty=5.0, repetition_context_size=window)
+        assert seq.generated == reference(tiny_loaded, prompt, 24, logits_processors=processors), window
+        out[window] = seq.generated
+    assert out[2] != out[PENALTY_CONTEXT]  # the window changed what was penalised
+
+
 def test_a_cancel_during_the_prefill_ends_it_at_the_next_chunk_and_keeps_its_kv(
     tiny_loaded: LoadedModel, closed_loop: asyncio.AbstractEventLoop
 ) -> None:

@@ -85,3 +85,48 @@ def test_bad_formats_get_a_400_naming_the_field(smol_batch_engine: EngineProcess
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["param"] == param and error["message"]
+
+
+def test_vllms_guided_fields_hold_the_reply_as_response_format_does(smol_batch_client: openai.OpenAI) -> None:
+    def guided(**extra: Any) -> str:
+        out = smol_batch_client.chat.completions.create(
+            model="smol", messages=[{"role": "user", "content": "Describe a person."}], temperature=0, max_tokens=80,
+            extra_body=extra)
+        return str(out.choices[0].message.content)
+
+    check_person(guided(guided_json=PERSON))
+    assert guided(guided_json=json.dumps(PERSON)) == guided(structured_outputs={"json": PERSON})  # a string, parsed
+    assert guided(guided_choice=["a cat", "a dog (small)"]) in ("a cat", "a dog (small)")
+    assert re.fullmatch("[0-9]{3}", guided(guided_regex="[0-9]{3}"))
+    assert guided(guided_grammar='start: "x" NUMBER\n%import common.NUMBER').startswith("x")
+    assert guided(structured_outputs={"choice": ["yes", "no"]}) in ("yes", "no")
+
+
+def test_a_text_completion_is_held_to_its_response_format(smol_batch_client: openai.OpenAI) -> None:
+    out = smol_batch_client.completions.create(model="smol", prompt="My favourite number is", temperature=0,
+                                               max_tokens=12, extra_body={"response_format": {"type": "regex",
+                                                                                            "regex": " [0-9]{2}"}})
+    assert re.fullmatch(" [0-9]{2}", out.choices[0].text) and out.choices[0].finish_reason == "stop"
+    schema = smol_batch_client.completions.create(model="smol", prompt="A person as JSON:", temperature=0, max_tokens=80,
+                                                  extra_body={"guided_json": PERSON})
+    check_person(schema.choices[0].text)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_choice": ["a", 3]}, "guided_choice[1]"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_json": [1]}, "guided_json"),
+    ({"guided_regex": ""}, "guided_regex"),
+    ({"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs"),
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+])
+def test_bad_guided_fields_get_a_400_naming_the_field(smol_batch_engine: EngineProcess, body: dict[str, Any],
+                                                     param: str) -> None:
+    for path, base in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("/v1/completions", {"prompt": "hi"})):
+        resp = smol_batch_engine.client.post(path, json={**base, "max_tokens": 4, **body})
+        assert resp.status_code == 400, (path, resp.text)
+        assert resp.json()["error"]["param"] == param, (path, resp.text)

@@ -22,6 +22,13 @@ class SamplingParams:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # How many recent tokens (prompt and completion) each penalty looks at (mlx-lm's default is 20)
+    repetition_context_size: int = 256
+    presence_context_size: int = 256
+    frequency_context_size: int = 256
+    xtc_probability: float = 0.0  # XTC: how often a step excludes its top choices (0: never)
+    xtc_threshold: float = 0.1  # ... those above this probability, all but the least likely of them
+    xtc_exempt: tuple[int, ...] = ()  # tokens XTC never excludes (EOS, newline)
 
 
 @dataclass(slots=True, eq=False)
@@ -66,4 +73,5 @@ class Job:
     priority: int = 0  # lower starts sooner; equal ones in the order they came (the scheduler's queue)
     media: MediaPrompt | None = None  # the prompt's images (gpu/media.py), for a vision-language model
     adapters: Stack = ()  # the LoRA adapters it runs under (models/adapter_bank.py); () the base model
+    continues_text: bool = False  # a text completion: its reply's first space is kept (it follows the prompt's text)
     speculate: bool = True  # may decode with drafts where the model has them (False: the request opted out)

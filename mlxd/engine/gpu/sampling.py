@@ -18,8 +18,10 @@ from mlx_lm.sample_utils import (
 from mlxd.engine.chat.grammar import GrammarMask
 from mlxd.engine.gpu.batch_bias import LogitBias
 
-# How many recent tokens (prompt and completion) the penalties look at; mlx-lm's default is 20.
+# How many recent tokens (prompt and completion) the penalties look at by default (a request's
+# `*_context_size` sets its own); mlx-lm's default is 20.
 PENALTY_CONTEXT = 256
+XTC_THRESHOLD = 0.1  # mlx-lm's and the reference's default
 # mlx-lm scales logits by 1/temperature: past 65504 (float16's largest) they turn to inf and NaN
 # and the "sample" is noise, while a temperature this small already means the likeliest token.
 MIN_TEMPERATURE = 1e-4
@@ -39,20 +41,22 @@ def make_sampling(params: Any, history: list[int], grammar: Any = None,
     A `grammar` (an llguidance matcher) adds its mask last, after bias and penalties.
     """
     args = sampler_args(params)
-    sampler = make_seeded_sampler(args, params.seed) if params.seed is not None else shared_sampler(**args)
+    xtc = xtc_args(params)
+    sampler = make_seeded_sampler(args, params.seed, xtc) if params.seed is not None else shared_sampler(**args, **xtc)
     # mlx-lm's order: the bias first, then the penalties. LogitBias is batch_bias.py's, so the
     # batch lane can add every row's bias in one op.
     processors: list[Any] = [LogitBias(params.logit_bias)] if params.logit_bias else []
     processors += make_logits_processors(
         repetition_penalty=params.repetition_penalty,
-        repetition_context_size=PENALTY_CONTEXT,
+        repetition_context_size=params.repetition_context_size,
         presence_penalty=params.presence_penalty,
-        presence_context_size=PENALTY_CONTEXT,
+        presence_context_size=params.presence_context_size,
         frequency_penalty=params.frequency_penalty,
-        frequency_context_size=PENALTY_CONTEXT,
+        frequency_context_size=params.frequency_context_size,
     )
     if history and processors:
-        prefix = mx.array(history[-PENALTY_CONTEXT:])
+        back = max(params.repetition_context_size, params.presence_context_size, params.frequency_context_size)
+        prefix = mx.array(history[-back:])
         processors = [with_history(p, prefix) for p in processors]
     if grammar is not None:
         processors.append(GrammarMask(grammar, eos_ids or []))
@@ -68,28 +72,58 @@ def sampler_args(params: Any) -> dict[str, Any]:
     return {"temp": temp, "top_p": params.top_p, "min_p": params.min_p, "top_k": params.top_k}
 
 
+def xtc_args(params: Any) -> dict[str, Any]:
+    """mlx-lm's XTC arguments for make_sampler (none when the request asks for no XTC)."""
+    if not params.xtc_probability:
+        return {}
+    return {"xtc_probability": params.xtc_probability, "xtc_threshold": params.xtc_threshold,
+            "xtc_special_tokens": params.xtc_exempt}
+
+
 @functools.lru_cache(maxsize=256)
-def shared_sampler(temp: float, top_p: float, min_p: float, top_k: int) -> Sampler:
+def shared_sampler(temp: float, top_p: float, min_p: float, top_k: int, xtc_probability: float = 0.0,
+                   xtc_threshold: float = XTC_THRESHOLD, xtc_special_tokens: tuple[int, ...] = ()) -> Sampler:
     """mlx-lm's sampler for these parameters, one object per distinct set (greedy: always one)."""
-    return make_sampler(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k)
+    return make_sampler(temp=temp, top_p=top_p, min_p=min_p, top_k=top_k, xtc_probability=xtc_probability,
+                        xtc_threshold=xtc_threshold, xtc_special_tokens=list(xtc_special_tokens))
 
 
-def make_seeded_sampler(args: dict[str, Any], seed: int) -> Sampler:
-    """mlx-lm's sampling chain, drawing from a random key of its own (OpenAI's seed is any int64)."""
+def make_seeded_sampler(args: dict[str, Any], seed: int, xtc: dict[str, Any] | None = None) -> Sampler:
+    """mlx-lm's sampling chain, drawing from a random key of its own (OpenAI's seed is any int64),
+    XTC's coin too."""
     temp = args["temp"]
     if temp == 0:
         return shared_sampler(**args)  # greedy: the seed changes nothing
-    filters = sampling_filters(args["top_p"], args["min_p"], args["top_k"])
+    truncate = sampling_filters(args["top_p"], args["min_p"], 0)
+    top_k = sampling_filters(1.0, 0.0, args["top_k"])  # after XTC, in mlx-lm's chain
     key = mx.random.key(seed % 2**64)
 
     def sample(logprobs: mx.array) -> mx.array:
         nonlocal key
-        key, draw = mx.random.split(key)
-        for method in filters:
+        if xtc:
+            key, draw, coin = mx.random.split(key, 3)
+        else:
+            key, draw = mx.random.split(key)
+        for method in truncate:
+            logprobs = method(logprobs)
+        if xtc:
+            logprobs = exclude_top_choices(logprobs, coin, **xtc)
+        for method in top_k:
             logprobs = method(logprobs)
         return mx.random.categorical(logprobs * (1.0 / temp), key=draw)
 
     return sample
+
+
+def exclude_top_choices(logprobs: mx.array, coin: mx.array, xtc_probability: float, xtc_threshold: float,
+                        xtc_special_tokens: tuple[int, ...]) -> mx.array:
+    """XTC with a coin of the caller's key: with `xtc_probability`, every token above the
+    threshold but the least likely of them is excluded (`xtc_special_tokens` never are)."""
+    probs = mx.softmax(logprobs, -1)
+    mask = probs > mx.where(probs > xtc_threshold, probs, mx.inf).min(axis=-1, keepdims=True)
+    if xtc_special_tokens:
+        mask[..., list(xtc_special_tokens)] = False
+    return mx.where(mx.random.uniform(key=coin) > xtc_probability, logprobs, mx.where(mask, -mx.inf, logprobs))
 
 
 def sampling_filters(top_p: float, min_p: float, top_k: int) -> list[Callable[[mx.array], mx.array]]:

@@ -41,6 +41,8 @@ class Sequence:
         self.paused = 0  # times a lane paused it for a more urgent job
         self.tally: Any = None  # drafts proposed and kept, once it decoded with drafts (spec/serial.py's Tally)
         self._detok = tokenizer.detokenizer
+        if job.continues_text:
+            keep_first_space(self._detok)
         self._eos = eos
         self._stops = StopMatcher(job.stops)
         self._has_relayed = False
@@ -217,3 +219,14 @@ class Clock:
         first = self.first_at or self.last_at
         ms = lambda a, b: round((b - a) * 1000, 3)  # noqa: E731
         return ms(self.submitted_at, self.started_at), ms(self.started_at, first), ms(first, self.last_at)
+
+
+def keep_first_space(detok: Any) -> None:
+    """Have mlx-lm's streaming detokenizer keep a reply's leading space. It drops it (a chat
+    reply starts with its first word), but a text completion continues the prompt's text:
+    "The capital of France is" goes on with " Paris", as OpenAI's completions answer."""
+    if hasattr(detok, "trim_space"):  # SPM's detokenizer takes it as an option
+        detok.trim_space = False
+    elif hasattr(detok, "_maybe_trim_space"):  # BPE's always trims: its one trimming step made a no-op
+        detok._maybe_trim_space = lambda text: text
+

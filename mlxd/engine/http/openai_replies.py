@@ -70,7 +70,7 @@ class ChatReply:
         if not text:
             return []
         self._reasoning.append(text)
-        return [self._chunk(oa.Delta(reasoning_content=text))]
+        return [self._chunk(oa.Delta(reasoning_content=text, reasoning=text))]
 
     def _answer(self, text: str) -> list[Any]:
         if self._parser is not None:
@@ -92,11 +92,12 @@ class ChatReply:
         content = "".join(self._content)
         reasoning = "".join(self._reasoning) or None
         if not self._calls:
-            return oa.AssistantMessage("assistant", content, reasoning_content=reasoning), done.finish_reason
+            return (oa.AssistantMessage("assistant", content, reasoning_content=reasoning, reasoning=reasoning),
+                    done.finish_reason)
         calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                  for c in self._calls]
-        return (oa.AssistantMessage("assistant", content or None, tool_calls=calls, reasoning_content=reasoning),
-                self.finish_reason(done))
+        return (oa.AssistantMessage("assistant", content or None, tool_calls=calls, reasoning_content=reasoning,
+                                    reasoning=reasoning), self.finish_reason(done))
 
     def _take(self, events: list[Event]) -> list[Any]:
         chunks: list[Any] = []

@@ -15,6 +15,7 @@ import msgspec
 from aiohttp import web
 
 from mlxd.engine.gpu.job import Job, PrefillGroup, SamplingParams
+from mlxd.engine.gpu.sampling import PENALTY_CONTEXT, XTC_THRESHOLD
 from mlxd.engine.gpu.ticket import Ticket
 from mlxd.engine.http.admission import Slot
 from mlxd.engine.http.keys import ADMISSION, GATEWAY
@@ -95,6 +96,12 @@ def sampling_params(req: oa.SamplingFields, loaded: LoadedModel) -> SamplingPara
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
         logit_bias=bias,
+        repetition_context_size=req.repetition_context_size or PENALTY_CONTEXT,
+        presence_context_size=req.presence_context_size or PENALTY_CONTEXT,
+        frequency_context_size=req.frequency_context_size or PENALTY_CONTEXT,
+        xtc_probability=req.xtc_probability or 0.0,
+        xtc_threshold=req.xtc_threshold if req.xtc_threshold is not None else XTC_THRESHOLD,
+        xtc_exempt=loaded.xtc_exempt if req.xtc_probability else (),
     )
 
 
@@ -118,7 +125,7 @@ def header_priority(request: web.Request) -> int:
 
 def submit(request: web.Request, slot: Slot, prompt: list[int], max_tokens: int, req: oa.SamplingFields,
            grammar: Any = None, logprobs: int | None = None, row: int = 0, group: PrefillGroup | None = None,
-           media: MediaPrompt | None = None) -> Ticket:
+           media: MediaPrompt | None = None, continues_text: bool = False) -> Ticket:
     """Hand a job to the GPU thread; return the handler's ticket for it. `row` > 0: another
     choice of the same request (a seed is offset by it, so seeded choices differ too); the
     choices share `group`, so their prompt is prefilled once."""
@@ -129,7 +136,9 @@ def submit(request: web.Request, slot: Slot, prompt: list[int], max_tokens: int,
         sampling = dataclasses.replace(sampling, seed=(sampling.seed + row + 2**63) % 2**64 - 2**63)
     job = Job(list(prompt), max_tokens, sampling, oa.stop_list(req.stop), ticket, grammar=grammar, logprobs=logprobs,
               group=group, priority=req.priority if req.priority is not None else header_priority(request), media=media,
-              adapters=adapter_stack(request, req, loaded), speculate=req.speculation is not False)
+              adapters=adapter_stack(request, req, loaded), continues_text=continues_text,
+              # XTC's draws are not a distribution drafts can be checked against: such rows decode plainly
+              speculate=req.speculation is not False and not (sampling.xtc_probability and sampling.temperature))
     slot.enter_gpu()
     request.app[GATEWAY].submit(job)
     return ticket

@@ -135,6 +135,16 @@ class RenderedChat:
     media: MediaPrompt | None = None  # the prompt's images (a vision-language model's)
 
 
+def effort_kwargs(effort: str | None) -> dict[str, Any]:
+    """The chat template's arguments for a `reasoning_effort`: "none" turns thinking off, a
+    level turns it on and is passed on (chat_template_kwargs, applied after, win)."""
+    if effort is None:
+        return {}
+    if effort == "none":
+        return {"enable_thinking": False}
+    return {"enable_thinking": True, "reasoning_effort": effort}
+
+
 def render_chat(loaded: LoadedModel, req: oa.ChatCompletionRequest, read: ReadMessages | None = None) -> RenderedChat:
     """A chat request's prompt as the model gets it (a 400 for what cannot be rendered).
     Blocking: run it on TEMPLATING."""
@@ -142,7 +152,7 @@ def render_chat(loaded: LoadedModel, req: oa.ChatCompletionRequest, read: ReadMe
     fmt = loaded.tool_format
     read = read or read_messages(loaded, req)
     messages = template_messages(read.messages, fmt, tool_req.tools if tool_req else None)
-    kwargs = {"reasoning_effort": req.reasoning_effort} if req.reasoning_effort is not None else {}
+    kwargs = effort_kwargs(req.reasoning_effort)
     tools = tool_req.tools if tool_req and fmt.in_template else None
     media: MediaPrompt | None = None
     if read.media is not None:
@@ -179,7 +189,7 @@ async def constraints(loaded: LoadedModel, req: oa.ChatCompletionRequest, tool_r
         text = forced_call_grammar(fmt.name, tool_req.tools, tool_req.forced_function, fmt.markup.end)
         param = "tools"
     else:
-        text = response_format_grammar(req.response_format)
+        text = response_format_grammar(oa.held_format(req))
         param = "response_format"
     if text is None:
         return [None] * req.n
@@ -212,7 +222,11 @@ async def completions(request: web.Request, slot: Slot) -> web.StreamResponse:
     max_tokens = resolve_max_tokens(
         req.max_tokens, len(prompt), loaded.context_window, LEGACY_COMPLETION_MAX_TOKENS, request.app[GATEWAY].kv_budget
     )
-    ticket = submit(request, slot, prompt, max_tokens, req, logprobs=req.logprobs)
+    held = response_format_grammar(oa.held_format(req))  # response_format and vLLM's guided fields, as on chat
+    grammar = (await asyncio.get_running_loop().run_in_executor(None, loaded.grammars.matcher, held, "response_format")
+               if held is not None else None)
+    ticket = submit(request, slot, prompt, max_tokens, req, grammar=grammar, logprobs=req.logprobs,
+                    continues_text=True)
     meta = ("cmpl-" + uuid.uuid4().hex, int(time.time()), loaded.model_id)
     echo = loaded.decode(prompt) if req.echo else ""
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -135,6 +135,13 @@ class LoadedModel:
     def eos_token_ids(self) -> set[int]:
         return set(self.tokenizer.eos_token_ids)
 
+    @functools.cached_property
+    def xtc_exempt(self) -> tuple[int, ...]:
+        """Tokens XTC never excludes: the end of the reply and a newline (the reference's rule,
+        and mlx-lm's server's), so that it cannot keep an answer from ending or a line from
+        breaking."""
+        return tuple(sorted({*self.eos_token_ids, *self.encode_text("\n")}))
+
     def chat_prompt(
         self,
         messages: list[dict[str, Any]],

@@ -15,7 +15,8 @@ from mlxd.supervisor.relay.dialect import Dialect, ModelRow, StreamTranslator
 
 # the engine's chat field names, as this API calls them (in error messages' `param`)
 PARAMS = (("response_format.json_schema.schema", "output_config.format.schema"),
-          ("response_format", "output_config.format"), ("stop", "stop_sequences"))
+          ("response_format", "output_config.format"), ("stop", "stop_sequences"),
+          ("reasoning_effort", "output_config.effort"))
 
 
 class AnthropicMessages(Dialect):

@@ -19,7 +19,7 @@ from mlxd.protocol.responses_stream import ResponseStream
 from mlxd.supervisor.relay.dialect import Dialect, StreamTranslator
 
 PARAMS = (("response_format.json_schema.schema", "text.format.schema"), ("response_format", "text.format"),
-          ("max_tokens", "max_output_tokens"), ("messages", "input"))
+          ("max_tokens", "max_output_tokens"), ("messages", "input"), ("reasoning_effort", "reasoning.effort"))
 Keep = Callable[[dict[str, Any]], Awaitable[None]]
 
 
