@@ -116,7 +116,12 @@ async def run(settings: EngineSettings, sock: socket.socket, parent: int) -> int
     loop = asyncio.get_running_loop()
     stats = Stats()
     meter = LoadMeter()
-    load = lambda: LoadedModel(settings.model, settings.model_id, settings.max_context, meter)  # noqa: E731
+    def load() -> LoadedModel:
+        loaded = LoadedModel(settings.model, settings.model_id, settings.max_context, meter)
+        if settings.defaults is not None:
+            loaded.configured = settings.defaults
+        return loaded
+
     options = gateway_options(settings)
     gateway = Gateway(load, stats, options, meter)
     stopped: asyncio.Future[ExitCode] = loop.create_future()

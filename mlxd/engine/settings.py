@@ -7,7 +7,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
 from mlxd.engine.spec.config import DEFAULT_NUM_DRAFT_TOKENS
+from mlxd.protocol.sampling import Defaults
 from mlxd.protocol.sizing import parse_batch
 from mlxd.protocol.speculation import parse_draft
 
@@ -39,6 +42,7 @@ class EngineSettings:
     adapter_merge: str = "auto"
     draft: str = "none"
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
+    defaults: Defaults | None = None  # what requests that set none get (mlxd's config: [defaults])
 
 
 def batch_value(text: str) -> int | None:
@@ -121,6 +125,9 @@ def parse_args(argv: list[str]) -> EngineSettings:
         "--ssd-write-behind", choices=("on", "off"), default="on",
         help="write new prompt-cache entries to SSD while idle (off: only drains, evictions and stops write)",
     )
+    p.add_argument("--defaults", default=None, metavar="JSON",
+                   help='what a request that sets none gets, over the model\'s generation_config.json: a JSON '
+                        'object of temperature, top_p, top_k, min_p, max_tokens, thinking (mlxd\'s [defaults])')
     default_parent = os.environ.get("MLXD_PARENT_PID")
     p.add_argument(
         "--parent-pid", type=int, default=int(default_parent) if default_parent else None,
@@ -141,6 +148,12 @@ def parse_args(argv: list[str]) -> EngineSettings:
         p.error("--num-draft-tokens must be between 1 and 64")
     if not 0 <= a.gather_ms <= 1000:
         p.error("--gather-ms must be between 0 and 1000")
+    defaults = None
+    if a.defaults is not None:
+        try:
+            defaults = msgspec.json.decode(a.defaults, type=Defaults)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            p.error(f"--defaults: {exc}")
     for name in ("prompt_cache_bytes", "ssd_cache_bytes"):
         value = getattr(a, name)
         if value is not None and value < 0:
@@ -152,5 +165,5 @@ def parse_args(argv: list[str]) -> EngineSettings:
         gather_ms=a.gather_ms, max_body=a.max_body, parent_pid=a.parent_pid,
         prompt_cache_bytes=a.prompt_cache_bytes, ssd_cache_bytes=a.ssd_cache_bytes, ssd_cache_dir=a.ssd_cache_dir,
         kv_bits=a.kv_bits, kv_group_size=a.kv_group_size, write_behind=a.ssd_write_behind == "on",
-        adapter_merge=a.adapter_merge, draft=a.draft, num_draft_tokens=a.num_draft_tokens,
+        adapter_merge=a.adapter_merge, draft=a.draft, num_draft_tokens=a.num_draft_tokens, defaults=defaults,
     )

@@ -16,7 +16,10 @@ gets the truncation unless it sets that too, as in Ollama. A model whose file sa
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
 
 MLXD_DEFAULTS: dict[str, float] = {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05}
 
@@ -46,6 +49,37 @@ def model_defaults(config: Any) -> dict[str, float]:
     return out
 
 
-def in_use(model: dict[str, float]) -> dict[str, float]:
-    """What a request that sets no sampling gets: the model's values over mlxd's."""
-    return {**MLXD_DEFAULTS, **model}
+Unit = Annotated[float, Meta(ge=0.0, le=1.0)]
+
+
+class Defaults(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
+    """What a request that sets none gets, by mlxd's config: `[defaults]` for every model,
+    `[models.NAME.defaults]` for one. Over the model's generation_config.json and mlxd's own;
+    a request's own values win over all of them."""
+
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Unit | None = None
+    top_k: Annotated[int, Meta(ge=0, le=2**31 - 1)] | None = None
+    min_p: Unit | None = None
+    max_tokens: Annotated[int, Meta(ge=1, le=2**31 - 1)] | None = None  # a reply's length (None: the context's room)
+    thinking: bool | None = None  # the chat template's enable_thinking (None: as the model's vocabulary says)
+
+    def over(self, base: Defaults | None) -> Defaults:
+        """These values, and `base`'s where these leave one unset."""
+        if base is None:
+            return self
+        return Defaults(**{**msgspec.structs.asdict(base), **{k: v for k, v in msgspec.structs.asdict(self).items()
+                                                              if v is not None}})
+
+    def sampling(self) -> dict[str, float]:
+        """The sampling values set here (as in_use merges them)."""
+        return {k: float(v) for k in MLXD_DEFAULTS if (v := getattr(self, k)) is not None}
+
+    @property
+    def is_empty(self) -> bool:
+        return all(v is None for v in msgspec.structs.asdict(self).values())
+
+
+def in_use(model: dict[str, float], configured: Defaults | None = None) -> dict[str, float]:
+    """What a request that sets no sampling gets: mlxd's config's values over the model's over mlxd's."""
+    return {**MLXD_DEFAULTS, **model, **(configured.sampling() if configured is not None else {})}

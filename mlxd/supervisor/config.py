@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from mlxd.paths import shell_quote
+from mlxd.protocol.sampling import Defaults
 from mlxd.protocol.speculation import DEFAULT_NUM_DRAFT_TOKENS, parse_draft
 
 log = logging.getLogger("mlxd.config")
@@ -80,6 +81,7 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     adapter: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)] | None = None  # requests' default adapters
     draft: Draft | None = None  # speculative decoding's drafts (None: [pool] draft)
     num_draft_tokens: NumDraft | None = None  # the most drafts a pass checks (None: [pool] num_draft_tokens)
+    defaults: Defaults | None = None  # [models.NAME.defaults]: over [defaults], for this model
 
     def __post_init__(self) -> None:
         if self.draft is not None:
@@ -143,6 +145,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     pool: PoolConfig = msgspec.field(default_factory=PoolConfig)
     responses: ResponsesConfig = msgspec.field(default_factory=ResponsesConfig)
+    # What requests that set none get, for every model (over each model's generation_config.json)
+    defaults: Defaults = msgspec.field(default_factory=Defaults)
     models: dict[str, ModelConfig] = msgspec.field(default_factory=dict)
 
 

@@ -41,6 +41,7 @@ class ModelEntry(msgspec.Struct, frozen=True, kw_only=True):
     draft: str | None = None  # [models.NAME] draft (None: the engines' [pool] one); a draft model's, its dir
     num_draft_tokens: int | None = None
     draft_bytes: int = 0  # the draft model's size on disk (its weights load beside the model's)
+    defaults: sampling.Defaults | None = None  # the config's defaults for its requests ([models.NAME.defaults] over [defaults])
 
 
 def sampling_of(entry: ModelEntry) -> dict[str, float]:
@@ -50,7 +51,7 @@ def sampling_of(entry: ModelEntry) -> dict[str, float]:
         config = msgspec.json.decode((entry.path / "generation_config.json").read_bytes())
     except (OSError, msgspec.DecodeError):
         config = None
-    return sampling.in_use(sampling.model_defaults(config))
+    return sampling.in_use(sampling.model_defaults(config), entry.defaults)
 
 
 def _read_json(path: Path) -> Any:
@@ -207,8 +208,10 @@ class Registry:
         hf_cache: Path | None = None,
         batch: Batch = DEFAULT_BATCH,
         draft: str = "none",
+        defaults: sampling.Defaults | None = None,
     ) -> None:
         self._configured = dict(models or {})
+        self._defaults = defaults  # [defaults]: every model's (a config entry's own go over them)
         self._batch = batch  # [pool] batch: the width of models without their own
         self._draft = draft  # [pool] draft: a draft model named there drafts for every other model
         self._models_dir = models_dir if models_dir is not None else paths.models_dir()
@@ -232,7 +235,15 @@ class Registry:
         ):
             merged.update((entry.id, entry) for entry in entries)
         self._entries = dict(sorted(merged.items(), key=lambda item: _sort_key(item[0])))
-        self._entries = {key: self._with_draft(entry) for key, entry in self._entries.items()}
+        self._entries = {key: self._with_defaults(self._with_draft(entry)) for key, entry in self._entries.items()}
+
+    def _with_defaults(self, entry: ModelEntry) -> ModelEntry:
+        """`entry` with the config's request defaults: its own table's over [defaults]."""
+        own = self._configured[entry.id].defaults if entry.source == "config" else None
+        merged = own.over(self._defaults) if own is not None else self._defaults
+        if merged is None or merged.is_empty:
+            return entry
+        return msgspec.structs.replace(entry, defaults=merged)
 
     def _with_draft(self, entry: ModelEntry) -> ModelEntry:
         """`entry` with its draft model's name resolved to its dir (by the names requests use, else

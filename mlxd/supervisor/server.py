@@ -63,7 +63,7 @@ def serve(config: Config, data_dir: Path) -> int:
     # Engines inherit it: a stream queued inside an engine gets the same keep-alive comments.
     os.environ.setdefault(STREAM_KEEPALIVE_ENV, str(config.server.stream_keepalive_s))
     registry = Registry(config.models, models_dir=models_dir(data_dir), batch=config.pool.batch,
-                        draft=config.pool.draft)
+                        draft=config.pool.draft, defaults=config.defaults)
     try:
         store = ResponseStore(data_dir / "responses.sqlite3", config.responses.ttl_s, config.responses.max_bytes)
     except StoreError as exc:

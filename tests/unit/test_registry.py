@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from mlxd.protocol.errors import APIError
+from mlxd.protocol.sampling import Defaults
 from mlxd.supervisor.config import ModelConfig
 from mlxd.supervisor.registry import (
     ModelEntry,
@@ -205,6 +206,22 @@ def test_a_draft_model_is_named_as_requests_name_it_and_given_to_the_engine_as_i
     reg.refresh()
     got = {e.id: (e.draft, e.draft_bytes) for e in reg.entries()}
     assert got == {"other": (str(small), 11), "small": ("none", 0)}
+
+
+def test_request_defaults_are_the_models_own_over_the_servers(dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    models, _ = dirs
+    make_model(models / "scanned")
+    config = {
+        "cold": ModelConfig(path=str(make_model(tmp_path / "cold")), defaults=Defaults(temperature=0.2, thinking=False)),
+        "plain": ModelConfig(path=str(make_model(tmp_path / "plain"))),
+    }
+    reg = Registry(config, models_dir=models, defaults=Defaults(temperature=0.7, max_tokens=512))
+    got = {e.id: e.defaults for e in reg.entries()}
+    assert got["cold"] == Defaults(temperature=0.2, max_tokens=512, thinking=False)
+    assert got["plain"] == got["scanned"] == Defaults(temperature=0.7, max_tokens=512)
+    assert sampling_of(reg.resolve("cold", []))["temperature"] == 0.2  # what /v1/models shows
+    alone = {e.id: e.defaults for e in Registry(config, models_dir=models).entries()}
+    assert alone == {"cold": Defaults(temperature=0.2, thinking=False), "plain": None, "scanned": None}  # no [defaults]
 
 
 def test_config_entry_with_bad_path_is_listed_but_unavailable(

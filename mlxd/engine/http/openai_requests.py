@@ -76,7 +76,7 @@ def resolve_max_tokens(
 
 def sampling_params(req: oa.SamplingFields, loaded: LoadedModel) -> SamplingParams:
     """Request values, else the model's generation_config defaults, else mlxd's (protocol.sampling)."""
-    d = sampling.in_use(loaded.generation_defaults)
+    d = sampling.in_use(loaded.generation_defaults, loaded.configured)
     bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
     bad = [t for t in bias if not 0 <= t < loaded.vocab_size]
     if bad:

@@ -58,7 +58,8 @@ async def chat_completions(request: web.Request, slot: Slot) -> web.StreamRespon
         chat.media.request_ms = (time.perf_counter() - started) * 1000
     tool_req, fmt, forced, prompt, in_reasoning = chat.tool_req, chat.fmt, chat.forced, chat.prompt, chat.in_reasoning
     budget = req.max_completion_tokens or req.max_tokens
-    max_tokens = resolve_max_tokens(budget, len(prompt), loaded.context_window, None, request.app[GATEWAY].kv_budget)
+    max_tokens = resolve_max_tokens(budget, len(prompt), loaded.context_window, loaded.configured.max_tokens,
+                                    request.app[GATEWAY].kv_budget)
     grammars = await constraints(loaded, req, tool_req, fmt, forced)
     top = (req.top_logprobs or 0) if req.logprobs else None
     meta = ("chatcmpl-" + uuid.uuid4().hex, int(time.time()), loaded.model_id)
@@ -152,7 +153,8 @@ def render_chat(loaded: LoadedModel, req: oa.ChatCompletionRequest, read: ReadMe
     fmt = loaded.tool_format
     read = read or read_messages(loaded, req)
     messages = template_messages(read.messages, fmt, tool_req.tools if tool_req else None)
-    kwargs = effort_kwargs(req.reasoning_effort)
+    thinking = loaded.configured.thinking  # mlxd's config's default, under the request's own
+    kwargs = {**({"enable_thinking": thinking} if thinking is not None else {}), **effort_kwargs(req.reasoning_effort)}
     tools = tool_req.tools if tool_req and fmt.in_template else None
     media: MediaPrompt | None = None
     if read.media is not None:
@@ -220,7 +222,8 @@ async def completions(request: web.Request, slot: Slot) -> web.StreamResponse:
     if not prompt:
         raise APIError(400, "The prompt is empty.", param="prompt")
     max_tokens = resolve_max_tokens(
-        req.max_tokens, len(prompt), loaded.context_window, LEGACY_COMPLETION_MAX_TOKENS, request.app[GATEWAY].kv_budget
+        req.max_tokens, len(prompt), loaded.context_window, loaded.configured.max_tokens or LEGACY_COMPLETION_MAX_TOKENS,
+        request.app[GATEWAY].kv_budget
     )
     held = response_format_grammar(oa.held_format(req))  # response_format and vLLM's guided fields, as on chat
     grammar = (await asyncio.get_running_loop().run_in_executor(None, loaded.grammars.matcher, held, "response_format")

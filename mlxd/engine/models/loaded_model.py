@@ -58,6 +58,7 @@ class LoadedModel:
         self.native_context = context_window(self.config, None)  # the model's own, uncapped
         self.vocab_size = int(self.config.get("vocab_size") or len(self.tokenizer))
         self.generation_defaults = generation_defaults(path)
+        self.configured = sampling.Defaults()  # mlxd's config's defaults for its requests (the engine's --defaults)
         self.drafts: Any = None  # what it drafts with, once opened (spec/drafters.py's DraftSource)
 
     @property

@@ -27,6 +27,7 @@ from mlxd.protocol.engine_state import EngineState
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.exit_codes import ExitCode
 from mlxd.protocol.process import DRAIN_PATH, HEALTH_PATH, STATS_PATH, DrainRequest, DrainResult
+from mlxd.protocol.sampling import Defaults
 from mlxd.protocol.stats import EngineHealth, EngineView, LaneStats, LoadProgress, PromptCacheStats
 from mlxd.supervisor.engines import policy
 from mlxd.supervisor.engines.spare import Spare
@@ -88,7 +89,7 @@ class Engine:
     def __init__(
         self, model_id: str, model_dir: Path, runtime_dir: Path, max_context: int | None = None,
         options: EngineOptions | None = None, *, batch: int | None = 1, memory_bytes: int | None = None,
-        draft: tuple[str | None, int | None] = (None, None),
+        draft: tuple[str | None, int | None] = (None, None), defaults: Defaults | None = None,
     ) -> None:
         self.options = options or EngineOptions()
         self.model_id = model_id
@@ -99,6 +100,7 @@ class Engine:
         self.batch = batch  # sequences the engine decodes at once (`--batch`; None: auto)
         self.memory_bytes = memory_bytes  # what it may size itself within (`--memory-bytes`; None: the device's)
         self.draft = draft  # its model's own draft and draft length ([models.NAME]; None: the pool's flags)
+        self.defaults = defaults  # what its requests get when they set none (the config's; --defaults)
         self.lanes: LaneStats | None = None  # its /admin/stats `lanes` (the width and KV budget it chose)
         self.state = EngineState.STOPPED
         self.on_change: Callable[[], None] = lambda: None  # after every state change (the pool replans)
@@ -267,6 +269,8 @@ class Engine:
             args += ["--draft", kind]
         if length is not None:
             args += ["--num-draft-tokens", str(length)]
+        if self.defaults is not None and not self.defaults.is_empty:
+            args += ["--defaults", msgspec.json.encode(self.defaults).decode()]
         return args
 
     async def _spawn(self) -> asyncio.subprocess.Process:

@@ -224,7 +224,7 @@ class Pool:
             width = None if entry.batch == "auto" else entry.batch
             engine = Engine(entry.id, entry.path, self._runtime_dir, entry.max_context, self._options,
                             batch=width, memory_bytes=self.limits.budget_bytes,
-                            draft=(entry.draft, entry.num_draft_tokens))
+                            draft=(entry.draft, entry.num_draft_tokens), defaults=entry.defaults)
             engine.spare = self.spare
             cache = prompt_cache_bytes(self.config)
             memory = estimate_bytes(entry.path, entry.size_bytes, entry.max_context, width,
