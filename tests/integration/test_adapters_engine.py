@@ -47,10 +47,13 @@ def adapter_dirs(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
 @pytest.fixture(scope="module")
 def reference(smollm2: Path, adapter_dirs: dict[str, Path]) -> dict[str, str]:
     """mlx-lm's own greedy answers to PROMPT: the base model, each adapter, and terse+poet."""
+    import mlx.core as mx
     import mlx.nn as nn
-    from mlx_lm.generate import generate
+    from mlx_lm.generate import generate_step
     from mlx_lm.tuner.utils import load_adapters
     from mlx_lm.utils import load
+
+    from mlxd.engine.gpu.sequence import keep_first_space
 
     def answer(*adapters: Path, fuse_first: bool = False) -> str:
         model, tokenizer = load(str(smollm2))
@@ -60,7 +63,15 @@ def reference(smollm2: Path, adapter_dirs: dict[str, Path]) -> dict[str, str]:
                 fused = [(n, m.fuse()) for n, m in model.named_modules() if hasattr(m, "fuse")]
                 model.update_modules(_unflatten(fused))
         assert isinstance(model, nn.Module)
-        return str(generate(model, tokenizer, PROMPT, max_tokens=MAX_TOKENS))
+        # generate()'s greedy tokens, as a text completion answers them: their first space kept
+        detok = tokenizer.detokenizer
+        keep_first_space(detok)
+        for token, _ in generate_step(mx.array(tokenizer.encode(PROMPT)), model, max_tokens=MAX_TOKENS):
+            if int(token) in tokenizer.eos_token_ids:
+                break
+            detok.add_token(int(token))
+        detok.finalize()
+        return str(detok.text)
 
     return {
         "none": answer(),

@@ -9,6 +9,7 @@ from mlxd.engine.http.openai_requests import sampling_params
 from mlxd.engine.models.loaded_model import generation_defaults
 from mlxd.protocol import openai as oa
 from mlxd.protocol import sampling
+from mlxd.protocol.sampling import Defaults
 
 
 def defaults(tmp_path: Path, text: str) -> dict[str, float]:
@@ -48,6 +49,7 @@ class Model:
 
     def __init__(self, defaults: dict[str, float], vocab_size: int = 49152) -> None:
         self.generation_defaults = defaults
+        self.configured = Defaults()  # mlxd's config sets none here
         self.vocab_size = vocab_size
 
 
@@ -73,3 +75,14 @@ def test_the_models_values_come_before_mlxds_and_the_requests_before_both() -> N
 def test_a_top_k_as_large_as_the_vocabulary_is_no_top_k() -> None:
     got = sampling_params(oa.SamplingFields(top_k=100), Model({}, vocab_size=100))  # type: ignore[arg-type]
     assert got.top_k == 0
+
+
+def test_the_configs_defaults_come_between_the_request_and_the_models_file() -> None:
+    model = Model({"temperature": 0.2, "top_p": 0.9})
+    model.configured = Defaults(temperature=0.6, top_k=7)
+    got = sampling_params(oa.SamplingFields(), model)  # type: ignore[arg-type]
+    assert (got.temperature, got.top_p, got.top_k, got.min_p) == (0.6, 0.9, 7, 0.05)
+    own = sampling_params(oa.SamplingFields(temperature=1.1), model)  # type: ignore[arg-type]
+    assert own.temperature == 1.1 and own.top_k == 7
+    assert Defaults(temperature=0.1).over(Defaults(temperature=0.5, max_tokens=9)) == Defaults(temperature=0.1,
+                                                                                                max_tokens=9)
