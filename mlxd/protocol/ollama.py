@@ -102,6 +102,18 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     think: Think | None = None
 
 
+class EmbedRequest(msgspec.Struct, kw_only=True):
+    """`/api/embed` (and, with `prompt`, the older `/api/embeddings`): decoded, not yet served."""
+
+    model: Annotated[str, Meta(min_length=1)]
+    input: str | list[str] | None = None
+    prompt: str | None = None
+    truncate: bool = True
+    dimensions: Annotated[int, Meta(ge=1)] | None = None
+    options: OllamaOptions | None = None
+    keep_alive: KeepAlive | None = None
+
+
 class ModelRequest(msgspec.Struct, kw_only=True):
     """`/api/show`, `/api/delete` (`name` is the older spelling of `model`)."""
 

@@ -184,6 +184,9 @@ BAD: list[tuple[str, str, Any, int, str]] = [
     ("an image that is not one", "/api/generate", {"model": MODEL, "prompt": "x", "images": ["aGVsbG8="]}, 400, "image"),
     ("suffix", "/api/generate", {"model": MODEL, "prompt": "def f(", "suffix": "return 1"}, 400, "suffix"),
     ("show without a model", "/api/show", {}, 400, "model"),
+    ("embeddings, not served yet", "/api/embed", {"model": MODEL, "input": ["a", "b"]}, 404, "embeddings"),
+    ("the older embeddings route", "/api/embeddings", {"model": MODEL, "prompt": "a"}, 404, "embeddings"),
+    ("embed with a bad body", "/api/embed", {"model": MODEL, "dimensions": 0}, 400, "dimensions"),
     ("show an unknown model", "/api/show", {"model": "nope"}, 404, "nope"),
 ]
 

@@ -195,6 +195,17 @@ async def show(request: web.Request) -> web.Response:
                                     template, shown, info, capabilities(entry), modified_at(entry)))
 
 
+_embed = msgspec.json.Decoder(ollama.EmbedRequest)
+
+
+async def embed(request: web.Request) -> web.Response:
+    """POST /api/embed and /api/embeddings: not served yet. The body is checked (a 400 for a bad
+    one), then a 404 says so, in Ollama's shape (a 4xx: nothing on the server went wrong)."""
+    decode_json(_embed, await request.read())
+    raise APIError(404, f"mlxd does not serve embeddings yet ({request.path}); chat and generate work.",
+                   code="not_implemented")
+
+
 async def version(request: web.Request) -> web.Response:
     """GET /api/version: the Ollama API version these routes follow."""
     return answer(ollama_answers.Version(ollama_answers.OLLAMA_VERSION))
@@ -207,3 +218,5 @@ def setup_ollama_routes(app: web.Application) -> None:
     app.router.add_get("/api/ps", ps)
     app.router.add_post("/api/show", show)
     app.router.add_get("/api/version", version)
+    app.router.add_post("/api/embed", embed)
+    app.router.add_post("/api/embeddings", embed)

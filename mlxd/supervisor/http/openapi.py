@@ -40,7 +40,7 @@ SCHEMA_TYPES: tuple[Any, ...] = (
     lab.InspectModelBody, lab.TokenBody, lab.PushAliasBody, lab.DatasetInspection, lab.DatasetList, lab.TemplateList,
     TokenState, ModelInspection, ollama.ChatRequest, ollama.GenerateRequest, ollama.ModelRequest, ollama_answers.ChatLine,
     ollama_answers.GenerateLine, ollama_answers.OllamaError, ollama_answers.TagList, ollama_answers.RunningList, ollama_answers.ShowAnswer, ollama_answers.Version,
-    ollama.PullRequest, ollama_answers.PullStatus,
+    ollama.PullRequest, ollama_answers.PullStatus, ollama.EmbedRequest,
 )
 
 
@@ -63,7 +63,8 @@ ERRORS = {
          "HTTP that cannot be parsed (`bad_http_request`).",
     401: "Keys are configured and the request carries none that is valid (admin routes: an admin key).",
     403: "A `Host` that does not name this server, or a browser `Origin` that is not allowed.",
-    404: "No such model (the message lists some that exist), or no such lease.",
+    404: "No such model (the message lists some that exist), or no such lease; on Ollama's embeddings "
+         "routes, not served yet (`not_implemented`).",
     408: "The request head or body arrived too slowly.",
     409: "The model or the machine is leased, or the model is pinned.",
     413: "The body is larger than `server.max_body_bytes`.",
@@ -238,6 +239,9 @@ def make_ollama_paths() -> dict[str, Any]:
                                  json_content(ref("ShowAnswer")), (*GUARDED, 404, 413), "ModelRequest")},
         "/api/version": {"get": op("ollamaVersion", "The Ollama API version these routes follow",
                                    json_content(ref("Version")), GUARDED)},
+        **{path: {"post": op(f"ollama{name}", "Ollama's embeddings: the body is checked, then a 404 (not served "
+                                 "yet)", {}, (*GUARDED, 404, 413), "EmbedRequest")}
+           for path, name in (("/api/embed", "Embed"), ("/api/embeddings", "Embeddings"))},
         "/api/pull": {"post": op("ollamaPull", "Fetch an MLX model (a Hugging Face repo id) into the hub cache, "
                                  "its progress streamed unless `stream: false` (an admin call)", lines("PullStatus"),
                                  (*GUARDED, 413), "PullRequest")},
