@@ -110,11 +110,11 @@ class CompletionRequest(SamplingFields, kw_only=True):
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
 
 
-def held_format(req: SamplingFields) -> Any:
-    """The `response_format` a request's reply is held to: its own, or one made of vLLM's
-    `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` (a Lark grammar, as
-    llguidance reads it) or `structured_outputs` (`json`, `regex`, `choice`, `grammar`,
-    `json_object`). More than one of them is a 400 naming the second."""
+def held_format(req: SamplingFields) -> tuple[Any, str]:
+    """The `response_format` a request's reply is held to, and the field it came from: its own,
+    or one made of vLLM's `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` (a
+    Lark grammar, as llguidance reads it) or `structured_outputs` (`json`, `regex`, `choice`,
+    `grammar`, `json_object`). More than one of them is a 400 naming the second."""
     named = [(name, getattr(req, name)) for name in GUIDED if getattr(req, name) is not None]
     own = req.response_format if req.response_format not in (None, {"type": "text"}) else None
     if own is not None:
@@ -122,13 +122,13 @@ def held_format(req: SamplingFields) -> Any:
     if len(named) > 1:
         raise APIError(400, f"{named[0][0]} and {named[1][0]} both hold the reply; send one.", param=named[1][0])
     if not named:
-        return req.response_format
+        return req.response_format, "response_format"
     name, value = named[0]
     if name == "response_format":
-        return value
+        return value, name
     if name == "structured_outputs":
-        return structured_format(value)
-    return guided(name.removeprefix("guided_"), value, name)
+        return structured_format(value), name
+    return guided(name.removeprefix("guided_"), value, name), name
 
 
 def structured_format(spec: dict[str, Any]) -> Any:

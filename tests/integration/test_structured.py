@@ -125,6 +125,11 @@ def test_a_text_completion_is_held_to_its_response_format(smol_batch_client: ope
     ({"structured_outputs": {}}, "structured_outputs"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+    # what llguidance refuses is named by the field the caller sent, not by response_format
+    ({"guided_json": {"type": "objectx"}}, "guided_json"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_grammar": "start: nothing_defined"}, "guided_grammar"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
 ])
 def test_bad_guided_fields_get_a_400_naming_the_field(smol_batch_engine: EngineProcess, body: dict[str, Any],
                                                      param: str) -> None:

@@ -182,6 +182,18 @@ async def render(request: web.Request) -> web.Response:
                                            loaded.context_window, loaded.model_id))
 
 
+def held_grammar(req: oa.SamplingFields) -> tuple[str | None, str]:
+    """The grammar text a request's reply is held to (None: free text), and the field its
+    errors name: `response_format`, or the vLLM field the format came from."""
+    fmt, param = oa.held_format(req)
+    try:
+        return response_format_grammar(fmt), param
+    except APIError as err:
+        if param != "response_format" and (err.param or "").startswith("response_format"):
+            err.param = param  # the caller sent guided_json, not a response_format
+        raise
+
+
 async def constraints(loaded: LoadedModel, req: oa.ChatCompletionRequest, tool_req: ToolRequest | None,
                       fmt: ToolFormat, forced: str) -> list[Any]:
     """For each of the `n` rows, the llguidance matcher its reply is held to, or None: a forced
@@ -191,8 +203,7 @@ async def constraints(loaded: LoadedModel, req: oa.ChatCompletionRequest, tool_r
         text = forced_call_grammar(fmt.name, tool_req.tools, tool_req.forced_function, fmt.markup.end)
         param = "tools"
     else:
-        text = response_format_grammar(oa.held_format(req))
-        param = "response_format"
+        text, param = held_grammar(req)
     if text is None:
         return [None] * req.n
     loop = asyncio.get_running_loop()
@@ -225,8 +236,8 @@ async def completions(request: web.Request, slot: Slot) -> web.StreamResponse:
         req.max_tokens, len(prompt), loaded.context_window, loaded.configured.max_tokens or LEGACY_COMPLETION_MAX_TOKENS,
         request.app[GATEWAY].kv_budget
     )
-    held = response_format_grammar(oa.held_format(req))  # response_format and vLLM's guided fields, as on chat
-    grammar = (await asyncio.get_running_loop().run_in_executor(None, loaded.grammars.matcher, held, "response_format")
+    held, param = held_grammar(req)  # response_format and vLLM's guided fields, as on chat
+    grammar = (await asyncio.get_running_loop().run_in_executor(None, loaded.grammars.matcher, held, param)
                if held is not None else None)
     ticket = submit(request, slot, prompt, max_tokens, req, grammar=grammar, logprobs=req.logprobs,
                     continues_text=True)
