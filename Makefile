@@ -4,11 +4,11 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 UNAME_S := $(shell uname -s)
 ifeq ($(UNAME_S),Darwin)
-  EXTRAS ?= vision,dev
+  EXTRAS ?= vision,embeddings,dev
 else ifneq ($(shell command -v nvidia-smi 2>/dev/null),)
-  EXTRAS ?= cuda13,vision,dev
+  EXTRAS ?= cuda13,vision,embeddings,dev
 else
-  EXTRAS ?= cpu,vision,dev
+  EXTRAS ?= cpu,vision,embeddings,dev
 endif
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))

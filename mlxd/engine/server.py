@@ -15,6 +15,8 @@ import psutil
 from aiohttp import web
 
 from mlxd.engine import blas
+from mlxd.engine.embed.gateway import EmbedGateway
+from mlxd.engine.embed.model import EmbeddingModel, is_embedding_dir
 from mlxd.engine.gpu.gateway import STOPPING as STOPPING_EVENT
 from mlxd.engine.gpu.gateway import Gateway
 from mlxd.engine.gpu.options import GatewayOptions
@@ -122,8 +124,12 @@ async def run(settings: EngineSettings, sock: socket.socket, parent: int) -> int
             loaded.configured = settings.defaults
         return loaded
 
+    def load_embedder() -> EmbeddingModel:
+        return EmbeddingModel(settings.model, settings.model_id, settings.max_context, meter)
+
     options = gateway_options(settings)
-    gateway = Gateway(load, stats, options, meter)
+    gateway = (EmbedGateway(load_embedder, stats, options, meter) if is_embedding_dir(settings.model)
+               else Gateway(load, stats, options, meter))
     stopped: asyncio.Future[ExitCode] = loop.create_future()
 
     def stop(code: ExitCode) -> None:
@@ -152,7 +158,7 @@ async def run(settings: EngineSettings, sock: socket.socket, parent: int) -> int
         loop.add_signal_handler(sig, on_signal)
     watcher = loop.create_task(watch_parent(parent, lambda: stop(ExitCode.PARENT_GONE)))
     code = await stopped
-    if code == ExitCode.OK and gateway.loaded is not None:
+    if code == ExitCode.OK and gateway.is_loaded:
         # SIGTERM drains the prompt cache: requests in flight end now, then RAM entries go to SSD.
         gateway.abort_open(STOPPING_EVENT)
         with contextlib.suppress(Exception):
@@ -206,5 +212,5 @@ def gpu_exit_code(gateway: Gateway) -> ExitCode:
 
 def log_ready(gateway: Gateway) -> None:
     """Log readiness (on the loop, once the GPU thread has loaded the model)."""
-    if gateway.loaded is not None:
-        log.info("ready: context window %d tokens", gateway.loaded.context_window)
+    if gateway.context_window is not None:
+        log.info("ready: context window %d tokens", gateway.context_window)

@@ -19,8 +19,29 @@ REASONING_WORDS = ("<think>", "enable_thinking", "reasoning_content", "<|channel
 
 class Capabilities(msgspec.Struct, frozen=True):
     context_window: int  # tokens, capped by the model's max_context
-    capabilities: list[str]  # of "completion", "vision", "audio", "tools", "reasoning" (Ollama's names, but
-    # audio and reasoning)
+    capabilities: list[str]  # of "completion", "vision", "audio", "tools", "reasoning", "embedding" (Ollama's
+    # names, but audio and reasoning)
+
+
+# A sentence-transformers model dir (its modules list): an embedding model, whatever its body.
+SENTENCE_TRANSFORMERS_FILES = ("modules.json", "config_sentence_transformers.json")
+# Heads that make a model a generator (or a classifier), not an encoder of text to a vector.
+GENERATOR_HEADS = ("ForCausalLM", "ForConditionalGeneration", "LMHeadModel", "ForMaskedLM",
+                   "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+# Encoder families served as embedding models when their dir names a bare body (BertModel, ...).
+ENCODER_TYPES = ("bert", "xlm-roberta", "xlm_roberta", "modernbert", "nomic_bert", "roberta")
+
+
+def is_embedding_config(config: dict[str, Any], files: set[str]) -> bool:
+    """Whether a model dir is an embedding model: a sentence-transformers dir (modules.json), or
+    an encoder family's bare body (architectures like `BertModel`, no generating head)."""
+    if any(name in files for name in SENTENCE_TRANSFORMERS_FILES):
+        return True
+    arches = config.get("architectures") or []
+    if not isinstance(arches, list) or not arches:
+        return False
+    bare = all(isinstance(a, str) and not a.endswith(GENERATOR_HEADS) for a in arches)
+    return bare and str(config.get("model_type", "")) in ENCODER_TYPES
 
 
 def is_vlm_config(config: dict[str, Any], files: set[str]) -> bool:
@@ -31,6 +52,8 @@ def is_vlm_config(config: dict[str, Any], files: set[str]) -> bool:
 
 def capabilities(config: dict[str, Any], files: set[str], template: str | None, max_context: int | None) -> Capabilities:
     """A model's capabilities from its config, its dir's file names and its chat template."""
+    if is_embedding_config(config, files):  # it encodes text to vectors and does nothing else
+        return Capabilities(context_window(text_config(config), max_context), ["embedding"])
     found = ["completion"]
     if is_vlm_config(config, files):
         found.append("vision")

@@ -103,7 +103,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
 
 
 class EmbedRequest(msgspec.Struct, kw_only=True):
-    """`/api/embed` (and, with `prompt`, the older `/api/embeddings`): decoded, not yet served."""
+    """`/api/embed` (`input`) and the older `/api/embeddings` (`prompt`, one text)."""
 
     model: Annotated[str, Meta(min_length=1)]
     input: str | list[str] | None = None
@@ -328,3 +328,15 @@ def generate_body(req: GenerateRequest) -> tuple[bool, dict[str, Any]]:
         body["response_format"] = fmt
     _think(body, req.think)
     return False, body
+
+
+def embed_body(req: EmbedRequest, legacy: bool) -> dict[str, Any] | None:
+    """The engine's OpenAI embeddings request for an Ollama embed (`legacy`: /api/embeddings);
+    None when there is nothing to embed (the request only loads the model, as Ollama's does)."""
+    texts = req.prompt if legacy else req.input
+    if not texts:
+        return None
+    body: dict[str, Any] = {"model": req.model, "input": texts, "truncate": req.truncate, "encoding_format": "base64"}
+    if req.dimensions is not None:
+        body["dimensions"] = req.dimensions
+    return body

@@ -10,7 +10,10 @@ own split (queued and prefilled, then decoded).
 
 from __future__ import annotations
 
+import array
+import base64
 import json
+import sys
 import time
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -70,6 +73,22 @@ class GenerateLine(Done, kw_only=True):
     response: str
     thinking: str | None = None
     done: bool
+
+
+class EmbedAnswer(msgspec.Struct):
+    """`/api/embed`: one vector per input (unit length), with Ollama's counts (nanoseconds)."""
+
+    model: str
+    embeddings: list[list[float]]
+    total_duration: int = 0
+    load_duration: int = 0
+    prompt_eval_count: int = 0
+
+
+class LegacyEmbedding(msgspec.Struct):
+    """`/api/embeddings`: the one prompt's vector."""
+
+    embedding: list[float]
 
 
 class OllamaError(msgspec.Struct):
@@ -220,6 +239,23 @@ def answer(data: dict[str, Any], model: str, kind: Literal["chat", "generate"], 
     thinking = (msg or {}).get("reasoning_content") or None
     calls = tool_calls_out(msg["tool_calls"]) if msg and msg.get("tool_calls") and kind == "chat" else None
     return line(model, kind, text, thinking, calls, timing.done(choice.get("finish_reason"), data.get("usage")))
+
+
+def floats(packed: str) -> list[float]:
+    """A base64 vector of little-endian float32s as floats."""
+    values = array.array("f", base64.b64decode(packed))
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values.tolist()
+
+
+def embed_answer(data: dict[str, Any], model: str, legacy: bool, started: float) -> EmbedAnswer | LegacyEmbedding:
+    """The engine's embeddings answer (vectors as base64 float32) as Ollama's."""
+    vectors = [floats(item["embedding"]) for item in sorted(data.get("data") or [], key=lambda item: item["index"])]
+    if legacy:
+        return LegacyEmbedding(vectors[0] if vectors else [])
+    tokens = int((data.get("usage") or {}).get("prompt_tokens") or 0)
+    return EmbedAnswer(model, vectors, int((time.perf_counter() - started) * 1e9), 0, tokens)
 
 
 def ndjson(obj: msgspec.Struct) -> bytes:

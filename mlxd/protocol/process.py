@@ -9,6 +9,7 @@ import msgspec
 # The engine's routes, on its socket (never on TCP).
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
+EMBEDDINGS_PATH = "/v1/embeddings"  # an embedding model's engine serves this (and no chat)
 RENDER_PATH = "/v1/chat/render"  # a chat request's prompt, rendered and counted, not generated
 MODELS_PATH = "/v1/models"
 HEALTH_PATH = "/health"

@@ -50,6 +50,8 @@ from tests.support import SupervisorProcess
 
 KEY = "fuzz-key"
 MODEL = "tiny"
+EMBEDDER = "emb"  # the embedding routes' real model (an embedding engine under the fuzzer too)
+EMBED_PATHS = ("/v1/embeddings", "/api/embed", "/api/embeddings")
 LEASE_TTL_S = 1.0  # leases the fuzzer takes end by themselves this soon
 REAL_MODEL_P = 0.3  # how often a request's `model` string is replaced with the real model
 VALID_KEY_P = 0.9  # how often a request carries a valid key (else what schemathesis made up)
@@ -59,12 +61,14 @@ WEIGHTS = {"POST /v1/chat/completions": 5, "POST /v1/completions": 5}  # share o
 CHECKS = [status_code_conformance, content_type_conformance, response_schema_conformance, negative_data_rejection]
 
 
-def fuzz_config(model: Path) -> str:
-    """A supervisor with a key, one small-context model (short generations) and short waits."""
+def fuzz_config(model: Path, embedder: Path | None = None) -> str:
+    """A supervisor with a key, one small-context model (short generations), an embedding model
+    and short waits."""
     return (
         f'[server]\napi_keys = ["{KEY}"]\nmax_body_bytes = 262144\n\n'
         "[pool]\nqueue_timeout_s = 12\ndrain_timeout_s = 5\n\n"
         f'[models.{MODEL}]\npath = "{model}"\nmax_context = 128\n'
+        + (f'[models.{EMBEDDER}]\npath = "{embedder}"\n' if embedder is not None else "")
     )
 
 
@@ -124,7 +128,8 @@ class Fuzzer:
         if isinstance(case.body, dict):
             body = dict(case.body)
             if isinstance(body.get("model"), str) and real_model < REAL_MODEL_P:
-                body["model"] = self.model.upper() if upper < 0.2 else self.model
+                model = EMBEDDER if case.operation.path in EMBED_PATHS else self.model
+                body["model"] = model.upper() if upper < 0.2 else model
             ttl = body.get("ttl_s", LEASE_TTL_S if case.operation.label == "POST /admin/leases" else None)
             if type(ttl) in (int, float) and ttl <= 7 * 24 * 3600:
                 body["ttl_s"] = min(ttl, LEASE_TTL_S)
@@ -294,8 +299,11 @@ def _curl(case: Case) -> str:
 
 @pytest.fixture(scope="module")
 def sup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SupervisorProcess]:
+    from mlxd.engine.models.random_embedder import build_random_bert
+
+    embedder = build_random_bert(tmp_path_factory.mktemp("fuzz-emb") / "emb", pooling="mean")
     # Offline: a fuzzed /api/pull answers from the (empty) hub cache instead of reaching for the hub.
-    proc = SupervisorProcess(fuzz_config(tiny_model), tmp_path_factory.mktemp("fuzz"),
+    proc = SupervisorProcess(fuzz_config(tiny_model, embedder), tmp_path_factory.mktemp("fuzz"),
                              env={"HF_HUB_OFFLINE": "1"}).wait_up()
     yield proc
     proc.stop()

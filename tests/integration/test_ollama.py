@@ -184,8 +184,10 @@ BAD: list[tuple[str, str, Any, int, str]] = [
     ("an image that is not one", "/api/generate", {"model": MODEL, "prompt": "x", "images": ["aGVsbG8="]}, 400, "image"),
     ("suffix", "/api/generate", {"model": MODEL, "prompt": "def f(", "suffix": "return 1"}, 400, "suffix"),
     ("show without a model", "/api/show", {}, 400, "model"),
-    ("embeddings, not served yet", "/api/embed", {"model": MODEL, "input": ["a", "b"]}, 404, "embeddings"),
-    ("the older embeddings route", "/api/embeddings", {"model": MODEL, "prompt": "a"}, 404, "embeddings"),
+    ("embeddings of a chat model", "/api/embed", {"model": MODEL, "input": ["a", "b"]}, 400,
+     f"model {MODEL} is not an embedding model"),
+    ("the older embeddings route, a chat model", "/api/embeddings", {"model": MODEL, "prompt": "a"}, 400,
+     "not an embedding model"),
     ("embed with a bad body", "/api/embed", {"model": MODEL, "dimensions": 0}, 400, "dimensions"),
     ("show an unknown model", "/api/show", {"model": "nope"}, 404, "nope"),
 ]

@@ -36,3 +36,20 @@ def test_an_audio_tower_beside_the_vision_tower_takes_audio() -> None:
     assert capabilities(vlm, {"processor_config.json"}, None, None).capabilities == ["completion", "vision", "audio"]
     # mlx-vlm builds a default audio tower for some families whose config names none: only a named one counts.
     assert "audio" not in capabilities({**vlm, "audio_config": None}, {"processor_config.json"}, None, None).capabilities
+
+
+def test_embedding_models_are_sentence_transformers_dirs_or_bare_encoders() -> None:
+    from mlxd.protocol.capabilities import is_embedding_config
+
+    bert = {"architectures": ["BertModel"], "model_type": "bert", "max_position_embeddings": 512}
+    assert is_embedding_config(bert, {"config.json"})
+    assert capabilities(bert, {"config.json"}, None, None).capabilities == ["embedding"]
+    # A decoder is an embedding model only as a sentence-transformers dir (Qwen3-Embedding).
+    qwen = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
+    assert not is_embedding_config(qwen, {"config.json"})
+    assert is_embedding_config(qwen, {"config.json", "modules.json"})
+    # An encoder with a head is not: a masked-LM or a classifier answers something else.
+    assert not is_embedding_config({**bert, "architectures": ["BertForMaskedLM"]}, {"config.json"})
+    assert not is_embedding_config({**bert, "architectures": ["BertForSequenceClassification"]}, set())
+    assert not is_embedding_config({"model_type": "bert"}, set())  # no architectures: not known to be bare
+    assert not is_embedding_config({"architectures": ["LlamaModel"], "model_type": "llama"}, set())

@@ -86,6 +86,8 @@ class Gateway:
     """Owns the GPU thread: loads the model on it (loader.py), then runs the loop: the inbox, the
     commands, and the Runner's turns."""
 
+    serves = "generation"  # what its model does (an embedding model's engine: embed/gateway.py)
+
     def __init__(
         self, load: Callable[[], LoadedModel], stats: Stats, options: GatewayOptions, meter: LoadMeter | None = None
     ) -> None:
@@ -116,6 +118,14 @@ class Gateway:
     @property
     def is_stopping(self) -> bool:
         return self._is_stopping
+
+    @property
+    def is_loaded(self) -> bool:
+        return self.loaded is not None
+
+    @property
+    def context_window(self) -> int | None:
+        return self.loaded.context_window if self.loaded is not None else None
 
     @property
     def is_serving(self) -> bool:

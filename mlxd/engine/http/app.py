@@ -13,6 +13,7 @@ import psutil
 from aiohttp import web
 
 from mlxd.engine.cache.prefix_cache import FlushReport
+from mlxd.engine.embed import routes as embed_routes
 from mlxd.engine.gpu.gateway import Gateway
 from mlxd.engine.gpu.stats import Stats
 from mlxd.engine.http import openai_requests as oa_requests
@@ -27,6 +28,7 @@ from mlxd.protocol.process import (
     CHAT_PATH,
     COMPLETIONS_PATH,
     DRAIN_PATH,
+    EMBEDDINGS_PATH,
     HEALTH_PATH,
     LEASE_PATH,
     MODELS_PATH,
@@ -60,6 +62,7 @@ def make_app(settings: EngineSettings, gateway: Gateway, stats: Stats) -> web.Ap
     app.router.add_post(CHAT_PATH, routes.chat_completions)
     app.router.add_post(COMPLETIONS_PATH, routes.completions)
     app.router.add_post(RENDER_PATH, routes.render)
+    app.router.add_post(EMBEDDINGS_PATH, embed_routes.embeddings)
     app.router.add_get(MODELS_PATH, list_models)
     app.router.add_get(HEALTH_PATH, health)
     app.router.add_get(STATS_PATH, admin_stats)
@@ -97,7 +100,7 @@ async def list_models(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     """GET /health: `loading` until the model is loaded, then `ready`; `draining` during (and after) a drain."""
     gateway = request.app[GATEWAY]
-    status: HealthStatus = "ready" if gateway.loaded is not None else "failed" if gateway.load_error else "loading"
+    status: HealthStatus = "ready" if gateway.is_loaded else "failed" if gateway.load_error else "loading"
     if status != "failed" and request.app[ADMISSION].is_draining:
         status = "draining"
     load = gateway.meter.snapshot() if status == "loading" else None
@@ -108,13 +111,12 @@ async def admin_stats(request: web.Request) -> web.Response:
     """GET /admin/stats: counters, memory in use and uptime."""
     s, settings = request.app[STATS], request.app[SETTINGS]
     gateway = request.app[GATEWAY]
-    loaded = gateway.loaded
     body = EngineStats(
         model=settings.model_id,
-        status="ready" if loaded else "failed" if gateway.load_error else "loading",
+        status="ready" if gateway.is_loaded else "failed" if gateway.load_error else "loading",
         uptime_s=round(time.time() - s.started_at, 3),
         busy_s=round(s.busy_s, 6),
-        context_window=loaded.context_window if loaded else None,
+        context_window=gateway.context_window,
         requests=RequestCounts(s.num_requests, s.num_active, s.num_completed, s.num_cancelled, s.num_failed),
         admission=request.app[ADMISSION].snapshot(),
         lanes=gateway.snapshot(),

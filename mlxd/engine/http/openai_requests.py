@@ -18,7 +18,7 @@ from mlxd.engine.gpu.job import Job, PrefillGroup, SamplingParams
 from mlxd.engine.gpu.sampling import PENALTY_CONTEXT, XTC_THRESHOLD
 from mlxd.engine.gpu.ticket import Ticket
 from mlxd.engine.http.admission import Slot
-from mlxd.engine.http.keys import ADMISSION, GATEWAY
+from mlxd.engine.http.keys import ADMISSION, GATEWAY, SETTINGS
 from mlxd.engine.models.adapter_bank import Stack
 from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.engine.models.vision import MediaPrompt
@@ -42,8 +42,13 @@ async def decode_body(request: web.Request, kind: type[T], empty: T | None = Non
 
 
 def ready_model(request: web.Request) -> LoadedModel:
-    """The loaded model, or 503 while it is still loading."""
-    loaded = request.app[GATEWAY].loaded
+    """The loaded model, or 503 while it is still loading (a 400 from an embedding model's engine)."""
+    gateway = request.app[GATEWAY]
+    if gateway.serves == "embeddings":
+        model = request.app[SETTINGS].model_id
+        raise APIError(400, f"Model {model} is an embedding model: it serves /v1/embeddings, not {request.path}.",
+                       param="model", code="model_not_supported")
+    loaded = gateway.loaded
     if loaded is None:
         raise APIError(
             503, "The model is still loading.", type="server_error", code="loading",

@@ -200,7 +200,7 @@ class LoadedModel:
 def load_with_progress(path: Path, meter: LoadMeter) -> tuple[nn.Module, TokenizerWrapper]:
     """mlx-lm's load, its weights read a chunk at a time so that `meter` can say how far it got."""
     model, config = load_model(path, lazy=True)
-    _read_weights(model, meter)
+    read_weights(model, meter)
     meter.begin("tokenizer")
     return model, load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
 
@@ -210,13 +210,13 @@ def load_vlm_with_progress(path: Path, meter: LoadMeter) -> tuple[nn.Module, Any
     `load_with_progress`, the language model as the lanes run it, and mlx-lm's tokenizer of the
     same files (chat templates, tool calls and streaming detokenizing as for any model)."""
     vlm, processor = vision.load_vlm(path)
-    _read_weights(vlm, meter)
+    read_weights(vlm, meter)
     meter.begin("tokenizer")
     eos = getattr(vlm.config, "eos_token_id", None)
     return vlm, processor, vision.TextView(vlm), load_tokenizer(path, eos_token_ids=eos)
 
 
-def _read_weights(model: nn.Module, meter: LoadMeter) -> None:
+def read_weights(model: nn.Module, meter: LoadMeter) -> None:
     arrays: list[mx.array] = [array for _, array in tree_flatten(model.parameters())]  # type: ignore[misc, str-unpack]
     total = sum(a.nbytes for a in arrays)
     meter.begin("weights", total, "bytes")

@@ -24,13 +24,13 @@ CORPUS = [
 ]
 
 
-def make_tokenizer(vocab_size: int) -> Tokenizer:
+def make_tokenizer(vocab_size: int, specials: list[str] = SPECIALS) -> Tokenizer:
     """A byte-level BPE tokenizer trained on a tiny built-in corpus."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS * 4, trainer)

@@ -5,6 +5,7 @@ generate, text completion) API and relayed like any inference request, in Ollama
 (relay/ollama_dialect.py; the mapping is protocol/ollama.py's). `keep_alive` sets how long
 the model's engine stays loaded once idle, as Ollama's does; a chat without messages (or a
 generate without a prompt) loads the model, or with `keep_alive: 0` unloads it.
+`/api/embed` and `/api/embeddings` go to the engine's `/v1/embeddings` (an embedding model's).
 `/api/tags`, `/api/ps`, `/api/show` and `/api/version` describe what there is, read from the
 models' files and the pool.
 """
@@ -29,7 +30,7 @@ from mlxd.supervisor.http.keys import POOL, REGISTRY
 from mlxd.supervisor.http.relaying import Target, relay, resolve, resolve_target
 from mlxd.supervisor.model_inspect import InspectError, inspect_model
 from mlxd.supervisor.registry import ModelEntry, capabilities_of, chat_template_of, sampling_of
-from mlxd.supervisor.relay.ollama_dialect import Ollama
+from mlxd.supervisor.relay.ollama_dialect import Ollama, OllamaEmbed
 
 _chat = msgspec.json.Decoder(ollama.ChatRequest)
 _generate = msgspec.json.Decoder(ollama.GenerateRequest)
@@ -199,11 +200,23 @@ _embed = msgspec.json.Decoder(ollama.EmbedRequest)
 
 
 async def embed(request: web.Request) -> web.Response:
-    """POST /api/embed and /api/embeddings: not served yet. The body is checked (a 400 for a bad
-    one), then a 404 says so, in Ollama's shape (a 4xx: nothing on the server went wrong)."""
-    decode_json(_embed, await request.read())
-    raise APIError(404, f"mlxd does not serve embeddings yet ({request.path}); chat and generate work.",
-                   code="not_implemented")
+    """POST /api/embed and the older /api/embeddings: an embedding model's vectors (unit
+    length), through the engine's /v1/embeddings. No input: load the model (as a chat without
+    messages does)."""
+    started = time.perf_counter()
+    req: ollama.EmbedRequest = decode_json(_embed, await request.read())
+    legacy = request.path == "/api/embeddings"
+    target = resolve_ollama(request, req.model)
+    seconds = keep_alive(request, target.entry, req.keep_alive)
+    body = ollama.embed_body(req, legacy)
+    if body is None:
+        if seconds != 0:
+            await request.app[POOL].admin.load(target.entry)
+        return answer(ollama_answers.LegacyEmbedding([]) if legacy else ollama_answers.EmbedAnswer(req.model, []))
+    dialect = OllamaEmbed(req.model, started, legacy)
+    resp = await relay(request, target, _encoder.encode(body), dialect, stream=False, started=started)
+    assert isinstance(resp, web.Response)
+    return resp
 
 
 async def version(request: web.Request) -> web.Response:

@@ -1,4 +1,5 @@
-"""OpenAI's chat and text completions, relayed by `model` to its engine as they are; the model list."""
+"""OpenAI's chat and text completions and embeddings, relayed by `model` to its engine as they
+are; the model list."""
 
 from __future__ import annotations
 
@@ -46,6 +47,17 @@ async def inference(request: web.Request) -> web.StreamResponse:
                        priority=fields.priority)
 
 
+async def embeddings(request: web.Request) -> web.StreamResponse:
+    """POST /v1/embeddings: relayed by `model` to its engine (an embedding model's; a generating
+    model's engine answers 400)."""
+    started = time.perf_counter()
+    body = await request.read()
+    fields = routing_fields(body)
+    target = resolve_target(request, fields.model, None)
+    return await relay(request, target, body, dialect_of(request), stream=False, started=started,
+                       priority=fields.priority)
+
+
 async def list_models(request: web.Request) -> web.Response:
     """GET /v1/models: every model that exists, with whether it is loaded, in OpenAI's shape
     (Anthropic's for a caller that sends `anthropic-version`)."""
@@ -61,4 +73,5 @@ async def list_models(request: web.Request) -> web.Response:
 def setup_openai_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", inference)
     app.router.add_post("/v1/completions", inference)
+    app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_get("/v1/models", list_models)

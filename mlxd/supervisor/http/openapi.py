@@ -17,7 +17,7 @@ import msgspec
 from aiohttp import web
 
 from mlxd import __version__
-from mlxd.protocol import anthropic, jobs, ollama, ollama_answers, openai, responses
+from mlxd.protocol import anthropic, embeddings, jobs, ollama, ollama_answers, openai, responses
 from mlxd.protocol import supervisor_api as api
 from mlxd.protocol.errors import ErrorBody
 from mlxd.protocol.process import LEASE_HEADER
@@ -40,7 +40,8 @@ SCHEMA_TYPES: tuple[Any, ...] = (
     lab.InspectModelBody, lab.TokenBody, lab.PushAliasBody, lab.DatasetInspection, lab.DatasetList, lab.TemplateList,
     TokenState, ModelInspection, ollama.ChatRequest, ollama.GenerateRequest, ollama.ModelRequest, ollama_answers.ChatLine,
     ollama_answers.GenerateLine, ollama_answers.OllamaError, ollama_answers.TagList, ollama_answers.RunningList, ollama_answers.ShowAnswer, ollama_answers.Version,
-    ollama.PullRequest, ollama_answers.PullStatus, ollama.EmbedRequest,
+    ollama.PullRequest, ollama_answers.PullStatus, ollama.EmbedRequest, ollama_answers.EmbedAnswer,
+    ollama_answers.LegacyEmbedding, embeddings.EmbeddingRequest, embeddings.EmbeddingList,
 )
 
 
@@ -63,8 +64,7 @@ ERRORS = {
          "HTTP that cannot be parsed (`bad_http_request`).",
     401: "Keys are configured and the request carries none that is valid (admin routes: an admin key).",
     403: "A `Host` that does not name this server, or a browser `Origin` that is not allowed.",
-    404: "No such model (the message lists some that exist), or no such lease; on Ollama's embeddings "
-         "routes, not served yet (`not_implemented`).",
+    404: "No such model (the message lists some that exist), or no such lease.",
     408: "The request head or body arrived too slowly.",
     409: "The model or the machine is leased, or the model is pinned.",
     413: "The body is larger than `server.max_body_bytes`.",
@@ -154,6 +154,9 @@ def make_paths() -> dict[str, Any]:
         "/v1/completions": {"post": inference(
             "createCompletion", "Text completion (no chat template), routed by `model`",
             "CompletionRequest", "Completion", "Completion")},
+        "/v1/embeddings": {"post": operation(
+            "createEmbedding", "Vectors from an embedding model, routed by `model` (a generating model: 400)",
+            json_content(ref("EmbeddingList")), INFERENCE_ERRORS, tag="OpenAI", body="EmbeddingRequest")},
         "/v1/models": {"get": operation("listModels", "Every model that exists (Anthropic's list shape, "
                                         "ModelCardList, when `anthropic-version` is sent)",
                                         json_content({"anyOf": [ref("ModelInfoList"), ref("ModelCardList")]}),
@@ -239,9 +242,11 @@ def make_ollama_paths() -> dict[str, Any]:
                                  json_content(ref("ShowAnswer")), (*GUARDED, 404, 413), "ModelRequest")},
         "/api/version": {"get": op("ollamaVersion", "The Ollama API version these routes follow",
                                    json_content(ref("Version")), GUARDED)},
-        **{path: {"post": op(f"ollama{name}", "Ollama's embeddings: the body is checked, then a 404 (not served "
-                                 "yet)", {}, (*GUARDED, 404, 413), "EmbedRequest")}
-           for path, name in (("/api/embed", "Embed"), ("/api/embeddings", "Embeddings"))},
+        "/api/embed": {"post": op("ollamaEmbed", "An embedding model's vectors (unit length) for `input`; no "
+                                  "input loads the model", json_content(ref("EmbedAnswer")), INFERENCE_ERRORS,
+                                  "EmbedRequest")},
+        "/api/embeddings": {"post": op("ollamaEmbeddings", "The older embeddings route: one `prompt`'s vector",
+                                       json_content(ref("LegacyEmbedding")), INFERENCE_ERRORS, "EmbedRequest")},
         "/api/pull": {"post": op("ollamaPull", "Fetch an MLX model (a Hugging Face repo id) into the hub cache, "
                                  "its progress streamed unless `stream: false` (an admin call)", lines("PullStatus"),
                                  (*GUARDED, 413), "PullRequest")},

@@ -14,7 +14,7 @@ import msgspec
 
 from mlxd.protocol import ollama, ollama_answers
 from mlxd.protocol.errors import APIError
-from mlxd.protocol.process import CHAT_PATH, COMPLETIONS_PATH, RequestUsage
+from mlxd.protocol.process import CHAT_PATH, COMPLETIONS_PATH, EMBEDDINGS_PATH, RequestUsage
 from mlxd.supervisor.relay.dialect import Dialect
 
 
@@ -22,7 +22,7 @@ class Ollama(Dialect):
     """`/api/*`: one request's dialect (`kind` chat or generate; `raw`: a text completion)."""
 
     name = "ollama"
-    params = ollama.PARAMS
+    params: tuple[tuple[str, str], ...] = ollama.PARAMS
     stream_headers = ollama_answers.NDJSON_HEADERS
     request_headers = ()
 
@@ -60,6 +60,20 @@ class Ollama(Dialect):
         if self._usage is not None:  # the engine's own clock: queued and prefilled, then decoded
             timing.split(self._usage.queue_ms + self._usage.prefill_ms, self._usage.decode_ms)
         return status, msgspec.json.encode(ollama_answers.answer(answer, self.model, self.kind, timing))
+
+
+class OllamaEmbed(Ollama):
+    """`/api/embed` (`legacy`: `/api/embeddings`): the engine's embeddings, Ollama's shape back."""
+
+    def __init__(self, model: str, started: float, legacy: bool) -> None:
+        super().__init__(model, "chat", started)
+        self.engine_path = EMBEDDINGS_PATH
+        self.legacy = legacy
+        self.params: tuple[tuple[str, str], ...] = (("input", "prompt"),) if legacy else ()
+
+    async def whole(self, status: int, data: bytes) -> tuple[int, bytes]:
+        answer = ollama_answers.embed_answer(msgspec.json.decode(data), self.model, self.legacy, self.started)
+        return status, msgspec.json.encode(answer)
 
 
 OLLAMA = Ollama()
