@@ -28,6 +28,7 @@ from mlxd.supervisor.http.app import make_app
 from mlxd.supervisor.http.connections import ConnectionTable, GuardedSite
 from mlxd.supervisor.jobs.store import JobStore
 from mlxd.supervisor.lab_files import LabFiles
+from mlxd.supervisor.library import Bandwidth
 from mlxd.supervisor.registry import Registry, hf_cache_dir
 from mlxd.supervisor.response_store import ResponseStore, StoreError
 
@@ -72,7 +73,8 @@ def serve(config: Config, data_dir: Path) -> int:
     pool = Pool(runtime, EngineOptions.from_env(), config.pool, kv_dir=data_dir / "kv")
     adapters = AdapterCatalog(adapters_dir(data_dir), models_dir(data_dir))
     app = make_app(config, registry, pool, store, adapters, JobStore(data_dir / "jobs"), LabFiles(data_dir),
-                   OwnedModels(data_dir, hf_cache_dir()))
+                   OwnedModels(data_dir, hf_cache_dir()),
+                   Bandwidth(data_dir / "probe" / "bandwidth.json", pool.engine_env))
     with asyncio.Runner(loop_factory=loop_factory()) as runner:
         return runner.run(run(app, config.server, started))
 

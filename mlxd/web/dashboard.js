@@ -8,8 +8,11 @@ import { formatBytes, formatRate, formatSeconds } from "./units.js";
 
 const POLL_MS = 2000;
 const CHART_SPAN_S = 300;  // of the timeline's 10 minutes, the last 5: recent traffic stays readable
-const FACTS = [["memory", "Memory"], ["disk", "On disk"], ["work", "In flight / queued"], ["ttl", "Idle unload"],
-  ["lease", "Lease"], ["restarts", "Restarts"], ["uptime", "Up for"]];
+const FACTS = [["memory", "Memory"], ["disk", "On disk"], ["fits", "Fits this machine"], ["speed", "Decode tok/s"],
+  ["work", "In flight / queued"], ["ttl", "Idle unload"], ["lease", "Lease"], ["restarts", "Restarts"],
+  ["uptime", "Up for"]];
+const LIBRARY_MS = 15000;  // /library (the fit check) is read this often at most
+let library = { at: 0, rows: new Map() };
 const cards = new Map();  // model id -> card
 const poller = makePoller(refresh, POLL_MS);  // a hidden tab polls nothing
 const pollSoon = poller.soon;
@@ -39,6 +42,7 @@ async function refresh() {
   error.hidden = !failed;
   error.textContent = failed ? `Could not read the pool: ${failed.reason.message}` : "";
   if (engines.status === "fulfilled") renderPool(engines.value);
+  await refreshLibrary();
   if (engines.status === "fulfilled" || models.status === "fulfilled") {
     renderCards(mergeRows(engines.value?.data ?? [], models.value?.data ?? []));
   }
@@ -46,11 +50,42 @@ async function refresh() {
   markReady();
 }
 
-/** One row per model: what /v1/models says, overlaid with its engine's row when it has one. */
+/** The fit check of every model (GET /library), read again after LIBRARY_MS; it never waits
+ * for the bandwidth probe (the first read starts it; a later one has its figures). */
+async function refreshLibrary() {
+  if (Date.now() - library.at < LIBRARY_MS) return;
+  try {
+    const answer = await apiJson("/library?wait_s=0", { quiet: true });
+    const measured = Boolean(answer.machine?.bandwidth_gbs);
+    library = { at: measured ? Date.now() : Date.now() - LIBRARY_MS + 2000,
+                rows: new Map(answer.models.map((m) => [m.id, m.fit])) };
+  } catch {
+    library.at = Date.now();  // an mlxd without /library: the cards say "–"
+  }
+}
+
+/** One row per model: what /v1/models says, overlaid with its engine's row when it has one,
+ * and its fit check. */
 function mergeRows(engineRows, models) {
   const rows = new Map(models.map((m) => [m.id, { model: m.id, ...m }]));
   for (const e of engineRows) rows.set(e.model, { ...(rows.get(e.model) || {}), ...e });
+  for (const [id, row] of rows) row.fit = library.rows.get(id) ?? null;
   return [...rows.values()];
+}
+
+/** "yes, 12 GB spare" / "no, short 3 GB" / "–". */
+function fitText(fit) {
+  if (!fit) return "–";
+  const margin = formatBytes(Math.abs(fit.margin_bytes));
+  return fit.fits ? `yes, ${margin} spare` : `no, short ${margin}`;
+}
+
+/** "predicted 41 · measured 38" (either may be missing). */
+function speedText(fit) {
+  const parts = [];
+  if (fit?.predicted_decode_tps) parts.push(`predicted ${Math.round(fit.predicted_decode_tps)}`);
+  if (fit?.measured_decode_tps) parts.push(`measured ${Math.round(fit.measured_decode_tps)}`);
+  return parts.join(" · ") || "–";
 }
 
 function renderPool(pool) {
@@ -125,6 +160,8 @@ function updateCard(card, row) {
   f.memory.textContent = row.rss_bytes || row.memory_estimate_bytes
     ? `${formatBytes(row.rss_bytes)} (estimate ${formatBytes(row.memory_estimate_bytes)})` : "–";
   f.disk.textContent = formatBytes(row.size_bytes);
+  f.fits.textContent = fitText(row.fit);
+  f.speed.textContent = speedText(row.fit);
   f.work.textContent = `${row.in_flight ?? 0} / ${row.queued ?? 0}`;
   f.ttl.textContent = !row.idle_ttl_s ? "never"
     : row.expires_in_s != null ? `in ${formatSeconds(row.expires_in_s)} (after ${formatSeconds(row.idle_ttl_s)} idle)`

@@ -155,6 +155,39 @@ def test_drafting_pauses_after_verifications_that_keep_nothing_and_comes_back() 
     assert pace.drafting
 
 
+def test_drafting_steps_that_find_nothing_pause_the_row_too() -> None:
+    pace = Pace(4, timed=False)  # a batch row: the batch reads its next tokens to ask it for drafts
+    for _ in range(EMPTY_RUNS - 1):
+        pace.found_none()
+        assert pace.drafting
+    pace.found_none()
+    assert not pace.drafting  # paused: a batch of such rows steps plain, a pass ahead
+    pace.spent(COOLDOWN_TOKENS, 0.01)
+    assert pace.drafting
+    for _ in range(EMPTY_RUNS):
+        pace.found_none()
+    pace.spent(COOLDOWN_TOKENS, 0.01)
+    assert not pace.drafting  # the second pause is twice as long
+    pace.spent(COOLDOWN_TOKENS, 0.01)
+    assert pace.drafting
+
+
+def test_a_row_starts_from_what_the_rows_before_it_measured() -> None:
+    from mlxd.engine.spec.pace import Rates
+
+    rates = Rates()
+    first = Pace(4, memory=rates)
+    assert first.regime == DRAFT  # nothing known: drafting is measured first
+    run_tokens(first, draft_s=0.012, plain_s=0.010, tokens=WINDOW + PLAIN_WINDOW)
+    assert rates.draft == pytest.approx(0.012) and rates.plain == pytest.approx(0.010)
+    second = Pace(4, memory=rates)  # the next request: plain first, drafting measured after EXPLORE
+    ran = run_tokens(second, draft_s=0.012, plain_s=0.010, tokens=EXPLORE + WINDOW)
+    assert ran[:EXPLORE] == [PLAIN] * EXPLORE and ran[EXPLORE] == DRAFT
+    paid = Rates()
+    paid.draft, paid.plain = 0.004, 0.010
+    assert Pace(4, memory=paid).regime == DRAFT
+
+
 def run_tokens(pace: Pace, draft_s: float, plain_s: float, tokens: int) -> list[str]:
     """Feed `tokens` tokens one at a time, each timed at its regime's seconds per token; the
     regime of each."""

@@ -24,6 +24,7 @@ import click
 from mlxd.cli.admin.client import AdminClient, AdminError, HTTPFailure, normalize_url, resolve_key
 from mlxd.cli.admin.tables import (
     drain_text,
+    library_text,
     load_text,
     models_text,
     ps_text,
@@ -294,13 +295,19 @@ def lease_request(model: str | None, all_models: bool, command: list[str], ttl_s
 
 
 @click.command("models")
+@click.option("--fit", "with_fit", is_flag=True,
+              help="whether each fits this machine, and its decode speed predicted and measured (GET /library; "
+                   "the first time, the machine's bandwidth is measured: a few seconds)")
 @json_option
 @daemon_options
-def models(as_json: bool, url: str | None, config_file: Path | None, data_dir: Path | None) -> None:
-    """List the models mlxd can serve (GET /v1/models)."""
+def models(with_fit: bool, as_json: bool, url: str | None, config_file: Path | None, data_dir: Path | None) -> None:
+    """List the models mlxd can serve (GET /v1/models, or with --fit GET /library)."""
     client = make_client(url, config_file, data_dir)
     with failures_as_click(client):
-        emit(client.get("/v1/models"), as_json, models_text)
+        if with_fit:
+            emit(client.get("/library?wait_s=120"), as_json, library_text)
+        else:
+            emit(client.get("/v1/models"), as_json, models_text)
 
 
 @click.command("ps")

@@ -67,6 +67,30 @@ def models_text(listing: Mapping[str, Any]) -> str:
     return render_table(("NAME", "SIZE", "CONTEXT", "TAKES", "SOURCE", "STATE"), rows)
 
 
+def library_text(library: Mapping[str, Any]) -> str:
+    """`mlxd models --fit`: every model, whether it fits, and its decode speed."""
+    m = library.get("machine", {})
+    gbs = m.get("bandwidth_gbs")
+    head = (f"{m.get('device', '?')}: memory budget {format_size(m.get('budget_bytes'))} of "
+            f"{format_size(m.get('memory_bytes'))}; decode bandwidth "
+            + (f"{gbs:.1f} GB/s (measured)" if gbs else f"not measured ({m.get('bandwidth_note') or 'unknown'})"))
+    rows = []
+    for model in library.get("models", []):
+        f = model.get("fit") or {}
+        fits = "-" if not f else ("yes" if f.get("fits") else "no")
+        margin = format_size(abs(f["margin_bytes"])) if f else "-"
+        if f:
+            margin = margin if f["margin_bytes"] >= 0 else f"short {margin}"
+        predicted, measured = f.get("predicted_decode_tps"), f.get("measured_decode_tps")
+        rows.append((model["id"], format_size(model.get("size_bytes")), model.get("quantization") or "-", fits, margin,
+                     context_text(f.get("max_context")) if f else "-",
+                     f"{predicted:.0f}" if predicted else "-", f"{measured:.0f}" if measured else "-"))
+    if not rows:
+        return head + "\nno models found (see `[models.NAME]` in the config, or `mlxd import-default`)"
+    return head + "\n" + render_table(("NAME", "SIZE", "WEIGHTS", "FITS", "MARGIN", "MAX CTX", "TOK/S PREDICTED",
+                                       "TOK/S MEASURED"), rows)
+
+
 def context_text(tokens: int | None) -> str:
     """A context window in tokens: 8K, 128K, 1M."""
     if not tokens:

@@ -30,6 +30,7 @@ from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.engine.spec.accept import Distribution
 from mlxd.engine.spec.config import DraftConfig
 from mlxd.engine.spec.ngram import NgramDrafter
+from mlxd.engine.spec.pace import Rates
 from mlxd.engine.spec.serial import Speculator, Tally
 
 log = logging.getLogger("mlxd.engine")
@@ -51,6 +52,7 @@ class SerialLane:
         self._kv_group_size = kv_group_size
         self._draft = draft if draft is not None and draft.kind != "none" else None
         self._spec: Speculator | None = None  # the running sequence's decoder when it speculates
+        self._rates = Rates()  # drafting against not, as this lane's last speculating rows measured it
         self._seq: Sequence | None = None
         self._steps: Iterator[tuple[Any, Any]] | None = None  # None while the prompt is prefilled
         self._kv: list[Any] = []
@@ -170,7 +172,7 @@ class SerialLane:
         drafter = source.drafter(self._kv) if source is not None else NgramDrafter()
         return Speculator(self._loaded.model, self._kv, list(self._tokens), Distribution(**sampler_kw), processors,
                           drafter, draft.num_draft_tokens, job.max_tokens - len(seq.generated),
-                          seed=job.sampling.seed, tally=seq.tally)
+                          seed=job.sampling.seed, tally=seq.tally, rates=self._rates)
 
     def _generate(self) -> Iterator[tuple[Any, Any]]:
         """generate_step from the prompt's last token (its KV holds the rest)."""

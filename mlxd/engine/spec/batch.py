@@ -186,6 +186,9 @@ def drafting_batch(base: Any) -> Any:
             self._forced = set()
             drafts = [self._drafts_of(i, rd, nexts[i], limit, g[:limit] if guesses and (g := guesses[i]) is not None else None)
                       if rd is not None and limit else [] for i, (rd, limit) in enumerate(zip(rows, limits, strict=True))]
+            for rd, limit, d in zip(rows, limits, drafts, strict=True):
+                if rd is not None and limit and not d:
+                    rd.pace.found_none()  # three in a row: the row pauses, and a batch of such rows steps plain
             sure = [1.0 if i in self._forced else r.acceptance if r is not None else 0.0 for i, r in enumerate(rows)]
             chosen = best_width([len(d) for d in drafts], sure, self._costs or PassCosts())
             drafts = [d[:chosen] for d in drafts]  # a grammar's matcher takes them only in _processed

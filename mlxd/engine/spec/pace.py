@@ -4,7 +4,13 @@ while it is measured to pay (pure code, no MLX).
 - **Length.** It grows by one after a verification that kept every draft and shrinks by one
   after one that kept fewer, between 1 and the configured number.
 - **Short pauses.** Three verifications in a row that kept nothing pause drafting for 16
-  tokens (32, 64, ... up to 256 while it keeps happening).
+  tokens (32, 64, ... up to 256 while it keeps happening), and so do three drafting steps in
+  a row that found nothing to draft (`found_none`: a batch row asked for drafts costs the
+  batch a read of its next tokens on the host, which a plain step does not wait for).
+- **What the last row learned.** A row may start from `Rates` that its lane keeps for the
+  model (`memory`): the regime that was faster for the rows before it runs first, and the
+  other is measured again only after EXPLORE tokens, so each new request does not pay for
+  measuring both afresh (on a GPU where drafting loses, one window in every lone request).
 - **Drafting against not drafting, measured.** A row's tokens are timed in windows (WINDOW
   tokens drafting, PLAIN_WINDOW tokens plain) as the row really ran: each step of the lane to
   its next, the host's work, the switches between modes and the short pauses included. One
@@ -34,16 +40,27 @@ EMA = 0.5  # weight of the newest window in a regime's running mean
 DRAFT, PLAIN = "draft", "plain"
 
 
+class Rates:
+    """Seconds per token of each regime, as the model's last rows measured them (a lane's)."""
+
+    __slots__ = ("draft", "plain")
+
+    def __init__(self) -> None:
+        self.draft: float | None = None
+        self.plain: float | None = None
+
+
 class Pace:
     """One row's drafting state."""
 
-    __slots__ = ("_cooldown", "_empty", "_explore", "_exploring", "_next_cooldown", "_rates", "_scale", "_streak",
-                 "_timed", "_window_s", "_window_tokens", "length", "limit", "regime")
+    __slots__ = ("_cooldown", "_empty", "_explore", "_exploring", "_memory", "_next_cooldown", "_rates", "_scale",
+                 "_streak", "_timed", "_window_s", "_window_tokens", "length", "limit", "regime")
 
-    def __init__(self, limit: int, *, scale: int = 1, timed: bool = True) -> None:
+    def __init__(self, limit: int, *, scale: int = 1, timed: bool = True, memory: Rates | None = None) -> None:
         """`scale` multiplies the windows and the exploring (a whole batch's tokens: its rows);
         `timed` False: no windows, drafting runs always but for the short pauses (a batch row,
-        whose batch times itself)."""
+        whose batch times itself); `memory`: the rates the lane's earlier rows measured, read
+        now and written as windows close."""
         self._scale = max(1, scale)
         self._timed = timed
         self.limit = max(1, limit)
@@ -58,6 +75,10 @@ class Pace:
         self._cooldown = 0  # plain tokens left before drafting again (a short pause)
         self._next_cooldown = COOLDOWN_TOKENS
         self._empty = 0
+        self._memory = memory
+        if memory is not None and memory.draft is not None and memory.plain is not None:
+            self._rates = {DRAFT: memory.draft, PLAIN: memory.plain}
+            self.regime = DRAFT if memory.draft <= memory.plain else PLAIN
 
     def forget(self) -> None:
         """Measure both regimes again, drafting first (a batch whose rows have mostly changed:
@@ -87,6 +108,15 @@ class Pace:
         if self._window_tokens >= (WINDOW if self.regime == DRAFT else PLAIN_WINDOW) * self._scale:
             self._close_window()
 
+    def found_none(self) -> None:
+        """A drafting step found nothing to draft for the row: three in a row pause it as
+        three empty verifications do."""
+        self._empty += 1
+        if self._empty >= EMPTY_RUNS:
+            self._cooldown = self._next_cooldown
+            self._next_cooldown = min(MAX_COOLDOWN_TOKENS, self._next_cooldown * 2)
+            self._empty = 0
+
     def verified(self, proposed: int, accepted: int) -> None:
         """A verification of `proposed` drafts kept `accepted` of them (and emitted one more)."""
         self.length = min(self.limit, self.length + 1) if accepted == proposed else max(1, self.length - 1)
@@ -104,6 +134,8 @@ class Pace:
         regime, per_token, tokens = self.regime, self._window_s / self._window_tokens, self._window_tokens
         old = self._rates[regime]
         self._rates[regime] = per_token if old is None else old + EMA * (per_token - old)
+        if self._memory is not None:
+            setattr(self._memory, regime, self._rates[regime])
         self._window_tokens, self._window_s = 0, 0.0
         other = PLAIN if regime == DRAFT else DRAFT
         mine, theirs = self._rates[regime], self._rates[other]

@@ -30,7 +30,7 @@ from mlx_lm.models.cache import trim_prompt_cache
 from mlxd.engine.chat.grammar import GrammarMask
 from mlxd.engine.spec.accept import Distribution, accept, as_int
 from mlxd.engine.spec.drafters import Drafter
-from mlxd.engine.spec.pace import Pace
+from mlxd.engine.spec.pace import Pace, Rates
 
 Emitted = list[tuple[int, Any]]  # (token, its position's log probabilities over the vocabulary)
 
@@ -50,7 +50,7 @@ class Speculator:
 
     def __init__(self, model: Any, kv: list[Any], tokens: list[int], dist: Distribution, processors: list[Any],
                  drafter: Drafter, num_draft: int, max_tokens: int, seed: int | None = None,
-                 tally: Tally | None = None) -> None:
+                 tally: Tally | None = None, rates: Rates | None = None) -> None:
         self._model = model
         self._kv = kv
         self.tokens = tokens  # the row's history; it grows as tokens are emitted
@@ -60,7 +60,7 @@ class Speculator:
         self._drafter = drafter
         self._left = max_tokens  # tokens it may still emit
         self._key = mx.random.key(seed % 2**64) if seed is not None and not dist.greedy else None
-        self.pace = Pace(num_draft)
+        self.pace = Pace(num_draft, memory=rates)  # `rates`: what the lane's rows before it measured
         self.tally = tally if tally is not None else Tally()
         self._ahead: tuple[mx.array, mx.array] | None = None  # plain mode: the next token, being computed
         self._drain = False  # plain mode: the queued token is the last plain one (drafts next)

@@ -226,14 +226,24 @@ class Pool:
                             batch=width, memory_bytes=self.limits.budget_bytes,
                             draft=(entry.draft, entry.num_draft_tokens), defaults=entry.defaults)
             engine.spare = self.spare
-            cache = prompt_cache_bytes(self.config)
-            memory = estimate_bytes(entry.path, entry.size_bytes, entry.max_context, width,
-                                    memory_bytes=self.limits.budget_bytes, prompt_cache_bytes=cache,
-                                    device=self._device) + cache + entry.draft_bytes
-            slot = Slot(engine, entry, memory, self._configured_ttl(entry), entry.pin)
+            slot = Slot(engine, entry, self.memory_estimate(entry), self._configured_ttl(entry), entry.pin)
             engine.on_change = lambda: self._on_engine_change(slot)
             self._slots[entry.id] = slot
         return slot
+
+    def memory_estimate(self, entry: ModelEntry) -> int:
+        """What the pool books for the model's engine: its weights, the KV its sizing books
+        (footprint.py), the prompt cache's RAM tier and a draft model's weights."""
+        width = None if entry.batch == "auto" else entry.batch
+        cache = self.prompt_cache_bytes
+        return estimate_bytes(entry.path, entry.size_bytes, entry.max_context, width,
+                              memory_bytes=self.limits.budget_bytes, prompt_cache_bytes=cache,
+                              device=self._device) + cache + entry.draft_bytes
+
+    @property
+    def prompt_cache_bytes(self) -> int:
+        """The RAM tier of each engine's prompt cache (booked beside its weights)."""
+        return prompt_cache_bytes(self.config)
 
     @property
     def device(self) -> str:
@@ -249,6 +259,11 @@ class Pool:
 
     def _configured_ttl(self, entry: ModelEntry) -> int:
         return entry.idle_ttl_s if entry.idle_ttl_s is not None else self.config.idle_ttl_s
+
+    @property
+    def engine_env(self) -> dict[str, str]:
+        """The environment every engine gets from `[pool]` (a probe of the machine gets it too)."""
+        return dict(self._options.engine_env)
 
     def slots(self) -> list[Slot]:
         """Every model the pool has seen, in any state."""

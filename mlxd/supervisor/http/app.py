@@ -34,6 +34,7 @@ from mlxd.supervisor.http.keys import (
     JOBS,
     LAB_FILES,
     LEASES,
+    LIBRARY,
     METRICS,
     OWNED,
     POOL,
@@ -42,6 +43,7 @@ from mlxd.supervisor.http.keys import (
 )
 from mlxd.supervisor.http.lab_data_routes import setup_lab_data_routes
 from mlxd.supervisor.http.lab_routes import is_lab_route, setup_lab_routes
+from mlxd.supervisor.http.library_routes import setup_library_routes
 from mlxd.supervisor.http.metrics import LazyMetrics, make_metrics_middleware
 from mlxd.supervisor.http.ollama_models import setup_ollama_model_routes
 from mlxd.supervisor.http.ollama_routes import setup_ollama_routes
@@ -54,6 +56,7 @@ from mlxd.supervisor.http.web_routes import setup_web_routes
 from mlxd.supervisor.jobs.runner import JobRunner
 from mlxd.supervisor.jobs.store import JobStore
 from mlxd.supervisor.lab_files import LabFiles
+from mlxd.supervisor.library import Bandwidth
 from mlxd.supervisor.registry import Registry
 from mlxd.supervisor.relay.dialects import render_error
 from mlxd.supervisor.response_store import ResponseStore
@@ -64,11 +67,13 @@ BODY_TIMEOUTS_PER_HEAD = 6  # a request body must arrive within 6 head deadlines
 
 def make_app(config: Config, registry: Registry, pool: Pool, store: ResponseStore | None = None,
              adapters: AdapterCatalog | None = None, jobs: JobStore | None = None,
-             lab: LabFiles | None = None, owned: OwnedModels | None = None) -> web.Application:
+             lab: LabFiles | None = None, owned: OwnedModels | None = None,
+             bandwidth: Bandwidth | None = None) -> web.Application:
     """The supervisor app; its cleanup context stops every engine. `adapters`: the adapters that
     exist (default: none but those loaded by path); `jobs`: the lab's job store (default: none
     kept, none taken); `lab`: its datasets dir and token file (default: none); `owned`: where
-    Ollama's pulls go and what its deletes may remove (default: nothing)."""
+    Ollama's pulls go and what its deletes may remove (default: nothing); `bandwidth`: where the
+    machine's measured bandwidth is kept (default: in memory)."""
     metrics, server, timeline = LazyMetrics(pool), config.server, Timeline()
     hosts = HostPolicy.make(server.host, server.allowed_hosts, server.allowed_origins, machine_names())
     app = web.Application(
@@ -87,6 +92,7 @@ def make_app(config: Config, registry: Registry, pool: Pool, store: ResponseStor
 
     app[LAB_FILES] = lab_files = lab if lab is not None else LabFiles(None)
     app[OWNED] = owned
+    app[LIBRARY] = bandwidth if bandwidth is not None else Bandwidth(None, pool.engine_env)
 
     def worker_env(job: Job) -> dict[str, str]:  # a job's secrets: never in its files or its log
         if job.kind == "dataset" and (keys := server.api_keys or server.admin_keys):
@@ -101,6 +107,7 @@ def make_app(config: Config, registry: Registry, pool: Pool, store: ResponseStor
     setup_openai_routes(app)
     setup_anthropic_routes(app)
     setup_ollama_routes(app)
+    setup_library_routes(app)
     setup_ollama_model_routes(app)
     setup_responses_routes(app, store)
     setup_service_routes(app)

@@ -15,6 +15,7 @@ from mlxd.supervisor.http.metrics import LazyMetrics
 from mlxd.supervisor.http.timeline import Timeline
 from mlxd.supervisor.jobs.runner import JobRunner
 from mlxd.supervisor.lab_files import LabFiles
+from mlxd.supervisor.library import Bandwidth
 from mlxd.supervisor.registry import Registry
 
 ADAPTERS = web.AppKey("adapters", AdapterCatalog)
@@ -24,6 +25,7 @@ IMAGES = web.AppKey("images", ImageFetcher)
 JOBS = web.AppKey("jobs", JobRunner)
 LAB_FILES = web.AppKey("lab_files", LabFiles)
 LEASES = web.AppKey("leases", Leases)
+LIBRARY = web.AppKey("library", Bandwidth)  # the machine's measured bandwidth, for GET /library
 METRICS = web.AppKey("metrics", LazyMetrics)
 OWNED: web.AppKey[OwnedModels | None] = web.AppKey("owned")  # None: no data dir (pulls and deletes refused)
 POOL = web.AppKey("pool", Pool)

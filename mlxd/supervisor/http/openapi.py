@@ -17,7 +17,16 @@ import msgspec
 from aiohttp import web
 
 from mlxd import __version__
-from mlxd.protocol import anthropic, embeddings, jobs, ollama, ollama_answers, openai, responses
+from mlxd.protocol import (
+    anthropic,
+    embeddings,
+    fit,
+    jobs,
+    ollama,
+    ollama_answers,
+    openai,
+    responses,
+)
 from mlxd.protocol import supervisor_api as api
 from mlxd.protocol.errors import ErrorBody
 from mlxd.protocol.process import LEASE_HEADER
@@ -41,7 +50,7 @@ SCHEMA_TYPES: tuple[Any, ...] = (
     TokenState, ModelInspection, ollama.ChatRequest, ollama.GenerateRequest, ollama.ModelRequest, ollama_answers.ChatLine,
     ollama_answers.GenerateLine, ollama_answers.OllamaError, ollama_answers.TagList, ollama_answers.RunningList, ollama_answers.ShowAnswer, ollama_answers.Version,
     ollama.PullRequest, ollama_answers.PullStatus, ollama.EmbedRequest, ollama_answers.EmbedAnswer,
-    ollama_answers.LegacyEmbedding, embeddings.EmbeddingRequest, embeddings.EmbeddingList,
+    ollama_answers.LegacyEmbedding, embeddings.EmbeddingRequest, embeddings.EmbeddingList, fit.Library,
 )
 
 
@@ -157,6 +166,12 @@ def make_paths() -> dict[str, Any]:
         "/v1/embeddings": {"post": operation(
             "createEmbedding", "Vectors from an embedding model, routed by `model` (a generating model: 400)",
             json_content(ref("EmbeddingList")), INFERENCE_ERRORS, tag="OpenAI", body="EmbeddingRequest")},
+        "/library": {"get": operation(
+            "library", "Every model on disk: whether it fits this machine, its decode speed predicted from the "
+            "measured bandwidth and measured by mlxd (the first call waits up to `wait_s` for the bandwidth probe)",
+            json_content(ref("Library")), (*GUARDED, 400), tag="Models",
+            parameters=[{"name": "wait_s", "in": "query", "required": False,
+                         "schema": {"type": "number", "minimum": 0, "maximum": 600}}])},
         "/v1/models": {"get": operation("listModels", "Every model that exists (Anthropic's list shape, "
                                         "ModelCardList, when `anthropic-version` is sent)",
                                         json_content({"anyOf": [ref("ModelInfoList"), ref("ModelCardList")]}),

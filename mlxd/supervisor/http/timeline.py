@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 from mlxd.protocol.supervisor_api import ModelTimeline, TimelineView
@@ -16,6 +17,8 @@ from mlxd.protocol.supervisor_api import ModelTimeline, TimelineView
 STEP_S = 2.0
 NUM_BUCKETS = 300  # ten minutes
 MAX_TTFT_SAMPLES = 64  # per bucket: enough for a median
+RATE_SAMPLES = 32  # each model's last answers whose decode rate is kept (`decode_rate`)
+RATE_MIN_TOKENS = 16  # an answer shorter than this says little about the rate
 
 
 @dataclass
@@ -35,6 +38,14 @@ class Timeline:
         self.step_s = step_s
         self.num_buckets = num_buckets
         self._models: dict[str, list[_Bucket]] = {}
+        self._rates: dict[str, deque[float]] = {}
+
+    def decode_rate(self, model: str) -> float | None:
+        """The model's measured decode speed: the fastest of its last RATE_SAMPLES answers of at
+        least RATE_MIN_TOKENS tokens (a lone stream's rate: streams that share the GPU each
+        decode slower); None before it has served one."""
+        rates = self._rates.get(model)
+        return round(max(rates), 1) if rates else None
 
     def record(self, model: str, end: float, completion_tokens: int, decode_s: float, ttft_at: float | None,
                ttft_ms: float | None, cached_tokens: int = 0, paused: int = 0) -> None:
@@ -47,6 +58,8 @@ class Timeline:
         if ttft_at is not None and ttft_ms is not None and len(b := self._bucket(ring, ttft_at).ttft_ms) < MAX_TTFT_SAMPLES:
             b.append(ttft_ms)
         start = end - max(decode_s, 0.0)
+        if completion_tokens >= RATE_MIN_TOKENS and decode_s > 0:
+            self._rates.setdefault(model, deque(maxlen=RATE_SAMPLES)).append(completion_tokens / decode_s)
         if completion_tokens <= 0:
             return
         if end - start < 1e-9:
