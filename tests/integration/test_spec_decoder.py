@@ -133,3 +133,141 @@ def test_logprobs_come_with_each_token_and_match_plain_decoding(model: Any) -> N
         got += [lp for _, lp in spec.next_tokens()]
     for a, b in zip(plain, got, strict=True):
         assert mx.allclose(a.reshape(-1), b.reshape(-1), atol=1e-4).item()
+
+
+# --- the pass-cost gate (width.py's best_width for the lone row) and its guesses while gated off ---
+
+
+class FixedCosts:
+    """What passes cost by their width, in plain steps, held fixed (a GPU where wide passes cost
+    more than this CPU's): the decoder's own timings are not added."""
+
+    def __init__(self, relative: Callable[[int], float]) -> None:
+        self._relative = relative
+
+    def add(self, positions: int, seconds: float) -> None:
+        pass
+
+    def relative(self, positions: int) -> float:
+        return 1.0 if positions == 1 else self._relative(positions)
+
+
+def gated(model: Any, drafter: Any, max_tokens: int, relative: Callable[[int], float]) -> Speculator:
+    from mlxd.engine.spec.pace import Rates
+
+    rates = Rates()
+    rates.costs = FixedCosts(relative)  # type: ignore[assignment]
+    cache = make_prompt_cache(model)
+    model(mx.array(PROMPT[:-1])[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    return Speculator(model, cache, list(PROMPT), Distribution(temp=0.0), [], drafter, 4, max_tokens, rates=rates)
+
+
+def test_drafts_that_cannot_pay_for_their_pass_are_not_even_asked_for(model: Any) -> None:
+    """Passes 10x a plain step: not even an oracle's drafts pay, so none is checked and the row
+    keeps its plain pipeline (a draft model would not be run either)."""
+    truth = greedy(model, PROMPT, 40)
+    oracle = drafters(truth)["oracle"]
+    spec = gated(model, oracle, 40, lambda positions: 10.0)
+    assert run(spec, 40) == truth
+    assert spec.tally.proposed == 0
+    assert oracle.calls == 0
+
+
+def test_drafts_are_cut_to_the_length_that_pays(model: Any) -> None:
+    """A pass of 2 positions costs next to nothing, wider ones 4x: an oracle drafts one token at a time."""
+    truth = greedy(model, PROMPT, 40)
+    oracle = drafters(truth)["oracle"]
+    asked: list[int] = []
+    spec = gated(model, Scripted(lambda tokens, limit: asked.append(limit) or oracle.draft(tokens, limit)), 40,
+                 lambda positions: 1.05 if positions == 2 else 4.0)
+    assert run(spec, 40) == truth
+    assert spec.tally.proposed > 10
+    assert spec.tally.accepted == spec.tally.proposed
+    assert spec.pace.length == 4  # the pace would draft 4...
+    assert set(asked) == {1}  # ... the gate asked for 1 a pass
+
+
+def test_a_gated_off_ngram_row_scores_its_guesses_and_drafts_once_they_would_pay(model: Any) -> None:
+    """Passes priced so that drafts pay only past 0.75 acceptance, above where a row starts: the
+    row decodes plain while its n-gram guesses are checked against what it emits; this random
+    model repeats itself, so its acceptance rises and it drafts, with mlx-lm's tokens all along."""
+    from mlxd.engine.spec.ngram import NgramDrafter
+    from mlxd.engine.spec.width import ACCEPTANCE_START, expected_tokens
+
+    assert ACCEPTANCE_START < 0.75
+    truth = greedy(model, PROMPT, 120)
+    spec = gated(model, NgramDrafter(), 120, lambda positions: expected_tokens(positions - 1, 0.75))
+    first = run(spec, 8)
+    assert spec.tally.proposed == 0  # gated off from the start
+    assert first + run(spec, 120 - len(first)) == truth
+    assert spec.tally.proposed > 0
+    assert spec.tally.accepted > 0
+
+
+def test_wrong_guesses_keep_a_gated_off_ngram_row_plain() -> None:
+    """A row whose guesses stop coming true loses acceptance without a pass (RowDrafts.watch, the
+    batch's form of the same scoring)."""
+    from mlxd.engine.spec.batch import RowDrafts
+    from mlxd.engine.spec.pace import Pace
+    from mlxd.engine.spec.serial import Tally
+    from mlxd.engine.spec.width import ACCEPTANCE_START
+
+    history = [1, 2, 3, 4, 1, 2]
+    rd = RowDrafts(lambda: history, Distribution(temp=0.0), Pace(4, timed=False), Tally())
+    rd.watch(3, 4)  # after [.., 1, 2, 3] the row guesses 4, 1, 2, 3
+    history.append(3)
+    assert rd.shadow == ([4, 1, 2, 3], 0)
+    for token in (4, 1):  # two come true...
+        rd.watch(token, 4)
+        history.append(token)
+    assert rd.acceptance == ACCEPTANCE_START
+    rd.watch(9, 4)  # ... the third does not: 2 of 4
+    history.append(9)
+    assert rd.acceptance == pytest.approx(ACCEPTANCE_START + 0.3 * (0.5 - ACCEPTANCE_START))
+    assert rd.shadow is None  # nothing ever followed a 9
+    rd.watch(7, 4)
+    assert rd.shadow is None
+    assert rd.acceptance < ACCEPTANCE_START
+
+
+class Tease:
+    """A drafter that always says it has something and never has (a model's drafts cut to nothing)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def start(self, tokens: list[int]) -> None:
+        pass
+
+    def ready(self, tokens: list[int]) -> bool:
+        return True
+
+    def propose(self, tokens: list[int], limit: int) -> list[int]:
+        self.calls += 1
+        return []
+
+
+def test_drains_that_find_nothing_back_off(model: Any) -> None:
+    """Each drain breaks the one-pass-ahead pipeline; one that finds nothing to check makes the
+    next wait 1, 2, 4 ... up to 64 plain tokens."""
+    from mlxd.engine.spec.serial import MAX_SKIP
+
+    truth = greedy(model, PROMPT, 200)
+    tease = Tease()
+    spec = decoder(model, tease, 200)
+    assert run(spec, 200) == truth
+    assert tease.calls <= 2 + 7 + (200 - (1 + 2 + 4 + 8 + 16 + 32)) // MAX_SKIP + 1  # not one a token
+    assert tease.calls >= 4
+
+
+def test_an_ngram_row_drains_only_for_a_guess_that_pays(model: Any) -> None:
+    """Passes priced so that only 4 kept drafts pay: guesses shorter than that never break the pipeline."""
+    from mlxd.engine.spec.ngram import NgramDrafter
+
+    truth = greedy(model, PROMPT, 120)  # this random model repeats itself: 4-token guesses come
+    spec = gated(model, NgramDrafter(), 120, lambda positions: float(positions) if positions < 5 else 1.2)
+    spec.acceptance = 1.0
+    assert run(spec, 120) == truth
+    assert spec.tally.proposed > 0
+    assert spec.tally.proposed % 4 == 0  # only passes of 4 drafts were checked

@@ -368,3 +368,55 @@ def test_a_width_never_measured_is_priced_from_the_one_below_so_it_gets_tried() 
     costs = cpu_costs()
     assert costs.relative(4) == pytest.approx(253 / 142 + UNMEASURED_STEP)
     assert costs.relative(8) == pytest.approx(338 / 142 + 3 * UNMEASURED_STEP)
+
+
+def test_a_batch_whose_drafts_cannot_pay_steps_plain_without_reading_its_tokens() -> None:
+    """`_may_pay` decides before the host reads the rows' next tokens (which breaks the plain
+    steps' pipelining): at the rows' acceptance, with every row drafting its most."""
+    from mlxd.engine.spec.batch import RowDrafts, drafting_batch
+    from mlxd.engine.spec.serial import Tally
+    from mlxd.engine.spec.width import PassCosts
+
+    batch = drafting_batch(object)()
+    batch.logits_processors = [[], [], []]
+    rows = [RowDrafts(list, Distribution(temp=0.0), Pace(4, timed=False), Tally()) for _ in range(2)]
+    costly = PassCosts()  # the H200's 4-bit 8B model, lone: 2 positions 1.9 steps, 5 positions 3.3
+    for positions, ms in ((1, 6.7), (2, 13.0), (3, 17.6), (5, 22.1)):
+        costly.add(positions, ms / 1000)
+    costly.add(4, 20.0 / 1000)
+    batch._costs = costly
+    assert not batch._may_pay([*rows, None])  # acceptance 0.7: nothing pays
+    rows[0].acceptance = 0.97
+    assert not batch._may_pay([*rows, None])  # one row's drafts widen every row's pass
+    rows[1].acceptance = 0.97
+    assert batch._may_pay([*rows, None])  # two rows nearly always right pay for it
+    for _ in range(3):
+        rows[0].pace.found_none()  # ... until one pauses
+    assert not batch._may_pay([*rows, None])
+    batch._costs = None  # nothing measured yet: drafts get tried
+    assert batch._may_pay([*rows, None])
+
+
+def test_a_watched_row_could_draft_what_its_standing_guess_has_left() -> None:
+    from mlxd.engine.spec.batch import RowDrafts
+    from mlxd.engine.spec.serial import Tally
+
+    rd = RowDrafts(list, Distribution(temp=0.0), Pace(4, timed=False), Tally())
+    assert rd.could_draft() == 4  # not watched yet: its draft length
+    rd.watched = True
+    assert rd.could_draft() == 0  # watched, and it guessed nothing
+    rd.shadow = ([7, 8, 9], 0)  # 7 would be its next token: 8 and 9 are drafts after it
+    assert rd.could_draft() == 2
+    rd.shadow = ([7, 8, 9, 1, 2, 3, 4], 1)
+    assert rd.could_draft() == 4
+
+
+def test_a_batch_backs_off_drafting_steps_that_checked_nothing() -> None:
+    from mlxd.engine.spec.batch import RowDrafts, drafting_batch
+    from mlxd.engine.spec.serial import Tally
+
+    batch = drafting_batch(object)()
+    batch.logits_processors = [[]]
+    rows = [RowDrafts(list, Distribution(temp=0.0), Pace(4, timed=False), Tally())]
+    batch._skip = 2
+    assert [batch._may_pay(rows) for _ in range(3)] == [False, False, True]

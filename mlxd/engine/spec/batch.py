@@ -42,10 +42,9 @@ from mlxd.engine.spec.holes import HoleyKV, punch
 from mlxd.engine.spec.ngram import NgramDrafter
 from mlxd.engine.spec.pace import Pace
 from mlxd.engine.spec.serial import Tally
-from mlxd.engine.spec.width import PassCosts, best_width
+from mlxd.engine.spec.width import ACCEPTANCE_EMA, ACCEPTANCE_START, PassCosts, best_width
 
-ACCEPTANCE_START = 0.7  # a new row's acceptance: hopeful, so that it drafts and is measured
-ACCEPTANCE_EMA = 0.3
+MAX_SKIP = 64  # plain steps at most between drafting steps that keep checking nothing
 
 
 @dataclass(eq=False)
@@ -59,6 +58,35 @@ class RowDrafts:
     drafter: NgramDrafter = field(default_factory=NgramDrafter)
     key: Any = None  # a seeded row's random key
     acceptance: float = ACCEPTANCE_START  # running share of its drafts kept (width.py prices a pass with it)
+    shadow: tuple[list[int], int] | None = None  # a plain step's n-gram guess, and how much of it came true
+    watched: bool = False  # its last step was plain and watched: `shadow` says what it could draft now
+
+    def could_draft(self) -> int:
+        """How many drafts the row could check after its next token, as far as the host knows
+        before reading that token: what its standing guess has beyond it (a watched row), else
+        its draft length."""
+        if not self.watched:
+            return self.pace.length
+        if self.shadow is None:
+            return 0
+        guess, seen = self.shadow
+        return min(self.pace.length, len(guess) - seen - 1)
+
+    def watch(self, token: int, limit: int) -> None:
+        """The row emitted `token` in a plain step: score the guess it made before (its
+        acceptance follows the text without a pass), and guess again from here (n-gram drafts,
+        a lookup). A row whose drafts could not pay so keeps a true acceptance, and the batch
+        drafts again once they would."""
+        if self.shadow is not None:
+            guess, seen = self.shadow
+            if guess[seen] == token and seen + 1 < len(guess):
+                self.shadow = (guess, seen + 1)
+                return
+            kept = seen + int(guess[seen] == token)
+            self.acceptance += ACCEPTANCE_EMA * (kept / len(guess) - self.acceptance)
+            self.shadow = None
+        guess = self.drafter.propose([*self.history(), token], limit + 1)
+        self.shadow = (guess, 0) if guess else None
 
 
 class BatchDrafts:
@@ -123,6 +151,8 @@ def drafting_batch(base: Any) -> Any:
         _last_step: tuple[float, dict[int, tuple[RowDrafts, int]], int, int] | None = None  # with positions fed
         _costs: PassCosts | None = None  # what passes cost, by their width (width.py)
         _forced: set[int]  # this step's rows whose drafts their grammar forces (always kept), set by _draft_step
+        _skip = 0  # plain steps before drafting may be tried again (after drafting steps that checked nothing)
+        _next_skip = 1
         _known_uids: set[int] | None = None  # the rows at the last step (_note_rows)
         _new_rows = 0  # ... of which joined since it last measured afresh
         batch_pace_width = 8  # the batch's width: half of it new means a new batch
@@ -140,12 +170,39 @@ def drafting_batch(base: Any) -> Any:
             self._note_rows()
             rows = [self.row_drafts(uid) for uid in self.uids]
             if (not self.batch_pace.drafting or not any(r is not None and r.pace.drafting for r in rows)
-                    or not self._plain_rows()):
+                    or not self._plain_rows() or not self._may_pay(rows)):
                 out = super().next()
                 self._last_step = (now, {r.uid: (d, 1) for r, d in zip(out, rows, strict=False) if d is not None},
                                    len(out), 1)
+                self._watch(out, rows)
                 return out
             return self._draft_step(now, rows)
+
+        def _may_pay(self, rows: list[RowDrafts | None]) -> bool:
+            """Whether drafts could pay this step if every row drafted its most: reading the rows'
+            next tokens on the host (a drafting step's first act) breaks the plain steps'
+            pipelining, so a batch whose drafts cannot pay at its rows' acceptance steps plain."""
+            if self._skip > 0:
+                self._skip -= 1
+                return False
+            limits, sure = [], []
+            for i, rd in enumerate(rows):
+                held = grammar_of(self.logits_processors[i]) is not None  # its grammar may force drafts
+                if rd is None or not rd.pace.drafting:
+                    limits.append(0)
+                else:
+                    limits.append(rd.pace.length if held else rd.could_draft())
+                sure.append(1.0 if held else rd.acceptance if rd is not None else 0.0)
+            return best_width(limits, sure, self._costs or PassCosts()) > 0
+
+        def _watch(self, out: list[Any], rows: list[RowDrafts | None]) -> None:
+            """After a plain step, n-gram rows score and renew their guesses (RowDrafts.watch)."""
+            if self.shallow is not None or self.draft_batch is not None:
+                return  # a model's guesses cost a pass
+            for r, rd in zip(out, rows, strict=False):
+                if rd is not None and rd.pace.drafting:
+                    rd.watch(r.token, rd.pace.length)
+                    rd.watched = True
 
         def _note_rows(self) -> None:
             """Have the batch's pace measure again once half its rows are new (pace.py's `forget`)."""
@@ -175,6 +232,9 @@ def drafting_batch(base: Any) -> Any:
             self.batch_pace.spent(total, now - started)
 
         def _draft_step(self, now: float, rows: list[RowDrafts | None]) -> list[Any]:
+            for rd in rows:
+                if rd is not None:
+                    rd.shadow, rd.watched = None, False  # its tokens from here come from this step, not one at a time
             mx.eval(self._next_tokens)
             nexts: list[int] = [int(t) for t in self._next_tokens.tolist()]
             next_logprobs = list(self._next_logprobs)
@@ -194,11 +254,14 @@ def drafting_batch(base: Any) -> Any:
             drafts = [d[:chosen] for d in drafts]  # a grammar's matcher takes them only in _processed
             width = max(len(d) for d in drafts)
             if width == 0:  # nothing to check, or not enough to pay: mlx-lm's step, from the tokens it already has
+                # The host read the rows' tokens for nothing (the pipeline broke): back off 1, 2, 4 ... 64 steps
+                self._skip, self._next_skip = self._next_skip, min(MAX_SKIP, self._next_skip * 2)
                 self._settle_drafts(rows, [[]] * len(rows))
                 out = super().next()
                 self._last_step = (now, {r.uid: (d, 1) for r, d in zip(out, rows, strict=False) if d is not None},
                                    len(out), 1)
                 return out
+            self._next_skip = 1
             inputs = mx.array([[nexts[i], *d, *([nexts[i]] * (width - len(d)))] for i, d in enumerate(drafts)])
             context = self.rows_context(self.uids) if self.rows_context is not None else None
             if context is not None:

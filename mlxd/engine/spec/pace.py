@@ -28,6 +28,8 @@ while it is measured to pay (pure code, no MLX).
 
 from __future__ import annotations
 
+from mlxd.engine.spec.width import PassCosts
+
 COOLDOWN_TOKENS = 16
 MAX_COOLDOWN_TOKENS = 256
 EMPTY_RUNS = 3  # verifications in a row that kept nothing
@@ -41,13 +43,15 @@ DRAFT, PLAIN = "draft", "plain"
 
 
 class Rates:
-    """Seconds per token of each regime, as the model's last rows measured them (a lane's)."""
+    """Seconds per token of each regime, and what passes cost by their width, as the model's
+    last rows measured them (a lane's)."""
 
-    __slots__ = ("draft", "plain")
+    __slots__ = ("costs", "draft", "plain")
 
     def __init__(self) -> None:
         self.draft: float | None = None
         self.plain: float | None = None
+        self.costs = PassCosts()
 
 
 class Pace:

@@ -11,7 +11,9 @@ It replaces mlx-lm's generate_step for a row that speculates, and runs in two mo
 After each plain token the drafter is asked whether it has something; if so the pass
 already queued is taken as the next token and the row verifies from there. A verification
 with no drafts falls back to plain steps. pace.py decides how long drafts are and pauses
-them while they do not pay.
+them while they do not pay; width.py cuts them to the length that pays for its pass, from
+what this lane's calls have cost by their width and the row's running acceptance (a row
+whose drafts could not pay at any length keeps its plain pipeline unbroken).
 
 Between calls the KV holds every token but the last (`tokens[-1]`), except in plain mode,
 where it also holds that one and the next token is being computed (`_ahead`). `release`
@@ -30,8 +32,11 @@ from mlx_lm.models.cache import trim_prompt_cache
 from mlxd.engine.chat.grammar import GrammarMask
 from mlxd.engine.spec.accept import Distribution, accept, as_int
 from mlxd.engine.spec.drafters import Drafter
+from mlxd.engine.spec.ngram import NgramDrafter
 from mlxd.engine.spec.pace import Pace, Rates
+from mlxd.engine.spec.width import ACCEPTANCE_EMA, ACCEPTANCE_START, best_width
 
+MAX_SKIP = 64  # plain tokens at most between drains that keep finding nothing to check
 Emitted = list[tuple[int, Any]]  # (token, its position's log probabilities over the vocabulary)
 
 
@@ -61,6 +66,13 @@ class Speculator:
         self._left = max_tokens  # tokens it may still emit
         self._key = mx.random.key(seed % 2**64) if seed is not None and not dist.greedy else None
         self.pace = Pace(num_draft, memory=rates)  # `rates`: what the lane's rows before it measured
+        self._costs = (rates or Rates()).costs  # the lane's calls' seconds by positions fed (width.py)
+        self.acceptance = ACCEPTANCE_START  # running share of this row's (not forced) drafts kept
+        self._forced = False  # the drafts being verified are the grammar's own
+        self._cheap = isinstance(drafter, NgramDrafter)  # its guesses cost no pass: it guesses while gated off
+        self._shadow: tuple[list[int], int] | None = None  # gated off: a guess, and how much of it came true
+        self._skip = 0  # plain tokens before draining again (after drains that found nothing to check)
+        self._next_skip = 1
         self.tally = tally if tally is not None else Tally()
         self._ahead: tuple[mx.array, mx.array] | None = None  # plain mode: the next token, being computed
         self._drain = False  # plain mode: the queued token is the last plain one (drafts next)
@@ -75,7 +87,10 @@ class Speculator:
         self._account(now)
         if self._ahead is None:
             drafts = self._drafts() if self.pace.drafting else []
+            if not drafts and self._last is not None:  # a drain for nothing: the pipeline broke in vain
+                self._skip, self._next_skip = self._next_skip, min(MAX_SKIP, self._next_skip * 2)
             if drafts:
+                self._next_skip = 1
                 out = self._verify(drafts)
                 self._last = (now, len(drafts), len(out))
                 self._left -= len(out)
@@ -92,6 +107,7 @@ class Speculator:
         if self._last is None:
             return
         started, proposed, emitted = self._last
+        self._costs.add(proposed + 1, now - started)
         if proposed:
             self.pace.verified(proposed, emitted - 1)
         self.pace.spent(emitted, now - started)
@@ -134,9 +150,40 @@ class Speculator:
         mx.async_eval(self._ahead[0])
         token = as_int(token_dev)
         self.tokens.append(token)
-        if self.pace.drafting and self._drafter.ready(self.tokens):
+        self._watch(token)
+        if self.pace.drafting and self._worth_draining():
             self._drain = True
         return [(token, logprobs[0])]
+
+    def _worth_draining(self) -> bool:
+        """Whether to let the queued pass be the last plain one: a verification follows, so the
+        pipeline breaks once. An n-gram row looks at the drafts it would check (a lookup) and
+        drains only if they pay; a drafting model is asked only if its full length would.
+        Drains that found nothing worth checking (a grammar row's, a model's) back off: 1, 2, 4
+        ... up to 64 plain tokens before the next, while they keep finding nothing."""
+        if self._skip > 0:
+            self._skip -= 1
+            return False
+        if self._cheap and self._grammar is None:
+            guess = self._drafter.propose(self.tokens, self.pace.length)
+            return bool(guess) and self._pays(len(guess)) > 0
+        return self._pays(self.pace.length) > 0 and self._drafter.ready(self.tokens)
+
+    def _watch(self, token: int) -> None:
+        """While no draft pays for its pass, an n-gram row still guesses (no pass: a lookup) and
+        checks each guess against the tokens it then emits, so its acceptance follows the text
+        and drafting comes back once it would pay."""
+        if self._shadow is not None:
+            guess, seen = self._shadow
+            if guess[seen] == token and seen + 1 < len(guess):
+                self._shadow = (guess, seen + 1)
+                return
+            kept = seen + int(guess[seen] == token)
+            self.acceptance += ACCEPTANCE_EMA * (kept / len(guess) - self.acceptance)
+            self._shadow = None
+        if self._cheap and self.pace.drafting and not self._pays(self.pace.length):
+            guess = self._drafter.propose(self.tokens, self.pace.length)
+            self._shadow = (guess, 0) if guess else None
 
     def _queue(self, last: mx.array, context: Any) -> tuple[mx.array, mx.array]:
         """The pass over `last` (one token, maybe still being computed) and the token it samples."""
@@ -159,21 +206,34 @@ class Speculator:
 
     # --- verification ---
 
+    def _pays(self, length: int, acceptance: float | None = None) -> int:
+        """The most drafts worth checking of `length` (0: none pays for its pass), at the row's
+        acceptance unless given."""
+        sure = self.acceptance if acceptance is None else acceptance
+        return best_width([length], [sure], self._costs)
+
     def _drafts(self) -> list[int]:
         limit = min(self.pace.length, self._left - 1)
         if limit <= 0:
             return []
         drafts: list[int] = []
+        self._forced = False
         if self._grammar is not None:
             drafts = self._grammar.forced(self.tokens, limit)  # the grammar's own: always right
-        if not drafts:
-            drafts = self._drafter.propose(self.tokens, limit)
-            if self._grammar is not None and drafts:
-                drafts = drafts[:self._grammar.draft_limit(self.tokens, drafts)]
-        return drafts
+            self._forced = bool(drafts)
+            if drafts:
+                return drafts[:self._pays(len(drafts), 1.0)]
+        limit = self._pays(limit)  # a draft model drafts only what may pay
+        if limit <= 0:
+            return []
+        drafts = self._drafter.propose(self.tokens, limit)
+        if self._grammar is not None and drafts:
+            drafts = drafts[:self._grammar.draft_limit(self.tokens, drafts)]
+        return drafts[:self._pays(len(drafts))]
 
     def _verify(self, drafts: list[int]) -> Emitted:
         m = len(drafts)
+        self._shadow = None
         with mx.stream(generation_stream):
             logits = self._model(mx.array([self.tokens[-1], *drafts])[None], cache=self._kv)[0]
             if self._processors:
@@ -195,4 +255,6 @@ class Speculator:
         self.tokens.extend(out)
         self.tally.proposed += m
         self.tally.accepted += n
+        if not self._forced:
+            self.acceptance += ACCEPTANCE_EMA * (n / m - self.acceptance)
         return [(token, logprobs[j]) for j, token in enumerate(out)]

@@ -11,11 +11,19 @@ each row's expected kept drafts from its acceptance (a draft j deep is kept with
 since a refusal ends the run), against the measured cost of a pass that wide relative to a plain
 step (`PassCosts`, running means by the number of positions fed). A width never measured is
 priced from the widest one measured below it, so wider passes get tried and measured.
+
+The serial lane prices its one row's drafts the same way (`best_width` with one row), its
+costs measured per call: a plain token pipelined a pass ahead, against a verification that
+waits for its pass (and, for a draft model, drafting included). On the H200 a 4-bit 8B
+model's pass of 5 positions cost 3.3 plain steps, so drafts kept 83% of the time there barely
+pay at 4 and lose at 1 (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 EMA = 0.2  # weight of the newest step in a width's running mean
+ACCEPTANCE_START = 0.7  # a new row's acceptance: hopeful, so that it drafts and is measured
+ACCEPTANCE_EMA = 0.3  # weight of the newest verification in a row's running acceptance
 UNMEASURED_STEP = 0.1  # a pass one position wider than the widest measured: this much more, until measured
 
 
