@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from mlxd.protocol.curve import Curve, Hlg
 from mlxd.protocol.errors import APIError
 
 # Every number a request carries has a range, checked while decoding (a 400 naming the field),
@@ -77,6 +78,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     priority: Priority | None = None  # None: the key's default (process.PRIORITY_HEADER), else 0
     adapter: AdapterSpec | None = None  # mlxd's: a LoRA adapter id, "a+b" to stack, "none" for the base
     speculation: bool | None = None  # mlxd's: false decodes without drafts where the model has them
+    curve: Curve | None = None  # the curve sampler (protocol/curve.py): a drawn transfer curve...
+    hlg: Hlg | None = None  # ... or the HLG tone curve's knobs, over the model's default
     response_format: Any = None  # checked by mlxd.engine.chat.grammar.response_format_grammar
     # vLLM's structured-output fields, held as response_format is (guided_format)
     guided_json: Any = None

@@ -10,6 +10,8 @@ import msgspec
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 EMBEDDINGS_PATH = "/v1/embeddings"  # an embedding model's engine serves this (and no chat)
+SIGNAL_PATH = "/signal"  # the curve designer's: where the next token's log-probabilities lie
+GENERATE_PATH = "/generate"  # ... and n samples under a curve
 RENDER_PATH = "/v1/chat/render"  # a chat request's prompt, rendered and counted, not generated
 MODELS_PATH = "/v1/models"
 HEALTH_PATH = "/health"

@@ -26,6 +26,7 @@ specification of 2026-04-24 says `response.reasoning.delta`): OpenAI's SDK and C
 
 from __future__ import annotations
 
+import base64
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -130,8 +131,35 @@ def normal_item(item: dict[str, Any], where: str) -> dict[str, Any]:
             text = "".join(p.get("text", "") for p in item.get("summary") or [] if isinstance(p, dict))
         return {"type": "reasoning", "id": item.get("id") or new_id("rs"), "summary": item.get("summary") or [],
                 "content": [{"type": "reasoning_text", "text": text}] if text else []}
+    if kind == "compaction":
+        content = item.get("encrypted_content")
+        if not isinstance(content, str) or compaction_summary(content) is None:
+            raise APIError(400, "A compaction item's encrypted_content must be one /v1/responses/compact of this "
+                                "server made (another server's cannot be read here).",
+                           param=f"{where}.encrypted_content")
+        return {"type": "compaction", "id": item.get("id") or new_id("cmp"), "encrypted_content": content}
     raise APIError(400, f"Input items of type {kind!r} are not supported (message, function_call, "
-                        "function_call_output, reasoning).", param=f"{where}.type")
+                        "function_call_output, reasoning, compaction).", param=f"{where}.type")
+
+
+COMPACTION_PREFIX = "mlxd-compaction-v1:"  # mlxd's compaction items: this, then the summary in base64
+
+
+def compaction_item(summary: str) -> dict[str, Any]:
+    """A compaction item carrying `summary` (POST /v1/responses/compact's; not encrypted: mlxd
+    runs on the caller's machine, and the caller may read it)."""
+    encoded = base64.b64encode(summary.encode()).decode()
+    return {"type": "compaction", "id": new_id("cmp"), "encrypted_content": COMPACTION_PREFIX + encoded}
+
+
+def compaction_summary(content: str) -> str | None:
+    """The summary in a compaction item's content (None: not one of mlxd's)."""
+    if not content.startswith(COMPACTION_PREFIX):
+        return None
+    try:
+        return base64.b64decode(content[len(COMPACTION_PREFIX):], validate=True).decode()
+    except (ValueError, UnicodeDecodeError):
+        return None
 
 
 def normal_part(part: Any, where: str) -> dict[str, Any]:
@@ -148,6 +176,9 @@ def normal_part(part: Any, where: str) -> dict[str, Any]:
         raise APIError(400, f"{kind} parts are not supported: this server has no file, audio or video input here.",
                        param=where)
     raise APIError(400, "A content part must be input_text or output_text with a string 'text'.", param=where)
+
+
+COMPACTED = "A summary of the conversation before this point (it was compacted):\n\n"
 
 
 def to_chat(req: ResponsesRequest, history: list[dict[str, Any]], items: list[dict[str, Any]],
@@ -192,6 +223,8 @@ def to_chat(req: ResponsesRequest, history: list[dict[str, Any]], items: list[di
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
         elif kind == "reasoning":
             reasoning += "".join(p.get("text", "") for p in item.get("content") or [])
+        elif kind == "compaction":
+            system.append(COMPACTED + (compaction_summary(item["encrypted_content"]) or ""))
     if system:
         messages.insert(0, {"role": "system", "content": "\n\n".join(system)})
     if not any(m["role"] != "system" for m in messages):

@@ -21,6 +21,8 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
+from mlxd.protocol.curve import Hlg
+
 MLXD_DEFAULTS: dict[str, float] = {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "min_p": 0.05}
 
 # What a generation_config.json value may be, by key (NaN fails every test).
@@ -63,13 +65,17 @@ class Defaults(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_de
     min_p: Unit | None = None
     max_tokens: Annotated[int, Meta(ge=1, le=2**31 - 1)] | None = None  # a reply's length (None: the context's room)
     thinking: bool | None = None  # the chat template's enable_thinking (None: as the model's vocabulary says)
+    hlg: Hlg | None = None  # the HLG tone curve, for requests that do not turn it off (protocol/curve.py)
 
     def over(self, base: Defaults | None) -> Defaults:
         """These values, and `base`'s where these leave one unset."""
         if base is None:
             return self
-        return Defaults(**{**msgspec.structs.asdict(base), **{k: v for k, v in msgspec.structs.asdict(self).items()
-                                                              if v is not None}})
+        merged = Defaults(**{**msgspec.structs.asdict(base), **{k: v for k, v in msgspec.structs.asdict(self).items()
+                                                                if v is not None}})
+        if self.hlg is not None and base.hlg is not None:
+            merged.hlg = self.hlg.over(base.hlg)  # knob by knob
+        return merged
 
     def sampling(self) -> dict[str, float]:
         """The sampling values set here (as in_use merges them)."""

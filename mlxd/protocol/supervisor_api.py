@@ -189,6 +189,18 @@ class ResponseDeleted(msgspec.Struct):
     deleted: bool
 
 
+class CompactedResponse(msgspec.Struct):
+    """POST /v1/responses/compact's answer: `output` is the new context (a compaction item, then
+    the last user message), to send as the next turn's input."""
+
+    id: str
+    created_at: int
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, int]
+    object: str = "response.compaction"
+
+
 class InputItemList(msgspec.Struct):
     object: Literal["list"]
     data: list[dict[str, Any]]

@@ -1,11 +1,12 @@
 // The page's entry: hash routing between the dashboard, the chat and the lab, and the key button.
 import { askKey, forgetKey, getKey, onKeyChange } from "./api.js";
 import { openChat } from "./chat.js";
+import { openCurves } from "./curves.js";
 import { startDashboard, stopDashboard } from "./dashboard.js";
 import { announce } from "./page.js";
 
-const VIEWS = ["dashboard", "chat", "lab"];
-const TITLES = { dashboard: "Dashboard", chat: "Chat", lab: "Lab" };
+const VIEWS = ["dashboard", "chat", "lab", "curves"];
+const TITLES = { dashboard: "Dashboard", chat: "Chat", lab: "Lab", curves: "Curve designer" };
 // The lab's modules load when it is first opened: the dashboard's first load stays as small.
 let lab = null;
 
@@ -26,6 +27,7 @@ function route() {
   if (name === "dashboard") startDashboard();
   else stopDashboard();
   if (name === "chat") openChat();
+  if (name === "curves") openCurves();
   if (name === "lab") {
     (lab ??= import("./lab.js")).then((m) => m.startLab(), (e) => {
       lab = null;

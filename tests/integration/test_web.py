@@ -580,3 +580,32 @@ def test_images_attached_by_picker_drop_and_paste_go_with_the_message(
         prompt = sup.engine_stats("vlm")["tokens"]["prompt"]
         assert prompt >= 2 * 16 + 10, prompt  # the two images' tokens went in with the text
         assert watched.problems == []
+
+
+def test_the_curve_designer_draws_the_signal_and_samples_under_a_dragged_curve(sup: SupervisorProcess,
+                                                                               watched: Watched) -> None:
+    page = watched.open(sup.url + "/curves")  # the reference's address: a redirect to the view
+    page.wait_for_selector("#curve-plot .handle")
+    assert page.title() == "Curve designer · mlxd"
+    page.wait_for_selector("#curve-model option[value=tiny]", state="attached")
+    page.click("#curve-signal")
+    until(page, "document.querySelectorAll('#curve-plot .signal').length > 3")
+    assert page.inner_text("#curve-top")
+    handle = page.locator("#curve-plot .handle").nth(0)  # the left end: drag it up (never above its neighbour)
+    box = handle.bounding_box()
+    assert box is not None
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    page.mouse.down()
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] - 60, steps=5)
+    page.mouse.up()
+    points = json.loads(page.input_value("#curve-json"))["points"]
+    assert points[0][1] > -30 and points[0][1] <= points[1][1]  # moved, and still rising
+    page.fill("#curve-n", "2")
+    page.fill("#curve-max", "6")
+    page.fill("#curve-seed", "3")
+    page.click("#curve-generate")
+    until(page, "document.querySelectorAll('#curve-samples li').length === 2")
+    assert page.inner_text("#curve-mode").startswith("curve, seed 3")
+    page.click("#curve-default")
+    until(page, "document.querySelector('#curve-mode').textContent.startsWith('default')")
+    assert watched.problems == []

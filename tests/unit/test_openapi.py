@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import Case, GenerationMode
 
-from mlxd.protocol import anthropic, ollama, openai, responses
+from mlxd.protocol import anthropic, curve, ollama, openai, responses
 from mlxd.protocol.json_body import decode_as
 from mlxd.supervisor.config import Config
 from mlxd.supervisor.engines.pool import Pool
@@ -33,6 +33,9 @@ BODIES: dict[tuple[str, str], type[Any]] = {
     ("POST", "/v1/messages"): anthropic.MessagesRequest,
     ("POST", "/v1/messages/count_tokens"): anthropic.CountTokensRequest,
     ("POST", "/v1/responses"): responses.ResponsesRequest,
+    ("POST", "/v1/responses/compact"): responses.ResponsesRequest,
+    ("POST", "/signal"): curve.SignalRequest,
+    ("POST", "/generate"): curve.GenerateRequest,
     ("POST", "/admin/load"): admin.LoadBody,
     ("POST", "/admin/unload"): admin.UnloadBody,
     ("POST", "/admin/drain"): admin.DrainBody,

@@ -29,6 +29,8 @@ class SamplingParams:
     xtc_probability: float = 0.0  # XTC: how often a step excludes its top choices (0: never)
     xtc_threshold: float = 0.1  # ... those above this probability, all but the least likely of them
     xtc_exempt: tuple[int, ...] = ()  # tokens XTC never excludes (EOS, newline)
+    curve: tuple[tuple[float, float], ...] | None = None  # a drawn transfer curve in place of temperature
+    hlg: tuple[float, float, float, float] | None = None  # ... or the HLG tone curve's knobs (protocol/curve.py)
 
 
 @dataclass(slots=True, eq=False)

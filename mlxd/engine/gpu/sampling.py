@@ -17,6 +17,7 @@ from mlx_lm.sample_utils import (
 
 from mlxd.engine.chat.grammar import GrammarMask
 from mlxd.engine.gpu.batch_bias import LogitBias
+from mlxd.engine.gpu.curve import CurveProcessor, HlgProcessor
 
 # How many recent tokens (prompt and completion) the penalties look at by default (a request's
 # `*_context_size` sets its own); mlx-lm's default is 20.
@@ -38,7 +39,8 @@ def make_sampling(params: Any, history: list[int], grammar: Any = None,
     Requests with equal parameters and no seed share one sampler object, so that the batch
     lane samples all their rows in one call. A seeded request gets a sampler with its own
     random key: its tokens depend on its seed only, not on what else the engine runs.
-    A `grammar` (an llguidance matcher) adds its mask last, after bias and penalties.
+    A `grammar` (an llguidance matcher) adds its mask after bias and penalties, and a curve
+    (gpu/curve.py) shapes what is left last (the request's temperature is then 1.0).
     """
     args = sampler_args(params)
     xtc = xtc_args(params)
@@ -60,6 +62,10 @@ def make_sampling(params: Any, history: list[int], grammar: Any = None,
         processors = [with_history(p, prefix) for p in processors]
     if grammar is not None:
         processors.append(GrammarMask(grammar, eos_ids or []))
+    if params.curve is not None:
+        processors.append(CurveProcessor(params.curve))
+    elif params.hlg is not None:
+        processors.append(HlgProcessor(params.hlg))
     return sampler, processors
 
 

@@ -16,6 +16,7 @@ from mlxd.engine.cache.prefix_cache import FlushReport
 from mlxd.engine.embed import routes as embed_routes
 from mlxd.engine.gpu.gateway import Gateway
 from mlxd.engine.gpu.stats import Stats
+from mlxd.engine.http import curve_routes
 from mlxd.engine.http import openai_requests as oa_requests
 from mlxd.engine.http import openai_routes as routes
 from mlxd.engine.http.adapter_routes import setup_adapter_routes
@@ -29,10 +30,12 @@ from mlxd.protocol.process import (
     COMPLETIONS_PATH,
     DRAIN_PATH,
     EMBEDDINGS_PATH,
+    GENERATE_PATH,
     HEALTH_PATH,
     LEASE_PATH,
     MODELS_PATH,
     RENDER_PATH,
+    SIGNAL_PATH,
     STATS_PATH,
     DrainRequest,
     LeaseLine,
@@ -63,6 +66,8 @@ def make_app(settings: EngineSettings, gateway: Gateway, stats: Stats) -> web.Ap
     app.router.add_post(COMPLETIONS_PATH, routes.completions)
     app.router.add_post(RENDER_PATH, routes.render)
     app.router.add_post(EMBEDDINGS_PATH, embed_routes.embeddings)
+    app.router.add_post(SIGNAL_PATH, curve_routes.signal)
+    app.router.add_post(GENERATE_PATH, curve_routes.generate)
     app.router.add_get(MODELS_PATH, list_models)
     app.router.add_get(HEALTH_PATH, health)
     app.router.add_get(STATS_PATH, admin_stats)

@@ -24,6 +24,7 @@ from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.engine.models.vision import MediaPrompt
 from mlxd.protocol import openai as oa
 from mlxd.protocol import sampling
+from mlxd.protocol.curve import curve_problem, resolve_hlg
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.events import Done, Failed, Token, TokenLogprob
 from mlxd.protocol.json_body import decode_as
@@ -87,12 +88,22 @@ def sampling_params(req: oa.SamplingFields, loaded: LoadedModel) -> SamplingPara
     if bad:
         raise APIError(400, f"logit_bias token id {bad[0]} is outside the vocabulary.", param="logit_bias")
 
+    curve = None
+    if req.curve is not None:
+        if why := curve_problem(req.curve.points):
+            raise APIError(400, f"{why}.", param="curve")
+        curve = tuple((float(u), float(y)) for u, y in req.curve.points)
+    hlg = None if curve is not None else resolve_hlg(req.hlg, loaded.configured.hlg)
+    if curve is not None or hlg is not None:
+        # The curve replaces temperature, and the truncations apply only where the request sets them
+        d = {**d, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+
     def pick(value: float | None, key: str) -> float:
         return float(value) if value is not None else d[key]
 
     top_k = int(pick(req.top_k, "top_k"))
     return SamplingParams(
-        temperature=pick(req.temperature, "temperature"),
+        temperature=1.0 if curve is not None or hlg is not None else pick(req.temperature, "temperature"),
         top_p=pick(req.top_p, "top_p"),
         top_k=top_k if top_k < loaded.vocab_size else 0,  # keeping every token is no top-k at all
         min_p=pick(req.min_p, "min_p"),
@@ -107,6 +118,8 @@ def sampling_params(req: oa.SamplingFields, loaded: LoadedModel) -> SamplingPara
         xtc_probability=req.xtc_probability or 0.0,
         xtc_threshold=req.xtc_threshold if req.xtc_threshold is not None else XTC_THRESHOLD,
         xtc_exempt=loaded.xtc_exempt if req.xtc_probability else (),
+        curve=curve,
+        hlg=hlg,
     )
 
 

@@ -58,6 +58,21 @@ async def embeddings(request: web.Request) -> web.StreamResponse:
                        priority=fields.priority)
 
 
+async def curve_call(request: web.Request) -> web.StreamResponse:
+    """POST /signal and POST /generate, the curve designer's calls: relayed by `model` (none:
+    the default model) to its engine (engine/http/curve_routes.py)."""
+    started = time.perf_counter()
+    body = await request.read()
+    fields = routing_fields(body)
+    target = resolve_target(request, fields.model, None)
+    return await relay(request, target, body, dialect_of(request), stream=False, started=started)
+
+
+async def curves_page(request: web.Request) -> web.Response:
+    """GET /curves: the curve designer, a view of the web app (the reference's address)."""
+    raise web.HTTPFound("/#curves")
+
+
 async def list_models(request: web.Request) -> web.Response:
     """GET /v1/models: every model that exists, with whether it is loaded, in OpenAI's shape
     (Anthropic's for a caller that sends `anthropic-version`)."""
@@ -74,4 +89,7 @@ def setup_openai_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", inference)
     app.router.add_post("/v1/completions", inference)
     app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_post("/signal", curve_call)
+    app.router.add_post("/generate", curve_call)
+    app.router.add_get("/curves", curves_page)
     app.router.add_get("/v1/models", list_models)

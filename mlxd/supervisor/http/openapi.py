@@ -19,6 +19,7 @@ from aiohttp import web
 from mlxd import __version__
 from mlxd.protocol import (
     anthropic,
+    curve,
     embeddings,
     fit,
     jobs,
@@ -51,6 +52,7 @@ SCHEMA_TYPES: tuple[Any, ...] = (
     ollama_answers.GenerateLine, ollama_answers.OllamaError, ollama_answers.TagList, ollama_answers.RunningList, ollama_answers.ShowAnswer, ollama_answers.Version,
     ollama.PullRequest, ollama_answers.PullStatus, ollama.EmbedRequest, ollama_answers.EmbedAnswer,
     ollama_answers.LegacyEmbedding, embeddings.EmbeddingRequest, embeddings.EmbeddingList, fit.Library,
+    api.CompactedResponse, curve.SignalRequest, curve.Signal, curve.GenerateRequest, curve.Generated,
 )
 
 
@@ -75,6 +77,7 @@ ERRORS = {
     403: "A `Host` that does not name this server, or a browser `Origin` that is not allowed.",
     404: "No such model (the message lists some that exist), or no such lease.",
     408: "The request head or body arrived too slowly.",
+    405: "A plain GET where a WebSocket upgrade is expected (use the upgrade, or POST).",
     409: "The model or the machine is leased, or the model is pinned.",
     413: "The body is larger than `server.max_body_bytes`.",
     415: "An admin POST without `Content-Type: application/json`.",
@@ -117,7 +120,8 @@ def operation(
     if body is not None:
         op["requestBody"] = {"required": body_required, "content": json_content(ref(body))}
     responses = {str(s): error_response(s, error_body) for s in sorted(errors)}
-    op["responses"] = {str(status): {"description": "OK" if status == 200 else "Accepted", "content": ok},
+    described = {200: "OK", 202: "Accepted", 101: "Switching Protocols", 302: "Found"}.get(status, "OK")
+    op["responses"] = {str(status): {"description": described, "content": ok},
                        **responses}
     return op
 
@@ -166,6 +170,17 @@ def make_paths() -> dict[str, Any]:
         "/v1/embeddings": {"post": operation(
             "createEmbedding", "Vectors from an embedding model, routed by `model` (a generating model: 400)",
             json_content(ref("EmbeddingList")), INFERENCE_ERRORS, tag="OpenAI", body="EmbeddingRequest")},
+        "/signal": {"post": operation(
+            "curveSignal", "The curve designer's: where a prompt's next-token log-probabilities lie (80 bins over "
+            "[-30, 0]) and the likeliest tokens, routed by `model` (docs/api.md#the-curve-sampler)",
+            json_content(ref("Signal")), INFERENCE_ERRORS, tag="Curves", body="SignalRequest")},
+        "/generate": {"post": operation(
+            "curveGenerate", "The curve designer's: `n` samples under a curve (or the model's own sampling), "
+            "routed by `model`", json_content(ref("Generated")), INFERENCE_ERRORS, tag="Curves",
+            body="GenerateRequest")},
+        "/curves": {"get": operation(
+            "curveDesigner", "The curve designer: a redirect to the web page's Curves view (`/#curves`)",
+            {"text/plain": {"schema": {"type": "string"}}}, GUARDED, tag="Curves", status=302)},
         "/library": {"get": operation(
             "library", "Every model on disk: whether it fits this machine, its decode speed predicted from the "
             "measured bandwidth and measured by mlxd (the first call waits up to `wait_s` for the bandwidth probe)",
@@ -176,13 +191,21 @@ def make_paths() -> dict[str, Any]:
                                         "ModelCardList, when `anthropic-version` is sent)",
                                         json_content({"anyOf": [ref("ModelInfoList"), ref("ModelCardList")]}),
                                         GUARDED, tag="OpenAI")},
-        "/v1/responses": {"post": operation(
+        "/v1/responses": {"get": operation(
+            "responsesSocket", "The Responses API over a WebSocket (a GET with `Upgrade: websocket`): a "
+            "`response.create` message a turn, the stream's events back as JSON messages (docs/responses.md); "
+            "a plain GET is a 405", {"application/json": {"schema": {"type": "object"}}}, (*GUARDED, 405),
+            tag="Responses", status=101), "post": operation(
             "createResponse", "Responses API, translated onto the model's engine; stored for chaining "
             "(docs/responses.md)",
             {**json_content(ref("ResponseObject")), "text/event-stream": {"schema": named_event_schema(
                 "The Responses events (response.created ... response.completed), each with its "
                 "sequence_number; then `data: [DONE]`")}},
             INFERENCE_ERRORS, tag="Responses", body="ResponsesRequest")},
+        "/v1/responses/compact": {"post": operation(
+            "compactResponse", "The conversation so far (`previous_response_id`'s chain, then `input`) summarized "
+            "by the model into a compaction item; `output` is the next turn's input (docs/responses.md)",
+            json_content(ref("CompactedResponse")), INFERENCE_ERRORS, tag="Responses", body="ResponsesRequest")},
         "/v1/responses/{response_id}": {
             "get": operation("getResponse", "A stored response (`?stream=true`: as the events of a stream)",
                              json_content(ref("ResponseObject")), (*GUARDED, 404), tag="Responses",

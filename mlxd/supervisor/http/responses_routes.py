@@ -21,10 +21,12 @@ from mlxd.protocol import responses
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.json_body import decode_json
 from mlxd.protocol.responses_stream import replay
-from mlxd.protocol.supervisor_api import InputItemList, ResponseDeleted
+from mlxd.protocol.supervisor_api import CompactedResponse, InputItemList, ResponseDeleted
+from mlxd.supervisor.http import responses_socket
 from mlxd.supervisor.http.answers import json_answer
 from mlxd.supervisor.http.image_fetch import check_takes_images
 from mlxd.supervisor.http.keys import CONFIG, IMAGES
+from mlxd.supervisor.http.loopback import Loopback, error_of
 from mlxd.supervisor.http.relaying import relay, resolve_target
 from mlxd.supervisor.relay.responses_dialect import Responses
 from mlxd.supervisor.relay.sse import SSE_HEADERS
@@ -45,14 +47,7 @@ async def create(request: web.Request) -> web.StreamResponse:
     req: responses.ResponsesRequest = decode_json(_decoder, await request.read())
     items = responses.input_items(req)
     store = request.app[STORE]
-    history: list[dict[str, Any]] = []
-    if req.previous_response_id is not None:
-        try:
-            chain: list[Stored] = await store.run(store.store.chain, req.previous_response_id)
-        except ChainBroken as gone:
-            raise APIError(404, f"Previous response with id '{gone.missing}' not found.",
-                           param="previous_response_id", code="previous_response_not_found") from None
-        history = [item for turn in chain for item in (*turn.input, *turn.output)]
+    history = await chain_items(request, req.previous_response_id)
     chat = responses.to_chat(req, history, items, stream=req.stream)
     target = resolve_target(request, req.model, req.adapter)
     entry = target.entry
@@ -74,6 +69,56 @@ async def create(request: web.Request) -> web.StreamResponse:
 
     dialect = Responses(shell, keep)
     return await relay(request, target, msgspec.json.encode(chat), dialect, stream=req.stream, started=started)
+
+
+COMPACT_ASK = ("Write a summary of the conversation above that lets it go on without it: what was asked, what "
+               "was decided and done (files, commands, results, tool calls and what they returned), what is "
+               "still open, and any names, numbers or code that will be needed. Write only the summary.")
+COMPACT_MAX_TOKENS = 2048
+
+
+async def compact(request: web.Request) -> web.Response:
+    """POST /v1/responses/compact: the conversation so far (`previous_response_id`'s chain, then
+    `input`) summarized by the model into one compaction item, with the last user message kept
+    as it was. The returned `output` is the new context: send it as the next turn's input."""
+    req: responses.ResponsesRequest = decode_json(_decoder, await request.read())
+    items = responses.input_items(req)
+    history = await chain_items(request, req.previous_response_id)
+    chat = responses.to_chat(req, history, items)
+    chat["messages"].append({"role": "user", "content": COMPACT_ASK})
+    chat.update({"max_tokens": COMPACT_MAX_TOKENS, "temperature": 0, "stream": False})
+    chat.pop("tools", None)
+    chat.pop("tool_choice", None)
+    loopback = Loopback(request)
+    try:
+        async with loopback.post("/v1/chat/completions", chat) as resp:
+            if resp.status != 200:
+                err = await error_of(resp)
+                raise APIError(resp.status, err["message"], type=err["type"], param=err["param"], code=err["code"])
+            answer = await resp.json()
+    finally:
+        await loopback.close()
+    summary = (answer["choices"][0]["message"].get("content") or "").strip()
+    users = [i for i in [*history, *items] if i["type"] == "message" and i["role"] == "user"]
+    output = [responses.compaction_item(summary), *users[-1:]]
+    usage = answer.get("usage") or {}
+    return json_answer(CompactedResponse(
+        responses.new_id("resp"), int(time.time()), answer.get("model") or req.model or "", output,
+        {"input_tokens": usage.get("prompt_tokens", 0), "output_tokens": usage.get("completion_tokens", 0),
+         "total_tokens": usage.get("total_tokens", 0)}))
+
+
+async def chain_items(request: web.Request, previous: str | None) -> list[dict[str, Any]]:
+    """The input and output items of `previous`'s chain, oldest first (a 404 for a broken chain)."""
+    if previous is None:
+        return []
+    store = request.app[STORE]
+    try:
+        chain: list[Stored] = await store.run(store.store.chain, previous)
+    except ChainBroken as gone:
+        raise APIError(404, f"Previous response with id '{gone.missing}' not found.",
+                       param="previous_response_id", code="previous_response_not_found") from None
+    return [item for turn in chain for item in (*turn.input, *turn.output)]
 
 
 async def retrieve(request: web.Request) -> web.StreamResponse:
@@ -140,6 +185,8 @@ def setup_responses_routes(app: web.Application, store: ResponseStore | None) ->
     config = app[CONFIG].responses
     app[STORE] = AsyncStore(store if store is not None else ResponseStore(None, config.ttl_s, config.max_bytes))
     app.router.add_post("/v1/responses", create)
+    app.router.add_get("/v1/responses", responses_socket.socket)  # the WebSocket mode
+    app.router.add_post("/v1/responses/compact", compact)
     app.router.add_get("/v1/responses/{response_id}", retrieve)
     app.router.add_delete("/v1/responses/{response_id}", delete)
     app.router.add_get("/v1/responses/{response_id}/input_items", input_items)
