@@ -400,15 +400,18 @@ def test_a_batch_whose_drafts_cannot_pay_steps_plain_without_reading_its_tokens(
 def test_a_watched_row_could_draft_what_its_standing_guess_has_left() -> None:
     from mlxd.engine.spec.batch import RowDrafts
     from mlxd.engine.spec.serial import Tally
+    from mlxd.engine.spec.width import Guess
 
     rd = RowDrafts(list, Distribution(temp=0.0), Pace(4, timed=False), Tally())
     assert rd.could_draft() == 4  # not watched yet: its draft length
     rd.watched = True
     assert rd.could_draft() == 0  # watched, and it guessed nothing
-    rd.shadow = ([7, 8, 9], 0)  # 7 would be its next token: 8 and 9 are drafts after it
+    rd.shadow = Guess([7, 8, 9])  # 7 would be its next token: 8 and 9 are drafts after it
     assert rd.could_draft() == 2
-    rd.shadow = ([7, 8, 9, 1, 2, 3, 4], 1)
+    rd.shadow = Guess([7, 8, 9, 1, 2, 3, 4])
+    assert rd.shadow.score(7) is None  # came true: 8 is next
     assert rd.could_draft() == 4
+    assert rd.shadow.score(5) == pytest.approx(1 / 7)  # one of seven came true
 
 
 def test_a_batch_backs_off_drafting_steps_that_checked_nothing() -> None:

@@ -42,7 +42,7 @@ from mlxd.engine.spec.holes import HoleyKV, punch
 from mlxd.engine.spec.ngram import NgramDrafter
 from mlxd.engine.spec.pace import Pace
 from mlxd.engine.spec.serial import Tally
-from mlxd.engine.spec.width import ACCEPTANCE_EMA, ACCEPTANCE_START, PassCosts, best_width
+from mlxd.engine.spec.width import ACCEPTANCE_EMA, ACCEPTANCE_START, Guess, PassCosts, best_width
 
 MAX_SKIP = 64  # plain steps at most between drafting steps that keep checking nothing
 
@@ -58,7 +58,7 @@ class RowDrafts:
     drafter: NgramDrafter = field(default_factory=NgramDrafter)
     key: Any = None  # a seeded row's random key
     acceptance: float = ACCEPTANCE_START  # running share of its drafts kept (width.py prices a pass with it)
-    shadow: tuple[list[int], int] | None = None  # a plain step's n-gram guess, and how much of it came true
+    shadow: Guess | None = None  # a plain step's n-gram guess (width.py)
     watched: bool = False  # its last step was plain and watched: `shadow` says what it could draft now
 
     def could_draft(self) -> int:
@@ -69,8 +69,7 @@ class RowDrafts:
             return self.pace.length
         if self.shadow is None:
             return 0
-        guess, seen = self.shadow
-        return min(self.pace.length, len(guess) - seen - 1)
+        return min(self.pace.length, self.shadow.left)
 
     def watch(self, token: int, limit: int) -> None:
         """The row emitted `token` in a plain step: score the guess it made before (its
@@ -78,15 +77,11 @@ class RowDrafts:
         a lookup). A row whose drafts could not pay so keeps a true acceptance, and the batch
         drafts again once they would."""
         if self.shadow is not None:
-            guess, seen = self.shadow
-            if guess[seen] == token and seen + 1 < len(guess):
-                self.shadow = (guess, seen + 1)
+            if (kept := self.shadow.score(token)) is None:
                 return
-            kept = seen + int(guess[seen] == token)
-            self.acceptance += ACCEPTANCE_EMA * (kept / len(guess) - self.acceptance)
-            self.shadow = None
+            self.acceptance += ACCEPTANCE_EMA * (kept - self.acceptance)
         guess = self.drafter.propose([*self.history(), token], limit + 1)
-        self.shadow = (guess, 0) if guess else None
+        self.shadow = Guess(guess) if guess else None
 
 
 class BatchDrafts:

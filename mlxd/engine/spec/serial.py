@@ -34,7 +34,7 @@ from mlxd.engine.spec.accept import Distribution, accept, as_int
 from mlxd.engine.spec.drafters import Drafter
 from mlxd.engine.spec.ngram import NgramDrafter
 from mlxd.engine.spec.pace import Pace, Rates
-from mlxd.engine.spec.width import ACCEPTANCE_EMA, ACCEPTANCE_START, best_width
+from mlxd.engine.spec.width import ACCEPTANCE_EMA, ACCEPTANCE_START, Guess, best_width
 
 MAX_SKIP = 64  # plain tokens at most between drains that keep finding nothing to check
 Emitted = list[tuple[int, Any]]  # (token, its position's log probabilities over the vocabulary)
@@ -70,7 +70,7 @@ class Speculator:
         self.acceptance = ACCEPTANCE_START  # running share of this row's (not forced) drafts kept
         self._forced = False  # the drafts being verified are the grammar's own
         self._cheap = isinstance(drafter, NgramDrafter)  # its guesses cost no pass: it guesses while gated off
-        self._shadow: tuple[list[int], int] | None = None  # gated off: a guess, and how much of it came true
+        self._shadow: Guess | None = None  # gated off: a guess being scored (width.py)
         self._skip = 0  # plain tokens before draining again (after drains that found nothing to check)
         self._next_skip = 1
         self.tally = tally if tally is not None else Tally()
@@ -174,16 +174,13 @@ class Speculator:
         checks each guess against the tokens it then emits, so its acceptance follows the text
         and drafting comes back once it would pay."""
         if self._shadow is not None:
-            guess, seen = self._shadow
-            if guess[seen] == token and seen + 1 < len(guess):
-                self._shadow = (guess, seen + 1)
+            if (kept := self._shadow.score(token)) is None:
                 return
-            kept = seen + int(guess[seen] == token)
-            self.acceptance += ACCEPTANCE_EMA * (kept / len(guess) - self.acceptance)
+            self.acceptance += ACCEPTANCE_EMA * (kept - self.acceptance)
             self._shadow = None
         if self._cheap and self.pace.drafting and not self._pays(self.pace.length):
             guess = self._drafter.propose(self.tokens, self.pace.length)
-            self._shadow = (guess, 0) if guess else None
+            self._shadow = Guess(guess) if guess else None
 
     def _queue(self, last: mx.array, context: Any) -> tuple[mx.array, mx.array]:
         """The pass over `last` (one token, maybe still being computed) and the token it samples."""

@@ -70,3 +70,28 @@ def best_width(lengths: list[int], acceptances: list[float], costs: PassCosts) -
         if rate > best_rate:
             best, best_rate = width, rate
     return best
+
+
+class Guess:
+    """A row's n-gram guess made in a plain step (no pass), scored against the tokens the row
+    then emits: the acceptance its drafts would have had, for rows that width.py keeps plain."""
+
+    __slots__ = ("seen", "tokens")
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+        self.seen = 0  # how many of them came true so far
+
+    @property
+    def left(self) -> int:
+        """Drafts the guess has after the row's next token (its `seen`-th)."""
+        return len(self.tokens) - self.seen - 1
+
+    def score(self, token: int) -> float | None:
+        """The row emitted `token`: None while the guess keeps coming true, else the share of it
+        that did (the guess is then done)."""
+        right = self.tokens[self.seen] == token
+        if right and self.seen + 1 < len(self.tokens):
+            self.seen += 1
+            return None
+        return (self.seen + int(right)) / len(self.tokens)
