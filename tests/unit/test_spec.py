@@ -423,3 +423,24 @@ def test_a_batch_backs_off_drafting_steps_that_checked_nothing() -> None:
     rows = [RowDrafts(list, Distribution(temp=0.0), Pace(4, timed=False), Tally())]
     batch._skip = 2
     assert [batch._may_pay(rows) for _ in range(3)] == [False, False, True]
+
+
+def test_a_batch_measures_drafting_afresh_when_half_its_live_rows_are_new_and_not_on_rows_that_cannot_draft() -> None:
+    """Eight new rows in a batch configured 32 wide are a new batch (its pace forgets); a step of
+    rows that opted out of drafting is not timed as drafting or not (the pace would learn that
+    drafting does not pay from rows that never drafted)."""
+    import time
+
+    from mlxd.engine.spec.batch import drafting_batch
+
+    batch = drafting_batch(object)()
+    batch.batch_pace_width = 32
+    batch.batch_pace = Pace(1, scale=32)
+    batch.batch_pace.regime = PLAIN
+    batch.uids = list(range(8))
+    batch._note_rows()
+    assert batch.batch_pace.regime == DRAFT and batch.batch_pace.rate(PLAIN) is None
+    now = time.perf_counter()
+    batch._last_step = (now - 0.1, {}, 8, 1)  # 8 rows, none drafting
+    batch._account(now)
+    assert batch.batch_pace._window_tokens == 0

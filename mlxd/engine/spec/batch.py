@@ -150,7 +150,7 @@ def drafting_batch(base: Any) -> Any:
         _next_skip = 1
         _known_uids: set[int] | None = None  # the rows at the last step (_note_rows)
         _new_rows = 0  # ... of which joined since it last measured afresh
-        batch_pace_width = 8  # the batch's width: half of it new means a new batch
+        batch_pace_width = 8  # the batch's width (half its live rows new, at most half of this, means a new batch)
         batch_pace: Pace  # the whole batch's: drafting against not, timed in tokens of all rows
         _next_tokens: Any  # mlx-lm's: the rows' next tokens, sampled and not yet fed
         _next_logprobs: Any
@@ -204,7 +204,7 @@ def drafting_batch(base: Any) -> Any:
             known = self._known_uids or set()
             self._new_rows += sum(1 for uid in self.uids if uid not in known)
             self._known_uids = set(self.uids)
-            if self._new_rows * 2 >= self.batch_pace_width:
+            if self._new_rows * 2 >= min(self.batch_pace_width, max(2, len(self.uids))):
                 self.batch_pace.forget()
                 self._new_rows = 0
 
@@ -224,7 +224,8 @@ def drafting_batch(base: Any) -> Any:
             self._costs.add(positions, now - started)
             for rd, emitted in counts.values():
                 rd.pace.spent(emitted, now - started)
-            self.batch_pace.spent(total, now - started)
+            if counts:  # a step of rows none of which may draft (opted out) says nothing of drafting
+                self.batch_pace.spent(total, now - started)
 
         def _draft_step(self, now: float, rows: list[RowDrafts | None]) -> list[Any]:
             for rd in rows:
