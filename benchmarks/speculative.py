@@ -2,9 +2,10 @@
 
 mlxd serves the model with `[pool] draft = "ngram"` (--draft, default ngram here); "off" is
 the same request with `"speculation": false`, which decodes it without drafts. Off and on
-rounds alternate (this machine is noisy) and the medians of --rounds rounds are reported.
-Greedy, so a lone stream's answer must be the same text both ways: the script checks that too
-(it exits non-zero where they differ).
+rounds alternate (this machine is noisy) on the same prompts, prefilled into the prompt cache
+before either runs, and the medians of --rounds rounds are reported. Greedy, so each stream's
+answer must be the same text both ways: the script checks that too (it exits non-zero where
+they differ).
 
 Workloads:
   * edit: a Python file in the prompt and a small change asked (a docstring for one method),
@@ -14,7 +15,12 @@ Workloads:
   * json: an order log turned into JSON under a JSON schema (response_format): the keys the
     schema forces are drafts, and the values are copied from the log.
 Figures: a lone stream's decode tokens/s on over off (edit: aim >= 1.5x), and the aggregate
-tokens/s of --streams concurrent streams (edit: aim >= 1.3x).
+tokens/s of --widths concurrent streams (edit: aim >= 1.3x): the sum of the streams' own rates,
+each its tokens over the time from its first request sent to its last answer's end (each sends
+--requests requests one after another). Beside it, the streams' tokens over the time until the
+last of them ends ("all done"): there the slowest answer sets the time, and an answer that
+copies nothing (SmolLM2 writes new code for some of the prompts) keeps the batch going at a
+few rows long after the others ended, which a server under load fills with new requests.
 
   python benchmarks/speculative.py                           # CPU, SmolLM2-135M-Instruct
   python benchmarks/speculative.py --model /tmp/models/l8b --workloads edit --max-tokens 256
@@ -28,13 +34,15 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from batching import (
     MODEL_ID,
     bench_supervisor,
-    concurrent_streams,
+    client,
     default_model,
     log,
     show_log,
@@ -112,43 +120,69 @@ def body(workload: str, n: int, max_tokens: int, drafts: bool) -> Row:
     return b
 
 
-async def streams(url: str, bodies: list[Row]) -> Row:
-    rows, wall = await concurrent_streams(url, bodies)
+async def timed_client(session: aiohttp.ClientSession, url: str, plan: list[Row]) -> tuple[list[Row], float]:
+    """A stream's requests one after another: their rows, and the time from the first one sent
+    to the last one's end."""
+    t0 = time.perf_counter()
+    rows = await client(session, url, plan)
+    return rows, time.perf_counter() - t0
+
+
+async def streams(url: str, plans: list[list[Row]]) -> Row:
+    """`plans[i]`: stream i's requests, each sent when the one before it ends; the streams at once."""
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=3600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        t0 = time.perf_counter()
+        got = await asyncio.gather(*(timed_client(session, url, plan) for plan in plans))
+        wall = time.perf_counter() - t0
+    rows = [r for rs, _ in got for r in rs]
     tokens = sum(r["tokens"] for r in rows)
     spec = [(r["usage"] or {}).get("speculation") or {} for r in rows]
-    return {"streams": len(rows), "tokens": tokens, "wall_s": wall, "aggregate_tps": tokens / wall,
+    return {"streams": len(plans), "requests": len(rows), "tokens": tokens, "wall_s": wall,
+            "aggregate_tps": sum(sum(r["tokens"] for r in rs) / seconds for rs, seconds in got),
+            "wall_tps": tokens / wall, "ttft_max_s": max(r["ttft_s"] for r in rows),
             "decode_tps": statistics.median(r["decode_tps"] for r in rows), "texts": [r["text"] for r in rows],
             "proposed": sum(s.get("proposed", 0) for s in spec), "accepted": sum(s.get("accepted", 0) for s in spec)}
 
 
 def measure(url: str, workload: str, width: int, args: argparse.Namespace, counter: Any) -> Row:
-    """--rounds rounds of `width` streams, off then on; the texts of each pair compared."""
-    asyncio.run(streams(url, [body(workload, next(counter), 16, d) for d in (False, True) for _ in range(width)]))
+    """--rounds rounds of `width` streams, off then on, on the same prompts; the texts of each
+    pair compared."""
+    asyncio.run(streams(url, [[body(workload, next(counter), 16, d)] for d in (False, True) for _ in range(width)]))
     off: list[Row] = []
     on: list[Row] = []
-    same = True
+    differ = 0
     for r in range(args.rounds):
-        # A lone stream is timed from its first token, so off and on take the same prompts and
-        # their texts are compared; several streams are timed with their prefills, which the
-        # prompt cache would shorten for the second phase: each phase has prompts of its own.
-        numbers = [next(counter) for _ in range(width)]
-        others = numbers if width == 1 else [next(counter) for _ in range(width)]
-        off.append(asyncio.run(streams(url, [body(workload, n, args.max_tokens, False) for n in numbers])))
-        on.append(asyncio.run(streams(url, [body(workload, n, args.max_tokens, True) for n in others])))
-        if width == 1:
-            same &= off[-1]["texts"] == on[-1]["texts"]
+        # Off and on take the same prompts, so they emit the same tokens (greedy) and only their
+        # speed differs: prompts of their own per phase once decided a round's ratio by one
+        # prompt whose answer copied nothing. The prompts are prefilled into the prompt cache
+        # first, so neither phase prefills them cold (the other would find them cached).
+        numbers = [[next(counter) for _ in range(1 if width == 1 else args.requests)] for _ in range(width)]
+        asyncio.run(streams(url, [[body(workload, n, 1, False)] for plan in numbers for n in plan]))
+        off.append(asyncio.run(streams(url, [[body(workload, n, args.max_tokens, False) for n in plan]
+                                             for plan in numbers])))
+        on.append(asyncio.run(streams(url, [[body(workload, n, args.max_tokens, True) for n in plan]
+                                            for plan in numbers])))
+        differ += sum(a != b for a, b in zip(off[-1]["texts"], on[-1]["texts"], strict=True))
         key = "decode_tps" if width == 1 else "aggregate_tps"
         log(f"[{workload} x{width}] round {r}: off {off[-1][key]:.1f}, on {on[-1][key]:.1f} tok/s "
-            f"(drafts kept {on[-1]['accepted']}/{on[-1]['proposed']}, {on[-1]['tokens']} tokens)")
+            f"(drafts kept {on[-1]['accepted']}/{on[-1]['proposed']}, {on[-1]['tokens']} tokens in "
+            f"{on[-1]['requests']} requests; all done at {off[-1]['wall_s']:.1f} / {on[-1]['wall_s']:.1f} s: "
+            f"{off[-1]['wall_tps']:.1f} / {on[-1]['wall_tps']:.1f} tok/s)")
     key = "decode_tps" if width == 1 else "aggregate_tps"
     med = lambda rows: statistics.median(x[key] for x in rows)  # noqa: E731
     for rows in (off, on):
         for x in rows:
             x.pop("texts")
+    wall = lambda rows: statistics.median(x["wall_tps"] for x in rows)  # noqa: E731
     return {"workload": workload, "streams": width, "measure": key, "off": med(off), "on": med(on),
-            "ratio": med(on) / med(off), "same_text": same if width == 1 else None,
+            "ratio": med(on) / med(off), "wall_ratio": wall(on) / wall(off), "same_text": differ == 0, "texts_differing": differ,
             "accepted": sum(x["accepted"] for x in on), "proposed": sum(x["proposed"] for x in on),
             "tokens": sum(x["tokens"] for x in on), "rounds": {"off": off, "on": on}}
+
+
+def same_text(r: Row) -> str:
+    return "all" if r["same_text"] else f"{r['texts_differing']} of {sum(x['requests'] for x in r['rounds']['on'])} differ"
 
 
 def main() -> None:
@@ -159,6 +193,8 @@ def main() -> None:
     p.add_argument("--widths", default="1,8")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=320)
+    p.add_argument("--requests", type=int, default=1,
+                   help="requests each of several streams sends, one after another (default 1)")
     p.add_argument("--pool", default="", help="more [pool] lines, ';'-separated (tuned settings, named)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
@@ -180,12 +216,12 @@ def main() -> None:
         finally:
             sup.stop()
     print(f"\nconfig:\n{text}")
-    print("| workload | streams | measure | off | on | on / off | drafts kept | same text |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| workload | streams | measure | off | on | on / off | all done: on / off | drafts kept | same text |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         kept = f"{r['accepted']}/{r['proposed']}" if r["proposed"] else "none drafted"
         print(f"| {r['workload']} | {r['streams']} | {r['measure']} | {r['off']:.1f} | {r['on']:.1f} | "
-              f"**{r['ratio']:.2f}** | {kept} | {r['same_text']} |")
+              f"**{r['ratio']:.2f}** | {r['wall_ratio']:.2f} | {kept} | {same_text(r)} |")
     if args.json:
         args.json.write_text(json.dumps({"model": str(model), "config": text, "results": results}, indent=2))
     if any(r["same_text"] is False for r in results):

@@ -273,3 +273,24 @@ def test_an_ngram_row_drains_only_for_a_guess_that_pays(model: Any) -> None:
     assert run(spec, 120) == truth
     assert spec.tally.proposed > 0
     assert spec.tally.proposed % 4 == 0  # only passes of 4 drafts were checked
+
+
+def test_a_row_plain_on_the_lanes_word_drafts_once_its_own_guesses_come_true(model: Any) -> None:
+    """The lane's earlier rows measured drafting slower (a story, say), so a new row starts plain;
+    its n-gram guesses come true (this random model repeats itself), so it measures drafting
+    within its first tokens rather than after EXPLORE of them, with mlx-lm's tokens all along."""
+    from mlxd.engine.spec.ngram import NgramDrafter
+    from mlxd.engine.spec.pace import EXPLORE, PLAIN, Rates
+
+    truth = greedy(model, PROMPT, 100)
+    rates = Rates()
+    rates.draft, rates.plain = 1.0, 0.5  # drafting twice as slow, for the rows before
+    rates.costs = FixedCosts(lambda positions: 1.0 + 0.05 * positions)  # type: ignore[assignment]
+    cache = make_prompt_cache(model)
+    model(mx.array(PROMPT[:-1])[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    spec = Speculator(model, cache, list(PROMPT), Distribution(temp=0.0), [], NgramDrafter(), 4, 100, rates=rates)
+    assert spec.pace.regime == PLAIN
+    assert run(spec, 100) == truth
+    assert EXPLORE > 100  # without its own evidence it would not have drafted at all
+    assert spec.tally.proposed > 0 and spec.tally.accepted > 0

@@ -188,6 +188,39 @@ def test_a_row_starts_from_what_the_rows_before_it_measured() -> None:
     assert Pace(4, memory=paid).regime == DRAFT
 
 
+def test_a_row_plain_on_the_lanes_word_measures_drafting_when_challenged() -> None:
+    """A row started plain from the rows before it (`hearsay`) measures drafting at once when its
+    own guesses say it would pay, and goes back to plain, exploring as usual, if it still loses."""
+    from mlxd.engine.spec.pace import Rates
+
+    rates = Rates()
+    rates.draft, rates.plain = 0.012, 0.010
+    pace = Pace(4, memory=rates)
+    assert pace.regime == PLAIN and pace.hearsay
+    run_tokens(pace, draft_s=0.012, plain_s=0.010, tokens=3)  # a partial plain window...
+    pace.challenge()
+    assert pace.drafting and not pace.hearsay
+    ran = run_tokens(pace, draft_s=0.006, plain_s=0.010, tokens=WINDOW + EXPLORE)
+    assert ran == [DRAFT] * (WINDOW + EXPLORE)  # drafting won: it leads
+    assert pace.rate(DRAFT) == pytest.approx(0.006 + 0.006 * 0.5 ** 5)  # 5 windows of its own, the plain tokens not in them
+
+    slower = Rates()
+    slower.draft, slower.plain = 0.012, 0.010
+    losing = Pace(4, memory=slower)
+    losing.challenge()
+    ran = run_tokens(losing, draft_s=0.02, plain_s=0.010, tokens=WINDOW + EXPLORE)
+    assert ran[:WINDOW] == [DRAFT] * WINDOW and ran[WINDOW] == PLAIN
+    assert not losing.hearsay
+    losing.challenge()
+    assert losing.regime == PLAIN  # measured by the row itself: no more challenges
+    ran += run_tokens(losing, draft_s=0.02, plain_s=0.010, tokens=EXPLORE + PLAIN_WINDOW)
+    assert DRAFT not in ran[WINDOW:WINDOW + 2 * EXPLORE]  # it lost its own measure: explored twice as late
+    assert ran[WINDOW + 2 * EXPLORE] == DRAFT
+
+    measured = Pace(4)  # no memory: drafting first, as always
+    assert not measured.hearsay
+
+
 def run_tokens(pace: Pace, draft_s: float, plain_s: float, tokens: int) -> list[str]:
     """Feed `tokens` tokens one at a time, each timed at its regime's seconds per token; the
     regime of each."""
@@ -368,6 +401,50 @@ def test_a_width_never_measured_is_priced_from_the_one_below_so_it_gets_tried() 
     costs = cpu_costs()
     assert costs.relative(4) == pytest.approx(253 / 142 + UNMEASURED_STEP)
     assert costs.relative(8) == pytest.approx(338 / 142 + 3 * UNMEASURED_STEP)
+
+
+def test_a_width_one_bad_step_made_costly_is_measured_again() -> None:
+    """A step slowed by other work (a prefill chunk) moves a width's mean by at most MAX_JUMP
+    times it; and a width not chosen for STALE steps is priced as never measured, so it gets
+    tried again, its next step taken whole."""
+    from mlxd.engine.spec.width import MAX_JUMP, STALE, UNMEASURED_STEP, best_width
+
+    costs = cpu_costs()
+    costs.add(5, 10.0)  # a step that waited seconds for something else
+    assert costs.relative(5) == pytest.approx((338 + 0.2 * (MAX_JUMP - 1) * 338) / 142)
+    slow = cpu_costs()
+    slow.add(5, 3.0)
+    slow._seconds[5] = 3.0  # as if it had been measured that slow from the start
+    assert best_width([4] * 8, [0.9] * 8, slow) < 4  # never chosen again...
+    for _ in range(STALE):
+        slow.add(1, 0.142)
+        slow.add(2, 0.202)
+    assert slow.relative(5) == pytest.approx(slow.relative(3) + 2 * UNMEASURED_STEP)  # ... until it goes stale
+    assert best_width([4] * 8, [0.9] * 8, slow) == 4
+    slow.add(5, 0.338)
+    assert slow.relative(5) == pytest.approx(0.338 / 0.142)  # taken whole, not averaged with the stale mean
+
+
+def test_a_batch_step_that_also_prefilled_does_not_price_a_pass() -> None:
+    """The lane counts its steps that prefilled besides decoding (`other_work`); the time to the
+    next step then holds a prefill chunk, and the pass's cost is not sampled from it."""
+    from mlxd.engine.spec.batch import drafting_batch
+
+    batch = drafting_batch(object)()
+    work = [0]
+    batch.other_work = lambda: work[0]
+    batch.batch_pace = Pace(1, scale=8)
+    batch._account(0.0)
+    batch._last_step = (0.0, {}, 8, 1)
+    batch._account(0.15)  # a plain step: measured
+    assert batch._costs is not None and batch._costs.relative(1) == 1.0
+    batch._last_step = (0.15, {}, 8, 5)
+    work[0] += 1  # the lane prefilled a chunk after that step
+    batch._account(2.15)
+    assert batch._costs._fresh(5) is None
+    batch._last_step = (2.15, {}, 8, 5)
+    batch._account(2.45)
+    assert batch._costs.relative(5) == pytest.approx(0.3 / 0.15)
 
 
 def test_a_batch_whose_drafts_cannot_pay_steps_plain_without_reading_its_tokens() -> None:

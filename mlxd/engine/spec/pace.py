@@ -11,6 +11,10 @@ while it is measured to pay (pure code, no MLX).
   model (`memory`): the regime that was faster for the rows before it runs first, and the
   other is measured again only after EXPLORE tokens, so each new request does not pay for
   measuring both afresh (on a GPU where drafting loses, one window in every lone request).
+  That word is about the rows before, not this one: a row that starts plain on it while its
+  own n-gram guesses come true (its text repeats where theirs did not: a story, then a JSON
+  answer copying its prompt) measures drafting at once (`challenge`) instead of after EXPLORE
+  tokens, which is longer than many answers.
 - **Drafting against not drafting, measured.** A row's tokens are timed in windows (WINDOW
   tokens drafting, PLAIN_WINDOW tokens plain) as the row really ran: each step of the lane to
   its next, the host's work, the switches between modes and the short pauses included. One
@@ -57,8 +61,8 @@ class Rates:
 class Pace:
     """One row's drafting state."""
 
-    __slots__ = ("_cooldown", "_empty", "_explore", "_exploring", "_memory", "_next_cooldown", "_rates", "_scale",
-                 "_streak", "_timed", "_window_s", "_window_tokens", "length", "limit", "regime")
+    __slots__ = ("_cooldown", "_empty", "_explore", "_exploring", "_measured", "_memory", "_next_cooldown", "_rates",
+                 "_scale", "_streak", "_timed", "_window_s", "_window_tokens", "length", "limit", "regime")
 
     def __init__(self, limit: int, *, scale: int = 1, timed: bool = True, memory: Rates | None = None) -> None:
         """`scale` multiplies the windows and the exploring (a whole batch's tokens: its rows);
@@ -80,6 +84,7 @@ class Pace:
         self._next_cooldown = COOLDOWN_TOKENS
         self._empty = 0
         self._memory = memory
+        self._measured: set[str] = set()  # the regimes this row has timed itself
         if memory is not None and memory.draft is not None and memory.plain is not None:
             self._rates = {DRAFT: memory.draft, PLAIN: memory.plain}
             self.regime = DRAFT if memory.draft <= memory.plain else PLAIN
@@ -91,6 +96,20 @@ class Pace:
         self._rates = {DRAFT: None, PLAIN: None}
         self._window_tokens, self._window_s = 0, 0.0
         self._streak, self._explore, self._exploring = 0, EXPLORE, False
+
+    @property
+    def hearsay(self) -> bool:
+        """Plain only because the lane's earlier rows measured drafting slower: this row has not."""
+        return self.regime == PLAIN and DRAFT not in self._measured and not self._exploring
+
+    def challenge(self) -> None:
+        """The row's own guesses say drafting would pay where the rows before it measured it
+        slower: measure a drafting window now (if it loses, the row goes back to plain and
+        explores as usual)."""
+        if not self.hearsay:
+            return
+        self._window_tokens, self._window_s = 0, 0.0  # the plain tokens so far do not time drafting
+        self._streak, self._exploring, self.regime = 0, True, DRAFT
 
     @property
     def drafting(self) -> bool:
@@ -137,6 +156,7 @@ class Pace:
     def _close_window(self) -> None:
         regime, per_token, tokens = self.regime, self._window_s / self._window_tokens, self._window_tokens
         old = self._rates[regime]
+        self._measured.add(regime)
         self._rates[regime] = per_token if old is None else old + EMA * (per_token - old)
         if self._memory is not None:
             setattr(self._memory, regime, self._rates[regime])

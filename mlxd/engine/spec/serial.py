@@ -172,13 +172,19 @@ class Speculator:
     def _watch(self, token: int) -> None:
         """While no draft pays for its pass, an n-gram row still guesses (no pass: a lookup) and
         checks each guess against the tokens it then emits, so its acceptance follows the text
-        and drafting comes back once it would pay."""
+        and drafting comes back once it would pay. It does the same while it decodes plain only
+        on the word of the lane's earlier rows (`Pace.hearsay`): a guess that came true and would
+        pay makes it measure drafting now."""
         if self._shadow is not None:
             if (kept := self._shadow.score(token)) is None:
                 return
             self.acceptance += ACCEPTANCE_EMA * (kept - self.acceptance)
             self._shadow = None
-        if self._cheap and self.pace.drafting and not self._pays(self.pace.length):
+            if kept > 0 and self.pace.hearsay and self._pays(self.pace.length) > 0:
+                self.pace.challenge()
+        if not self._cheap:
+            return
+        if (self.pace.drafting and not self._pays(self.pace.length)) or self.pace.hearsay:
             guess = self._drafter.propose(self.tokens, self.pace.length)
             self._shadow = Guess(guess) if guess else None
 

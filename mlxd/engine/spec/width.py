@@ -25,28 +25,51 @@ EMA = 0.2  # weight of the newest step in a width's running mean
 ACCEPTANCE_START = 0.7  # a new row's acceptance: hopeful, so that it drafts and is measured
 ACCEPTANCE_EMA = 0.3  # weight of the newest verification in a row's running acceptance
 UNMEASURED_STEP = 0.1  # a pass one position wider than the widest measured: this much more, until measured
+STALE = 256  # steps of other widths after which a width's mean no longer counts: it is measured again
+MAX_JUMP = 2.0  # a step at most this many times a width's mean moves it (one slowed by other work)
 
 
 class PassCosts:
-    """Seconds a batch step takes, by the positions each row fed (1: a plain step)."""
+    """Seconds a batch step takes, by the positions each row fed (1: a plain step).
 
-    __slots__ = ("_seconds",)
+    A width is measured only when it is chosen, so a mean that one bad moment inflated (a step
+    that waited for a prefill chunk) would keep that width from ever being chosen again. So a
+    step moves a mean by at most MAX_JUMP times it, and a width not measured for STALE steps
+    is priced again as never measured (from below, so it gets tried), its next step taken whole.
+    """
+
+    __slots__ = ("_seconds", "_steps", "_when")
 
     def __init__(self) -> None:
         self._seconds: dict[int, float] = {}
+        self._when: dict[int, int] = {}  # the step each width was last measured at
+        self._steps = 0
 
     def add(self, positions: int, seconds: float) -> None:
-        old = self._seconds.get(positions)
-        self._seconds[positions] = seconds if old is None else old + EMA * (seconds - old)
+        self._steps += 1
+        old = self._fresh(positions)
+        if old is None:
+            self._seconds[positions] = seconds
+        else:
+            self._seconds[positions] = old + EMA * (min(seconds, MAX_JUMP * old) - old)
+        self._when[positions] = self._steps
+
+    def _fresh(self, positions: int) -> float | None:
+        """A width's mean, unless it was never measured or not for STALE steps (a plain step's
+        counts always: most steps are plain)."""
+        seconds = self._seconds.get(positions)
+        if seconds is None or (positions > 1 and self._steps - self._when[positions] > STALE):
+            return None
+        return seconds
 
     def relative(self, positions: int) -> float:
         """A pass of `positions` a row, in plain steps (1.0 while nothing is measured)."""
         plain = self._seconds.get(1)
         if plain is None or plain <= 0:
             return 1.0
-        if (seconds := self._seconds.get(positions)) is not None:
+        if (seconds := self._fresh(positions)) is not None:
             return seconds / plain
-        below = max((n for n in self._seconds if n < positions), default=1)
+        below = max((n for n in self._seconds if n < positions and self._fresh(n) is not None), default=1)
         return self.relative(below) + UNMEASURED_STEP * (positions - below)
 
 
