@@ -426,8 +426,8 @@ def test_a_width_one_bad_step_made_costly_is_measured_again() -> None:
 
 
 def test_a_batch_step_that_also_prefilled_does_not_price_a_pass() -> None:
-    """The lane counts its steps that prefilled besides decoding (`other_work`); the time to the
-    next step then holds a prefill chunk, and the pass's cost is not sampled from it."""
+    """mlx-lm's generator counts the prompt tokens it prefilled (`other_work`); a step after which
+    it prefilled a chunk is not a pass's cost, and is not sampled."""
     from mlxd.engine.spec.batch import drafting_batch
 
     batch = drafting_batch(object)()
@@ -439,7 +439,7 @@ def test_a_batch_step_that_also_prefilled_does_not_price_a_pass() -> None:
     batch._account(0.15)  # a plain step: measured
     assert batch._costs is not None and batch._costs.relative(1) == 1.0
     batch._last_step = (0.15, {}, 8, 5)
-    work[0] += 1  # the lane prefilled a chunk after that step
+    work[0] += 512  # the generator prefilled a chunk after that step
     batch._account(2.15)
     assert batch._costs._fresh(5) is None
     batch._last_step = (2.15, {}, 8, 5)
@@ -521,3 +521,25 @@ def test_a_batch_measures_drafting_afresh_when_half_its_live_rows_are_new_and_no
     batch._last_step = (now - 0.1, {}, 8, 1)  # 8 rows, none drafting
     batch._account(now)
     assert batch.batch_pace._window_tokens == 0
+
+
+def test_the_drafting_batch_reads_the_generators_prefill_counter() -> None:
+    """attach wires `other_work` to mlx-lm's generator: it moves when the generator prefills."""
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.models import llama
+
+    from mlxd.engine.spec.batch import attach
+
+    mx.random.seed(3)
+    model = llama.Model(llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=1, intermediate_size=64,
+                                        num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5,
+                                        vocab_size=64))
+    gen = BatchGenerator(model, completion_batch_size=4, prefill_batch_size=4)
+    assert attach(gen, lambda uid: None)
+    steps = type(gen._generation_batch)
+    before = steps.other_work()
+    gen.insert([[1, 2, 3, 4, 5, 6]], max_tokens=[4])
+    while not gen._generation_batch.uids:
+        gen.next()
+    assert steps.other_work() > before
+    gen.close()

@@ -78,7 +78,6 @@ class BatchLane:
         # Sequences the serial lane was prefilling, handed over to share that prefill: id -> (KV, tokens in it)
         self._carried: dict[int, tuple[list[Any], int]] = {}
         self._hold_arrivals = 0  # steps arrivals still wait for just-prefilled rows' first tokens
-        self._other_work = 0  # steps that prefilled besides decoding (spec/batch.py leaves them out of its costs)
         self._drafts = BatchDrafts(draft, stats, loaded.drafts)  # rows that draft (spec/batch.py)
         self._gen = self._new_generator()
 
@@ -87,8 +86,7 @@ class BatchLane:
                              prefill_batch_size=min(self._width, MAX_PREFILL_ROWS), prefill_step_size=self._prefill_step)
         batch_bias(gen)
         adapter_rows.attach(gen, self._loaded.adapters, self._stack_of)
-        self._drafts.attach(gen, self._loaded.adapters, self._stack_of,  # spec/batch.py, last: it wraps the others
-                            lambda: self._other_work)
+        self._drafts.attach(gen, self._loaded.adapters, self._stack_of)  # spec/batch.py, last: it wraps the others
         return gen
 
     def _stack_of(self, uid: int) -> Stack:  # a row's adapters (none for a row that has left)
@@ -416,8 +414,6 @@ class BatchLane:
                 prompts.prefill_step_size = chunk
         ended = self._drop_cancelled()
         holding, self._hold_arrivals = self._hold_arrivals > 0, max(0, self._hold_arrivals - 1)
-        if self._arrivals or self._groups:
-            self._other_work += 1
         if self._arrivals:
             waited_for = self._first_token_priority() if holding else None
             ended += self._place_arrivals() if waited_for is None else self._join_arrivals(waited_for)
@@ -437,8 +433,6 @@ class BatchLane:
     def _decode(self, ended: list[Sequence]) -> None:
         """One generator step; the rows it ends go to `ended` (not yet answered) as they leave."""
         prompts, responses = self._gen.next()
-        if prompts:  # it prefilled a chunk after its decoding step
-            self._other_work += 1
         if any(not p.end_of_prompt and p.progress[0] == p.progress[1] - 1 for p in prompts):
             self._hold_arrivals = FIRST_TOKEN_STEPS  # a prompt is prefilled but for its last token
         leaving: list[int] = []

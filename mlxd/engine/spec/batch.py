@@ -95,10 +95,8 @@ class BatchDrafts:
         self._source = source  # spec/drafters.py's DraftSource (a self-draft's cut model)
         self.rows: dict[int, RowDrafts] = {}
 
-    def attach(self, gen: Any, bank: Any, stack_of: Callable[[int], Any], other_work: Callable[[], int] | None = None,
-               ) -> None:
-        """Have `gen` verify its rows' drafts, each row under its adapters (adapter_rows.py);
-        `other_work` counts the lane's steps that also prefilled (their time is not a pass's)."""
+    def attach(self, gen: Any, bank: Any, stack_of: Callable[[int], Any]) -> None:
+        """Have `gen` verify its rows' drafts, each row under its adapters (adapter_rows.py)."""
         if self.draft is None:
             return
         shallow = drafting = None
@@ -110,7 +108,7 @@ class BatchDrafts:
             else:
                 drafting = DraftModelBatch(self._source.draft_model(), self._source.prefill_step)
         attach(gen, self.rows.get, lambda uids: bank.rows([stack_of(uid) for uid in uids]), self._stats, shallow,
-               drafting, other_work)
+               drafting)
 
     def add(self, uid: int, seq: Any) -> None:
         if self.draft is not None and (drafts := row_drafts_for(seq, self.draft)) is not None:
@@ -146,7 +144,7 @@ def drafting_batch(base: Any) -> Any:
         shallow: tuple[Any, int] | None = None  # a self-draft: the model cut to its first layers, and their count
         draft_batch: DraftModelBatch | None = None  # a draft model's batch KV (draft_batch.py)
         _last_step: tuple[float, dict[int, tuple[RowDrafts, int]], int, int] | None = None  # with positions fed
-        other_work: Callable[[], int] = staticmethod(lambda: 0)  # the lane's count of steps that also prefilled
+        other_work: Callable[[], int] = staticmethod(lambda: 0)  # prompt tokens the generator prefilled so far
         _work_seen = 0  # ... at the last step
         _costs: PassCosts | None = None  # what passes cost, by their width (width.py)
         _forced: set[int]  # this step's rows whose drafts their grammar forces (always kept), set by _draft_step
@@ -226,7 +224,7 @@ def drafting_batch(base: Any) -> Any:
             started, counts, total, positions = last
             if self._costs is None:
                 self._costs = PassCosts()
-            if work == self._work_seen:  # a prefill chunk in that time would price the pass with it
+            if work == self._work_seen:  # a prefill chunk in that time would price the pass with it (attach)
                 self._costs.add(positions, now - started)
             for rd, emitted in counts.values():
                 rd.pace.spent(emitted, now - started)
@@ -439,8 +437,7 @@ def grammar_of(processors: list[Any] | None) -> GrammarMask | None:
 
 def attach(gen: Any, row_drafts: Callable[[int], RowDrafts | None],
            rows_context: Callable[[list[int]], Any] | None = None, stats: Any = None,
-           shallow: tuple[Any, int] | None = None, draft_batch: DraftModelBatch | None = None,
-           other_work: Callable[[], int] | None = None) -> bool:
+           shallow: tuple[Any, int] | None = None, draft_batch: DraftModelBatch | None = None) -> bool:
     """Have `gen`'s generation batch verify the drafts `row_drafts(uid)` gives its rows."""
     steps = getattr(gen, "_generation_batch", None)
     if steps is None or not all(hasattr(steps, a) for a in ("_next_tokens", "_next_logprobs", "_token_context",
@@ -454,7 +451,10 @@ def attach(gen: Any, row_drafts: Callable[[int], RowDrafts | None],
     cls.stats = stats
     cls.shallow = shallow
     cls.draft_batch = draft_batch
-    if other_work is not None:
-        cls.other_work = staticmethod(other_work)
+    # mlx-lm's generator prefills a chunk of the prompts it admits after each decoding step; a
+    # step's time to the next then holds it, and is not a pass's cost (its counters say when).
+    counters = getattr(gen, "_counters", None)
+    if counters is not None and hasattr(counters, "prompt_tokens"):
+        cls.other_work = staticmethod(lambda: counters.prompt_tokens)
     steps.__class__ = cls
     return True
