@@ -198,6 +198,8 @@ def main() -> None:
     p.add_argument("--pool", default="", help="more [pool] lines, ';'-separated (tuned settings, named)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
+    if args.requests < 1 or args.rounds < 1:
+        p.error("--requests and --rounds must be at least 1")
     model = args.model or default_model()
     pool = f'draft = "{args.draft}"\n' + "".join(f"{x.strip()}\n" for x in args.pool.split(";") if x.strip())
     results: list[Row] = []
