@@ -21,6 +21,7 @@ class Token(msgspec.Struct, tag="token"):
     logprobs: list[TokenLogprob] | None = None
     prompt_tokens: int | None = None  # on a reply's first Token: the prompt's size ...
     cached_tokens: int | None = None  # ... and the tokens of it the prompt cache held
+    ids: list[int] | None = None  # the token ids generated since the previous Token, this text's among them
 
 
 class Speculation(msgspec.Struct):

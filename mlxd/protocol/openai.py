@@ -51,6 +51,26 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     tool_call_id: str | None = None
 
 
+MAX_RESUME_TOKENS = 1 << 20
+TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+
+
+class Resume(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """mlxd's `resume`: go on with a reply whose start was already delivered (docs/resume.md).
+
+    The supervisor sends it when an engine died mid-reply; a client may too. `tokens` are the
+    reply's token ids so far (exact: the rest is what the uninterrupted reply would have been);
+    else `text`, the reply so far as text (tokenized, so close but not token-exact). `segments`:
+    how many of `tokens` each delivered piece carried (the engine's stream marks), so the
+    reply's parsers see the text split as it was sent. `id` and `created` are the reply's."""
+
+    tokens: Annotated[list[TokenId], Meta(max_length=MAX_RESUME_TOKENS)] = []
+    text: str | None = None
+    segments: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=MAX_RESUME_TOKENS)] | None = None
+    id: Annotated[str, Meta(max_length=128)] | None = None
+    created: Annotated[int, Meta(ge=0, le=2**53)] | None = None
+
+
 class SamplingFields(msgspec.Struct, kw_only=True):
     """Fields shared by chat and text completions."""
 
@@ -78,6 +98,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     priority: Priority | None = None  # None: the key's default (process.PRIORITY_HEADER), else 0
     adapter: AdapterSpec | None = None  # mlxd's: a LoRA adapter id, "a+b" to stack, "none" for the base
     speculation: bool | None = None  # mlxd's: false decodes without drafts where the model has them
+    resume: Resume | None = None  # mlxd's: continue a reply already partly delivered
     curve: Curve | None = None  # the curve sampler (protocol/curve.py): a drawn transfer curve...
     hlg: Hlg | None = None  # ... or the HLG tone curve's knobs, over the model's default
     response_format: Any = None  # checked by mlxd.engine.chat.grammar.response_format_grammar
@@ -191,6 +212,14 @@ def check_common(req: SamplingFields, max_n: int = 1) -> None:
     for key in req.logit_bias or {}:
         if not is_token_id_key(key):
             raise APIError(400, f"logit_bias keys must be token ids, got {key[:20]!r}.", param="logit_bias")
+    if (resume := req.resume) is not None:
+        if req.n != 1:
+            raise APIError(400, "resume continues one reply: n must be 1.", param="resume")
+        if resume.tokens and resume.text is not None:
+            raise APIError(400, "resume takes tokens or text, not both.", param="resume.text")
+        if resume.segments is not None and sum(resume.segments) != len(resume.tokens):
+            raise APIError(400, f"resume.segments add up to {sum(resume.segments)}, but there are "
+                                f"{len(resume.tokens)} tokens.", param="resume.segments")
 
 
 def is_token_id_key(key: str) -> bool:

@@ -38,6 +38,17 @@ ADAPTER_HEADER = "X-MLXD-Adapter"
 # Only translated streams ask (OpenAI's own chunks carry usage only at the end).
 EARLY_USAGE_HEADER = "X-MLXD-Early-Usage"
 
+# Asks a streamed reply for its resume marks: after each write's events, an SSE comment
+# `: ids INDEX TOTAL ID,ID,...` (the token ids those events carried; TOTAL: the reply's so far),
+# so the supervisor can continue the reply on another engine (docs/resume.md). One write is one
+# HTTP chunk, so a mark and the events before it arrive together or not at all. The answer's head
+# then names the reply (REPLY_HEADER: `ID CREATED`), for the continuation's `resume`.
+MARKS_HEADER = "X-MLXD-Marks"
+# A caller's opt-out: `X-MLXD-Resume: off` (or 0, false, no) lets its reply end with the engine's crash.
+RESUME_HEADER = "X-MLXD-Resume"
+REPLY_HEADER = "X-MLXD-Reply"
+MARK = b": ids "
+
 # Seconds between SSE comments to a stream still waiting for its first token. The supervisor
 # sets it from `server.stream_keepalive_s` (unless set already); engines inherit it.
 STREAM_KEEPALIVE_ENV = "MLXD_STREAM_KEEPALIVE_S"

@@ -82,6 +82,7 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     draft: Draft | None = None  # speculative decoding's drafts (None: [pool] draft)
     num_draft_tokens: NumDraft | None = None  # the most drafts a pass checks (None: [pool] num_draft_tokens)
     defaults: Defaults | None = None  # [models.NAME.defaults]: over [defaults], for this model
+    resume: bool | None = None  # a reply cut by its engine's crash goes on on the next (None: [pool] resume)
 
     def __post_init__(self) -> None:
         if self.draft is not None:
@@ -111,6 +112,10 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # CUDA graphs for every engine (MLX_USE_CUDA_GRAPHS=1): a lone stream decodes faster, batches
     # run slower (docs/engine.md, "MLX settings"); only MLX's CUDA backend reads it.
     cuda_graphs: bool = False
+    # A reply whose engine dies mid-answer goes on on the restarted engine (docs/resume.md), up
+    # to `resume_attempts` times a request; per model: [models.NAME] resume.
+    resume: bool = True
+    resume_attempts: Annotated[int, msgspec.Meta(ge=1, le=100)] = 3
     spare_engine: bool = True  # keep one engine process with its imports done ($MLXD_SPARE_ENGINE=0: off)
     # The prompt cache (engines' --prompt-cache-bytes / --ssd-cache-bytes; None: their defaults,
     # 10% of memory and a quarter of the free disk, capped at 32 GiB each; 0: off).

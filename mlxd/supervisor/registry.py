@@ -42,6 +42,7 @@ class ModelEntry(msgspec.Struct, frozen=True, kw_only=True):
     num_draft_tokens: int | None = None
     draft_bytes: int = 0  # the draft model's size on disk (its weights load beside the model's)
     defaults: sampling.Defaults | None = None  # the config's defaults for its requests ([models.NAME.defaults] over [defaults])
+    resume: bool | None = None  # [models.NAME] resume (None: [pool] resume)
 
 
 def sampling_of(entry: ModelEntry) -> dict[str, float]:
@@ -192,6 +193,7 @@ def config_entries(models: Mapping[str, ModelConfig], batch: Batch = DEFAULT_BAT
                 adapter=model.adapter,
                 draft=model.draft,
                 num_draft_tokens=model.num_draft_tokens,
+                resume=model.resume,
             )
         )
     return found

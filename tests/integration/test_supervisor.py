@@ -30,6 +30,9 @@ def sup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     proc.stop()
 
 
+NO_RESUME = {"X-MLXD-Resume": "off"}
+
+
 def engine_pids(sup: SupervisorProcess) -> list[int]:
     children = psutil.Process(sup.proc.pid).children()
     # An engine names itself `mlxd engine MODEL` (setproctitle) once it has its model.
@@ -75,7 +78,8 @@ def test_unknown_route_is_404_json(sup: SupervisorProcess) -> None:
 
 
 def test_engine_sigkill_mid_stream_ends_the_stream_cleanly_and_the_next_request_works(sup: SupervisorProcess) -> None:
-    with sup.client.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as resp:
+    # The caller opts out of resume (test_resume.py has the reply going on instead)
+    with sup.client.stream("POST", "/v1/completions", json={**LONG, "stream": True}, headers=NO_RESUME) as resp:
         lines = resp.iter_lines()
         first = [next(lines) for _ in range(3)]
         [pid] = engine_pids(sup)
@@ -98,7 +102,7 @@ def test_engine_sigkill_during_a_plain_request_is_a_502_with_retry_after(sup: Su
 
     threading.Timer(0.5, lambda: psutil.Process(pid).kill()).start()
     started = time.monotonic()
-    resp = sup.client.post("/v1/completions", json=LONG)
+    resp = sup.client.post("/v1/completions", json=LONG, headers=NO_RESUME)
     assert time.monotonic() - started < 5
     assert resp.status_code == 502
     assert resp.json()["error"]["code"] == "engine_crashed"

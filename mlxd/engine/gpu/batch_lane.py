@@ -234,7 +234,7 @@ class BatchLane:
         """Into the generator: `kv` holds `tokens[:n]` (None: nothing yet), the rest is prefilled.
         The generator's processors see each row's whole history (it is given the cached part)."""
         job = seq.job
-        sampler, processors = make_sampling(job.sampling, [], job.grammar, sorted(self._loaded.eos_token_ids))
+        sampler, processors = make_sampling(job.sampling, [], job.grammar, sorted(self._loaded.eos_token_ids), seq.position)
         (uid,) = self._gen.insert(
             [tokens[n:]], max_tokens=[max_tokens], caches=[kv if kv is not None else self._fresh_cache()],
             all_tokens=[tokens[:n]], samplers=[sampler], logits_processors=[processors],

@@ -77,3 +77,6 @@ class Job:
     adapters: Stack = ()  # the LoRA adapters it runs under (models/adapter_bank.py); () the base model
     continues_text: bool = False  # a text completion: its reply's first space is kept (it follows the prompt's text)
     speculate: bool = True  # may decode with drafts where the model has them (False: the request opted out)
+    # A continued reply (http/resume.py): the last `resumed` ids of `prompt` are output already
+    # delivered, which the Sequence replays silently and counts as completion, not prompt
+    resumed: int = 0

@@ -31,20 +31,24 @@ Sampler = Callable[[mx.array], mx.array]
 
 
 def make_sampling(params: Any, history: list[int], grammar: Any = None,
-                  eos_ids: list[int] | None = None) -> tuple[Sampler, list[Any]]:
+                  eos_ids: list[int] | None = None, position: int = 0) -> tuple[Sampler, list[Any]]:
     """The sampler and logits processors for one request (GPU thread).
 
     mlx-lm's processors see only the tokens their generator tracks: `history` is what comes
     before those (the serial lane's cached prompt prefix; the batch lane tracks it all).
     Requests with equal parameters and no seed share one sampler object, so that the batch
     lane samples all their rows in one call. A seeded request gets a sampler with its own
-    random key: its tokens depend on its seed only, not on what else the engine runs.
+    random key: its tokens depend on its seed only, not on what else the engine runs. That key
+    is drawn afresh for each token from the seed and the token's place in the reply (`position`:
+    the first token's, past a continued reply's output), so a reply continued after a crash
+    draws what the uninterrupted one would have.
     A `grammar` (an llguidance matcher) adds its mask after bias and penalties, and a curve
     (gpu/curve.py) shapes what is left last (the request's temperature is then 1.0).
     """
     args = sampler_args(params)
     xtc = xtc_args(params)
-    sampler = make_seeded_sampler(args, params.seed, xtc) if params.seed is not None else shared_sampler(**args, **xtc)
+    sampler = (make_seeded_sampler(args, params.seed, xtc, position) if params.seed is not None
+               else shared_sampler(**args, **xtc))
     # mlx-lm's order: the bias first, then the penalties. LogitBias is batch_bias.py's, so the
     # batch lane can add every row's bias in one op.
     processors: list[Any] = [LogitBias(params.logit_bias)] if params.logit_bias else []
@@ -94,22 +98,26 @@ def shared_sampler(temp: float, top_p: float, min_p: float, top_k: int, xtc_prob
                         xtc_threshold=xtc_threshold, xtc_special_tokens=list(xtc_special_tokens))
 
 
-def make_seeded_sampler(args: dict[str, Any], seed: int, xtc: dict[str, Any] | None = None) -> Sampler:
-    """mlx-lm's sampling chain, drawing from a random key of its own (OpenAI's seed is any int64),
-    XTC's coin too."""
+def make_seeded_sampler(args: dict[str, Any], seed: int, xtc: dict[str, Any] | None = None,
+                        position: int = 0) -> Sampler:
+    """mlx-lm's sampling chain, drawing from random keys of its own (OpenAI's seed is any int64),
+    XTC's coin too: the key of the token at `position` (counted from the reply's first) and of
+    each after it is `token_key(seed, position)`, whatever came before."""
     temp = args["temp"]
     if temp == 0:
         return shared_sampler(**args)  # greedy: the seed changes nothing
     truncate = sampling_filters(args["top_p"], args["min_p"], 0)
     top_k = sampling_filters(1.0, 0.0, args["top_k"])  # after XTC, in mlx-lm's chain
-    key = mx.random.key(seed % 2**64)
+    base = seed % 2**64
 
     def sample(logprobs: mx.array) -> mx.array:
-        nonlocal key
+        nonlocal position
+        key = token_key(base, position)
+        position += 1
         if xtc:
-            key, draw, coin = mx.random.split(key, 3)
+            draw, coin = mx.random.split(key)
         else:
-            key, draw = mx.random.split(key)
+            draw = key
         for method in truncate:
             logprobs = method(logprobs)
         if xtc:
@@ -119,6 +127,18 @@ def make_seeded_sampler(args: dict[str, Any], seed: int, xtc: dict[str, Any] | N
         return mx.random.categorical(logprobs * (1.0 / temp), key=draw)
 
     return sample
+
+
+MASK64 = 2**64 - 1
+
+
+def token_key(seed: int, position: int) -> mx.array:
+    """The random key of a seeded reply's token at `position`: the seed and the place mixed
+    (splitmix64's finalizer), so neighbouring places and seeds draw unrelated keys."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return mx.random.key(z ^ (z >> 31))
 
 
 def exclude_top_choices(logprobs: mx.array, coin: mx.array, xtc_probability: float, xtc_threshold: float,

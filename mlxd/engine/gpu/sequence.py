@@ -29,8 +29,8 @@ FIRST_RELAY_PAUSE_S = 0.0005
 class Sequence:
     """A job being generated: its text state, its clock, and how it ended."""
 
-    __slots__ = ("_detok", "_eos", "_has_relayed", "_pending", "_stops", "_tokenizer", "cached", "clock", "finish_reason",
-                 "generated", "job", "paused", "tally")
+    __slots__ = ("_detok", "_eos", "_has_relayed", "_pending", "_reported", "_stops", "_tokenizer", "cached", "clock",
+                 "finish_reason", "generated", "job", "paused", "tally")
 
     def __init__(self, job: Job, tokenizer: Any, eos: set[int]) -> None:
         self.job = job
@@ -48,6 +48,11 @@ class Sequence:
         self._has_relayed = False
         self._tokenizer = tokenizer
         self._pending: list[TokenLogprob] = []  # log probabilities of tokens whose text is held back
+        self._reported = 0  # of `generated`, the ids sent with a Token so far
+        if job.resumed:  # a continued reply: its text so far was delivered; only the state is wanted
+            for token in job.prompt[-job.resumed:]:
+                self._detok.add_token(token)
+                self._stops.feed(self._detok.last_segment)
 
     @property
     def is_cancelled(self) -> bool:
@@ -109,12 +114,23 @@ class Sequence:
         self.finish_reason = "stop" if self._stops.is_stopped else reason
         return True
 
+    @property
+    def position(self) -> int:
+        """The place of its next token in the reply (a seeded sampler's key, gpu/sampling.py)."""
+        return self.job.resumed + len(self.generated)
+
+    @property
+    def num_prompt(self) -> int:
+        """The prompt's tokens as the caller counts them (a continued reply's output is not prompt)."""
+        return len(self.job.prompt) - self.job.resumed
+
     def _emit(self, text: str) -> None:
         pending, self._pending = self._pending, []
+        ids, self._reported = self.generated[self._reported:], len(self.generated)
         if self._has_relayed:
-            self.job.ticket.emit(Token(text, pending or None))
+            self.job.ticket.emit(Token(text, pending or None, ids=ids))
         else:
-            self.job.ticket.emit(Token(text, pending or None, len(self.job.prompt), self.cached))
+            self.job.ticket.emit(Token(text, pending or None, self.num_prompt, min(self.cached, self.num_prompt), ids))
             self._has_relayed = True
             time.sleep(FIRST_RELAY_PAUSE_S)
 
@@ -134,7 +150,7 @@ class Sequence:
         else:
             stats.num_completed += 1
         tally = self.tally
-        done = Done(finish, len(self.job.prompt), num, self.cached, *self.clock.split_ms(),
+        done = Done(finish, self.num_prompt, self.job.resumed + num, min(self.cached, self.num_prompt), *self.clock.split_ms(),
                     stop_sequence=self._stops.matched if finish == "stop" else None, paused=self.paused,
                     speculation=Speculation(tally.proposed, tally.accepted) if tally is not None else None)
         if tally is not None:
@@ -161,12 +177,45 @@ class Sequence:
         """End a job cancelled before any lane took it (its client left, or the engine stops)."""
         self.finish_reason = "cancelled"
         stats.num_cancelled += 1
-        self.job.ticket.emit(Done("cancelled", len(self.job.prompt), 0))
+        self.job.ticket.emit(Done("cancelled", self.num_prompt, self.job.resumed))
 
     def abandon(self, event: Failed) -> None:
         """The GPU thread ends with this job still queued: tell its handler (not counted)."""
         self.finish_reason = "failed"
         self.job.ticket.emit(event)
+
+
+class _Heard:
+    """A ticket that keeps the texts a replayed Sequence emits."""
+
+    is_cancelled = False
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def emit(self, event: Any) -> None:
+        if isinstance(event, Token):
+            self.texts.append(event.text)
+
+
+def replay(job: Job, tokenizer: Any, eos: set[int], ids: list[int], segments: list[int]) -> tuple[list[str], str | None]:
+    """Run a reply's delivered tokens through a Sequence as generation would (`job`: the reply's
+    job, uncontinued): the text each segment of `ids` released, and how the reply ended if these
+    tokens ended it (EOS, a stop string, max_tokens), else None."""
+    heard = _Heard()
+    seq = Sequence(Job(job.prompt, job.max_tokens, job.sampling, job.stops, heard,  # type: ignore[arg-type]
+                       continues_text=job.continues_text), tokenizer, eos)
+    seq._has_relayed = True
+    texts: list[str] = []
+    start = 0
+    for count in segments:
+        for token in ids[start:start + count]:
+            if not seq.is_finished:
+                seq.add(token)
+        start += count
+        texts.append("".join(heard.texts))
+        heard.texts.clear()
+    return texts, seq.finish_reason
 
 
 LOWEST_LOGPROB = -9999.0  # what a masked (-inf) or NaN log probability is reported as (JSON has no inf)

@@ -180,7 +180,7 @@ class SerialLane:
         assert seq is not None
         job = seq.job
         sampler, processors = make_sampling(job.sampling, self._tokens[:self._done], job.grammar,
-                                            sorted(self._loaded.eos_token_ids))
+                                            sorted(self._loaded.eos_token_ids), seq.position)
         return generate_step(
             mx.array(self._tokens[self._done:]),
             self._loaded.model,

@@ -34,6 +34,11 @@ class ChatReply:
         if self._parser is not None and forced:
             self._take(self._parser.feed(forced))
 
+    @property
+    def meta(self) -> tuple[str, int, str]:
+        """The reply's id, `created` and model."""
+        return self._meta
+
     def opening(self) -> list[Any]:
         return [self._chunk(oa.Delta(role="assistant", content=""))]
 
@@ -128,6 +133,11 @@ class TextReply:
         self._echo = echo
         self._top = logprobs
         self._offset = len(echo)  # where the next token's text starts in the whole text
+
+    @property
+    def meta(self) -> tuple[str, int, str]:
+        """The reply's id, `created` and model."""
+        return self._meta
 
     def opening(self) -> list[Any]:  # text completions have no role-only opening chunk
         return [self._chunk(self._echo, None)] if self._echo else []

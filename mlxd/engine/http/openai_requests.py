@@ -143,20 +143,23 @@ def header_priority(request: web.Request) -> int:
 
 def submit(request: web.Request, slot: Slot, prompt: list[int], max_tokens: int, req: oa.SamplingFields,
            grammar: Any = None, logprobs: int | None = None, row: int = 0, group: PrefillGroup | None = None,
-           media: MediaPrompt | None = None, continues_text: bool = False) -> Ticket:
+           media: MediaPrompt | None = None, continues_text: bool = False, resumed: list[int] | None = None) -> Ticket:
     """Hand a job to the GPU thread; return the handler's ticket for it. `row` > 0: another
     choice of the same request (a seed is offset by it, so seeded choices differ too); the
-    choices share `group`, so their prompt is prefilled once."""
+    choices share `group`, so their prompt is prefilled once. `resumed`: the reply's tokens
+    already delivered (http/resume.py), run as the prompt's end and counted in `max_tokens`."""
     loaded = ready_model(request)
     ticket = Ticket(asyncio.get_running_loop())
     sampling = sampling_params(req, loaded)
     if row and sampling.seed is not None:
         sampling = dataclasses.replace(sampling, seed=(sampling.seed + row + 2**63) % 2**64 - 2**63)
-    job = Job(list(prompt), max_tokens, sampling, oa.stop_list(req.stop), ticket, grammar=grammar, logprobs=logprobs,
+    resumed = resumed or []
+    job = Job(list(prompt) + resumed, max_tokens - len(resumed), sampling, oa.stop_list(req.stop), ticket, grammar=grammar, logprobs=logprobs,
               group=group, priority=req.priority if req.priority is not None else header_priority(request), media=media,
               adapters=adapter_stack(request, req, loaded), continues_text=continues_text,
               # XTC's draws are not a distribution drafts can be checked against: such rows decode plainly
-              speculate=req.speculation is not False and not (sampling.xtc_probability and sampling.temperature))
+              speculate=req.speculation is not False and not (sampling.xtc_probability and sampling.temperature),
+              resumed=len(resumed))
     slot.enter_gpu()
     request.app[GATEWAY].submit(job)
     return ticket

@@ -9,7 +9,6 @@ import concurrent.futures
 import dataclasses
 import os
 import time
-import uuid
 from typing import Any
 
 from aiohttp import web
@@ -37,6 +36,7 @@ from mlxd.engine.http.openai_requests import (
     usage_of,
 )
 from mlxd.engine.http.openai_streams import stream, stream_choices
+from mlxd.engine.http.resume import continued, ended_ticket, prime, reply_meta
 from mlxd.engine.models.image_memo import PromptMedia, read_media
 from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.engine.models.vision import MAX_IMAGES, MediaPrompt
@@ -62,21 +62,27 @@ async def chat_completions(request: web.Request, slot: Slot) -> web.StreamRespon
                                     request.app[GATEWAY].kv_budget)
     grammars = await constraints(loaded, req, tool_req, fmt, forced)
     top = (req.top_logprobs or 0) if req.logprobs else None
-    meta = ("chatcmpl-" + uuid.uuid4().hex, int(time.time()), loaded.model_id)
+    cont = continued(loaded, req.resume, prompt, max_tokens, oa.stop_list(req.stop))
+    meta = reply_meta("chatcmpl-", req.resume, loaded.model_id)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     replies = [ChatReply(*meta, tool_req=tool_req, markup=fmt.markup, forced=forced, think=loaded.think_markers,
                          in_reasoning=in_reasoning, index=i) for i in range(req.n)]
+    prime(replies[0], cont)
+    if cont is not None and grammars[0] is not None:
+        grammars[0].consume_tokens(cont.ids)  # the matcher stands where the delivered tokens left it
     tickets: list[Ticket] = []
     with cancel_all_on_exit(tickets):  # rows submitted before a later one is refused are cancelled too
         # Choices with images each prefill their own (their prompts' rows start from its embeddings).
         group = PrefillGroup(req.n, len(prompt) - 1) if req.n > 1 and chat.media is None else None
         for i in range(req.n):
-            tickets.append(submit(request, slot, prompt, max_tokens, req, grammars[i], top, row=i, group=group,
-                                  media=chat.media))
+            tickets.append(ended_ticket(cont, len(prompt)) if cont is not None and cont.finish is not None else
+                           submit(request, slot, prompt, max_tokens, req, grammars[i], top, row=i, group=group,
+                                  media=chat.media, resumed=cont.ids if cont is not None else None))
         if req.stream:
             if req.n == 1:
                 return await stream(request, tickets[0], replies[0], include_usage,
-                                    early_usage=EARLY_USAGE_HEADER in request.headers)
+                                    early_usage=EARLY_USAGE_HEADER in request.headers,
+                                    resumed=len(cont.ids) if cont is not None else None)
             return await stream_choices(request, tickets, replies, include_usage)
         results = await asyncio.gather(*(collect(t) for t in tickets))
         choices = []
@@ -239,17 +245,25 @@ async def completions(request: web.Request, slot: Slot) -> web.StreamResponse:
     held, param = held_grammar(req)  # response_format and vLLM's guided fields, as on chat
     grammar = (await asyncio.get_running_loop().run_in_executor(None, loaded.grammars.matcher, held, param)
                if held is not None else None)
-    ticket = submit(request, slot, prompt, max_tokens, req, grammar=grammar, logprobs=req.logprobs,
-                    continues_text=True)
-    meta = ("cmpl-" + uuid.uuid4().hex, int(time.time()), loaded.model_id)
+    cont = continued(loaded, req.resume, prompt, max_tokens, oa.stop_list(req.stop), continues_text=True)
+    if cont is not None and grammar is not None:
+        grammar.consume_tokens(cont.ids)
+    ticket = (ended_ticket(cont, len(prompt)) if cont is not None and cont.finish is not None else
+              submit(request, slot, prompt, max_tokens, req, grammar=grammar, logprobs=req.logprobs,
+                     continues_text=True, resumed=cont.ids if cont is not None else None))
+    meta = reply_meta("cmpl-", req.resume, loaded.model_id)
     echo = loaded.decode(prompt) if req.echo else ""
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    reply = TextReply(*meta, echo=echo, logprobs=req.logprobs)
+    prime(reply, cont)
     with cancel_on_exit(ticket):
         if req.stream:
-            return await stream(request, ticket, TextReply(*meta, echo=echo, logprobs=req.logprobs), include_usage)
+            return await stream(request, ticket, reply, include_usage,
+                                resumed=len(cont.ids) if cont is not None else None)
         text, done, logprobs = await collect(ticket)
         lp = text_logprobs(logprobs, len(echo), req.logprobs) if req.logprobs is not None else None
-        choice = oa.TextChoice(0, echo + text, done.finish_reason, lp, done.stop_sequence)
+        before = cont.text if cont is not None else ""
+        choice = oa.TextChoice(0, echo + before + text, done.finish_reason, lp, done.stop_sequence)
         return json_response(oa.Completion(*meta, choices=[choice], usage=usage_of(done)), headers=usage_headers(done))
 
 

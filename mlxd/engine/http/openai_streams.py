@@ -11,36 +11,49 @@ from aiohttp import web
 from mlxd.engine.gpu.ticket import Ticket
 from mlxd.engine.http.openai_replies import ChatReply, Reply
 from mlxd.engine.http.openai_requests import summary_of, usage_of
-from mlxd.engine.http.sse import SSEWriter, keepalive_interval
+from mlxd.engine.http.sse import DONE, SSEWriter, event, keepalive_interval, mark, usage_comment
 from mlxd.protocol import openai as oa
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.events import Done, Failed, Token
+from mlxd.protocol.process import MARKS_HEADER, REPLY_HEADER
 
 KEEPALIVE_S = keepalive_interval()
 
 
 async def stream(request: web.Request, ticket: Ticket, reply: Reply, include_usage: bool,
-                 early_usage: bool = False) -> web.StreamResponse:
+                 early_usage: bool = False, resumed: int | None = None) -> web.StreamResponse:
     """Relay a generation as OpenAI SSE chunks, ending with `data: [DONE]`; with `early_usage`
-    (process.EARLY_USAGE_HEADER) the opening chunk carries the prompt's usage."""
-    sse = SSEWriter()
+    (process.EARLY_USAGE_HEADER) the opening chunk carries the prompt's usage.
+
+    Each batch of events goes out in one write, and with process.MARKS_HEADER a resume mark
+    ends it (the batch's token ids). `resumed`: the reply continues one whose first `resumed`
+    tokens were delivered, opening chunks included (http/resume.py): none are sent again."""
+    marks = MARKS_HEADER in request.headers
+    sse = SSEWriter({REPLY_HEADER: f"{reply.meta[0]} {reply.meta[1]}"} if marks else None)
     resp = await sse.start(request)
     # The opening chunks go out with the first generated text, so a client's (and the
     # supervisor's) first chunk marks the first token.
-    opening = reply.opening()
+    opening = reply.opening() if resumed is None else []
+    total = resumed or 0
     try:
         await keep_alive_until_first_event(sse, ticket)
         async for batch in ticket.events():
             if opening and early_usage:
                 opening[0].usage = prompt_usage(batch)
-            for chunk in opening:
-                await sse.send(chunk)
-            opening = []
             tokens = [e for e in batch if isinstance(e, Token)]
             logprobs = [lp for e in tokens for lp in e.logprobs or []]
-            for chunk in reply.text("".join(e.text for e in tokens), logprobs):
-                await sse.send(chunk)
-            await finish_stream(sse, reply, batch[-1], include_usage)
+            chunks = [*opening, *reply.text("".join(e.text for e in tokens), logprobs)]
+            opening = []
+            out = b"".join(map(event, chunks))
+            end = batch[-1]
+            if isinstance(end, Token):
+                if marks:
+                    ids = [i for e in tokens for i in e.ids or ()]
+                    total += len(ids)
+                    out += mark(0, total, ids)
+                await sse.write(out)
+            else:
+                await sse.write(out + closing_events(reply, end, include_usage), end=True)
     except ConnectionResetError:
         ticket.cancel()  # the client went away mid-stream
     return resp
@@ -65,18 +78,22 @@ async def keep_alive_until_first_event(sse: SSEWriter, ticket: Ticket) -> None:
 
 
 async def finish_stream(sse: SSEWriter, reply: Reply, end: Any, include_usage: bool) -> None:
-    """Write the closing events for a Done or Failed event; nothing for a Token."""
+    """Write the closing events for a Done or Failed event, and end the stream; nothing for a Token."""
+    if isinstance(end, Done | Failed):
+        await sse.write(closing_events(reply, end, include_usage), end=True)
+
+
+def closing_events(reply: Reply, end: Done | Failed, include_usage: bool) -> bytes:
+    """The events that end a stream: the reply's last chunks, usage and [DONE]; or an error
+    event (a failure, or a drain or shutdown that cancelled it), with no [DONE]."""
     if isinstance(end, Failed):
-        await sse.send_error(APIError(end.status, end.message, type="server_error", code=end.code))
-    elif isinstance(end, Done) and end.finish_reason == "cancelled":
-        await sse.send_error(APIError(503, "The engine is shutting down.", type="server_error", code="engine_stopping"))
-    elif isinstance(end, Done):
-        for chunk in reply.closing(end):
-            await sse.send(chunk)
-        if include_usage:
-            await sse.send(reply.usage(usage_of(end)))
-        await sse.usage(summary_of(end))
-        await sse.done()
+        return event(APIError(end.status, end.message, type="server_error", code=end.code).to_openai())
+    if end.finish_reason == "cancelled":
+        return event(APIError(503, "The engine is shutting down.", type="server_error", code="engine_stopping").to_openai())
+    out = [event(chunk) for chunk in reply.closing(end)]
+    if include_usage:
+        out.append(event(reply.usage(usage_of(end))))
+    return b"".join([*out, usage_comment(summary_of(end)), DONE])
 
 
 async def stream_choices(request: web.Request, tickets: list[Ticket], replies: list[ChatReply],

@@ -12,7 +12,7 @@ import msgspec
 from aiohttp import web
 
 from mlxd.protocol.errors import APIError
-from mlxd.protocol.process import STREAM_KEEPALIVE_ENV, USAGE_COMMENT, RequestUsage
+from mlxd.protocol.process import MARK, STREAM_KEEPALIVE_ENV, USAGE_COMMENT, RequestUsage
 
 _encoder = msgspec.json.Encoder()
 log = logging.getLogger("mlxd.engine")
@@ -38,9 +38,10 @@ def keepalive_interval(environ: Mapping[str, str] = os.environ) -> float:
 class SSEWriter:
     """Writes one SSE response; each send is flushed to the socket at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, headers: Mapping[str, str] | None = None) -> None:
         self._resp = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                     **(headers or {})}
         )
 
     async def start(self, request: web.Request) -> web.StreamResponse:
@@ -50,7 +51,14 @@ class SSEWriter:
 
     async def send(self, obj: Any) -> None:
         """One `data:` event with `obj` as JSON."""
-        await self._resp.write(b"data: " + _encoder.encode(obj) + b"\n\n")
+        await self._resp.write(event(obj))
+
+    async def write(self, data: bytes, end: bool = False) -> None:
+        """Events made by `event` and friends, in one write (one HTTP chunk); `end`: the last."""
+        if data:
+            await self._resp.write(data)
+        if end:
+            await self._resp.write_eof()
 
     async def comment(self, text: str) -> None:
         """An SSE comment line: clients' event decoders skip it, but it shows the connection lives."""
@@ -58,7 +66,7 @@ class SSEWriter:
 
     async def usage(self, usage: RequestUsage) -> None:
         """The request's cost, as the comment the supervisor reads (process.USAGE_COMMENT)."""
-        await self._resp.write(USAGE_COMMENT + _encoder.encode(usage) + b"\n\n")
+        await self._resp.write(usage_comment(usage))
 
     async def send_error(self, err: APIError) -> None:
         """An error event in OpenAI's error shape, then end the stream (no [DONE])."""
@@ -69,3 +77,21 @@ class SSEWriter:
         """The closing `data: [DONE]` sentinel."""
         await self._resp.write(b"data: [DONE]\n\n")
         await self._resp.write_eof()
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def event(obj: Any) -> bytes:
+    """One `data:` event with `obj` as JSON."""
+    return b"data: " + _encoder.encode(obj) + b"\n\n"
+
+
+def usage_comment(usage: RequestUsage) -> bytes:
+    """The request's cost, as the comment the supervisor reads (process.USAGE_COMMENT)."""
+    return USAGE_COMMENT + _encoder.encode(usage) + b"\n\n"
+
+
+def mark(index: int, total: int, ids: list[int]) -> bytes:
+    """A resume mark (process.MARK): the token ids the events before it carried."""
+    return MARK + b"%d %d %s\n\n" % (index, total, ",".join(map(str, ids)).encode())

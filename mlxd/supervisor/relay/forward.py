@@ -10,6 +10,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from mlxd.protocol.process import MARKS_HEADER
 from mlxd.supervisor.engines.upstream import (
     EngineUnreachable,
     Upstream,
@@ -20,6 +21,7 @@ from mlxd.supervisor.engines.upstream import (
 from mlxd.supervisor.relay.dialect import Dialect
 from mlxd.supervisor.relay.keys import USAGE_KEY
 from mlxd.supervisor.relay.passthrough import relay_stream, relay_whole
+from mlxd.supervisor.relay.resume import Cut, ReplyMarks
 from mlxd.supervisor.relay.translated import relay_translated, translate_whole
 
 log = logging.getLogger("mlxd.supervisor")
@@ -29,12 +31,14 @@ DROPPED_AT_ONCE_S = 0.1  # a connection lost with no answer this soon: the engin
 async def forward(
     request: web.Request, socket: Path, gate: asyncio.Semaphore, body: bytes, headers: Mapping[str, str],
     dialect: Dialect, on_first_chunk: Callable[[], None] = lambda: None,
-    prepared: web.StreamResponse | None = None,
+    prepared: web.StreamResponse | None = None, marks: ReplyMarks | None = None,
 ) -> web.StreamResponse:
     """POST `body` to the engine at `socket` (holding one of `gate`'s slots): to the same path,
     or the dialect's engine route; relay its answer chunk by chunk (an event stream into
     `prepared` when the SSE head is out), decoded and re-encoded on the way if the dialect
-    translates. EngineUnreachable when the engine was gone before it took the request."""
+    translates. EngineUnreachable when the engine was gone before it took the request. With
+    `marks` (resume.py) a stream asks for resume marks, and an engine that dies mid-answer
+    raises Cut rather than ending the answer with an error."""
     async with gate:
         try:
             up = await connect(socket)
@@ -43,7 +47,9 @@ async def forward(
         except OSError:  # refused, no socket file, or closed at once: nothing was sent
             raise EngineUnreachable(was_sent=False) from None
         try:
-            return await _relay(request, up, body, headers, dialect, on_first_chunk, prepared)
+            if marks is not None:
+                headers = {**headers, MARKS_HEADER: "1"}
+            return await _relay(request, up, body, headers, dialect, on_first_chunk, prepared, marks)
         finally:
             up.close()
             if (usage := up.usage()) is not None:
@@ -54,7 +60,7 @@ async def forward(
 
 async def _relay(
     request: web.Request, up: Upstream, body: bytes, headers: Mapping[str, str], dialect: Dialect,
-    on_first_chunk: Callable[[], None], prepared: web.StreamResponse | None,
+    on_first_chunk: Callable[[], None], prepared: web.StreamResponse | None, marks: ReplyMarks | None,
 ) -> web.StreamResponse:
     loop = asyncio.get_running_loop()
     connected = loop.time()
@@ -64,11 +70,13 @@ async def _relay(
     if up.head is None:
         if up.num_received == 0 and loop.time() - connected < DROPPED_AT_ONCE_S:
             raise EngineUnreachable(was_sent=True)
+        if marks is not None:
+            raise Cut(prepared)
         raise crashed_error()
     if up.head.is_event_stream and up.head.status == 200:
         if dialect.translator() is not None:
-            return await relay_translated(request, up, dialect, on_first_chunk, prepared)
-        return await relay_stream(request, up, dialect, on_first_chunk, prepared)
-    whole = await relay_whole(up)
+            return await relay_translated(request, up, dialect, on_first_chunk, prepared, marks)
+        return await relay_stream(request, up, dialect, on_first_chunk, prepared, marks)
+    whole = await relay_whole(up, marks)
     dialect.engine_usage(up.usage())
     return await translate_whole(whole, dialect) if dialect.engine_path is not None else whole

@@ -25,13 +25,17 @@ from mlxd.supervisor.engines.upstream import (
     whole_body,
 )
 from mlxd.supervisor.relay.dialect import Dialect
+from mlxd.supervisor.relay.resume import Cut, ReplyMarks
 from mlxd.supervisor.relay.sse import is_direct, open_stream, wait_out
 
 
-async def relay_whole(up: Upstream) -> web.Response:
-    """A non-streaming answer, passed through as-is."""
+async def relay_whole(up: Upstream, marks: ReplyMarks | None = None) -> web.Response:
+    """A non-streaming answer, passed through as-is; with `marks`, an engine lost meanwhile is a
+    Cut (the request may start over)."""
     data = await whole_body(up)
     if up.lost:
+        if marks is not None:
+            raise Cut(None)
         raise crashed_error()
     assert up.head is not None
     if up.head.status == 503 and is_busy(data):
@@ -44,18 +48,25 @@ async def relay_whole(up: Upstream) -> web.Response:
 
 async def relay_stream(
     request: web.Request, up: Upstream, dialect: Dialect, on_first_chunk: Callable[[], None],
-    prepared: web.StreamResponse | None = None,
+    prepared: web.StreamResponse | None = None, marks: ReplyMarks | None = None,
 ) -> web.StreamResponse:
-    """SSE relayed as it arrives; an engine that dies mid-stream ends it with the dialect's error event."""
+    """SSE relayed as it arrives; an engine that dies mid-stream ends it with the dialect's error
+    event, or (`marks`: a stream that can go on) raises Cut. Its resume marks are stripped."""
     resp = await open_stream(request, prepared)  # only a 200 stream comes here
     direct = is_direct(up, resp)
+    if marks is not None:
+        assert up.head is not None
+        marks.head(up.head.headers)
     try:
-        await _write_payloads(resp, up, on_first_chunk, until_first=direct)
+        await _write_payloads(resp, up, on_first_chunk, until_first=direct, marks=marks)
         if direct and not up.ended and not up.lost:
             transport = request.transport
             if transport is None or transport.is_closing():
                 return resp  # our caller went away: leaving closes the upstream, and the engine cancels
-            up.sink = _direct_writer(transport, up)
+            if marks is not None:
+                up.payload_sink = _marked_writer(transport, up, marks)
+            else:
+                up.sink = _direct_writer(transport, up)
             while not up.ended and not up.lost:
                 await up.changed()
                 if up.paused:
@@ -64,7 +75,9 @@ async def relay_stream(
                 return resp
     except ConnectionResetError:
         return resp
-    if up.lost:
+    if marks is not None and (up.lost or marks.stopping) and marks.resumable():
+        raise Cut(resp)
+    if up.lost or (marks is not None and marks.stopping):
         with contextlib.suppress(ConnectionResetError):
             await resp.write(dialect.error_event(crashed_error()))
     with contextlib.suppress(ConnectionResetError):
@@ -73,13 +86,16 @@ async def relay_stream(
 
 
 async def _write_payloads(
-    resp: web.StreamResponse, up: Upstream, on_first_chunk: Callable[[], None], until_first: bool
+    resp: web.StreamResponse, up: Upstream, on_first_chunk: Callable[[], None], until_first: bool,
+    marks: ReplyMarks | None = None,
 ) -> None:
     """Payloads through `resp.write` until the answer ends, or (`until_first`) none is left after the
     first event (SSE comments, the engine's keep-alives while a request waits, do not count)."""
     sent = False
     while True:
         body = up.take_body()
+        if marks is not None:
+            body = [kept for kept in map(marks.take, body) if kept]
         for payload in body:
             await resp.write(payload)
         if not sent and any(not payload.startswith(b":") for payload in body):
@@ -102,5 +118,22 @@ def _direct_writer(transport: asyncio.Transport, up: Upstream) -> Callable[[byte
         transport.write(framed)
         if transport.get_write_buffer_size() > HIGH_WATER:
             up.pause()
+
+    return write
+
+
+def _marked_writer(transport: asyncio.Transport, up: Upstream, marks: ReplyMarks) -> Callable[[list[bytes]], None]:
+    """`_direct_writer` for a stream with resume marks: each payload's mark kept and stripped,
+    the rest framed again and written to the caller."""
+
+    def write(payloads: list[bytes]) -> None:
+        if transport.is_closing():
+            up.close()
+            return
+        framed = [b"%x\r\n%b\r\n" % (len(kept), kept) for kept in map(marks.take, payloads) if kept]
+        if framed:
+            transport.write(b"".join(framed))
+            if transport.get_write_buffer_size() > HIGH_WATER:
+                up.pause()
 
     return write

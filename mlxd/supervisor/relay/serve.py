@@ -9,13 +9,14 @@ puts the request back in the queue, a bounded number of times.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 
 from aiohttp import web
 
 from mlxd.protocol.errors import APIError
-from mlxd.protocol.process import ADAPTER_HEADER, LEASE_HEADER, PRIORITY_HEADER
+from mlxd.protocol.process import ADAPTER_HEADER, LEASE_HEADER, PRIORITY_HEADER, RESUME_HEADER
 from mlxd.supervisor.adapters import AdapterEntry, header_value
 from mlxd.supervisor.engines.pool import Pool
 from mlxd.supervisor.engines.upstream import EngineBusy, EngineUnreachable, crashed_error
@@ -23,8 +24,10 @@ from mlxd.supervisor.registry import ModelEntry
 from mlxd.supervisor.relay.dialect import Dialect
 from mlxd.supervisor.relay.forward import forward
 from mlxd.supervisor.relay.keys import DIALECT_KEY, FIRST_CHUNK_KEY, MODEL_KEY
+from mlxd.supervisor.relay.resume import Cut, ReplyMarks
 from mlxd.supervisor.relay.waiting import WaitingStream
 
+log = logging.getLogger("mlxd.supervisor")
 MAX_REQUEUES = 5
 UNREACHABLE_PAUSE_S = 0.05
 
@@ -44,12 +47,16 @@ async def serve(
     waiting = WaitingStream(request, keepalive_s, dialect, engine.load_progress) if stream else None
 
     def first_chunk() -> None:
+        if FIRST_CHUNK_KEY in request:
+            return  # a reply going on after a cut: its first chunk went out before
         request[FIRST_CHUNK_KEY] = time.perf_counter()
         on_first_chunk(request[FIRST_CHUNK_KEY])
 
+    marks = ReplyMarks() if resumes(request, pool, entry) else None
     try:
         queued = priority if priority is not None else key_priority if key_priority is not None else 0
-        return await _route(request, pool, entry, body, dialect, waiting, first_chunk, queued, key_priority, adapters)
+        return await _route(request, pool, entry, body, dialect, waiting, first_chunk, queued, key_priority, adapters,
+                            marks)
     except APIError as err:
         if waiting is None or waiting.response is None:
             raise
@@ -63,11 +70,11 @@ async def serve(
 async def _route(
     request: web.Request, pool: Pool, entry: ModelEntry, body: bytes, dialect: Dialect,
     waiting: WaitingStream | None, on_first_chunk: Callable[[], None], queued: int, key_priority: int | None,
-    adapters: tuple[AdapterEntry, ...],
+    adapters: tuple[AdapterEntry, ...], marks: ReplyMarks | None,
 ) -> web.StreamResponse:
     lease_id = request.headers.get(LEASE_HEADER)
-    pause_s, num_resent = 0.0, 0
-    for _ in range(MAX_REQUEUES):
+    pause_s, num_resent, requeues, sent = 0.0, 0, 0, body
+    while requeues < MAX_REQUEUES:
         await asyncio.sleep(pause_s)  # after an unreachable engine: its owner sees the exit meanwhile
         acquire = pool.acquire(entry, lease_id, priority=queued)
         slot = await (waiting.wait(acquire, pool.release) if waiting is not None else acquire)
@@ -79,15 +86,29 @@ async def _route(
             headers[ADAPTER_HEADER] = header_value(adapters)
             headers.update(dialect.engine_headers)
             prepared = waiting.response if waiting is not None else None
-            resp = await forward(request, slot.engine.socket, slot.engine.connections, body, headers, dialect,
-                                 on_first_chunk=on_first_chunk, prepared=prepared)
+            resp = await forward(request, slot.engine.socket, slot.engine.connections, sent, headers, dialect,
+                                 on_first_chunk=on_first_chunk, prepared=prepared, marks=marks)
+        except Cut as cut:
+            assert marks is not None
+            if waiting is not None and cut.response is not None:
+                waiting.response = cut.response  # the caller's stream goes on (or ends) in this response
+            if marks.cuts >= pool.config.resume_attempts or not marks.resumable():
+                log.warning("%s %s: its engine went away %d times; ending it", request.method, request.path,
+                            marks.cuts + 1)
+                raise crashed_error() from None
+            marks.cut()
+            sent, pause_s = marks.continuation(body), UNREACHABLE_PAUSE_S
+            log.info("%s %s: its engine went away after %d tokens; going on on the next (%d of %d)", request.method,
+                     request.path, len(marks.ids), marks.cuts, pool.config.resume_attempts)
+            continue
         except EngineUnreachable as dead:
             if dead.was_sent and num_resent:
                 raise crashed_error() from None
             num_resent += dead.was_sent
-            pause_s = UNREACHABLE_PAUSE_S
+            pause_s, requeues = UNREACHABLE_PAUSE_S, requeues + 1
             continue  # it died before it took the request: wait in the queue for its restart
         except EngineBusy:
+            requeues += 1
             continue  # raced a drain or lease at the engine: wait in the queue again
         finally:
             pool.release(slot)
@@ -97,3 +118,14 @@ async def _route(
         return resp
     raise APIError(503, f"Model {entry.id} stayed busy or unreachable; try again.", type="server_error",
                    code="engine_busy", headers={"Retry-After": "1"})
+
+
+OFF = frozenset({"off", "0", "false", "no"})
+
+
+def resumes(request: web.Request, pool: Pool, entry: ModelEntry) -> bool:
+    """Whether a reply cut by its engine's death goes on on the next: the model's `resume`
+    (else the pool's), unless the caller opted out (process.RESUME_HEADER)."""
+    if request.headers.get(RESUME_HEADER, "").strip().lower() in OFF:
+        return False
+    return entry.resume if entry.resume is not None else pool.config.resume

@@ -22,6 +22,7 @@ from aiohttp import web
 from mlxd.protocol.chat_chunks import chunk_decoder
 from mlxd.supervisor.engines.upstream import HIGH_WATER, Upstream, crashed_error
 from mlxd.supervisor.relay.dialect import Dialect, StreamTranslator
+from mlxd.supervisor.relay.resume import Cut, ReplyMarks
 from mlxd.supervisor.relay.sse import SseEvents, is_direct, open_stream, wait_out
 
 log = logging.getLogger("mlxd.supervisor")
@@ -41,21 +42,31 @@ async def translate_whole(resp: web.Response, dialect: Dialect) -> web.Response:
 
 async def relay_translated(
     request: web.Request, up: Upstream, dialect: Dialect, on_first_chunk: Callable[[], None],
-    prepared: web.StreamResponse | None = None,
+    prepared: web.StreamResponse | None = None, marks: ReplyMarks | None = None,
 ) -> web.StreamResponse:
-    """The engine's chat stream, event by event, in the caller's API."""
+    """The engine's chat stream, event by event, in the caller's API. With `marks` (a stream that
+    can go on), an engine that dies mid-stream raises Cut, and a stream going on after one does
+    not open again: the same translator goes on with the next engine's chunks."""
     translator = dialect.translator()
     assert translator is not None
     resp = await open_stream(request, prepared, dialect.stream_headers)
-    relay = _Translating(translator, dialect, on_first_chunk)
+    relay = _Translating(translator, dialect, on_first_chunk, marks)
+    if marks is not None:
+        assert up.head is not None
+        marks.head(up.head.headers)
     try:
-        await resp.write(translator.start())
+        if marks is None or not marks.opened:
+            await resp.write(translator.start())
+            if marks is not None:
+                marks.opened = True
         transport = request.transport
         if is_direct(up, resp) and transport is not None and not transport.is_closing():
             if not await _relay_direct(resp, up, relay, transport):
                 return resp  # the caller left
         else:
             await _relay_written(resp, up, relay)
+        if marks is not None and not relay.done and (up.lost or marks.stopping) and marks.resumable():
+            raise Cut(resp)
         if relay.done and not translator.ended:
             closing = translator.finish()
             await dialect.on_final(translator)
@@ -100,8 +111,10 @@ async def _relay_written(resp: web.StreamResponse, up: Upstream, relay: _Transla
 class _Translating:
     """One translated stream's state: its SSE splitter, and whether [DONE] came."""
 
-    def __init__(self, translator: StreamTranslator, dialect: Dialect, on_first_chunk: Callable[[], None]) -> None:
+    def __init__(self, translator: StreamTranslator, dialect: Dialect, on_first_chunk: Callable[[], None],
+                 marks: ReplyMarks | None = None) -> None:
         self.translator = translator
+        self.marks = marks
         self.dialect = dialect
         self.events = SseEvents()
         self.on_first_chunk = on_first_chunk
@@ -111,6 +124,8 @@ class _Translating:
     def translate(self, payloads: list[bytes]) -> bytes:
         out: list[bytes] = []
         answered = False  # an event of the answer went out (not a keep-alive, which waits for it)
+        if self.marks is not None:
+            payloads = list(map(self.marks.take, payloads))
         for payload in payloads:
             for data in self.events.feed(payload):
                 if data == b"[DONE]":

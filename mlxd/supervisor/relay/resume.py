@@ -1,0 +1,110 @@
+"""What a stream needs to go on when its engine dies: the reply's token ids, from the engine's
+resume marks, and the continuation's body (docs/resume.md).
+
+A stream asks its engine for marks (process.MARKS_HEADER). Each write of the engine's stream
+then ends with `: ids INDEX TOTAL ID,...`: the token ids the events before it carried. A write is
+one HTTP chunk, so the relay sees a mark with its events or neither. `ReplyMarks.take` strips
+the mark from each payload before the caller sees it and keeps its ids, bounded. When the engine
+dies mid-stream (its connection lost, or its drain ended the reply with `engine_stopping`), the
+relay raises `Cut`; serve.py then queues the request again with `resume` (the ids, how they
+were split, the reply's id and `created`) added to its body, and the new engine's stream goes on
+in the same response, its opening events not sent again. A stream cut before its first mark is
+sent again as it was.
+"""
+
+from __future__ import annotations
+
+import array
+import time
+
+import msgspec
+from aiohttp import web
+
+from mlxd.protocol.process import MARK, REPLY_HEADER
+
+MAX_KEPT_TOKENS = 1 << 20  # a reply longer than this is not continued (8 MB of ids and splits kept)
+STOPPING = b'"engine_stopping"'  # the engine's error code when a drain or shutdown cut a reply
+DONE = b"data: [DONE]\n\n"
+
+
+class Cut(Exception):
+    """The engine went away mid-answer, and the request may go on (or start over) on another."""
+
+    def __init__(self, response: web.StreamResponse | None) -> None:
+        super().__init__()
+        self.response = response  # the caller's stream, once open
+
+
+class ReplyMarks:
+    """One streamed request's resume state, across its engines."""
+
+    def __init__(self) -> None:
+        self.ids = array.array("q")  # the reply's token ids, as its marks named them
+        self.segments = array.array("l")  # how many ids each mark named
+        self.reply: tuple[str, int] | None = None  # its id and `created` (REPLY_HEADER)
+        self.finished = False  # [DONE] went out: nothing to go on with
+        self.stopping = False  # the engine's stream ended with `engine_stopping`: a drain cut it
+        self.broken = False  # a mark that did not add up, or too many ids: the stream can only fail
+        self.opened = False  # a translated stream's opening events went out (they are not sent twice)
+        self.cuts = 0  # times the request went on after a cut
+        self.cut_at: float | None = None  # when the last cut was seen (perf_counter)
+
+    @property
+    def started(self) -> bool:
+        """Whether the caller has the reply's opening: the engine's first write came with a mark."""
+        return len(self.segments) > 0
+
+    def head(self, headers: dict[str, str]) -> None:
+        """The engine's answer head: the reply's id and `created`."""
+        rid, _, created = headers.get(REPLY_HEADER.lower(), "").partition(" ")
+        if rid and created.isdigit():
+            self.reply = (rid, int(created))
+
+    def take(self, payload: bytes) -> bytes:
+        """`payload` without its mark (whose ids are kept); b"" for an `engine_stopping` error
+        event, which the caller does not see (the reply goes on elsewhere)."""
+        at = 0 if payload.startswith(MARK) else payload.find(b"\n" + MARK) + 1
+        if at > 0 or payload.startswith(MARK):
+            start = at + len(MARK)
+            self._keep(payload[start:payload.find(b"\n", start)])
+            return payload[:at]
+        if payload.endswith(DONE):
+            self.finished = True
+        elif payload.startswith(b'data: {"error"') and STOPPING in payload:
+            self.stopping = True
+            return b""
+        elif payload.startswith(b"data:"):
+            self.broken = True  # events with no mark (an engine that does not mark, `n` choices): no going on
+        return payload
+
+    def _keep(self, mark: bytes) -> None:
+        try:
+            _index, total, ids = mark.split(b" ")
+            new = [int(i) for i in ids.split(b",")] if ids else []
+        except ValueError:
+            self.broken = True
+            return
+        self.ids.extend(new)
+        self.segments.append(len(new))
+        if int(total) != len(self.ids) or len(self.ids) > MAX_KEPT_TOKENS:
+            self.broken = True
+
+    def resumable(self) -> bool:
+        """Whether the reply can go on elsewhere."""
+        return not self.finished and not self.broken and (self.reply is not None or not self.started)
+
+    def cut(self) -> None:
+        """The engine went away: count it, and time the resume from now."""
+        self.cuts += 1
+        self.cut_at = time.perf_counter()
+        self.stopping = False
+
+    def continuation(self, body: bytes) -> bytes:
+        """The request's body to send next: with `resume` once the caller has the reply's start."""
+        if not self.started:
+            return body
+        assert self.reply is not None
+        request = msgspec.json.decode(body)
+        request["resume"] = {"tokens": self.ids.tolist(), "segments": self.segments.tolist(),
+                             "id": self.reply[0], "created": self.reply[1]}
+        return msgspec.json.encode(request)

@@ -1,0 +1,167 @@
+"""A continued reply on a real engine (`resume`, docs/resume.md): the stream's resume marks, and
+a reply cut after any of them and continued on the engine giving what the uninterrupted one
+gave, in text, tool calls, stop strings and usage."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mlxd.protocol.process import MARKS_HEADER, REPLY_HEADER
+from tests.support import EngineProcess, engine_client, running_engine
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2: Path) -> Iterator[EngineProcess]:
+    with running_engine(smollm2, "smol") as engine:
+        yield engine
+
+
+Piece = tuple[bytes, list[int]]  # one write's events, and the token ids its mark named
+
+
+def marked_stream(engine: EngineProcess, path: str, body: dict[str, Any]) -> tuple[str, list[Piece]]:
+    """A marked stream from the engine: its reply header, and its writes (the events before each
+    mark, and the mark's ids; the last piece, with no mark, ends the stream). Each mark's total
+    counts the reply's tokens, a continued reply's delivered ones included."""
+    with engine_client(engine) as c, c.stream("POST", path, json={**body, "stream": True},
+                                              headers={MARKS_HEADER: "1"}) as resp:
+        assert resp.status_code == 200
+        reply = resp.headers[REPLY_HEADER]
+        raw = resp.read()
+    pieces: list[Piece] = []
+    rest = raw
+    total = len(body["resume"].get("tokens", [])) if "resume" in body else 0
+    while (at := rest.find(b": ids ")) >= 0:
+        end = rest.index(b"\n\n", at)
+        index, count, ids_text = rest[at + 6:end].decode().split(" ")
+        ids = [int(i) for i in ids_text.split(",") if i]
+        total += len(ids)
+        assert (int(index), int(count)) == (0, total)
+        pieces.append((rest[:at], ids))
+        rest = rest[end + 2:]
+    pieces.append((rest, []))
+    return reply, pieces
+
+
+def events(raw: bytes) -> list[dict[str, Any]]:
+    return [json.loads(line[6:]) for line in raw.split(b"\n") if line.startswith(b"data: {")]
+
+
+def chat_text(chunks: list[dict[str, Any]]) -> str:
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+
+def cut_and_continue(engine: EngineProcess, path: str, body: dict[str, Any], at: int) -> tuple[bytes, bytes]:
+    """The stream's bytes up to its `at`-th mark, and the continuation's, sent with those marks'
+    tokens."""
+    reply, pieces = marked_stream(engine, path, body)
+    assert at < len(pieces) - 1
+    rid, created = reply.split(" ")
+    before = b"".join(p for p, _ in pieces[:at + 1])
+    tokens = [t for _, ids in pieces[:at + 1] for t in ids]
+    segments = [len(ids) for _, ids in pieces[:at + 1]]
+    resume = {"tokens": tokens, "segments": segments, "id": rid, "created": int(created)}
+    _, rest = marked_stream(engine, path, {**body, "resume": resume})
+    return before, b"".join(p for p, _ in rest)
+
+
+CHAT = {"messages": [{"role": "user", "content": "Write three sentences about the sea."}],
+        "max_tokens": 48, "temperature": 0, "stream_options": {"include_usage": True}}
+
+
+def test_marks_name_every_token_and_the_reply(smol: EngineProcess) -> None:
+    reply, pieces = marked_stream(smol, "/v1/chat/completions", CHAT)
+    chunks = events(b"".join(p for p, _ in pieces))
+    assert reply.split(" ")[0] == chunks[0]["id"] and int(reply.split(" ")[1]) == chunks[0]["created"]
+    usage = chunks[-1]["usage"]
+    tokens = sum(len(ids) for _, ids in pieces)
+    # the last tokens (EOS, or held text) may come with the end, which needs no mark
+    assert usage["completion_tokens"] - 2 <= tokens <= usage["completion_tokens"]
+    assert len(pieces) > 3
+
+
+@pytest.mark.parametrize("at", [0, 1, 5, 20])
+def test_a_chat_stream_continued_after_any_mark_is_the_uninterrupted_one(smol: EngineProcess, at: int) -> None:
+    _, whole = marked_stream(smol, "/v1/chat/completions", CHAT)
+    want = events(b"".join(p for p, _ in whole))
+    before, after = cut_and_continue(smol, "/v1/chat/completions", CHAT, at)
+    first, rest = events(before), events(after)
+    assert chat_text(first) + chat_text(rest) == chat_text(want)
+    assert all(c["choices"][0]["delta"].get("role") is None for c in rest if c["choices"])  # no second opening
+    assert {c["id"] for c in first + rest} == {want[0]["id"]} or len({c["id"] for c in first + rest}) == 1
+    assert rest[-1]["usage"] == want[-1]["usage"] | {"prompt_tokens_details": rest[-1]["usage"]["prompt_tokens_details"]}
+    assert rest[-2]["choices"][0]["finish_reason"] == want[-2]["choices"][0]["finish_reason"]
+
+
+def test_a_stop_string_held_back_at_the_cut_still_stops(smol: EngineProcess) -> None:
+    _, whole = marked_stream(smol, "/v1/chat/completions", {**CHAT, "max_tokens": 64})
+    text = chat_text(events(b"".join(p for p, _ in whole)))
+    stop = text[30:36]  # a string the reply writes: it ends there
+    body = {**CHAT, "max_tokens": 64, "stop": [stop]}
+    _, stopped = marked_stream(smol, "/v1/chat/completions", body)
+    want = events(b"".join(p for p, _ in stopped))
+    for at in range(len(stopped) - 1):
+        before, after = cut_and_continue(smol, "/v1/chat/completions", body, at)
+        got = chat_text(events(before)) + chat_text(events(after))
+        assert got == chat_text(want) == text[:30]
+        assert events(after)[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_text_completion_continues_too(smol: EngineProcess) -> None:
+    body = {"prompt": "The history of the lighthouse", "max_tokens": 40, "temperature": 0}
+    _, whole = marked_stream(smol, "/v1/completions", body)
+    want = "".join(c["choices"][0]["text"] for c in events(b"".join(p for p, _ in whole)))
+    before, after = cut_and_continue(smol, "/v1/completions", body, 3)
+    got = "".join(c["choices"][0]["text"] for c in events(before) + events(after))
+    assert got == want
+
+
+def test_a_whole_answer_with_resume_is_the_whole_reply(smol: EngineProcess) -> None:
+    with engine_client(smol) as c:
+        plain = c.post("/v1/chat/completions", json={**CHAT, "stream": False}).json()
+        _, pieces = marked_stream(smol, "/v1/chat/completions", CHAT)
+        tokens = [t for _, ids in pieces[:4] for t in ids]
+        cont = c.post("/v1/chat/completions", json={**CHAT, "stream": False, "resume": {"tokens": tokens}}).json()
+    assert cont["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+    assert cont["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]
+    assert cont["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+
+
+def test_a_reply_its_tokens_already_ended_ends_at_once(smol: EngineProcess) -> None:
+    body = {**CHAT, "max_tokens": 6}
+    _, pieces = marked_stream(smol, "/v1/chat/completions", body)
+    tokens = [t for _, ids in pieces for t in ids]
+    assert len(tokens) == 6
+    _, rest = marked_stream(smol, "/v1/chat/completions", {**body, "resume": {"tokens": tokens}})
+    chunks = events(b"".join(p for p, _ in rest))
+    assert chat_text(chunks) == ""
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_seeded_sampling_continues_with_the_same_draws(smol: EngineProcess) -> None:
+    body = {**CHAT, "temperature": 1.0, "seed": 1234, "max_tokens": 40}
+    _, whole = marked_stream(smol, "/v1/chat/completions", body)
+    want = chat_text(events(b"".join(p for p, _ in whole)))
+    before, after = cut_and_continue(smol, "/v1/chat/completions", body, 4)
+    assert chat_text(events(before)) + chat_text(events(after)) == want
+
+
+@pytest.mark.parametrize(("resume", "param", "words"), [
+    ({"tokens": [10**9]}, "resume.tokens", "outside the vocabulary"),
+    ({"tokens": [1, 2], "segments": [1]}, "resume.segments", "add up to 1"),
+    ({"tokens": [1], "text": "a"}, "resume.text", "not both"),
+    ({"tokens": list(range(100))}, "resume", "budget of 50"),
+    ({"bogus": 1}, "resume", "bogus"),
+])
+def test_a_bad_resume_is_a_400_naming_it(smol: EngineProcess, resume: dict[str, Any], param: str, words: str) -> None:
+    with engine_client(smol) as c:
+        resp = c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 50, "stream": False, "resume": resume})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param
+    assert words in resp.json()["error"]["message"]
