@@ -80,6 +80,8 @@ class EngineRow(msgspec.Struct):
     last_used: float | None
     pinned: bool
     restarts: int
+    resumes: int  # requests that went on on the next engine after theirs died (docs/resume.md)
+    resume_failures: int  # ... and those cut more often than [pool] resume_attempts allow
     idle_ttl_s: int
     expires_in_s: float | None
     batch: int | Literal["auto"]  # the width asked for: [pool] batch, or the model's own

@@ -4,6 +4,7 @@ supervisors, real engines SIGKILLed under concurrent greedy streams, the officia
 from __future__ import annotations
 
 import random
+import re
 import sys
 import threading
 import time
@@ -18,7 +19,7 @@ import pytest
 from tests.support import SupervisorProcess, fake_supervisor, wait_for
 
 NO_EOS = {"2": -100}  # the tiny model's EOS, biased away: every reply runs to max_tokens
-POOL = "[pool]\ncrash_limit = 100\ncrash_window_s = 30\n"
+POOL = "[pool]\ncrash_limit = 100\ncrash_window_s = 30\ndrain_timeout_s = 0.3\n"
 ENV = {"MLXD_SPARE_ENGINE": "1", "MLXD_ENGINE_BACKOFF_S": "0.05"}
 
 
@@ -134,6 +135,34 @@ def test_eight_greedy_streams_keep_going_through_engine_kills(sup: SupervisorPro
             assert (usage.prompt_tokens, usage.completion_tokens) == (want_usage.prompt_tokens, want_usage.completion_tokens)
     log = sup.log()
     assert "going on on the next" in log
+    # Visible: the access log, /metrics and /admin/engines count the requests that went on
+    assert re.search(r"POST /v1/chat/completions 200 tiny .* resumed=\d\(\+\d+ms", log), log[-3000:]
+    metrics = sup.client.get("/metrics").text
+    went_on = re.search(r'mlxd_resumes_total\{model="tiny",outcome="went_on"\} (\d+)', metrics)
+    assert went_on is not None and int(went_on.group(1)) >= 3, metrics
+    assert re.search(r'mlxd_resume_seconds_count\{model="tiny"\} (\d+)', metrics)
+    [row] = [r for r in sup.client.get("/admin/engines").json()["data"] if r["model"] == "tiny"]
+    assert row["resumes"] == int(went_on.group(1)) and row["resume_failures"] == 0
+
+
+def test_a_stream_cut_by_an_unload_past_the_drain_timeout_goes_on_when_its_model_is_back(sup: SupervisorProcess) -> None:
+    client = sup.openai()
+    want, _, _ = chat(client, PROMPTS[1], max_tokens=1500)
+    begun = threading.Event()
+    unloaded: list[int] = []
+
+    def unload() -> None:
+        begun.wait(60)
+        time.sleep(0.2)
+        unloaded.append(sup.client.post("/admin/unload", json={"model": "tiny"}).status_code)
+
+    thread = threading.Thread(target=unload)
+    thread.start()
+    got, usage, ids = chat(client, PROMPTS[1], begun, max_tokens=1500)
+    thread.join(60)
+    assert unloaded == [200]
+    assert got == want and len(ids) == 1 and usage.completion_tokens == 1500
+    assert "going on on the next" in sup.log()
 
 
 def test_the_opt_out_header_ends_the_stream_with_the_crash_error(sup: SupervisorProcess) -> None:

@@ -5,20 +5,27 @@ gave, in text, tool calls, stop strings and usage."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from mlxd.protocol.process import MARKS_HEADER, REPLY_HEADER
-from tests.support import EngineProcess, engine_client, running_engine
+from tests.support import EngineProcess, engine_client
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2: Path) -> Iterator[EngineProcess]:
-    with running_engine(smollm2, "smol") as engine:
-        yield engine
+def smol(smol_engine: EngineProcess) -> EngineProcess:
+    """SmolLM2, for the tool call and the JSON schema (its chat template knows tools)."""
+    return smol_engine
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_engine: EngineProcess) -> EngineProcess:
+    """The tiny random model: greedy text that is nonsense but fast, and the same every time."""
+    return tiny_engine
+
+
+NO_EOS = {"2": -100}  # the tiny model's EOS, biased away
 
 
 Piece = tuple[bytes, list[int]]  # one write's events, and the token ids its mark named
@@ -56,10 +63,11 @@ def chat_text(chunks: list[dict[str, Any]]) -> str:
     return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
 
 
-def cut_and_continue(engine: EngineProcess, path: str, body: dict[str, Any], at: int) -> tuple[bytes, bytes]:
+def cut_and_continue(engine: EngineProcess, path: str, body: dict[str, Any], at: int,
+                     whole: tuple[str, list[Piece]] | None = None) -> tuple[bytes, bytes]:
     """The stream's bytes up to its `at`-th mark, and the continuation's, sent with those marks'
-    tokens."""
-    reply, pieces = marked_stream(engine, path, body)
+    tokens (`whole`: the uninterrupted stream, if the caller has it)."""
+    reply, pieces = whole or marked_stream(engine, path, body)
     assert at < len(pieces) - 1
     rid, created = reply.split(" ")
     before = b"".join(p for p, _ in pieces[:at + 1])
@@ -71,11 +79,11 @@ def cut_and_continue(engine: EngineProcess, path: str, body: dict[str, Any], at:
 
 
 CHAT = {"messages": [{"role": "user", "content": "Write three sentences about the sea."}],
-        "max_tokens": 48, "temperature": 0, "stream_options": {"include_usage": True}}
+        "max_tokens": 48, "temperature": 0, "stream_options": {"include_usage": True}, "logit_bias": NO_EOS}
 
 
-def test_marks_name_every_token_and_the_reply(smol: EngineProcess) -> None:
-    reply, pieces = marked_stream(smol, "/v1/chat/completions", CHAT)
+def test_marks_name_every_token_and_the_reply(tiny: EngineProcess) -> None:
+    reply, pieces = marked_stream(tiny, "/v1/chat/completions", CHAT)
     chunks = events(b"".join(p for p, _ in pieces))
     assert reply.split(" ")[0] == chunks[0]["id"] and int(reply.split(" ")[1]) == chunks[0]["created"]
     usage = chunks[-1]["usage"]
@@ -85,46 +93,47 @@ def test_marks_name_every_token_and_the_reply(smol: EngineProcess) -> None:
     assert len(pieces) > 3
 
 
-@pytest.mark.parametrize("at", [0, 1, 5, 20])
-def test_a_chat_stream_continued_after_any_mark_is_the_uninterrupted_one(smol: EngineProcess, at: int) -> None:
-    _, whole = marked_stream(smol, "/v1/chat/completions", CHAT)
-    want = events(b"".join(p for p, _ in whole))
-    before, after = cut_and_continue(smol, "/v1/chat/completions", CHAT, at)
-    first, rest = events(before), events(after)
-    assert chat_text(first) + chat_text(rest) == chat_text(want)
-    assert all(c["choices"][0]["delta"].get("role") is None for c in rest if c["choices"])  # no second opening
-    assert {c["id"] for c in first + rest} == {want[0]["id"]} or len({c["id"] for c in first + rest}) == 1
-    assert rest[-1]["usage"] == want[-1]["usage"] | {"prompt_tokens_details": rest[-1]["usage"]["prompt_tokens_details"]}
-    assert rest[-2]["choices"][0]["finish_reason"] == want[-2]["choices"][0]["finish_reason"]
+def test_a_chat_stream_continued_after_any_mark_is_the_uninterrupted_one(tiny: EngineProcess) -> None:
+    whole = marked_stream(tiny, "/v1/chat/completions", CHAT)
+    want = events(b"".join(p for p, _ in whole[1]))
+    for at in range(len(whole[1]) - 1):
+        before, after = cut_and_continue(tiny, "/v1/chat/completions", CHAT, at, whole)
+        first, rest = events(before), events(after)
+        assert chat_text(first) + chat_text(rest) == chat_text(want), at
+        assert all(c["choices"][0]["delta"].get("role") is None for c in rest if c["choices"])  # no second opening
+        assert {c["id"] for c in first + rest} == {want[0]["id"]}
+        assert {c["created"] for c in first + rest} == {want[0]["created"]}
+        usage, want_usage = rest[-1]["usage"], want[-1]["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"]) == (want_usage["prompt_tokens"], 48)
+        assert rest[-2]["choices"][0]["finish_reason"] == "length"
 
 
-def test_a_stop_string_held_back_at_the_cut_still_stops(smol: EngineProcess) -> None:
-    _, whole = marked_stream(smol, "/v1/chat/completions", {**CHAT, "max_tokens": 64})
-    text = chat_text(events(b"".join(p for p, _ in whole)))
+def test_a_stop_string_held_back_at_the_cut_still_stops(tiny: EngineProcess) -> None:
+    text = chat_text(events(b"".join(p for p, _ in marked_stream(tiny, "/v1/chat/completions", CHAT)[1])))
     stop = text[30:36]  # a string the reply writes: it ends there
-    body = {**CHAT, "max_tokens": 64, "stop": [stop]}
-    _, stopped = marked_stream(smol, "/v1/chat/completions", body)
-    want = events(b"".join(p for p, _ in stopped))
-    for at in range(len(stopped) - 1):
-        before, after = cut_and_continue(smol, "/v1/chat/completions", body, at)
-        got = chat_text(events(before)) + chat_text(events(after))
-        assert got == chat_text(want) == text[:30]
+    body = {**CHAT, "stop": [stop]}
+    stopped = marked_stream(tiny, "/v1/chat/completions", body)
+    want = events(b"".join(p for p, _ in stopped[1]))
+    assert chat_text(want) == text[:text.index(stop)]
+    for at in range(len(stopped[1]) - 1):
+        before, after = cut_and_continue(tiny, "/v1/chat/completions", body, at, stopped)
+        assert chat_text(events(before)) + chat_text(events(after)) == chat_text(want), at
         assert events(after)[-2]["choices"][0]["finish_reason"] == "stop"
 
 
-def test_a_text_completion_continues_too(smol: EngineProcess) -> None:
-    body = {"prompt": "The history of the lighthouse", "max_tokens": 40, "temperature": 0}
-    _, whole = marked_stream(smol, "/v1/completions", body)
-    want = "".join(c["choices"][0]["text"] for c in events(b"".join(p for p, _ in whole)))
-    before, after = cut_and_continue(smol, "/v1/completions", body, 3)
-    got = "".join(c["choices"][0]["text"] for c in events(before) + events(after))
-    assert got == want
+def test_a_text_completion_continues_too(tiny: EngineProcess) -> None:
+    body = {"prompt": "The history of the lighthouse", "max_tokens": 40, "temperature": 0, "logit_bias": NO_EOS}
+    whole = marked_stream(tiny, "/v1/completions", body)
+    want = "".join(c["choices"][0]["text"] for c in events(b"".join(p for p, _ in whole[1])))
+    for at in (0, 3, 17):
+        before, after = cut_and_continue(tiny, "/v1/completions", body, at, whole)
+        assert "".join(c["choices"][0]["text"] for c in events(before) + events(after)) == want
 
 
-def test_a_whole_answer_with_resume_is_the_whole_reply(smol: EngineProcess) -> None:
-    with engine_client(smol) as c:
+def test_a_whole_answer_with_resume_is_the_whole_reply(tiny: EngineProcess) -> None:
+    with engine_client(tiny) as c:
         plain = c.post("/v1/chat/completions", json={**CHAT, "stream": False}).json()
-        _, pieces = marked_stream(smol, "/v1/chat/completions", CHAT)
+        _, pieces = marked_stream(tiny, "/v1/chat/completions", CHAT)
         tokens = [t for _, ids in pieces[:4] for t in ids]
         cont = c.post("/v1/chat/completions", json={**CHAT, "stream": False, "resume": {"tokens": tokens}}).json()
     assert cont["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
@@ -132,24 +141,27 @@ def test_a_whole_answer_with_resume_is_the_whole_reply(smol: EngineProcess) -> N
     assert cont["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
 
 
-def test_a_reply_its_tokens_already_ended_ends_at_once(smol: EngineProcess) -> None:
+def test_a_reply_its_tokens_already_ended_ends_at_once(tiny: EngineProcess) -> None:
     body = {**CHAT, "max_tokens": 6}
-    _, pieces = marked_stream(smol, "/v1/chat/completions", body)
+    _, pieces = marked_stream(tiny, "/v1/chat/completions", body)
     tokens = [t for _, ids in pieces for t in ids]
     assert len(tokens) == 6
-    _, rest = marked_stream(smol, "/v1/chat/completions", {**body, "resume": {"tokens": tokens}})
+    _, rest = marked_stream(tiny, "/v1/chat/completions", {**body, "resume": {"tokens": tokens}})
     chunks = events(b"".join(p for p, _ in rest))
     assert chat_text(chunks) == ""
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["usage"]["completion_tokens"] == 6
 
 
-def test_seeded_sampling_continues_with_the_same_draws(smol: EngineProcess) -> None:
-    body = {**CHAT, "temperature": 1.0, "seed": 1234, "max_tokens": 40}
-    _, whole = marked_stream(smol, "/v1/chat/completions", body)
-    want = chat_text(events(b"".join(p for p, _ in whole)))
-    before, after = cut_and_continue(smol, "/v1/chat/completions", body, 4)
-    assert chat_text(events(before)) + chat_text(events(after)) == want
+def test_seeded_sampling_continues_with_the_same_draws(tiny: EngineProcess) -> None:
+    body = {**CHAT, "temperature": 1.0, "seed": 1234}
+    whole = marked_stream(tiny, "/v1/chat/completions", body)
+    want = chat_text(events(b"".join(p for p, _ in whole[1])))
+    other = chat_text(events(b"".join(p for p, _ in marked_stream(tiny, "/v1/chat/completions", {**body, "seed": 1})[1])))
+    assert other != want  # the seed matters, so the same text below is the same draws
+    for at in (0, 4, 11):
+        before, after = cut_and_continue(tiny, "/v1/chat/completions", body, at, whole)
+        assert chat_text(events(before)) + chat_text(events(after)) == want
 
 
 @pytest.mark.parametrize(("resume", "param", "words"), [
@@ -159,9 +171,52 @@ def test_seeded_sampling_continues_with_the_same_draws(smol: EngineProcess) -> N
     ({"tokens": list(range(100))}, "resume", "budget of 50"),
     ({"bogus": 1}, "resume", "bogus"),
 ])
-def test_a_bad_resume_is_a_400_naming_it(smol: EngineProcess, resume: dict[str, Any], param: str, words: str) -> None:
-    with engine_client(smol) as c:
+def test_a_bad_resume_is_a_400_naming_it(tiny: EngineProcess, resume: dict[str, Any], param: str, words: str) -> None:
+    with engine_client(tiny) as c:
         resp = c.post("/v1/chat/completions", json={**CHAT, "max_tokens": 50, "stream": False, "resume": resume})
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param
     assert words in resp.json()["error"]["message"]
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                   "additionalProperties": False}}}
+
+
+def calls_of(chunks: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The tool calls in chat chunks: (name, arguments) by index, the arguments' deltas joined."""
+    calls: dict[int, list[str]] = {}
+    for c in chunks:
+        for call in (c["choices"][0]["delta"].get("tool_calls") or []) if c["choices"] else []:
+            entry = calls.setdefault(call["index"], ["", ""])
+            entry[0] += call["function"].get("name") or ""
+            entry[1] += call["function"].get("arguments") or ""
+    return [(name, args) for name, args in (calls[i] for i in sorted(calls))]
+
+
+def test_a_tool_call_cut_anywhere_arrives_whole_and_once(smol: EngineProcess) -> None:
+    body = {"messages": [{"role": "user", "content": "What is the weather in Paris?"}], "max_tokens": 60,
+            "temperature": 0, "tools": [WEATHER], "tool_choice": "required"}
+    whole = marked_stream(smol, "/v1/chat/completions", body)
+    want = events(b"".join(p for p, _ in whole[1]))
+    assert [name for name, _ in calls_of(want)] == ["get_weather"]
+    for at in range(len(whole[1]) - 1):
+        before, after = cut_and_continue(smol, "/v1/chat/completions", body, at, whole)
+        got = events(before) + events(after)
+        assert calls_of(got) == calls_of(want), at
+        assert got[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_json_schema_reply_cut_anywhere_keeps_its_grammar(smol: EngineProcess) -> None:
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    body = {"messages": [{"role": "user", "content": "Make up a person."}], "max_tokens": 60, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}}
+    whole = marked_stream(smol, "/v1/chat/completions", body)
+    want = chat_text(events(b"".join(p for p, _ in whole[1])))
+    assert set(json.loads(want)) == {"name", "age"}
+    for at in range(0, len(whole[1]) - 1, 4):
+        before, after = cut_and_continue(smol, "/v1/chat/completions", body, at, whole)
+        assert chat_text(events(before)) + chat_text(events(after)) == want, at

@@ -160,6 +160,7 @@ class Pool:
         self.admin = PoolAdmin(self)  # loads, unloads, drains, a lease's hold
         self.machine = MachineHold(self.schedule_replan, self.spare.stop)  # `mlxd lease --all`
         self.num_evictions = 0  # engines stopped to make room for another model
+        self.resumes: dict[str, list[int]] = {}  # by model: requests gone on after their engine died, and given up
         self.adapters = AdapterMounts()  # what each engine has mounted, and what is kept loaded
 
     # --- requests -------------------------------------------------------------------------
@@ -276,6 +277,11 @@ class Pool:
     def loaded_ids(self) -> list[str]:
         """Models whose engine is starting or ready."""
         return [m for m, s in self._slots.items() if s.engine.state in ACCEPTING]
+
+    def count_resume(self, model_id: str, went_on: bool) -> None:
+        """A request of the model's whose engine died under it went on on the next (or gave up)."""
+        tally = self.resumes.setdefault(model_id, [0, 0])
+        tally[0 if went_on else 1] += 1
 
     def num_queued(self, model_id: str) -> int:
         return sum(1 for w in self._queue if w.slot.entry.id == model_id)

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from mlxd.protocol.process import RequestUsage
 from mlxd.supervisor.http.timeline import Timeline
-from mlxd.supervisor.relay.keys import FIRST_CHUNK_KEY, MODEL_KEY, USAGE_KEY
+from mlxd.supervisor.relay.keys import FIRST_CHUNK_KEY, MODEL_KEY, RESUMES_KEY, USAGE_KEY
 
 log = logging.getLogger("mlxd.access")
 
@@ -55,7 +55,16 @@ def access_record(request: web.Request, status: int, duration_ms: float, model: 
         "paused": usage.paused if usage else None,
         "drafts": [usage.draft_accepted, usage.draft_proposed] if usage and usage.draft_proposed else None,
         "client": request.remote,
+        "resumes": resumes(request),
     }
+
+
+def resumes(request: web.Request) -> dict[str, Any] | None:
+    """How the request went on after its engine died (None: it did not die under it)."""
+    marks = request.get(RESUMES_KEY)
+    if marks is None:
+        return None
+    return {"added_ms": marks.latencies_ms, "gave_up": marks.gave_up}
 
 
 def decode_speed(usage: RequestUsage | None) -> float | None:
@@ -76,6 +85,10 @@ def access_line(r: dict[str, Any]) -> str:
         parts.append(f"ttft={r['ttft_ms']:.0f}ms")
     if r["tokens_per_s"] is not None:
         parts.append(f"{r['tokens_per_s']}tok/s")
+    if (resumed := r.get("resumes")) is not None:
+        added = "+".join(f"{ms:.0f}ms" for ms in resumed["added_ms"])
+        parts.append(f"resumed={len(resumed['added_ms'])}" + (f"(+{added})" if added else "")
+                     + (" gave-up" if resumed["gave_up"] else ""))
     if r["finish_reason"] not in (None, "stop"):
         parts.append(f"finish={r['finish_reason']}")
     if r.get("paused"):

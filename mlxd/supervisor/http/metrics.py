@@ -20,6 +20,8 @@ from mlxd.protocol.stats import LaneStats, PromptCacheStats, RamTierStats, SsdTi
 from mlxd.supervisor.engines.pool import Pool
 from mlxd.supervisor.http import access
 from mlxd.supervisor.http.timeline import Timeline
+from mlxd.supervisor.relay.keys import RESUMES_KEY
+from mlxd.supervisor.relay.resume import ReplyMarks
 
 LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -46,7 +48,23 @@ class Metrics:
             "mlxd_time_to_first_token_seconds", "Time from request to the first streamed chunk.", ["model"],
             buckets=TTFT_BUCKETS, registry=self.registry,
         )
+        self.resumes = Counter(
+            "mlxd_resumes", "Requests whose engine died under them, by whether they went on on the next (docs/resume.md).",
+            ["model", "outcome"], registry=self.registry,
+        )
+        self.resume_latency = Histogram(
+            "mlxd_resume_seconds", "Added latency of a reply going on after its engine died: from the cut to the "
+            "next engine's first words.", ["model"], buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
         self.registry.register(PoolCollector(pool))
+
+    def count_resumes(self, model: str, marks: ReplyMarks) -> None:
+        """A request's cuts, once it ended."""
+        for ms in marks.latencies_ms:
+            self.resumes.labels(model, "went_on").inc()
+            self.resume_latency.labels(model).observe(ms / 1000)
+        if marks.gave_up:
+            self.resumes.labels(model, "gave_up").inc()
 
     def render(self) -> bytes:
         """The text exposition format."""
@@ -193,6 +211,8 @@ def make_metrics_middleware(lazy: LazyMetrics, timeline: Timeline) -> Middleware
             metrics = lazy.get()
             metrics.requests.labels(route, model, status).inc()
             metrics.latency.labels(route, model).observe(time.perf_counter() - started)
+            if (marks := request.get(RESUMES_KEY)) is not None:
+                metrics.count_resumes(model, marks)
             access.log_request(request, int(status), started, timeline)
 
     return metrics_middleware

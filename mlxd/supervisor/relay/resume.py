@@ -5,7 +5,7 @@ A stream asks its engine for marks (process.MARKS_HEADER). Each write of the eng
 then ends with `: ids INDEX TOTAL ID,...`: the token ids the events before it carried. A write is
 one HTTP chunk, so the relay sees a mark with its events or neither. `ReplyMarks.take` strips
 the mark from each payload before the caller sees it and keeps its ids, bounded. When the engine
-dies mid-stream (its connection lost, or its drain ended the reply with `engine_stopping`), the
+dies mid-stream (its connection lost, or a drain's timeout cut the reply short), the
 relay raises `Cut`; serve.py then queues the request again with `resume` (the ids, how they
 were split, the reply's id and `created`) added to its body, and the new engine's stream goes on
 in the same response, its opening events not sent again. A stream cut before its first mark is
@@ -23,7 +23,8 @@ from aiohttp import web
 from mlxd.protocol.process import MARK, REPLY_HEADER
 
 MAX_KEPT_TOKENS = 1 << 20  # a reply longer than this is not continued (8 MB of ids and splits kept)
-STOPPING = b'"engine_stopping"'  # the engine's error code when a drain or shutdown cut a reply
+# The engine's error codes when a drain's timeout or a shutdown cut a reply short
+CUT_CODES = (b'"drain_timeout"', b'"engine_stopping"')
 DONE = b"data: [DONE]\n\n"
 
 
@@ -43,11 +44,13 @@ class ReplyMarks:
         self.segments = array.array("l")  # how many ids each mark named
         self.reply: tuple[str, int] | None = None  # its id and `created` (REPLY_HEADER)
         self.finished = False  # [DONE] went out: nothing to go on with
-        self.stopping = False  # the engine's stream ended with `engine_stopping`: a drain cut it
+        self.stopping = False  # the engine's stream ended with a drain's or shutdown's error: cut short
         self.broken = False  # a mark that did not add up, or too many ids: the stream can only fail
         self.opened = False  # a translated stream's opening events went out (they are not sent twice)
         self.cuts = 0  # times the request went on after a cut
-        self.cut_at: float | None = None  # when the last cut was seen (perf_counter)
+        self.cut_at: float | None = None  # when the last cut was seen (perf_counter), until the reply went on
+        self.latencies_ms: list[float] = []  # each cut's added latency: from the cut to the next engine's first words
+        self.gave_up = False  # cut once more than the request may go on
 
     @property
     def started(self) -> bool:
@@ -61,16 +64,18 @@ class ReplyMarks:
             self.reply = (rid, int(created))
 
     def take(self, payload: bytes) -> bytes:
-        """`payload` without its mark (whose ids are kept); b"" for an `engine_stopping` error
-        event, which the caller does not see (the reply goes on elsewhere)."""
+        """`payload` without its mark (whose ids are kept); b"" for the error event of a reply a
+        drain or shutdown cut short, which the caller does not see (the reply goes on elsewhere)."""
         at = 0 if payload.startswith(MARK) else payload.find(b"\n" + MARK) + 1
         if at > 0 or payload.startswith(MARK):
             start = at + len(MARK)
             self._keep(payload[start:payload.find(b"\n", start)])
+            self.went_on()
             return payload[:at]
         if payload.endswith(DONE):
             self.finished = True
-        elif payload.startswith(b'data: {"error"') and STOPPING in payload:
+            self.went_on()
+        elif payload.startswith(b'data: {"error"') and is_cut_short(payload):
             self.stopping = True
             return b""
         elif payload.startswith(b"data:"):
@@ -99,6 +104,12 @@ class ReplyMarks:
         self.cut_at = time.perf_counter()
         self.stopping = False
 
+    def went_on(self) -> None:
+        """The reply goes on (the next engine's first marked write, or its end): the cut's latency."""
+        if self.cut_at is not None:
+            self.latencies_ms.append(round((time.perf_counter() - self.cut_at) * 1000, 1))
+            self.cut_at = None
+
     def continuation(self, body: bytes) -> bytes:
         """The request's body to send next: with `resume` once the caller has the reply's start."""
         if not self.started:
@@ -108,3 +119,8 @@ class ReplyMarks:
         request["resume"] = {"tokens": self.ids.tolist(), "segments": self.segments.tolist(),
                              "id": self.reply[0], "created": self.reply[1]}
         return msgspec.json.encode(request)
+
+
+def is_cut_short(error: bytes) -> bool:
+    """Whether an engine's error (event or body) says a drain or shutdown cut the reply short."""
+    return any(code in error for code in CUT_CODES)

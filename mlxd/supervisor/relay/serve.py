@@ -23,7 +23,7 @@ from mlxd.supervisor.engines.upstream import EngineBusy, EngineUnreachable, cras
 from mlxd.supervisor.registry import ModelEntry
 from mlxd.supervisor.relay.dialect import Dialect
 from mlxd.supervisor.relay.forward import forward
-from mlxd.supervisor.relay.keys import DIALECT_KEY, FIRST_CHUNK_KEY, MODEL_KEY
+from mlxd.supervisor.relay.keys import DIALECT_KEY, FIRST_CHUNK_KEY, MODEL_KEY, RESUMES_KEY
 from mlxd.supervisor.relay.resume import Cut, ReplyMarks
 from mlxd.supervisor.relay.waiting import WaitingStream
 
@@ -92,11 +92,15 @@ async def _route(
             assert marks is not None
             if waiting is not None and cut.response is not None:
                 waiting.response = cut.response  # the caller's stream goes on (or ends) in this response
+            request[RESUMES_KEY] = marks
             if marks.cuts >= pool.config.resume_attempts or not marks.resumable():
                 log.warning("%s %s: its engine went away %d times; ending it", request.method, request.path,
                             marks.cuts + 1)
+                marks.gave_up = True
+                pool.count_resume(entry.id, went_on=False)
                 raise crashed_error() from None
             marks.cut()
+            pool.count_resume(entry.id, went_on=True)
             sent, pause_s = marks.continuation(body), UNREACHABLE_PAUSE_S
             log.info("%s %s: its engine went away after %d tokens; going on on the next (%d of %d)", request.method,
                      request.path, len(marks.ids), marks.cuts, pool.config.resume_attempts)
@@ -112,6 +116,8 @@ async def _route(
             continue  # raced a drain or lease at the engine: wait in the queue again
         finally:
             pool.release(slot)
+        if marks is not None:
+            marks.went_on()  # a whole answer worked out again (a stream's went on at its first mark)
         if waiting is not None and waiting.response is not None and isinstance(resp, web.Response):
             data = resp.body if isinstance(resp.body, bytes) else b"{}"
             raise dialect.engine_error(resp.status, data)  # an error, after the SSE head went out

@@ -1,0 +1,290 @@
+"""Replies that go on through engine crashes (issue 29, docs/resume.md), measured.
+
+Starts a real supervisor (spare engine on, crash limits out of the way) with the tiny random
+model, or `--model DIR`, and runs three phases:
+
+1. **Reference**: `--streams` greedy chat streams, each its own prompt, uninterrupted.
+2. **Storm**: the same streams again and again while the model's engine is SIGKILLed
+   `--kills` times, each a random 0-`--kill-jitter` s after a stream got a token from the
+   engine then serving. Every stream must end with the reference's text and usage, with no
+   error event: the report counts the clients that saw an error and the texts that differ.
+   The supervisor's access log gives each resume's added latency (from the cut to the next
+   engine's first marked write).
+3. **One stream, cut at token `--cut-at`**, `--samples` times each way, the client timing the
+   gap: with resume (the gap between token `cut-at` and the next), and a cold restart
+   (`X-MLXD-Resume: off`: the client gets the crash error and sends the same request again
+   at once; the time from the error to its token `cut-at + 1`). Beside them: the engine's
+   restart (kill to ready, from /admin/engines) and the prompt's cold prefill (time to
+   first token of the same prompt with a fresh prefix, the engine warm).
+
+  python benchmarks/resume.py                            # 100 kills, 8 streams, the tiny model
+  python benchmarks/resume.py --kills 20 --model ~/.cache/mlxd/models/SmolLM2-135M-Instruct --max-tokens 120
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent.parent
+NO_EOS = {"2": -100}  # the tiny random model's EOS, biased away: every reply runs to max_tokens
+WORDS = ["cat", "ship", "tree", "river", "clock", "lamp", "road", "storm", "bell", "kite", "stone", "cloud"]
+
+
+@dataclass
+class Reply:
+    text: str = ""
+    usage: dict[str, Any] | None = None
+    ids: set[str] = field(default_factory=set)
+    error: str | None = None
+    times: list[float] = field(default_factory=list)  # when each content chunk came (monotonic)
+
+
+@dataclass
+class Bench:
+    url: str
+    model: str
+    max_tokens: int
+    bias: dict[str, float]
+    prompt_words: int
+    engine_pid: Callable[[], int | None]
+    begun: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def body(self, i: int, nonce: str = "") -> dict[str, Any]:
+        text = f"{nonce}Story {i}: tell me about a {WORDS[i % len(WORDS)]}. " + "Say more. " * self.prompt_words
+        return {"model": self.model, "messages": [{"role": "user", "content": text}], "max_tokens": self.max_tokens,
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "logit_bias": self.bias}
+
+
+async def stream(session: aiohttp.ClientSession, bench: Bench, body: dict[str, Any],
+                 headers: dict[str, str] | None = None, on_token: Callable[[int], None] | None = None) -> Reply:
+    """One streamed chat: its text, usage, ids, and an error if an error event or a failure came."""
+    reply = Reply()
+    try:
+        async with session.post(f"{bench.url}/v1/chat/completions", json=body, headers=headers or {}) as resp:
+            if resp.status != 200:
+                reply.error = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
+                return reply
+            async for line in resp.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    reply.error = event["error"].get("code") or "error"
+                    return reply
+                reply.ids.add(event["id"])
+                if event.get("usage"):
+                    reply.usage = event["usage"]
+                if event["choices"] and (piece := event["choices"][0]["delta"].get("content")):
+                    reply.text += piece
+                    reply.times.append(time.monotonic())
+                    bench.begun.set()
+                    if on_token is not None:
+                        on_token(len(reply.times))
+    except (aiohttp.ClientError, OSError) as exc:
+        reply.error = type(exc).__name__
+    return reply
+
+
+async def storm(bench: Bench, streams: int, kills: int, jitter_s: float, log: Callable[[str], None]) -> dict[str, Any]:
+    """Reference streams, then the same under `kills` engine SIGKILLs; counts and texts compared."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        want = await asyncio.gather(*(stream(session, bench, bench.body(i)) for i in range(streams)))
+        if bad := [r.error for r in want if r.error]:
+            raise RuntimeError(f"the reference streams failed: {bad}")
+        rng = random.Random(29)
+        done_kills, rounds, errors, differ, usage_differ, multi_id, replies = 0, 0, 0, 0, 0, 0, 0
+        while done_kills < kills:
+            bench.begun.clear()
+            clients = asyncio.gather(*(stream(session, bench, bench.body(i)) for i in range(streams)))
+            task = asyncio.ensure_future(clients)
+            while not task.done() and done_kills < kills:
+                bench.begun.clear()
+                waited = asyncio.ensure_future(bench.begun.wait())
+                await asyncio.wait({task, waited}, return_when=asyncio.FIRST_COMPLETED)
+                waited.cancel()
+                if task.done():
+                    break
+                await asyncio.sleep(rng.uniform(0, jitter_s))
+                if (pid := bench.engine_pid()) is not None and not task.done():
+                    os.kill(pid, signal.SIGKILL)
+                    done_kills += 1
+            got = await task
+            rounds += 1
+            for r, w in zip(got, want, strict=True):
+                replies += 1
+                errors += r.error is not None
+                differ += r.error is None and r.text != w.text
+                usage_differ += r.error is None and (r.usage or {}).get("completion_tokens") != w.usage["completion_tokens"]
+                multi_id += len(r.ids) > 1
+            log(f"round {rounds}: {done_kills}/{kills} kills, {errors} errors, {differ} texts differ so far")
+    return {"kills": done_kills, "rounds": rounds, "replies": replies, "clients_with_an_error": errors,
+            "texts_that_differ": differ, "usage_that_differs": usage_differ, "replies_with_two_ids": multi_id}
+
+
+def added_latencies(log_text: str) -> list[float]:
+    """Each resume's added latency, from the access log's `resumed=N(+Xms+Yms)`."""
+    out: list[float] = []
+    for group in re.findall(r"resumed=\d+\(\+([0-9ms+]+)\)", log_text):
+        out += [float(ms) for ms in re.findall(r"(\d+)ms", group)]
+    return out
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)
+
+
+async def one_cut(bench: Bench, cut_at: int, resume: bool, i: int) -> dict[str, float] | None:
+    """One stream killed after token `cut_at`: the client's wait for token `cut_at + 1` (with resume:
+    the gap; without: from the crash error to that token of the same request sent again), and the
+    engine's restart (kill to a new pid serving)."""
+    headers = {} if resume else {"X-MLXD-Resume": "off"}
+    body = bench.body(100 + i)
+    killed: dict[str, float] = {}
+
+    def on_token(n: int) -> None:
+        if n == cut_at and not killed and (pid := bench.engine_pid()) is not None:
+            killed["at"] = time.monotonic()
+            killed["pid"] = pid
+            os.kill(pid, signal.SIGKILL)
+
+    async with aiohttp.ClientSession() as session:
+        first = await stream(session, bench, body, headers, on_token)
+        if "at" not in killed:
+            return None
+        restart = asyncio.ensure_future(restart_s(bench, int(killed["pid"]), killed["at"]))
+        if resume:
+            if first.error or len(first.times) <= cut_at:
+                return None
+            wait = first.times[cut_at] - first.times[cut_at - 1]
+        else:
+            if first.error is None:
+                return None
+            errored = time.monotonic()
+            again = await stream(session, bench, body, headers)
+            if again.error or len(again.times) <= cut_at:
+                return None
+            wait = again.times[cut_at] - errored
+        return {"wait_ms": wait * 1000, "restart_ms": await restart}
+
+
+async def restart_s(bench: Bench, old_pid: int, since: float) -> float:
+    """Milliseconds from `since` until an engine other than `old_pid` is ready (/admin/engines)."""
+    async with aiohttp.ClientSession() as session:
+        while True:
+            async with session.get(f"{bench.url}/admin/engines") as resp:
+                rows = (await resp.json())["data"]
+            row = next((r for r in rows if r["model"] == bench.model), {})
+            if row.get("state") == "ready" and row.get("pid") not in (None, old_pid):
+                return (time.monotonic() - since) * 1000
+            await asyncio.sleep(0.01)
+
+
+async def cold_prefill_ms(bench: Bench, samples: int) -> float:
+    """Median time to the first token of a prompt the prompt cache has not seen (a warm engine)."""
+    out = []
+    async with aiohttp.ClientSession() as session:
+        for k in range(samples):
+            started = time.monotonic()
+            body = {**bench.body(200 + k, nonce=f"{k} {time.time_ns()} "), "max_tokens": 1}
+            reply = await stream(session, bench, body)
+            if reply.times:
+                out.append((reply.times[0] - started) * 1000)
+    return round(statistics.median(out), 1)
+
+
+async def cuts(bench: Bench, cut_at: int, samples: int) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for resume in (True, False):
+        waits, restarts = [], []
+        for i in range(samples):
+            await asyncio.sleep(0.5)
+            if (m := await one_cut(bench, cut_at, resume, i)) is not None:
+                waits.append(m["wait_ms"])
+                restarts.append(m["restart_ms"])
+        result["resume" if resume else "cold_restart"] = {
+            "samples": len(waits), "p50_ms": pct(waits, 0.5), "p99_ms": pct(waits, 0.99),
+            "engine_restart_p50_ms": pct(restarts, 0.5)}
+    await asyncio.sleep(1.0)
+    result["prompt_cold_prefill_ms"] = await cold_prefill_ms(bench, 5)
+    r, c = result["resume"]["p50_ms"], result["cold_restart"]["p50_ms"]
+    result["resume_over_cold_p50"] = round(r / c, 3) if r and c else None
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, help="a model dir (default: the tiny random model, built here)")
+    p.add_argument("--kills", type=int, default=100)
+    p.add_argument("--streams", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=200)
+    p.add_argument("--prompt-words", type=int, default=100, help="prompt length: repeats of a 2-word filler")
+    p.add_argument("--kill-jitter", type=float, default=0.3)
+    p.add_argument("--cut-at", type=int, default=40)
+    p.add_argument("--samples", type=int, default=10)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    if min(args.kills, args.streams, args.max_tokens, args.samples) < 1 or not 1 <= args.cut_at < args.max_tokens:
+        p.error("--kills, --streams, --max-tokens and --samples must be at least 1, and --cut-at below --max-tokens")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from proxy_overhead import Supervisor, private_dir
+
+    from mlxd.engine.models.random_model import build_random_llama
+
+    os.environ["MLXD_SPARE_ENGINE"] = "1"
+    os.environ["MLXD_ENGINE_BACKOFF_S"] = "0.05"
+    with tempfile.TemporaryDirectory(prefix="mxr-", dir="/tmp") as tmp:
+        work = private_dir(Path(tmp))
+        model = args.model.expanduser() if args.model else build_random_llama(work / "tiny", context=4096)
+        config = work / "mlxd.toml"
+        config.write_text(f'[pool]\ncrash_limit = 100000\ncrash_window_s = 1\n\n[models.m]\npath = "{model}"\n')
+        sup = Supervisor(config, private_dir(work / "data"), private_dir(work / "rt"), work / "serve.log")
+
+        def engine_pid() -> int | None:
+            import psutil
+
+            for child in psutil.Process(sup.proc.pid).children():
+                cmd = child.cmdline()
+                if cmd and (cmd[0].startswith("mlxd engine") or (cmd[0] == sys.executable and "--model" in cmd)):
+                    return child.pid
+            return None
+
+        bench = Bench(sup.url, "m", args.max_tokens, {} if args.model else NO_EOS, args.prompt_words, engine_pid)
+        try:
+            sup.wait_health()
+            report: dict[str, Any] = {"model": str(args.model or "tiny random llama"), "streams": args.streams,
+                                      "max_tokens": args.max_tokens}
+            report["storm"] = asyncio.run(storm(bench, args.streams, args.kills, args.kill_jitter, print))
+            added = added_latencies((work / "serve.log").read_text())
+            report["storm"]["resume_added_ms"] = {"count": len(added), "p50": pct(added, 0.5), "p99": pct(added, 0.99)}
+            report["one_stream_cut"] = asyncio.run(cuts(bench, args.cut_at, args.samples))
+        except Exception:
+            print(f"failed; the supervisor's log ends:\n{(work / 'serve.log').read_text()[-4000:]}", file=sys.stderr)
+            raise
+        finally:
+            sup.stop()
+    print(json.dumps(report, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
