@@ -3,6 +3,7 @@ supervisors, real engines SIGKILLed under concurrent greedy streams, the officia
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import sys
@@ -244,8 +245,30 @@ def responses_reply(sup: SupervisorProcess, prompt: str, begun: threading.Event 
     return "".join(text), usage, ids
 
 
+def ollama_reply(sup: SupervisorProcess, prompt: str, begun: threading.Event | None = None) -> Reply:
+    """Ollama's /api/chat, streamed (NDJSON): its text, and its last line's counts as usage."""
+    text, final = [], None
+    body = {"model": "smol", "messages": [{"role": "user", "content": prompt}], "stream": True,
+            "options": {"temperature": 0, "num_predict": 80}}
+    with sup.client.stream("POST", "/api/chat", json=body) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line:
+                continue
+            event = json.loads(line)
+            assert "error" not in event, event
+            if piece := event.get("message", {}).get("content"):
+                text.append(piece)
+                if begun is not None:
+                    begun.set()
+            if event.get("done"):
+                final = event
+    assert final is not None
+    return "".join(text), None, set()
+
+
 @pytest.mark.slow  # SmolLM2 engines restarted under two APIs' streams: about 15 s each on 2 cores
-@pytest.mark.parametrize("api", ["anthropic", "responses", "chat"])
+@pytest.mark.parametrize("api", ["anthropic", "responses", "chat", "ollama"])
 def test_real_text_goes_on_through_a_kill_in_every_streaming_api(smol_sup: SupervisorProcess, api: str) -> None:
     prompts = ["Explain how a lighthouse works.", "Write a short poem about autumn rain."]
 
@@ -254,6 +277,8 @@ def test_real_text_goes_on_through_a_kill_in_every_streaming_api(smol_sup: Super
             return anthropic_reply(smol_sup, prompt, begun)
         if api == "responses":
             return responses_reply(smol_sup, prompt, begun)
+        if api == "ollama":
+            return ollama_reply(smol_sup, prompt, begun)
         client = smol_sup.openai()
         stream = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": prompt}],
                                                 max_tokens=80, temperature=0, stream=True)
