@@ -5,7 +5,9 @@ the engine sends, `--gap-ms` apart. Two relay processes sit in front of it, each
 server on uvloop as the supervisor is: `mlxd` relays with `mlxd.supervisor.relay.forward.forward`,
 `aiohttp` with an aiohttp `ClientSession` over the same socket, reading `iter_any()` and writing
 `StreamResponse.write()` per chunk (how mlxd relayed before). Rounds alternate between them; the
-figure is each relay process's CPU time (user + system) per chunk, and the ratio.
+figure is each relay process's CPU time (user + system) per chunk, and the ratio. A third relay,
+`marked`, is mlxd's with resume on (docs/resume.md): the stand-in engine then ends each chunk
+with a resume mark, which the relay strips and keeps.
 
   python benchmarks/relay_cpu.py                  # 6 rounds x 2000 chunks, 1 ms apart
 """
@@ -39,8 +41,9 @@ async def stream(request):
     await request.read()
     resp = web.StreamResponse(headers={{"Content-Type": "text/event-stream"}})
     await resp.prepare(request)
-    for _ in range(N):
-        await resp.write(CHUNK)
+    marked = "X-MLXD-Marks" in request.headers
+    for i in range(N):
+        await resp.write(CHUNK + b": ids 0 %d 1234\\n\\n" % (i + 1) if marked else CHUNK)
         await asyncio.sleep(GAP)
     await resp.write(b"data: [DONE]\\n\\n")
     await resp.write_eof()
@@ -58,6 +61,7 @@ sys.path.insert(0, {root!r})
 from mlxd.supervisor.engines.upstream import connection_gate
 from mlxd.supervisor.relay.dialects import OPENAI
 from mlxd.supervisor.relay.forward import forward
+from mlxd.supervisor.relay.resume import ReplyMarks
 GATE = connection_gate()
 SOCK, PORT, MODE = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 async def session(app):
@@ -68,6 +72,8 @@ async def relay(request):
     body = await request.read()
     if MODE == "mlxd":
         return await forward(request, SOCK, GATE, body, {{}}, OPENAI)
+    if MODE == "marked":
+        return await forward(request, SOCK, GATE, body, {{}}, OPENAI, marks=ReplyMarks())
     async with request.app["session"].post("http://engine" + request.path_qs, data=body) as up:
         resp = web.StreamResponse(headers={{"Content-Type": "text/event-stream"}})
         await resp.prepare(request)
@@ -140,7 +146,7 @@ def main() -> None:
         procs = [subprocess.Popen([sys.executable, f"{tmp}/engine.py", sock, str(args.chunks), str(args.gap_ms / 1000)])]
         relays = {}
         try:
-            for mode in ("mlxd", "aiohttp"):
+            for mode in ("mlxd", "aiohttp", "marked"):
                 port = free_port()
                 procs.append(subprocess.Popen([sys.executable, f"{tmp}/relay.py", sock, str(port), mode]))
                 relays[mode] = (port, psutil.Process(procs[-1].pid))
@@ -156,6 +162,8 @@ def main() -> None:
     for name in us:
         print(f"  {name:8s} {statistics.median(us[name]):7.1f} us   ({', '.join(f'{x:.0f}' for x in us[name])})")
     print(f"  ratio mlxd / aiohttp client: {mlxd / base:.2f}")
+    print(f"  ratio marked (resume on: each chunk's mark stripped and kept) / mlxd: "
+          f"{statistics.median(us['marked']) / mlxd:.2f}")
 
 
 if __name__ == "__main__":

