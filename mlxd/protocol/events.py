@@ -44,6 +44,7 @@ class Done(msgspec.Struct, tag="done"):
     stop_sequence: str | None = None  # the stop string that ended it (finish_reason "stop")
     paused: int = 0  # times it was paused for a more urgent request (and resumed)
     speculation: Speculation | None = None  # drafts, when it decoded with them (None: it did not)
+    resumed: int = 0  # of completion_tokens, those delivered before (a continued reply's, http/resume.py)
 
 
 class Failed(msgspec.Struct, tag="failed"):

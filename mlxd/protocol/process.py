@@ -146,3 +146,4 @@ class RequestUsage(msgspec.Struct):
     paused: int = 0  # times the engine paused it for a more urgent request
     draft_proposed: int = 0  # drafted tokens the model checked (speculative decoding)
     draft_accepted: int = 0  # ... and kept
+    resumed: int = 0  # of completion_tokens, those an earlier engine made (a reply gone on after a crash)

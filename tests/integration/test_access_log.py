@@ -80,3 +80,14 @@ def test_the_line_reads_well() -> None:
               "tokens_per_s": decode_speed(usage), "duration_ms": 1620.0, "finish_reason": "stop"}
     assert access_line(record) == "POST /v1/chat/completions 200 qwen in=812 cached=800 out=64 ttft=95ms 42.0tok/s 1.62s"
     assert decode_speed(RequestUsage(5, 0, 1, 0.0, 5.0, 0.0, "length")) is None  # one token: no decode speed
+
+
+def test_a_reply_gone_on_after_a_crash_says_so_and_its_speed_is_the_last_engines() -> None:
+    usage = RequestUsage(812, 800, 400, 1.0, 90.0, 1000.0, "length", resumed=231)
+    assert decode_speed(usage) == 168.0  # the 169 tokens the last engine made, over its decode time
+    record = {"method": "POST", "path": "/v1/completions", "status": 200, "model": "tiny", "prompt_tokens": 812,
+              "cached_tokens": 800, "completion_tokens": 400, "ttft_ms": 8.0, "tokens_per_s": decode_speed(usage),
+              "duration_ms": 2740.0, "finish_reason": "length", "resumes": {"added_ms": [2122.0, 980.4], "gave_up": False}}
+    assert access_line(record) == ("POST /v1/completions 200 tiny in=812 cached=800 out=400 ttft=8ms 168.0tok/s "
+                                   "resumed=2(+2122ms+980ms) finish=length 2.74s")
+    assert "gave-up" in access_line({**record, "resumes": {"added_ms": [], "gave_up": True}})

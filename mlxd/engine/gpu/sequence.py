@@ -152,7 +152,8 @@ class Sequence:
         tally = self.tally
         done = Done(finish, self.num_prompt, self.job.resumed + num, min(self.cached, self.num_prompt), *self.clock.split_ms(),
                     stop_sequence=self._stops.matched if finish == "stop" else None, paused=self.paused,
-                    speculation=Speculation(tally.proposed, tally.accepted) if tally is not None else None)
+                    speculation=Speculation(tally.proposed, tally.accepted) if tally is not None else None,
+                    resumed=self.job.resumed)
         if tally is not None:
             stats.draft_proposed += tally.proposed
             stats.draft_accepted += tally.accepted
@@ -177,7 +178,7 @@ class Sequence:
         """End a job cancelled before any lane took it (its client left, or the engine stops)."""
         self.finish_reason = "cancelled"
         stats.num_cancelled += 1
-        self.job.ticket.emit(Done("cancelled", self.num_prompt, self.job.resumed))
+        self.job.ticket.emit(Done("cancelled", self.num_prompt, self.job.resumed, resumed=self.job.resumed))
 
     def abandon(self, event: Failed) -> None:
         """The GPU thread ends with this job still queued: tell its handler (not counted)."""

@@ -186,7 +186,7 @@ def summary_of(done: Done, *more: Done) -> RequestUsage:
         done.prompt_tokens, done.cached_tokens, sum(d.completion_tokens for d in every), done.queue_ms,
         done.prefill_ms, max(d.decode_ms for d in every), done.finish_reason, sum(d.paused for d in every),
         sum(d.speculation.proposed for d in every if d.speculation is not None),
-        sum(d.speculation.accepted for d in every if d.speculation is not None),
+        sum(d.speculation.accepted for d in every if d.speculation is not None), sum(d.resumed for d in every),
     )
 
 

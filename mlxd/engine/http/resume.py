@@ -75,5 +75,5 @@ def prime(reply: Reply, cont: Continued | None) -> None:
 def ended_ticket(cont: Continued, num_prompt: int) -> Ticket:
     """The ticket of a reply its delivered tokens already ended: its Done, and nothing to run."""
     ticket = Ticket(asyncio.get_running_loop())
-    ticket.emit(Done(cont.finish or "length", num_prompt, len(cont.ids)))
+    ticket.emit(Done(cont.finish or "length", num_prompt, len(cont.ids), resumed=len(cont.ids)))
     return ticket

@@ -36,7 +36,7 @@ def log_request(request: web.Request, status: int, started: float, timeline: Tim
     if model is not None and usage is not None:
         wall = time.time()
         ttft_at = wall - (now - first) if first is not None else None
-        timeline.record(model, wall, usage.completion_tokens, usage.decode_ms / 1000, ttft_at, ttft_ms,
+        timeline.record(model, wall, usage.completion_tokens - usage.resumed, usage.decode_ms / 1000, ttft_at, ttft_ms,
                         usage.cached_tokens, usage.paused)
 
 
@@ -68,10 +68,12 @@ def resumes(request: web.Request) -> dict[str, Any] | None:
 
 
 def decode_speed(usage: RequestUsage | None) -> float | None:
-    """Tokens a second after the first (the first one's time is prefill's): None for fewer than 2."""
-    if usage is None or usage.completion_tokens < 2 or usage.decode_ms <= 0:
+    """Tokens a second after the first (the first one's time is prefill's): None for fewer than 2.
+    A reply that went on after a crash: the last engine's tokens over its decode time."""
+    made = usage.completion_tokens - usage.resumed if usage is not None else 0
+    if usage is None or made < 2 or usage.decode_ms <= 0:
         return None
-    return round((usage.completion_tokens - 1) / (usage.decode_ms / 1000), 1)
+    return round((made - 1) / (usage.decode_ms / 1000), 1)
 
 
 def access_line(r: dict[str, Any]) -> str:

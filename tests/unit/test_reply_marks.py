@@ -1,0 +1,90 @@
+"""The supervisor's side of resume marks (relay/resume.py): what a stream's payloads leave for the
+caller, the ids kept, when a stream can go on, and the continuation's body."""
+
+from __future__ import annotations
+
+import json
+
+from mlxd.protocol.process import REPLY_HEADER
+from mlxd.supervisor.relay.resume import ReplyMarks
+
+CHUNK = b'data: {"id":"chatcmpl-1","choices":[{"index":0,"delta":{"content":"x: ids 3"}}]}\n\n'
+
+
+def test_a_mark_is_stripped_and_its_ids_kept() -> None:
+    marks = ReplyMarks()
+    marks.head({REPLY_HEADER.lower(): "chatcmpl-1 1700000000"})
+    assert marks.take(CHUNK + b": ids 0 2 11,12\n\n") == CHUNK
+    assert marks.take(CHUNK + CHUNK + b": ids 0 5 13,14,15\n\n") == CHUNK + CHUNK
+    assert marks.take(b": ids 0 5 \n\n") == b""  # a write whose tokens made no text yet
+    assert marks.ids.tolist() == [11, 12, 13, 14, 15]
+    assert marks.segments.tolist() == [2, 3, 0]
+    assert marks.started and marks.resumable()
+
+
+def test_text_that_looks_like_a_mark_inside_an_event_is_left_alone() -> None:
+    marks = ReplyMarks()
+    assert marks.take(CHUNK) == CHUNK  # ': ids 3' in the content is JSON, not a line of its own
+    assert len(marks.ids) == 0
+
+
+def test_comments_pass_and_the_end_is_seen() -> None:
+    marks = ReplyMarks()
+    assert marks.take(b": keep-alive\n\n") == b": keep-alive\n\n"
+    assert marks.resumable() and not marks.started  # nothing delivered: it is sent again as it was
+    assert marks.take(CHUNK + b"data: [DONE]\n\n") == CHUNK + b"data: [DONE]\n\n"
+    assert marks.finished and not marks.resumable()
+
+
+def test_a_drain_cut_error_is_swallowed_and_other_errors_pass() -> None:
+    marks = ReplyMarks()
+    marks.head({REPLY_HEADER.lower(): "chatcmpl-1 1700000000"})
+    marks.take(CHUNK + b": ids 0 1 7\n\n")
+    drained = b'data: {"error":{"message":"cut","type":"server_error","param":null,"code":"drain_timeout"}}\n\n'
+    assert marks.take(drained) == b""
+    assert marks.stopping and marks.resumable()
+    other = b'data: {"error":{"message":"bad","type":"server_error","param":null,"code":"generation_failed"}}\n\n'
+    assert ReplyMarks().take(other) == other
+
+
+def test_events_without_marks_or_marks_that_do_not_add_up_cannot_go_on() -> None:
+    unmarked = ReplyMarks()
+    unmarked.take(CHUNK)  # an engine that does not mark (n > 1 choices)
+    assert not unmarked.resumable()
+    wrong = ReplyMarks()
+    wrong.head({REPLY_HEADER.lower(): "chatcmpl-1 1700000000"})
+    wrong.take(CHUNK + b": ids 0 3 1,2\n\n")  # says 3 in all, names 2
+    assert not wrong.resumable()
+    garbled = ReplyMarks()
+    garbled.take(CHUNK + b": ids zero\n\n")
+    assert garbled.broken
+
+
+def test_a_started_reply_needs_its_id_to_go_on() -> None:
+    marks = ReplyMarks()
+    marks.take(CHUNK + b": ids 0 1 7\n\n")  # no REPLY_HEADER in the head
+    assert not marks.resumable()
+
+
+def test_the_continuation_carries_the_ids_their_split_and_the_reply() -> None:
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}).encode()
+    marks = ReplyMarks()
+    assert marks.continuation(body) == body  # nothing delivered: the request as it was
+    marks.head({REPLY_HEADER.lower(): "chatcmpl-9 1700000001"})
+    marks.take(CHUNK + b": ids 0 2 5,6\n\n")
+    marks.take(CHUNK + b": ids 0 3 7\n\n")
+    sent = json.loads(marks.continuation(body))
+    assert sent["resume"] == {"tokens": [5, 6, 7], "segments": [2, 1], "id": "chatcmpl-9", "created": 1700000001}
+    assert sent["messages"] == [{"role": "user", "content": "hi"}]
+
+
+def test_each_cut_is_timed_until_the_reply_goes_on() -> None:
+    marks = ReplyMarks()
+    marks.head({REPLY_HEADER.lower(): "chatcmpl-1 1700000000"})
+    marks.take(CHUNK + b": ids 0 1 7\n\n")
+    marks.cut()
+    assert marks.cuts == 1 and marks.cut_at is not None and marks.latencies_ms == []
+    marks.take(CHUNK + b": ids 0 2 8\n\n")
+    assert len(marks.latencies_ms) == 1 and marks.latencies_ms[0] >= 0 and marks.cut_at is None
+    marks.take(CHUNK + b": ids 0 3 9\n\n")
+    assert len(marks.latencies_ms) == 1  # only the first words after a cut count
