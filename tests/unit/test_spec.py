@@ -543,3 +543,18 @@ def test_the_drafting_batch_reads_the_generators_prefill_counter() -> None:
         gen.next()
     assert steps.other_work() > before
     gen.close()
+
+
+def test_a_draft_picks_the_token_the_targets_greedy_sampler_picks_in_bfloat16() -> None:
+    """Logits closer than bf16's step after `logits - logsumexp` tie there, and mlx-lm's greedy
+    sampler (the target's) takes the lowest id; the draft must too, not the raw logits' argmax."""
+    from mlx_lm.sample_utils import make_sampler
+
+    from mlxd.engine.spec.drafters import greedy_pick
+
+    logits = mx.zeros((2, 50000), dtype=mx.bfloat16)
+    logits[0, 7] = 0.03  # a flat row: the raw argmax is 7, the log probabilities all round alike
+    logits[1, 9] = 4.0  # a clear winner
+    target = make_sampler(0.0)(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    assert mx.argmax(logits, axis=-1).tolist() == [7, 9]
+    assert greedy_pick(logits).tolist() == target.tolist() == [0, 9]

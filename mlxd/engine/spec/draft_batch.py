@@ -16,6 +16,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
+from mlxd.engine.spec.drafters import greedy_pick
 from mlxd.engine.spec.holes import punch
 
 
@@ -77,12 +78,12 @@ class DraftModelBatch:
         with mx.stream(generation_stream):
             logits = self._model(inputs, cache=self._kv)
             last = mx.array([len(p) - 1 for p in pending])
-            token = mx.argmax(mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0, :], axis=-1)[:, None]
+            token = greedy_pick(mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0, :])[:, None]
         punch(self._kv, [width - len(p) for p in pending])  # the padding: never seen
         out = [token]
         with mx.stream(generation_stream):
             for _ in range(count - 1):
-                token = mx.argmax(self._model(token, cache=self._kv)[:, -1, :], axis=-1)[:, None]
+                token = greedy_pick(self._model(token, cache=self._kv)[:, -1, :])[:, None]
                 out.append(token)
             drafts = mx.concatenate(out, axis=1)
             mx.eval(drafts)

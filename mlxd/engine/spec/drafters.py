@@ -148,13 +148,23 @@ def tokenizer_mismatch(target: Any, draft: Any) -> str | None:
     return None
 
 
+def greedy_pick(logits: mx.array) -> mx.array:
+    """The greedy token of each row of `logits` (rows, vocab) as the target picks it: the argmax
+    of the log probabilities in the model's dtype (mlx-lm's `logits - logsumexp(logits)`), not
+    of the raw logits. In bfloat16 the subtraction rounds logits closer than its step (1/16 at
+    10) to one value, and argmax then takes the lowest id among them. Drafts ranked by raw logits
+    missed the target's pick wherever that happened: everywhere, for a random bf16 model's flat
+    logits (0 of 128 drafts kept on the H200, docs/benchmarks.md)."""
+    return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)
+
+
 def greedy_drafts(model: Any, kv: list[Any], inputs: mx.array, limit: int) -> mx.array:
-    """(rows, limit) greedy tokens, each row's first after the pass over its `inputs` (rows,
-    tokens); the last is not fed (lazy until the caller evaluates it)."""
+    """(rows, limit) greedy tokens (`greedy_pick`), each row's first after the pass over its
+    `inputs` (rows, tokens); the last is not fed (lazy until the caller evaluates it)."""
     out = []
     logits = model(inputs, cache=kv)[:, -1, :]
     for i in range(limit):
-        token = mx.argmax(logits, axis=-1)[:, None]
+        token = greedy_pick(logits)[:, None]
         out.append(token)
         if i + 1 < limit:
             logits = model(token, cache=kv)[:, -1, :]
