@@ -13,12 +13,24 @@ chat requests of --tokens tokens (EOS biased away) and reads `/library` again: i
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def call(url: str, body: dict[str, Any] | None = None) -> Any:
+    """GET `url`, or POST `body` to it, as JSON (the standard library only: a GPU host has no SDKs)."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data, {"Content-Type": "application/json"} if data else {})
+    with urllib.request.urlopen(request, timeout=330) as resp:
+        return json.loads(resp.read())
 
 
 def main() -> None:
@@ -29,25 +41,27 @@ def main() -> None:
     args = p.parse_args()
 
     from common import logit_bias
+    from proxy_overhead import Supervisor, private_dir
 
-    from tests.support import SupervisorProcess
-
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(prefix="mxf-", dir="/tmp") as tmp:
+        work = private_dir(Path(tmp))
         model = args.model
         if model is None:
             from mlxd.engine.models.importer import import_default
 
-            model = import_default(Path(tmp) / "models")
-        sup = SupervisorProcess(f'[models.bench]\npath = "{model}"\n', Path(tmp) / "data").wait_up()
+            model = import_default(work / "models")
+        config = work / "mlxd.toml"
+        config.write_text(f'[models.bench]\npath = "{model}"\n')
+        sup = Supervisor(config, private_dir(work / "data"), private_dir(work / "rt"), work / "serve.log")
         try:
-            first = sup.client.get("/library", params={"wait_s": 300}, timeout=330).json()
-            client = sup.openai()
+            sup.wait_health()
+            first = call(sup.url + "/library?wait_s=300")
             bias = logit_bias(model, ascii_only=False)
             for i in range(args.requests):
-                client.chat.completions.create(
-                    model="bench", messages=[{"role": "user", "content": f"{i}: tell me a long story."}],
-                    max_tokens=args.tokens, temperature=0, logit_bias=bias)  # type: ignore[arg-type]
-            after = sup.client.get("/library", timeout=60).json()
+                call(sup.url + "/v1/chat/completions", {
+                    "model": "bench", "messages": [{"role": "user", "content": f"{i}: tell me a long story."}],
+                    "max_tokens": args.tokens, "temperature": 0, "logit_bias": bias})
+            after = call(sup.url + "/library")
         finally:
             sup.stop()
     machine = first["machine"]
