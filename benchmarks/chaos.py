@@ -379,6 +379,7 @@ def main() -> None:
     p.add_argument("--json", type=Path, help="also write the report here")
     args = p.parse_args()
     sys.path.insert(0, str(ROOT / "benchmarks"))
+    from common import log_on_failure, print_report
     from proxy_overhead import Supervisor, private_dir
 
     from mlxd.engine.models.random_model import build_random_llama
@@ -393,18 +394,14 @@ def main() -> None:
         config = work / "mlxd.toml"
         config.write_text(f'{pool_config(args)}\n[models.tiny]\npath = "{model}"\n')
         sup = Supervisor(config, private_dir(work / "data"), private_dir(work / "rt"), work / "serve.log")
-        try:
-            sup.wait_health()
-            report = asyncio.run(run_chaos(sup.url, sup.proc.pid, "tiny", opts))
-            report["config"] = config.read_text()
-        except Exception:
-            print(f"failed; the supervisor's log ends:\n{(work / 'serve.log').read_text()[-4000:]}", file=sys.stderr)
-            raise
-        finally:
-            sup.stop()
-    print(json.dumps(report, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        with log_on_failure(work / "serve.log"):
+            try:
+                sup.wait_health()
+                report = asyncio.run(run_chaos(sup.url, sup.proc.pid, "tiny", opts))
+                report["config"] = config.read_text()
+            finally:
+                sup.stop()
+    print_report(report, args.json)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 
 def logit_bias(model: Path, ascii_only: bool) -> dict[str, float]:
@@ -24,3 +29,20 @@ def env_pairs(spec: str) -> dict[str, str]:
     if bad := [kv[0] for kv in pairs if len(kv) != 2 or not kv[0]]:
         raise SystemExit(f"not NAME=VALUE: {', '.join(bad)}")
     return dict(pairs)  # type: ignore[arg-type]
+
+
+@contextlib.contextmanager
+def log_on_failure(log: Path) -> Iterator[None]:
+    """On an exception, print the end of the supervisor's `log` before it goes on up."""
+    try:
+        yield
+    except Exception:
+        print(f"failed; the supervisor's log ends:\n{log.read_text()[-4000:]}", file=sys.stderr)
+        raise
+
+
+def print_report(report: dict[str, Any], path: Path | None) -> None:
+    """The report as JSON on stdout, and in `path` if given."""
+    print(json.dumps(report, indent=2))
+    if path:
+        path.write_text(json.dumps(report, indent=2) + "\n")

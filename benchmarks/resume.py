@@ -298,6 +298,7 @@ def main() -> None:
         p.error("--kills, --kills-per-round, --streams, --max-tokens and --samples must be at least 1, "
                 "and --cut-at below --max-tokens")
     sys.path.insert(0, str(ROOT / "benchmarks"))
+    from common import log_on_failure, print_report
     from proxy_overhead import Supervisor, private_dir
 
     from mlxd.engine.models.random_model import build_random_llama
@@ -326,29 +327,25 @@ def main() -> None:
             return None
 
         bench = Bench(sup.url, "m", args.max_tokens, {} if args.model else NO_EOS, args.prompt_words, engine_pid)
-        try:
-            sup.wait_health()
-            report: dict[str, Any] = {"model": str(args.model or "tiny random llama"), "streams": args.streams,
-                                      "max_tokens": args.max_tokens}
-            if "storm" in args.phases:
-                report["storm"] = asyncio.run(storm(bench, args.streams, args.kills, args.kills_per_round,
-                                                    args.kill_jitter, print))
-                added = added_latencies((work / "serve.log").read_text())
-                report["storm"]["resume_added_ms"] = {"count": len(added), "p50": pct(added, 0.5),
-                                                      "p99": pct(added, 0.99)}
-            if "overhead" in args.phases:
-                report["overhead"] = [asyncio.run(overhead(bench, n, args.samples)) for n in (1, args.streams)]
-            if "cut" in args.phases:
-                report["one_stream_cut"] = {"cut_at": args.cut_at, "prompt_words": args.prompt_words,
-                                            **asyncio.run(cuts(bench, args.cut_at, args.samples))}
-        except Exception:
-            print(f"failed; the supervisor's log ends:\n{(work / 'serve.log').read_text()[-4000:]}", file=sys.stderr)
-            raise
-        finally:
-            sup.stop()
-    print(json.dumps(report, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        with log_on_failure(work / "serve.log"):
+            try:
+                sup.wait_health()
+                report: dict[str, Any] = {"model": str(args.model or "tiny random llama"), "streams": args.streams,
+                                          "max_tokens": args.max_tokens}
+                if "storm" in args.phases:
+                    report["storm"] = asyncio.run(storm(bench, args.streams, args.kills, args.kills_per_round,
+                                                        args.kill_jitter, print))
+                    added = added_latencies((work / "serve.log").read_text())
+                    report["storm"]["resume_added_ms"] = {"count": len(added), "p50": pct(added, 0.5),
+                                                          "p99": pct(added, 0.99)}
+                if "overhead" in args.phases:
+                    report["overhead"] = [asyncio.run(overhead(bench, n, args.samples)) for n in (1, args.streams)]
+                if "cut" in args.phases:
+                    report["one_stream_cut"] = {"cut_at": args.cut_at, "prompt_words": args.prompt_words,
+                                                **asyncio.run(cuts(bench, args.cut_at, args.samples))}
+            finally:
+                sup.stop()
+    print_report(report, args.json)
 
 
 if __name__ == "__main__":

@@ -24,14 +24,18 @@ POOL = "[pool]\ncrash_limit = 100\ncrash_window_s = 30\ndrain_timeout_s = 0.3\n"
 ENV = {"MLXD_SPARE_ENGINE": "1", "MLXD_ENGINE_BACKOFF_S": "0.05"}
 
 
-@pytest.fixture(scope="module")
-def sup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SupervisorProcess]:
-    proc = SupervisorProcess(f'{POOL}\n[models.tiny]\npath = "{tiny_model}"\n', tmp_path_factory.mktemp("resume"),
-                             env=ENV).wait_up()
+def resume_supervisor(model: Path, name: str, data: Path) -> Iterator[SupervisorProcess]:
+    """A supervisor serving `model` as `name`, with a spare engine and quick restarts."""
+    proc = SupervisorProcess(f'{POOL}\n[models.{name}]\npath = "{model}"\n', data, env=ENV).wait_up()
     try:
         yield proc
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="module")
+def sup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SupervisorProcess]:
+    yield from resume_supervisor(tiny_model, "tiny", tmp_path_factory.mktemp("resume"))
 
 
 def engine_pid(sup: SupervisorProcess) -> int | None:
@@ -206,12 +210,7 @@ def test_a_request_that_keeps_killing_engines_ends_in_the_crash_error_after_the_
 
 @pytest.fixture(scope="module")
 def smol_sup(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SupervisorProcess]:
-    proc = SupervisorProcess(f'{POOL}\n[models.smol]\npath = "{smollm2}"\n', tmp_path_factory.mktemp("resume-smol"),
-                             env=ENV).wait_up()
-    try:
-        yield proc
-    finally:
-        proc.stop()
+    yield from resume_supervisor(smollm2, "smol", tmp_path_factory.mktemp("resume-smol"))
 
 
 def anthropic_reply(sup: SupervisorProcess, prompt: str, begun: threading.Event | None = None) -> Reply:
