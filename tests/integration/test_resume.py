@@ -300,3 +300,38 @@ def test_real_text_goes_on_through_a_kill_in_every_streaming_api(smol_sup: Super
         assert len(ids) <= 1
         if usage is not None:
             assert usage.output_tokens == want_usage.output_tokens
+
+
+@pytest.mark.slow  # SmolLM2 prefilling a long prompt twice: about 15 s on 2 cores
+def test_a_kill_during_prefill_sends_the_request_again_as_it_was(smol_sup: SupervisorProcess) -> None:
+    client = smol_sup.openai()
+    # A prompt no earlier request began with: the prompt cache has none of it, so it prefills for seconds
+    prompt = f"Summary {time.time_ns()}, in one line: " + "the tide comes in and the tide goes out. " * 45
+    wait_for(lambda: engine_pid(smol_sup) is not None, 60)
+    pid = engine_pid(smol_sup)
+    assert pid is not None
+
+    def kill_while_prefilling() -> None:
+        in_flight = lambda: next(r for r in smol_sup.client.get("/admin/engines").json()["data"])["in_flight"]  # noqa: E731
+        wait_for(lambda: in_flight() == 1, 30)
+        time.sleep(0.3)  # the prompt (about 500 tokens) takes seconds to prefill here
+        psutil.Process(pid).kill()
+
+    killer = threading.Thread(target=kill_while_prefilling)
+    killer.start()
+    got, _, ids = chat_smol(client, prompt)
+    killer.join(60)
+    assert engine_pid(smol_sup) != pid
+    again, _, _ = chat_smol(client, prompt)  # uninterrupted
+    assert got == again and got and len(ids) == 1
+    assert "went away after 0 tokens" in smol_sup.log()
+
+
+def chat_smol(client: openai.OpenAI, prompt: str) -> Reply:
+    text, ids = [], set()
+    for chunk in client.chat.completions.create(model="smol", messages=[{"role": "user", "content": prompt}],
+                                                max_tokens=24, temperature=0, stream=True):
+        ids.add(chunk.id)
+        if chunk.choices and chunk.choices[0].delta.content:
+            text.append(chunk.choices[0].delta.content)
+    return "".join(text), None, ids

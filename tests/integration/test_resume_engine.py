@@ -63,6 +63,12 @@ def chat_text(chunks: list[dict[str, Any]]) -> str:
     return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
 
 
+def cuts(pieces: list[Piece]) -> list[int]:
+    """Three marks to cut after (the first, one in the middle, the last): how many marks a reply
+    gets depends on how its tokens were batched, which a loaded machine changes."""
+    return sorted({0, (len(pieces) - 1) // 2, len(pieces) - 2})
+
+
 def cut_and_continue(engine: EngineProcess, path: str, body: dict[str, Any], at: int,
                      whole: tuple[str, list[Piece]] | None = None) -> tuple[bytes, bytes]:
     """The stream's bytes up to its `at`-th mark, and the continuation's, sent with those marks'
@@ -88,9 +94,9 @@ def test_marks_name_every_token_and_the_reply(tiny: EngineProcess) -> None:
     assert reply.split(" ")[0] == chunks[0]["id"] and int(reply.split(" ")[1]) == chunks[0]["created"]
     usage = chunks[-1]["usage"]
     tokens = sum(len(ids) for _, ids in pieces)
-    # the last tokens (EOS, or held text) may come with the end, which needs no mark
-    assert usage["completion_tokens"] - 2 <= tokens <= usage["completion_tokens"]
-    assert len(pieces) > 3
+    # the last write (the end, with [DONE]) needs no mark: its tokens are not named
+    assert 0 < tokens <= usage["completion_tokens"] == 48
+    assert len(pieces) >= 3
 
 
 def test_a_chat_stream_continued_after_any_mark_is_the_uninterrupted_one(tiny: EngineProcess) -> None:
@@ -125,7 +131,7 @@ def test_a_text_completion_continues_too(tiny: EngineProcess) -> None:
     body = {"prompt": "The history of the lighthouse", "max_tokens": 40, "temperature": 0, "logit_bias": NO_EOS}
     whole = marked_stream(tiny, "/v1/completions", body)
     want = "".join(c["choices"][0]["text"] for c in events(b"".join(p for p, _ in whole[1])))
-    for at in (0, 3, 17):
+    for at in cuts(whole[1]):
         before, after = cut_and_continue(tiny, "/v1/completions", body, at, whole)
         assert "".join(c["choices"][0]["text"] for c in events(before) + events(after)) == want
 
@@ -142,10 +148,10 @@ def test_a_whole_answer_with_resume_is_the_whole_reply(tiny: EngineProcess) -> N
 
 
 def test_a_reply_its_tokens_already_ended_ends_at_once(tiny: EngineProcess) -> None:
+    _, pieces = marked_stream(tiny, "/v1/chat/completions", CHAT)
+    tokens = [t for _, ids in pieces for t in ids][:6]
+    assert len(tokens) == 6  # the first 6 of 48: a reply of max_tokens 6 made these, and ended
     body = {**CHAT, "max_tokens": 6}
-    _, pieces = marked_stream(tiny, "/v1/chat/completions", body)
-    tokens = [t for _, ids in pieces for t in ids]
-    assert len(tokens) == 6
     _, rest = marked_stream(tiny, "/v1/chat/completions", {**body, "resume": {"tokens": tokens}})
     chunks = events(b"".join(p for p, _ in rest))
     assert chat_text(chunks) == ""
@@ -159,7 +165,7 @@ def test_seeded_sampling_continues_with_the_same_draws(tiny: EngineProcess) -> N
     want = chat_text(events(b"".join(p for p, _ in whole[1])))
     other = chat_text(events(b"".join(p for p, _ in marked_stream(tiny, "/v1/chat/completions", {**body, "seed": 1})[1])))
     assert other != want  # the seed matters, so the same text below is the same draws
-    for at in (0, 4, 11):
+    for at in cuts(whole[1]):
         before, after = cut_and_continue(tiny, "/v1/chat/completions", body, at, whole)
         assert chat_text(events(before)) + chat_text(events(after)) == want
 

@@ -88,3 +88,19 @@ def test_each_cut_is_timed_until_the_reply_goes_on() -> None:
     assert len(marks.latencies_ms) == 1 and marks.latencies_ms[0] >= 0 and marks.cut_at is None
     marks.take(CHUNK + b": ids 0 3 9\n\n")
     assert len(marks.latencies_ms) == 1  # only the first words after a cut count
+
+
+def test_a_drain_cut_after_the_last_events_keeps_them_and_their_ids_and_goes_on() -> None:
+    marks = ReplyMarks()
+    marks.head({REPLY_HEADER.lower(): "chatcmpl-1 1700000000"})
+    drained = b'data: {"error":{"message":"cut","type":"server_error","param":null,"code":"drain_timeout"}}\n\n'
+    assert marks.take(CHUNK + b": ids 0 2 4,5\n\n" + drained) == CHUNK
+    assert marks.ids.tolist() == [4, 5] and marks.stopping and marks.resumable()
+
+
+def test_an_engine_error_after_the_last_events_reaches_the_caller_and_ends_the_reply() -> None:
+    marks = ReplyMarks()
+    marks.head({REPLY_HEADER.lower(): "chatcmpl-1 1700000000"})
+    failed = b'data: {"error":{"message":"bad","type":"server_error","param":null,"code":"generation_failed"}}\n\n'
+    assert marks.take(CHUNK + b": ids 0 1 4\n\n" + failed) == CHUNK + failed
+    assert marks.finished and not marks.stopping and not marks.resumable()

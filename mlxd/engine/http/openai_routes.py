@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import os
 import time
 from typing import Any
@@ -36,7 +37,7 @@ from mlxd.engine.http.openai_requests import (
     usage_of,
 )
 from mlxd.engine.http.openai_streams import stream, stream_choices
-from mlxd.engine.http.resume import continued, ended_ticket, prime, reply_meta
+from mlxd.engine.http.resume import Continued, continued, ended_ticket, prime, reply_meta
 from mlxd.engine.models.image_memo import PromptMedia, read_media
 from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.engine.models.vision import MAX_IMAGES, MediaPrompt
@@ -62,7 +63,7 @@ async def chat_completions(request: web.Request, slot: Slot) -> web.StreamRespon
                                     request.app[GATEWAY].kv_budget)
     grammars = await constraints(loaded, req, tool_req, fmt, forced)
     top = (req.top_logprobs or 0) if req.logprobs else None
-    cont = continued(loaded, req.resume, prompt, max_tokens, oa.stop_list(req.stop))
+    cont = await replayed(loaded, req.resume, prompt, max_tokens, oa.stop_list(req.stop))
     meta = reply_meta("chatcmpl-", req.resume, loaded.model_id)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     replies = [ChatReply(*meta, tool_req=tool_req, markup=fmt.markup, forced=forced, think=loaded.think_markers,
@@ -102,6 +103,16 @@ TEMPLATING = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mlxd-t
 # their request's turn on TEMPLATING: requests with images do not wait for each other's decoding.
 IMAGE_DECODING = concurrent.futures.ThreadPoolExecutor(max(2, (os.cpu_count() or 2) // 2),
                                                        thread_name_prefix="mlxd-images")
+
+
+async def replayed(loaded: LoadedModel, resume: oa.Resume | None, prompt: list[int], max_tokens: int,
+                   stops: list[str], continues_text: bool = False) -> Continued | None:
+    """resume.py's `continued` on TEMPLATING (a long reply's replay detokenizes every token: not
+    on the loop, where the engine's other streams are relayed)."""
+    if resume is None:
+        return None
+    return await asyncio.get_running_loop().run_in_executor(
+        TEMPLATING, functools.partial(continued, loaded, resume, prompt, max_tokens, stops, continues_text))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -245,7 +256,7 @@ async def completions(request: web.Request, slot: Slot) -> web.StreamResponse:
     held, param = held_grammar(req)  # response_format and vLLM's guided fields, as on chat
     grammar = (await asyncio.get_running_loop().run_in_executor(None, loaded.grammars.matcher, held, param)
                if held is not None else None)
-    cont = continued(loaded, req.resume, prompt, max_tokens, oa.stop_list(req.stop), continues_text=True)
+    cont = await replayed(loaded, req.resume, prompt, max_tokens, oa.stop_list(req.stop), continues_text=True)
     if cont is not None and grammar is not None:
         grammar.consume_tokens(cont.ids)
     ticket = (ended_ticket(cont, len(prompt)) if cont is not None and cont.finish is not None else

@@ -46,11 +46,12 @@ async def stream(request: web.Request, ticket: Ticket, reply: Reply, include_usa
             opening = []
             out = b"".join(map(event, chunks))
             end = batch[-1]
+            if marks and not (isinstance(end, Done) and end.finish_reason != "cancelled"):
+                # marked unless [DONE] ends it: a stream cut by a drain or shutdown may go on
+                ids = [i for e in tokens for i in e.ids or ()]
+                total += len(ids)
+                out += mark(0, total, ids)
             if isinstance(end, Token):
-                if marks:
-                    ids = [i for e in tokens for i in e.ids or ()]
-                    total += len(ids)
-                    out += mark(0, total, ids)
                 await sse.write(out)
             else:
                 await sse.write(out + closing_events(reply, end, include_usage), end=True)

@@ -26,6 +26,7 @@ MAX_KEPT_TOKENS = 1 << 20  # a reply longer than this is not continued (8 MB of 
 # The engine's error codes when a drain's timeout or a shutdown cut a reply short
 CUT_CODES = (b'"drain_timeout"', b'"engine_stopping"')
 DONE = b"data: [DONE]\n\n"
+ERROR = b'data: {"error"'
 
 
 class Cut(Exception):
@@ -64,21 +65,29 @@ class ReplyMarks:
             self.reply = (rid, int(created))
 
     def take(self, payload: bytes) -> bytes:
-        """`payload` without its mark (whose ids are kept); b"" for the error event of a reply a
-        drain or shutdown cut short, which the caller does not see (the reply goes on elsewhere)."""
+        """`payload` without its mark (whose ids are kept). An error event after the mark ends
+        the stream: one that says a drain or shutdown cut the reply short is taken out (the
+        caller does not see it: the reply goes on elsewhere); any other stays, and the reply
+        ends with it."""
         at = 0 if payload.startswith(MARK) else payload.find(b"\n" + MARK) + 1
-        if at > 0 or payload.startswith(MARK):
+        marked = at > 0 or payload.startswith(MARK)
+        if marked:
             start = at + len(MARK)
-            self._keep(payload[start:payload.find(b"\n", start)])
+            eol = payload.find(b"\n", start)
+            self._keep(payload[start:eol])
             self.went_on()
-            return payload[:at]
+            payload = payload[:at] + payload[eol + 2:]  # what follows the mark: an ending error, if any
+        err = 0 if payload.startswith(ERROR) else payload.find(b"\n" + ERROR) + 1
+        if err > 0 or payload.startswith(ERROR):
+            if is_cut_short(payload[err:]):
+                self.stopping = True
+                return payload[:err]
+            self.finished = True  # the engine ended the reply with an error: the caller sees it
+            return payload
         if payload.endswith(DONE):
             self.finished = True
             self.went_on()
-        elif payload.startswith(b'data: {"error"') and is_cut_short(payload):
-            self.stopping = True
-            return b""
-        elif payload.startswith(b"data:"):
+        elif not marked and payload.startswith(b"data:"):
             self.broken = True  # events with no mark (an engine that does not mark, `n` choices): no going on
         return payload
 
