@@ -6,7 +6,8 @@ model, or `--model DIR`, and runs three phases:
 1. **Reference**: `--streams` greedy chat streams, each its own prompt, uninterrupted.
 2. **Storm**: the same streams again and again while the model's engine is SIGKILLed
    `--kills` times, each a random 0-`--kill-jitter` s after a stream got a token from the
-   engine then serving. Every stream must end with the reference's text and usage, with no
+   engine then serving (a ready one; with `--kill-loading`, each such kill is followed by one
+   of the engine that replaces it, while it is still loading). Every stream must end with the reference's text and usage, with no
    error event: the report counts the clients that saw an error and the texts that differ.
    The supervisor's access log gives each resume's added latency (from the cut to the next
    engine's first marked write).
@@ -105,9 +106,10 @@ async def stream(session: aiohttp.ClientSession, bench: Bench, body: dict[str, A
 
 
 async def storm(bench: Bench, streams: int, kills: int, per_round: int, jitter_s: float,
-                log: Callable[[str], None]) -> dict[str, Any]:
+                log: Callable[[str], None], loading_too: bool = False) -> dict[str, Any]:
     """Reference streams, then the same under `kills` engine SIGKILLs (at most `per_round` while
-    one round of streams runs); counts and texts compared."""
+    one round of streams runs); counts and texts compared. `loading_too`: each kill of a serving
+    engine is followed by one of the engine that replaces it, while it loads."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         want = await asyncio.gather(*(stream(session, bench, bench.body(i)) for i in range(streams)))
         if bad := [r.error for r in want if r.error]:
@@ -134,6 +136,14 @@ async def storm(bench: Bench, streams: int, kills: int, per_round: int, jitter_s
                     this_round += 1
                     while await serving_pid(bench) == pid:  # until the supervisor saw it die
                         await asyncio.sleep(0.01)
+                    if loading_too and this_round < per_round and done_kills < kills:
+                        # and the engine that replaces it, as soon as it has the model and before it is ready
+                        while (new := bench.engine_pid()) in (None, pid) and not task.done():
+                            await asyncio.sleep(0.005)
+                        if new not in (None, pid) and await serving_pid(bench) != new:
+                            os.kill(new, signal.SIGKILL)
+                            done_kills += 1
+                            this_round += 1
             got = await task
             rounds += 1
             for r, w in zip(got, want, strict=True):
@@ -289,6 +299,8 @@ def main() -> None:
                         "resume_attempts = 3 times)")
     p.add_argument("--kill-jitter", type=float, default=0.3)
     p.add_argument("--phases", default="storm,cut,overhead", help="storm, cut, overhead: any of them")
+    p.add_argument("--kill-loading", action="store_true",
+                   help="storm: after each kill, kill the replacing engine too while it loads")
     p.add_argument("--cut-at", type=int, default=40)
     p.add_argument("--samples", type=int, default=10)
     p.add_argument("--json", type=Path)
@@ -334,8 +346,12 @@ def main() -> None:
                                           "max_tokens": args.max_tokens}
                 if "storm" in args.phases:
                     report["storm"] = asyncio.run(storm(bench, args.streams, args.kills, args.kills_per_round,
-                                                        args.kill_jitter, print))
-                    added = added_latencies((work / "serve.log").read_text())
+                                                        args.kill_jitter, print, args.kill_loading))
+                    report["storm"]["killed_while_loading_too"] = args.kill_loading
+                    served = (work / "serve.log").read_text()
+                    added = added_latencies(served)
+                    report["storm"]["failed_starts"] = served.count("engine failed to start")
+                    report["storm"]["went_on_after_a_failed_start"] = served.count("failed to start; trying again")
                     report["storm"]["resume_added_ms"] = {"count": len(added), "p50": pct(added, 0.5),
                                                           "p99": pct(added, 0.99)}
                 if "overhead" in args.phases:

@@ -104,3 +104,18 @@ def test_an_engine_error_after_the_last_events_reaches_the_caller_and_ends_the_r
     failed = b'data: {"error":{"message":"bad","type":"server_error","param":null,"code":"generation_failed"}}\n\n'
     assert marks.take(CHUNK + b": ids 0 1 4\n\n" + failed) == CHUNK + failed
     assert marks.finished and not marks.stopping and not marks.resumable()
+
+
+def test_a_failed_restart_costs_a_going_on_request_an_attempt_not_its_reply() -> None:
+    from mlxd.protocol.errors import APIError
+    from mlxd.supervisor.relay.serve import restarts_again
+
+    failed = APIError(503, "Model m could not be loaded: exit code -9", code="model_load_failed")
+    marks = ReplyMarks()
+    assert not restarts_again(marks, failed, 3)  # not cut yet: a failed start is the caller's answer
+    assert not restarts_again(None, failed, 3)  # resume off
+    marks.cut()
+    assert restarts_again(marks, failed, 3) and marks.cuts == 2
+    assert not restarts_again(marks, APIError(503, "cooling down", code="model_failed"), 3)
+    assert restarts_again(marks, failed, 3) and marks.cuts == 3
+    assert not restarts_again(marks, failed, 3)  # the attempts are spent

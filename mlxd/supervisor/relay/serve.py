@@ -77,7 +77,15 @@ async def _route(
     while requeues < MAX_REQUEUES:
         await asyncio.sleep(pause_s)  # after an unreachable engine: its owner sees the exit meanwhile
         acquire = pool.acquire(entry, lease_id, priority=queued)
-        slot = await (waiting.wait(acquire, pool.release) if waiting is not None else acquire)
+        try:
+            slot = await (waiting.wait(acquire, pool.release) if waiting is not None else acquire)
+        except APIError as err:
+            if not restarts_again(marks, err, pool.config.resume_attempts):
+                raise
+            log.info("%s %s: the engine it was going on on failed to start; trying again", request.method,
+                     request.path)
+            pause_s = UNREACHABLE_PAUSE_S
+            continue
         try:
             headers = {LEASE_HEADER: slot.engine_lease_token} if lease_id and slot.engine_lease_token else {}
             if key_priority is not None:
@@ -124,6 +132,16 @@ async def _route(
         return resp
     raise APIError(503, f"Model {entry.id} stayed busy or unreachable; try again.", type="server_error",
                    code="engine_busy", headers={"Retry-After": "1"})
+
+
+def restarts_again(marks: ReplyMarks | None, err: APIError, attempts: int) -> bool:
+    """Whether a request going on after a cut waits for another start of its model when the one
+    it waited for failed (an engine killed while it loaded): once more of its attempts, while
+    the pool tries the model again (a model that cannot load is `model_failed` next, not this)."""
+    if marks is None or not marks.cuts or err.code != "model_load_failed" or marks.cuts >= attempts:
+        return False
+    marks.cuts += 1
+    return True
 
 
 OFF = frozenset({"off", "0", "false", "no"})
