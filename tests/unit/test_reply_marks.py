@@ -55,9 +55,10 @@ def test_events_without_marks_or_marks_that_do_not_add_up_cannot_go_on() -> None
     wrong.head({REPLY_HEADER.lower(): "chatcmpl-1 1700000000"})
     wrong.take(CHUNK + b": ids 0 3 1,2\n\n")  # says 3 in all, names 2
     assert not wrong.resumable()
-    garbled = ReplyMarks()
-    garbled.take(CHUNK + b": ids zero\n\n")
-    assert garbled.broken
+    for bad in (b": ids zero\n\n", b": ids 0 two 1\n\n", b": ids 0 1 x\n\n"):
+        garbled = ReplyMarks()
+        assert garbled.take(CHUNK + bad) == CHUNK  # stripped all the same, and the stream can only fail
+        assert garbled.broken
 
 
 def test_a_started_reply_needs_its_id_to_go_on() -> None:

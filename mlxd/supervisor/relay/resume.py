@@ -93,14 +93,15 @@ class ReplyMarks:
 
     def _keep(self, mark: bytes) -> None:
         try:
-            _index, total, ids = mark.split(b" ")
+            _index, total_text, ids = mark.split(b" ")
+            total = int(total_text)
             new = [int(i) for i in ids.split(b",")] if ids else []
         except ValueError:
             self.broken = True
             return
         self.ids.extend(new)
         self.segments.append(len(new))
-        if int(total) != len(self.ids) or len(self.ids) > MAX_KEPT_TOKENS:
+        if total != len(self.ids) or len(self.ids) > MAX_KEPT_TOKENS:
             self.broken = True
 
     def resumable(self) -> bool:
