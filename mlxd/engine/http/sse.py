@@ -11,7 +11,6 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from mlxd.protocol.errors import APIError
 from mlxd.protocol.process import MARK, STREAM_KEEPALIVE_ENV, USAGE_COMMENT, RequestUsage
 
 _encoder = msgspec.json.Encoder()
@@ -67,11 +66,6 @@ class SSEWriter:
     async def usage(self, usage: RequestUsage) -> None:
         """The request's cost, as the comment the supervisor reads (process.USAGE_COMMENT)."""
         await self._resp.write(usage_comment(usage))
-
-    async def send_error(self, err: APIError) -> None:
-        """An error event in OpenAI's error shape, then end the stream (no [DONE])."""
-        await self.send(err.to_openai())
-        await self._resp.write_eof()
 
     async def done(self) -> None:
         """The closing `data: [DONE]` sentinel."""

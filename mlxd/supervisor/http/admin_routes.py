@@ -76,13 +76,14 @@ def engine_info(pool: Pool, slot: Slot, lease: api.Lease | None) -> api.EngineRo
     up_since = engine.ready_since if engine.state is not EngineState.STOPPED else None
     retry_in_s = engine.retry_in_s()
     lanes = engine.lanes if engine.state in SERVING else None
+    went_on, gave_up = pool.resumes.get(slot.entry.id, (0, 0))
     return api.EngineRow(
         model=slot.entry.id, state=engine.state, pid=engine.pid,
         uptime_s=round(time.time() - up_since, 3) if up_since is not None else None,
         rss_bytes=rss, memory_estimate_bytes=slot.memory_bytes,
         in_flight=slot.in_flight, queued=pool.num_queued(slot.entry.id),
         last_used=slot.last_used_wall, pinned=slot.pinned, restarts=engine.num_restarts,
-        resumes=pool.resumes.get(slot.entry.id, [0, 0])[0], resume_failures=pool.resumes.get(slot.entry.id, [0, 0])[1],
+        resumes=went_on, resume_failures=gave_up,
         idle_ttl_s=slot.idle_ttl_s, expires_in_s=pool.next_expiry(slot), batch=slot.entry.batch,
         width=lanes.width if lanes else None, kv_budget_tokens=lanes.kv_budget_tokens if lanes else None,
         sizing=lanes.sizing if lanes else None,
