@@ -335,3 +335,17 @@ def chat_smol(client: openai.OpenAI, prompt: str) -> Reply:
         if chunk.choices and chunk.choices[0].delta.content:
             text.append(chunk.choices[0].delta.content)
     return "".join(text), None, ids
+
+
+@pytest.mark.parametrize(("resume", "param"), [
+    ({"tokens": [1, 2], "segments": [5]}, "resume.segments"),
+    ({"tokens": [-1]}, "resume.tokens[0]"),
+    ("yes", "resume"),
+])
+def test_a_bad_resume_through_the_supervisor_is_an_openai_400_naming_it(
+        sup: SupervisorProcess, resume: Any, param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        sup.openai().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                             extra_body={"resume": resume})
+    assert info.value.status_code == 400
+    assert isinstance(info.value.body, dict) and info.value.body.get("param") == param, info.value.body
