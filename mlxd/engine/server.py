@@ -195,7 +195,8 @@ def gateway_options(settings: EngineSettings) -> GatewayOptions:
         gather_ms=settings.gather_ms,
         prompt_cache_bytes=cache_bytes, ssd_root=settings.ssd_cache_dir or data_dir() / "kv",
         ssd_cache_bytes=settings.ssd_cache_bytes, kv_bits=settings.kv_bits, kv_group_size=settings.kv_group_size,
-        write_behind=settings.write_behind, adapter_merge=settings.adapter_merge,
+        write_behind=settings.write_behind, generation_checkpoint=settings.generation_checkpoint,
+        adapter_merge=settings.adapter_merge,
         draft=DraftConfig.parse(settings.draft, settings.num_draft_tokens),
     )
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import msgspec
 
 from mlxd.engine.spec.config import DEFAULT_NUM_DRAFT_TOKENS
+from mlxd.protocol.process import DEFAULT_CHECKPOINT_TOKENS
 from mlxd.protocol.sampling import Defaults
 from mlxd.protocol.sizing import parse_batch
 from mlxd.protocol.speculation import parse_draft
@@ -39,6 +40,7 @@ class EngineSettings:
     kv_bits: int | None = None
     kv_group_size: int = 64
     write_behind: bool = True
+    generation_checkpoint: int = DEFAULT_CHECKPOINT_TOKENS  # a running row's KV to SSD every N tokens; 0: never
     adapter_merge: str = "auto"
     draft: str = "none"
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
@@ -125,6 +127,11 @@ def parse_args(argv: list[str]) -> EngineSettings:
         "--ssd-write-behind", choices=("on", "off"), default="on",
         help="write new prompt-cache entries to SSD while idle (off: only drains, evictions and stops write)",
     )
+    p.add_argument(
+        "--generation-checkpoint", type=int, default=DEFAULT_CHECKPOINT_TOKENS, metavar="N",
+        help="write a running reply's KV (prompt and output) to the SSD tier every N tokens, so a reply "
+             "continued after a crash prefills fewer than N tokens (0: never)",
+    )
     p.add_argument("--defaults", default=None, metavar="JSON",
                    help='what a request that sets none gets, over the model\'s generation_config.json: a JSON '
                         'object of temperature, top_p, top_k, min_p, max_tokens, thinking (mlxd\'s [defaults])')
@@ -154,6 +161,8 @@ def parse_args(argv: list[str]) -> EngineSettings:
             defaults = msgspec.json.decode(a.defaults, type=Defaults)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             p.error(f"--defaults: {exc}")
+    if a.generation_checkpoint < 0:
+        p.error("--generation-checkpoint must be >= 0")
     for name in ("prompt_cache_bytes", "ssd_cache_bytes"):
         value = getattr(a, name)
         if value is not None and value < 0:
@@ -165,5 +174,6 @@ def parse_args(argv: list[str]) -> EngineSettings:
         gather_ms=a.gather_ms, max_body=a.max_body, parent_pid=a.parent_pid,
         prompt_cache_bytes=a.prompt_cache_bytes, ssd_cache_bytes=a.ssd_cache_bytes, ssd_cache_dir=a.ssd_cache_dir,
         kv_bits=a.kv_bits, kv_group_size=a.kv_group_size, write_behind=a.ssd_write_behind == "on",
+        generation_checkpoint=a.generation_checkpoint,
         adapter_merge=a.adapter_merge, draft=a.draft, num_draft_tokens=a.num_draft_tokens, defaults=defaults,
     )

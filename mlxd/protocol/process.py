@@ -38,6 +38,10 @@ ADAPTER_HEADER = "X-MLXD-Adapter"
 # Only translated streams ask (OpenAI's own chunks carry usage only at the end).
 EARLY_USAGE_HEADER = "X-MLXD-Early-Usage"
 
+# Engines' --generation-checkpoint default ([pool] generation_checkpoint): a running reply's KV
+# is written to the SSD tier every this many tokens, so a continued reply prefills fewer.
+DEFAULT_CHECKPOINT_TOKENS = 512
+
 # Asks a streamed reply for its resume marks: after each write's events, an SSE comment
 # `: ids INDEX TOTAL ID,ID,...` (the token ids those events carried; TOTAL: the reply's so far),
 # so the supervisor can continue the reply on another engine (docs/resume.md). One write is one

@@ -126,6 +126,8 @@ class PromptCacheStats(msgspec.Struct):
     ram_evicted: int
     evicted_unwritten: int  # evicted from RAM without reaching SSD
     writes_pending: int
+    checkpoints: int = 0  # generation checkpoints handed to the SSD writer (gpu/checkpoints.py)
+    checkpoints_skipped: int = 0  # ... due, but not taken: the writer was too far behind
 
 
 class LastRequest(msgspec.Struct):

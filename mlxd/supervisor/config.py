@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from mlxd.paths import shell_quote
+from mlxd.protocol.process import DEFAULT_CHECKPOINT_TOKENS
 from mlxd.protocol.sampling import Defaults
 from mlxd.protocol.speculation import DEFAULT_NUM_DRAFT_TOKENS, parse_draft
 
@@ -116,6 +117,9 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # to `resume_attempts` times a request; per model: [models.NAME] resume.
     resume: bool = True
     resume_attempts: Annotated[int, msgspec.Meta(ge=1, le=100)] = 3
+    # Engines' --generation-checkpoint: a running reply's KV to the SSD tier every this many
+    # tokens, so a reply gone on after a crash prefills fewer (0: never; docs/resume.md).
+    generation_checkpoint: Annotated[int, msgspec.Meta(ge=0)] = DEFAULT_CHECKPOINT_TOKENS
     spare_engine: bool = True  # keep one engine process with its imports done ($MLXD_SPARE_ENGINE=0: off)
     # The prompt cache (engines' --prompt-cache-bytes / --ssd-cache-bytes; None: their defaults,
     # 10% of memory and a quarter of the free disk, capped at 32 GiB each; 0: off).

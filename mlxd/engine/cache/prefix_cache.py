@@ -74,6 +74,8 @@ class CacheStats:
     tokens_reused: int = 0
     ram_evicted: int = 0
     evicted_unwritten: int = 0  # evicted from RAM without reaching SSD (no tier, or its queue was full)
+    checkpoints: int = 0  # running rows' KV handed to the writer (`checkpoint`)
+    checkpoints_skipped: int = 0  # ... not: the writes queued held too much
 
 
 def entry_name(tokens: np.ndarray) -> str:
@@ -311,6 +313,33 @@ class PrefixCache:
                 self._drop(other)
         self._put(entry)
 
+    def checkpoint(self, kv: list[Any], tokens: Tokens) -> bool:
+        """Write a copy of a running row's `kv` (a prefix of `tokens`, its offset says how much) to
+        SSD now, busy or not, and not to RAM: a generation checkpoint (gpu/checkpoints.py). The
+        row keeps `kv`. The file makes earlier ones that are prefixes of it redundant (the tier
+        drops them). False when not taken: no SSD tier, a cache kind the format cannot hold, or
+        the writes queued already hold half the RAM cap (their copies live until written)."""
+        if self._writer is None or not kv:
+            return False
+        offset = getattr(kv[0], "offset", None)
+        if not isinstance(offset, int) or offset <= 0 or offset > len(tokens):
+            return False
+        covered = np.asarray(tokens[:offset], dtype=np.int64)
+        name = entry_name(covered)
+        if self.ssd is not None and name in self.ssd:
+            return True
+        if self._writer.pending_bytes > self.cap_bytes // 2:
+            self.stats.checkpoints_skipped += 1
+            return False
+        kept = view(kv, offset)
+        compact(kept)  # its own buffers: the row goes on writing into its cache
+        entry = Entry(covered, kept, cache_nbytes(kept), name, self._clock, trimmable=is_trimmable(kept))
+        self._spill(entry, urgent=True)
+        if entry.unwritable:
+            return False
+        self.stats.checkpoints += 1
+        return True
+
     def _put(self, entry: Entry) -> None:
         self._entries[entry.name] = entry
         self._ram_bytes += entry.nbytes
@@ -406,7 +435,7 @@ class PrefixCache:
             RamTierStats(len(self._entries), self._ram_bytes, self.cap_bytes),
             self.ssd.snapshot() if self.ssd is not None else None,
             CacheHits(s.ram_hits, s.ssd_hits), s.misses, s.tokens_reused, s.ram_evicted, s.evicted_unwritten,
-            self.writes_pending,
+            self.writes_pending, s.checkpoints, s.checkpoints_skipped,
         )
 
 

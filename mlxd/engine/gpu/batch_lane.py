@@ -38,6 +38,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlxd.engine.cache.prefix_cache import PrefixCache, view
 from mlxd.engine.gpu import adapter_rows, image_batch, media
 from mlxd.engine.gpu.batch_bias import batch_bias
+from mlxd.engine.gpu.checkpoints import Checkpoints
 from mlxd.engine.gpu.job import PrefillGroup
 from mlxd.engine.gpu.sampling import make_sampling
 from mlxd.engine.gpu.sequence import Sequence
@@ -64,7 +65,7 @@ class BatchLane:
 
     def __init__(
         self, loaded: LoadedModel, stats: Stats, prefill_step: int, width: int, prompt_cache: PrefixCache,
-        solo_step: int | None = None, draft: DraftConfig | None = None,
+        solo_step: int | None = None, draft: DraftConfig | None = None, checkpoints: Checkpoints | None = None,
     ) -> None:
         self._loaded = loaded
         self._stats = stats
@@ -79,6 +80,7 @@ class BatchLane:
         self._carried: dict[int, tuple[list[Any], int]] = {}
         self._hold_arrivals = 0  # steps arrivals still wait for just-prefilled rows' first tokens
         self._drafts = BatchDrafts(draft, stats, loaded.drafts)  # rows that draft (spec/batch.py)
+        self._checkpoints = checkpoints  # rows' KV to SSD every N tokens (checkpoints.py)
         self._gen = self._new_generator()
 
     def _new_generator(self) -> BatchGenerator:
@@ -186,10 +188,6 @@ class BatchLane:
         self._carried.pop(id(seq), None)
         seq.cancel()
         return seq
-
-    def _first_token_priority(self) -> int | None:
-        """The most urgent priority among rows still waiting for their first token (None: none)."""
-        return min((seq.priority for seq in self._rows.values() if not seq.generated), default=None)
 
     def _join_arrivals(self, waited_for: int) -> list[Sequence]:
         """While arrivals wait for just-prefilled rows' first tokens (the most urgent of those
@@ -415,7 +413,7 @@ class BatchLane:
         ended = self._drop_cancelled()
         holding, self._hold_arrivals = self._hold_arrivals > 0, max(0, self._hold_arrivals - 1)
         if self._arrivals:
-            waited_for = self._first_token_priority() if holding else None
+            waited_for = min((s.priority for s in self._rows.values() if not s.generated), default=None) if holding else None
             ended += self._place_arrivals() if waited_for is None else self._join_arrivals(waited_for)
         if self._groups:
             ended += self._prefill_groups()
@@ -425,6 +423,8 @@ class BatchLane:
             except Exception as exc:
                 log.error("batched step failed:\n%s", traceback.format_exc())
                 ended += self.fail_all(f"generation failed: {type(exc).__name__}: {exc}", "generation_failed")
+            if self._checkpoints is not None:
+                self._checkpoints.batch(self._gen, self._rows)
         for seq in ended:
             if seq.finish_reason != "failed":
                 seq.finish(self._stats)

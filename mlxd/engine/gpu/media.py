@@ -79,14 +79,17 @@ def complete(loaded: LoadedModel, job: Job, tokens: list[int], kv: list[Any] | N
     return (shift(kv, -delta, loaded) if delta and kv is not None else kv), done
 
 
-def store(cache: PrefixCache, loaded: LoadedModel, job: Job, kv: list[Any], tokens: list[int]) -> None:
-    """A row's KV (lane positions) into the prompt cache (the model's positions), under its key."""
+def store(cache: PrefixCache, loaded: LoadedModel, job: Job, kv: list[Any], tokens: list[int],
+          checkpoint: bool = False) -> None:
+    """A row's KV (lane positions) into the prompt cache (the model's positions), under its key;
+    `checkpoint`: a copy of it to the SSD tier only (PrefixCache.checkpoint)."""
+    put = cache.checkpoint if checkpoint else cache.store
     media = job.media
     if media is None:
-        cache.store(kv, cache_key(job, tokens))
+        put(kv, cache_key(job, tokens))
         return
     delta = media.rope_delta or 0
-    cache.store(shift(kv, delta, loaded) if delta else kv, cache_key(job, tokens))
+    put(shift(kv, delta, loaded) if delta else kv, cache_key(job, tokens))
 
 
 def rope_delta(loaded: LoadedModel, media: MediaPrompt, prompt: list[int]) -> int:

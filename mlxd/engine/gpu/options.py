@@ -26,5 +26,6 @@ class GatewayOptions:
     kv_bits: int | None = None  # quantized KV (the serial lane only: batch must be 1)
     kv_group_size: int = 64
     write_behind: bool = True  # idle: write new entries to SSD (off: drains, evictions and stops only)
+    generation_checkpoint: int = 0  # a running row's KV to SSD every this many tokens (0: never); checkpoints.py
     adapter_merge: str = "auto"  # a stack with every row to itself runs merged: on, off, auto (a GPU); adapter_bank.py
     draft: DraftConfig = field(default_factory=DraftConfig)  # speculative decoding's drafts (spec/): none, ngram

@@ -12,6 +12,7 @@ import traceback
 
 from mlxd.engine.cache.prefix_cache import PrefixCache
 from mlxd.engine.gpu.batch_lane import BatchLane
+from mlxd.engine.gpu.checkpoints import Checkpoints
 from mlxd.engine.gpu.lane import Lane
 from mlxd.engine.gpu.options import GatewayOptions
 from mlxd.engine.gpu.scheduler import Drop, LaneLoad, Pause, Refuse, Scheduler, Start
@@ -36,9 +37,10 @@ class Runner:
         assert options.batch is not None, "sized at load (loader.size_options)"
         self.scheduler: Scheduler[Sequence] = Scheduler(options.batch, kv_budget_tokens, short_budget_hint)
         solo = max(options.solo_prefill_step, options.prefill_step)
-        serial = SerialLane(loaded, stats, solo, cache, options.kv_bits, options.kv_group_size, options.draft)
+        saves = Checkpoints(options.generation_checkpoint, cache, loaded) if options.generation_checkpoint else None
+        serial = SerialLane(loaded, stats, solo, cache, options.kv_bits, options.kv_group_size, options.draft, saves)
         batch = (BatchLane(loaded, stats, options.prefill_step, options.batch, cache, solo_step=solo,
-                           draft=options.draft)
+                           draft=options.draft, checkpoints=saves)
                  if options.batch > 1 else None)
         self._lanes: dict[LaneName, Lane] = {"serial": serial} if batch is None else {"serial": serial, "batch": batch}
         self._merge = (serial, batch) if batch is not None else None

@@ -30,7 +30,7 @@ class Sequence:
     """A job being generated: its text state, its clock, and how it ended."""
 
     __slots__ = ("_detok", "_eos", "_has_relayed", "_pending", "_reported", "_stops", "_tokenizer", "cached", "clock",
-                 "finish_reason", "generated", "job", "paused", "tally")
+                 "finish_reason", "generated", "job", "paused", "saved", "tally")
 
     def __init__(self, job: Job, tokenizer: Any, eos: set[int]) -> None:
         self.job = job
@@ -39,6 +39,7 @@ class Sequence:
         self.generated: list[int] = []
         self.finish_reason: str | None = None  # set once it ended
         self.paused = 0  # times a lane paused it for a more urgent job
+        self.saved = 0  # of its history, the tokens whose KV is on SSD or on its way (gpu/checkpoints.py)
         self.tally: Any = None  # drafts proposed and kept, once it decoded with drafts (spec/serial.py's Tally)
         self._detok = tokenizer.detokenizer
         if job.continues_text:
@@ -74,7 +75,7 @@ class Sequence:
 
     def start(self, cached: int) -> None:
         """A lane took it, with `cached` prompt tokens from the prompt cache: its clock starts."""
-        self.cached = cached
+        self.cached = self.saved = cached
         self.clock.start()
 
     @property

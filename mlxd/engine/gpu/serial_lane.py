@@ -23,6 +23,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 
 from mlxd.engine.cache.prefix_cache import PrefixCache
 from mlxd.engine.gpu import media
+from mlxd.engine.gpu.checkpoints import Checkpoints
 from mlxd.engine.gpu.sampling import make_sampling, sampler_args
 from mlxd.engine.gpu.sequence import Sequence
 from mlxd.engine.gpu.stats import Stats
@@ -43,6 +44,7 @@ class SerialLane:
     def __init__(
         self, loaded: LoadedModel, stats: Stats, prefill_step: int, prompt_cache: PrefixCache,
         kv_bits: int | None = None, kv_group_size: int = 64, draft: DraftConfig | None = None,
+        checkpoints: Checkpoints | None = None,
     ) -> None:
         self._loaded = loaded
         self._stats = stats
@@ -53,6 +55,7 @@ class SerialLane:
         self._draft = draft if draft is not None and draft.kind != "none" else None
         self._spec: Speculator | None = None  # the running sequence's decoder when it speculates
         self._rates = Rates()  # drafting against not, as this lane's last speculating rows measured it
+        self._checkpoints = checkpoints  # the row's KV to SSD every N tokens (checkpoints.py)
         self._seq: Sequence | None = None
         self._steps: Iterator[tuple[Any, Any]] | None = None  # None while the prompt is prefilled
         self._kv: list[Any] = []
@@ -106,6 +109,8 @@ class SerialLane:
                         return []
                     tokens = self._next_tokens()
                 if not any(seq.add(token, logprobs) for token, logprobs in tokens):  # stops at the first that ends it
+                    if self._checkpoints is not None:
+                        self._checkpoints.serial(seq, self._kv)
                     return []
         except StopIteration:  # generate_step ran out (max_tokens), which `add` has seen
             seq.finish_reason = seq.finish_reason or "length"

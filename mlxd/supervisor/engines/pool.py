@@ -24,7 +24,7 @@ import psutil
 from mlxd.protocol.engine_state import ACCEPTING, LIVE, SERVING, EngineState
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.memory import default_prompt_cache_bytes
-from mlxd.protocol.process import DrainResult
+from mlxd.protocol.process import DEFAULT_CHECKPOINT_TOKENS, DrainResult
 from mlxd.protocol.speculation import DEFAULT_NUM_DRAFT_TOKENS, parse_draft
 from mlxd.supervisor.config import DEFAULT_GATHER_MS, PoolConfig
 from mlxd.supervisor.engines import policy
@@ -108,6 +108,8 @@ def engine_args_from(config: PoolConfig, kv_dir: Path | None = None) -> tuple[st
         args += ["--kv-bits", str(config.kv_bits), "--kv-group-size", str(config.kv_group_size)]
     if not config.ssd_write_behind:
         args += ["--ssd-write-behind", "off"]
+    if config.generation_checkpoint != DEFAULT_CHECKPOINT_TOKENS:
+        args += ["--generation-checkpoint", str(config.generation_checkpoint)]
     if kv_dir is not None:
         args += ["--ssd-cache-dir", str(kv_dir)]
     return tuple(args)

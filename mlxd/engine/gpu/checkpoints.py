@@ -1,0 +1,72 @@
+"""Generation checkpoints: a running row's KV on SSD every `interval` tokens.
+
+An engine that dies mid-reply loses the KV in its memory; the supervisor then continues the
+reply on a new engine (docs/resume.md), whose prompt is the old prompt plus the tokens already
+delivered. Without a checkpoint that is a prefill of all of them. With one, the SSD tier holds
+a prefix of that prompt (the tier is scanned at start, so the new engine finds it), and the
+continuation prefills only the tokens after it: fewer than `interval`.
+
+A row is checkpointed when `interval` tokens of its history have KV that is not on SSD (or on
+its way there): its prompt right after its first token, when at least `interval` of it came
+from no cache, then every `interval` tokens it generates. The copy is taken on the GPU thread
+(one evaluation), the file written by the SSD tier's writer thread while decoding goes on
+(prefix_cache.py `checkpoint`), and a newer checkpoint of the row makes the tier drop the
+older one. A checkpoint the writer is too far behind for is skipped, never waited for.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from mlx_lm.generate import BatchGenerator
+
+from mlxd.engine.cache.prefix_cache import PrefixCache, view
+from mlxd.engine.gpu import media
+from mlxd.engine.gpu.sequence import Sequence
+from mlxd.engine.models.loaded_model import LoadedModel
+
+log = logging.getLogger("mlxd.engine")
+
+
+class Checkpoints:
+    """When a row is due a checkpoint, and taking it (GPU thread)."""
+
+    def __init__(self, interval: int, cache: PrefixCache, loaded: LoadedModel) -> None:
+        self.interval = interval if cache.ssd is not None else 0  # no SSD tier: nowhere to keep them
+        self._cache = cache
+        self._loaded = loaded
+
+    def due(self, seq: Sequence) -> bool:
+        """`interval` tokens of its history have KV that is not on SSD (and it is generating)."""
+        return (self.interval > 0 and bool(seq.generated) and not seq.is_finished
+                and len(seq.job.prompt) + len(seq.generated) - seq.saved >= self.interval)
+
+    def take(self, seq: Sequence, kv: list[Any], tokens: list[int]) -> None:
+        """Checkpoint `kv`, which holds a prefix of `tokens` (the row's history) and is the row's
+        own (serial lane) or a copy of it (batch lane). Skipped or not, the row is not due again
+        for another `interval` tokens."""
+        offset = getattr(kv[0], "offset", None) if kv else None
+        if not isinstance(offset, int) or offset <= 0:
+            return
+        if offset > len(tokens):  # drafts past the history (the serial lane's speculator)
+            kv, offset = view(kv, len(tokens)), len(tokens)
+        try:
+            media.store(self._cache, self._loaded, seq.job, kv, tokens, checkpoint=True)
+        except Exception:  # a checkpoint must never cost the reply
+            log.exception("generation checkpoint failed; generation goes on")
+        seq.saved = offset
+
+    def serial(self, seq: Sequence, kv: list[Any]) -> None:
+        """The serial lane's running row, after its tokens of this step."""
+        if self.due(seq):
+            self.take(seq, kv, seq.history)
+
+    def batch(self, gen: BatchGenerator, rows: dict[int, Sequence]) -> None:
+        """The batch lane's rows that are due, after a step: their KV copied out of the batch."""
+        due = [uid for uid, seq in rows.items() if self.due(seq)]
+        if not due:
+            return
+        for uid, (kv, tokens) in gen.extract_cache(due).items():
+            if kv is not None and tokens is not None:  # the tokens its KV holds (as _remove stores them)
+                self.take(rows[uid], kv, list(tokens))

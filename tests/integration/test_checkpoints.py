@@ -1,0 +1,175 @@
+"""Generation checkpoints on real engines (gpu/checkpoints.py, docs/resume.md): a running
+reply's KV reaches the SSD tier every N tokens in either lane, a newer checkpoint replaces the
+older one, and a reply continued on a new engine after a SIGKILL starts from the checkpoint
+(it prefills only what followed it) and gives the uninterrupted text. Engines killed while
+checkpoints are being written leave only whole files."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from mlxd.engine.cache import kv_files
+from mlxd.engine.cache.ssd_tier import SsdTier
+from mlxd.protocol.process import MARKS_HEADER, REPLY_HEADER
+from tests.support import EngineProcess, engine_client, running_engine, wait_for
+
+EVERY = 16
+PROMPT = "the keeper lit the lamp and wrote another letter " * 12
+BODY = {"prompt": PROMPT, "max_tokens": 90, "temperature": 0, "logit_bias": {"2": -100}}
+
+
+def checkpoint_args(kv: Path, *more: str) -> tuple[str, ...]:
+    # write-behind off: the tier holds what checkpoints wrote, not the idle engine's entries
+    return ("--generation-checkpoint", str(EVERY), "--ssd-write-behind", "off", "--ssd-cache-dir", str(kv), *more)
+
+
+def tier_of(kv: Path) -> SsdTier:
+    """The tier as the next engine's scan finds it (temp files deleted, damaged ones quarantined)."""
+    (tier_dir,) = [p for p in kv.iterdir() if p.is_dir()]
+    return SsdTier(tier_dir, 1 << 40)
+
+
+def longest_file(kv: Path) -> int:
+    """Tokens of the longest whole file in the tier, read from headers only (0: none yet)."""
+    best = 0
+    for p in kv.glob("*/*" + kv_files.SUFFIX):
+        try:
+            best = max(best, len(kv_files.read_header(p).tokens))
+        except (OSError, kv_files.CorruptFile, ValueError):
+            continue
+    return best
+
+
+def marked_ids(engine: EngineProcess, body: dict[str, Any]) -> tuple[str, list[int], str]:
+    """A whole marked stream: its reply header, every token id the marks named, and its text."""
+    with engine_client(engine) as c, c.stream("POST", "/v1/completions", json={**body, "stream": True},
+                                              headers={MARKS_HEADER: "1"}) as resp:
+        assert resp.status_code == 200
+        reply = resp.headers[REPLY_HEADER]
+        raw = resp.read()
+    return reply, ids_in(raw), text_in(raw)
+
+
+def ids_in(raw: bytes) -> list[int]:
+    ids: list[int] = []
+    for line in raw.split(b"\n"):
+        if line.startswith(b": ids "):
+            ids += [int(i) for i in line.split(b" ")[4].split(b",") if i]
+    return ids
+
+
+def text_in(raw: bytes) -> str:
+    return "".join(json.loads(line[6:])["choices"][0]["text"] for line in raw.split(b"\n")
+                   if line.startswith(b"data: {") and json.loads(line[6:])["choices"])
+
+
+@pytest.mark.parametrize("batch", ["1", "4"])
+def test_a_long_reply_leaves_its_latest_checkpoint_in_the_ssd_tier(tiny_model: Path, tmp_path: Path,
+                                                                   batch: str) -> None:
+    kv = tmp_path / "kv"
+    with running_engine(tiny_model, "tiny", *checkpoint_args(kv, "--batch", batch)) as engine:
+        prompt_tokens = engine.client.post("/v1/completions", json=BODY).json()["usage"]["prompt_tokens"]
+        stats = engine.client.get("/admin/stats").json()["prompt_cache"]
+        # the prompt at the first token, then every 16 tokens of the 90 generated
+        assert stats["checkpoints"] == 1 + (90 - 1) // EVERY
+        assert stats["checkpoints_skipped"] == 0
+        wait_for(lambda: engine.client.get("/admin/stats").json()["prompt_cache"]["writes_pending"] == 0)
+        ssd = engine.client.get("/admin/stats").json()["prompt_cache"]["ssd"]
+        assert ssd["writes"] == stats["checkpoints"]
+        tier = SsdTier(Path(ssd["dir"]), 1 << 40)
+        (entry,) = tier.entries()  # each checkpoint replaced the one before
+        assert prompt_tokens + 80 <= len(entry.tokens) < prompt_tokens + 90
+        assert (len(entry.tokens) - prompt_tokens - 1) % EVERY == 0  # the first: the prompt and the first token
+
+
+def test_checkpoint_zero_writes_none(tiny_model: Path, tmp_path: Path) -> None:
+    kv = tmp_path / "kv"
+    with running_engine(tiny_model, "tiny", "--generation-checkpoint", "0", "--ssd-write-behind", "off",
+                        "--ssd-cache-dir", str(kv)) as engine:
+        assert engine.client.post("/v1/completions", json=BODY).status_code == 200
+        stats = engine.client.get("/admin/stats").json()["prompt_cache"]
+        assert stats["checkpoints"] == 0 and stats["ssd"]["writes"] == 0
+
+
+def read_until(resp: httpx.Response, want: int) -> tuple[list[int], str]:
+    """Read a marked stream until its marks have named `want` token ids: the ids, and the text
+    of the events those marks close."""
+    got: list[int] = []
+    text = ""
+    buf = b""
+    for chunk in resp.iter_raw():
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            if line.startswith(b": ids "):
+                got += [int(i) for i in line.split(b" ")[4].split(b",") if i]
+                if len(got) >= want:
+                    return got, text
+            elif line.startswith(b"data: {") and (choices := json.loads(line[6:])["choices"]):
+                text += choices[0]["text"]
+    raise AssertionError(f"the stream ended after {len(got)} tokens")
+
+
+def test_a_reply_continued_after_a_kill_starts_from_its_checkpoint(tiny_model: Path, tmp_path: Path) -> None:
+    kv = tmp_path / "kv"
+    with running_engine(tiny_model, "tiny", "--ssd-cache-bytes", "0") as plain:
+        reply, want_ids, want_text = marked_ids(plain, BODY)
+        prompt_tokens = plain.client.post("/v1/completions", json=BODY).json()["usage"]["prompt_tokens"]
+    engine = EngineProcess(tiny_model, "tiny", *checkpoint_args(kv)).wait_ready()
+    try:
+        with engine_client(engine) as c, c.stream("POST", "/v1/completions", json={**BODY, "stream": True},
+                                                  headers={MARKS_HEADER: "1"}) as resp:
+            delivered, text = read_until(resp, 50)
+            # the checkpoint after the 48th token is on disk before the kill (the engine, ahead
+            # of this reader, may have written later ones)
+            wait_for(lambda: longest_file(kv) >= prompt_tokens + 48, timeout=30,
+                     message="no checkpoint past the 48th token reached the disk")
+            os.kill(engine.proc.pid, signal.SIGKILL)
+    finally:
+        engine.stop()
+    assert delivered == want_ids[:len(delivered)] and want_text.startswith(text)
+    saved = longest_file(kv)
+    rid, created = reply.split(" ")
+    resume = {"tokens": delivered, "id": rid, "created": int(created)}
+    with running_engine(tiny_model, "tiny", *checkpoint_args(kv)) as again:
+        rest = again.client.post("/v1/completions", json={**BODY, "resume": resume}).json()
+        stats = again.client.get("/admin/stats").json()["prompt_cache"]
+    assert stats["hits"]["ssd"] == 1
+    # the prompt and the output up to the checkpoint are not prefilled again (a fetch leaves
+    # the continuation's last token to run)
+    assert stats["tokens_reused"] == min(saved, prompt_tokens + len(delivered) - 1) >= prompt_tokens + 48
+    assert rest["choices"][0]["text"] == want_text  # a whole answer holds the delivered text too
+    assert rest["usage"]["completion_tokens"] == 90
+
+
+def test_engines_killed_while_checkpointing_leave_only_whole_files(tiny_model: Path, tmp_path: Path) -> None:
+    rng = random.Random(29)
+    kv = tmp_path / "kv"
+    long_body = {**BODY, "prompt": PROMPT * 4, "max_tokens": 400}
+    args = ("--generation-checkpoint", "4", "--ssd-write-behind", "off", "--ssd-cache-dir", str(kv))
+    for _ in range(6):
+        engine = EngineProcess(tiny_model, "tiny", *args).wait_ready()
+        try:
+            with engine_client(engine) as c, c.stream("POST", "/v1/completions",
+                                                      json={**long_body, "stream": True}) as resp:
+                for _ in resp.iter_raw():
+                    break  # generating, a checkpoint every 4 tokens
+                time.sleep(rng.uniform(0.0, 0.3))
+                os.kill(engine.proc.pid, signal.SIGKILL)
+        finally:
+            engine.stop()
+        tier = tier_of(kv)
+        assert not any(p.name.startswith(kv_files.TEMP_PREFIX) for p in tier.dir.iterdir())
+        for entry in tier.entries():
+            kv_files.verify(tier.dir / entry.name)  # whole, or it would raise CorruptFile
+        assert tier.stats.quarantined == 0
+    assert tier.entries()  # checkpoints were written
