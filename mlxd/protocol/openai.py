@@ -62,13 +62,17 @@ class Resume(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     reply's token ids so far (exact: the rest is what the uninterrupted reply would have been);
     else `text`, the reply so far as text (tokenized, so close but not token-exact). `segments`:
     how many of `tokens` each delivered piece carried (the engine's stream marks), so the
-    reply's parsers see the text split as it was sent. `id` and `created` are the reply's."""
+    reply's parsers see the text split as it was sent. `id` and `created` are the reply's.
+    `resend`: a stream sends the delivered part again first (opening chunk, then the chunks each
+    segment made), for a caller that has none of it (a stored Responses generation finished
+    after a restart)."""
 
     tokens: Annotated[list[TokenId], Meta(max_length=MAX_RESUME_TOKENS)] = []
     text: str | None = None
     segments: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=MAX_RESUME_TOKENS)] | None = None
     id: Annotated[str, Meta(max_length=128)] | None = None
     created: Annotated[int, Meta(ge=0, le=2**53)] | None = None
+    resend: bool = False
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):

@@ -128,6 +128,7 @@ class PromptCacheStats(msgspec.Struct):
     writes_pending: int
     checkpoints: int = 0  # generation checkpoints handed to the SSD writer (gpu/checkpoints.py)
     checkpoints_skipped: int = 0  # ... due, but not taken: the writer was too far behind
+    checkpoint_ms: float = 0.0  # the GPU thread's time taking them (copying the KV), all told
 
 
 class LastRequest(msgspec.Struct):

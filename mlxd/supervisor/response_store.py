@@ -20,9 +20,11 @@ fast, but a write waits for the disk): the supervisor runs them on the store's o
 
 from __future__ import annotations
 
+import array
 import asyncio
 import concurrent.futures
 import sqlite3
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +55,15 @@ CREATE TABLE IF NOT EXISTS responses (
 );
 CREATE INDEX IF NOT EXISTS responses_used ON responses (used_at);
 CREATE INDEX IF NOT EXISTS responses_expires ON responses (expires_at);
+CREATE TABLE IF NOT EXISTS generations (
+    id TEXT PRIMARY KEY,
+    model TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    request BLOB NOT NULL,
+    chat BLOB NOT NULL,
+    tokens BLOB NOT NULL,
+    segments BLOB NOT NULL
+);
 """
 
 
@@ -77,6 +88,19 @@ class Stored:
     input: list[Any]  # this turn's input items
     output: list[Any]  # its output items
     response: dict[str, Any]  # the response object as returned
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """A stored response still being made, or cut off by a restart (its row goes when it is stored)."""
+
+    id: str
+    model: str
+    created_at: float
+    request: bytes  # the Responses request, as sent
+    chat: bytes  # the chat request the engine was sent
+    tokens: list[int]  # the reply's token ids delivered, as last saved
+    segments: list[int]  # how they were split into the writes that carried them
 
 
 class ResponseStore:
@@ -127,8 +151,34 @@ class ResponseStore:
                 (id, previous_id, model, now, now, now + self.ttl_s, size, *blobs),
             )
             self._bytes += size - (old[0] if old else 0)
+            self._db.execute("DELETE FROM generations WHERE id = ?", (id,))
             self._expire(now)
             self._evict(keep=id)
+
+    # --- generations: stored responses not finished yet ------------------------------------------
+
+    def begin(self, id: str, model: str, created_at: float, request: bytes, chat: bytes) -> None:
+        """A stored response starts being made (so a restart that cuts it off leaves it resumable)."""
+        self._db.execute("INSERT OR REPLACE INTO generations VALUES (?, ?, ?, ?, ?, ?, ?)",
+                         (id, model, created_at, request, chat, b"", b""))
+
+    def progress(self, id: str, tokens: bytes, segments: bytes) -> None:
+        """What of it was delivered so far: token ids and segment lengths, as little-endian int64s."""
+        self._db.execute("UPDATE generations SET tokens = ?, segments = ? WHERE id = ?", (tokens, segments, id))
+
+    def end(self, id: str) -> None:
+        """It ended without being stored (an error): nothing to go on with."""
+        self._db.execute("DELETE FROM generations WHERE id = ?", (id,))
+
+    def generation(self, id: str) -> Generation | None:
+        """A response being made, or cut off, and not past the TTL."""
+        row = self._db.execute(
+            "SELECT id, model, created_at, request, chat, tokens, segments FROM generations "
+            "WHERE id = ? AND created_at > ?", (id, self._clock() - self.ttl_s)).fetchone()
+        if row is None:
+            return None
+        rid, model, created_at, request, chat, tokens, segments = row
+        return Generation(rid, model, created_at, bytes(request), bytes(chat), _ints(tokens), _ints(segments))
 
     def get(self, id: str) -> Stored | None:
         """The response, or None if it never was, was deleted or has expired; marks it used."""
@@ -175,6 +225,7 @@ class ResponseStore:
     def _expire(self, now: float) -> None:
         rows = self._db.execute("DELETE FROM responses WHERE expires_at <= ? RETURNING size", (now,)).fetchall()
         self._bytes -= sum(r[0] for r in rows)
+        self._db.execute("DELETE FROM generations WHERE created_at <= ?", (now - self.ttl_s,))
 
     def _evict(self, keep: str) -> None:
         """Least recently used first, until under the cap (never the row just written)."""
@@ -204,6 +255,23 @@ class _Transaction:
         self._db.execute("COMMIT" if kind is None else "ROLLBACK")
 
 
+def _ints(blob: bytes) -> list[int]:
+    values = array.array("q")
+    values.frombytes(bytes(blob))
+    if sys.byteorder != "little":
+        values.byteswap()
+    return values.tolist()
+
+
+def int_blob(values: array.array[int]) -> bytes:
+    """`values` (an array of "q") as `progress` stores them."""
+    if sys.byteorder == "little":
+        return values.tobytes()
+    swapped = array.array("q", values)
+    swapped.byteswap()
+    return swapped.tobytes()
+
+
 def _stored(row: tuple[Any, ...]) -> Stored:
     rid, previous_id, model, created_at, input_, output, response = row
     return Stored(rid, previous_id, model, created_at, msgspec.json.decode(input_), msgspec.json.decode(output),
@@ -218,7 +286,11 @@ class AsyncStore:
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mlxd-store")
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+        return await self.submit(fn, *args)
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """Queue a call now (calls run in the order they are queued) without waiting for it."""
+        return asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 
     def close(self) -> None:
         self._thread.submit(self.store.close).result()

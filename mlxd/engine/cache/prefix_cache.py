@@ -76,6 +76,7 @@ class CacheStats:
     evicted_unwritten: int = 0  # evicted from RAM without reaching SSD (no tier, or its queue was full)
     checkpoints: int = 0  # running rows' KV handed to the writer (`checkpoint`)
     checkpoints_skipped: int = 0  # ... not: the writes queued held too much
+    checkpoint_s: float = 0.0  # the GPU thread's time taking them (the copy and its evaluation)
 
 
 def entry_name(tokens: np.ndarray) -> str:
@@ -331,10 +332,12 @@ class PrefixCache:
         if self._writer.pending_bytes > self.cap_bytes // 2:
             self.stats.checkpoints_skipped += 1
             return False
+        started = time.perf_counter()
         kept = view(kv, offset)
         compact(kept)  # its own buffers: the row goes on writing into its cache
         entry = Entry(covered, kept, cache_nbytes(kept), name, self._clock, trimmable=is_trimmable(kept))
         self._spill(entry, urgent=True)
+        self.stats.checkpoint_s += time.perf_counter() - started
         if entry.unwritable:
             return False
         self.stats.checkpoints += 1
@@ -435,7 +438,7 @@ class PrefixCache:
             RamTierStats(len(self._entries), self._ram_bytes, self.cap_bytes),
             self.ssd.snapshot() if self.ssd is not None else None,
             CacheHits(s.ram_hits, s.ssd_hits), s.misses, s.tokens_reused, s.ram_evicted, s.evicted_unwritten,
-            self.writes_pending, s.checkpoints, s.checkpoints_skipped,
+            self.writes_pending, s.checkpoints, s.checkpoints_skipped, round(s.checkpoint_s * 1000, 3),
         )
 
 

@@ -37,7 +37,7 @@ from mlxd.engine.http.openai_requests import (
     usage_of,
 )
 from mlxd.engine.http.openai_streams import stream, stream_choices
-from mlxd.engine.http.resume import Continued, continued, ended_ticket, prime, reply_meta
+from mlxd.engine.http.resume import Continued, continued, ended_ticket, lead, prime, reply_meta
 from mlxd.engine.models.image_memo import PromptMedia, read_media
 from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.engine.models.vision import MAX_IMAGES, MediaPrompt
@@ -68,7 +68,7 @@ async def chat_completions(request: web.Request, slot: Slot) -> web.StreamRespon
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     replies = [ChatReply(*meta, tool_req=tool_req, markup=fmt.markup, forced=forced, think=loaded.think_markers,
                          in_reasoning=in_reasoning, index=i) for i in range(req.n)]
-    prime(replies[0], cont)
+    resumed, lead_with = lead(req.resume, cont, prime(replies[0], cont))
     if cont is not None and grammars[0] is not None:
         grammars[0].consume_tokens(cont.ids)  # the matcher stands where the delivered tokens left it
     tickets: list[Ticket] = []
@@ -82,8 +82,8 @@ async def chat_completions(request: web.Request, slot: Slot) -> web.StreamRespon
         if req.stream:
             if req.n == 1:
                 return await stream(request, tickets[0], replies[0], include_usage,
-                                    early_usage=EARLY_USAGE_HEADER in request.headers,
-                                    resumed=len(cont.ids) if cont is not None else None)
+                                    early_usage=EARLY_USAGE_HEADER in request.headers, resumed=resumed,
+                                    lead=lead_with)
             return await stream_choices(request, tickets, replies, include_usage)
         results = await asyncio.gather(*(collect(t) for t in tickets))
         choices = []
@@ -266,11 +266,10 @@ async def completions(request: web.Request, slot: Slot) -> web.StreamResponse:
     echo = loaded.decode(prompt) if req.echo else ""
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     reply = TextReply(*meta, echo=echo, logprobs=req.logprobs)
-    prime(reply, cont)
+    resumed, lead_with = lead(req.resume, cont, prime(reply, cont))
     with cancel_on_exit(ticket):
         if req.stream:
-            return await stream(request, ticket, reply, include_usage,
-                                resumed=len(cont.ids) if cont is not None else None)
+            return await stream(request, ticket, reply, include_usage, resumed=resumed, lead=lead_with)
         text, done, logprobs = await collect(ticket)
         lp = text_logprobs(logprobs, len(echo), req.logprobs) if req.logprobs is not None else None
         before = cont.text if cont is not None else ""

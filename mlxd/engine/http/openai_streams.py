@@ -21,19 +21,23 @@ KEEPALIVE_S = keepalive_interval()
 
 
 async def stream(request: web.Request, ticket: Ticket, reply: Reply, include_usage: bool,
-                 early_usage: bool = False, resumed: int | None = None) -> web.StreamResponse:
+                 early_usage: bool = False, resumed: int | None = None,
+                 lead: tuple[list[Any], list[int]] | None = None) -> web.StreamResponse:
     """Relay a generation as OpenAI SSE chunks, ending with `data: [DONE]`; with `early_usage`
     (process.EARLY_USAGE_HEADER) the opening chunk carries the prompt's usage.
 
     Each batch of events goes out in one write, and with process.MARKS_HEADER a resume mark
     ends it (the batch's token ids). `resumed`: the reply continues one whose first `resumed`
-    tokens were delivered, opening chunks included (http/resume.py): none are sent again."""
+    tokens were delivered, opening chunks included (http/resume.py): none are sent again.
+    `lead`: a continued reply that resends its start: the chunks to send after the opening, and
+    the token ids they carry (the first write's mark names them)."""
     marks = MARKS_HEADER in request.headers
     sse = SSEWriter({REPLY_HEADER: f"{reply.meta[0]} {reply.meta[1]}"} if marks else None)
     resp = await sse.start(request)
     # The opening chunks go out with the first generated text, so a client's (and the
     # supervisor's) first chunk marks the first token.
-    opening = reply.opening() if resumed is None else []
+    lead_chunks, lead_ids = lead or ([], [])
+    opening = [*reply.opening(), *lead_chunks] if resumed is None else []
     total = resumed or 0
     try:
         await keep_alive_until_first_event(sse, ticket)
@@ -48,7 +52,8 @@ async def stream(request: web.Request, ticket: Ticket, reply: Reply, include_usa
             end = batch[-1]
             if marks and not (isinstance(end, Done) and end.finish_reason != "cancelled"):
                 # marked unless [DONE] ends it: a stream cut by a drain or shutdown may go on
-                ids = [i for e in tokens for i in e.ids or ()]
+                ids = [*lead_ids, *(i for e in tokens for i in e.ids or ())]
+                lead_ids = []
                 total += len(ids)
                 out += mark(0, total, ids)
             if isinstance(end, Token):

@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
+from typing import Any
 
 from mlxd.engine.gpu.job import Job, SamplingParams
 from mlxd.engine.gpu.sequence import replay
@@ -25,6 +26,8 @@ from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.protocol import openai as oa
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.events import Done
+
+Lead = tuple[list[Any], list[int]]  # a resent start's chunks, and the token ids they carry
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -66,10 +69,20 @@ def reply_meta(prefix: str, resume: oa.Resume | None, model: str) -> tuple[str, 
     return rid, created, model
 
 
-def prime(reply: Reply, cont: Continued | None) -> None:
-    """Feed the delivered text to `reply`, segment by segment as it went out, sending nothing."""
-    for text in cont.texts if cont is not None else ():
-        reply.text(text)
+def prime(reply: Reply, cont: Continued | None) -> list[Any]:
+    """Feed the delivered text to `reply`, segment by segment as it went out, sending nothing:
+    the chunks it made (a stream that resends them starts with them)."""
+    return [chunk for text in (cont.texts if cont is not None else ()) for chunk in reply.text(text)]
+
+
+def lead(resume: oa.Resume | None, cont: Continued | None, primed: list[Any]) -> tuple[int | None, Lead | None]:
+    """A continued stream's start: how many tokens of it were delivered (None: it opens as a new
+    one does), and, for one that resends them, the chunks to send after its opening and their ids."""
+    if cont is None or resume is None:
+        return None, None
+    if resume.resend:
+        return None, (primed, cont.ids)
+    return len(cont.ids), None
 
 
 def ended_ticket(cont: Continued, num_prompt: int) -> Ticket:

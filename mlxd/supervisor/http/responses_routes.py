@@ -28,7 +28,8 @@ from mlxd.supervisor.http.image_fetch import check_takes_images
 from mlxd.supervisor.http.keys import CONFIG, IMAGES
 from mlxd.supervisor.http.loopback import Loopback, error_of
 from mlxd.supervisor.http.relaying import relay, resolve_target
-from mlxd.supervisor.relay.responses_dialect import Responses
+from mlxd.supervisor.http.responses_generations import LIVE, go_on, recorded
+from mlxd.supervisor.relay.responses_dialect import Keep, Responses
 from mlxd.supervisor.relay.sse import SSE_HEADERS
 from mlxd.supervisor.response_store import AsyncStore, ChainBroken, ResponseStore, Stored
 
@@ -44,7 +45,8 @@ def not_found(response_id: str) -> APIError:
 async def create(request: web.Request) -> web.StreamResponse:
     """POST /v1/responses."""
     started = time.perf_counter()
-    req: responses.ResponsesRequest = decode_json(_decoder, await request.read())
+    raw = await request.read()
+    req: responses.ResponsesRequest = decode_json(_decoder, raw)
     items = responses.input_items(req)
     store = request.app[STORE]
     history = await chain_items(request, req.previous_response_id)
@@ -58,17 +60,27 @@ async def create(request: web.Request) -> web.StreamResponse:
         log.info("responses: tools of type %s cannot run here; the model does not see them",
                  ", ".join(sorted(set(shell.dropped))))
 
+    body = msgspec.json.encode(chat)
+    dialect = Responses(shell, keeper(store, shell, items)) if req.store else Responses(shell)
+    if not req.store:
+        return await relay(request, target, body, dialect, stream=req.stream, started=started)
+    return await recorded(request, store, shell, raw, body,
+                          relay(request, target, body, dialect, stream=req.stream, started=started))
+
+
+def keeper(store: AsyncStore, shell: responses.Shell, items: list[dict[str, Any]]) -> Keep:
+    """The dialect's `keep`: the finished response into the store."""
+
     async def keep(response: dict[str, Any]) -> None:
-        if not req.store:
-            return
         try:
-            await store.run(store.store.put, shell.id, req.previous_response_id, shell.model, items,
+            await store.run(store.store.put, shell.id, shell.req.previous_response_id, shell.model, items,
                             response["output"], response)
         except sqlite3.Error as exc:  # the answer still goes out; it cannot be chained on
             log.error("responses: storing %s failed: %s", shell.id, exc)
 
-    dialect = Responses(shell, keep)
-    return await relay(request, target, msgspec.json.encode(chat), dialect, stream=req.stream, started=started)
+    return keep
+
+
 
 
 COMPACT_ASK = ("Write a summary of the conversation above that lets it go on without it: what was asked, what "
@@ -127,7 +139,10 @@ async def retrieve(request: web.Request) -> web.StreamResponse:
     store = request.app[STORE]
     stored = await store.run(store.store.get, response_id)
     if stored is None:
-        raise not_found(response_id)
+        gen = await store.run(store.store.generation, response_id)
+        if gen is None:
+            raise not_found(response_id)
+        return await go_on(request, store, gen, keeper)  # being made, or cut off by a restart
     if request.query.get("stream", "").lower() == "true":
         resp = web.StreamResponse(headers=SSE_HEADERS)
         await resp.prepare(request)
@@ -184,6 +199,7 @@ def setup_responses_routes(app: web.Application, store: ResponseStore | None) ->
     """The routes, on `store` (None: a store in memory, for an app made without a data dir)."""
     config = app[CONFIG].responses
     app[STORE] = AsyncStore(store if store is not None else ResponseStore(None, config.ttl_s, config.max_bytes))
+    app[LIVE] = set()
     app.router.add_post("/v1/responses", create)
     app.router.add_get("/v1/responses", responses_socket.socket)  # the WebSocket mode
     app.router.add_post("/v1/responses/compact", compact)

@@ -13,3 +13,4 @@ FIRST_CHUNK_KEY = web.RequestKey("mlxd.first_chunk", float)  # perf_counter() wh
 USAGE_KEY = web.RequestKey("mlxd.usage", RequestUsage)  # the engine's report of the answer relayed (if any)
 DIALECT_KEY = web.RequestKey("mlxd.dialect", Dialect)  # the API the route answers in (its own instance)
 RESUMES_KEY = web.RequestKey("mlxd.resumes", ReplyMarks)  # a request whose engine died under it: how it went on
+MARKS_KEY = web.RequestKey("mlxd.marks", ReplyMarks)  # a stream that can go on: the reply's token ids so far

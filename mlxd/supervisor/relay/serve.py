@@ -23,7 +23,13 @@ from mlxd.supervisor.engines.upstream import EngineBusy, EngineUnreachable, cras
 from mlxd.supervisor.registry import ModelEntry
 from mlxd.supervisor.relay.dialect import Dialect
 from mlxd.supervisor.relay.forward import forward
-from mlxd.supervisor.relay.keys import DIALECT_KEY, FIRST_CHUNK_KEY, MODEL_KEY, RESUMES_KEY
+from mlxd.supervisor.relay.keys import (
+    DIALECT_KEY,
+    FIRST_CHUNK_KEY,
+    MARKS_KEY,
+    MODEL_KEY,
+    RESUMES_KEY,
+)
 from mlxd.supervisor.relay.resume import Cut, ReplyMarks
 from mlxd.supervisor.relay.waiting import WaitingStream
 
@@ -53,6 +59,8 @@ async def serve(
         on_first_chunk(request[FIRST_CHUNK_KEY])
 
     marks = ReplyMarks() if resumes(request, pool, entry) else None
+    if marks is not None and stream:
+        request[MARKS_KEY] = marks  # for a stored Responses generation's progress (responses_routes.py)
     try:
         queued = priority if priority is not None else key_priority if key_priority is not None else 0
         return await _route(request, pool, entry, body, dialect, waiting, first_chunk, queued, key_priority, adapters,
