@@ -147,6 +147,34 @@ def test_a_whole_answer_with_resume_is_the_whole_reply(tiny: EngineProcess) -> N
     assert cont["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_resent_start_comes_first_split_as_it_went_out_then_the_rest(tiny: EngineProcess, path: str) -> None:
+    body = CHAT if path == "/v1/chat/completions" else {
+        "prompt": "The history of the lighthouse", "max_tokens": 40, "temperature": 0, "logit_bias": NO_EOS}
+    reply, pieces = marked_stream(tiny, path, body)
+    want = events(b"".join(p for p, _ in pieces))
+    at = (len(pieces) - 1) // 2
+    tokens = [t for _, ids in pieces[:at + 1] for t in ids]
+    segments = [len(ids) for _, ids in pieces[:at + 1]]
+    rid, created = reply.split(" ")
+    resume = {"tokens": tokens, "segments": segments, "id": rid, "created": int(created), "resend": True}
+    with engine_client(tiny) as c, c.stream("POST", path, json={**body, "stream": True, "resume": resume},
+                                            headers={MARKS_HEADER: "1"}) as resp:
+        raw = resp.read()
+    got = events(raw)
+    text = chat_text if path == "/v1/chat/completions" else (
+        lambda chunks: "".join(ch["choices"][0]["text"] for ch in chunks if ch["choices"]))
+    assert text(got) == text(want)
+    if path == "/v1/chat/completions":
+        assert got[0]["choices"][0]["delta"].get("role") == "assistant"  # it opens, as a new stream does
+        # the delivered part: the chunks its writes made, one for one, before any new one
+        before = [c["choices"][0]["delta"].get("content") for c in want if c["choices"]][1:at + 2]
+        assert [c["choices"][0]["delta"].get("content") for c in got if c["choices"]][1:at + 2] == before
+    first_mark = raw[raw.index(b": ids "):].split(b"\n", 1)[0].decode().split(" ")
+    assert int(first_mark[3]) >= len(tokens)  # its total counts the resent tokens
+    assert [int(i) for i in first_mark[4].split(",")][:len(tokens)] == tokens
+
+
 def test_a_reply_its_tokens_already_ended_ends_at_once(tiny: EngineProcess) -> None:
     _, pieces = marked_stream(tiny, "/v1/chat/completions", CHAT)
     tokens = [t for _, ids in pieces for t in ids][:6]
