@@ -55,6 +55,15 @@ MAX_RESUME_TOKENS = 1 << 20
 TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 
 
+class ChoiceResume(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One choice of an `n` > 1 reply being continued: its token ids so far, how they were split
+    into the writes that carried them, and whether its end (finish_reason) was delivered."""
+
+    tokens: Annotated[list[TokenId], Meta(max_length=MAX_RESUME_TOKENS)] = []
+    segments: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(max_length=MAX_RESUME_TOKENS)] | None = None
+    ended: bool = False
+
+
 class Resume(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """mlxd's `resume`: go on with a reply whose start was already delivered (docs/resume.md).
 
@@ -65,7 +74,8 @@ class Resume(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     reply's parsers see the text split as it was sent. `id` and `created` are the reply's.
     `resend`: a stream sends the delivered part again first (opening chunk, then the chunks each
     segment made), for a caller that has none of it (a stored Responses generation finished
-    after a restart)."""
+    after a restart). `choices`: instead of `tokens`, one entry a choice of an `n` > 1 chat
+    stream."""
 
     tokens: Annotated[list[TokenId], Meta(max_length=MAX_RESUME_TOKENS)] = []
     text: str | None = None
@@ -73,6 +83,7 @@ class Resume(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     id: Annotated[str, Meta(max_length=128)] | None = None
     created: Annotated[int, Meta(ge=0, le=2**53)] | None = None
     resend: bool = False
+    choices: Annotated[list[ChoiceResume], Meta(min_length=2, max_length=16)] | None = None
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
@@ -217,13 +228,26 @@ def check_common(req: SamplingFields, max_n: int = 1) -> None:
         if not is_token_id_key(key):
             raise APIError(400, f"logit_bias keys must be token ids, got {key[:20]!r}.", param="logit_bias")
     if (resume := req.resume) is not None:
-        if req.n != 1:
-            raise APIError(400, "resume continues one reply: n must be 1.", param="resume")
+        if resume.choices is not None:
+            if len(resume.choices) != req.n:
+                raise APIError(400, f"resume.choices has {len(resume.choices)} entries; n is {req.n}.",
+                               param="resume.choices")
+            if resume.tokens or resume.text is not None or resume.resend:
+                raise APIError(400, "resume.choices comes without tokens, text or resend.", param="resume.choices")
+        elif req.n != 1:
+            raise APIError(400, "resume continues one reply: n must be 1, or resume.choices gives each.",
+                           param="resume")
         if resume.tokens and resume.text is not None:
             raise APIError(400, "resume takes tokens or text, not both.", param="resume.text")
-        if resume.segments is not None and sum(resume.segments) != len(resume.tokens):
-            raise APIError(400, f"resume.segments add up to {sum(resume.segments)}, but there are "
-                                f"{len(resume.tokens)} tokens.", param="resume.segments")
+        for where, part in ((f"resume.choices[{i}]", c) for i, c in enumerate(resume.choices or [])):
+            check_segments(where, part.tokens, part.segments)
+        check_segments("resume", resume.tokens, resume.segments)
+
+
+def check_segments(where: str, tokens: list[int], segments: list[int] | None) -> None:
+    if segments is not None and sum(segments) != len(tokens):
+        raise APIError(400, f"{where}.segments add up to {sum(segments)}, but there are {len(tokens)} tokens.",
+                       param=f"{where}.segments")
 
 
 def is_token_id_key(key: str) -> bool:

@@ -178,6 +178,39 @@ def test_the_opt_out_header_ends_the_stream_with_the_crash_error(sup: Supervisor
     assert "stopped unexpectedly" in str(info.value.message)
 
 
+def n_choices(client: openai.OpenAI, begun: threading.Event | None = None) -> tuple[list[str], list[int], Any]:
+    """A seeded chat stream of 3 choices: each one's text, the indexes its finish_reasons came
+    for, and the usage."""
+    texts, ends, usage = ["", "", ""], [], None
+    stream = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=200, temperature=1.0, seed=5,
+        n=3, stream=True, logit_bias=NO_EOS, stream_options={"include_usage": True})
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            ends += [choice.index] if choice.finish_reason else []
+            if begun is not None and choice.delta.content:
+                begun.set()
+    return texts, sorted(ends), usage
+
+
+def test_n_choices_keep_going_through_a_kill(sup: SupervisorProcess) -> None:
+    client = sup.openai()
+    want, want_ends, want_usage = n_choices(client)
+    assert len(set(want)) == 3 and want_ends == [0, 1, 2]
+    wait_for(lambda: engine_pid(sup) is not None, 30)
+    with Killer(sup, times=1, after_s=(0.05, 0.15)) as killer:
+        got, ends, usage = n_choices(client, killer.begun)
+    assert killer.kills == 1
+    assert got == want and ends == [0, 1, 2]  # each choice whole, and ended once
+    assert usage.completion_tokens == want_usage.completion_tokens == 600
+    # the access line comes once the handler returns, after the client has [DONE]; a client that
+    # closes at once may see its handler cancelled first (then it is logged as 499)
+    wait_for(lambda: re.search(r"POST /v1/chat/completions (200|499) tiny .*resumed=1\(\+\d+ms\)", sup.log()),
+             10, message=sup.log)
+
+
 def test_a_whole_answer_cut_by_a_kill_is_answered_by_the_next_engine(sup: SupervisorProcess) -> None:
     client = sup.openai()
     body: dict[str, Any] = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 300, "temperature": 0,

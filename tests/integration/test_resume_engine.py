@@ -175,6 +175,73 @@ def test_a_resent_start_comes_first_split_as_it_went_out_then_the_rest(tiny: Eng
     assert [int(i) for i in first_mark[4].split(",")][:len(tokens)] == tokens
 
 
+def choice_writes(raw: bytes) -> list[tuple[int, list[dict[str, Any]], list[int], bool]]:
+    """An `n` > 1 marked stream's writes: each one choice's (its index, its chunks, the ids its
+    mark named, whether the mark said its choice ended); the unmarked end is left out."""
+    out = []
+    rest = raw
+    while (at := rest.find(b": ids ")) >= 0:
+        end = rest.index(b"\n\n", at)
+        index, _total, ids_text, *closed = rest[at + 6:end].decode().split(" ")
+        out.append((int(index), events(rest[:at]), [int(i) for i in ids_text.split(",") if i], bool(closed)))
+        rest = rest[end + 2:]
+    return out
+
+
+def choice_texts(chunks: list[dict[str, Any]], n: int) -> list[str]:
+    texts = [""] * n
+    for c in chunks:
+        for ch in c["choices"]:
+            texts[ch["index"]] += ch["delta"].get("content") or ""
+    return texts
+
+
+def finishes(chunks: list[dict[str, Any]]) -> list[int]:
+    return [ch["index"] for c in chunks for ch in c["choices"] if ch.get("finish_reason")]
+
+
+def test_n_choices_each_go_on_from_their_own_tokens(tiny: EngineProcess) -> None:
+    n = 3
+    body = {**CHAT, "n": n, "temperature": 1.0, "seed": 11, "max_tokens": 24}
+    with engine_client(tiny) as c, c.stream("POST", "/v1/chat/completions", json={**body, "stream": True},
+                                            headers={MARKS_HEADER: "1"}) as resp:
+        rid, created = resp.headers[REPLY_HEADER].split(" ")
+        raw = resp.read()
+    want = events(raw)
+    want_texts = choice_texts(want, n)
+    assert len(set(want_texts)) == n  # seeded rows draw apart
+    writes = choice_writes(raw)
+    assert {i for i, *_ in writes} == set(range(n))
+    assert sorted(i for i, _, _, closed in writes if closed) == list(range(n))  # each choice's end is marked
+    for at in (len(writes) // 3, 2 * len(writes) // 3, len(writes) - 2):
+        delivered = writes[:at + 1]
+        choices = [{"tokens": [t for i, _, ids, _ in delivered if i == k for t in ids],
+                    "segments": [len(ids) for i, _, ids, _ in delivered if i == k],
+                    "ended": any(closed for i, _, _, closed in delivered if i == k)} for k in range(n)]
+        resume = {"choices": choices, "id": rid, "created": int(created)}
+        with engine_client(tiny) as c, c.stream("POST", "/v1/chat/completions",
+                                                json={**body, "stream": True, "resume": resume},
+                                                headers={MARKS_HEADER: "1"}) as resp:
+            after = events(resp.read())
+        before = [chunk for _, chunks, _, _ in delivered for chunk in chunks]
+        got = choice_texts(before, n)
+        assert [a + b for a, b in zip(got, choice_texts(after, n), strict=True)] == want_texts, at
+        assert sorted(finishes(before) + finishes(after)) == list(range(n)), at  # each choice ends once
+        assert not any(ch["delta"].get("role") for c in after for ch in c["choices"])  # no second opening
+        assert after[-1]["usage"]["completion_tokens"] == want[-1]["usage"]["completion_tokens"] == n * 24
+
+
+def test_resume_choices_must_match_n(tiny: EngineProcess) -> None:
+    with engine_client(tiny) as c:
+        r = c.post("/v1/chat/completions", json={**CHAT, "n": 3, "resume": {"choices": [{}, {}]}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "resume.choices"
+        r = c.post("/v1/chat/completions", json={**CHAT, "n": 2, "resume": {"tokens": [5]}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "resume"
+        r = c.post("/v1/chat/completions", json={**CHAT, "n": 2, "resume": {
+            "choices": [{"tokens": [5, 6], "segments": [1]}, {}]}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "resume.choices[0].segments"
+
+
 def test_a_reply_its_tokens_already_ended_ends_at_once(tiny: EngineProcess) -> None:
     _, pieces = marked_stream(tiny, "/v1/chat/completions", CHAT)
     tokens = [t for _, ids in pieces for t in ids][:6]

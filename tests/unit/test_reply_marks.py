@@ -49,7 +49,7 @@ def test_a_drain_cut_error_is_swallowed_and_other_errors_pass() -> None:
 
 def test_events_without_marks_or_marks_that_do_not_add_up_cannot_go_on() -> None:
     unmarked = ReplyMarks()
-    unmarked.take(CHUNK)  # an engine that does not mark (n > 1 choices)
+    unmarked.take(CHUNK)  # an engine that does not mark
     assert not unmarked.resumable()
     wrong = ReplyMarks()
     wrong.head({REPLY_HEADER.lower(): "chatcmpl-1 1700000000"})
@@ -58,6 +58,26 @@ def test_events_without_marks_or_marks_that_do_not_add_up_cannot_go_on() -> None
     for bad in (b": ids zero\n\n", b": ids 0 two 1\n\n", b": ids 0 1 x\n\n"):
         garbled = ReplyMarks()
         assert garbled.take(CHUNK + bad) == CHUNK  # stripped all the same, and the stream can only fail
+        assert garbled.broken
+
+
+def test_n_choices_keep_their_own_ids_and_ends_and_go_on_each_from_its_own() -> None:
+    body = json.dumps({"model": "m", "messages": [], "stream": True, "n": 3}).encode()
+    marks = ReplyMarks()
+    marks.head({REPLY_HEADER.lower(): "chatcmpl-9 1700000001"})
+    assert marks.take(CHUNK + b": ids 0 2 5,6\n\n") == CHUNK
+    assert marks.take(CHUNK + b": ids 2 1 9\n\n") == CHUNK
+    assert marks.take(CHUNK + b": ids 0 3 7 end\n\n") == CHUNK  # choice 0's closing chunks went out
+    assert marks.take(CHUNK + b": ids 2 1  end\n\n") == CHUNK  # ... choice 2's, with no new token
+    assert marks.resumable()
+    sent = json.loads(marks.continuation(body))
+    assert sent["resume"] == {"choices": [{"tokens": [5, 6, 7], "segments": [2, 1], "ended": True},
+                                          {"tokens": [], "segments": [], "ended": False},
+                                          {"tokens": [9], "segments": [1, 0], "ended": True}],
+                              "id": "chatcmpl-9", "created": 1700000001}
+    for bad in (b": ids 16 1 4\n\n", b": ids 1 1 4 over\n\n", b": ids 1 2 4\n\n"):  # no such choice; a stray word; a wrong total
+        garbled = ReplyMarks()
+        garbled.take(CHUNK + bad)
         assert garbled.broken
 
 

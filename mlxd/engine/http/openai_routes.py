@@ -63,20 +63,25 @@ async def chat_completions(request: web.Request, slot: Slot) -> web.StreamRespon
                                     request.app[GATEWAY].kv_budget)
     grammars = await constraints(loaded, req, tool_req, fmt, forced)
     top = (req.top_logprobs or 0) if req.logprobs else None
-    cont = await replayed(loaded, req.resume, prompt, max_tokens, oa.stop_list(req.stop))
+    conts = [await replayed(loaded, r, prompt, max_tokens, oa.stop_list(req.stop)) for r in per_choice(req)]
     meta = reply_meta("chatcmpl-", req.resume, loaded.model_id)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     replies = [ChatReply(*meta, tool_req=tool_req, markup=fmt.markup, forced=forced, think=loaded.think_markers,
                          in_reasoning=in_reasoning, index=i) for i in range(req.n)]
-    resumed, lead_with = lead(req.resume, cont, prime(replies[0], cont))
-    if cont is not None and grammars[0] is not None:
-        grammars[0].consume_tokens(cont.ids)  # the matcher stands where the delivered tokens left it
+    primed = [prime(reply, cont) for reply, cont in zip(replies, conts, strict=True)]
+    resumed, lead_with = lead(req.resume, conts[0], primed[0])
+    for cont, grammar in zip(conts, grammars, strict=True):
+        if cont is not None and grammar is not None:
+            grammar.consume_tokens(cont.ids)  # the matcher stands where the delivered tokens left it
+    ended = {i for i, c in enumerate(req.resume.choices or []) if c.ended} if req.resume is not None else set()
     tickets: list[Ticket] = []
     with cancel_all_on_exit(tickets):  # rows submitted before a later one is refused are cancelled too
-        # Choices with images each prefill their own (their prompts' rows start from its embeddings).
-        group = PrefillGroup(req.n, len(prompt) - 1) if req.n > 1 and chat.media is None else None
-        for i in range(req.n):
-            tickets.append(ended_ticket(cont, len(prompt)) if cont is not None and cont.finish is not None else
+        # Choices with images each prefill their own (their prompts' rows start from its embeddings);
+        # continued ones each go on from their own tokens.
+        group = (PrefillGroup(req.n, len(prompt) - 1) if req.n > 1 and chat.media is None and req.resume is None
+                 else None)
+        for i, cont in enumerate(conts):
+            tickets.append(ended_ticket(cont, len(prompt)) if cont is not None and (cont.finish or i in ended) else
                            submit(request, slot, prompt, max_tokens, req, grammars[i], top, row=i, group=group,
                                   media=chat.media, resumed=cont.ids if cont is not None else None))
         if req.stream:
@@ -84,7 +89,8 @@ async def chat_completions(request: web.Request, slot: Slot) -> web.StreamRespon
                 return await stream(request, tickets[0], replies[0], include_usage,
                                     early_usage=EARLY_USAGE_HEADER in request.headers, resumed=resumed,
                                     lead=lead_with)
-            return await stream_choices(request, tickets, replies, include_usage)
+            return await stream_choices(request, tickets, replies, include_usage, ended=ended,
+                                        resumed=[len(c.ids) if c else 0 for c in conts] if req.resume else None)
         results = await asyncio.gather(*(collect(t) for t in tickets))
         choices = []
         for i, (reply, (text, done, logprobs)) in enumerate(zip(replies, results, strict=True)):
@@ -103,6 +109,16 @@ TEMPLATING = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mlxd-t
 # their request's turn on TEMPLATING: requests with images do not wait for each other's decoding.
 IMAGE_DECODING = concurrent.futures.ThreadPoolExecutor(max(2, (os.cpu_count() or 2) // 2),
                                                        thread_name_prefix="mlxd-images")
+
+
+def per_choice(req: oa.ChatCompletionRequest) -> list[oa.Resume | None]:
+    """Each choice's `resume` (None: it continues nothing): `resume` itself for one choice, one
+    made of each of `resume.choices` for several."""
+    resume = req.resume
+    if resume is None or resume.choices is None:
+        return [resume] * req.n
+    return [oa.Resume(tokens=c.tokens, segments=c.segments, id=resume.id, created=resume.created)
+            for c in resume.choices]
 
 
 async def replayed(loaded: LoadedModel, resume: oa.Resume | None, prompt: list[int], max_tokens: int,

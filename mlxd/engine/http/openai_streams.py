@@ -83,12 +83,6 @@ async def keep_alive_until_first_event(sse: SSEWriter, ticket: Ticket) -> None:
         await sse.comment("keep-alive")
 
 
-async def finish_stream(sse: SSEWriter, reply: Reply, end: Any, include_usage: bool) -> None:
-    """Write the closing events for a Done or Failed event, and end the stream; nothing for a Token."""
-    if isinstance(end, Done | Failed):
-        await sse.write(closing_events(reply, end, include_usage), end=True)
-
-
 def closing_events(reply: Reply, end: Done | Failed, include_usage: bool) -> bytes:
     """The events that end a stream: the reply's last chunks, usage and [DONE]; or an error
     event (a failure, or a drain or shutdown that cancelled it), with no [DONE]."""
@@ -103,10 +97,17 @@ def closing_events(reply: Reply, end: Done | Failed, include_usage: bool) -> byt
 
 
 async def stream_choices(request: web.Request, tickets: list[Ticket], replies: list[ChatReply],
-                         include_usage: bool) -> web.StreamResponse:
+                         include_usage: bool, resumed: list[int] | None = None,
+                         ended: set[int] | None = None) -> web.StreamResponse:
     """Relay `n` choices as one SSE stream: each choice's chunks carry its index, in the order
-    they come; a failure of any ends the stream with an error; usage (all choices) at the end."""
-    sse = SSEWriter()
+    they come; a failure of any ends the stream with an error; usage (all choices) at the end.
+
+    Each batch of one choice's events goes out in one write, and with process.MARKS_HEADER a
+    resume mark ends it (the choice's index and token ids; ` end` once its closing chunks went
+    out). `resumed`: the choices continue ones already delivered in part, this many tokens each
+    (no opening chunks); `ended`: those whose end was delivered too (no closing chunks again)."""
+    marks = MARKS_HEADER in request.headers
+    sse = SSEWriter({REPLY_HEADER: f"{replies[0].meta[0]} {replies[0].meta[1]}"} if marks else None)
     resp = await sse.start(request)
     events: asyncio.Queue[tuple[int, list[Any] | None]] = asyncio.Queue()
 
@@ -116,7 +117,8 @@ async def stream_choices(request: web.Request, tickets: list[Ticket], replies: l
         await events.put((i, None))
 
     pumps = [asyncio.create_task(pump(i, t)) for i, t in enumerate(tickets)]
-    opening = [c for r in replies for c in r.opening()]
+    opening = [] if resumed is not None else [c for r in replies for c in r.opening()]
+    totals = list(resumed) if resumed is not None else [0] * len(replies)
     dones: dict[int, Done] = {}
     try:
         open_rows = len(tickets)
@@ -132,27 +134,29 @@ async def stream_choices(request: web.Request, tickets: list[Ticket], replies: l
             if batch is None:
                 open_rows -= 1
                 continue
-            for chunk in opening:
-                await sse.send(chunk)
-            opening = []
             tokens = [e for e in batch if isinstance(e, Token)]
             logprobs = [lp for e in tokens for lp in e.logprobs or []]
-            for chunk in replies[i].text("".join(e.text for e in tokens), logprobs):
-                await sse.send(chunk)
+            chunks = [*opening, *replies[i].text("".join(e.text for e in tokens), logprobs)]
+            opening = []
             end = batch[-1]
-            if isinstance(end, Failed) or (isinstance(end, Done) and end.finish_reason == "cancelled"):
-                await finish_stream(sse, replies[i], end, include_usage)
-                return resp
-            if isinstance(end, Done):
+            failed = isinstance(end, Failed) or (isinstance(end, Done) and end.finish_reason == "cancelled")
+            if isinstance(end, Done) and not failed:
                 dones[i] = end
-                for chunk in replies[i].closing(end):
-                    await sse.send(chunk)
+                if i not in (ended or ()):
+                    chunks += replies[i].closing(end)
+            out = b"".join(map(event, chunks))
+            if marks:  # an error's write too: a drain's or shutdown's may go on, its events not sent twice
+                ids = [t for e in tokens for t in e.ids or ()]
+                totals[i] += len(ids)
+                out += mark(i, totals[i], ids, end=i in dones)
+            if failed:
+                await sse.write(out + closing_events(replies[i], end, include_usage), end=True)
+                return resp
+            await sse.write(out)
         if dones:
             first, *rest = dones.values()
-            if include_usage:
-                await sse.send(replies[0].usage(usage_of(first, *rest)))
-            await sse.usage(summary_of(first, *rest))
-        await sse.done()
+            tail = [event(replies[0].usage(usage_of(first, *rest)))] if include_usage else []
+            await sse.write(b"".join([*tail, usage_comment(summary_of(first, *rest)), DONE]), end=True)
     except ConnectionResetError:
         for t in tickets:
             t.cancel()

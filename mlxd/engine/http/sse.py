@@ -86,6 +86,7 @@ def usage_comment(usage: RequestUsage) -> bytes:
     return USAGE_COMMENT + _encoder.encode(usage) + b"\n\n"
 
 
-def mark(index: int, total: int, ids: list[int]) -> bytes:
-    """A resume mark (process.MARK): the token ids the events before it carried."""
-    return MARK + b"%d %d %s\n\n" % (index, total, ",".join(map(str, ids)).encode())
+def mark(index: int, total: int, ids: list[int], end: bool = False) -> bytes:
+    """A resume mark (process.MARK): the token ids the events before it carried; `end`: they
+    closed their choice (an `n` > 1 stream's choice that finished before the others)."""
+    return MARK + b"%d %d %s%s\n\n" % (index, total, ",".join(map(str, ids)).encode(), b" end" if end else b"")

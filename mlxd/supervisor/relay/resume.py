@@ -9,13 +9,16 @@ dies mid-stream (its connection lost, or a drain's timeout cut the reply short),
 relay raises `Cut`; serve.py then queues the request again with `resume` (the ids, how they
 were split, the reply's id and `created`) added to its body, and the new engine's stream goes on
 in the same response, its opening events not sent again. A stream cut before its first mark is
-sent again as it was.
+sent again as it was. An `n` > 1 chat stream's marks name their choice (INDEX, and ` end` once
+the choice's finish_reason went out); each choice's ids are kept apart, and the continuation
+carries them as `resume.choices`.
 """
 
 from __future__ import annotations
 
 import array
 import time
+from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -23,6 +26,7 @@ from aiohttp import web
 from mlxd.protocol.process import MARK, REPLY_HEADER
 
 MAX_KEPT_TOKENS = 1 << 20  # a reply longer than this is not continued (8 MB of ids and splits kept)
+MAX_CHOICES = 16  # the most choices (n) a chat request has (protocol/openai.py)
 # The engine's error codes when a drain's timeout or a shutdown cut a reply short
 CUT_CODES = (b'"drain_timeout"', b'"engine_stopping"')
 DONE = b"data: [DONE]\n\n"
@@ -37,12 +41,23 @@ class Cut(Exception):
         self.response = response  # the caller's stream, once open
 
 
+class Choice:
+    """One choice's part of the marks: its token ids, how many each mark named, whether it ended."""
+
+    __slots__ = ("ended", "ids", "segments")
+
+    def __init__(self) -> None:
+        self.ids = array.array("q")
+        self.segments = array.array("l")
+        self.ended = False  # its closing chunks went out (an `n` > 1 stream's mark said ` end`)
+
+
 class ReplyMarks:
     """One streamed request's resume state, across its engines."""
 
     def __init__(self) -> None:
-        self.ids = array.array("q")  # the reply's token ids, as its marks named them
-        self.segments = array.array("l")  # how many ids each mark named
+        self.choices: dict[int, Choice] = {}  # by index: one for a reply, `n` for an n > 1 chat stream
+        self.kept = 0  # ids kept, all choices
         self.reply: tuple[str, int] | None = None  # its id and `created` (REPLY_HEADER)
         self.finished = False  # [DONE] went out: nothing to go on with
         self.stopping = False  # the engine's stream ended with a drain's or shutdown's error: cut short
@@ -54,9 +69,19 @@ class ReplyMarks:
         self.gave_up = False  # cut once more than the request may go on
 
     @property
+    def ids(self) -> array.array[int]:
+        """The reply's token ids (its first choice's), as its marks named them."""
+        return self.choices[0].ids if 0 in self.choices else array.array("q")
+
+    @property
+    def segments(self) -> array.array[int]:
+        """How many ids each of its marks named."""
+        return self.choices[0].segments if 0 in self.choices else array.array("l")
+
+    @property
     def started(self) -> bool:
         """Whether the caller has the reply's opening: the engine's first write came with a mark."""
-        return len(self.segments) > 0
+        return bool(self.choices)
 
     def head(self, headers: dict[str, str]) -> None:
         """The engine's answer head: the reply's id and `created`."""
@@ -88,20 +113,26 @@ class ReplyMarks:
             self.finished = True
             self.went_on()
         elif not marked and payload.startswith(b"data:"):
-            self.broken = True  # events with no mark (an engine that does not mark, `n` choices): no going on
+            self.broken = True  # events with no mark (an engine that does not mark them): no going on
         return payload
 
     def _keep(self, mark: bytes) -> None:
         try:
-            _index, total_text, ids = mark.split(b" ")
-            total = int(total_text)
+            index_text, total_text, ids, *end = mark.split(b" ")
+            index, total = int(index_text), int(total_text)
             new = [int(i) for i in ids.split(b",")] if ids else []
         except ValueError:
             self.broken = True
             return
-        self.ids.extend(new)
-        self.segments.append(len(new))
-        if total != len(self.ids) or len(self.ids) > MAX_KEPT_TOKENS:
+        if not 0 <= index < MAX_CHOICES or end not in ([], [b"end"]):
+            self.broken = True
+            return
+        choice = self.choices.setdefault(index, Choice())
+        choice.ids.extend(new)
+        choice.segments.append(len(new))
+        choice.ended = bool(end)
+        self.kept += len(new)
+        if total != len(choice.ids) or self.kept > MAX_KEPT_TOKENS:
             self.broken = True
 
     def resumable(self) -> bool:
@@ -126,8 +157,14 @@ class ReplyMarks:
             return body
         assert self.reply is not None
         request = msgspec.json.decode(body)
-        request["resume"] = {"tokens": self.ids.tolist(), "segments": self.segments.tolist(),
-                             "id": self.reply[0], "created": self.reply[1]}
+        n = request.get("n") or 1
+        if isinstance(n, int) and n > 1:  # each choice goes on from its own tokens
+            every = [self.choices.get(i, Choice()) for i in range(n)]
+            resume: dict[str, Any] = {"choices": [{"tokens": c.ids.tolist(), "segments": c.segments.tolist(),
+                                                   "ended": c.ended} for c in every]}
+        else:
+            resume = {"tokens": self.ids.tolist(), "segments": self.segments.tolist()}
+        request["resume"] = {**resume, "id": self.reply[0], "created": self.reply[1]}
         return msgspec.json.encode(request)
 
 
