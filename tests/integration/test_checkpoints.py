@@ -151,6 +151,7 @@ def test_a_reply_continued_after_a_kill_starts_from_its_checkpoint(tiny_model: P
     assert rest["usage"]["completion_tokens"] == 90
 
 
+@pytest.mark.slow  # six engines started and killed: about 8 s on 2 cores
 def test_engines_killed_while_checkpointing_leave_only_whole_files(tiny_model: Path, tmp_path: Path) -> None:
     rng = random.Random(29)
     kv = tmp_path / "kv"

@@ -169,8 +169,8 @@ def test_a_full_disk_is_counted_and_serving_goes_on(tiny_model: Path, tmp_path: 
 
 
 def test_a_drain_writes_what_is_in_ram_and_sigterm_does_too(tiny_model: Path, tmp_path: Path) -> None:
-    # Write-behind off: only the drain and the stop write, so what each wrote is exact.
-    kv = ("--ssd-cache-dir", str(tmp_path / "kv"), "--ssd-write-behind", "off")
+    # Write-behind and checkpoints off: only the drain and the stop write, so what each wrote is exact.
+    kv = ("--ssd-cache-dir", str(tmp_path / "kv"), "--ssd-write-behind", "off", "--generation-checkpoint", "0")
     with running_engine(tiny_model, "m", *kv) as engine:
         for i in range(3):
             engine.client.post("/v1/completions", json={"prompt": f"{i} {LONG_PROMPT}", "max_tokens": 4})
