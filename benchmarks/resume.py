@@ -304,7 +304,8 @@ async def checkpoint_stats(bench: Bench) -> dict[str, int]:
             "ssd_written_bytes": (cache.get("ssd") or {}).get("written_bytes", 0)}
 
 
-async def checkpoints(on: Bench, off: Bench, streams: int, rounds: int, cut_at: int, samples: int) -> dict[str, Any]:
+async def checkpoints(on: Bench, off: Bench, streams: int, rounds: int, cut_at: int, samples: int,
+                      ) -> dict[str, Any]:
     """Decode with checkpoints (`on`'s engines) against without (`off`'s), alternating rounds; then
     resume's wait after a cut at `cut_at` on each."""
     rates: dict[str, list[float]] = {"on": [], "off": []}
@@ -324,7 +325,7 @@ async def checkpoints(on: Bench, off: Bench, streams: int, rounds: int, cut_at: 
         "decode": {"streams": streams, "rounds": rounds, "tps_checkpoints_on": round(tps_on, 1),
                    "tps_checkpoints_off": round(tps_off, 1), "on_over_off": round(tps_on / tps_off, 3),
                    **{k: round(after[k] - before[k], 3) for k in after}}}
-    for name, bench in (("with_checkpoint", on), ("without_checkpoint", off)):
+    for name, bench in (("with_checkpoint", on), ("without_checkpoint", off)) if samples else ():
         waits, restarts = [], []
         for i in range(samples):
             await asyncio.sleep(0.5)
@@ -333,8 +334,9 @@ async def checkpoints(on: Bench, off: Bench, streams: int, rounds: int, cut_at: 
                 restarts.append(m["restart_ms"])
         result[name] = {"samples": len(waits), "resume_p50_ms": pct(waits, 0.5), "resume_p99_ms": pct(waits, 0.99),
                         "engine_restart_p50_ms": pct(restarts, 0.5)}
-    await asyncio.sleep(1.0)
-    result["prompt_cold_prefill_ms"] = await cold_prefill_ms(on, 5)
+    if samples:
+        await asyncio.sleep(1.0)
+        result["prompt_cold_prefill_ms"] = await cold_prefill_ms(on, 5)
     return result
 
 
@@ -365,6 +367,8 @@ def main() -> None:
     p.add_argument("--checkpoint", type=int, default=None,
                    help="[pool] generation_checkpoint for the supervisor under test (default: mlxd's)")
     p.add_argument("--no-eos", action="store_true", help="bias the model's EOS away (the tiny model always is)")
+    p.add_argument("--cuts", type=int, default=None,
+                   help="checkpoint: cuts each way (default: --samples; 0: decode speed only)")
     p.add_argument("--kill-loading", action="store_true",
                    help="storm: after each kill, kill the replacing engine too while it loads")
     p.add_argument("--cut-at", type=int, default=40)
@@ -443,8 +447,9 @@ def main() -> None:
                     off = Bench(bare.url, "m", args.max_tokens, bias, args.prompt_words, engine_pid_of(bare))
                     report["checkpoint"] = {"every": args.checkpoint or "default", "cut_at": args.cut_at,
                                             "prompt_words": args.prompt_words,
-                                            **asyncio.run(checkpoints(bench, off, args.streams, args.samples,
-                                                                      args.cut_at, args.samples))}
+                                            **asyncio.run(checkpoints(
+                                                bench, off, args.streams, args.samples, args.cut_at,
+                                                args.samples if args.cuts is None else args.cuts))}
             finally:
                 sup.stop()
                 if bare is not None:

@@ -49,6 +49,7 @@ class RequestCounts(msgspec.Struct):
     completed: int
     cancelled: int
     failed: int
+    continued: int = 0  # replies continued after an engine died (`resume`, docs/resume.md)
 
 
 class AdmissionStats(msgspec.Struct):
@@ -88,6 +89,7 @@ class TokenCounts(msgspec.Struct):
     prompt: int
     cached: int  # prompt tokens served from the prompt cache (or a shared prefill)
     completion: int
+    resumed: int = 0  # tokens continued replies went on after (delivered by an engine that died)
 
 
 class RamTierStats(msgspec.Struct):

@@ -142,7 +142,9 @@ def test_a_reply_continued_after_a_kill_starts_from_its_checkpoint(tiny_model: P
     resume = {"tokens": delivered, "id": rid, "created": int(created)}
     with running_engine(tiny_model, "tiny", *checkpoint_args(kv)) as again:
         rest = again.client.post("/v1/completions", json={**BODY, "resume": resume}).json()
-        stats = again.client.get("/admin/stats").json()["prompt_cache"]
+        every = again.client.get("/admin/stats").json()
+        stats = every["prompt_cache"]
+    assert (every["requests"]["continued"], every["tokens"]["resumed"]) == (1, len(delivered))
     assert stats["hits"]["ssd"] == 1
     # the prompt and the output up to the checkpoint are not prefilled again (a fetch leaves
     # the continuation's last token to run)

@@ -207,6 +207,51 @@ def test_eviction_spills_to_ssd_and_the_entry_comes_back_from_there(model: Any, 
     pc.close()
 
 
+def test_a_checkpoint_goes_to_ssd_at_the_next_hand_over_while_busy_and_never_to_ram(model: Any,
+                                                                                   tmp_path: Path) -> None:
+    busy = threading.Event()  # never idle: a checkpoint is written all the same
+    pc = PrefixCache(BIG, tier(tmp_path), busy)
+    tokens = seq(0, 40)
+    kv = filled(model, tokens)
+    assert pc.checkpoint(kv, tokens + [7])  # the row's history runs one past its KV
+    assert pc.writes_pending == 1 and pc.ssd is not None and len(pc.ssd) == 0  # its copy queued, not handed over
+    kv2 = filled(model, seq(40, 8), kv)  # the row goes on writing into its own cache
+    pc.send_checkpoints()
+    assert wait_for(lambda: pc.writes_pending == 0, 10)
+    (entry,) = pc.ssd.entries()
+    assert entry.tokens.tolist() == tokens  # what the KV held when it was taken, not what came after
+    assert pc.snapshot().ram.entries == 0 and pc.stats.checkpoints == 1
+    longer = tokens + seq(40, 8)
+    assert pc.checkpoint(kv2, longer + [9])
+    pc.send_checkpoints()
+    assert wait_for(lambda: pc.writes_pending == 0, 10)
+    assert [e.tokens.tolist() for e in pc.ssd.entries()] == [longer]  # the newer one replaced it
+    restarted = PrefixCache(BIG, tier(tmp_path), busy)
+    query = longer + seq(7, 3)
+    got, cached = restarted.fetch(query)
+    assert cached == 48 and restarted.stats.ssd_hits == 1
+    assert mx.allclose(last_logits(model, query[cached:], got), last_logits(model, query), atol=1e-4).item()
+    pc.close()
+    restarted.close()
+
+
+def test_a_checkpoint_the_writer_is_too_far_behind_for_is_skipped(model: Any, tmp_path: Path) -> None:
+    rows = [seq(100 * i, 40) for i in range(3)]
+    kvs = [filled(model, tokens) for tokens in rows]
+    size = sum(c.nbytes for c in view(kvs[0], 40))
+    pc = PrefixCache(3 * size, tier(tmp_path), threading.Event())  # half the cap: room for one copy waiting
+    assert pc.checkpoint(kvs[0], rows[0])
+    assert pc.checkpoint(kvs[1], rows[1])  # another row's, while the first still waits (one copy's worth)
+    assert not pc.checkpoint(kvs[2], rows[2])  # past half the cap: skipped, not waited for
+    assert (pc.stats.checkpoints, pc.stats.checkpoints_skipped) == (2, 1)
+    pc.send_checkpoints()
+    assert wait_for(lambda: pc.writes_pending == 0, 10)
+    assert pc.ssd is not None and len(pc.ssd) == 2
+    no_tier = PrefixCache(BIG)
+    assert not no_tier.checkpoint(kvs[2], rows[2])  # nowhere to write it
+    pc.close()
+
+
 def test_quantized_kv_round_trips_through_ssd(tmp_path: Path) -> None:
     idle = threading.Event()
     idle.set()

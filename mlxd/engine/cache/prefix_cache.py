@@ -211,6 +211,7 @@ class PrefixCache:
         self._clock = 0
         self._ram_bytes = 0
         self._writer = Writer(ssd, idle or threading.Event()) if ssd is not None else None
+        self._copying: list[Entry] = []  # checkpoints whose copies are queued on the GPU (send_checkpoints)
 
     # --- lookups -------------------------------------------------------------------------------
 
@@ -329,19 +330,27 @@ class PrefixCache:
         name = entry_name(covered)
         if self.ssd is not None and name in self.ssd:
             return True
-        if self._writer.pending_bytes > self.cap_bytes // 2:
+        if self._writer.pending_bytes + sum(e.nbytes for e in self._copying) > self.cap_bytes // 2:
             self.stats.checkpoints_skipped += 1
             return False
         started = time.perf_counter()
         kept = view(kv, offset)
         compact(kept)  # its own buffers: the row goes on writing into its cache
-        entry = Entry(covered, kept, cache_nbytes(kept), name, self._clock, trimmable=is_trimmable(kept))
-        self._spill(entry, urgent=True)
+        mx.async_eval([x for c in kept for x in _arrays(c)])  # the copy, queued behind the step under way
+        self._copying.append(Entry(covered, kept, cache_nbytes(kept), name, self._clock, trimmable=is_trimmable(kept)))
         self.stats.checkpoint_s += time.perf_counter() - started
-        if entry.unwritable:
-            return False
         self.stats.checkpoints += 1
         return True
+
+    def send_checkpoints(self) -> None:
+        """Hand the writer the checkpoints taken before now: their copies, queued then, are made by
+        the time a later step's tokens were read (the GPU runs its queue in order), so taking their
+        host buffers waits for nothing. The lanes call it each step, the idle loop and a drain too."""
+        copied, self._copying = self._copying, []
+        started = time.perf_counter()
+        for entry in copied:
+            self._spill(entry, urgent=True)
+        self.stats.checkpoint_s += time.perf_counter() - started
 
     def _put(self, entry: Entry) -> None:
         self._entries[entry.name] = entry
@@ -377,6 +386,7 @@ class PrefixCache:
         at a time. `queued`; `busy` (the writer has one: ask again soon); `none` (nothing to write)."""
         if self._writer is None:
             return "none"
+        self.send_checkpoints()
         todo = [e for e in self._entries.values() if not (e.on_ssd or e.writing or e.unwritable or e.write_failed)]
         if not todo:
             return "none"
@@ -392,6 +402,7 @@ class PrefixCache:
         assert self.ssd is not None
         started = time.perf_counter()
         before = self.ssd.stats.written_bytes, self.ssd.stats.writes, self.ssd.stats.write_errors
+        self.send_checkpoints()
         for e in [e for e in self._entries.values() if not (e.on_ssd or e.writing or e.unwritable)]:
             self._spill(e, urgent=True)
         finished = self._writer.flush(timeout_s)
@@ -423,7 +434,8 @@ class PrefixCache:
 
     @property
     def writes_pending(self) -> int:
-        return self._writer.pending if self._writer is not None else 0
+        """Writes handed to the writer and not done, and checkpoints not yet handed to it."""
+        return (self._writer.pending if self._writer is not None else 0) + len(self._copying)
 
     def close(self) -> None:
         if self._writer is not None:

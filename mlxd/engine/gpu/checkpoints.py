@@ -8,10 +8,12 @@ continuation prefills only the tokens after it: fewer than `interval`.
 
 A row is checkpointed when `interval` tokens of its history have KV that is not on SSD (or on
 its way there): its prompt right after its first token, when at least `interval` of it came
-from no cache, then every `interval` tokens it generates. The copy is taken on the GPU thread
-(one evaluation), the file written by the SSD tier's writer thread while decoding goes on
-(prefix_cache.py `checkpoint`), and a newer checkpoint of the row makes the tier drop the
-older one. A checkpoint the writer is too far behind for is skipped, never waited for.
+from no cache, then every `interval` tokens it generates. The GPU thread queues a copy of the
+row's KV behind the step under way and goes on; at its next step (when that copy is surely
+made) it hands the copy's host buffers to the SSD tier's writer thread, which writes the file
+while decoding goes on (prefix_cache.py `checkpoint`, `send_checkpoints`). A newer checkpoint
+of the row makes the tier drop the older one. A checkpoint the writer is too far behind for is
+skipped, never waited for.
 """
 
 from __future__ import annotations
@@ -59,11 +61,13 @@ class Checkpoints:
 
     def serial(self, seq: Sequence, kv: list[Any]) -> None:
         """The serial lane's running row, after its tokens of this step."""
+        self._cache.send_checkpoints()
         if self.due(seq):
             self.take(seq, kv, seq.history)
 
     def batch(self, gen: BatchGenerator, rows: dict[int, Sequence]) -> None:
         """The batch lane's rows that are due, after a step: their KV copied out of the batch."""
+        self._cache.send_checkpoints()
         due = [uid for uid, seq in rows.items() if self.due(seq)]
         if not due:
             return

@@ -192,6 +192,9 @@ class Gateway:
             raise refusal
         self._stats.num_requests += 1
         self._stats.prompt_tokens += len(job.prompt)
+        if job.resumed:  # a reply continued after its engine died (http/resume.py)
+            self._stats.num_continued += 1
+            self._stats.continued_tokens += job.resumed
         self._open.add(job.ticket)
         self._inbox.put(Sequence(job, loaded.tokenizer, loaded.eos_token_ids))
 
@@ -283,11 +286,15 @@ class Gateway:
             self._turn(runner, trace, len(received))
 
     def _write_behind(self) -> str:
-        """Idle: hand the SSD writer a prompt-cache entry (PrefixCache.write_behind's answer)."""
+        """Idle: hand the SSD writer the checkpoints taken, and a prompt-cache entry
+        (PrefixCache.write_behind's answer)."""
         cache = self.prompt_cache
-        if cache is None or not self._options.write_behind:
+        if cache is None:
             return "none"
         try:
+            if not self._options.write_behind:
+                cache.send_checkpoints()
+                return "none"
             return cache.write_behind()
         except Exception:
             log.exception("SSD prompt cache: write-behind failed")

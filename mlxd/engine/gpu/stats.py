@@ -11,6 +11,8 @@ class Stats:
     started_at: float = field(default_factory=time.time)
     # Each counter has one writer: requests/prompt_tokens/rejected_* the loop, the rest the GPU thread.
     num_requests: int = 0
+    num_continued: int = 0  # of them, replies continued from delivered tokens (`resume`: an engine died)
+    continued_tokens: int = 0  # the delivered tokens they went on after
     num_rejected_draining: int = 0
     num_rejected_leased: int = 0
     num_completed: int = 0
