@@ -213,7 +213,7 @@ def test_a_checkpoint_goes_to_ssd_at_the_next_hand_over_while_busy_and_never_to_
     pc = PrefixCache(BIG, tier(tmp_path), busy)
     tokens = seq(0, 40)
     kv = filled(model, tokens)
-    assert pc.checkpoint(kv, tokens + [7])  # the row's history runs one past its KV
+    assert pc.checkpoint(kv, [*tokens, 7])  # the row's history runs one past its KV
     assert pc.writes_pending == 1 and pc.ssd is not None and len(pc.ssd) == 0  # its copy queued, not handed over
     kv2 = filled(model, seq(40, 8), kv)  # the row goes on writing into its own cache
     pc.send_checkpoints()
@@ -222,7 +222,7 @@ def test_a_checkpoint_goes_to_ssd_at_the_next_hand_over_while_busy_and_never_to_
     assert entry.tokens.tolist() == tokens  # what the KV held when it was taken, not what came after
     assert pc.snapshot().ram.entries == 0 and pc.stats.checkpoints == 1
     longer = tokens + seq(40, 8)
-    assert pc.checkpoint(kv2, longer + [9])
+    assert pc.checkpoint(kv2, [*longer, 9])
     pc.send_checkpoints()
     assert wait_for(lambda: pc.writes_pending == 0, 10)
     assert [e.tokens.tolist() for e in pc.ssd.entries()] == [longer]  # the newer one replaced it
