@@ -30,6 +30,15 @@ def saved_tokens(data: Path, rid: str) -> int:
     return int(row[0]) // 8 if row else 0
 
 
+def generations(data: Path) -> int:
+    """Rows of stored responses being made or cut off."""
+    db = sqlite3.connect(str(data / "responses.sqlite3"))
+    try:
+        return int(db.execute("SELECT COUNT(*) FROM generations").fetchone()[0])
+    finally:
+        db.close()
+
+
 def cut_off(model: Path, data: Path) -> tuple[Any, str]:
     """A supervisor whose stored stream is cut off by its SIGKILL mid-reply, its progress saved:
     the uninterrupted response (from the same supervisor, not stored), and the cut one's id."""
@@ -45,6 +54,8 @@ def cut_off(model: Path, data: Path) -> tuple[Any, str]:
             # mid-reply, once its progress is saved, the supervisor dies
             wait_for(lambda: saved_tokens(data, rid) >= 48, timeout=10,
                      message="no progress saved while the reply ran")
+            being_made = sup.client.get(f"/v1/responses/{rid}").json()  # asked for meanwhile: as it stands
+            assert (being_made["id"], being_made["status"], being_made["output"]) == (rid, "in_progress", [])
             os.kill(sup.proc.pid, signal.SIGKILL)
         assert saved_tokens(data, rid) < want.usage.output_tokens
     finally:
@@ -87,6 +98,10 @@ def test_a_generation_cut_off_by_a_supervisor_kill_is_finished_when_asked_for(ti
         cache = row["prompt_cache"]
         assert cache["hits"]["ssd"] >= 1 and cache["tokens_reused"] >= want.usage.input_tokens
         assert "was cut off after" in again.log()
+        # a stored request that fails leaves no generation behind to be finished
+        too_long = {**ASK, "input": "lighthouse " * 5000}
+        assert again.client.post("/v1/responses", json=too_long).status_code == 400
+        assert generations(data) == 0
     finally:
         again.stop()
 
