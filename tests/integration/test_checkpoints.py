@@ -1,8 +1,8 @@
 """Generation checkpoints on real engines (gpu/checkpoints.py, docs/resume.md): a running
-reply's KV reaches the SSD tier every N tokens in either lane, a newer checkpoint replaces the
-older one, and a reply continued on a new engine after a SIGKILL starts from the checkpoint
-(it prefills only what followed it) and gives the uninterrupted text. Engines killed while
-checkpoints are being written leave only whole files."""
+reply's KV reaches the SSD tier every N tokens in either lane (the first whole, the next ones
+deltas on it, a newer delta replacing the older one), and a reply continued on a new engine
+after a SIGKILL starts from the checkpoint (it prefills only what followed it) and gives the
+uninterrupted text. Engines killed while checkpoints are being written leave only whole files."""
 
 from __future__ import annotations
 
@@ -86,9 +86,13 @@ def test_a_long_reply_leaves_its_latest_checkpoint_in_the_ssd_tier(tiny_model: P
         ssd = engine.client.get("/admin/stats").json()["prompt_cache"]["ssd"]
         assert ssd["writes"] == stats["checkpoints"]
         tier = SsdTier(Path(ssd["dir"]), 1 << 40)
-        (entry,) = tier.entries()  # each checkpoint replaced the one before
-        assert prompt_tokens + 80 <= len(entry.tokens) < prompt_tokens + 90
-        assert (len(entry.tokens) - prompt_tokens - 1) % EVERY == 0  # the first: the prompt and the first token
+        # the first checkpoint (the prompt and the first token) whole; each later one a delta on it
+        # (only the KV after it), replacing the delta before
+        whole, delta = sorted(tier.entries(), key=lambda e: len(e.tokens))
+        assert len(whole.tokens) == prompt_tokens + 1 and whole.base is None
+        assert (delta.base, delta.start) == (whole.name, prompt_tokens + 1)
+        assert len(delta.tokens) == prompt_tokens + 1 + 5 * EVERY  # the last of 90 tokens' checkpoints
+        assert delta.size * 3 < whole.size
 
 
 def test_checkpoint_zero_writes_none(tiny_model: Path, tmp_path: Path) -> None:

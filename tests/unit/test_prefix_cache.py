@@ -235,13 +235,69 @@ def test_a_checkpoint_goes_to_ssd_at_the_next_hand_over_while_busy_and_never_to_
     restarted.close()
 
 
+def test_later_checkpoints_write_only_what_follows_the_whole_one_and_restore_joined(model: Any,
+                                                                                    tmp_path: Path) -> None:
+    pc = PrefixCache(BIG, tier(tmp_path), threading.Event())
+    tokens = seq(0, 40)
+    kv = filled(model, tokens)
+    whole = pc.checkpoint(kv, tokens)
+    assert whole is not None and whole.base is None
+    longer = tokens + seq(40, 8)
+    kv = filled(model, seq(40, 8), kv)
+    delta = pc.checkpoint(kv, longer, whole)
+    assert delta is not None and delta.base == (whole.name, 40)
+    assert delta.nbytes * 4 < whole.nbytes  # 8 tokens' KV, not 48
+    pc.send_checkpoints()
+    assert wait_for(lambda: pc.writes_pending == 0, 10)
+    assert pc.ssd is not None
+    by_length = sorted(pc.ssd.entries(), key=lambda e: len(e.tokens))
+    assert [len(e.tokens) for e in by_length] == [40, 48]  # the base stays: the delta needs it
+    assert (by_length[1].base, by_length[1].start) == (whole.name, 40)
+    restarted = PrefixCache(BIG, tier(tmp_path), threading.Event())
+    query = longer + seq(7, 3)
+    got, cached = restarted.fetch(query)
+    assert cached == 48 and restarted.stats.ssd_hits == 1
+    assert mx.allclose(last_logits(model, query[cached:], got), last_logits(model, query), atol=1e-4).item()
+    assert restarted.ssd is not None
+    restarted.ssd.remove(whole.name)  # a base that goes takes its deltas with it
+    assert len(restarted.ssd) == 0
+    pc.close()
+    restarted.close()
+
+
+def test_a_delta_whose_base_is_not_on_disk_is_not_written_and_a_scan_drops_orphans(model: Any,
+                                                                                   tmp_path: Path) -> None:
+    pc = PrefixCache(BIG, tier(tmp_path), threading.Event())
+    tokens = seq(0, 40)
+    kv = filled(model, tokens)
+    lost = pc.checkpoint(filled(model, tokens[:32]), tokens[:32])
+    assert lost is not None
+    pc._copying.clear()  # as if it never reached the disk
+    delta = pc.checkpoint(kv, tokens, lost)
+    assert delta is not None and delta.base == (lost.name, 32)
+    pc.send_checkpoints()
+    assert wait_for(lambda: pc.writes_pending == 0, 10)
+    assert delta.write_failed and pc.ssd is not None and len(pc.ssd) == 0  # it would serve nothing
+    whole = pc.checkpoint(filled(model, tokens[:32]), tokens[:32])
+    pc.send_checkpoints()
+    assert wait_for(lambda: pc.writes_pending == 0, 10)
+    assert pc.checkpoint(kv, tokens, whole) is not None
+    pc.send_checkpoints()
+    assert wait_for(lambda: pc.writes_pending == 0, 10) and len(pc.ssd) == 2
+    assert whole is not None
+    (pc.ssd.dir / whole.name).unlink()  # a crash, say, between the two: the next scan drops the delta
+    rescanned = tier(tmp_path)
+    assert len(rescanned) == 0 and not list(rescanned.dir.glob("*.safetensors"))
+    pc.close()
+
+
 def test_a_checkpoint_the_writer_is_too_far_behind_for_is_skipped(model: Any, tmp_path: Path) -> None:
     rows = [seq(100 * i, 40) for i in range(3)]
     kvs = [filled(model, tokens) for tokens in rows]
     size = sum(c.nbytes for c in view(kvs[0], 40))
-    pc = PrefixCache(3 * size, tier(tmp_path), threading.Event())  # half the cap: room for one copy waiting
+    pc = PrefixCache(4 * size, tier(tmp_path), threading.Event())  # half the cap: room for two copies waiting
     assert pc.checkpoint(kvs[0], rows[0])
-    assert pc.checkpoint(kvs[1], rows[1])  # another row's, while the first still waits (one copy's worth)
+    assert pc.checkpoint(kvs[1], rows[1])  # another row's, while the first still waits
     assert not pc.checkpoint(kvs[2], rows[2])  # past half the cap: skipped, not waited for
     assert (pc.stats.checkpoints, pc.stats.checkpoints_skipped) == (2, 1)
     pc.send_checkpoints()

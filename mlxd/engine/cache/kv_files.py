@@ -9,6 +9,8 @@ fields:
 - `mlxd_tokens`: the token ids the KV covers (base64 of little-endian uint32), so an index of
   the tier is rebuilt at start from the files' headers alone;
 - `mlxd_trimmable`: "1" when the cache can be cut to serve a prefix of itself;
+- `mlxd_base`, `mlxd_start` (a delta file, a generation checkpoint's): the file holding the KV
+  of the first `mlxd_start` tokens; this file's arrays hold only the tokens after them;
 - `mlxd_checksum`: xxh3-128 over the rest of the header (the other metadata, every tensor's
   name, dtype, shape and offsets) and the whole data section, checked before a file is
   restored: a torn, truncated or flipped file is never loaded.
@@ -85,6 +87,21 @@ class Header:
         """Whether its cache serves a prefix of itself (a sliding window that wrapped does not)."""
         return self.metadata.get("0.mlxd_trimmable", "1") == "1"
 
+    @property
+    def base(self) -> tuple[str, int] | None:
+        """A delta file's base: the file holding the KV of its first tokens, and how many it
+        holds them for (this file's arrays start there); None for a whole file."""
+        name = self.metadata.get("0.mlxd_base")
+        if name is None:
+            return None
+        try:
+            start = int(self.metadata.get("0.mlxd_start", ""))
+        except ValueError as exc:
+            raise CorruptFile(f"bad delta start: {exc}") from exc
+        if start <= 0 or "/" in name or not name.endswith(SUFFIX):
+            raise CorruptFile("bad delta base")
+        return name, start
+
 
 def encode_tokens(tokens: Iterable[int]) -> str:
     ids = list(tokens)
@@ -136,14 +153,19 @@ def build_header(tensors: list[Tensor], metadata: dict[str, str]) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
-def own_metadata(tokens: list[int], cache_meta: dict[str, str], trimmable: bool) -> dict[str, str]:
-    """A file's metadata but its checksum: mlxd's fields and mlx-lm's (`cache_meta`)."""
-    return {"0.mlxd_format": FORMAT, "0.mlxd_tokens": encode_tokens(tokens),
+def own_metadata(tokens: list[int], cache_meta: dict[str, str], trimmable: bool,
+                 base: tuple[str, int] | None = None) -> dict[str, str]:
+    """A file's metadata but its checksum: mlxd's fields (a delta file's base too) and mlx-lm's
+    (`cache_meta`)."""
+    meta = {"0.mlxd_format": FORMAT, "0.mlxd_tokens": encode_tokens(tokens),
             "0.mlxd_trimmable": "1" if trimmable else "0", **cache_meta}
+    if base is not None:
+        meta["0.mlxd_base"], meta["0.mlxd_start"] = base[0], str(base[1])
+    return meta
 
 
 def write_file(dir_: Path, name: str, tokens: list[int], cache_meta: dict[str, str], tensors: list[Tensor],
-               pause: Any = None, trimmable: bool = True) -> int:
+               pause: Any = None, trimmable: bool = True, base: tuple[str, int] | None = None) -> int:
     """Write `tensors` as `dir_/name` crash-safely; its size in bytes.
 
     One pass over the data: each chunk is hashed as it is written, behind a header of the
@@ -152,7 +174,7 @@ def write_file(dir_: Path, name: str, tokens: list[int], cache_meta: dict[str, s
     stretch of reading the arrays outlasts one chunk. On any error the temp file is removed and
     the error raised; nothing under `name` changes.
     """
-    meta = own_metadata(tokens, cache_meta, trimmable)
+    meta = own_metadata(tokens, cache_meta, trimmable, base)
     index = tensor_index(tensors)
     digest = _hasher(meta, index)
     placeholder = build_header(tensors, {**meta, "0.mlxd_checksum": "0" * CHECKSUM_CHARS})

@@ -53,6 +53,7 @@ class Entry:
     unwritable: bool = False  # the SSD format cannot hold this cache kind
     write_failed: bool = False  # its last write failed (disk full?): write-behind leaves it, a drain retries
     trimmable: bool = True  # serves a prefix of itself (fixed when stored)
+    base: tuple[str, int] | None = None  # a delta checkpoint's base and start: `kv` holds only what follows
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +126,17 @@ def view(kv: list[Any], n: int) -> list[Any]:
             v = copy.deepcopy(c)
             if (size := v.size()) > n:
                 v.trim(size - n)
+        out.append(v)
+    return out
+
+
+def after(kv: list[Any], start: int, n: int) -> list[Any]:
+    """New caches holding tokens `start` to `n` of `kv` (plain KVCaches), sharing its arrays (sliced)."""
+    out = []
+    for c in kv:
+        v = KVCache()
+        v.keys, v.values = c.keys[..., start:n, :], c.values[..., start:n, :]
+        v.offset = n - start
         out.append(v)
     return out
 
@@ -315,32 +327,39 @@ class PrefixCache:
                 self._drop(other)
         self._put(entry)
 
-    def checkpoint(self, kv: list[Any], tokens: Tokens) -> bool:
+    def checkpoint(self, kv: list[Any], tokens: Tokens, base: Entry | None = None) -> Entry | None:
         """Write a copy of a running row's `kv` (a prefix of `tokens`, its offset says how much) to
         SSD now, busy or not, and not to RAM: a generation checkpoint (gpu/checkpoints.py). The
-        row keeps `kv`. The file makes earlier ones that are prefixes of it redundant (the tier
-        drops them). False when not taken: no SSD tier, a cache kind the format cannot hold, or
-        the writes queued already hold half the RAM cap (their copies live until written)."""
+        row keeps `kv`. With `base` (an earlier checkpoint of the row, written whole), only the KV
+        after its tokens is written, in a delta file that names it. The file makes earlier ones
+        that are prefixes of it redundant (the tier drops them, a delta's base aside). Its Entry
+        (`on_ssd` once written), or None when not taken: no SSD tier, or the copies queued already
+        hold half the RAM cap (they live until written)."""
         if self._writer is None or not kv:
-            return False
+            return None
         offset = getattr(kv[0], "offset", None)
         if not isinstance(offset, int) or offset <= 0 or offset > len(tokens):
-            return False
+            return None
         covered = np.asarray(tokens[:offset], dtype=np.int64)
         name = entry_name(covered)
         if self.ssd is not None and name in self.ssd:
-            return True
-        if self._writer.pending_bytes + sum(e.nbytes for e in self._copying) > self.cap_bytes // 2:
+            return Entry(covered, [], 0, name, self._clock, on_ssd=True)
+        start = len(base.tokens) if base is not None else 0
+        delta = base is not None and 0 < start < offset and all(type(c) is KVCache for c in kv)
+        kept = after(kv, start, offset) if delta else view(kv, offset)
+        nbytes = cache_nbytes(kept)
+        if self._writer.pending_bytes + sum(e.nbytes for e in self._copying) + nbytes > self.cap_bytes // 2:
             self.stats.checkpoints_skipped += 1
-            return False
+            return None
         started = time.perf_counter()
-        kept = view(kv, offset)
         compact(kept)  # its own buffers: the row goes on writing into its cache
         mx.async_eval([x for c in kept for x in _arrays(c)])  # the copy, queued behind the step under way
-        self._copying.append(Entry(covered, kept, cache_nbytes(kept), name, self._clock, trimmable=is_trimmable(kept)))
+        entry = Entry(covered, kept, nbytes, name, self._clock, trimmable=is_trimmable(kept),
+                      base=(base.name, start) if delta and base is not None else None)
+        self._copying.append(entry)
         self.stats.checkpoint_s += time.perf_counter() - started
         self.stats.checkpoints += 1
-        return True
+        return entry
 
     def send_checkpoints(self) -> None:
         """Hand the writer the checkpoints taken before now: their copies, queued then, are made by
@@ -430,7 +449,7 @@ class PrefixCache:
             entry.writing = False
 
         self._writer.submit(WriteJob(entry.name, entry.tokens, meta, tensors, urgent, owner, done, entry.nbytes,
-                                     entry.trimmable))
+                                     entry.trimmable, entry.base))
 
     @property
     def writes_pending(self) -> int:

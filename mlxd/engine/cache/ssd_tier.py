@@ -15,6 +15,8 @@ adds the files it writes. The index is guarded by a lock; nothing here touches M
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import logging
 import os
 import queue
@@ -53,6 +55,8 @@ class DiskEntry:
     size: int
     used: float  # last use (file mtime at scan)
     trimmable: bool = True  # serves a prefix of itself
+    base: str | None = None  # a delta file's base (the file with the KV of its first `start` tokens)
+    start: int = 0
 
 
 @dataclass(slots=True)
@@ -97,14 +101,17 @@ class SsdTier:
             try:
                 header = kv_files.read_header(path)
                 tokens = np.asarray(header.tokens, dtype=np.int64)
-                trimmable = header.trimmable
+                trimmable, base = header.trimmable, header.base
                 st = path.stat()
             except FileNotFoundError:
                 continue  # gone since the listing
             except (CorruptFile, OSError, ValueError, OverflowError) as exc:
                 self.quarantine(path, str(exc))
                 continue
-            self._entries[path.name] = DiskEntry(path.name, tokens, st.st_size, st.st_mtime, trimmable)
+            self._entries[path.name] = DiskEntry(path.name, tokens, st.st_size, st.st_mtime, trimmable,
+                                                 *(base or (None, 0)))
+        for orphan in [e.name for e in self._entries.values() if e.base is not None and e.base not in self._entries]:
+            self.remove(orphan)  # a delta whose base is gone serves nothing
         self._evict_over_cap()
         if self._entries:
             log.info("SSD prompt cache: %d entries, %.1f MB in %s", len(self._entries), self.bytes / 1e6, self.dir)
@@ -126,26 +133,32 @@ class SsdTier:
         with self._lock:
             return name in self._entries
 
-    def add(self, name: str, tokens: np.ndarray, size: int, trimmable: bool = True) -> None:
+    def add(self, name: str, tokens: np.ndarray, size: int, trimmable: bool = True,
+            base: tuple[str, int] | None = None) -> None:
         """A file the writer has just made durable; drop files it makes redundant (when it can
-        serve their prefixes), then the LRU ones over the cap."""
+        serve their prefixes; a delta's base stays), then the LRU ones over the cap."""
         with self._lock:
-            self._entries[name] = DiskEntry(name, tokens, size, time.time(), trimmable)
+            self._entries[name] = DiskEntry(name, tokens, size, time.time(), trimmable, *(base or (None, 0)))
+            keep = {name, base[0] if base is not None else name}
             covered = [e for e in self._entries.values()
-                       if trimmable and e.name != name and is_prefix(e.tokens, tokens)]
+                       if trimmable and e.name not in keep and is_prefix(e.tokens, tokens)]
         for e in covered:
             self.remove(e.name)
         self._evict_over_cap()
 
     def remove(self, name: str) -> None:
+        """Delete a file, and the delta files whose base it is."""
         with self._lock:
             self._entries.pop(name, None)
+            dependents = [e.name for e in self._entries.values() if e.base == name]
         try:
             (self.dir / name).unlink()
         except FileNotFoundError:
             pass
         except OSError as exc:
             log.warning("SSD prompt cache: cannot delete %s: %s", name, exc)
+        for dependent in dependents:
+            self.remove(dependent)
 
     def _evict_over_cap(self) -> None:
         while True:
@@ -171,6 +184,8 @@ class SsdTier:
         from mlx.utils import tree_flatten
         from mlx_lm.models.cache import load_prompt_cache
 
+        if entry.base is not None:
+            return self._restore_delta(entry)
         path = self.dir / entry.name
         started = time.perf_counter()
         try:
@@ -202,6 +217,27 @@ class SsdTier:
             self.stats.restore_s += time.perf_counter() - started
         return list(cache)
 
+    def _restore_delta(self, entry: DiskEntry) -> list[Any] | None:
+        """A delta file's KV: its base's, cut to `start` tokens, and its own arrays after them."""
+        import mlx.core as mx
+
+        with self._lock:
+            base = self._entries.get(entry.base) if entry.base is not None else None
+        if base is None or base.base is not None or base.trimmable is False:  # deltas sit on whole files only
+            self.remove(entry.name)
+            return None
+        head = self.restore(base)
+        tail = self.restore(dataclasses.replace(entry, base=None))
+        if head is None or tail is None:
+            return None
+        try:
+            joined = [join(b, d, entry.start) for b, d in zip(head, tail, strict=True)]
+        except (ValueError, TypeError) as exc:
+            self.remove_to_quarantine(entry.name, f"does not fit its base: {exc}")
+            return None
+        mx.eval([x for c in joined for x in (c.keys, c.values) if x is not None])
+        return joined
+
     def touch(self, name: str) -> None:
         """Mark an entry used now (its RAM copy served a request)."""
         with self._lock:
@@ -213,7 +249,10 @@ class SsdTier:
     def remove_to_quarantine(self, name: str, reason: str) -> None:
         with self._lock:
             self._entries.pop(name, None)
+            dependents = [e.name for e in self._entries.values() if e.base == name]
         self.quarantine(self.dir / name, reason)
+        for dependent in dependents:
+            self.remove(dependent)
 
     def quarantine(self, path: Path, reason: str) -> None:
         """Move a damaged file aside (keeping the newest few for a look) and count it."""
@@ -242,6 +281,27 @@ class SsdTier:
         )
 
 
+def join(base: Any, delta: Any, start: int) -> Any:
+    """One layer's cache: `base`'s first `start` tokens, then `delta`'s (a delta file's, loaded)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    if type(base) is not type(delta) or type(base) not in (KVCache, QuantizedKVCache):
+        raise TypeError(f"cannot join {type(base).__name__} and {type(delta).__name__}")
+    if base.offset < start:
+        raise ValueError(f"the base holds {base.offset} tokens, fewer than {start}")
+    out = copy.copy(base)
+
+    def cat(a: Any, b: Any) -> Any:
+        if isinstance(a, tuple):
+            return tuple(cat(x, y) for x, y in zip(a, b, strict=True))
+        return mx.concatenate([a[..., :start, :], b], axis=2)
+
+    out.keys, out.values = cat(base.keys, delta.keys), cat(base.values, delta.values)
+    out.offset = start + delta.offset
+    return out
+
+
 def is_prefix(short: np.ndarray, long: np.ndarray) -> bool:
     return len(short) <= len(long) and bool(np.array_equal(long[: len(short)], short))
 
@@ -259,6 +319,7 @@ class WriteJob:
     done: Callable[[bool], None] = field(default=lambda ok: None)  # writer thread, after
     nbytes: int = 0  # the memory the job holds until written
     trimmable: bool = True
+    base: tuple[str, int] | None = None  # a delta file's base and start (kv_files.Header.base)
 
 
 class Writer:
@@ -345,14 +406,16 @@ class Writer:
         tier = self.tier
         if job.name in tier:
             return True
+        if job.base is not None and job.base[0] not in tier:
+            return False  # its base did not reach the disk, or is gone: the delta would serve nothing
         started = time.perf_counter()
         try:
             size = kv_files.write_file(tier.dir, job.name, job.tokens.tolist(), job.cache_meta, job.tensors,
-                                       pause=lambda: self._pause(job), trimmable=job.trimmable)
+                                       pause=lambda: self._pause(job), trimmable=job.trimmable, base=job.base)
             tier.stats.writes += 1
             tier.stats.written_bytes += size
             tier.stats.write_s += time.perf_counter() - started
-            tier.add(job.name, job.tokens, size, job.trimmable)
+            tier.add(job.name, job.tokens, size, job.trimmable, job.base)
         except Exception as exc:  # disk full, I/O error; anything else must not end the writer either
             tier.stats.write_errors += 1
             log.warning("SSD prompt cache: could not write an entry (%s: %s); serving goes on",

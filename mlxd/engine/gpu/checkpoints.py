@@ -8,7 +8,10 @@ continuation prefills only the tokens after it: fewer than `interval`.
 
 A row is checkpointed when `interval` tokens of its history have KV that is not on SSD (or on
 its way there): its prompt right after its first token, when at least `interval` of it came
-from no cache, then every `interval` tokens it generates. The GPU thread queues a copy of the
+from no cache, then every `interval` tokens it generates. Its first checkpoint is a whole file;
+the next ones are delta files, holding only the KV after that one (a reply's prompt is written
+once, not again at every checkpoint), until what follows the whole file outgrows it, when a
+whole file is written again. The tier restores a delta by joining it to its base. The GPU thread queues a copy of the
 row's KV behind the step under way and goes on; at its next step (when that copy is surely
 made) it hands the copy's host buffers to the SSD tier's writer thread, which writes the file
 while decoding goes on (prefix_cache.py `checkpoint`, `send_checkpoints`). A newer checkpoint
@@ -53,10 +56,18 @@ class Checkpoints:
             return
         if offset > len(tokens):  # drafts past the history (the serial lane's speculator)
             kv, offset = view(kv, len(tokens)), len(tokens)
+        base = seq.base
+        ssd = self._cache.ssd
+        if base is not None and (base.write_failed or (base.on_ssd and ssd is not None and base.name not in ssd)
+                                 or offset - len(base.tokens) >= len(base.tokens)):
+            base = None  # its file failed or is gone, or what follows it outgrew it: a whole file again
         try:
-            media.store(self._cache, self._loaded, seq.job, kv, tokens, checkpoint=True)
+            taken = media.checkpoint(self._cache, self._loaded, seq.job, kv, tokens, base)
         except Exception:  # a checkpoint must never cost the reply
             log.exception("generation checkpoint failed; generation goes on")
+            taken = None
+        if taken is not None and taken.base is None:
+            seq.base = taken  # the next ones write only what follows it
         seq.saved = offset
 
     def serial(self, seq: Sequence, kv: list[Any]) -> None:

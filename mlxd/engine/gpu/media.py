@@ -79,17 +79,21 @@ def complete(loaded: LoadedModel, job: Job, tokens: list[int], kv: list[Any] | N
     return (shift(kv, -delta, loaded) if delta and kv is not None else kv), done
 
 
-def store(cache: PrefixCache, loaded: LoadedModel, job: Job, kv: list[Any], tokens: list[int],
-          checkpoint: bool = False) -> None:
-    """A row's KV (lane positions) into the prompt cache (the model's positions), under its key;
-    `checkpoint`: a copy of it to the SSD tier only (PrefixCache.checkpoint)."""
-    put = cache.checkpoint if checkpoint else cache.store
-    media = job.media
-    if media is None:
-        put(kv, cache_key(job, tokens))
-        return
-    delta = media.rope_delta or 0
-    put(shift(kv, delta, loaded) if delta else kv, cache_key(job, tokens))
+def store(cache: PrefixCache, loaded: LoadedModel, job: Job, kv: list[Any], tokens: list[int]) -> None:
+    """A row's KV (lane positions) into the prompt cache (the model's positions), under its key."""
+    cache.store(in_model_positions(loaded, job, kv), cache_key(job, tokens))
+
+
+def checkpoint(cache: PrefixCache, loaded: LoadedModel, job: Job, kv: list[Any], tokens: list[int],
+               base: Any = None) -> Any:
+    """A copy of a row's KV to the SSD tier only, under its key (PrefixCache.checkpoint: its Entry)."""
+    return cache.checkpoint(in_model_positions(loaded, job, kv), cache_key(job, tokens), base)
+
+
+def in_model_positions(loaded: LoadedModel, job: Job, kv: list[Any]) -> list[Any]:
+    """A row's KV with its keys at the model's positions (a Qwen-VL row's are shifted in the lane)."""
+    delta = (job.media.rope_delta or 0) if job.media is not None else 0
+    return shift(kv, delta, loaded) if delta else kv
 
 
 def rope_delta(loaded: LoadedModel, media: MediaPrompt, prompt: list[int]) -> int:
