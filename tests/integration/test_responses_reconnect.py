@@ -6,6 +6,7 @@ generation checkpoint the killed one left on SSD."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sqlite3
 from pathlib import Path
@@ -98,6 +99,9 @@ def test_a_generation_cut_off_by_a_supervisor_kill_is_finished_when_asked_for(ti
         cache = row["prompt_cache"]
         assert cache["hits"]["ssd"] >= 1 and cache["tokens_reused"] >= want.usage.input_tokens
         assert "was cut off after" in again.log()
+        taken = re.search(r'mlxd_generation_checkpoints_total\{model="tiny",outcome="taken"\} (\d+)',
+                          again.client.get("/metrics").text)
+        assert taken is not None and float(taken.group(1)) >= 1  # the rest was checkpointed as it was made
         # a stored request that fails leaves no generation behind to be finished
         too_long = {**ASK, "input": "lighthouse " * 5000}
         assert again.client.post("/v1/responses", json=too_long).status_code == 400

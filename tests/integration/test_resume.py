@@ -128,7 +128,7 @@ def test_eight_greedy_streams_keep_going_through_engine_kills(sup: SupervisorPro
     client = sup.openai()
     want = at_once([lambda p=p: chat(client, p) for p in PROMPTS])  # type: ignore[misc]
     assert all(not isinstance(r, BaseException) for r in want), want
-    for _ in range(3):
+    for _ in range(2):
         with Killer(sup, times=2) as killer:
             got = at_once([lambda p=p: chat(client, p, killer.begun) for p in PROMPTS])  # type: ignore[misc]
         errors = [r for r in got if isinstance(r, BaseException)]
@@ -144,7 +144,7 @@ def test_eight_greedy_streams_keep_going_through_engine_kills(sup: SupervisorPro
     assert re.search(r"POST /v1/chat/completions 200 tiny .* resumed=\d\(\+\d+ms", log), log[-3000:]
     metrics = sup.client.get("/metrics").text
     went_on = re.search(r'mlxd_resumes_total\{model="tiny",outcome="went_on"\} (\d+)', metrics)
-    assert went_on is not None and int(went_on.group(1)) >= 3, metrics
+    assert went_on is not None and int(went_on.group(1)) >= 2, metrics
     assert re.search(r'mlxd_resume_seconds_count\{model="tiny"\} (\d+)', metrics)
     [row] = [r for r in sup.client.get("/admin/engines").json()["data"] if r["model"] == "tiny"]
     assert row["resumes"] == int(went_on.group(1)) and row["resume_failures"] == 0

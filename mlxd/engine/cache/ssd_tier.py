@@ -236,6 +236,7 @@ class SsdTier:
             self.remove_to_quarantine(entry.name, f"does not fit its base: {exc}")
             return None
         mx.eval([x for c in joined for x in (c.keys, c.values) if x is not None])
+        self.touch(entry.name)  # (the restore above stamped a copy of its index entry)
         return joined
 
     def touch(self, name: str) -> None:

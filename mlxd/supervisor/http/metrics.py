@@ -172,7 +172,12 @@ def prompt_cache_families(caches: list[tuple[str, PromptCacheStats]]) -> Iterato
     ssd = {key: CounterMetricFamily(name, text, labels=["model"]) for key, (name, text) in ssd_counters.items()}
     seconds = CounterMetricFamily("mlxd_prompt_cache_ssd_seconds", "Time spent writing to and restoring from SSD.",
                                   labels=["model", "op"])
+    checkpoints = CounterMetricFamily("mlxd_generation_checkpoints", "Running replies' KV copied to the SSD tier, "
+                                      "by outcome (taken, or skipped: the writer too far behind).",
+                                      labels=["model", "outcome"])
     for model, cache in caches:
+        checkpoints.add_metric([model, "taken"], cache.checkpoints)
+        checkpoints.add_metric([model, "skipped"], cache.checkpoints_skipped)
         tiers: dict[str, RamTierStats | SsdTierStats | None] = {"ram": cache.ram, "ssd": cache.ssd}
         for tier, figures in tiers.items():
             if figures is not None:
@@ -187,7 +192,7 @@ def prompt_cache_families(caches: list[tuple[str, PromptCacheStats]]) -> Iterato
                 family.add_metric([model], getattr(cache.ssd, key))
             seconds.add_metric([model, "write"], cache.ssd.write_ms / 1000)
             seconds.add_metric([model, "restore"], cache.ssd.restore_ms / 1000)
-    yield from (entries, size, hits, misses, reused, *ssd.values(), seconds)
+    yield from (entries, size, hits, misses, reused, *ssd.values(), seconds, checkpoints)
 
 
 def make_metrics_middleware(lazy: LazyMetrics, timeline: Timeline) -> Middleware:
