@@ -159,7 +159,9 @@ def test_a_full_disk_is_counted_and_serving_goes_on(tiny_model: Path, tmp_path: 
         for i in range(3):
             resp = engine.client.post("/v1/completions", json={"prompt": f"{i} " + LONG_PROMPT, "max_tokens": 8})
             assert resp.status_code == 200
-        assert wait_for(lambda: engine.stats()["prompt_cache"]["ssd"]["write_errors"] >= 3, 30)
+        # its writes (each reply's entry, and its prompt's checkpoint) all fail, and none is left under way
+        assert wait_for(lambda: (s := engine.stats()["prompt_cache"])["ssd"]["write_errors"] >= 3
+                        and s["writes_pending"] == 0, 30)
         stats = engine.stats()["prompt_cache"]
         assert stats["ssd"]["entries"] == 0 and stats["ram"]["entries"] == 3
         assert not list((tmp_path / "kv").glob("*/tmp-*"))  # the failed writes left nothing behind

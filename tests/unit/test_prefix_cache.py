@@ -272,7 +272,8 @@ def test_a_delta_whose_base_is_not_on_disk_is_not_written_and_a_scan_drops_orpha
     kv = filled(model, tokens)
     lost = pc.checkpoint(filled(model, tokens[:32]), tokens[:32])
     assert lost is not None
-    pc._copying.clear()  # as if it never reached the disk
+    pc._copying.clear()  # as if its write failed: it never reaches the disk
+    lost.write_failed = True  # (what the writer's callback says then)
     delta = pc.checkpoint(kv, tokens, lost)
     assert delta is not None and delta.base == (lost.name, 32)
     pc.send_checkpoints()
@@ -288,6 +289,24 @@ def test_a_delta_whose_base_is_not_on_disk_is_not_written_and_a_scan_drops_orpha
     (pc.ssd.dir / whole.name).unlink()  # a crash, say, between the two: the next scan drops the delta
     rescanned = tier(tmp_path)
     assert len(rescanned) == 0 and not list(rescanned.dir.glob("*.safetensors"))
+    pc.close()
+
+
+def test_rows_checkpointing_the_same_tokens_share_one_file(model: Any, tmp_path: Path) -> None:
+    pc = PrefixCache(BIG, tier(tmp_path), threading.Event())
+    prompt = seq(0, 32)
+    first = pc.checkpoint(filled(model, prompt), prompt)  # one choice of a request ...
+    again = pc.checkpoint(filled(model, prompt), prompt)  # ... and another, the same prompt
+    assert first is not None and again is first and pc.stats.checkpoints == 1
+    pc.send_checkpoints()
+    assert wait_for(lambda: pc.writes_pending == 0, 10)
+    assert pc.ssd is not None and len(pc.ssd) == 1
+    assert pc.checkpoint(filled(model, prompt), prompt) is first  # written: still the one
+    pc.ssd.remove(first.name)  # gone (evicted, say): the next row writes it again
+    anew = pc.checkpoint(filled(model, prompt), prompt)
+    assert anew is not None and anew is not first and pc.stats.checkpoints == 2
+    pc.send_checkpoints()
+    assert wait_for(lambda: pc.writes_pending == 0, 10) and len(pc.ssd) == 1
     pc.close()
 
 

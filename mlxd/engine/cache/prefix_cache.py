@@ -141,6 +141,8 @@ def after(kv: list[Any], start: int, n: int) -> list[Any]:
     return out
 
 
+RECENT_CHECKPOINTS = 64  # checkpoints remembered by name: a row checkpointing the same tokens shares one
+
 SLACK_SHARE = 0.1  # a stored cache whose buffers are this much longer than its tokens is copied tight
 
 
@@ -224,6 +226,7 @@ class PrefixCache:
         self._ram_bytes = 0
         self._writer = Writer(ssd, idle or threading.Event()) if ssd is not None else None
         self._copying: list[Entry] = []  # checkpoints whose copies are queued on the GPU (send_checkpoints)
+        self._checkpointed: dict[str, Entry] = {}  # the last checkpoints taken, by name (oldest first)
 
     # --- lookups -------------------------------------------------------------------------------
 
@@ -342,6 +345,9 @@ class PrefixCache:
             return None
         covered = np.asarray(tokens[:offset], dtype=np.int64)
         name = entry_name(covered)
+        if (taken := self._checkpointed.get(name)) is not None and not taken.write_failed and not (
+                taken.on_ssd and (self.ssd is None or name not in self.ssd)):
+            return taken  # another row's, of the same tokens (a shared prompt), on its way or written
         if self.ssd is not None and name in self.ssd:
             return Entry(covered, [], 0, name, self._clock, on_ssd=True)
         start = len(base.tokens) if base is not None else 0
@@ -357,6 +363,9 @@ class PrefixCache:
         entry = Entry(covered, kept, nbytes, name, self._clock, trimmable=is_trimmable(kept),
                       base=(base.name, start) if delta and base is not None else None)
         self._copying.append(entry)
+        self._checkpointed[name] = entry
+        while len(self._checkpointed) > RECENT_CHECKPOINTS:
+            del self._checkpointed[next(iter(self._checkpointed))]
         self.stats.checkpoint_s += time.perf_counter() - started
         self.stats.checkpoints += 1
         return entry

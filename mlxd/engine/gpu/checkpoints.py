@@ -56,6 +56,11 @@ class Checkpoints:
             return
         if offset > len(tokens):  # drafts past the history (the serial lane's speculator)
             kv, offset = view(kv, len(tokens)), len(tokens)
+        prompt = len(seq.job.prompt)
+        if seq.base is None and seq.saved < prompt < offset:
+            # its first: the prompt alone, the same file for every row with this prompt (the
+            # choices of one request, say), which each row's deltas then share as their base
+            kv, offset = view(kv, prompt), prompt
         base = seq.base
         ssd = self._cache.ssd
         if base is not None and (base.write_failed or (base.on_ssd and ssd is not None and base.name not in ssd)
