@@ -207,6 +207,12 @@ def test_eviction_spills_to_ssd_and_the_entry_comes_back_from_there(model: Any, 
     pc.close()
 
 
+def written(pc: PrefixCache) -> bool:
+    """Hand the writer the checkpoints taken (as a lane's next step does) and wait for the writes."""
+    pc.send_checkpoints()
+    return bool(wait_for(lambda: pc.writes_pending == 0, 10))
+
+
 def test_a_checkpoint_goes_to_ssd_at_the_next_hand_over_while_busy_and_never_to_ram(model: Any,
                                                                                    tmp_path: Path) -> None:
     busy = threading.Event()  # never idle: a checkpoint is written all the same
@@ -216,15 +222,13 @@ def test_a_checkpoint_goes_to_ssd_at_the_next_hand_over_while_busy_and_never_to_
     assert pc.checkpoint(kv, [*tokens, 7])  # the row's history runs one past its KV
     assert pc.writes_pending == 1 and pc.ssd is not None and len(pc.ssd) == 0  # its copy queued, not handed over
     kv2 = filled(model, seq(40, 8), kv)  # the row goes on writing into its own cache
-    pc.send_checkpoints()
-    assert wait_for(lambda: pc.writes_pending == 0, 10)
+    assert written(pc)
     (entry,) = pc.ssd.entries()
     assert entry.tokens.tolist() == tokens  # what the KV held when it was taken, not what came after
     assert pc.snapshot().ram.entries == 0 and pc.stats.checkpoints == 1
     longer = tokens + seq(40, 8)
     assert pc.checkpoint(kv2, [*longer, 9])
-    pc.send_checkpoints()
-    assert wait_for(lambda: pc.writes_pending == 0, 10)
+    assert written(pc)
     assert [e.tokens.tolist() for e in pc.ssd.entries()] == [longer]  # the newer one replaced it
     restarted = PrefixCache(BIG, tier(tmp_path), busy)
     query = longer + seq(7, 3)
@@ -247,8 +251,7 @@ def test_later_checkpoints_write_only_what_follows_the_whole_one_and_restore_joi
     delta = pc.checkpoint(kv, longer, whole)
     assert delta is not None and delta.base == (whole.name, 40)
     assert delta.nbytes * 4 < whole.nbytes  # 8 tokens' KV, not 48
-    pc.send_checkpoints()
-    assert wait_for(lambda: pc.writes_pending == 0, 10)
+    assert written(pc)
     assert pc.ssd is not None
     by_length = sorted(pc.ssd.entries(), key=lambda e: len(e.tokens))
     assert [len(e.tokens) for e in by_length] == [40, 48]  # the base stays: the delta needs it
@@ -276,15 +279,12 @@ def test_a_delta_whose_base_is_not_on_disk_is_not_written_and_a_scan_drops_orpha
     lost.write_failed = True  # (what the writer's callback says then)
     delta = pc.checkpoint(kv, tokens, lost)
     assert delta is not None and delta.base == (lost.name, 32)
-    pc.send_checkpoints()
-    assert wait_for(lambda: pc.writes_pending == 0, 10)
+    assert written(pc)
     assert delta.write_failed and pc.ssd is not None and len(pc.ssd) == 0  # it would serve nothing
     whole = pc.checkpoint(filled(model, tokens[:32]), tokens[:32])
-    pc.send_checkpoints()
-    assert wait_for(lambda: pc.writes_pending == 0, 10)
+    assert written(pc)
     assert pc.checkpoint(kv, tokens, whole) is not None
-    pc.send_checkpoints()
-    assert wait_for(lambda: pc.writes_pending == 0, 10) and len(pc.ssd) == 2
+    assert written(pc) and len(pc.ssd) == 2
     assert whole is not None
     (pc.ssd.dir / whole.name).unlink()  # a crash, say, between the two: the next scan drops the delta
     rescanned = tier(tmp_path)
@@ -298,15 +298,13 @@ def test_rows_checkpointing_the_same_tokens_share_one_file(model: Any, tmp_path:
     first = pc.checkpoint(filled(model, prompt), prompt)  # one choice of a request ...
     again = pc.checkpoint(filled(model, prompt), prompt)  # ... and another, the same prompt
     assert first is not None and again is first and pc.stats.checkpoints == 1
-    pc.send_checkpoints()
-    assert wait_for(lambda: pc.writes_pending == 0, 10)
+    assert written(pc)
     assert pc.ssd is not None and len(pc.ssd) == 1
     assert pc.checkpoint(filled(model, prompt), prompt) is first  # written: still the one
     pc.ssd.remove(first.name)  # gone (evicted, say): the next row writes it again
     anew = pc.checkpoint(filled(model, prompt), prompt)
     assert anew is not None and anew is not first and pc.stats.checkpoints == 2
-    pc.send_checkpoints()
-    assert wait_for(lambda: pc.writes_pending == 0, 10) and len(pc.ssd) == 1
+    assert written(pc) and len(pc.ssd) == 1
     pc.close()
 
 
@@ -319,8 +317,7 @@ def test_a_checkpoint_the_writer_is_too_far_behind_for_is_skipped(model: Any, tm
     assert pc.checkpoint(kvs[1], rows[1])  # another row's, while the first still waits
     assert not pc.checkpoint(kvs[2], rows[2])  # past half the cap: skipped, not waited for
     assert (pc.stats.checkpoints, pc.stats.checkpoints_skipped) == (2, 1)
-    pc.send_checkpoints()
-    assert wait_for(lambda: pc.writes_pending == 0, 10)
+    assert written(pc)
     assert pc.ssd is not None and len(pc.ssd) == 2
     no_tier = PrefixCache(BIG)
     assert not no_tier.checkpoint(kvs[2], rows[2])  # nowhere to write it
