@@ -44,6 +44,16 @@ def test_bad_prompt_cache_flags_are_refused_with_a_message(flag: str, value: str
     assert flag in capsys.readouterr().err
 
 
+def test_generation_checkpoints_default_to_512_tokens_and_0_turns_them_off(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse_args(BASE).generation_checkpoint == 512
+    assert parse_args([*BASE, "--generation-checkpoint", "0"]).generation_checkpoint == 0
+    for bad in ("-1", "often"):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_args([*BASE, "--generation-checkpoint", bad])
+        assert exit_info.value.code == 2
+        assert "--generation-checkpoint" in capsys.readouterr().err
+
+
 def test_the_solo_prefill_step_is_the_devices_unless_given() -> None:
     assert parse_args(BASE).solo_prefill_step is None  # the gateway picks it at load: 2048 on a GPU
     assert parse_args([*BASE, "--solo-prefill-step", "4096"]).solo_prefill_step == 4096

@@ -312,7 +312,17 @@ def test_no_warning_for_a_private_file_or_one_without_keys(
 @pytest.mark.parametrize(("line", "field"), [
     ("prompt_cache_bytes = -1", "prompt_cache_bytes"), ("ssd_cache_bytes = -1", "ssd_cache_bytes"),
     ("kv_bits = 7", "kv_bits"), ("kv_group_size = 48", "kv_group_size"), ('ssd_write_behind = "yes"', "ssd_write_behind"),
-    ('cuda_graphs = "on"', "cuda_graphs"),
+    ('cuda_graphs = "on"', "cuda_graphs"), ("generation_checkpoint = -1", "generation_checkpoint"),
+    ('generation_checkpoint = "often"', "generation_checkpoint"),
 ])
 def test_bad_prompt_cache_keys_name_the_field(tmp_path: Path, line: str, field: str) -> None:
     assert f"pool.{field}" in load_error(tmp_path, f"[pool]\n{line}\n")
+
+
+def test_generation_checkpoint_reaches_the_engines_only_when_not_the_default() -> None:
+    from mlxd.supervisor.config import PoolConfig
+    from mlxd.supervisor.engines.pool import engine_args_from
+
+    assert "--generation-checkpoint" not in engine_args_from(PoolConfig())
+    args = engine_args_from(PoolConfig(generation_checkpoint=0))
+    assert args[args.index("--generation-checkpoint") + 1] == "0"

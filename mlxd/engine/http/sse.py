@@ -48,10 +48,6 @@ class SSEWriter:
         await self._resp.prepare(request)
         return self._resp
 
-    async def send(self, obj: Any) -> None:
-        """One `data:` event with `obj` as JSON."""
-        await self._resp.write(event(obj))
-
     async def write(self, data: bytes, end: bool = False) -> None:
         """Events made by `event` and friends, in one write (one HTTP chunk); `end`: the last."""
         if data:
@@ -62,15 +58,6 @@ class SSEWriter:
     async def comment(self, text: str) -> None:
         """An SSE comment line: clients' event decoders skip it, but it shows the connection lives."""
         await self._resp.write(b": " + text.encode() + b"\n\n")
-
-    async def usage(self, usage: RequestUsage) -> None:
-        """The request's cost, as the comment the supervisor reads (process.USAGE_COMMENT)."""
-        await self._resp.write(usage_comment(usage))
-
-    async def done(self) -> None:
-        """The closing `data: [DONE]` sentinel."""
-        await self._resp.write(b"data: [DONE]\n\n")
-        await self._resp.write_eof()
 
 
 DONE = b"data: [DONE]\n\n"
