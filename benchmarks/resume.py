@@ -75,6 +75,7 @@ class Bench:
     prompt_words: int
     engine_pid: Callable[[], int | None]
     begun: asyncio.Event = field(default_factory=asyncio.Event)
+    runtime: Path | None = None  # the supervisor's runtime dir: its engines' sockets
 
     def body(self, i: int, nonce: str = "") -> dict[str, Any]:
         text = f"{nonce}Story {i}: tell me about a {WORDS[i % len(WORDS)]}. " + "Say more. " * self.prompt_words
@@ -229,7 +230,26 @@ async def one_cut(bench: Bench, cut_at: int, resume: bool, i: int) -> dict[str, 
             if again.error or len(again.times) <= had:
                 return None
             wait = again.times[had] - errored
-        return {"wait_ms": wait * 1000, "restart_ms": await restart}
+        restarted = await restart
+        return {"wait_ms": wait * 1000, "restart_ms": restarted, **(await restore_figures(bench) if resume else {})}
+
+
+async def restore_figures(bench: Bench) -> dict[str, float]:
+    """What the new engine's SSD tier restored for the continuation (it served nothing else):
+    the files' time on its GPU thread and their size, from /admin/engines' fresh stats."""
+    async with aiohttp.ClientSession() as session, session.get(f"{bench.url}/admin/engines") as resp:
+        rows = (await resp.json())["data"]
+    ssd = (next((r for r in rows if r["model"] == bench.model), {}).get("prompt_cache") or {}).get("ssd") or {}
+    out = {"restore_ms": float(ssd.get("restore_ms", 0.0)), "restored_mb": ssd.get("restored_bytes", 0) / 1e6}
+    for sock in sorted(bench.runtime.rglob("*.sock")) if bench.runtime is not None else ():
+        try:  # the engine's own timings of the request it served last: the continuation
+            async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(sock))) as session, \
+                    session.get("http://engine/admin/stats") as resp:
+                last = (await resp.json()).get("last") or {}
+        except (aiohttp.ClientError, OSError, ValueError):
+            continue
+        out.update({f"engine_{k}_ms": float(v) for k, v in (last.get("timings_ms") or {}).items()})
+    return out
 
 
 async def restart_s(bench: Bench, old_pid: int, since: float) -> float:
@@ -329,14 +349,21 @@ async def checkpoints(on: Bench, off: Bench, streams: int, rounds: int, cut_at: 
                    "tps_checkpoints_off": round(tps_off, 1), "on_over_off": round(tps_on / tps_off, 3),
                    **{k: round(after[k] - before[k], 3) for k in after}}}
     for name, bench in (("with_checkpoint", on), ("without_checkpoint", off)) if samples else ():
-        waits, restarts = [], []
+        waits, restarts, restores, sizes = [], [], [], []
         for i in range(samples):
             await asyncio.sleep(0.5)
             if (m := await one_cut(bench, cut_at, True, i)) is not None:
                 waits.append(m["wait_ms"])
                 restarts.append(m["restart_ms"])
+                restores.append(m["restore_ms"])
+                sizes.append(m["restored_mb"])
+                engine = {k[7:-3]: round(v, 1) for k, v in m.items() if k.startswith("engine_")}
+                print(f"cut {name}: resume {m['wait_ms']:.0f} ms, restart {m['restart_ms']:.0f} ms, SSD restore "
+                      f"{m['restore_ms']:.0f} ms of {m['restored_mb']:.0f} MB, the engine's timings (ms) {engine}",
+                      file=sys.stderr, flush=True)
         result[name] = {"samples": len(waits), "resume_p50_ms": pct(waits, 0.5), "resume_p99_ms": pct(waits, 0.99),
-                        "engine_restart_p50_ms": pct(restarts, 0.5)}
+                        "engine_restart_p50_ms": pct(restarts, 0.5), "ssd_restore_p50_ms": pct(restores, 0.5),
+                        "ssd_restored_mb_p50": pct(sizes, 0.5)}
     if samples:
         await asyncio.sleep(1.0)
         result["prompt_cold_prefill_ms"] = await cold_prefill_ms(on, 5)
@@ -424,7 +451,7 @@ def main() -> None:
             return engine_pid
 
         bias = eos_bias(model) if args.no_eos else {} if args.model else NO_EOS
-        bench = Bench(sup.url, "m", args.max_tokens, bias, args.prompt_words, engine_pid_of(sup))
+        bench = Bench(sup.url, "m", args.max_tokens, bias, args.prompt_words, engine_pid_of(sup), runtime=work / "rt")
         with log_on_failure(work / "serve.log"):
             try:
                 sup.wait_health()
@@ -447,7 +474,8 @@ def main() -> None:
                                                 **asyncio.run(cuts(bench, args.cut_at, args.samples))}
                 if bare is not None:
                     bare.wait_health()
-                    off = Bench(bare.url, "m", args.max_tokens, bias, args.prompt_words, engine_pid_of(bare))
+                    off = Bench(bare.url, "m", args.max_tokens, bias, args.prompt_words, engine_pid_of(bare),
+                                runtime=work / "rt0")
                     report["checkpoint"] = {"every": args.checkpoint or "default", "cut_at": args.cut_at,
                                             "prompt_words": args.prompt_words,
                                             **asyncio.run(checkpoints(
