@@ -128,12 +128,32 @@ def in_flight(sup: SupervisorProcess) -> int:
     return sum(e["in_flight"] for e in sup.client.get("/admin/engines").json()["data"])
 
 
-def test_a_client_gone_mid_turn_stops_the_engine(sup: SupervisorProcess) -> None:
+def test_turns_sent_at_once_run_one_after_another_in_order(sup: SupervisorProcess) -> None:
+    """The socket is read while a turn runs; what comes meanwhile waits its turn."""
     with connect(ws_url(sup)) as ws:
+        for text in ("first", "second", "not json"):
+            ws.send(json.dumps({"type": "response.create", "model": "tiny", "input": text, "max_output_tokens": 6,
+                                "temperature": 0, "metadata": {"n": text}}) if text != "not json" else text)
+        seen: list[tuple[str, str | None]] = []
+        while len(seen) < 5:
+            event = json.loads(ws.recv(timeout=60))
+            if event["type"] in ("response.created", *ENDED):
+                seen.append((event["type"], event["response"]["metadata"]["n"]))
+            elif event["type"] == "error":
+                seen.append(("error", event["error"]["code"]))
+    assert [n for _, n in seen] == ["first", "first", "second", "second", "invalid_json"]
+    assert seen[0][0] == seen[2][0] == "response.created"
+
+
+def test_a_client_gone_mid_turn_stops_the_engine(sup: SupervisorProcess) -> None:
+    with connect(ws_url(sup), close_timeout=5) as ws:
         ws.send(json.dumps({"type": "response.create", "model": "tiny", "input": "go on",
                             "max_output_tokens": 4000, "temperature": 0}))
         assert json.loads(ws.recv(timeout=30))["type"] == "response.created"
         assert in_flight(sup) == 1
+        closing = time.monotonic()
+    # The server read the close mid-turn and answered it (it does not wait for the turn to end)
+    assert ws.protocol.close_rcvd is not None and time.monotonic() - closing < 3
     # 4000 tokens take this CPU 6 s or more (the tiny model's greedy text runs to the limit); a turn
     # whose socket closed ends at once
     deadline = time.monotonic() + 2.5

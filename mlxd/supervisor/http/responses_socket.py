@@ -22,6 +22,8 @@ after another, in the order they came.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 from typing import Any
@@ -149,12 +151,29 @@ async def socket(request: web.Request) -> web.StreamResponse:
                        code="method_not_allowed", headers={"Allow": "GET, POST"})
     await ws.prepare(request)
     turns = Turns(request, ws)
+    # The socket is read while a turn runs, so a close (or a lost connection) is seen at once and
+    # ends the turn; the messages that come meanwhile wait their turn, in order.
+    inbox: asyncio.Queue[str | None] = asyncio.Queue()
+    worker = asyncio.create_task(work(turns, inbox))
     try:
         async for msg in ws:
             if msg.type == aiohttp.WSMsgType.TEXT:
-                await turns.take(msg.data)
+                inbox.put_nowait(msg.data)
             elif msg.type == aiohttp.WSMsgType.BINARY:
-                await turns.refuse(error_event(400, "Messages are JSON text, not binary.", "invalid_message"))
+                inbox.put_nowait(None)
     finally:
+        worker.cancel()  # a turn still running: leaving its request drops it, and the engine stops
+        with contextlib.suppress(asyncio.CancelledError):
+            await worker
         await turns.close()
     return ws
+
+
+async def work(turns: Turns, inbox: asyncio.Queue[str | None]) -> None:
+    """A socket's turns, one after another (None: a binary message, refused)."""
+    while True:
+        text = await inbox.get()
+        if text is None:
+            await turns.refuse(error_event(400, "Messages are JSON text, not binary.", "invalid_message"))
+        else:
+            await turns.take(text)
