@@ -11,6 +11,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
+from mlxd.engine.gpu.sampling import make_seeded_sampler, token_key
 from mlxd.engine.spec.accept import Distribution, accept
 from mlxd.engine.spec.ngram import NgramDrafter
 from mlxd.engine.spec.pace import (
@@ -100,29 +101,50 @@ def test_sampled_drafts_keep_the_targets_distribution() -> None:
     p = mx.array([0.5, 0.3, 0.15, 0.05])
     dist = Distribution(temp=1.0)
     logprobs = mx.log(mx.broadcast_to(p, (2, 4)))
-    trials = 3000
-    for draft in (0, 3):
-        counts = [0, 0, 0, 0]
-        for i in range(trials):
-            counts[accept(dist, logprobs, [draft], key=mx.random.key(i * 7 + draft))[0]] += 1
-        for token, want in enumerate(p.tolist()):  # type: ignore[arg-type]
-            got = counts[token] / trials
-            assert abs(got - want) < 5 * math.sqrt(want * (1 - want) / trials), (draft, counts)
+    trials = 1500  # each way: 6,000 verifications in all
+    for seeded in (False, True):  # rejection sampling; a seeded row's draws, one key a place
+        for draft in (0, 3):
+            counts = [0, 0, 0, 0]
+            for i in range(trials):
+                mx.random.seed(i * 7 + draft)
+                keys = [token_key(i, draft), token_key(i, draft + 1)] if seeded else None
+                counts[accept(dist, logprobs, [draft], keys)[0]] += 1
+            for token, want in enumerate(p.tolist()):  # type: ignore[arg-type]
+                got = counts[token] / trials
+                assert abs(got - want) < 5 * math.sqrt(want * (1 - want) / trials), (seeded, draft, counts)
 
 
 def test_a_draft_the_target_would_never_sample_is_always_refused() -> None:
     dist = Distribution(temp=1.0, top_k=2)  # tokens 2 and 3 are filtered out
     logprobs = mx.log(mx.broadcast_to(mx.array([0.5, 0.3, 0.15, 0.05]), (3, 4)))
     for i in range(50):
-        out = accept(dist, logprobs, [3, 3], key=mx.random.key(i))
+        mx.random.seed(i)
+        out = accept(dist, logprobs, [3, 3])
+        assert len(out) == 1 and out[0] in (0, 1)
+        out = accept(dist, logprobs, [3, 3], [token_key(i, 0), token_key(i, 1), token_key(i, 2)])
         assert len(out) == 1 and out[0] in (0, 1)
 
 
-def test_the_same_key_draws_the_same_tokens() -> None:
-    dist = Distribution(temp=0.8)
-    logprobs = mx.log(mx.broadcast_to(mx.array([0.4, 0.3, 0.2, 0.1]), (4, 4)))
-    assert accept(dist, logprobs, [0, 1, 2], key=mx.random.key(5)) == accept(dist, logprobs, [0, 1, 2],
-                                                                                 key=mx.random.key(5))
+def test_a_seeded_rows_tokens_are_the_ones_decoding_without_drafts_draws() -> None:
+    """With the keys of their places, every token a verification emits is the one the seeded
+    sampler of plain decoding draws at that place (gpu/sampling.py), whatever was drafted: the
+    drafts that agree with those draws are kept, the first that does not is replaced by it."""
+    args = {"temp": 0.9, "top_p": 0.95, "min_p": 0.0, "top_k": 20}
+    dist = Distribution(**args)
+    logits = 3 * mx.random.normal((4, 50), key=mx.random.key(0))
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    differ = 0
+    for seed in range(20):
+        start = 5 * seed  # a reply's place: a continued one starts past its first token
+        plain = [int(make_seeded_sampler(args, seed, position=start + j)(logprobs[j:j + 1]).item()) for j in range(4)]
+        keys = [token_key(seed, start + j) for j in range(4)]
+        assert accept(dist, logprobs, plain[:3], keys) == plain  # all kept, and the draw after them
+        wrong = (plain[1] + 1) % 50
+        assert accept(dist, logprobs, [plain[0], wrong, plain[2]], keys) == plain[:2]
+        assert accept(dist, logprobs, [], keys[:1]) == plain[:1]
+        differ += plain != [int(make_seeded_sampler(args, seed + 1, position=start + j)(logprobs[j:j + 1]).item())
+                            for j in range(4)]
+    assert differ > 10  # the seed decides the draws (so the equalities above say something)
 
 
 # --- the pace ---

@@ -177,7 +177,7 @@ class SerialLane:
         drafter = source.drafter(self._kv) if source is not None else NgramDrafter()
         return Speculator(self._loaded.model, self._kv, list(self._tokens), Distribution(**sampler_kw), processors,
                           drafter, draft.num_draft_tokens, job.max_tokens - len(seq.generated),
-                          seed=job.sampling.seed, tally=seq.tally, rates=self._rates)
+                          seed=job.sampling.seed, tally=seq.tally, rates=self._rates, position=seq.position)
 
     def _generate(self) -> Iterator[tuple[Any, Any]]:
         """generate_step from the prompt's last token (its KV holds the rest)."""

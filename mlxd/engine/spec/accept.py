@@ -10,6 +10,13 @@ probability p(d), and at the first refusal the token is drawn from p without d, 
 which is p's own distribution for that position. So the reply keeps the target's
 distribution, after its temperature and top-p / top-k / min-p filters.
 
+Seeded rows (`keys`: one random key per position, gpu/sampling.py's `token_key` of the
+token's place in the reply) sample each position from p with that position's own key, as
+decoding without drafts does, and keep drafts while each equals the target's sample. Every
+token is then the one decoding without drafts draws, whatever was drafted, so a seeded reply
+is the same with drafts or without, and goes on with the same draws after a resume. With a
+one-token draft it keeps d with the same probability p(d) as the rejection scheme above.
+
 Everything that decides is computed in one evaluation, so a verification costs the host one
 wait on the device.
 """
@@ -50,15 +57,18 @@ class Distribution:
         return mx.random.categorical(self.logits(logprobs), key=key)
 
 
-def accept(dist: Distribution, logprobs: mx.array, drafts: list[int], key: Any = None) -> list[int]:
+def accept(dist: Distribution, logprobs: mx.array, drafts: list[int], keys: list[Any] | None = None) -> list[int]:
     """The tokens the row emits from one verification: the kept drafts, then one of the target's.
 
     `logprobs` is (m + 1, vocab), after the row's logits processors, position j following
-    draft j (the row's last token for j = 0).
+    draft j (the row's last token for j = 0). `keys` (a seeded row's, one a position) make the
+    target's tokens its own draws at each position; without them the draws are MLX's global
+    generator's.
     """
     m = len(drafts)
-    if dist.greedy:
-        targets = mx.argmax(logprobs, axis=-1)
+    if dist.greedy or keys is not None:
+        targets = (mx.argmax(logprobs, axis=-1) if dist.greedy or keys is None
+                   else mx.concatenate([dist.sample(logprobs[j:j + 1], keys[j]) for j in range(m + 1)]))
         mx.eval(targets)
         chosen: list[int] = targets.tolist()  # type: ignore[assignment]
         n = 0
@@ -66,18 +76,17 @@ def accept(dist: Distribution, logprobs: mx.array, drafts: list[int], key: Any =
             n += 1
         return [*drafts[:n], chosen[n]]
     tempered = dist.logits(logprobs)
-    keys = mx.random.split(key, 3) if key is not None else (None, None, None)
-    bonus = mx.random.categorical(tempered[m], key=keys[0])
+    bonus = mx.random.categorical(tempered[m])
     if m == 0:
         mx.eval(bonus)
         return [as_int(bonus)]
     ids = mx.array(drafts)
     probs = mx.softmax(tempered[:m], axis=-1, precise=True)
     kept_p = mx.take_along_axis(probs, ids[:, None], axis=-1)[:, 0]
-    draws = mx.random.uniform(shape=(m,), key=keys[1])
+    draws = mx.random.uniform(shape=(m,))
     # Where a draft is refused: p with the draft taken out (its own draw for each position).
     residual = mx.where(mx.arange(tempered.shape[-1])[None, :] == ids[:, None], -mx.inf, tempered[:m])
-    fixes = mx.random.categorical(residual, key=keys[2])
+    fixes = mx.random.categorical(residual)
     mx.eval(bonus, kept_p, draws, fixes)
     keep: list[bool] = (draws < kept_p).tolist()  # type: ignore[assignment]
     n = 0

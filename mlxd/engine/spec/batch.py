@@ -56,7 +56,6 @@ class RowDrafts:
     pace: Pace
     tally: Tally
     drafter: NgramDrafter = field(default_factory=NgramDrafter)
-    key: Any = None  # a seeded row's random key
     acceptance: float = ACCEPTANCE_START  # running share of its drafts kept (width.py prices a pass with it)
     shadow: Guess | None = None  # a plain step's n-gram guess (width.py)
     watched: bool = False  # its last step was plain and watched: `shadow` says what it could draft now
@@ -277,7 +276,7 @@ def drafting_batch(base: Any) -> Any:
             for i, d in enumerate(drafts):
                 rd = rows[i]
                 if d and rd is not None:
-                    kept.append(accept(rd.dist, logprobs[i, :len(d) + 1], d, self._split(rd)))
+                    kept.append(accept(rd.dist, logprobs[i, :len(d) + 1], d))
                     if (grammar := grammar_of(self.logits_processors[i])) is not None:
                         grammar.rollback(len(d) - (len(kept[-1]) - 1))  # it took every draft (_processed)
                 else:
@@ -339,13 +338,6 @@ def drafting_batch(base: Any) -> Any:
             for c in kv:
                 c.trim(count)
             return guesses.tolist()  # type: ignore[return-value]
-
-        @staticmethod
-        def _split(rd: RowDrafts) -> Any:
-            if rd.key is None or rd.dist.greedy:
-                return None
-            rd.key, draw = mx.random.split(rd.key)
-            return draw
 
         def _processed(self, logits: mx.array, nexts: list[int], drafts: list[list[int]]) -> mx.array:
             """Log probabilities at every position, after each row's processors (which see the

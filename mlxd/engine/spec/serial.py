@@ -30,6 +30,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import trim_prompt_cache
 
 from mlxd.engine.chat.grammar import GrammarMask
+from mlxd.engine.gpu.sampling import token_key
 from mlxd.engine.spec.accept import Distribution, accept, as_int
 from mlxd.engine.spec.drafters import Drafter
 from mlxd.engine.spec.ngram import NgramDrafter
@@ -55,7 +56,7 @@ class Speculator:
 
     def __init__(self, model: Any, kv: list[Any], tokens: list[int], dist: Distribution, processors: list[Any],
                  drafter: Drafter, num_draft: int, max_tokens: int, seed: int | None = None,
-                 tally: Tally | None = None, rates: Rates | None = None) -> None:
+                 tally: Tally | None = None, rates: Rates | None = None, position: int = 0) -> None:
         self._model = model
         self._kv = kv
         self.tokens = tokens  # the row's history; it grows as tokens are emitted
@@ -64,7 +65,10 @@ class Speculator:
         self._grammar = next((p for p in processors if isinstance(p, GrammarMask)), None)
         self._drafter = drafter
         self._left = max_tokens  # tokens it may still emit
-        self._key = mx.random.key(seed % 2**64) if seed is not None and not dist.greedy else None
+        # A seeded row draws each token with the key of its place in the reply (gpu/sampling.py):
+        # the draws decoding without drafts makes, and the same again after a resume.
+        self._seed = seed % 2**64 if seed is not None and not dist.greedy else None
+        self._position = position  # the place in the reply of the next token it emits
         self.pace = Pace(num_draft, memory=rates)  # `rates`: what the lane's rows before it measured
         self._costs = (rates or Rates()).costs  # the lane's calls' seconds by positions fed (width.py)
         self.acceptance = ACCEPTANCE_START  # running share of this row's (not forced) drafts kept
@@ -95,7 +99,7 @@ class Speculator:
                 self._last = (now, len(drafts), len(out))
                 self._left -= len(out)
                 return out
-            self._ahead = self._queue(mx.array(self.tokens[-1:]), self.tokens)
+            self._ahead = self._queue(mx.array(self.tokens[-1:]), self.tokens, self._position)
         out = self._plain()
         self._last = (now, 0, len(out))
         self._left -= len(out)
@@ -142,14 +146,16 @@ class Speculator:
             mx.eval(token_dev)
             token = as_int(token_dev)
             self.tokens.append(token)
+            self._position += 1
             return [(token, logprobs[0])]
         context = None
         if self._processors:
             context = mx.concatenate([mx.array(self.tokens), token_dev.astype(mx.int32).reshape(-1)])
-        self._ahead = self._queue(token_dev, context)
+        self._ahead = self._queue(token_dev, context, self._position + 1)
         mx.async_eval(self._ahead[0])
         token = as_int(token_dev)
         self.tokens.append(token)
+        self._position += 1
         self._watch(token)
         if self.pace.drafting and self._worth_draining():
             self._drain = True
@@ -188,8 +194,9 @@ class Speculator:
             guess = self._drafter.propose(self.tokens, self.pace.length)
             self._shadow = Guess(guess) if guess else None
 
-    def _queue(self, last: mx.array, context: Any) -> tuple[mx.array, mx.array]:
-        """The pass over `last` (one token, maybe still being computed) and the token it samples."""
+    def _queue(self, last: mx.array, context: Any, position: int) -> tuple[mx.array, mx.array]:
+        """The pass over `last` (one token, maybe still being computed) and the token it samples,
+        the reply's token at `position`."""
         with mx.stream(generation_stream):
             logits = self._model(last.reshape(1, 1), cache=self._kv)[:, -1, :]
             if self._processors:
@@ -197,15 +204,12 @@ class Speculator:
                 for processor in self._processors:
                     logits = processor(ctx, logits)
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            token = self._dist.sample(logprobs, self._split())
+            token = self._dist.sample(logprobs, self._key(position))
         mx.async_eval(token, logprobs)
         return token, logprobs
 
-    def _split(self) -> Any:
-        if self._key is None:
-            return None
-        self._key, draw = mx.random.split(self._key)
-        return draw
+    def _key(self, position: int) -> Any:
+        return token_key(self._seed, position) if self._seed is not None else None
 
     # --- verification ---
 
@@ -249,13 +253,15 @@ class Speculator:
                     rows.append(row)
                 logits = mx.concatenate(rows, axis=0)
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            out = accept(self._dist, logprobs, drafts, self._split())
+            keys = [self._key(self._position + j) for j in range(m + 1)] if self._seed is not None else None
+            out = accept(self._dist, logprobs, drafts, keys)
         n = len(out) - 1
         if m > n:
             trim_prompt_cache(self._kv, m - n)
             if self._grammar is not None:
                 self._grammar.rollback(m - n)
         self.tokens.extend(out)
+        self._position += len(out)
         self.tally.proposed += m
         self.tally.accepted += n
         if not self._forced:
