@@ -26,6 +26,8 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load
 
+from mlxd.engine.spec.drafters import greedy_pick
+
 PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a bottle. "
           "Name the keeper and the town.")
 
@@ -43,8 +45,11 @@ def main() -> None:
                                              prompt_cache=make_prompt_cache(target))]
     seq = mx.array(prompt + text)[None]
     start = len(prompt) - 1  # the logits there pick the text's first token
-    t_logits = target(seq)[0, start:start + len(text)].astype(mx.float32)
+    t_raw = target(seq)[0, start:start + len(text)]
+    t_logits = t_raw.astype(mx.float32)
     d_logits = draft(seq)[0, start:start + len(text)].astype(mx.float32)
+    t_greedy = greedy_pick(t_raw)  # as the target's own steps pick: in its dtype, after the logsumexp
+    differ = [i for i, (a, b) in enumerate(zip(t_greedy.tolist(), text, strict=True)) if a != b]  # type: ignore[arg-type]
     t_pick, d_pick = mx.argmax(t_logits, axis=-1), mx.argmax(d_logits, axis=-1)
     top2 = mx.sort(t_logits, axis=-1)[:, -2:]
     margin = (top2[:, 1] - top2[:, 0]).tolist()
@@ -55,6 +60,9 @@ def main() -> None:
         "tokens": len(text),
         "teacher_forced_agreement": round(float((t_pick == d_pick).astype(mx.float32).mean().item()), 3),
         "target_one_pass_vs_its_own_steps": round(float((t_pick == mx.array(text)).astype(mx.float32).mean().item()), 3),
+        # the same, picking as decoding does (greedy_pick): 1.0 unless one pass and single steps round differently
+        "target_one_pass_picks_vs_its_own_steps": round(1 - len(differ) / len(text), 3),
+        "first_position_that_differs": differ[0] if differ else None,
         "target_top2_margin_median": round(margin[len(margin) // 2], 4),  # type: ignore[index]
         "target_top2_margin_p10": round(margin[len(margin) // 10], 4),  # type: ignore[index]
         "mlx_lm_speculative_from_draft": round(sum(1 for _, _, d in spec if d) / max(1, len(spec)), 3),

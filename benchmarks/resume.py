@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import random
@@ -340,8 +341,11 @@ async def checkpoints(on: Bench, off: Bench, streams: int, rounds: int, cut_at: 
                 if r:
                     rates[mode] += tps
                 # as it goes, so a run cut short by a time limit still says what it measured
+                errors = collections.Counter(g.error if g.error is not None else f"{len(g.times)} chunks"
+                                             for g in got if g.error is not None or len(g.times) <= 1)
                 print(f"round {r} checkpoints {mode}: {statistics.median(tps) if tps else 0:.1f} tok/s a stream"
-                      f"{'' if r else ' (warm-up, not counted)'}", file=sys.stderr, flush=True)
+                      f"{'' if r else ' (warm-up, not counted)'}{f'; failed: {dict(errors)}' if errors else ''}",
+                      file=sys.stderr, flush=True)
     after = await checkpoint_stats(on)
     tps_on, tps_off = statistics.median(rates["on"]), statistics.median(rates["off"])
     result: dict[str, Any] = {
