@@ -19,12 +19,14 @@ model, or `--model DIR`, and runs three phases:
    first token of the same prompt with a fresh prefix, the engine warm).
 4. **Overhead**: decode speed with resume on (marked streams) against off (`X-MLXD-Resume:
    off`), 1 and `--streams` streams, `--samples` alternating rounds each.
-5. **Checkpoints** (`--phases checkpoint`): a second supervisor beside the first, its engines
-   writing no generation checkpoints (`[pool] generation_checkpoint = 0`; the first runs at
-   mlxd's default, or `--checkpoint N`). Decode speed of `--streams` streams of `--max-tokens`
-   on each, `--samples` alternating rounds (checkpoints written, from /admin/engines); then
-   one stream cut at `--cut-at` on each, `--samples` times: the resume's wait with a
-   checkpoint against without, beside the engine's restart and the prompt's cold prefill.
+5. **Checkpoints** (`--phases checkpoint`): a supervisor at mlxd's default (or `--checkpoint
+   N`) against one whose engines write no generation checkpoints (`[pool]
+   generation_checkpoint = 0`), one at a time (two engines on one GPU would each size
+   themselves to all of it): `--samples` turns each, in the order on, off, off, on, ...; in
+   each, a round of `--streams` streams of `--max-tokens` warms the engine up and a second is
+   timed (checkpoints written, from /admin/engines). Then one stream cut at `--cut-at` on
+   each, `--cuts` times: the resume's wait with a checkpoint against without, beside the
+   engine's restart, what it restored from SSD, and the prompt's cold prefill.
 
   python benchmarks/resume.py                            # 100 kills, 8 streams, the tiny model
   python benchmarks/resume.py --phases cut --model smollm2 --cut-at 150 --max-tokens 160 --prompt-words 400
@@ -35,7 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
+import contextlib
 import json
 import os
 import random
@@ -46,7 +48,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -325,52 +327,65 @@ async def checkpoint_stats(bench: Bench) -> dict[str, int]:
             "ssd_written_bytes": (cache.get("ssd") or {}).get("written_bytes", 0)}
 
 
-async def checkpoints(on: Bench, off: Bench, streams: int, rounds: int, cut_at: int, samples: int,
-                      ) -> dict[str, Any]:
-    """Decode with checkpoints (`on`'s engines) against without (`off`'s), alternating rounds; then
-    resume's wait after a cut at `cut_at` on each."""
-    rates: dict[str, list[float]] = {"on": [], "off": []}
-    before = await checkpoint_stats(on)
+async def decode_round(bench: Bench, streams: int, label: str) -> list[float]:
+    """`streams` streams at once, each its own prompt no cache has seen: each stream's tokens a
+    second after its first (printed as it goes, failures named)."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        for r in range(rounds + 1):  # round 0 warms both engines up, and is not counted
-            for mode in (("on", "off") if r % 2 == 0 else ("off", "on")):
-                bench = on if mode == "on" else off
-                nonce = f"{r} {time.time_ns()} "  # prompts neither cache has seen
-                got = await asyncio.gather(*(stream(session, bench, bench.body(i, nonce)) for i in range(streams)))
-                tps = [(len(g.times) - 1) / (g.times[-1] - g.times[0]) for g in got if g.error is None and len(g.times) > 1]
-                if r:
-                    rates[mode] += tps
-                # as it goes, so a run cut short by a time limit still says what it measured
-                errors = collections.Counter(g.error if g.error is not None else f"{len(g.times)} chunks"
-                                             for g in got if g.error is not None or len(g.times) <= 1)
-                print(f"round {r} checkpoints {mode}: {statistics.median(tps) if tps else 0:.1f} tok/s a stream"
-                      f"{'' if r else ' (warm-up, not counted)'}{f'; failed: {dict(errors)}' if errors else ''}",
-                      file=sys.stderr, flush=True)
-    after = await checkpoint_stats(on)
+        nonce = f"{label} {time.time_ns()} "
+        got = await asyncio.gather(*(stream(session, bench, bench.body(i, nonce)) for i in range(streams)))
+    tps = [(len(g.times) - 1) / (g.times[-1] - g.times[0]) for g in got if g.error is None and len(g.times) > 1]
+    errors = Counter(g.error if g.error is not None else f"{len(g.times)} chunks"
+                                 for g in got if g.error is not None or len(g.times) <= 1)
+    print(f"{label}: {statistics.median(tps) if tps else 0:.1f} tok/s a stream"
+          f"{f'; failed: {dict(errors)}' if errors else ''}", file=sys.stderr, flush=True)
+    return tps
+
+
+def checkpoints(serving: Callable[[str], contextlib.AbstractContextManager[Bench]], streams: int, turns: int,
+                cut_at: int, samples: int) -> dict[str, Any]:
+    """Decode with checkpoints (the supervisor `serving("on")` starts) against without
+    (`serving("off")`), one supervisor at a time: two engines on one GPU would each size
+    themselves to all of it. `turns` turns each, in the order on, off, off, on, ...; in each a
+    round of `streams` streams warms the engine up (it loads then) and a second is counted.
+    Then resume's wait after a cut at `cut_at`, `samples` times each way, and the prompt's cold
+    prefill."""
+    rates: dict[str, list[float]] = {"on": [], "off": []}
+    taken: dict[str, float] = {}  # the "on" engines' checkpoint counters, over their counted rounds
+    for t in range(turns):
+        for mode in (("on", "off") if t % 2 == 0 else ("off", "on")):
+            with serving(mode) as bench:
+                asyncio.run(decode_round(bench, streams, f"turn {t} checkpoints {mode}, warm-up (not counted)"))
+                before = asyncio.run(checkpoint_stats(bench))
+                rates[mode] += asyncio.run(decode_round(bench, streams, f"turn {t} checkpoints {mode}"))
+                after = asyncio.run(checkpoint_stats(bench))
+                if mode == "on":
+                    for k in after:
+                        taken[k] = taken.get(k, 0) + after[k] - before[k]
     tps_on, tps_off = statistics.median(rates["on"]), statistics.median(rates["off"])
     result: dict[str, Any] = {
-        "decode": {"streams": streams, "rounds": rounds, "tps_checkpoints_on": round(tps_on, 1),
+        "decode": {"streams": streams, "turns": turns, "tps_checkpoints_on": round(tps_on, 1),
                    "tps_checkpoints_off": round(tps_off, 1), "on_over_off": round(tps_on / tps_off, 3),
-                   **{k: round(after[k] - before[k], 3) for k in after}}}
-    for name, bench in (("with_checkpoint", on), ("without_checkpoint", off)) if samples else ():
-        waits, restarts, restores, sizes = [], [], [], []
-        for i in range(samples):
-            await asyncio.sleep(0.5)
-            if (m := await one_cut(bench, cut_at, True, i)) is not None:
-                waits.append(m["wait_ms"])
-                restarts.append(m["restart_ms"])
-                restores.append(m["restore_ms"])
-                sizes.append(m["restored_mb"])
-                engine = {k[7:-3]: round(v, 1) for k, v in m.items() if k.startswith("engine_")}
-                print(f"cut {name}: resume {m['wait_ms']:.0f} ms, restart {m['restart_ms']:.0f} ms, SSD restore "
-                      f"{m['restore_ms']:.0f} ms of {m['restored_mb']:.0f} MB, the engine's timings (ms) {engine}",
-                      file=sys.stderr, flush=True)
-        result[name] = {"samples": len(waits), "resume_p50_ms": pct(waits, 0.5), "resume_p99_ms": pct(waits, 0.99),
-                        "engine_restart_p50_ms": pct(restarts, 0.5), "ssd_restore_p50_ms": pct(restores, 0.5),
-                        "ssd_restored_mb_p50": pct(sizes, 0.5)}
-    if samples:
-        await asyncio.sleep(1.0)
-        result["prompt_cold_prefill_ms"] = await cold_prefill_ms(on, 5)
+                   **{k: round(v, 3) for k, v in taken.items()}}}
+    for name, mode in (("without_checkpoint", "off"), ("with_checkpoint", "on")) if samples else ():
+        with serving(mode) as bench:
+            waits, restarts, restores, sizes = [], [], [], []
+            for i in range(samples):
+                time.sleep(0.5)
+                if (m := asyncio.run(one_cut(bench, cut_at, True, i))) is not None:
+                    waits.append(m["wait_ms"])
+                    restarts.append(m["restart_ms"])
+                    restores.append(m["restore_ms"])
+                    sizes.append(m["restored_mb"])
+                    engine = {k[7:-3]: round(v, 1) for k, v in m.items() if k.startswith("engine_")}
+                    print(f"cut {name}: resume {m['wait_ms']:.0f} ms, restart {m['restart_ms']:.0f} ms, SSD restore "
+                          f"{m['restore_ms']:.0f} ms of {m['restored_mb']:.0f} MB, the engine's timings (ms) {engine}",
+                          file=sys.stderr, flush=True)
+            result[name] = {"samples": len(waits), "resume_p50_ms": pct(waits, 0.5), "resume_p99_ms": pct(waits, 0.99),
+                            "engine_restart_p50_ms": pct(restarts, 0.5), "ssd_restore_p50_ms": pct(restores, 0.5),
+                            "ssd_restored_mb_p50": pct(sizes, 0.5)}
+            if mode == "on":
+                time.sleep(1.0)
+                result["prompt_cold_prefill_ms"] = asyncio.run(cold_prefill_ms(bench, 5))
     return result
 
 
@@ -436,13 +451,6 @@ def main() -> None:
                               f'[models.m]\npath = "{model}"\n')
             return config
 
-        sup = Supervisor(config_with("mlxd.toml", args.checkpoint), private_dir(work / "data"),
-                         private_dir(work / "rt"), work / "serve.log")
-        bare = None
-        if "checkpoint" in args.phases:  # the baseline beside it: no checkpoints
-            bare = Supervisor(config_with("bare.toml", 0), private_dir(work / "data0"), private_dir(work / "rt0"),
-                              work / "serve0.log")
-
         def engine_pid_of(of: Supervisor) -> Callable[[], int | None]:
             def engine_pid() -> int | None:
                 import psutil
@@ -455,40 +463,45 @@ def main() -> None:
             return engine_pid
 
         bias = eos_bias(model) if args.no_eos else {} if args.model else NO_EOS
-        bench = Bench(sup.url, "m", args.max_tokens, bias, args.prompt_words, engine_pid_of(sup), runtime=work / "rt")
-        with log_on_failure(work / "serve.log"):
+        dirs = {mode: (private_dir(work / f"data-{mode}"), private_dir(work / f"rt-{mode}")) for mode in ("on", "off")}
+
+        @contextlib.contextmanager
+        def serving(mode: str) -> Iterator[Bench]:
+            """A supervisor at mlxd's defaults ("on"; `--checkpoint`), or with checkpoints off ("off")."""
+            checkpoint = args.checkpoint if mode == "on" else 0
+            data, rt = dirs[mode]
+            sup = Supervisor(config_with(f"{mode}.toml", checkpoint), data, rt, work / "serve.log")
             try:
                 sup.wait_health()
-                report: dict[str, Any] = {"model": str(args.model or "tiny random llama"), "streams": args.streams,
-                                          "max_tokens": args.max_tokens}
-                if "storm" in args.phases:
-                    report["storm"] = asyncio.run(storm(bench, args.streams, args.kills, args.kills_per_round,
-                                                        args.kill_jitter, print, args.kill_loading))
-                    report["storm"]["killed_while_loading_too"] = args.kill_loading
-                    served = (work / "serve.log").read_text()
-                    added = added_latencies(served)
-                    report["storm"]["failed_starts"] = served.count("engine failed to start")
-                    report["storm"]["went_on_after_a_failed_start"] = served.count("failed to start; trying again")
-                    report["storm"]["resume_added_ms"] = {"count": len(added), "p50": pct(added, 0.5),
-                                                          "p99": pct(added, 0.99)}
-                if "overhead" in args.phases:
-                    report["overhead"] = [asyncio.run(overhead(bench, n, args.samples)) for n in (1, args.streams)]
-                if "cut" in args.phases.split(","):
-                    report["one_stream_cut"] = {"cut_at": args.cut_at, "prompt_words": args.prompt_words,
-                                                **asyncio.run(cuts(bench, args.cut_at, args.samples))}
-                if bare is not None:
-                    bare.wait_health()
-                    off = Bench(bare.url, "m", args.max_tokens, bias, args.prompt_words, engine_pid_of(bare),
-                                runtime=work / "rt0")
-                    report["checkpoint"] = {"every": args.checkpoint or "default", "cut_at": args.cut_at,
-                                            "prompt_words": args.prompt_words,
-                                            **asyncio.run(checkpoints(
-                                                bench, off, args.streams, args.samples, args.cut_at,
-                                                args.samples if args.cuts is None else args.cuts))}
+                yield Bench(sup.url, "m", args.max_tokens, bias, args.prompt_words, engine_pid_of(sup), runtime=rt)
             finally:
                 sup.stop()
-                if bare is not None:
-                    bare.stop()
+
+        report: dict[str, Any] = {"model": str(args.model or "tiny random llama"), "streams": args.streams,
+                                  "max_tokens": args.max_tokens}
+        with log_on_failure(work / "serve.log"):
+            if any(phase in args.phases.split(",") for phase in ("storm", "overhead", "cut")):
+                with serving("on") as bench:
+                    if "storm" in args.phases:
+                        report["storm"] = asyncio.run(storm(bench, args.streams, args.kills, args.kills_per_round,
+                                                            args.kill_jitter, print, args.kill_loading))
+                        report["storm"]["killed_while_loading_too"] = args.kill_loading
+                        served = (work / "serve.log").read_text()
+                        added = added_latencies(served)
+                        report["storm"]["failed_starts"] = served.count("engine failed to start")
+                        report["storm"]["went_on_after_a_failed_start"] = served.count("failed to start; trying again")
+                        report["storm"]["resume_added_ms"] = {"count": len(added), "p50": pct(added, 0.5),
+                                                              "p99": pct(added, 0.99)}
+                    if "overhead" in args.phases:
+                        report["overhead"] = [asyncio.run(overhead(bench, n, args.samples)) for n in (1, args.streams)]
+                    if "cut" in args.phases.split(","):
+                        report["one_stream_cut"] = {"cut_at": args.cut_at, "prompt_words": args.prompt_words,
+                                                    **asyncio.run(cuts(bench, args.cut_at, args.samples))}
+            if "checkpoint" in args.phases:
+                report["checkpoint"] = {"every": args.checkpoint or "default", "cut_at": args.cut_at,
+                                        "prompt_words": args.prompt_words,
+                                        **checkpoints(serving, args.streams, args.samples, args.cut_at,
+                                                      args.samples if args.cuts is None else args.cuts)}
     print_report(report, args.json)
 
 
