@@ -134,6 +134,7 @@ def test_rows_under_different_adapters_share_batched_steps_and_each_answers_as_a
     assert lanes(smol)["adapter_mixed_passes"] - before >= second_longest
 
 
+@pytest.mark.slow  # about 14 s: `make test` stays under 10 minutes (CI runs the slow ones too)
 def test_the_prompt_cache_keeps_each_adapters_kv_apart(smol: EngineProcess) -> None:
     prompt = "A long list of facts about rivers: " + ", ".join(f"river {i} is wide" for i in range(40))
     first = ask(smol, "terse", prompt)

@@ -317,12 +317,12 @@ def report(tally: Tally) -> str:
 def test_fuzzing_every_route_finds_no_server_error_and_no_undocumented_answer(sup: SupervisorProcess) -> None:
     fuzzer = Fuzzer(sup.url)
     try:
-        tally = fuzzer.run(num_examples=300, seed=1)
+        tally = fuzzer.run(num_examples=200, seed=1)  # 300 took 24 s: `make test` stays under 10 minutes
     finally:
         fuzzer.close()
     assert tally.num_server_errors() == 0, report(tally)
     assert not tally.findings, report(tally)
-    assert tally.num_sent >= 250
+    assert tally.num_sent >= 170
     assert len(tally.statuses) == len(list(fuzzer.schema.get_all_operations())), tally.statuses
 
 

@@ -267,6 +267,7 @@ def test_rows_held_to_a_json_schema_draft_in_the_batch_and_answer_as_alone(smol:
     assert lanes(smol)["draft_batch_passes"] > before["draft_batch_passes"], lanes(smol)  # they met in the batch
 
 
+@pytest.mark.slow  # about 11 s: `make test` stays under 10 minutes (CI runs the slow ones too)
 def test_a_row_leaving_the_batch_mid_answer_leaves_the_others_as_alone(smol: EngineProcess) -> None:
     """Three rows draft together; one client goes after a few tokens. Its row leaves the batch's
     KV (holes and all, spec/holes.py) and the other two answer as they do alone."""
