@@ -367,7 +367,9 @@ def test_a_phone_screen_has_no_horizontal_scroll(sup: SupervisorProcess, browser
         assert top["height"] < 64 and key["y"] < nav["y"] + nav["height"] and nav["y"] < key["y"] + key["height"]
         assert page.get_by_role("button", name="Enter key").is_visible()
         page.goto(sup.url + "/#chat")
-        page.wait_for_selector("body[data-ready='1']")
+        # body[data-ready] is the dashboard's already (one mark a page load): wait for the chat's
+        # models, listed once its form is wired (an Enter before that did nothing, once in a run)
+        page.wait_for_selector("#chat-model option[value=tiny]", state="attached")
         ask(page, "Hello", 400)  # longer than the screen
         wait_answer(page, sup, "done", 60_000)
         assert_composer_clear_of_status(page)
