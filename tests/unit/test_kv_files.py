@@ -20,7 +20,8 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, load_prompt_cache, sa
 
 from mlxd.engine.cache import kv_files
 from mlxd.engine.cache.kv_files import CorruptFile
-from mlxd.engine.cache.prefix_cache import tensors_of, view
+from mlxd.engine.cache.kv_layout import tensors_of
+from mlxd.engine.cache.prefix_cache import view
 
 NAME = "entry.safetensors"
 TOKENS = [1, 2, 3, 70_000, 5]

@@ -239,6 +239,32 @@ def test_a_checkpoint_goes_to_ssd_at_the_next_hand_over_while_busy_and_never_to_
     restarted.close()
 
 
+def test_a_bfloat16_checkpoint_is_written_from_its_staged_copy_and_restores_bit_for_bit(tmp_path: Path) -> None:
+    """A checkpoint stages its copy as the file holds it (bfloat16 as its bits) behind the step
+    under way, and the hand-over only takes the bytes (kv_layout.py): the file restores to the
+    same arrays, whatever the row wrote after."""
+    kv = []
+    for i in range(2):
+        c = KVCache()
+        k1, k2 = mx.random.split(mx.random.key(i))
+        c.update_and_fetch(mx.random.normal((1, 2, 24, 64), key=k1).astype(mx.bfloat16),
+                           mx.random.normal((1, 2, 24, 64), key=k2).astype(mx.bfloat16))
+        kv.append(c)
+    want = [(mx.array(c.keys[..., :24, :]), mx.array(c.values[..., :24, :])) for c in kv]
+    pc = PrefixCache(BIG, tier(tmp_path), threading.Event())
+    taken = pc.checkpoint(kv, seq(0, 24))
+    assert taken is not None and taken.staged is not None and taken.kv == []  # the copy alone, not the row's buffers
+    for c in kv:  # the row goes on: its next tokens land after the copied ones
+        c.update_and_fetch(mx.ones((1, 2, 4, 64), dtype=mx.bfloat16), mx.ones((1, 2, 4, 64), dtype=mx.bfloat16))
+    assert written(pc) and taken.staged is None and taken.on_ssd
+    got, cached = PrefixCache(BIG, tier(tmp_path), threading.Event()).fetch([*seq(0, 24), 5])
+    assert cached == 24 and got is not None
+    for c, (keys, values) in zip(got, want, strict=True):
+        assert c.keys.dtype == mx.bfloat16
+        assert mx.array_equal(c.keys, keys).item() and mx.array_equal(c.values, values).item()
+    pc.close()
+
+
 def test_later_checkpoints_write_only_what_follows_the_whole_one_and_restore_joined(model: Any,
                                                                                     tmp_path: Path) -> None:
     pc = PrefixCache(BIG, tier(tmp_path), threading.Event())

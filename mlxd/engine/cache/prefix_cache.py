@@ -33,7 +33,7 @@ import xxhash
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from mlxd.engine.cache.kv_files import DTYPES, Tensor
+from mlxd.engine.cache.kv_layout import Staged, host_tensors, stage, tensors_of
 from mlxd.engine.cache.ssd_tier import DiskEntry, SsdTier, WriteJob, Writer, is_prefix
 from mlxd.protocol.stats import CacheHits, PromptCacheStats, RamTierStats
 
@@ -54,6 +54,7 @@ class Entry:
     write_failed: bool = False  # its last write failed (disk full?): write-behind leaves it, a drain retries
     trimmable: bool = True  # serves a prefix of itself (fixed when stored)
     base: tuple[str, int] | None = None  # a delta checkpoint's base and start: `kv` holds only what follows
+    staged: Staged | None = None  # a checkpoint's copy, queued on the GPU; `kv` is then empty (kv_layout.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,46 +166,6 @@ def compact(kv: list[Any]) -> None:
         elif type(c) is QuantizedKVCache and c.keys is not None:
             c.keys = tuple(mx.contiguous(x) for x in c.keys)
             c.values = tuple(mx.contiguous(x) for x in c.values)
-
-
-def tensors_of(kv: list[Any]) -> tuple[dict[str, str], list[Tensor], list[Any]]:
-    """`kv` laid out as mlx-lm's `save_prompt_cache` lays it out: the metadata it adds (cache
-    classes, which entries are scalars), the tensors as host buffers, and the arrays those
-    buffers point into (keep them alive until written). GPU thread; evaluates the arrays."""
-    flat: list[tuple[str, Any]] = tree_flatten([c.state for c in kv])  # type: ignore[assignment]
-    arrays: list[tuple[str, mx.array]] = []
-    scalars: list[tuple[str, str]] = []
-    for name, value in flat:
-        if isinstance(value, mx.array):
-            arrays.append((name, mx.contiguous(value)))
-        elif isinstance(value, bool | int | float):
-            scalars.append((name, "scalar"))
-            arrays.append((name, mx.array(value)))
-        elif isinstance(value, str):
-            scalars.append((name, "string"))
-            arrays.append((name, mx.array([ord(ch) for ch in value])))
-        elif value is None:
-            scalars.append((name, "none"))
-            arrays.append((name, mx.array([])))
-        else:
-            raise ValueError(f"cache state not serializable: {type(value).__name__}")
-    mx.eval([a for _, a in arrays])
-    tensors = [Tensor(name, DTYPES[str(a.dtype).removeprefix("mlx.core.")], tuple(a.shape), host_bytes(a))
-               for name, a in arrays]
-    meta = {f"1.{i}": type(c).__name__ for i, c in enumerate(kv)}
-    meta["2.0"] = ""  # mlx-lm's scalars list starts with an empty string
-    for i, (name, kind) in enumerate(scalars, start=1):
-        meta[f"2.{i}.0"], meta[f"2.{i}.1"] = name, kind
-    return meta, tensors, [a for _, a in arrays]
-
-
-def host_bytes(a: mx.array) -> memoryview:
-    """An evaluated, contiguous array's bytes (dtypes without a buffer format go as unsigned ints)."""
-    if a.dtype == mx.bfloat16:
-        a = a.view(mx.uint16)
-    elif a.dtype == mx.bool_:
-        a = a.view(mx.uint8)
-    return memoryview(a).cast("B")  # type: ignore[arg-type]
 
 
 class PrefixCache:
@@ -358,10 +319,10 @@ class PrefixCache:
             self.stats.checkpoints_skipped += 1
             return None
         started = time.perf_counter()
-        compact(kept)  # its own buffers: the row goes on writing into its cache
-        mx.async_eval([x for c in kept for x in _arrays(c)])  # the copy, queued behind the step under way
-        entry = Entry(covered, kept, nbytes, name, self._clock, trimmable=is_trimmable(kept),
-                      base=(base.name, start) if delta and base is not None else None)
+        staged = stage(kept)  # its own buffers (the row goes on writing into its cache), as the file has them
+        mx.async_eval(staged.arrays)  # the copy, queued behind the step under way
+        entry = Entry(covered, [], nbytes, name, self._clock, trimmable=is_trimmable(kept),
+                      base=(base.name, start) if delta and base is not None else None, staged=staged)
         self._copying.append(entry)
         self._checkpointed[name] = entry
         while len(self._checkpointed) > RECENT_CHECKPOINTS:
@@ -444,8 +405,11 @@ class PrefixCache:
         if self._writer is None or entry.unwritable:
             return
         try:
-            compact(entry.kv)  # the entry keeps the copy it writes: no second one in memory
-            meta, tensors, owner = tensors_of(entry.kv)
+            if entry.staged is not None:  # a checkpoint's copy, made by now: its bytes, queuing nothing
+                (meta, tensors, owner), entry.staged = host_tensors(entry.staged), None
+            else:
+                compact(entry.kv)  # the entry keeps the copy it writes: no second one in memory
+                meta, tensors, owner = tensors_of(entry.kv)
         except Exception as exc:  # a cache kind the format cannot hold: it stays in RAM only
             log.warning("SSD prompt cache: cannot write this cache (%s)", exc)
             entry.unwritable = True
