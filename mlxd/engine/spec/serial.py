@@ -69,6 +69,7 @@ class Speculator:
         # the draws decoding without drafts makes, and the same again after a resume.
         self._seed = seed % 2**64 if seed is not None and not dist.greedy else None
         self._position = position  # the place in the reply of the next token it emits
+        self._ctx: mx.array | None = None  # `tokens` on the device, for the processors (_context)
         self.pace = Pace(num_draft, memory=rates)  # `rates`: what the lane's rows before it measured
         self._costs = (rates or Rates()).costs  # the lane's calls' seconds by positions fed (width.py)
         self.acceptance = ACCEPTANCE_START  # running share of this row's (not forced) drafts kept
@@ -99,7 +100,8 @@ class Speculator:
                 self._last = (now, len(drafts), len(out))
                 self._left -= len(out)
                 return out
-            self._ahead = self._queue(mx.array(self.tokens[-1:]), self.tokens, self._position)
+            context = self._context() if self._processors else None
+            self._ahead = self._queue(mx.array(self.tokens[-1:]), context, self._position)
         out = self._plain()
         self._last = (now, 0, len(out))
         self._left -= len(out)
@@ -148,9 +150,7 @@ class Speculator:
             self.tokens.append(token)
             self._position += 1
             return [(token, logprobs[0])]
-        context = None
-        if self._processors:
-            context = mx.concatenate([mx.array(self.tokens), token_dev.astype(mx.int32).reshape(-1)])
+        context = self._context(token_dev) if self._processors else None
         self._ahead = self._queue(token_dev, context, self._position + 1)
         mx.async_eval(self._ahead[0])
         token = as_int(token_dev)
@@ -199,14 +199,23 @@ class Speculator:
         the reply's token at `position`."""
         with mx.stream(generation_stream):
             logits = self._model(last.reshape(1, 1), cache=self._kv)[:, -1, :]
-            if self._processors:
-                ctx = context if isinstance(context, mx.array) else mx.array(context)
-                for processor in self._processors:
-                    logits = processor(ctx, logits)
+            for processor in self._processors:
+                logits = processor(context, logits)
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             token = self._dist.sample(logprobs, self._key(position))
         mx.async_eval(token, logprobs)
         return token, logprobs
+
+    def _context(self, nxt: mx.array | None = None) -> mx.array:
+        """The row's tokens (and `nxt`, the one being computed) for its logits processors, kept on
+        the device and grown a token a step, as mlx-lm's generate_step keeps them: sent from the
+        host's list again only after a verification changed it (a GPU otherwise copied the whole
+        history to the device every token)."""
+        ctx = self._ctx if self._ctx is not None and self._ctx.size == len(self.tokens) else mx.array(self.tokens)
+        if nxt is not None:
+            ctx = mx.concatenate([ctx, nxt.astype(ctx.dtype).reshape(-1)])
+        self._ctx = ctx
+        return ctx
 
     def _key(self, position: int) -> Any:
         return token_key(self._seed, position) if self._seed is not None else None
