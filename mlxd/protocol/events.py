@@ -45,6 +45,7 @@ class Done(msgspec.Struct, tag="done"):
     paused: int = 0  # times it was paused for a more urgent request (and resumed)
     speculation: Speculation | None = None  # drafts, when it decoded with them (None: it did not)
     resumed: int = 0  # of completion_tokens, those delivered before (a continued reply's, http/resume.py)
+    tail: tuple[int, ...] = ()  # generated ids no Token carried (an EOS, what followed a stop string): its end's mark names them
 
 
 class Failed(msgspec.Struct, tag="failed"):

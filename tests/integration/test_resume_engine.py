@@ -323,3 +323,66 @@ def test_a_json_schema_reply_cut_anywhere_keeps_its_grammar(smol: EngineProcess)
     for at in range(0, len(whole[1]) - 1, 4):
         before, after = cut_and_continue(smol, "/v1/chat/completions", body, at, whole)
         assert chat_text(events(before)) + chat_text(events(after)) == want, at
+
+
+def logprob_tokens(chunks: list[dict[str, Any]]) -> list[tuple[str, float]]:
+    """Each token's text and log probability, in the order the chat chunks carried them."""
+    return [(lp["token"], lp["logprob"]) for c in chunks if c["choices"]
+            for lp in ((c["choices"][0].get("logprobs") or {}).get("content") or [])]
+
+
+def test_log_probabilities_held_with_a_tool_call_at_the_cut_still_arrive(smol: EngineProcess) -> None:
+    """The tool-call parser holds a call's text, and its tokens' log probabilities, until the call
+    is whole: a cut inside it must not lose them (the marks do not name those tokens yet, so the
+    next engine makes them again)."""
+    body = {"messages": [{"role": "user", "content": "What is the weather in Paris?"}], "max_tokens": 60,
+            "temperature": 0, "tools": [WEATHER], "tool_choice": "required", "logprobs": True, "top_logprobs": 2}
+    whole = marked_stream(smol, "/v1/chat/completions", body)
+    want = events(b"".join(p for p, _ in whole[1]))
+    tokens = logprob_tokens(want)
+    assert calls_of(want) and tokens
+    # the writes that sent no log probabilities: the call's text (and theirs) was still held
+    held = [at for at, (raw, _) in enumerate(whole[1][:-1]) if not logprob_tokens(events(raw))]
+    assert held, "no write held a token back: the parser released the call early"
+    assert all(not ids for at, (_, ids) in enumerate(whole[1][:-1]) if at in held)  # not delivered yet
+    for at in sorted({held[0], held[len(held) // 2], held[-1]}):
+        before, after = cut_and_continue(smol, "/v1/chat/completions", body, at, whole)
+        got = logprob_tokens(events(before) + events(after))
+        assert [t for t, _ in got] == [t for t, _ in tokens], at
+        assert [p for _, p in got] == pytest.approx([p for _, p in tokens], abs=1e-3), at
+        assert calls_of(events(before) + events(after)) == calls_of(want), at
+
+
+def test_each_choices_held_log_probabilities_arrive_after_a_cut(smol: EngineProcess) -> None:
+    """As above, for an `n` = 2 stream: each choice's marks leave out the tokens it holds."""
+    n = 2
+    body = {"messages": [{"role": "user", "content": "What is the weather in Paris?"}], "max_tokens": 40, "n": n,
+            "temperature": 0, "tools": [WEATHER], "tool_choice": "required", "logprobs": True,
+            "stream_options": {"include_usage": True}}
+    with engine_client(smol) as c, c.stream("POST", "/v1/chat/completions", json={**body, "stream": True},
+                                            headers={MARKS_HEADER: "1"}) as resp:
+        rid, created = resp.headers[REPLY_HEADER].split(" ")
+        raw = resp.read()
+    writes = choice_writes(raw)
+
+    def tokens_of(chunks: list[dict[str, Any]], k: int) -> list[str]:
+        return [lp["token"] for c in chunks for ch in c["choices"] if ch["index"] == k
+                for lp in ((ch.get("logprobs") or {}).get("content") or [])]
+
+    want = [tokens_of(events(raw), k) for k in range(n)]
+    assert all(want) and want[0] == want[1]
+    held = [at for at, (_, chunks, _, closed) in enumerate(writes[:-1])
+            if not closed and not tokens_of(chunks, 0) and not tokens_of(chunks, 1)]
+    assert held and all(not writes[at][2] for at in held)
+    for at in sorted({held[len(held) // 2], held[-1]}):
+        delivered = writes[:at + 1]
+        choices = [{"tokens": [t for i, _, ids, _ in delivered if i == k for t in ids],
+                    "segments": [len(ids) for i, _, ids, _ in delivered if i == k],
+                    "ended": any(closed for i, _, _, closed in delivered if i == k)} for k in range(n)]
+        with engine_client(smol) as c, c.stream(
+                "POST", "/v1/chat/completions", headers={MARKS_HEADER: "1"},
+                json={**body, "stream": True, "resume": {"choices": choices, "id": rid, "created": int(created)}}) as resp:
+            after = events(resp.read())
+        before = [chunk for _, chunks, _, _ in delivered for chunk in chunks]
+        assert [tokens_of(before, k) + tokens_of(after, k) for k in range(n)] == want, at
+        assert after[-1]["usage"]["completion_tokens"] == events(raw)[-1]["usage"]["completion_tokens"], at

@@ -155,7 +155,7 @@ class Sequence:
         done = Done(finish, self.num_prompt, self.job.resumed + num, min(self.cached, self.num_prompt), *self.clock.split_ms(),
                     stop_sequence=self._stops.matched if finish == "stop" else None, paused=self.paused,
                     speculation=Speculation(tally.proposed, tally.accepted) if tally is not None else None,
-                    resumed=self.job.resumed)
+                    resumed=self.job.resumed, tail=tuple(self.generated[self._reported:]))
         if tally is not None:
             stats.draft_proposed += tally.proposed
             stats.draft_accepted += tally.accepted

@@ -42,6 +42,12 @@ class ChatReply:
     def opening(self) -> list[Any]:
         return [self._chunk(oa.Delta(role="assistant", content=""))]
 
+    @property
+    def holds_logprobs(self) -> bool:
+        """Log probabilities wait for text the reply holds (a tool call or a think marker being
+        parsed): their tokens are not delivered yet, so a resume mark does not name them."""
+        return bool(self._logprobs)
+
     def text(self, text: str, logprobs: list[TokenLogprob] | None = None) -> list[Any]:
         if self._splitter is None:
             chunks = self._answer(text)
@@ -141,6 +147,8 @@ class TextReply:
 
     def opening(self) -> list[Any]:  # text completions have no role-only opening chunk
         return [self._chunk(self._echo, None)] if self._echo else []
+
+    holds_logprobs = False  # each token's log probability goes with its text
 
     def text(self, text: str, logprobs: list[TokenLogprob] | None = None) -> list[Any]:
         if not text:

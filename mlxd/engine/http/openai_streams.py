@@ -39,6 +39,7 @@ async def stream(request: web.Request, ticket: Ticket, reply: Reply, include_usa
     lead_chunks, lead_ids = lead or ([], [])
     opening = [*reply.opening(), *lead_chunks] if resumed is None else []
     total = resumed or 0
+    held: list[int] = []  # ids whose log probabilities wait in the reply: not named yet
     try:
         await keep_alive_until_first_event(sse, ticket)
         async for batch in ticket.events():
@@ -52,8 +53,12 @@ async def stream(request: web.Request, ticket: Ticket, reply: Reply, include_usa
             end = batch[-1]
             if marks and not (isinstance(end, Done) and end.finish_reason != "cancelled"):
                 # marked unless [DONE] ends it: a stream cut by a drain or shutdown may go on
-                ids = [*lead_ids, *(i for e in tokens for i in e.ids or ())]
-                lead_ids = []
+                ids = [*held, *(i for e in tokens for i in e.ids or ())]
+                if reply.holds_logprobs:  # a resume makes these tokens again, with their logprobs
+                    ids, held = [], ids
+                else:
+                    held = []
+                ids, lead_ids = [*lead_ids, *ids], []
                 total += len(ids)
                 out += mark(0, total, ids)
             if isinstance(end, Token):
@@ -119,6 +124,7 @@ async def stream_choices(request: web.Request, tickets: list[Ticket], replies: l
     pumps = [asyncio.create_task(pump(i, t)) for i, t in enumerate(tickets)]
     opening = [] if resumed is not None else [c for r in replies for c in r.opening()]
     totals = list(resumed) if resumed is not None else [0] * len(replies)
+    held: list[list[int]] = [[] for _ in replies]  # per choice, as `stream`'s
     dones: dict[int, Done] = {}
     try:
         open_rows = len(tickets)
@@ -146,7 +152,11 @@ async def stream_choices(request: web.Request, tickets: list[Ticket], replies: l
                     chunks += replies[i].closing(end)
             out = b"".join(map(event, chunks))
             if marks:  # an error's write too: a drain's or shutdown's may go on, its events not sent twice
-                ids = [t for e in tokens for t in e.ids or ()]
+                ids, held[i] = [*held[i], *(t for e in tokens for t in e.ids or ())], []
+                if i in dones:  # its end: every token it made is named, so a resume counts them all
+                    ids += dones[i].tail
+                elif replies[i].holds_logprobs:
+                    ids, held[i] = [], ids
                 totals[i] += len(ids)
                 out += mark(i, totals[i], ids, end=i in dones)
             if failed:
