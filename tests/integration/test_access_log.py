@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import re
+import socket
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -60,6 +63,38 @@ def test_errors_are_logged_and_polls_are_not(supervisor: SupervisorProcess) -> N
     assert wait_for(lambda: len(access_lines(supervisor)) == 2)
     assert [line.rsplit(" ", 1)[0] for line in access_lines(supervisor)] == [
         "POST /v1/chat/completions 404", "POST /v1/chat/completions 400"]
+
+
+def raw_stream(sup: SupervisorProcess, body: dict[str, object], until: bytes) -> None:
+    """Stream `body` over a bare socket, read until `until` arrives, then reset the connection
+    (SO_LINGER 0: a client that exits, or drops a pooled connection, closes so)."""
+    data = json.dumps({**body, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", sup.port), timeout=30) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+        got = b""
+        while until not in got:
+            chunk = s.recv(65536)
+            assert chunk, got
+            got += chunk
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+def test_a_caller_that_closes_right_after_done_was_answered_and_one_that_left_was_not(
+        supervisor: SupervisorProcess) -> None:
+    """The reset reaches the supervisor while the handler still winds the stream down (it may be
+    cancelled then): it is logged as answered (200), not as a caller that went away (499). One
+    that leaves after the first event is a 499."""
+    rounds = 40
+    for _ in range(rounds):
+        raw_stream(supervisor, {**CHAT, "max_tokens": 8}, b"data: [DONE]")
+    raw_stream(supervisor, {**CHAT, "max_tokens": 2000}, b"data: {")
+    assert wait_for(lambda: len(access_lines(supervisor)) == rounds + 1, timeout=30)
+    statuses = [line.split(" ")[2] for line in access_lines(supervisor)]
+    assert statuses == ["200"] * rounds + ["499"], statuses
+    metrics = supervisor.client.get("/metrics").text
+    assert f'route="/v1/chat/completions",status="200"}} {rounds}.0' in metrics
+    assert 'route="/v1/chat/completions",status="499"} 1.0' in metrics
 
 
 def test_the_timeline_counts_each_token_once(supervisor: SupervisorProcess) -> None:

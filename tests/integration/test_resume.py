@@ -206,8 +206,8 @@ def test_n_choices_keep_going_through_a_kill(sup: SupervisorProcess) -> None:
     assert got == want and ends == [0, 1, 2]  # each choice whole, and ended once
     assert usage.completion_tokens == want_usage.completion_tokens == 600
     # the access line comes once the handler returns, after the client has [DONE]; a client that
-    # closes at once may see its handler cancelled first (then it is logged as 499)
-    wait_for(lambda: re.search(r"POST /v1/chat/completions (200|499) tiny .*resumed=1\(\+\d+ms\)", sup.log()),
+    # closes at once may see its handler cancelled first, and it had the whole answer: a 200 still
+    wait_for(lambda: re.search(r"POST /v1/chat/completions 200 tiny .*resumed=1\(\+\d+ms\)", sup.log()),
              10, message=sup.log)
 
 

@@ -7,6 +7,7 @@ it on a background thread right after it starts listening.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -20,7 +21,7 @@ from mlxd.protocol.stats import LaneStats, PromptCacheStats, RamTierStats, SsdTi
 from mlxd.supervisor.engines.pool import Pool
 from mlxd.supervisor.http import access
 from mlxd.supervisor.http.timeline import Timeline
-from mlxd.supervisor.relay.keys import RESUMES_KEY
+from mlxd.supervisor.relay.keys import MARKS_KEY, RESUMES_KEY
 from mlxd.supervisor.relay.resume import ReplyMarks
 
 LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -207,8 +208,12 @@ def make_metrics_middleware(lazy: LazyMetrics, timeline: Timeline) -> Middleware
         status = "499"  # the client went away before an answer
         try:
             resp = await handler(request)
-            status = str(resp.status)
+            status = "499" if left_mid_stream(request) else str(resp.status)
             return resp
+        except asyncio.CancelledError:  # the caller's connection closed under the handler
+            if (marks := request.get(MARKS_KEY)) is not None and marks.finished:
+                status = "200"  # after the whole stream went out: it had all of it
+            raise
         finally:
             resource = request.match_info.route.resource
             route = resource.canonical if resource is not None else "unmatched"
@@ -221,3 +226,12 @@ def make_metrics_middleware(lazy: LazyMetrics, timeline: Timeline) -> Middleware
             access.log_request(request, int(status), started, timeline)
 
     return metrics_middleware
+
+
+def left_mid_stream(request: web.Request) -> bool:
+    """A stream (one that can go on, so its end is seen) whose caller went away before its end:
+    its handler returned rather than being cancelled, but the caller did not get it all."""
+    marks = request.get(MARKS_KEY)
+    if marks is None or not marks.started or marks.finished:
+        return False
+    return request.transport is None or request.transport.is_closing()
