@@ -210,10 +210,13 @@ class Speculator:
         """The row's tokens (and `nxt`, the one being computed) for its logits processors, kept on
         the device and grown a token a step, as mlx-lm's generate_step keeps them: sent from the
         host's list again only after a verification changed it (a GPU otherwise copied the whole
-        history to the device every token)."""
+        history to the device every token). Built on the generation stream, as the passes are: a
+        grammar row reads the new token from it early (grammar.py's `read_early`), and on another
+        stream that read would wait for the pass queued behind the token too."""
         ctx = self._ctx if self._ctx is not None and self._ctx.size == len(self.tokens) else mx.array(self.tokens)
         if nxt is not None:
-            ctx = mx.concatenate([ctx, nxt.astype(ctx.dtype).reshape(-1)])
+            with mx.stream(generation_stream):
+                ctx = mx.concatenate([ctx, nxt.astype(ctx.dtype).reshape(-1)])
         self._ctx = ctx
         return ctx
 
