@@ -9,7 +9,9 @@ import os
 import signal
 import socket
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import psutil
 from aiohttp import web
@@ -21,6 +23,7 @@ from mlxd.engine.gpu.gateway import STOPPING as STOPPING_EVENT
 from mlxd.engine.gpu.gateway import Gateway
 from mlxd.engine.gpu.options import GatewayOptions
 from mlxd.engine.gpu.stats import Stats
+from mlxd.engine.group.ranks import Leader, follow, shard
 from mlxd.engine.http.app import make_app
 from mlxd.engine.models.load_meter import LoadMeter
 from mlxd.engine.models.loaded_model import LoadedModel
@@ -92,6 +95,15 @@ def serve(settings: EngineSettings) -> int:
         sys.setswitchinterval(float(switch_ms) / 1000)
     log.info("mlxd engine pid %d: model %s from %s", os.getpid(), settings.model_id, settings.model)
     log.info(blas.describe())
+    group = None
+    if settings.group_control is not None:
+        try:
+            group = join_group(settings)
+        except RuntimeError as exc:
+            log.error("cannot join the engine group: %s", exc)
+            return ExitCode.ENGINE_BOOT_ERROR
+        if group.rank() > 0:
+            return follow_rank0(settings, group)
     try:
         sock = bind_unix(settings.socket)
     except BootError as exc:
@@ -99,7 +111,7 @@ def serve(settings: EngineSettings) -> int:
         return ExitCode.ENGINE_BOOT_ERROR
     try:
         with asyncio.Runner(loop_factory=loop_factory()) as runner:  # uvloop, as the supervisor's (event_loop.py)
-            return runner.run(run(settings, sock, parent))
+            return runner.run(run(settings, sock, parent, group))
     finally:
         # The loop's close gave SIGTERM its default action back; a late repeat of the
         # parent-death signal (see run) finds us exiting anyway.
@@ -113,8 +125,9 @@ def remove_socket(path: Path) -> None:
         path.unlink()
 
 
-async def run(settings: EngineSettings, sock: socket.socket, parent: int) -> int:
-    """The engine's event loop: serve, load the model, wait for a reason to stop."""
+async def run(settings: EngineSettings, sock: socket.socket, parent: int, group: Any = None) -> int:
+    """The engine's event loop: serve, load the model, wait for a reason to stop. `group`: rank
+    0's mx.distributed group, when the engine is one of several (docs/distributed.md)."""
     loop = asyncio.get_running_loop()
     stats = Stats()
     meter = LoadMeter()
@@ -122,6 +135,8 @@ async def run(settings: EngineSettings, sock: socket.socket, parent: int) -> int
         loaded = LoadedModel(settings.model, settings.model_id, settings.max_context, meter)
         if settings.defaults is not None:
             loaded.configured = settings.defaults
+        if group is not None:
+            shard(loaded, group, settings.group_mode)
         return loaded
 
     def load_embedder() -> EmbeddingModel:
@@ -130,6 +145,8 @@ async def run(settings: EngineSettings, sock: socket.socket, parent: int) -> int
     options = gateway_options(settings)
     gateway = (EmbedGateway(load_embedder, stats, options, meter) if is_embedding_dir(settings.model)
                else Gateway(load, stats, options, meter))
+    if group is not None and settings.group_control is not None and isinstance(gateway, Gateway):
+        gateway.group = Leader(settings.group_control, group.size())
     stopped: asyncio.Future[ExitCode] = loop.create_future()
 
     def stop(code: ExitCode) -> None:
@@ -147,6 +164,8 @@ async def run(settings: EngineSettings, sock: socket.socket, parent: int) -> int
         loop.call_soon_threadsafe(stop, gpu_exit_code(gateway))
 
     gateway.on_ready, gateway.on_exit = on_ready, on_exit
+    if isinstance(gateway, Gateway) and gateway.group is not None:  # a rank gone ends the group
+        gateway.group.on_lost = lambda: loop.call_soon_threadsafe(stop, ExitCode.GPU_THREAD_DIED)
     runner = web.AppRunner(
         make_app(settings, gateway, stats), handler_cancellation=True, access_log=None,
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
@@ -187,7 +206,7 @@ def gateway_options(settings: EngineSettings) -> GatewayOptions:
     cache_bytes = settings.prompt_cache_bytes
     if cache_bytes is None:
         cache_bytes = default_prompt_cache_bytes(psutil.virtual_memory().total)
-    return GatewayOptions(
+    options = GatewayOptions(
         prefill_step=settings.prefill_step, solo_prefill_step=settings.solo_prefill_step or 0, batch=batch,
         memory_bytes=settings.memory_bytes,
         max_context=settings.max_context,
@@ -199,6 +218,39 @@ def gateway_options(settings: EngineSettings) -> GatewayOptions:
         adapter_merge=settings.adapter_merge,
         draft=DraftConfig.parse(settings.draft, settings.num_draft_tokens),
     )
+    if settings.group_control is None:
+        return options
+    # What a group's ranks cannot agree on yet (docs/distributed.md): off, and said so.
+    log.info("engine group: no SSD tier, generation checkpoints, speculative decoding, width probe or warm-up yet")
+    return replace(options, ssd_root=None, generation_checkpoint=0, draft=DraftConfig(), width_probe="off",
+                   warmup="off")
+
+
+def join_group(settings: EngineSettings) -> Any:
+    """This process's mx.distributed group (its rank and peers from the backend's variables)."""
+    import mlx.core as mx
+
+    group = mx.distributed.init(strict=True, backend=settings.group_backend)
+    log.info("engine group: rank %d of %d (%s, %s)", group.rank(), group.size(), settings.group_backend,
+             settings.group_mode)
+    return group
+
+
+def follow_rank0(settings: EngineSettings, group: Any) -> int:
+    """A rank other than 0: load this rank's shard, then replay rank 0's turns."""
+    assert settings.group_control is not None
+    try:
+        loaded: LoadedModel | str = LoadedModel(settings.model, settings.model_id, settings.max_context)
+        assert isinstance(loaded, LoadedModel)
+        shard(loaded, group, settings.group_mode)
+    except Exception as exc:  # any: rank 0 names it in its load error
+        log.error("rank %d: model load failed: %s", group.rank(), exc)
+        loaded = str(exc) or type(exc).__name__
+    try:
+        return follow(loaded, group.rank(), settings.group_control)
+    except Exception:
+        log.exception("rank %d: the group failed", group.rank())
+        return ExitCode.GPU_THREAD_DIED
 
 
 def gpu_exit_code(gateway: Gateway) -> ExitCode:

@@ -45,6 +45,9 @@ class EngineSettings:
     draft: str = "none"
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
     defaults: Defaults | None = None  # what requests that set none get (mlxd's config: [defaults])
+    group_control: Path | None = None  # one rank of an engine group: rank 0's control socket (docs/distributed.md)
+    group_backend: str = "ring"  # mx.distributed's backend for the group
+    group_mode: str = "tensor"  # how the model is split: tensor or pipeline
 
 
 def batch_value(text: str) -> int | None:
@@ -135,6 +138,14 @@ def parse_args(argv: list[str]) -> EngineSettings:
     p.add_argument("--defaults", default=None, metavar="JSON",
                    help='what a request that sets none gets, over the model\'s generation_config.json: a JSON '
                         'object of temperature, top_p, top_k, min_p, max_tokens, thinking (mlxd\'s [defaults])')
+    p.add_argument("--group-control", type=Path, default=None, metavar="PATH",
+                   help="run as one rank of an engine group (its rank and peers from MLX_RANK and MLX_HOSTFILE, "
+                        "or the backend's own variables): rank 0 serves and listens here for the other ranks, "
+                        "which replay its turns (docs/distributed.md)")
+    p.add_argument("--group-backend", choices=("ring", "nccl", "mpi"), default="ring",
+                   help="mx.distributed's backend for the group")
+    p.add_argument("--group-mode", choices=("tensor", "pipeline"), default="tensor",
+                   help="split the model's weights (tensor) or its layers (pipeline) over the ranks")
     default_parent = os.environ.get("MLXD_PARENT_PID")
     p.add_argument(
         "--parent-pid", type=int, default=int(default_parent) if default_parent else None,
@@ -176,4 +187,5 @@ def parse_args(argv: list[str]) -> EngineSettings:
         kv_bits=a.kv_bits, kv_group_size=a.kv_group_size, write_behind=a.ssd_write_behind == "on",
         generation_checkpoint=a.generation_checkpoint,
         adapter_merge=a.adapter_merge, draft=a.draft, num_draft_tokens=a.num_draft_tokens, defaults=defaults,
+        group_control=a.group_control, group_backend=a.group_backend, group_mode=a.group_mode,
     )

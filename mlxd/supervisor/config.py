@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from mlxd.paths import shell_quote
+from mlxd.protocol.group import GroupSpec
 from mlxd.protocol.process import DEFAULT_CHECKPOINT_TOKENS
 from mlxd.protocol.sampling import Defaults
 from mlxd.protocol.speculation import DEFAULT_NUM_DRAFT_TOKENS, parse_draft
@@ -84,6 +85,7 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     num_draft_tokens: NumDraft | None = None  # the most drafts a pass checks (None: [pool] num_draft_tokens)
     defaults: Defaults | None = None  # [models.NAME.defaults]: over [defaults], for this model
     resume: bool | None = None  # a reply cut by its engine's crash goes on on the next (None: [pool] resume)
+    distributed: GroupSpec | None = None  # served by a group of engine processes (docs/distributed.md)
 
     def __post_init__(self) -> None:
         if self.draft is not None:

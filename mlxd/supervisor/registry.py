@@ -16,6 +16,7 @@ from mlxd import paths
 from mlxd.protocol import sampling
 from mlxd.protocol.capabilities import Capabilities, capabilities, template_text
 from mlxd.protocol.errors import APIError
+from mlxd.protocol.group import GroupSpec
 from mlxd.protocol.speculation import parse_draft
 from mlxd.protocol.supervisor_api import Source
 from mlxd.supervisor.config import DEFAULT_BATCH, Batch, ModelConfig
@@ -43,6 +44,7 @@ class ModelEntry(msgspec.Struct, frozen=True, kw_only=True):
     draft_bytes: int = 0  # the draft model's size on disk (its weights load beside the model's)
     defaults: sampling.Defaults | None = None  # the config's defaults for its requests ([models.NAME.defaults] over [defaults])
     resume: bool | None = None  # [models.NAME] resume (None: [pool] resume)
+    distributed: GroupSpec | None = None  # [models.NAME] distributed: served by a group of engine processes
 
 
 def sampling_of(entry: ModelEntry) -> dict[str, float]:
@@ -194,6 +196,7 @@ def config_entries(models: Mapping[str, ModelConfig], batch: Batch = DEFAULT_BAT
                 draft=model.draft,
                 num_draft_tokens=model.num_draft_tokens,
                 resume=model.resume,
+                distributed=model.distributed,
             )
         )
     return found

@@ -326,3 +326,14 @@ def test_generation_checkpoint_reaches_the_engines_only_when_not_the_default() -
     assert "--generation-checkpoint" not in engine_args_from(PoolConfig())
     args = engine_args_from(PoolConfig(generation_checkpoint=0))
     assert args[args.index("--generation-checkpoint") + 1] == "0"
+
+
+def test_a_model_served_by_an_engine_group_is_configured_and_checked(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, '[models.big]\npath = "/m"\ndistributed = {ranks = 2, backend = "nccl"}\n'),
+                      explicit=True)
+    group = cfg.models["big"].distributed
+    assert group is not None and (group.ranks, group.backend, group.mode) == (2, "nccl", "tensor")
+    assert "ranks on other machines are not served yet" in load_error(
+        tmp_path, '[models.big]\npath = "/m"\ndistributed = {ranks = 2, hosts = ["10.0.0.2"]}\n')
+    assert "ranks" in load_error(tmp_path, '[models.big]\npath = "/m"\ndistributed = {ranks = 1}\n')
+    assert "backend" in load_error(tmp_path, '[models.big]\npath = "/m"\ndistributed = {ranks = 2, backend = "mpi"}\n')

@@ -42,6 +42,11 @@ __all__ = ["STOPPING", "Flush", "Gateway", "GatewayOptions", "Stop"]
 log = logging.getLogger("mlxd.engine")
 STOPPING = Failed("The engine is shutting down.", 503, "engine_stopping")
 GPU_THREAD_DIED = "The engine's GPU thread stopped."
+
+
+def group_refuses(what: str) -> APIError:
+    return APIError(400, f"A model served by an engine group does not take {what} yet (docs/distributed.md).",
+                    code="unsupported_in_group")
 # After sequences last ran (or waited) two or more at once, for this long a request that finds
 # the engine idle may be the first of a burst: the gateway gathers its companions (--gather-ms).
 BURST_MEMORY_S = 10.0
@@ -110,6 +115,7 @@ class Gateway:
         self._idle = threading.Event()  # set while the GPU thread has nothing to run (the SSD writer works then)
         self.prompt_cache: PrefixCache | None = None  # set once loaded; snapshot() may be read by the loop
         self.sizing: Sizing | None = None  # the width and KV budget chosen at load (then in _options too)
+        self.group: Any = None  # rank 0 of an engine group: its group/ranks.py Leader (set before start)
 
     def start(self) -> None:
         """Start the GPU thread: it loads the model, serves jobs, and calls `on_exit` when it ends."""
@@ -177,7 +183,9 @@ class Gateway:
         """Loop thread: run `fn` on the GPU thread before its next turn; the future gets what it
         returns or raises (503 when the engine is not serving)."""
         command = Call(fn)
-        if not self.is_serving:
+        if self.group is not None:  # a closure cannot be sent to the other ranks
+            command.done.set_exception(group_refuses("this"))
+        elif not self.is_serving:
             command.done.set_exception(APIError(503, STOPPING.message, type="server_error", code=STOPPING.code))
         else:
             self._inbox.put(command)
@@ -190,12 +198,16 @@ class Gateway:
             raise APIError(503, STOPPING.message, type="server_error", code=STOPPING.code)
         if refusal := runner.scheduler.refusal(len(job.prompt), job.max_tokens):
             raise refusal
+        if self.group is not None and (job.grammar is not None or job.media is not None or job.adapters):
+            raise group_refuses("structured output" if job.grammar is not None else "images or adapters")
         self._stats.num_requests += 1
         self._stats.prompt_tokens += len(job.prompt)
         if job.resumed:  # a reply continued after its engine died (http/resume.py)
             self._stats.num_continued += 1
             self._stats.continued_tokens += job.resumed
         self._open.add(job.ticket)
+        if self.group is not None:
+            self.group.adopt(job)
         self._inbox.put(Sequence(job, loaded.tokenizer, loaded.eos_token_ids))
 
     def stop(self) -> None:
@@ -230,12 +242,16 @@ class Gateway:
                 self._runner.fail_running(GPU_THREAD_DIED, "engine_failed")
             raise
         finally:
+            if self.group is not None:
+                self.group.close()
             self._fail_queued()
             self.on_exit()
 
     def _load_model(self) -> bool:
         try:
             loaded = open_model(self._load, self._options)
+            if self.group is not None:  # the other ranks loaded their shards too, or say why not
+                self.group.join()
         except Exception as exc:
             self.load_error = str(exc) or type(exc).__name__
             log.error("model load failed: %s", self.load_error)
@@ -244,6 +260,8 @@ class Gateway:
         self._options, self.sizing = size_options(loaded, self._options)
         self._runner, self.prompt_cache = make_runner(loaded, self._stats, self._options, self.sizing, self.meter,
                                                       self._idle)
+        if self.group is not None:
+            self.group.hello(self._options)
         self.meter.end()
         self.loaded = loaded
         # What exists now (the model, tokenizer, kernels) lives as long as the engine: kept out of
@@ -271,6 +289,9 @@ class Gateway:
             if idle and self._in_bursts():
                 received += self._gather(len(received))
             self._idle.clear()
+            stopping = self._is_stopping
+            if self.group is not None and not any(isinstance(c, Stop) for c in received):
+                self.group.turn(received, stopping)  # the other ranks start this turn from the same
             stop = False
             for command in received:
                 if isinstance(command, Stop):
@@ -283,7 +304,7 @@ class Gateway:
                     runner.enqueue(command)  # after a Stop: answered by _fail_queued
             if stop:
                 return
-            self._turn(runner, trace, len(received))
+            self._turn(runner, trace, len(received), stopping)
 
     def _write_behind(self) -> str:
         """Idle: hand the SSD writer the checkpoints taken, and a prompt-cache entry
@@ -314,11 +335,11 @@ class Gateway:
                      report.bytes / 1e6, report.ms)
         answer(command.done, report)
 
-    def _turn(self, runner: Runner, trace: StepTrace | None, received: int) -> None:
+    def _turn(self, runner: Runner, trace: StepTrace | None, received: int, stopping: bool) -> None:
         """Start what fits, then step each lane once; the time goes to busy_s (and the trace)."""
         started = time.perf_counter()
         self._stats.turn_started(started)
-        admitted = runner.turn(self._is_stopping)
+        admitted = runner.turn(stopping)
         waiting = runner.scheduler.num_waiting
         if runner.num_rows + waiting >= 2:
             self._bursts_until = time.monotonic() + BURST_MEMORY_S

@@ -26,10 +26,12 @@ import msgspec
 from mlxd.protocol.engine_state import EngineState
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.exit_codes import ExitCode
+from mlxd.protocol.group import GroupSpec
 from mlxd.protocol.process import DRAIN_PATH, HEALTH_PATH, STATS_PATH, DrainRequest, DrainResult
 from mlxd.protocol.sampling import Defaults
 from mlxd.protocol.stats import EngineHealth, EngineView, LaneStats, LoadProgress, PromptCacheStats
 from mlxd.supervisor.engines import policy
+from mlxd.supervisor.engines.ranks import Ranks
 from mlxd.supervisor.engines.spare import Spare
 from mlxd.supervisor.engines.upstream import UpstreamError, call, connection_gate
 
@@ -59,7 +61,7 @@ class EngineOptions:
             health_deadline_s=float(env.get("MLXD_ENGINE_HEALTH_DEADLINE_S", cls.health_deadline_s)),
             backoff_base_s=float(env.get("MLXD_ENGINE_BACKOFF_S", cls.backoff_base_s)),
         )
-_TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ")
+TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ")
 BOOT_POLL_S = 0.01  # /health polls while an engine starts (a swap waits on this)
 NO_RETRY = {ExitCode.ENGINE_BOOT_ERROR, ExitCode.MODEL_LOAD_ERROR, 2}
 
@@ -90,6 +92,7 @@ class Engine:
         self, model_id: str, model_dir: Path, runtime_dir: Path, max_context: int | None = None,
         options: EngineOptions | None = None, *, batch: int | None = 1, memory_bytes: int | None = None,
         draft: tuple[str | None, int | None] = (None, None), defaults: Defaults | None = None,
+        group: GroupSpec | None = None,
     ) -> None:
         self.options = options or EngineOptions()
         self.model_id = model_id
@@ -102,6 +105,7 @@ class Engine:
         self.draft = draft  # its model's own draft and draft length ([models.NAME]; None: the pool's flags)
         self.defaults = defaults  # what its requests get when they set none (the config's; --defaults)
         self.lanes: LaneStats | None = None  # its /admin/stats `lanes` (the width and KV budget it chose)
+        self.ranks = Ranks(model_id, group, runtime_dir) if group is not None else None  # an engine group's others
         self.state = EngineState.STOPPED
         self.on_change: Callable[[], None] = lambda: None  # after every state change (the pool replans)
         self.ready_since: float | None = None  # wall time it last became READY
@@ -250,6 +254,8 @@ class Engine:
         except APIError as err:
             self._resolve_ready(err)
         finally:
+            if self.ranks is not None:  # no rank outlives rank 0
+                await self.ranks.kill()
             self._resolve_ready(APIError(503, "The engine is stopping.", type="server_error", code="engine_stopping"))
             self._finish_commands()
             self.pid = None
@@ -271,6 +277,8 @@ class Engine:
             args += ["--num-draft-tokens", str(length)]
         if self.defaults is not None and not self.defaults.is_empty:
             args += ["--defaults", msgspec.json.encode(self.defaults).decode()]
+        if self.ranks is not None:
+            args += self.ranks.spec.flags(self.ranks.control)
         return args
 
     async def _spawn(self) -> asyncio.subprocess.Process:
@@ -278,8 +286,11 @@ class Engine:
         self.boot_timings = {}
         self._spawned_at = time.perf_counter()
         self._load = LoadProgress("spawn")
-        args = self.argv()
-        proc = await self.spare.take(args) if self.spare is not None else None
+        args, env = self.argv(), dict(self.options.engine_env)
+        if self.ranks is not None:
+            self.ranks.prepare()
+            env.update(self.ranks.env(0))
+        proc = await self.spare.take(args) if self.spare is not None and self.ranks is None else None
         how = "from the spare" if proc is not None else "spawned"
         if proc is None:
             # Our pid, named: an engine that only starts reading its parent after we died (a
@@ -288,8 +299,10 @@ class Engine:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", self.options.module, *args,
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-                env={**os.environ, **dict(self.options.engine_env), "MLXD_PARENT_PID": str(os.getpid())},
+                env={**os.environ, **env, "MLXD_PARENT_PID": str(os.getpid())},
             )
+            if self.ranks is not None:
+                await self.ranks.start(self.options.module, args, dict(self.options.engine_env))
         self.pid = proc.pid
         assert proc.stdout is not None
         self._log_task = asyncio.create_task(self._relay_log(proc.stdout))
@@ -298,7 +311,7 @@ class Engine:
 
     async def _relay_log(self, stream: asyncio.StreamReader) -> None:
         async for raw in stream:
-            line = _TIMESTAMP.sub("", raw.decode(errors="replace").rstrip())  # ours is added again
+            line = TIMESTAMP.sub("", raw.decode(errors="replace").rstrip())  # ours is added again
             self._log_tail.append(line)
             log.info("[%s] %s", self.model_id, line)
 

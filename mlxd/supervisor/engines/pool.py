@@ -227,7 +227,8 @@ class Pool:
             width = None if entry.batch == "auto" else entry.batch
             engine = Engine(entry.id, entry.path, self._runtime_dir, entry.max_context, self._options,
                             batch=width, memory_bytes=self.limits.budget_bytes,
-                            draft=(entry.draft, entry.num_draft_tokens), defaults=entry.defaults)
+                            draft=(entry.draft, entry.num_draft_tokens), defaults=entry.defaults,
+                            group=entry.distributed)
             engine.spare = self.spare
             slot = Slot(engine, entry, self.memory_estimate(entry), self._configured_ttl(entry), entry.pin)
             engine.on_change = lambda: self._on_engine_change(slot)

@@ -1,0 +1,1 @@
+"""Engine groups: one model over several processes with mx.distributed (docs/distributed.md)."""

@@ -1,0 +1,268 @@
+"""An engine group's two sides: rank 0's Leader, which sends each turn's inputs, and the other
+ranks' follow loop, which replays them (wire.py says what a turn carries; docs/distributed.md).
+
+A job's ticket in a group is a GroupTicket: its cancel flag is read once a turn, on rank 0, and
+that reading goes to every rank with the turn, so all drop the job at the same step. What is
+rank 0's alone (HTTP, templates, replies, the SSD tier) never reaches a follower; what would
+make ranks differ and is not carried yet (structured output, images, adapters, speculative
+decoding, the width probe, the SSD tier) is refused or off in a group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from mlxd.engine.cache.prefix_cache import PrefixCache
+from mlxd.engine.gpu.job import Job, PrefillGroup
+from mlxd.engine.gpu.options import GatewayOptions
+from mlxd.engine.gpu.sequence import Sequence
+from mlxd.engine.gpu.stats import Stats
+from mlxd.engine.group.wire import Hello, Ready, Turn, WireJob, recv, send
+from mlxd.engine.models.loaded_model import LoadedModel, ModelLoadError
+from mlxd.protocol.events import Event
+
+log = logging.getLogger("mlxd.engine")
+JOIN_TIMEOUT_S = 300.0  # followers load the model too: as long as a load may take
+
+
+class GroupLost(RuntimeError):
+    """A rank of the group went away: the group cannot go on (the engine ends)."""
+
+
+class GroupTicket:
+    """A job's ticket as the GPU thread of a group's rank sees it: events go to the caller's
+    ticket (rank 0) or nowhere (a follower); `is_cancelled` is the turn's latched reading."""
+
+    __slots__ = ("id", "inner", "latched")
+
+    def __init__(self, inner: Any, job_id: int) -> None:
+        self.inner = inner
+        self.id = job_id
+        self.latched = False
+
+    @property
+    def is_cancelled(self) -> bool:
+        return self.latched
+
+    def emit(self, event: Event) -> None:
+        if self.inner is not None:
+            self.inner.emit(event)
+
+
+def shard(loaded: LoadedModel, group: Any, mode: str) -> None:
+    """Split `loaded`'s weights over `group` as mlx-lm's models do (tensor: `shard`; pipeline:
+    `model.pipeline`); a model that cannot be split so is a load error that says why."""
+    model, size = loaded.model, group.size()
+    if mode == "pipeline":
+        inner: Any = getattr(model, "model", None)
+        if not hasattr(inner, "pipeline"):
+            raise ModelLoadError(f"{loaded.config.get('model_type')} models cannot be split into a pipeline by mlx-lm")
+        inner.pipeline(group)
+    else:
+        if not hasattr(model, "shard"):
+            raise ModelLoadError(f"{loaded.config.get('model_type')} models cannot be split tensor-parallel by mlx-lm")
+        heads = loaded.config.get("num_attention_heads", 0)
+        kv_heads = loaded.config.get("num_key_value_heads", heads)
+        if heads % size or kv_heads % size:
+            raise ModelLoadError(f"the model's {heads} attention heads ({kv_heads} for keys and values) do not split "
+                                 f"over {size} ranks")
+        model.shard(group)
+    mx.eval(model.parameters())
+
+
+class Leader:
+    """Rank 0: the control socket the followers connect to, and what it sends them."""
+
+    def __init__(self, path: Path, size: int) -> None:
+        self._size = size
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        if path.exists():
+            path.unlink()
+        self._listener.bind(str(path))
+        os.chmod(path, 0o600)
+        self._listener.listen(size)
+        self._path = path
+        self._peers: list[socket.socket] = []
+        self._next_id = 0  # loop thread: jobs adopted
+        self._next_group = 0  # GPU thread: n > 1 requests sent
+        self._open: dict[int, Sequence] = {}  # GPU thread: the jobs the followers hold
+        self._group_ids: dict[int, tuple[PrefillGroup, int]] = {}
+        self._closing = False
+        self.on_lost: Callable[[], None] = lambda: None  # any thread: a follower went away (the engine ends)
+
+    def adopt(self, job: Job) -> None:
+        """Loop thread, as the job is submitted: its ticket becomes the group's."""
+        self._next_id += 1
+        job.ticket = GroupTicket(job.ticket, self._next_id)  # type: ignore[assignment]
+
+    def join(self, timeout_s: float = JOIN_TIMEOUT_S) -> None:
+        """GPU thread, after loading: wait for every follower's Ready (a load error names its rank)."""
+        deadline = time.monotonic() + timeout_s
+        while len(self._peers) < self._size - 1:
+            self._listener.settimeout(max(0.1, deadline - time.monotonic()))
+            try:
+                peer, _ = self._listener.accept()
+            except TimeoutError:
+                raise ModelLoadError(f"{self._size - 1 - len(self._peers)} of the group's ranks did not join in "
+                                     f"{timeout_s:.0f} s") from None
+            peer.settimeout(max(0.1, deadline - time.monotonic()))
+            try:
+                ready = recv(peer, Ready)
+            except (EOFError, OSError) as exc:
+                raise ModelLoadError(f"a rank of the group left before it loaded the model: {exc}") from exc
+            assert isinstance(ready, Ready)
+            if ready.error is not None:
+                raise ModelLoadError(f"rank {ready.rank} could not load the model: {ready.error}")
+            peer.settimeout(None)
+            self._peers.append(peer)
+        self._listener.close()
+        with contextlib.suppress(OSError):
+            self._path.unlink()
+        threading.Thread(target=self._watch, name="mlxd-group-watch", daemon=True).start()
+
+    def hello(self, options: GatewayOptions) -> None:
+        """GPU thread, once sized: every rank seeds its sampler alike and serves with these options."""
+        seed = int.from_bytes(os.urandom(8), "little")
+        mx.random.seed(seed)
+        self._send(Hello(seed, replace(options, probe_dir=None, ssd_root=None)))  # rank 0's dirs are its own
+
+    def turn(self, received: list[Any], stopping: bool) -> bool:
+        """GPU thread, before a turn: send what it starts from; the turn's stopping flag."""
+        jobs = [self._wire(c) for c in received if isinstance(c, Sequence)]
+        for seq in (c for c in received if isinstance(c, Sequence)):
+            self._open[seq.job.ticket.id] = seq  # type: ignore[attr-defined]
+        cancelled = []
+        for job_id, seq in list(self._open.items()):
+            ticket = seq.job.ticket
+            if seq.is_finished:
+                del self._open[job_id]
+            elif not ticket.latched and ticket.inner.is_cancelled:  # type: ignore[attr-defined]
+                ticket.latched = True  # type: ignore[attr-defined]
+                cancelled.append(job_id)
+        live = {id(s.job.group) for s in self._open.values() if s.job.group is not None}
+        self._group_ids = {k: v for k, v in self._group_ids.items() if k in live}
+        self._send(Turn(jobs, cancelled, stopping))
+        return stopping
+
+    def _watch(self) -> None:
+        """A follower writes nothing after Ready: its socket turns readable only when it goes
+        away (killed, crashed). The group cannot go on without it, idle or not."""
+        try:
+            select.select(self._peers, [], [])
+        except (OSError, ValueError):  # closed under us: we are ending
+            return
+        if not self._closing:
+            log.error("a rank of the engine group went away: the group ends")
+            self.on_lost()
+
+    def close(self) -> None:
+        """GPU thread, as it ends: the followers end too."""
+        self._closing = True
+        with contextlib.suppress(OSError, GroupLost):
+            self._send(Turn([], [], True, stop=True))
+        for peer in self._peers:
+            peer.close()
+        self._peers = []
+
+    def _wire(self, seq: Sequence) -> WireJob:
+        job = seq.job
+        group = None
+        if job.group is not None:
+            if id(job.group) not in self._group_ids:
+                self._next_group += 1
+                self._group_ids[id(job.group)] = (job.group, self._next_group)
+            gid = self._group_ids[id(job.group)][1]
+            group = (gid, job.group.size, job.group.target)
+        return WireJob(job.ticket.id, job.prompt, job.max_tokens, job.sampling, job.stops,  # type: ignore[attr-defined]
+                       job.logprobs, group, job.priority, job.continues_text, job.resumed)
+
+    def _send(self, message: Any) -> None:
+        if self._peers:
+            gone, _, _ = select.select(self._peers, [], [], 0)  # a follower never writes after Ready: EOF
+            if gone:
+                raise GroupLost(f"{len(gone)} of the group's ranks went away")
+        for peer in self._peers:
+            try:
+                send(peer, message)
+            except OSError as exc:
+                raise GroupLost(f"a rank of the group went away: {exc}") from exc
+
+
+def follow(loaded_or_error: LoadedModel | str, rank: int, control: Path, connect_s: float = JOIN_TIMEOUT_S) -> int:
+    """A follower's life: report its load to rank 0, then replay rank 0's turns until it stops
+    (0) or goes away (1). `loaded_or_error`: its shard, or why it could not load it."""
+    from mlxd.engine.gpu.loader import patch_model
+    from mlxd.engine.gpu.runner import Runner
+
+    sock = _connect(control, connect_s)
+    if isinstance(loaded_or_error, str):
+        send(sock, Ready(rank, loaded_or_error))
+        return 1
+    loaded = loaded_or_error
+    send(sock, Ready(rank))
+    try:
+        hello = recv(sock, Hello | Turn)
+    except EOFError:
+        return 1
+    if not isinstance(hello, Hello):  # rank 0 failed before it served: its closing Turn
+        return 1
+    mx.random.seed(hello.seed)
+    opts = hello.options
+    patch_model(loaded, opts)
+    assert opts.kv_budget_tokens is not None
+    runner = Runner(loaded, Stats(), opts, opts.kv_budget_tokens, PrefixCache(opts.prompt_cache_bytes))
+    open_jobs: dict[int, Sequence] = {}
+    groups: dict[int, PrefillGroup] = {}
+    log.info("rank %d follows rank 0's turns", rank)
+    while True:
+        try:
+            turn = recv(sock, Turn)
+        except (EOFError, OSError):
+            log.error("rank %d: rank 0 went away", rank)
+            return 1
+        assert isinstance(turn, Turn)
+        if turn.stop:
+            return 0
+        for w in turn.jobs:
+            group = None
+            if w.group is not None:
+                group = groups.setdefault(w.group[0], PrefillGroup(size=w.group[1], target=w.group[2]))
+            job = Job(w.prompt, w.max_tokens, w.sampling, w.stops, GroupTicket(None, w.id),  # type: ignore[arg-type]
+                      logprobs=w.logprobs, group=group, priority=w.priority, continues_text=w.continues_text,
+                      resumed=w.resumed)
+            open_jobs[w.id] = seq = Sequence(job, loaded.tokenizer, loaded.eos_token_ids)
+            runner.enqueue(seq)
+        for job_id in turn.cancelled:
+            if (gone := open_jobs.get(job_id)) is not None:
+                gone.job.ticket.latched = True  # type: ignore[attr-defined]
+        runner.turn(turn.stopping)
+        open_jobs = {k: s for k, s in open_jobs.items() if not s.is_finished}
+        live = {id(s.job.group) for s in open_jobs.values() if s.job.group is not None}
+        groups = {k: g for k, g in groups.items() if id(g) in live}
+
+
+def _connect(path: Path, timeout_s: float) -> socket.socket:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(str(path))
+            return sock
+        except OSError:
+            sock.close()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+

@@ -1,0 +1,171 @@
+"""An engine group on localhost (issue 30, docs/distributed.md): two processes of the tiny model
+joined by mx.distributed's ring backend, its weights split between them (tensor parallel),
+answer as one engine does. Rank 0 serves; rank 1 replays its turns."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mlxd.engine.models.random_model import build_random_llama
+from mlxd.protocol.exit_codes import ExitCode
+from tests.support import (
+    NO_EOS,
+    EngineProcess,
+    SupervisorProcess,
+    engine_env,
+    free_port,
+    private_socket_dir,
+    running_engine,
+    serving,
+    wait_for,
+)
+
+BATCH = ("--batch", "4")
+
+
+@contextlib.contextmanager
+def group_of_two(model: Path, rank1_model: Path | None = None, ready: bool = True) -> Iterator[list[EngineProcess]]:
+    """Rank 0 and rank 1 of a group, rank 0 ready unless `ready` is False (both stopped after)."""
+    where = private_socket_dir()
+    hostfile = where / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
+    ranks = [EngineProcess(rank1_model if r and rank1_model else model, "tiny", *BATCH,
+                           "--group-control", str(where / "ctl.sock"), socket_dir=where,
+                           env=engine_env(MLX_RANK=str(r), MLX_HOSTFILE=str(hostfile))) for r in (0, 1)]
+    try:
+        if ready:
+            ranks[0].wait_ready()
+        yield ranks
+    finally:
+        for rank in ranks:
+            rank.stop()
+
+
+@pytest.fixture(scope="module")
+def group(tiny_model: Path) -> Iterator[EngineProcess]:
+    with group_of_two(tiny_model) as ranks:
+        yield ranks[0]
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_model: Path) -> Iterator[EngineProcess]:
+    """One process with the same flags: what the group must answer."""
+    with running_engine(tiny_model, "tiny", *BATCH) as engine:
+        yield engine
+
+
+def chat(engine: EngineProcess, content: str, **body: Any) -> str:
+    answer = engine.client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": content}], "max_tokens": 32, "temperature": 0,
+        "logit_bias": NO_EOS, **body}).json()
+    return str(answer["choices"][0]["message"]["content"])
+
+
+def test_a_group_answers_as_one_engine_alone_and_batched(group: EngineProcess, alone: EngineProcess) -> None:
+    assert chat(group, "Tell me about the sea.") == chat(alone, "Tell me about the sea.")
+    prompts = [f"Story number {i}, please." for i in range(4)]
+    with ThreadPoolExecutor(4) as pool:  # four rows at once: the batch lane, on both ranks
+        together = list(pool.map(lambda p: chat(group, p), prompts))
+    assert together == [chat(alone, p) for p in prompts]
+    seeded = {"temperature": 1.0, "seed": 7}
+    assert chat(group, "Sample this.", **seeded) == chat(alone, "Sample this.", **seeded)
+
+
+def test_unseeded_sampling_and_n_choices_keep_the_ranks_in_step(group: EngineProcess, alone: EngineProcess) -> None:
+    """Rank 0 seeds every rank's generator alike; an n > 1 request's choices share one prefill
+    on every rank. Were the ranks apart, the next greedy answer would not be the engine's."""
+    with ThreadPoolExecutor(3) as pool:
+        sampled = list(pool.map(lambda i: chat(group, f"Anything {i}", temperature=1.0), range(3)))
+    assert all(sampled)
+    answer = group.client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Three ways"}], "max_tokens": 16, "n": 3, "temperature": 0,
+        "logit_bias": NO_EOS}).json()
+    assert len({c["message"]["content"] for c in answer["choices"]}) == 1
+    assert chat(group, "Tell me about the sea.") == chat(alone, "Tell me about the sea.")
+
+
+def test_a_caller_that_leaves_mid_stream_leaves_the_ranks_in_step(group: EngineProcess, alone: EngineProcess) -> None:
+    body = {"messages": [{"role": "user", "content": "A long one"}], "max_tokens": 2000, "temperature": 0,
+            "logit_bias": NO_EOS, "stream": True}
+    with group.client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        for n, _ in enumerate(resp.iter_lines()):
+            if n > 10:
+                break  # leaves: the rows go at the same step on both ranks
+    wait_for(lambda: group.stats()["lanes"]["batch"] + group.stats()["lanes"]["serial"] == 0, 10)
+    assert chat(group, "Tell me about the sea.") == chat(alone, "Tell me about the sea.")
+
+
+def test_what_the_group_cannot_carry_yet_is_a_400(group: EngineProcess) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    resp = group.client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 8,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["code"] == "unsupported_in_group"
+
+
+def test_rank_1_killed_mid_stream_ends_the_stream_and_the_group(tiny_model: Path) -> None:
+    with group_of_two(tiny_model) as (rank0, rank1):
+        body = {"prompt": "x", "max_tokens": 3000, "temperature": 0, "logit_bias": NO_EOS, "stream": True}
+        started = time.monotonic()
+        with rank0.client.stream("POST", "/v1/completions", json=body) as resp:
+            lines = resp.iter_lines()
+            for n, _ in enumerate(lines):
+                if n == 5:
+                    os.kill(rank1.proc.pid, signal.SIGKILL)
+                    break
+            rest = "\n".join(lines)
+        assert '"error"' in rest and "[DONE]" not in rest  # a clean error event, not a finished answer
+        assert time.monotonic() - started < 30
+        wait_for(lambda: rank0.proc.poll() is not None, 20, message=rank0.log)
+        assert rank0.proc.returncode == ExitCode.GPU_THREAD_DIED
+        assert "went away" in rank0.log()
+
+
+def test_a_rank_that_cannot_load_fails_the_groups_load_naming_it(tiny_model: Path, tmp_path: Path) -> None:
+    with group_of_two(tiny_model, rank1_model=tmp_path / "nothing-here", ready=False) as (rank0, _):
+        wait_for(lambda: rank0.proc.poll() is not None, 60, message=rank0.log)
+        assert rank0.proc.returncode == ExitCode.MODEL_LOAD_ERROR
+        assert "rank 1 could not load the model" in rank0.log()
+
+
+def test_a_model_whose_heads_do_not_split_is_a_load_error(tmp_path: Path) -> None:
+    odd = build_random_llama(tmp_path / "three-heads", hidden_size=48, num_heads=3, num_kv_heads=3)
+    with group_of_two(odd, ready=False) as (rank0, _):
+        wait_for(lambda: rank0.proc.poll() is not None, 60, message=rank0.log)
+        assert rank0.proc.returncode == ExitCode.MODEL_LOAD_ERROR
+        assert "3 attention heads (3 for keys and values) do not split over 2 ranks" in rank0.log()
+
+
+def rank_pids(sup: SupervisorProcess, rank: int) -> list[int]:
+    """The pids the supervisor's log gives rank `rank` of model tiny's group, oldest first."""
+    pattern = r"\[tiny\] engine pid (\d+) starting" if rank == 0 else rf"\[tiny\] rank {rank} pid (\d+) starting"
+    return [int(p) for p in re.findall(pattern, sup.log())]
+
+
+def test_the_supervisor_serves_a_group_and_starts_it_again_when_a_rank_dies(
+        tiny_model: Path, tmp_path: Path, alone: EngineProcess) -> None:
+    with serving(tiny_model, "tiny", tmp_path / "data", model_config="batch = 4\ndistributed = {ranks = 2}") as sup:
+        client = sup.openai()
+        body: dict[str, Any] = {"model": "tiny", "max_tokens": 32, "temperature": 0, "logit_bias": NO_EOS}
+        ask = [{"role": "user", "content": "Tell me about the sea."}]
+        first = client.chat.completions.create(messages=ask, **body).choices[0].message.content  # type: ignore[call-overload]
+        assert first == chat(alone, "Tell me about the sea.")
+        [follower] = rank_pids(sup, 1)
+        os.kill(follower, signal.SIGKILL)  # rank 0 sees it go and ends: the group is one engine that crashed
+        wait_for(lambda: "[tiny] engine exited with 6" in sup.log(), 30, message=sup.log)
+        again = client.chat.completions.create(messages=ask, **body).choices[0].message.content  # type: ignore[call-overload]
+        assert again == first  # served by a new group, both ranks started again
+        assert len(rank_pids(sup, 0)) == len(rank_pids(sup, 1)) == 2
+
