@@ -35,12 +35,13 @@ BATCH = ("--batch", "4")
 
 
 @contextlib.contextmanager
-def group_of_two(model: Path, rank1_model: Path | None = None, ready: bool = True) -> Iterator[list[EngineProcess]]:
+def group_of_two(model: Path, rank1_model: Path | None = None, ready: bool = True,
+                 extra: tuple[str, ...] = ()) -> Iterator[list[EngineProcess]]:
     """Rank 0 and rank 1 of a group, rank 0 ready unless `ready` is False (both stopped after)."""
     where = private_socket_dir()
     hostfile = where / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
-    ranks = [EngineProcess(rank1_model if r and rank1_model else model, "tiny", *BATCH,
+    ranks = [EngineProcess(rank1_model if r and rank1_model else model, "tiny", *BATCH, *extra,
                            "--group-control", str(where / "ctl.sock"), socket_dir=where,
                            env=engine_env(MLX_RANK=str(r), MLX_HOSTFILE=str(hostfile))) for r in (0, 1)]
     try:
@@ -168,4 +169,33 @@ def test_the_supervisor_serves_a_group_and_starts_it_again_when_a_rank_dies(
         again = client.chat.completions.create(messages=ask, **body).choices[0].message.content  # type: ignore[call-overload]
         assert again == first  # served by a new group, both ranks started again
         assert len(rank_pids(sup, 0)) == len(rank_pids(sup, 1)) == 2
+        drained = sup.client.post("/admin/drain", json={"model": "tiny"})
+        assert drained.status_code == 200 and drained.json()["drained"][0]["model"] == "tiny"
+        lease = sup.client.post("/admin/leases", json={"model": "tiny", "ttl_s": 60}).json()
+        held = sup.client.post("/v1/chat/completions", headers={"X-MLXD-Lease": lease["id"]},
+                               json={"messages": ask, **body})
+        assert held.json()["choices"][0]["message"]["content"] == first
+        assert sup.client.delete(f"/admin/leases/{lease['id']}").json()["deleted"] is True
+        unloaded = sup.client.post("/admin/unload", json={"model": "tiny"})
+        assert unloaded.status_code == 200 and unloaded.json()["state"] == "stopped"
+        last = rank_pids(sup, 1)[-1]
+        wait_for(lambda: not pid_alive(last), 10)  # no rank outlives the engine the pool stopped
 
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+
+def test_a_pipeline_group_answers_as_one_engine(tmp_path: Path) -> None:
+    """mode = pipeline: each rank runs half the layers (mlx-lm pipelines qwen2, not llama)."""
+    qwen = build_random_llama(tmp_path / "qwen", family="qwen2", num_layers=4, context=4096)
+    with running_engine(qwen, "tiny", *BATCH) as one:
+        want = [chat(one, "Tell me about the sea."), chat(one, "Story number 1, please.")]
+    with group_of_two(qwen, extra=("--group-mode", "pipeline")) as (rank0, _):
+        assert "rank 0 of 2 (ring, pipeline)" in rank0.log()
+        assert [chat(rank0, "Tell me about the sea."), chat(rank0, "Story number 1, please.")] == want

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 from typing import Any, cast
@@ -49,19 +50,22 @@ def build_random_llama(
     context: int = 2048,
     dtype: str = "float32",
     seed: int = 0,
+    family: str = "llama",
 ) -> Path:
-    """Write config.json, model.safetensors and tokenizer files for a random llama into `out`."""
+    """Write config.json, model.safetensors and tokenizer files for a random llama into `out` (or a
+    model of another mlx-lm family of the same shape: `family="qwen2"`)."""
     out.mkdir(parents=True, exist_ok=True)
     tok = make_tokenizer(vocab_size)
     config: dict[str, Any] = {
-        "model_type": "llama", "hidden_size": hidden_size, "num_hidden_layers": num_layers,
+        "model_type": family, "hidden_size": hidden_size, "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
         "intermediate_size": intermediate_size, "vocab_size": tok.get_vocab_size(),
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": context,
         "tie_word_embeddings": False, "torch_dtype": dtype,
     }
     mx.random.seed(seed)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
+    arch = llama if family == "llama" else importlib.import_module(f"mlx_lm.models.{family}")  # qwen2: pipelines
+    model = arch.Model(arch.ModelArgs.from_dict(config))
     flat = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
     weights = {k: v.astype(getattr(mx, dtype)) for k, v in flat}
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
