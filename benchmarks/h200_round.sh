@@ -17,6 +17,10 @@
 # prompt_cache.py on the 8B-shaped model with a 16k-token prefix. `structured`: issue 12's
 # structured.py on the 1B-shaped model; `grammar`: grammar_step.py, then structured.py. `prefill`: fair_prefill. `load`: issue 14's
 # load_progress.py (mlxd's chunked load against mlx_lm.load, and an engine's load phases) on both.
+# `ck8`, `cut`, `json`, `numerics`: what issues 27 and 29 still lack on a GPU (docs/benchmarks.md:
+# "Still to measure on a GPU"). The random models need a tokenizer in .device/tok (SmolLM2's:
+# copy tokenizer.json, tokenizer_config.json and special_tokens_map.json from the model
+# `mlxd import-default` makes) carried with .device/b.
 # Each step has its own time limit; results go to $OUT (or ./h200-out) as one text file a step.
 set -u
 out=${OUT:-h200-out}
@@ -563,5 +567,29 @@ r3batch)
   step auto_1b 500 python3 benchmarks/batching.py --model /tmp/models/l1b32 --widths 1,8,16,64 --rounds 2 \
     --warmup-tokens 128 --logs "$out/logs_auto_1b" --json "$out/auto_1b.json"
   ;;
-*) echo "usage: $0 1b|8b|streams|close|close8b|lone|cache|structured|prefill|load|auto|auto8b" >&2; exit 2 ;;
+ck8)
+  # issue 29: decode with generation checkpoints on (the default) against off, one supervisor at a time, no cut
+  model 8b-4bit /tmp/models/l8q
+  step ck8 ${LIMIT:-540} python3 benchmarks/resume.py --phases checkpoint --model /tmp/models/l8q --no-eos \
+    --streams 8 --max-tokens 640 --samples 2 --cuts 0 --prompt-words 1500
+  ;;
+cut)
+  # issue 29: one stream cut at token 560, the resume with and without a checkpoint
+  model 8b-4bit /tmp/models/l8q
+  step cut ${LIMIT:-540} python3 benchmarks/resume.py --phases checkpoint --model /tmp/models/l8q --no-eos \
+    --streams 1 --max-tokens 640 --samples 2 --cut-at 560 --prompt-words 1500
+  ;;
+json)
+  # issue 27: the schema-held JSON workload, n-gram drafts on against off, 1 and 8 streams
+  model 8b-4bit /tmp/models/l8q
+  step json ${LIMIT:-300} python3 benchmarks/speculative.py --model /tmp/models/l8q --widths 1,8 --rounds 2 \
+    --max-tokens 256 --workloads json
+  ;;
+numerics)
+  # issue 27: does the 8B's one-pass verification pick what its own steps pick?
+  model 8b-4bit /tmp/models/l8q
+  step numerics ${LIMIT:-300} python3 benchmarks/draft_agreement.py --model /tmp/models/l8q --draft /tmp/models/l8q \
+    --tokens 256
+  ;;
+*) echo "usage: $0 1b|8b|streams|close|close8b|lone|cache|structured|prefill|load|auto|auto8b|ck8|cut|json|numerics" >&2; exit 2 ;;
 esac
