@@ -199,3 +199,13 @@ def test_a_pipeline_group_answers_as_one_engine(tmp_path: Path) -> None:
     with group_of_two(qwen, extra=("--group-mode", "pipeline")) as (rank0, _):
         assert "rank 0 of 2 (ring, pipeline)" in rank0.log()
         assert [chat(rank0, "Tell me about the sea."), chat(rank0, "Story number 1, please.")] == want
+
+
+def test_an_idle_group_is_unloaded_whole(tiny_model: Path, tmp_path: Path) -> None:
+    with serving(tiny_model, "tiny", tmp_path / "data", model_config="idle_ttl_s = 1\ndistributed = {ranks = 2}") as sup:
+        answer = sup.client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 4})
+        assert answer.status_code == 200
+        [follower] = rank_pids(sup, 1)
+        wait_for(lambda: not pid_alive(follower), 30, message=sup.log)  # the pool stopped the group for idling
+        engines = {e["model"]: e for e in sup.client.get("/admin/engines").json()["data"]}
+        assert engines["tiny"]["state"] == "stopped"
