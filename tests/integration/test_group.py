@@ -107,11 +107,19 @@ def test_a_caller_that_leaves_mid_stream_leaves_the_ranks_in_step(group: EngineP
     assert chat(group, "Tell me about the sea.") == chat(alone, "Tell me about the sea.")
 
 
+def test_structured_output_holds_on_every_rank(group: EngineProcess, alone: EngineProcess) -> None:
+    """Each rank compiles the grammar rank 0 sends: held rows, alone and batched, answer as one
+    engine's (a rank without the mask would sample other tokens, and the next answer would differ)."""
+    held = {"guided_regex": "[a-z]{3,12}( [a-z]{2,9}){3,8}\\.", "logit_bias": {}}  # words, then a stop
+    want = [chat(alone, f"Fill it in {i}", **held) for i in range(3)]
+    assert all(re.fullmatch(r"[a-z]{3,12}( [a-z]{2,9}){3,8}\.", w) for w in want), want
+    with ThreadPoolExecutor(3) as pool:
+        assert list(pool.map(lambda i: chat(group, f"Fill it in {i}", **held), range(3))) == want
+    assert chat(group, "Tell me about the sea.") == chat(alone, "Tell me about the sea.")
+
+
 def test_what_the_group_cannot_carry_yet_is_a_400(group: EngineProcess) -> None:
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    resp = group.client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "x"}], "max_tokens": 8,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})
+    resp = group.client.post("/admin/adapters", json={"id": "a", "path": "/nowhere"})  # a closure on the GPU thread
     assert resp.status_code == 400
     assert resp.json()["error"]["code"] == "unsupported_in_group"
 

@@ -198,8 +198,9 @@ class Gateway:
             raise APIError(503, STOPPING.message, type="server_error", code=STOPPING.code)
         if refusal := runner.scheduler.refusal(len(job.prompt), job.max_tokens):
             raise refusal
-        if self.group is not None and (job.grammar is not None or job.media is not None or job.adapters):
-            raise group_refuses("structured output" if job.grammar is not None else "images or adapters")
+        if self.group is not None and (job.media is not None or job.adapters or
+                                       (job.grammar is not None and job.grammar_text is None)):
+            raise group_refuses("images, adapters or this grammar")
         self._stats.num_requests += 1
         self._stats.prompt_tokens += len(job.prompt)
         if job.resumed:  # a reply continued after its engine died (http/resume.py)

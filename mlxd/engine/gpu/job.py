@@ -70,6 +70,7 @@ class Job:
     ticket: Ticket
     submitted_at: float = field(default_factory=time.perf_counter)
     grammar: Any = None  # an llguidance matcher the reply is held to (mlxd.engine.chat.grammar)
+    grammar_text: str | None = None  # ... and the grammar it was compiled from (an engine group's ranks compile it too)
     logprobs: int | None = None  # None: none; else the chosen token's and this many alternatives (0-20)
     group: PrefillGroup | None = None  # a choice of an n > 1 request: its prompt is prefilled once
     priority: int = 0  # lower starts sooner; equal ones in the order they came (the scheduler's queue)

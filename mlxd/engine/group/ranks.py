@@ -3,9 +3,9 @@ ranks' follow loop, which replays them (wire.py says what a turn carries; docs/d
 
 A job's ticket in a group is a GroupTicket: its cancel flag is read once a turn, on rank 0, and
 that reading goes to every rank with the turn, so all drop the job at the same step. What is
-rank 0's alone (HTTP, templates, replies, the SSD tier) never reaches a follower; what would
-make ranks differ and is not carried yet (structured output, images, adapters, speculative
-decoding, the width probe, the SSD tier) is refused or off in a group.
+rank 0's alone (HTTP, templates, replies, the SSD tier) never reaches a follower; a grammar goes
+as its text, which each rank compiles. What would make ranks differ and is not carried yet
+(images, adapters, speculative decoding, the width probe, the SSD tier) is refused or off.
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ class Leader:
             gid = self._group_ids[id(job.group)][1]
             group = (gid, job.group.size, job.group.target)
         return WireJob(job.ticket.id, job.prompt, job.max_tokens, job.sampling, job.stops,  # type: ignore[attr-defined]
-                       job.logprobs, group, job.priority, job.continues_text, job.resumed)
+                       job.logprobs, group, job.priority, job.continues_text, job.resumed, job.grammar_text)
 
     def _send(self, message: Any) -> None:
         if self._peers:
@@ -240,8 +240,8 @@ def follow(loaded_or_error: LoadedModel | str, rank: int, control: Path, connect
             if w.group is not None:
                 group = groups.setdefault(w.group[0], PrefillGroup(size=w.group[1], target=w.group[2]))
             job = Job(w.prompt, w.max_tokens, w.sampling, w.stops, GroupTicket(None, w.id),  # type: ignore[arg-type]
-                      logprobs=w.logprobs, group=group, priority=w.priority, continues_text=w.continues_text,
-                      resumed=w.resumed)
+                      grammar=held_by(loaded, w), logprobs=w.logprobs, group=group, priority=w.priority,
+                      continues_text=w.continues_text, resumed=w.resumed)
             open_jobs[w.id] = seq = Sequence(job, loaded.tokenizer, loaded.eos_token_ids)
             runner.enqueue(seq)
         for job_id in turn.cancelled:
@@ -251,6 +251,17 @@ def follow(loaded_or_error: LoadedModel | str, rank: int, control: Path, connect
         open_jobs = {k: s for k, s in open_jobs.items() if not s.is_finished}
         live = {id(s.job.group) for s in open_jobs.values() if s.job.group is not None}
         groups = {k: g for k, g in groups.items() if id(g) in live}
+
+
+def held_by(loaded: LoadedModel, w: WireJob) -> Any:
+    """The job's grammar matcher, compiled here as rank 0 compiled its own, standing where rank
+    0's stood: past a continued reply's delivered tokens (the prompt's last `resumed`)."""
+    if w.grammar is None:
+        return None
+    matcher = loaded.grammars.matcher(w.grammar, "response_format")
+    if w.resumed:
+        matcher.consume_tokens(w.prompt[-w.resumed:])
+    return matcher
 
 
 def _connect(path: Path, timeout_s: float) -> socket.socket:

@@ -35,6 +35,7 @@ class WireJob(msgspec.Struct, array_like=True):
     priority: int
     continues_text: bool
     resumed: int
+    grammar: str | None  # llguidance's grammar text the reply is held to (each rank compiles its own matcher)
 
 
 class Turn(msgspec.Struct, array_like=True, tag=True):

@@ -143,7 +143,8 @@ def header_priority(request: web.Request) -> int:
 
 def submit(request: web.Request, slot: Slot, prompt: list[int], max_tokens: int, req: oa.SamplingFields,
            grammar: Any = None, logprobs: int | None = None, row: int = 0, group: PrefillGroup | None = None,
-           media: MediaPrompt | None = None, continues_text: bool = False, resumed: list[int] | None = None) -> Ticket:
+           media: MediaPrompt | None = None, continues_text: bool = False, resumed: list[int] | None = None,
+           grammar_text: str | None = None) -> Ticket:
     """Hand a job to the GPU thread; return the handler's ticket for it. `row` > 0: another
     choice of the same request (a seed is offset by it, so seeded choices differ too); the
     choices share `group`, so their prompt is prefilled once. `resumed`: the reply's tokens
@@ -159,7 +160,7 @@ def submit(request: web.Request, slot: Slot, prompt: list[int], max_tokens: int,
               adapters=adapter_stack(request, req, loaded), continues_text=continues_text,
               # XTC's draws are not a distribution drafts can be checked against: such rows decode plainly
               speculate=req.speculation is not False and not (sampling.xtc_probability and sampling.temperature),
-              resumed=len(resumed))
+              resumed=len(resumed), grammar_text=grammar_text if grammar is not None else None)
     slot.enter_gpu()
     request.app[GATEWAY].submit(job)
     return ticket

@@ -61,7 +61,7 @@ async def chat_completions(request: web.Request, slot: Slot) -> web.StreamRespon
     budget = req.max_completion_tokens or req.max_tokens
     max_tokens = resolve_max_tokens(budget, len(prompt), loaded.context_window, loaded.configured.max_tokens,
                                     request.app[GATEWAY].kv_budget)
-    grammars = await constraints(loaded, req, tool_req, fmt, forced)
+    grammars, grammar_text = await constraints(loaded, req, tool_req, fmt, forced)
     top = (req.top_logprobs or 0) if req.logprobs else None
     conts = [await replayed(loaded, r, prompt, max_tokens, oa.stop_list(req.stop)) for r in per_choice(req)]
     meta = reply_meta("chatcmpl-", req.resume, loaded.model_id)
@@ -83,7 +83,8 @@ async def chat_completions(request: web.Request, slot: Slot) -> web.StreamRespon
         for i, cont in enumerate(conts):
             tickets.append(ended_ticket(cont, len(prompt)) if cont is not None and (cont.finish or i in ended) else
                            submit(request, slot, prompt, max_tokens, req, grammars[i], top, row=i, group=group,
-                                  media=chat.media, resumed=cont.ids if cont is not None else None))
+                                  media=chat.media, resumed=cont.ids if cont is not None else None,
+                                  grammar_text=grammar_text))
         if req.stream:
             if req.n == 1:
                 return await stream(request, tickets[0], replies[0], include_usage,
@@ -228,19 +229,20 @@ def held_grammar(req: oa.SamplingFields) -> tuple[str | None, str]:
 
 
 async def constraints(loaded: LoadedModel, req: oa.ChatCompletionRequest, tool_req: ToolRequest | None,
-                      fmt: ToolFormat, forced: str) -> list[Any]:
+                      fmt: ToolFormat, forced: str) -> tuple[list[Any], str | None]:
     """For each of the `n` rows, the llguidance matcher its reply is held to, or None: a forced
     tool call's arguments to the function's schema, else `response_format`. Compiled in a
-    worker thread (once; cached), a matcher a row."""
+    worker thread (once; cached), a matcher a row; and the grammar's text (an engine group's
+    other ranks compile it too)."""
     if forced and tool_req is not None:
         text = forced_call_grammar(fmt.name, tool_req.tools, tool_req.forced_function, fmt.markup.end)
         param = "tools"
     else:
         text, param = held_grammar(req)
     if text is None:
-        return [None] * req.n
+        return [None] * req.n, None
     loop = asyncio.get_running_loop()
-    return [await loop.run_in_executor(None, loaded.grammars.matcher, text, param) for _ in range(req.n)]
+    return [await loop.run_in_executor(None, loaded.grammars.matcher, text, param) for _ in range(req.n)], text
 
 
 def forced_call(tool_req: ToolRequest | None, fmt: ToolFormat) -> str:
@@ -277,7 +279,7 @@ async def completions(request: web.Request, slot: Slot) -> web.StreamResponse:
         grammar.consume_tokens(cont.ids)
     ticket = (ended_ticket(cont, len(prompt)) if cont is not None and cont.finish is not None else
               submit(request, slot, prompt, max_tokens, req, grammar=grammar, logprobs=req.logprobs,
-                     continues_text=True, resumed=cont.ids if cont is not None else None))
+                     continues_text=True, resumed=cont.ids if cont is not None else None, grammar_text=held))
     meta = reply_meta("cmpl-", req.resume, loaded.model_id)
     echo = loaded.decode(prompt) if req.echo else ""
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
