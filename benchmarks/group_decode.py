@@ -2,8 +2,8 @@
 machine costs (or gains) a token.
 
 Starts one engine and a group of `--ranks` engines (mx.distributed's ring backend on localhost,
-or `--backend nccl`), both with `--batch 4` and otherwise mlxd's defaults for a group, on the
-same model. Rounds alternate which goes first; each sends a lone greedy stream, then
+or `--backend nccl`), both at `--batch` (default: mlxd's, auto) and otherwise mlxd's defaults
+for a group (the one engine too: no warm-up, width probe or SSD tier), on the same model. Rounds alternate which goes first; each sends a lone greedy stream, then
 `--streams` at once, and reads each engine's own decode timing (/admin/stats' last request)
 for the lone one and the streams' wall time for the rest. Prints the medians, their ratio and
 the milliseconds a group adds to a lone stream's token.
@@ -38,10 +38,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5, help="the first warms up and is not counted")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--streams", type=int, default=4)
+    p.add_argument("--batch", default="auto", help="both engines' --batch (default: mlxd's)")
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))
     from mlxd.engine.models.random_model import build_random_llama
-    from mlxd.protocol.group import GroupSpec, rank_env, write_hostfile
+    from mlxd.protocol.group import GroupSpec, free_port, rank_env, write_hostfile
     from tests.support import EngineProcess, engine_env, private_socket_dir, running_engine
 
     @contextlib.contextmanager
@@ -49,10 +50,8 @@ def main() -> None:
         where = private_socket_dir()
         spec = GroupSpec(ranks=args.ranks, backend=args.backend, mode=args.mode)
         write_hostfile(where / "hosts.json", args.ranks)
-        from mlxd.protocol.group import free_port
-
         port = free_port()
-        ranks = [EngineProcess(model, "m", "--batch", "4", *spec.flags(where / "ctl.sock"), socket_dir=where,
+        ranks = [EngineProcess(model, "m", "--batch", args.batch, *spec.flags(where / "ctl.sock"), socket_dir=where,
                                env=engine_env(**rank_env(spec, where / "hosts.json", port, r)))
                  for r in range(args.ranks)]
         try:
@@ -85,7 +84,7 @@ def main() -> None:
             return sum(a["usage"]["completion_tokens"] for a in answers) / (time.perf_counter() - started)
 
         rates: dict[str, dict[str, list[float]]] = {k: {"lone": [], "together": []} for k in ("one", "group")}
-        with running_engine(model, "m", "--batch", "4", "--warmup", "off", "--width-probe", "off",
+        with running_engine(model, "m", "--batch", args.batch, "--warmup", "off", "--width-probe", "off",
                             "--ssd-cache-bytes", "0") as one, group(model) as grouped:
             engines = {"one": one, "group": grouped}
             for r in range(args.rounds):

@@ -239,15 +239,15 @@ def join_group(settings: EngineSettings) -> Any:
 def follow_rank0(settings: EngineSettings, group: Any) -> int:
     """A rank other than 0: load this rank's shard, then replay rank 0's turns."""
     assert settings.group_control is not None
+    shard_or_error: LoadedModel | str
     try:
-        loaded: LoadedModel | str = LoadedModel(settings.model, settings.model_id, settings.max_context)
-        assert isinstance(loaded, LoadedModel)
-        shard(loaded, group, settings.group_mode)
+        shard_or_error = LoadedModel(settings.model, settings.model_id, settings.max_context)
+        shard(shard_or_error, group, settings.group_mode)
     except Exception as exc:  # any: rank 0 names it in its load error
         log.error("rank %d: model load failed: %s", group.rank(), exc)
-        loaded = str(exc) or type(exc).__name__
+        shard_or_error = str(exc) or type(exc).__name__
     try:
-        return follow(loaded, group.rank(), settings.group_control)
+        return follow(shard_or_error, group.rank(), settings.group_control)
     except Exception:
         log.exception("rank %d: the group failed", group.rank())
         return ExitCode.GPU_THREAD_DIED

@@ -184,7 +184,7 @@ class Gateway:
         returns or raises (503 when the engine is not serving)."""
         command = Call(fn)
         if self.group is not None:  # a closure cannot be sent to the other ranks
-            command.done.set_exception(group_refuses("this"))
+            command.done.set_exception(group_refuses("adapter mounts or the curve designer's passes"))
         elif not self.is_serving:
             command.done.set_exception(APIError(503, STOPPING.message, type="server_error", code=STOPPING.code))
         else:

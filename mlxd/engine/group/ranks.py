@@ -138,11 +138,13 @@ class Leader:
         mx.random.seed(seed)
         self._send(Hello(seed, replace(options, probe_dir=None, ssd_root=None)))  # rank 0's dirs are its own
 
-    def turn(self, received: list[Any], stopping: bool) -> bool:
-        """GPU thread, before a turn: send what it starts from; the turn's stopping flag."""
-        jobs = [self._wire(c) for c in received if isinstance(c, Sequence)]
-        for seq in (c for c in received if isinstance(c, Sequence)):
-            self._open[seq.job.ticket.id] = seq  # type: ignore[attr-defined]
+    def turn(self, received: list[Any], stopping: bool) -> None:
+        """GPU thread, before a turn: send what it starts from."""
+        jobs = []
+        for seq in received:
+            if isinstance(seq, Sequence):
+                jobs.append(self._wire(seq))
+                self._open[seq.job.ticket.id] = seq  # type: ignore[attr-defined]
         cancelled = []
         for job_id, seq in list(self._open.items()):
             ticket = seq.job.ticket
@@ -151,10 +153,10 @@ class Leader:
             elif not ticket.latched and ticket.inner.is_cancelled:  # type: ignore[attr-defined]
                 ticket.latched = True  # type: ignore[attr-defined]
                 cancelled.append(job_id)
-        live = {id(s.job.group) for s in self._open.values() if s.job.group is not None}
-        self._group_ids = {k: v for k, v in self._group_ids.items() if k in live}
+        if self._group_ids:  # n > 1 requests still running keep their ids
+            live = {id(s.job.group) for s in self._open.values() if s.job.group is not None}
+            self._group_ids = {k: v for k, v in self._group_ids.items() if k in live}
         self._send(Turn(jobs, cancelled, stopping))
-        return stopping
 
     def _watch(self) -> None:
         """A follower writes nothing after Ready: its socket turns readable only when it goes
