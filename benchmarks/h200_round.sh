@@ -18,7 +18,7 @@
 # structured.py on the 1B-shaped model; `grammar`: grammar_step.py, then structured.py. `prefill`: fair_prefill. `load`: issue 14's
 # load_progress.py (mlxd's chunked load against mlx_lm.load, and an engine's load phases) on both.
 # `ck8`, `cut`, `json`, `numerics`: what issues 27 and 29 still lack on a GPU (docs/benchmarks.md:
-# "Still to measure on a GPU"). The random models need a tokenizer in .device/tok (SmolLM2's:
+# "Still to measure on a GPU"). `group1`: issue 30's group of one rank against a plain engine. The random models need a tokenizer in .device/tok (SmolLM2's:
 # copy tokenizer.json, tokenizer_config.json and special_tokens_map.json from the model
 # `mlxd import-default` makes) carried with .device/b.
 # Each step has its own time limit; results go to $OUT (or ./h200-out) as one text file a step.
@@ -591,5 +591,11 @@ numerics)
   step numerics ${LIMIT:-300} python3 benchmarks/draft_agreement.py --model /tmp/models/l8q --draft /tmp/models/l8q \
     --tokens 256
   ;;
-*) echo "usage: $0 1b|8b|streams|close|close8b|lone|cache|structured|prefill|load|auto|auto8b|ck8|cut|json|numerics" >&2; exit 2 ;;
+group1)
+  # issue 30: a group of one rank against a plain engine (what the group machinery costs unneeded)
+  model 1b-bf16 /tmp/models/l1b
+  step group1_1b ${LIMIT:-240} python3 benchmarks/group_decode.py --model /tmp/models/l1b --ranks 1 --rounds 5 \
+    --max-tokens 256 --streams 8
+  ;;
+*) echo "usage: $0 1b|8b|streams|close|close8b|lone|cache|structured|prefill|load|auto|auto8b|ck8|cut|json|numerics|group1" >&2; exit 2 ;;
 esac

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -146,7 +147,8 @@ async def run(settings: EngineSettings, sock: socket.socket, parent: int, group:
     gateway = (EmbedGateway(load_embedder, stats, options, meter) if is_embedding_dir(settings.model)
                else Gateway(load, stats, options, meter))
     if group is not None and settings.group_control is not None and isinstance(gateway, Gateway):
-        gateway.group = Leader(settings.group_control, group.size())
+        gateway.group = Leader(settings.group_control, group.size(), settings.group_heartbeat_s,
+                               settings.group_turn_timeout_s)
     stopped: asyncio.Future[ExitCode] = loop.create_future()
 
     def stop(code: ExitCode) -> None:
@@ -230,10 +232,25 @@ def join_group(settings: EngineSettings) -> Any:
     """This process's mx.distributed group (its rank and peers from the backend's variables)."""
     import mlx.core as mx
 
-    group = mx.distributed.init(strict=True, backend=settings.group_backend)
+    if _world_size(settings.group_backend) == 1:  # a group of one (benchmarks/group_decode.py): no peers to reach
+        for name in ("MLX_HOSTFILE", "MLX_WORLD_SIZE", "MLX_RANK"):
+            os.environ.pop(name, None)
+        group = mx.distributed.init()
+    else:
+        group = mx.distributed.init(strict=True, backend=settings.group_backend)
     log.info("engine group: rank %d of %d (%s, %s)", group.rank(), group.size(), settings.group_backend,
              settings.group_mode)
     return group
+
+
+def _world_size(backend: str) -> int:
+    """How many ranks the backend's variables name (0: not known from them)."""
+    if backend == "ring" and (hostfile := os.environ.get("MLX_HOSTFILE")):
+        with contextlib.suppress(OSError, ValueError):
+            return len(json.loads(Path(hostfile).read_text()))
+    with contextlib.suppress(ValueError):
+        return int(os.environ.get("MLX_WORLD_SIZE", "0"))
+    return 0
 
 
 def follow_rank0(settings: EngineSettings, group: Any) -> int:
@@ -247,7 +264,7 @@ def follow_rank0(settings: EngineSettings, group: Any) -> int:
         log.error("rank %d: model load failed: %s", group.rank(), exc)
         shard_or_error = str(exc) or type(exc).__name__
     try:
-        return follow(shard_or_error, group.rank(), settings.group_control)
+        return follow(shard_or_error, group.rank(), settings.group_control, heartbeat_s=settings.group_heartbeat_s)
     except Exception:
         log.exception("rank %d: the group failed", group.rank())
         return ExitCode.GPU_THREAD_DIED

@@ -48,6 +48,8 @@ class EngineSettings:
     group_control: Path | None = None  # one rank of an engine group: rank 0's control socket (docs/distributed.md)
     group_backend: str = "ring"  # mx.distributed's backend for the group
     group_mode: str = "tensor"  # how the model is split: tensor or pipeline
+    group_heartbeat_s: float = 10.0  # a rank not heard from this long ends the group
+    group_turn_timeout_s: float = 120.0  # a turn some rank has not finished this long ends it
 
 
 def batch_value(text: str) -> int | None:
@@ -146,6 +148,11 @@ def parse_args(argv: list[str]) -> EngineSettings:
                    help="mx.distributed's backend for the group")
     p.add_argument("--group-mode", choices=("tensor", "pipeline"), default="tensor",
                    help="split the model's weights (tensor) or its layers (pipeline) over the ranks")
+    p.add_argument("--group-heartbeat", type=float, default=10.0, metavar="SECONDS",
+                   help="end the group when a rank has sent no heartbeat this long (stopped, or its host gone)")
+    p.add_argument("--group-turn-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="end the group when a turn of the GPU loop has not finished on every rank this long "
+                        "(a rank hung)")
     default_parent = os.environ.get("MLXD_PARENT_PID")
     p.add_argument(
         "--parent-pid", type=int, default=int(default_parent) if default_parent else None,
@@ -172,6 +179,8 @@ def parse_args(argv: list[str]) -> EngineSettings:
             defaults = msgspec.json.decode(a.defaults, type=Defaults)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             p.error(f"--defaults: {exc}")
+    if a.group_heartbeat <= 0 or a.group_turn_timeout <= 0:
+        p.error("--group-heartbeat and --group-turn-timeout must be > 0")
     if a.generation_checkpoint < 0:
         p.error("--generation-checkpoint must be >= 0")
     for name in ("prompt_cache_bytes", "ssd_cache_bytes"):
@@ -188,4 +197,5 @@ def parse_args(argv: list[str]) -> EngineSettings:
         generation_checkpoint=a.generation_checkpoint,
         adapter_merge=a.adapter_merge, draft=a.draft, num_draft_tokens=a.num_draft_tokens, defaults=defaults,
         group_control=a.group_control, group_backend=a.group_backend, group_mode=a.group_mode,
+        group_heartbeat_s=a.group_heartbeat, group_turn_timeout_s=a.group_turn_timeout,
     )

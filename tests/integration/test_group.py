@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -36,14 +37,17 @@ BATCH = ("--batch", "4")
 
 @contextlib.contextmanager
 def group_of_two(model: Path, rank1_model: Path | None = None, ready: bool = True,
-                 extra: tuple[str, ...] = ()) -> Iterator[list[EngineProcess]]:
+                 extra: tuple[str, ...] = (), rank1_launcher: list[str] | None = None) -> Iterator[list[EngineProcess]]:
     """Rank 0 and rank 1 of a group, rank 0 ready unless `ready` is False (both stopped after)."""
     where = private_socket_dir()
     hostfile = where / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
+    blas = {"MLXD_BLAS": "off"} if rank1_launcher else {}  # a launcher's patches do not survive the BLAS re-exec
     ranks = [EngineProcess(rank1_model if r and rank1_model else model, "tiny", *BATCH, *extra,
                            "--group-control", str(where / "ctl.sock"), socket_dir=where,
-                           env=engine_env(MLX_RANK=str(r), MLX_HOSTFILE=str(hostfile))) for r in (0, 1)]
+                           launcher=rank1_launcher if r else None,
+                           env=engine_env(MLX_RANK=str(r), MLX_HOSTFILE=str(hostfile), **(blas if r else {})))
+             for r in (0, 1)]
     try:
         if ready:
             ranks[0].wait_ready()
@@ -140,6 +144,59 @@ def test_rank_1_killed_mid_stream_ends_the_stream_and_the_group(tiny_model: Path
         wait_for(lambda: rank0.proc.poll() is not None, 20, message=rank0.log)
         assert rank0.proc.returncode == ExitCode.GPU_THREAD_DIED
         assert "went away" in rank0.log()
+
+
+def stream_until_cut(rank0: EngineProcess, act: Any) -> str:
+    """A long stream from rank 0, `act()` after its fifth line: the rest of what it sent."""
+    body = {"prompt": "x", "max_tokens": 3000, "temperature": 0, "logit_bias": NO_EOS, "stream": True}
+    with rank0.client.stream("POST", "/v1/completions", json=body) as resp:
+        lines = resp.iter_lines()
+        for n, _ in enumerate(lines):
+            if n == 5:
+                act()
+                break
+        return "\n".join(lines)
+
+
+def test_a_stopped_rank_ends_the_group_after_its_heartbeat(tiny_model: Path) -> None:
+    with group_of_two(tiny_model, extra=("--group-heartbeat", "2")) as (rank0, rank1):
+        stopped = []
+
+        def stop() -> None:
+            os.kill(rank1.proc.pid, signal.SIGSTOP)  # rank 0 then waits for it in a collective
+            stopped.append(time.monotonic())
+
+        try:
+            rest = stream_until_cut(rank0, stop)
+            assert '"error"' in rest and "[DONE]" not in rest
+            wait_for(lambda: rank0.proc.poll() is not None, 20, message=rank0.log)
+        finally:
+            os.kill(rank1.proc.pid, signal.SIGCONT)
+        assert rank0.proc.returncode == ExitCode.GPU_THREAD_DIED
+        assert 1.5 <= time.monotonic() - stopped[0] < 20  # its last beat came up to half a second before
+        assert "rank 1 sent no heartbeat for 2 s" in rank0.log()
+
+
+HANGING_RANK = [sys.executable, str(Path(__file__).parent / "hanging_rank.py")]
+
+
+def test_a_rank_hung_in_a_turn_ends_the_group_after_the_turn_timeout(tiny_model: Path) -> None:
+    with group_of_two(tiny_model, extra=("--group-heartbeat", "2", "--group-turn-timeout", "4"),
+                      rank1_launcher=HANGING_RANK) as (rank0, rank1):
+        assert chat(rank0, "Tell me about the sea.")  # its heartbeat goes on while a turn takes long
+        hung = []
+
+        def hang() -> None:
+            os.kill(rank1.proc.pid, signal.SIGUSR1)  # its loop hangs; its beats go on
+            hung.append(time.monotonic())
+
+        rest = stream_until_cut(rank0, hang)
+        assert '"error"' in rest and "[DONE]" not in rest
+        wait_for(lambda: rank0.proc.poll() is not None, 20, message=rank0.log)
+        assert rank0.proc.returncode == ExitCode.GPU_THREAD_DIED
+        assert 3 <= time.monotonic() - hung[0] < 20
+        assert "rank 1 has not finished a turn in 4 s" in rank0.log()
+        assert "sent no heartbeat" not in rank0.log()
 
 
 def test_a_rank_that_cannot_load_fails_the_groups_load_naming_it(tiny_model: Path, tmp_path: Path) -> None:

@@ -17,24 +17,28 @@ import select
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import msgspec
 
 from mlxd.engine.cache.prefix_cache import PrefixCache
 from mlxd.engine.gpu.job import Job, PrefillGroup
 from mlxd.engine.gpu.options import GatewayOptions
 from mlxd.engine.gpu.sequence import Sequence
 from mlxd.engine.gpu.stats import Stats
-from mlxd.engine.group.wire import Hello, Ready, Turn, WireJob, recv, send
+from mlxd.engine.group.wire import Beat, Hello, Ready, Turn, WireJob, recv, send
 from mlxd.engine.models.loaded_model import LoadedModel, ModelLoadError
 from mlxd.protocol.events import Event
 
 log = logging.getLogger("mlxd.engine")
 JOIN_TIMEOUT_S = 300.0  # followers load the model too: as long as a load may take
+HEARTBEAT_S = 10.0  # a follower not heard from this long ends the group (engine flag --group-heartbeat)
+TURN_TIMEOUT_S = 120.0  # a turn not finished by every rank this long ends it (--group-turn-timeout)
 
 
 class GroupLost(RuntimeError):
@@ -85,8 +89,11 @@ def shard(loaded: LoadedModel, group: Any, mode: str) -> None:
 class Leader:
     """Rank 0: the control socket the followers connect to, and what it sends them."""
 
-    def __init__(self, path: Path, size: int) -> None:
+    def __init__(self, path: Path, size: int, heartbeat_s: float = HEARTBEAT_S,
+                 turn_timeout_s: float = TURN_TIMEOUT_S) -> None:
         self._size = size
+        self._heartbeat_s = heartbeat_s  # a follower silent this long is stopped or gone
+        self._turn_timeout_s = turn_timeout_s  # a turn some rank has not finished after this long: hung
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         if path.exists():
             path.unlink()
@@ -95,6 +102,10 @@ class Leader:
         self._listener.listen(size)
         self._path = path
         self._peers: list[socket.socket] = []
+        self._ranks: dict[socket.socket, int] = {}
+        self._sent: deque[tuple[int, float]] = deque()  # GPU thread appends, watch thread pops: turns not
+        self._turns = 0  # known finished everywhere, with when they were sent
+        self._lost: str | None = None  # why the group cannot go on (the watch thread saw it)
         self._next_id = 0  # loop thread: jobs adopted
         self._next_group = 0  # GPU thread: n > 1 requests sent
         self._open: dict[int, Sequence] = {}  # GPU thread: the jobs the followers hold
@@ -127,6 +138,7 @@ class Leader:
                 raise ModelLoadError(f"rank {ready.rank} could not load the model: {ready.error}")
             peer.settimeout(None)
             self._peers.append(peer)
+            self._ranks[peer] = ready.rank
         self._listener.close()
         with contextlib.suppress(OSError):
             self._path.unlink()
@@ -157,16 +169,45 @@ class Leader:
             live = {id(s.job.group) for s in self._open.values() if s.job.group is not None}
             self._group_ids = {k: v for k, v in self._group_ids.items() if k in live}
         self._send(Turn(jobs, cancelled, stopping))
+        self._turns += 1
+        self._sent.append((self._turns, time.monotonic()))
 
     def _watch(self) -> None:
-        """A follower writes nothing after Ready: its socket turns readable only when it goes
-        away (killed, crashed). The group cannot go on without it, idle or not."""
-        try:
-            select.select(self._peers, [], [])
-        except (OSError, ValueError):  # closed under us: we are ending
+        """Read the followers' beats; end the group when one goes away (its socket's EOF), falls
+        silent past the heartbeat (stopped, its host gone), or leaves a turn unfinished past the
+        turn timeout (a rank hung on its GPU: the others then wait for it in a collective)."""
+        peers = list(self._peers)
+        if not peers:  # a group of one
             return
+        heard = dict.fromkeys(peers, time.monotonic())
+        done = dict.fromkeys(peers, 0)
+        while not self._closing:
+            try:
+                readable, _, _ = select.select(peers, [], [], 0.25)
+            except (OSError, ValueError):  # closed under us: we are ending
+                return
+            now = time.monotonic()
+            for peer in readable:
+                try:
+                    done[peer] = recv(peer, Beat).turns
+                except (EOFError, OSError, msgspec.DecodeError):
+                    return self._end(f"rank {self._ranks[peer]} went away")
+                heard[peer] = now
+            quiet = min(peers, key=heard.__getitem__)
+            if now - heard[quiet] > self._heartbeat_s:
+                return self._end(f"rank {self._ranks[quiet]} sent no heartbeat for {self._heartbeat_s:g} s "
+                                 "(stopped, or its machine is gone)")
+            slowest = min(peers, key=done.__getitem__)
+            while self._sent and self._sent[0][0] <= done[slowest]:
+                self._sent.popleft()
+            if self._sent and now - self._sent[0][1] > self._turn_timeout_s:
+                return self._end(f"rank {self._ranks[slowest]} has not finished a turn in {self._turn_timeout_s:g} s "
+                                 "(a rank is hung)")
+
+    def _end(self, why: str) -> None:
         if not self._closing:
-            log.error("a rank of the engine group went away: the group ends")
+            self._lost = why
+            log.error("engine group: %s; the group ends", why)
             self.on_lost()
 
     def close(self) -> None:
@@ -191,10 +232,8 @@ class Leader:
                        job.logprobs, group, job.priority, job.continues_text, job.resumed, job.grammar_text)
 
     def _send(self, message: Any) -> None:
-        if self._peers:
-            gone, _, _ = select.select(self._peers, [], [], 0)  # a follower never writes after Ready: EOF
-            if gone:
-                raise GroupLost(f"{len(gone)} of the group's ranks went away")
+        if self._lost is not None:
+            raise GroupLost(self._lost)
         for peer in self._peers:
             try:
                 send(peer, message)
@@ -202,18 +241,41 @@ class Leader:
                 raise GroupLost(f"a rank of the group went away: {exc}") from exc
 
 
-def follow(loaded_or_error: LoadedModel | str, rank: int, control: Path, connect_s: float = JOIN_TIMEOUT_S) -> int:
+def follow(loaded_or_error: LoadedModel | str, rank: int, control: Path, connect_s: float = JOIN_TIMEOUT_S,
+           heartbeat_s: float = HEARTBEAT_S) -> int:
     """A follower's life: report its load to rank 0, then replay rank 0's turns until it stops
-    (0) or goes away (1). `loaded_or_error`: its shard, or why it could not load it."""
-    from mlxd.engine.gpu.loader import patch_model
-    from mlxd.engine.gpu.runner import Runner
-
+    (0) or goes away (1), beating all along. `loaded_or_error`: its shard, or why it could not
+    load it."""
     sock = _connect(control, connect_s)
     if isinstance(loaded_or_error, str):
         send(sock, Ready(rank, loaded_or_error))
         return 1
     loaded = loaded_or_error
     send(sock, Ready(rank))
+    finished = [0]  # turns replayed, as the beats report it
+    beating = threading.Event()
+    threading.Thread(target=_beat, args=(sock, min(1.0, heartbeat_s / 4), finished, beating),
+                     name="mlxd-group-beat", daemon=True).start()
+    try:
+        return _replay(sock, loaded, rank, finished)
+    finally:
+        beating.set()
+
+
+def _beat(sock: socket.socket, every_s: float, finished: list[int], stop: threading.Event) -> None:
+    """A follower's heartbeat (its own thread: a long turn does not silence it; a stopped or
+    vanished process does)."""
+    while not stop.wait(every_s):
+        try:
+            send(sock, Beat(finished[0]))
+        except OSError:
+            return
+
+
+def _replay(sock: socket.socket, loaded: LoadedModel, rank: int, finished: list[int]) -> int:
+    from mlxd.engine.gpu.loader import patch_model
+    from mlxd.engine.gpu.runner import Runner
+
     try:
         hello = recv(sock, Hello | Turn)
     except EOFError:
@@ -250,6 +312,7 @@ def follow(loaded_or_error: LoadedModel | str, rank: int, control: Path, connect
             if (gone := open_jobs.get(job_id)) is not None:
                 gone.job.ticket.latched = True  # type: ignore[attr-defined]
         runner.turn(turn.stopping)
+        finished[0] += 1
         open_jobs = {k: s for k, s in open_jobs.items() if not s.is_finished}
         live = {id(s.job.group) for s in open_jobs.values() if s.job.group is not None}
         groups = {k: g for k, g in groups.items() if id(g) in live}

@@ -52,6 +52,12 @@ class Ready(msgspec.Struct):
     error: str | None = None
 
 
+class Beat(msgspec.Struct, array_like=True):
+    """A follower, every heartbeat: it is alive, and how many turns it has finished."""
+
+    turns: int
+
+
 class Hello(msgspec.Struct, array_like=True, tag=True):
     """Rank 0, once loaded: what every rank starts serving with."""
 
