@@ -9,7 +9,8 @@ for the lone one and the streams' wall time for the rest. Prints the medians, th
 the milliseconds a group adds to a lone stream's token.
 
   python benchmarks/group_decode.py                                # the tiny random llama, 2 ranks
-  python benchmarks/group_decode.py --model smollm2 --ranks 3      # SmolLM2's 9 heads split in 3
+  python benchmarks/group_decode.py --model smollm2 --mode pipeline  # SmolLM2's 30 layers, 15 a rank
+  python benchmarks/group_decode.py --ranks 1                      # the group machinery alone
 """
 
 from __future__ import annotations

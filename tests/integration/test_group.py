@@ -266,6 +266,36 @@ def test_a_pipeline_group_answers_as_one_engine(tmp_path: Path) -> None:
         assert [chat(rank0, "Tell me about the sea."), chat(rank0, "Story number 1, please.")] == want
 
 
+def test_a_llama_pipeline_of_uneven_halves_answers_as_one_engine(tmp_path: Path) -> None:
+    """mlx-lm does not pipeline llama; mlxd does: 3 layers, 2 on rank 0 and 1 on rank 1."""
+    llama = build_random_llama(tmp_path / "llama3", num_layers=3, context=4096)
+    asks = ["Tell me about the sea.", "Story number 1, please.", "A list of rivers."]
+    with running_engine(llama, "tiny", *BATCH) as one:
+        want = [chat(one, ask) for ask in asks]
+    with group_of_two(llama, extra=("--group-mode", "pipeline")) as (rank0, rank1):
+        assert [chat(rank0, ask) for ask in asks] == want
+        with ThreadPoolExecutor(3) as pool:  # batched
+            assert list(pool.map(lambda ask: chat(rank0, ask), asks)) == want
+        assert "rank 1 of 2 (ring, pipeline)" in rank1.log()
+        assert "pipeline: rank 0 runs layers 1-2 of 3" in rank0.log()
+        assert "pipeline: rank 1 runs layers 0-0 of 3" in rank1.log()
+
+
+def test_uneven_pipeline_ranks_evict_the_same_prompt_cache_entries(tmp_path: Path) -> None:
+    """Rank 0 holds 2 of 3 layers, rank 1 one, so an entry costs rank 1 half the bytes. With room
+    for one of these entries on rank 0 and both on rank 1, rank 0 evicts the first as the second
+    comes; rank 1 must too, or it would reuse the first's KV where rank 0 prefills it afresh."""
+    llama = build_random_llama(tmp_path / "llama3", num_layers=3, context=4096)
+    asks = ["Tell me about the sea, " * 20, "A list of rivers, " * 20, "Tell me about the sea, " * 20]
+    small = ("--prompt-cache-bytes", "250000")
+    with running_engine(llama, "tiny", *BATCH, *small) as one:
+        want = [chat(one, ask) for ask in asks]
+    with group_of_two(llama, extra=("--group-mode", "pipeline", *small)) as (rank0, _):
+        assert [chat(rank0, ask) for ask in asks] == want
+        ram = rank0.client.get("/admin/stats").json()["prompt_cache"]
+        assert ram["ram_evicted"] >= 1 and ram["tokens_reused"] < 300  # the first ask's entry was gone
+
+
 def test_an_idle_group_is_unloaded_whole(tiny_model: Path, tmp_path: Path) -> None:
     with serving(tiny_model, "tiny", tmp_path / "data", model_config="idle_ttl_s = 1\ndistributed = {ranks = 2}") as sup:
         answer = sup.client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 4})

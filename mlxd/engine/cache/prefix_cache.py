@@ -177,8 +177,10 @@ class PrefixCache:
         ssd: SsdTier | None = None,
         idle: threading.Event | None = None,
         make_cache: Callable[[], list[Any]] | None = None,
+        weigh: Callable[[list[Any]], int] = cache_nbytes,
     ) -> None:
         self.cap_bytes = cap_bytes
+        self._weigh = weigh  # an entry's bytes as the cap counts them (a pipeline's rank: rank 0's)
         self.ssd = ssd
         self.stats = CacheStats()
         self._make = make_cache
@@ -256,7 +258,7 @@ class PrefixCache:
                         d.name, offset, len(d.tokens))
             self.ssd.remove_to_quarantine(d.name, "offset does not match its tokens")
             return None
-        entry = Entry(d.tokens, kv, cache_nbytes(kv), d.name, self._clock, on_ssd=True, trimmable=d.trimmable)
+        entry = Entry(d.tokens, kv, self._weigh(kv), d.name, self._clock, on_ssd=True, trimmable=d.trimmable)
         if entry.nbytes <= self.cap_bytes:  # one larger than RAM serves this request only
             self._put(entry)
         return entry
@@ -281,7 +283,7 @@ class PrefixCache:
         if slack(kv, offset) > SLACK_SHARE:
             compact(kept)  # a view would keep the lane's whole buffer alive, uncounted
         mx.async_eval([x for c in kept for x in _arrays(c)])  # and a batch row's copy frees the batch buffer
-        entry = Entry(covered, kept, cache_nbytes(kept), name, self._clock, trimmable=is_trimmable(kept))
+        entry = Entry(covered, kept, self._weigh(kept), name, self._clock, trimmable=is_trimmable(kept))
         if entry.nbytes > self.cap_bytes:  # too big for RAM: to SSD only, if the writer has room
             if not self._spill_evicted(entry):
                 self.stats.evicted_unwritten += 1
@@ -314,7 +316,7 @@ class PrefixCache:
         start = len(base.tokens) if base is not None else 0
         delta = base is not None and 0 < start < offset and all(type(c) is KVCache for c in kv)
         kept = after(kv, start, offset) if delta else view(kv, offset)
-        nbytes = cache_nbytes(kept)
+        nbytes = self._weigh(kept)
         if self._writer.pending_bytes + sum(e.nbytes for e in self._copying) + nbytes > self.cap_bytes // 2:
             self.stats.checkpoints_skipped += 1
             return None

@@ -26,11 +26,12 @@ from typing import Any
 import mlx.core as mx
 import msgspec
 
-from mlxd.engine.cache.prefix_cache import PrefixCache
+from mlxd.engine.cache.prefix_cache import PrefixCache, cache_nbytes
 from mlxd.engine.gpu.job import Job, PrefillGroup
 from mlxd.engine.gpu.options import GatewayOptions
 from mlxd.engine.gpu.sequence import Sequence
 from mlxd.engine.gpu.stats import Stats
+from mlxd.engine.group.pipeline import pipeline
 from mlxd.engine.group.wire import Beat, Hello, Ready, Turn, WireJob, recv, send
 from mlxd.engine.models.loaded_model import LoadedModel, ModelLoadError
 from mlxd.protocol.events import Event
@@ -70,10 +71,7 @@ def shard(loaded: LoadedModel, group: Any, mode: str) -> None:
     `model.pipeline`); a model that cannot be split so is a load error that says why."""
     model, size = loaded.model, group.size()
     if mode == "pipeline":
-        inner: Any = getattr(model, "model", None)
-        if not hasattr(inner, "pipeline"):
-            raise ModelLoadError(f"{loaded.config.get('model_type')} models cannot be split into a pipeline by mlx-lm")
-        inner.pipeline(group)
+        pipeline(model, group)
     else:
         if not hasattr(model, "shard"):
             raise ModelLoadError(f"{loaded.config.get('model_type')} models cannot be split tensor-parallel by mlx-lm")
@@ -144,11 +142,12 @@ class Leader:
             self._path.unlink()
         threading.Thread(target=self._watch, name="mlxd-group-watch", daemon=True).start()
 
-    def hello(self, options: GatewayOptions) -> None:
-        """GPU thread, once sized: every rank seeds its sampler alike and serves with these options."""
+    def hello(self, options: GatewayOptions, kv_layers: int) -> None:
+        """GPU thread, once sized: every rank seeds its sampler alike and serves with these options
+        (`kv_layers`: how many layers' KV rank 0's prompt cache holds an entry of)."""
         seed = int.from_bytes(os.urandom(8), "little")
         mx.random.seed(seed)
-        self._send(Hello(seed, replace(options, probe_dir=None, ssd_root=None)))  # rank 0's dirs are its own
+        self._send(Hello(seed, replace(options, probe_dir=None, ssd_root=None), kv_layers))  # its dirs are its own
 
     def turn(self, received: list[Any], stopping: bool) -> None:
         """GPU thread, before a turn: send what it starts from."""
@@ -286,7 +285,8 @@ def _replay(sock: socket.socket, loaded: LoadedModel, rank: int, finished: list[
     opts = hello.options
     patch_model(loaded, opts)
     assert opts.kv_budget_tokens is not None
-    runner = Runner(loaded, Stats(), opts, opts.kv_budget_tokens, PrefixCache(opts.prompt_cache_bytes))
+    runner = Runner(loaded, Stats(), opts, opts.kv_budget_tokens,
+                    PrefixCache(opts.prompt_cache_bytes, weigh=weighed_as(hello.kv_layers)))
     open_jobs: dict[int, Sequence] = {}
     groups: dict[int, PrefillGroup] = {}
     log.info("rank %d follows rank 0's turns", rank)
@@ -316,6 +316,16 @@ def _replay(sock: socket.socket, loaded: LoadedModel, rank: int, finished: list[
         open_jobs = {k: s for k, s in open_jobs.items() if not s.is_finished}
         live = {id(s.job.group) for s in open_jobs.values() if s.job.group is not None}
         groups = {k: g for k, g in groups.items() if id(g) in live}
+
+
+def weighed_as(kv_layers: int) -> Callable[[list[Any]], int]:
+    """A prompt-cache entry's bytes as rank 0 counts them: every rank must evict the same entries
+    at the same turn, or one would reuse a prefix another prefills. A pipeline's ranks hold
+    different numbers of layers (3 over 2: 2 on rank 0, 1 on rank 1); their layers are alike, so
+    an entry's bytes scale exactly with the count."""
+    if not kv_layers:
+        return cache_nbytes
+    return lambda kv: cache_nbytes(kv) * kv_layers // len(kv) if kv else 0
 
 
 def held_by(loaded: LoadedModel, w: WireJob) -> Any:

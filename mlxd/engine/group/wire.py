@@ -63,6 +63,7 @@ class Hello(msgspec.Struct, array_like=True, tag=True):
 
     seed: int  # unseeded sampling's generator: the same draws on every rank
     options: GatewayOptions  # sized on rank 0 (width, KV budget): followers do not size themselves
+    kv_layers: int = 0  # how many layers' KV rank 0 holds (a pipeline's ranks differ): its cache weighs so
 
 
 _encoder = msgspec.msgpack.Encoder()
