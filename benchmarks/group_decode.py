@@ -52,7 +52,7 @@ def main() -> None:
         spec = GroupSpec(ranks=args.ranks, backend=args.backend, mode=args.mode)
         write_hostfile(where / "hosts.json", args.ranks)
         port = free_port()
-        ranks = [EngineProcess(model, "m", "--batch", args.batch, *spec.flags(where / "ctl.sock"), socket_dir=where,
+        ranks = [EngineProcess(model, "m", "--batch", args.batch, *spec.flags(str(where / "ctl.sock")), socket_dir=where,
                                env=engine_env(**rank_env(spec, where / "hosts.json", port, r)))
                  for r in range(args.ranks)]
         try:

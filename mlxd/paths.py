@@ -40,6 +40,11 @@ def hf_token_file(root: Path | None = None) -> Path:
     return (root or data_dir()) / "hf_token"
 
 
+def rank_key_file(root: Path | None = None) -> Path:
+    """The key an engine group's hosts share (`mlxd rank --new-key` writes it; mode 0600)."""
+    return (root or data_dir()) / "rank.key"
+
+
 def runtime_dir() -> Path:
     """A short private dir for Unix sockets (paths must stay under ~100 bytes)."""
     if env := os.environ.get("MLXD_RUNTIME_DIR"):

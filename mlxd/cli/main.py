@@ -45,6 +45,7 @@ COMMANDS = {
     "import-default": "mlxd.cli.import_cmds:import_default",
     "import-gguf": "mlxd.cli.import_cmds:import_gguf",
     "engine": "mlxd.cli.serve_cmds:engine",
+    "rank": "mlxd.cli.rank_cmds:rank",
 }
 
 
@@ -87,7 +88,7 @@ class CliLogFormatter(logging.Formatter):
 @click.pass_context
 def main(ctx: click.Context) -> None:
     """mlxd: a local LLM inference daemon on MLX."""
-    if ctx.invoked_subcommand != "serve":  # serve logs with timestamps, to its stderr or the daemon's log
+    if ctx.invoked_subcommand not in ("serve", "rank"):  # daemons log with timestamps, to stderr or their log
         handler = logging.StreamHandler()
         handler.setFormatter(CliLogFormatter())
         logging.basicConfig(level=logging.WARNING, handlers=[handler])

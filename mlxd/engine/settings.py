@@ -45,7 +45,7 @@ class EngineSettings:
     draft: str = "none"
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
     defaults: Defaults | None = None  # what requests that set none get (mlxd's config: [defaults])
-    group_control: Path | None = None  # one rank of an engine group: rank 0's control socket (docs/distributed.md)
+    group_control: str | None = None  # one rank of an engine group: rank 0's control socket, a path or tcp://IP:PORT
     group_backend: str = "ring"  # mx.distributed's backend for the group
     group_mode: str = "tensor"  # how the model is split: tensor or pipeline
     group_heartbeat_s: float = 10.0  # a rank not heard from this long ends the group
@@ -140,10 +140,11 @@ def parse_args(argv: list[str]) -> EngineSettings:
     p.add_argument("--defaults", default=None, metavar="JSON",
                    help='what a request that sets none gets, over the model\'s generation_config.json: a JSON '
                         'object of temperature, top_p, top_k, min_p, max_tokens, thinking (mlxd\'s [defaults])')
-    p.add_argument("--group-control", type=Path, default=None, metavar="PATH",
+    p.add_argument("--group-control", default=None, metavar="PATH|tcp://IP:PORT",
                    help="run as one rank of an engine group (its rank and peers from MLX_RANK and MLX_HOSTFILE, "
                         "or the backend's own variables): rank 0 serves and listens here for the other ranks, "
-                        "which replay its turns (docs/distributed.md)")
+                        "which replay its turns; over TCP each proves itself with $MLXD_GROUP_TOKEN "
+                        "(docs/distributed.md)")
     p.add_argument("--group-backend", choices=("ring", "nccl", "mpi"), default="ring",
                    help="mx.distributed's backend for the group")
     p.add_argument("--group-mode", choices=("tensor", "pipeline"), default="tensor",

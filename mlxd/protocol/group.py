@@ -15,34 +15,46 @@ class GroupSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen
     ranks: Annotated[int, msgspec.Meta(ge=2, le=16)]
     backend: Literal["ring", "nccl"] = "ring"  # ring: TCP (CPU, Macs); nccl: NVIDIA GPUs, one a rank
     mode: Literal["tensor", "pipeline"] = "tensor"
-    hosts: list[str] | None = None  # other machines' ranks: not served yet
+    # One host a rank: this machine's address on the link the ranks share first, then the
+    # addresses (IP or IP:PORT) of `mlxd rank` on the others. None: every rank on this machine.
+    hosts: list[str] | None = None
+    key_file: str | None = None  # the key the hosts share (default: rank.key in mlxd's data dir)
 
     def __post_init__(self) -> None:
         if self.hosts is not None:
-            raise ValueError("ranks on other machines are not served yet (docs/distributed.md): leave `hosts` "
-                             "out to run every rank on this machine")
+            if len(self.hosts) != self.ranks:
+                raise ValueError(f"`hosts` names one host a rank: {len(self.hosts)} hosts for {self.ranks} ranks")
+            if ":" in self.hosts[0]:
+                raise ValueError(f"`hosts` starts with this machine's own IP address, no port: not {self.hosts[0]!r}")
 
-    def flags(self, control: Path) -> list[str]:
-        """An engine's flags for a rank of this group (`control`: rank 0's control socket)."""
-        return ["--group-control", str(control), "--group-backend", self.backend, "--group-mode", self.mode]
+    def flags(self, control: str) -> list[str]:
+        """An engine's flags for a rank of this group (`control`: rank 0's control socket, a path
+        or tcp://IP:PORT)."""
+        return ["--group-control", control, "--group-backend", self.backend, "--group-mode", self.mode]
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
 def rank_env(spec: GroupSpec, hostfile: Path, nccl_port: int, rank: int) -> dict[str, str]:
-    """What mx.distributed reads in a rank of the group on this machine: its rank and its peers
-    (ring: a hostfile of their addresses; NCCL: rank 0's address, and one GPU a rank)."""
+    """What mx.distributed reads in a rank of the group: its rank and its peers (ring: a
+    hostfile of their addresses; NCCL: rank 0's address, and one GPU a rank on one machine)."""
     if spec.backend == "nccl":
-        return {"MLX_RANK": str(rank), "MLX_WORLD_SIZE": str(spec.ranks), "NCCL_HOST_IP": "127.0.0.1",
-                "NCCL_PORT": str(nccl_port), "CUDA_VISIBLE_DEVICES": str(rank)}
+        return {"MLX_RANK": str(rank), "MLX_WORLD_SIZE": str(spec.ranks),
+                "NCCL_HOST_IP": spec.hosts[0] if spec.hosts else "127.0.0.1", "NCCL_PORT": str(nccl_port),
+                "CUDA_VISIBLE_DEVICES": "0" if spec.hosts else str(rank)}
     return {"MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile)}
 
 
+def hostfile_text(addresses: list[str]) -> str:
+    """The ring backend's hostfile: one `IP:PORT` a rank."""
+    return json.dumps([[address] for address in addresses])
+
+
 def write_hostfile(path: Path, ranks: int) -> None:
-    """The ring backend's hostfile: one free local port a rank."""
-    path.write_text(json.dumps([[f"127.0.0.1:{free_port()}"] for _ in range(ranks)]))
+    """A hostfile of one free local port a rank."""
+    path.write_text(hostfile_text([f"127.0.0.1:{free_port()}" for _ in range(ranks)]))
     path.chmod(0o600)

@@ -333,7 +333,13 @@ def test_a_model_served_by_an_engine_group_is_configured_and_checked(tmp_path: P
                       explicit=True)
     group = cfg.models["big"].distributed
     assert group is not None and (group.ranks, group.backend, group.mode) == (2, "nccl", "tensor")
-    assert "ranks on other machines are not served yet" in load_error(
+    assert "names one host a rank: 1 hosts for 2 ranks" in load_error(
         tmp_path, '[models.big]\npath = "/m"\ndistributed = {ranks = 2, hosts = ["10.0.0.2"]}\n')
+    assert "this machine's own IP address, no port" in load_error(
+        tmp_path, '[models.big]\npath = "/m"\ndistributed = {ranks = 2, hosts = ["10.0.0.1:80", "10.0.0.2"]}\n')
+    two = load_config(write(tmp_path, '[models.big]\npath = "/m"\n'
+                                      'distributed = {ranks = 2, hosts = ["10.0.0.1", "10.0.0.2:9000"]}\n'), explicit=True)
+    spread = two.models["big"].distributed
+    assert spread is not None and spread.hosts == ["10.0.0.1", "10.0.0.2:9000"]
     assert "ranks" in load_error(tmp_path, '[models.big]\npath = "/m"\ndistributed = {ranks = 1}\n')
     assert "backend" in load_error(tmp_path, '[models.big]\npath = "/m"\ndistributed = {ranks = 2, backend = "mpi"}\n')

@@ -11,6 +11,7 @@ as its text, which each rank compiles. What would make ranks differ and is not c
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 import os
 import select
@@ -87,18 +88,24 @@ def shard(loaded: LoadedModel, group: Any, mode: str) -> None:
 class Leader:
     """Rank 0: the control socket the followers connect to, and what it sends them."""
 
-    def __init__(self, path: Path, size: int, heartbeat_s: float = HEARTBEAT_S,
+    def __init__(self, control: str, size: int, heartbeat_s: float = HEARTBEAT_S,
                  turn_timeout_s: float = TURN_TIMEOUT_S) -> None:
         self._size = size
         self._heartbeat_s = heartbeat_s  # a follower silent this long is stopped or gone
         self._turn_timeout_s = turn_timeout_s  # a turn some rank has not finished after this long: hung
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        if path.exists():
-            path.unlink()
-        self._listener.bind(str(path))
-        os.chmod(path, 0o600)
-        self._listener.listen(size)
-        self._path = path
+        self._token = os.environ.get("MLXD_GROUP_TOKEN", "")  # over TCP, a follower must show it
+        self._path: Path | None = None
+        if control.startswith("tcp://"):
+            host, _, port = control.removeprefix("tcp://").rpartition(":")
+            self._listener = socket.create_server((host, int(port)), backlog=size)
+        else:
+            self._path = Path(control)
+            self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            with contextlib.suppress(FileNotFoundError):
+                self._path.unlink()
+            self._listener.bind(control)
+            os.chmod(control, 0o600)
+            self._listener.listen(size)
         self._peers: list[socket.socket] = []
         self._ranks: dict[socket.socket, int] = {}
         self._sent: deque[tuple[int, float]] = deque()  # GPU thread appends, watch thread pops: turns not
@@ -132,14 +139,19 @@ class Leader:
             except (EOFError, OSError) as exc:
                 raise ModelLoadError(f"a rank of the group left before it loaded the model: {exc}") from exc
             assert isinstance(ready, Ready)
+            if self._path is None and not hmac.compare_digest(ready.token, self._token):
+                log.warning("engine group: refused a connection without the group's token")
+                peer.close()
+                continue
             if ready.error is not None:
                 raise ModelLoadError(f"rank {ready.rank} could not load the model: {ready.error}")
             peer.settimeout(None)
             self._peers.append(peer)
             self._ranks[peer] = ready.rank
         self._listener.close()
-        with contextlib.suppress(OSError):
-            self._path.unlink()
+        if self._path is not None:
+            with contextlib.suppress(OSError):
+                self._path.unlink()
         threading.Thread(target=self._watch, name="mlxd-group-watch", daemon=True).start()
 
     def hello(self, options: GatewayOptions, kv_layers: int) -> None:
@@ -240,17 +252,18 @@ class Leader:
                 raise GroupLost(f"a rank of the group went away: {exc}") from exc
 
 
-def follow(loaded_or_error: LoadedModel | str, rank: int, control: Path, connect_s: float = JOIN_TIMEOUT_S,
+def follow(loaded_or_error: LoadedModel | str, rank: int, control: str, connect_s: float = JOIN_TIMEOUT_S,
            heartbeat_s: float = HEARTBEAT_S) -> int:
     """A follower's life: report its load to rank 0, then replay rank 0's turns until it stops
     (0) or goes away (1), beating all along. `loaded_or_error`: its shard, or why it could not
     load it."""
     sock = _connect(control, connect_s)
+    token = os.environ.get("MLXD_GROUP_TOKEN", "")
     if isinstance(loaded_or_error, str):
-        send(sock, Ready(rank, loaded_or_error))
+        send(sock, Ready(rank, loaded_or_error, token))
         return 1
     loaded = loaded_or_error
-    send(sock, Ready(rank))
+    send(sock, Ready(rank, token=token))
     finished = [0]  # turns replayed, as the beats report it
     beating = threading.Event()
     threading.Thread(target=_beat, args=(sock, min(1.0, heartbeat_s / 4), finished, beating),
@@ -339,16 +352,24 @@ def held_by(loaded: LoadedModel, w: WireJob) -> Any:
     return matcher
 
 
-def _connect(path: Path, timeout_s: float) -> socket.socket:
+def _connect(control: str, timeout_s: float) -> socket.socket:
+    """Rank 0's control socket (a path, or tcp://IP:PORT), as soon as it listens."""
     deadline = time.monotonic() + timeout_s
     while True:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.connect(str(path))
+            if control.startswith("tcp://"):
+                host, _, port = control.removeprefix("tcp://").rpartition(":")
+                sock = socket.create_connection((host, int(port)), timeout=5)
+                sock.settimeout(None)
+                return sock
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(control)
+            except OSError:
+                sock.close()
+                raise
             return sock
         except OSError:
-            sock.close()
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
-

@@ -50,6 +50,7 @@ class Ready(msgspec.Struct):
 
     rank: int
     error: str | None = None
+    token: str = ""  # over TCP: the group's token, which the supervisor gave every rank
 
 
 class Beat(msgspec.Struct, array_like=True):

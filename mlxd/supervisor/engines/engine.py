@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 import msgspec
 
@@ -286,9 +287,10 @@ class Engine:
         self.boot_timings = {}
         self._spawned_at = time.perf_counter()
         self._load = LoadProgress("spawn")
+        if self.ranks is not None and (failed := await self.ranks.prepare()) is not None:
+            self._fail_boot(failed, can_retry=True)  # another host's agent: unreachable, or refused us
         args, env = self.argv(), dict(self.options.engine_env)
         if self.ranks is not None:
-            self.ranks.prepare()
             env.update(self.ranks.env(0))
         proc = await self.spare.take(args) if self.spare is not None and self.ranks is None else None
         how = "from the spare" if proc is not None else "spawned"
@@ -334,10 +336,11 @@ class Engine:
         code = await _wait_code(proc, 1.0)
         if code is None:
             await kill_engine(proc, 0.5)
-        reason = self._boot_failure(code)
+        self._fail_boot(self._boot_failure(code), can_retry=code not in NO_RETRY)
+
+    def _fail_boot(self, reason: str, can_retry: bool) -> NoReturn:
         log.error("[%s] engine failed to start: %s", self.model_id, reason)
-        cooldown = self._record_crash(reason, can_retry=code not in NO_RETRY)
-        retry_after = policy.retry_after_s(cooldown or 0.0)
+        retry_after = policy.retry_after_s(self._record_crash(reason, can_retry=can_retry) or 0.0)
         self.boot_error = APIError(503, f"Model {self.model_id} could not be loaded: {reason}", type="server_error",
                                    code="model_load_failed", headers={"Retry-After": str(retry_after)})
         raise self.boot_error

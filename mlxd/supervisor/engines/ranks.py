@@ -1,6 +1,8 @@
 """The ranks past 0 of a model's engine group (docs/distributed.md): started beside rank 0, the
-engine the pool sees, and killed with it. A rank that dies ends the group: rank 0 notices on its
-control socket and exits, and the engine's owner restarts all of them as one engine."""
+engine the pool sees, and killed with it, on this machine or, through `mlxd rank`, on the
+group's other hosts (one a rank). A rank that dies ends the group: rank 0 notices on its
+control socket or by its heartbeat and exits, and the engine's owner restarts all of them as
+one engine."""
 
 from __future__ import annotations
 
@@ -9,12 +11,16 @@ import contextlib
 import hashlib
 import logging
 import os
+import secrets
 import sys
 from pathlib import Path
 
-from mlxd.protocol.group import GroupSpec, free_port, rank_env, write_hostfile
+from mlxd.paths import rank_key_file
+from mlxd.protocol import rank_agent as ra
+from mlxd.protocol.group import GroupSpec, free_port, hostfile_text, rank_env, write_hostfile
 
 log = logging.getLogger("mlxd.supervisor")
+AGENT_TIMEOUT_S = 10.0  # connecting to another host's agent and its answers
 
 
 class Ranks:
@@ -22,23 +28,61 @@ class Ranks:
         self.model_id = model_id
         self.spec = spec
         name = hashlib.sha256(model_id.encode()).hexdigest()[:12]
-        self.control = runtime_dir / f"g-{name}.sock"  # rank 0 listens, the others connect
+        self._socket = runtime_dir / f"g-{name}.sock"  # rank 0 listens, the others connect (one host)
         self._hostfile = runtime_dir / f"g-{name}.json"
         self._nccl_port = 0
+        self._control_port = 0  # several hosts: rank 0 listens on TCP
+        self._token = ""  # ... and a rank proves it was started by us with this
         self._procs: list[asyncio.subprocess.Process] = []
+        self._agents: list[Agent] = []  # the other hosts' agents, rank 1 first
         self._logs: list[asyncio.Task[None]] = []
 
-    def env(self, rank: int) -> dict[str, str]:
-        """Rank `rank`'s mx.distributed variables (after `prepare`)."""
-        return rank_env(self.spec, self._hostfile, self._nccl_port, rank)
+    @property
+    def control(self) -> str:
+        """Rank 0's control socket, as its `--group-control` names it."""
+        return f"tcp://{self.spec.hosts[0]}:{self._control_port}" if self.spec.hosts else str(self._socket)
 
-    def prepare(self) -> None:
-        """Fresh addresses for a new start of the group."""
-        write_hostfile(self._hostfile, self.spec.ranks)
-        self._nccl_port = free_port()
+    def env(self, rank: int) -> dict[str, str]:
+        """Rank `rank`'s mx.distributed variables (after `prepare`), and the group's token."""
+        env = rank_env(self.spec, self._hostfile, self._nccl_port, rank)
+        return {**env, "MLXD_GROUP_TOKEN": self._token} if self.spec.hosts else env
+
+    async def prepare(self) -> str | None:
+        """Fresh addresses for a new start of the group: None, or why a host cannot take its rank."""
+        await self.kill()
+        if not self.spec.hosts:
+            write_hostfile(self._hostfile, self.spec.ranks)
+            self._nccl_port = free_port()
+            return None
+        here = self.spec.hosts[0]
+        try:
+            key = ra.read_key(Path(self.spec.key_file).expanduser() if self.spec.key_file else rank_key_file())
+            self._control_port, self._nccl_port = free_port(here), free_port(here)
+            addresses = [f"{here}:{free_port(here)}"]
+        except (OSError, ValueError) as exc:
+            return f"the group's key or this host's address {here}: {exc}"
+        self._token = secrets.token_hex(16)
+        for rank, entry in enumerate(self.spec.hosts[1:], 1):
+            try:
+                agent = await asyncio.wait_for(Agent.connect(entry, key), AGENT_TIMEOUT_S)
+            except (OSError, EOFError, TimeoutError, ValueError) as exc:
+                return f"rank {rank}'s host {entry}: {exc or type(exc).__name__} (is `mlxd rank` running there?)"
+            self._agents.append(agent)
+            addresses.append(f"{agent.address}:{agent.port}")
+        self._hostfile.write_text(hostfile_text(addresses))
+        self._hostfile.chmod(0o600)
+        return None
 
     async def start(self, module: str, argv: list[str], env: dict[str, str]) -> None:
         """Ranks 1..N-1 with rank 0's command line."""
+        for rank, agent in enumerate(self._agents, 1):
+            remote = {k: v for k, v in {**env, **self.env(rank)}.items() if k != "MLX_HOSTFILE"}
+            hostfile = self._hostfile.read_text() if self.spec.backend == "ring" else None
+            await agent.start(ra.Start(rank, argv, remote, hostfile))
+            self._logs.append(asyncio.create_task(agent.relay(self.model_id, rank)))
+            log.info("[%s] rank %d starting on %s", self.model_id, rank, agent.entry)
+        if self.spec.hosts:
+            return
         for rank in range(1, self.spec.ranks):
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", module, *argv, stdin=asyncio.subprocess.DEVNULL,
@@ -50,12 +94,16 @@ class Ranks:
             log.info("[%s] rank %d pid %d starting", self.model_id, rank, proc.pid)
 
     async def kill(self) -> None:
-        """End every rank past 0 now: a rank waiting in a collective heeds only SIGKILL."""
+        """End every rank past 0 now: a rank waiting in a collective heeds only SIGKILL (another
+        host's agent sends it as our connection closes)."""
         procs, self._procs = self._procs, []
+        agents, self._agents = self._agents, []
         for proc in procs:
             if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
+        for agent in agents:
+            agent.close()
         for proc in procs:
             await proc.wait()
         for task in self._logs:
@@ -64,7 +112,66 @@ class Ranks:
         self._logs = []
 
     async def _relay(self, rank: int, stream: asyncio.StreamReader) -> None:
-        from mlxd.supervisor.engines.engine import TIMESTAMP
+        async for raw in stream:
+            relay_line(self.model_id, rank, raw.decode(errors="replace"))
 
-        async for raw in stream:  # ours is added again
-            log.info("[%s rank %d] %s", self.model_id, rank, TIMESTAMP.sub("", raw.decode(errors="replace").rstrip()))
+
+def relay_line(model_id: str, rank: int, line: str) -> None:
+    from mlxd.supervisor.engines.engine import TIMESTAMP
+
+    log.info("[%s rank %d] %s", model_id, rank, TIMESTAMP.sub("", line.rstrip()))  # ours is added again
+
+
+class Agent:
+    """A connection to `mlxd rank` on another host: one rank of one start of the group."""
+
+    def __init__(self, entry: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 reserved: ra.Reserved) -> None:
+        self.entry = entry
+        self.address, self.port = reserved.address, reserved.port  # the ring's address of the rank there
+        self._reader, self._writer = reader, writer
+
+    @classmethod
+    async def connect(cls, entry: str, key: bytes) -> Agent:
+        """Connect, prove we hold the key and check the agent does, and reserve the ring's port."""
+        host, port = ra.split_host(entry)
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            challenge = await ra.recv(reader)
+            if not isinstance(challenge, ra.Challenge):
+                raise EOFError(f"not an mlxd rank agent (it sent {type(challenge).__name__})")
+            ours = ra.nonce()
+            await ra.send(writer, ra.Proof(ra.mac(key, b"supervisor", challenge.nonce), ours))
+            welcome = await ra.recv(reader)
+            if isinstance(welcome, ra.Refused):
+                raise EOFError(f"it refused us: {welcome.why} (is rank.key the same on both hosts?)")
+            if not isinstance(welcome, ra.Welcome) or not secrets.compare_digest(welcome.mac,
+                                                                                 ra.mac(key, b"agent", ours)):
+                raise EOFError("it does not hold the group's key")
+            await ra.send(writer, ra.Reserve())
+            reserved = await ra.recv(reader)
+            if not isinstance(reserved, ra.Reserved):
+                raise EOFError(f"no port reserved ({reserved})")
+        except BaseException:
+            writer.close()
+            raise
+        return cls(entry, reader, writer, reserved)
+
+    async def start(self, start: ra.Start) -> None:
+        await ra.send(self._writer, start)
+
+    async def relay(self, model_id: str, rank: int) -> None:
+        """The rank's log lines into ours until it exits or the connection ends."""
+        while True:
+            try:
+                message = await ra.recv(self._reader)
+            except (EOFError, OSError):
+                return
+            if isinstance(message, ra.Line):
+                relay_line(model_id, rank, message.text)
+            elif isinstance(message, ra.Exited):
+                log.info("[%s] rank %d on %s exited with %d", model_id, rank, self.entry, message.code)
+                return
+
+    def close(self) -> None:
+        self._writer.close()

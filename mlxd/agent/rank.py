@@ -1,0 +1,142 @@
+"""`mlxd rank`: the agent through which a supervisor on another host starts this host's rank of
+an engine group (docs/distributed.md; what they say: protocol/rank_agent.py).
+
+Each connection is one rank: the supervisor proves it holds the key (and the agent proves it
+back), asks for a free port for the ring, then starts the rank, a `python -m mlxd.engine` of
+rank 0's command line, whose log and exit the agent sends back. When the connection drops (the
+supervisor stopped the group, died, or its host vanished) the rank is killed at once: a rank
+waiting in a collective heeds nothing gentler. Nothing here imports mlx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import signal
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+from mlxd.protocol import rank_agent as ra
+
+log = logging.getLogger("mlxd.rank")
+HANDSHAKE_S = 10.0  # a peer that has not proven itself in this long is dropped
+
+
+class Agent:
+    def __init__(self, key: bytes, module: str = "mlxd.engine") -> None:
+        self._key = key
+        self._module = module  # the engine's module (tests start a faulty one)
+        self._ranks: set[asyncio.subprocess.Process] = set()
+
+    async def serve(self, host: str, port: int) -> asyncio.Server:
+        server = await asyncio.start_server(self._connection, host, port)
+        where = ", ".join(f"{s.getsockname()[0]}:{s.getsockname()[1]}" for s in server.sockets)
+        log.info("mlxd rank: listening on %s for a supervisor's ranks", where)
+        return server
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        proc: asyncio.subprocess.Process | None = None
+        try:
+            if not await asyncio.wait_for(self._handshake(reader, writer), HANDSHAKE_S):
+                log.warning("refused %s: it does not hold this host's key", peer)
+                return
+            while True:
+                message = await ra.recv(reader)
+                if isinstance(message, ra.Reserve):
+                    address = writer.get_extra_info("sockname")[0]
+                    await ra.send(writer, ra.Reserved(address, _free_port(address)))
+                elif isinstance(message, ra.Start) and proc is None:
+                    proc = await self._start(message, writer)
+                    code = await self._relay(proc, reader, writer)
+                    if code is not None:
+                        await ra.send(writer, ra.Exited(code))
+                    return
+                else:
+                    await ra.send(writer, ra.Refused(f"unexpected {type(message).__name__}"))
+                    return
+        except (EOFError, OSError, TimeoutError) as exc:
+            log.info("connection from %s ended: %s", peer, exc or type(exc).__name__)
+        finally:
+            if proc is not None and proc.returncode is None:
+                log.info("rank pid %d: its supervisor is gone; killing it", proc.pid)
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+            self._ranks.discard(proc)
+            writer.close()
+
+    def kill_all(self) -> None:
+        for proc in self._ranks:
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        challenge = ra.nonce()
+        await ra.send(writer, ra.Challenge(challenge))
+        proof = await ra.recv(reader)
+        if not isinstance(proof, ra.Proof) or not hmac.compare_digest(proof.mac, ra.mac(self._key, b"supervisor", challenge)):
+            await ra.send(writer, ra.Refused("wrong key"))
+            return False
+        await ra.send(writer, ra.Welcome(ra.mac(self._key, b"agent", proof.nonce)))
+        return True
+
+    async def _start(self, start: ra.Start, writer: asyncio.StreamWriter) -> asyncio.subprocess.Process:
+        env = {**os.environ, **start.env, "MLXD_PARENT_PID": str(os.getpid())}
+        if start.hostfile is not None:
+            fd, name = tempfile.mkstemp(prefix="mlxd-ring-", suffix=".json")  # 0600
+            with os.fdopen(fd, "w") as f:
+                f.write(start.hostfile)
+            env["MLX_HOSTFILE"] = name
+        argv = [*start.argv, "--parent-pid", str(os.getpid())]  # the last one given wins
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", self._module, *argv, stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env)
+        self._ranks.add(proc)
+        log.info("rank %d pid %d starting", start.rank, proc.pid)
+        return proc
+
+    async def _relay(self, proc: asyncio.subprocess.Process, reader: asyncio.StreamReader,
+                     writer: asyncio.StreamWriter) -> int | None:
+        """The rank's log to the supervisor until it exits (its code), or until the supervisor
+        goes (None: the caller kills the rank)."""
+        gone = asyncio.ensure_future(reader.read(1))  # the supervisor sends nothing more: any end is its end
+        lines = asyncio.ensure_future(_lines(proc, writer))
+        await asyncio.wait({gone, lines}, return_when=asyncio.FIRST_COMPLETED)
+        if gone.done() or lines.exception() is not None:  # sending a line failed: gone too
+            lines.cancel()
+            return None
+        gone.cancel()
+        return await proc.wait()
+
+
+async def _lines(proc: asyncio.subprocess.Process, writer: asyncio.StreamWriter) -> None:
+    assert proc.stdout is not None
+    async for raw in proc.stdout:
+        await ra.send(writer, ra.Line(raw.decode(errors="replace").rstrip()))
+
+
+def _free_port(address: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as s:
+        s.bind((address, 0))
+        return int(s.getsockname()[1])
+
+
+async def run(host: str, port: int, key_file: Path) -> None:
+    """Serve until SIGTERM or SIGINT; the ranks running then are killed."""
+    agent = Agent(ra.read_key(key_file))
+    server = await agent.serve(host, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    async with server:
+        await stop.wait()
+    agent.kill_all()
+    log.info("mlxd rank: stopped")

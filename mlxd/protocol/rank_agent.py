@@ -1,0 +1,116 @@
+"""What a supervisor and `mlxd rank` on another host say to each other (docs/distributed.md).
+
+A model's engine group may have ranks on other machines. On each, `mlxd rank` listens on TCP;
+the supervisor that owns the group connects, and both prove they hold the same key (an HMAC of
+the other's random challenge; the key never crosses the network). The supervisor then asks for
+a free port for the ring and starts the host's rank with rank 0's command line; the agent
+relays the rank's log and its exit, and kills it the moment the connection drops, so no rank
+outlives the supervisor that started it. Frames are msgpack, each behind its length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import secrets
+import struct
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+DEFAULT_PORT = 8766
+HEADER = struct.Struct("!I")
+MAX_FRAME = 4 * 1024 * 1024  # a command line, a log line; anything larger is a broken peer
+
+
+class Challenge(msgspec.Struct, tag=True):
+    nonce: bytes
+
+
+class Proof(msgspec.Struct, tag=True):
+    """The supervisor's answer to the agent's challenge, and its own challenge back."""
+
+    mac: bytes
+    nonce: bytes
+
+
+class Welcome(msgspec.Struct, tag=True):
+    mac: bytes  # the agent's answer to the supervisor's challenge
+
+
+class Refused(msgspec.Struct, tag=True):
+    why: str
+
+
+class Reserve(msgspec.Struct, tag=True):
+    """A free port on the agent's address, for the ring backend's hostfile."""
+
+
+class Reserved(msgspec.Struct, tag=True):
+    address: str  # the agent's side of this connection: the address the other ranks reach
+    port: int
+
+
+class Start(msgspec.Struct, tag=True):
+    rank: int
+    argv: list[str]  # after `python -m mlxd.engine`
+    env: dict[str, str]  # mx.distributed's and the group's variables, the hostfile's aside
+    hostfile: str | None  # the ring's hostfile, written on the agent's host
+
+
+class Line(msgspec.Struct, tag=True):
+    text: str  # a line of the rank's log
+
+
+class Exited(msgspec.Struct, tag=True):
+    code: int
+
+
+Message = Challenge | Proof | Welcome | Refused | Reserve | Reserved | Start | Line | Exited
+_encoder = msgspec.msgpack.Encoder()
+
+
+async def send(writer: asyncio.StreamWriter, message: msgspec.Struct) -> None:
+    data = _encoder.encode(message)
+    writer.write(HEADER.pack(len(data)) + data)
+    await writer.drain()
+
+
+async def recv(reader: asyncio.StreamReader) -> Any:
+    """The next message; EOFError when the peer has gone or sent what is not one."""
+    try:
+        (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+        if size > MAX_FRAME:
+            raise EOFError(f"a frame of {size} bytes")
+        return msgspec.msgpack.decode(await reader.readexactly(size), type=Message)
+    except (asyncio.IncompleteReadError, ConnectionError) as exc:
+        raise EOFError("the peer closed the connection") from exc
+    except msgspec.DecodeError as exc:
+        raise EOFError(f"not a message: {exc}") from exc
+
+
+def nonce() -> bytes:
+    return secrets.token_bytes(32)
+
+
+def mac(key: bytes, role: bytes, challenge: bytes) -> bytes:
+    """The proof of holding `key` for `challenge`, bound to who proves it (b"supervisor", b"agent")."""
+    return hmac.new(key, role + challenge, hashlib.sha256).digest()
+
+
+def read_key(path: Path) -> bytes:
+    """The shared key: a private file's stripped contents (OSError or ValueError, said plainly)."""
+    if path.stat().st_mode & 0o077:
+        raise ValueError(f"{path} can be read by other users: chmod 600 it")
+    key = path.read_bytes().strip()
+    if len(key) < 16:
+        raise ValueError(f"{path} holds no key of at least 16 bytes")
+    return key
+
+
+def split_host(entry: str) -> tuple[str, int]:
+    """`IP` or `IP:PORT` of a `hosts` entry (the agent's port by default)."""
+    host, _, port = entry.rpartition(":") if entry.count(":") == 1 else (entry, "", "")
+    return host, int(port) if port else DEFAULT_PORT
