@@ -41,6 +41,7 @@ class Agent:
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
+        ra.keep_alive(writer.get_extra_info("socket"))  # a supervisor whose host vanished ends this too
         proc: asyncio.subprocess.Process | None = None
         try:
             if not await asyncio.wait_for(self._handshake(reader, writer), HANDSHAKE_S):

@@ -36,6 +36,7 @@ from mlxd.engine.group.pipeline import pipeline
 from mlxd.engine.group.wire import Beat, Hello, Ready, Turn, WireJob, recv, send
 from mlxd.engine.models.loaded_model import LoadedModel, ModelLoadError
 from mlxd.protocol.events import Event
+from mlxd.protocol.rank_agent import keep_alive
 
 log = logging.getLogger("mlxd.engine")
 JOIN_TIMEOUT_S = 300.0  # followers load the model too: as long as a load may take
@@ -134,6 +135,8 @@ class Leader:
                 raise ModelLoadError(f"{self._size - 1 - len(self._peers)} of the group's ranks did not join in "
                                      f"{timeout_s:.0f} s") from None
             peer.settimeout(max(0.1, deadline - time.monotonic()))
+            if self._path is None:
+                keep_alive(peer)  # a rank whose host vanished goes quiet: its heartbeat says so
             try:
                 ready = recv(peer, Ready)
             except (EOFError, OSError) as exc:
@@ -361,6 +364,7 @@ def _connect(control: str, timeout_s: float) -> socket.socket:
                 host, _, port = control.removeprefix("tcp://").rpartition(":")
                 sock = socket.create_connection((host, int(port)), timeout=5)
                 sock.settimeout(None)
+                keep_alive(sock)  # rank 0's host vanished: the connection ends, and so does this rank
                 return sock
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:

@@ -137,6 +137,7 @@ class Agent:
         host, port = ra.split_host(entry)
         reader, writer = await asyncio.open_connection(host, port)
         try:
+            ra.keep_alive(writer.get_extra_info("socket"))
             challenge = await ra.recv(reader)
             if not isinstance(challenge, ra.Challenge):
                 raise EOFError(f"not an mlxd rank agent (it sent {type(challenge).__name__})")
