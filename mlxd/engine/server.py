@@ -24,7 +24,7 @@ from mlxd.engine.gpu.gateway import STOPPING as STOPPING_EVENT
 from mlxd.engine.gpu.gateway import Gateway
 from mlxd.engine.gpu.options import GatewayOptions
 from mlxd.engine.gpu.stats import Stats
-from mlxd.engine.group.ranks import Leader, follow, shard
+from mlxd.engine.group.ranks import Leader, follow, kept_line, splitter
 from mlxd.engine.http.app import make_app
 from mlxd.engine.models.load_meter import LoadMeter
 from mlxd.engine.models.loaded_model import LoadedModel
@@ -133,11 +133,12 @@ async def run(settings: EngineSettings, sock: socket.socket, parent: int, group:
     stats = Stats()
     meter = LoadMeter()
     def load() -> LoadedModel:
-        loaded = LoadedModel(settings.model, settings.model_id, settings.max_context, meter)
+        split = splitter(group, settings.group_mode) if group is not None else None
+        loaded = LoadedModel(settings.model, settings.model_id, settings.max_context, meter, split)
         if settings.defaults is not None:
             loaded.configured = settings.defaults
         if group is not None:
-            shard(loaded, group, settings.group_mode)
+            log.info(kept_line(0, loaded.model))
         return loaded
 
     def load_embedder() -> EmbeddingModel:
@@ -258,8 +259,9 @@ def follow_rank0(settings: EngineSettings, group: Any) -> int:
     assert settings.group_control is not None
     shard_or_error: LoadedModel | str
     try:
-        shard_or_error = LoadedModel(settings.model, settings.model_id, settings.max_context)
-        shard(shard_or_error, group, settings.group_mode)
+        shard_or_error = LoadedModel(settings.model, settings.model_id, settings.max_context,
+                                     split=splitter(group, settings.group_mode))
+        log.info(kept_line(group.rank(), shard_or_error.model))
     except Exception as exc:  # any: rank 0 names it in its load error
         log.error("rank %d: model load failed: %s", group.rank(), exc)
         shard_or_error = str(exc) or type(exc).__name__

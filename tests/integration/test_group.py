@@ -77,6 +77,20 @@ def chat(engine: EngineProcess, content: str, **body: Any) -> str:
     return str(answer["choices"][0]["message"]["content"])
 
 
+def kept_mb(rank: EngineProcess, n: int, what: str = "keeps") -> float:
+    [(kept, peak)] = re.findall(rf"rank {n} keeps ([\d.]+) MB of the model's weights \(at most ([\d.]+) MB", rank.log())
+    return float(kept if what == "keeps" else peak)
+
+
+def weights_mb(model: Path) -> float:
+    return sum(f.stat().st_size for f in model.glob("*.safetensors")) / 1e6
+
+
+def test_each_rank_reads_only_its_part_of_the_weights(group: EngineProcess, tiny_model: Path) -> None:
+    # tensor parallel: the projections halved; the embeddings and norms whole on each rank
+    assert kept_mb(group, 0) < 0.8 * weights_mb(tiny_model)
+
+
 def test_a_group_answers_as_one_engine_alone_and_batched(group: EngineProcess, alone: EngineProcess) -> None:
     assert chat(group, "Tell me about the sea.") == chat(alone, "Tell me about the sea.")
     prompts = [f"Story number {i}, please." for i in range(4)]
@@ -279,6 +293,10 @@ def test_a_llama_pipeline_of_uneven_halves_answers_as_one_engine(tmp_path: Path)
         assert "rank 1 of 2 (ring, pipeline)" in rank1.log()
         assert "pipeline: rank 0 runs layers 1-2 of 3" in rank0.log()
         assert "pipeline: rank 1 runs layers 0-0 of 3" in rank1.log()
+        kept = [kept_mb(rank0, 0), kept_mb(rank1, 1)]
+        assert kept[1] < kept[0] < weights_mb(llama)  # each its layers (and both the embeddings)
+        # the split comes before the read: rank 1 never held the layers it does not run
+        assert kept_mb(rank1, 1, "peak") < 0.75 * weights_mb(llama)
 
 
 def test_uneven_pipeline_ranks_evict_the_same_prompt_cache_entries(tmp_path: Path) -> None:

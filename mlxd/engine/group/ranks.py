@@ -26,6 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 import msgspec
+from mlx.utils import tree_flatten
 
 from mlxd.engine.cache.prefix_cache import PrefixCache, cache_nbytes
 from mlxd.engine.gpu.job import Job, PrefillGroup
@@ -68,22 +69,37 @@ class GroupTicket:
             self.inner.emit(event)
 
 
-def shard(loaded: LoadedModel, group: Any, mode: str) -> None:
-    """Split `loaded`'s weights over `group` as mlx-lm's models do (tensor: `shard`; pipeline:
-    `model.pipeline`); a model that cannot be split so is a load error that says why."""
-    model, size = loaded.model, group.size()
-    if mode == "pipeline":
-        pipeline(model, group)
-    else:
+def splitter(group: Any, mode: str) -> Callable[[Any, dict[str, Any]], None]:
+    """How to split a lazily loaded model over `group` before its weights are read, as mlx-lm's
+    models do (tensor: `shard`; pipeline: `pipeline.py`), so that each rank reads only its part;
+    a model that cannot be split so is a load error that says why."""
+    def split(model: Any, config: dict[str, Any]) -> None:
+        size = group.size()
+        if mode == "pipeline":
+            pipeline(model, group)
+            return
         if not hasattr(model, "shard"):
-            raise ModelLoadError(f"{loaded.config.get('model_type')} models cannot be split tensor-parallel by mlx-lm")
-        heads = loaded.config.get("num_attention_heads", 0)
-        kv_heads = loaded.config.get("num_key_value_heads", heads)
+            raise ModelLoadError(f"{config.get('model_type')} models cannot be split tensor-parallel by mlx-lm")
+        heads = config.get("num_attention_heads", 0)
+        kv_heads = config.get("num_key_value_heads", heads)
         if heads % size or kv_heads % size:
             raise ModelLoadError(f"the model's {heads} attention heads ({kv_heads} for keys and values) do not split "
                                  f"over {size} ranks")
         model.shard(group)
-    mx.eval(model.parameters())
+
+    return split
+
+
+def kept_line(rank: int, model: Any) -> str:
+    """What a rank holds once split, and the most it held while reading (about its part, not
+    the whole model: the split came before the read)."""
+    return (f"rank {rank} keeps {kept_bytes(model) / 1e6:.2f} MB of the model's weights "
+            f"(at most {mx.get_peak_memory() / 1e6:.2f} MB while reading them)")
+
+
+def kept_bytes(model: Any) -> int:
+    arrays: list[Any] = [a for _, a in tree_flatten(model.parameters())]  # type: ignore[str-unpack]
+    return sum(int(a.nbytes) for a in arrays)
 
 
 class Leader:

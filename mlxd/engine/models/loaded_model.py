@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,17 +37,24 @@ class LoadedModel:
     """The weights and tokenizer of one model; runs only on the GPU thread (load) or pure CPU."""
 
     def __init__(
-        self, path: Path, model_id: str, max_context: int | None = None, meter: LoadMeter | None = None
+        self, path: Path, model_id: str, max_context: int | None = None, meter: LoadMeter | None = None,
+        split: Callable[[nn.Module, dict[str, Any]], None] | None = None,
     ) -> None:
+        """`split`: applied to the model before its weights are read (an engine group's rank keeps
+        only its part: group/ranks.py's `splitter`)."""
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} is not an MLX model dir (no config.json)")
         self.vlm: nn.Module | None = None  # a vision-language model's whole mlx-vlm model (models/vision.py)
         self.processor: Any = None  # ... and its processor
         try:
             if vision.is_vlm_dir(path):
+                if split is not None:
+                    raise ModelLoadError("models that take images cannot be split over an engine group yet")
                 self.vlm, self.processor, self.model, self.tokenizer = load_vlm_with_progress(path, meter or LoadMeter())
             else:
-                self.model, self.tokenizer = load_with_progress(path, meter or LoadMeter())
+                self.model, self.tokenizer = load_with_progress(path, meter or LoadMeter(), split)
+        except ModelLoadError:
+            raise
         except vision.VisionExtraMissing as exc:
             raise ModelLoadError(f"cannot load {path}: {exc}") from exc
         except Exception as exc:  # mlx-lm raises many kinds; all mean "cannot load"
@@ -197,9 +205,13 @@ class LoadedModel:
         return str(self.tokenizer.decode(ids))
 
 
-def load_with_progress(path: Path, meter: LoadMeter) -> tuple[nn.Module, TokenizerWrapper]:
-    """mlx-lm's load, its weights read a chunk at a time so that `meter` can say how far it got."""
+def load_with_progress(path: Path, meter: LoadMeter, split: Callable[[nn.Module, dict[str, Any]], None] | None = None,
+                       ) -> tuple[nn.Module, TokenizerWrapper]:
+    """mlx-lm's load, its weights read a chunk at a time so that `meter` can say how far it got
+    (only those `split` leaves the model, when given)."""
     model, config = load_model(path, lazy=True)
+    if split is not None:
+        split(model, text_config(config))
     read_weights(model, meter)
     meter.begin("tokenizer")
     return model, load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
