@@ -25,6 +25,7 @@ import anthropic
 import httpx2 as httpx
 import msgspec
 import openai
+import psutil
 
 from mlxd.protocol.process import SPARE_FLAG
 
@@ -281,6 +282,14 @@ def engine_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(extra)
     return env
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return False
 
 
 def port_open(port: int) -> bool:

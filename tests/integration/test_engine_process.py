@@ -15,7 +15,6 @@ from pathlib import Path
 
 import aiohttp
 import httpx2 as httpx
-import psutil
 import pytest
 
 from mlxd.protocol.exit_codes import ExitCode
@@ -25,6 +24,7 @@ from tests.support import (
     EngineProcess,
     engine_env,
     is_listening,
+    pid_alive,
     private_socket_dir,
     running_engine,
     wait_for,
@@ -171,15 +171,8 @@ def test_engine_exits_within_2s_of_parent_sigkill(tiny_model: Path) -> None:
     parent.kill()
     parent.wait()
     killed_at = time.monotonic()
-    assert wait_for(lambda: not alive(engine_pid), 2.0), "engine outlived its parent by 2 s"
+    assert wait_for(lambda: not pid_alive(engine_pid), 2.0), "engine outlived its parent by 2 s"
     assert time.monotonic() - killed_at <= 2.0
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def test_socket_dir_that_is_not_private_is_refused(tiny_model: Path) -> None:
@@ -258,7 +251,7 @@ def test_engine_whose_parent_dies_during_startup_exits(tiny_model: Path) -> None
     )
     out = subprocess.run([sys.executable, "-c", parent_code], capture_output=True, text=True, check=True)
     engine_pid = int(out.stdout)
-    assert wait_for(lambda: not alive(engine_pid), 10), "engine outlived a parent that died during its startup"
+    assert wait_for(lambda: not pid_alive(engine_pid), 10), "engine outlived a parent that died during its startup"
     assert not is_listening(sock)
 
 

@@ -26,6 +26,7 @@ from tests.support import (
     SupervisorProcess,
     engine_env,
     free_port,
+    pid_alive,
     private_socket_dir,
     running_engine,
     serving,
@@ -260,13 +261,6 @@ def test_the_supervisor_serves_a_group_and_starts_it_again_when_a_rank_dies(
         last = rank_pids(sup, 1)[-1]
         wait_for(lambda: not pid_alive(last), 10)  # no rank outlives the engine the pool stopped
 
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from mlxd.protocol.exit_codes import ExitCode
-from tests.support import NO_EOS, free_port, port_open, serving, terminate, wait_for
+from tests.support import NO_EOS, free_port, pid_alive, port_open, serving, terminate, wait_for
 
 
 def key_file(path: Path, key: str) -> Path:
@@ -51,13 +51,6 @@ def spread(port: int, key: Path) -> str:
 def rank_pids(log: Path) -> list[int]:
     return [int(p) for p in re.findall(r"rank 1 pid (\d+) starting", log.read_text())]
 
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 BODY: dict[str, Any] = {"model": "tiny", "max_tokens": 24, "temperature": 0, "logit_bias": NO_EOS,
