@@ -25,6 +25,7 @@ from mlxd.protocol import rank_agent as ra
 
 log = logging.getLogger("mlxd.rank")
 HANDSHAKE_S = 10.0  # a peer that has not proven itself in this long is dropped
+LINE_LIMIT = 16 << 20  # the longest line of a rank's log relayed (asyncio's default, 64 KiB, ends the read)
 
 
 class Agent:
@@ -43,6 +44,7 @@ class Agent:
         peer = writer.get_extra_info("peername")
         ra.keep_alive(writer.get_extra_info("socket"))  # a supervisor whose host vanished ends this too
         proc: asyncio.subprocess.Process | None = None
+        hostfile: Path | None = None
         try:
             if not await asyncio.wait_for(self._handshake(reader, writer), HANDSHAKE_S):
                 log.warning("refused %s: it does not hold this host's key", peer)
@@ -53,7 +55,15 @@ class Agent:
                     address = writer.get_extra_info("sockname")[0]
                     await ra.send(writer, ra.Reserved(address, _free_port(address)))
                 elif isinstance(message, ra.Start) and proc is None:
-                    proc = await self._start(message, writer)
+                    if message.hostfile is not None:
+                        fd, name = tempfile.mkstemp(prefix="mlxd-ring-", suffix=".json")  # 0600
+                        os.close(fd)
+                        hostfile = Path(name)
+                    try:
+                        proc = await self._start(message, hostfile)
+                    except OSError as exc:
+                        await ra.send(writer, ra.Refused(f"cannot start the rank: {exc}"))
+                        return
                     code = await self._relay(proc, reader, writer)
                     if code is not None:
                         await ra.send(writer, ra.Exited(code))
@@ -70,6 +80,8 @@ class Agent:
                     proc.kill()
                 await proc.wait()
             self._ranks.discard(proc)
+            if hostfile is not None:
+                hostfile.unlink(missing_ok=True)
             writer.close()
 
     def kill_all(self) -> None:
@@ -81,24 +93,25 @@ class Agent:
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         challenge = ra.nonce()
         await ra.send(writer, ra.Challenge(challenge))
-        proof = await ra.recv(reader)
-        if not isinstance(proof, ra.Proof) or not hmac.compare_digest(proof.mac, ra.mac(self._key, b"supervisor", challenge)):
+        proof = await ra.recv(reader, ra.HANDSHAKE_FRAME)
+        host, port = writer.get_extra_info("sockname")[:2]
+        here = f"{host}:{port}".encode()  # the supervisor's proof names the agent it dialed
+        if not isinstance(proof, ra.Proof) or not hmac.compare_digest(
+                proof.mac, ra.mac(self._key, b"supervisor", challenge, proof.nonce, here)):
             await ra.send(writer, ra.Refused("wrong key"))
             return False
-        await ra.send(writer, ra.Welcome(ra.mac(self._key, b"agent", proof.nonce)))
+        await ra.send(writer, ra.Welcome(ra.mac(self._key, b"agent", proof.nonce, challenge, here)))
         return True
 
-    async def _start(self, start: ra.Start, writer: asyncio.StreamWriter) -> asyncio.subprocess.Process:
-        env = {**os.environ, **start.env, "MLXD_PARENT_PID": str(os.getpid())}
-        if start.hostfile is not None:
-            fd, name = tempfile.mkstemp(prefix="mlxd-ring-", suffix=".json")  # 0600
-            with os.fdopen(fd, "w") as f:
-                f.write(start.hostfile)
-            env["MLX_HOSTFILE"] = name
+    async def _start(self, start: ra.Start, hostfile: Path | None) -> asyncio.subprocess.Process:
+        env = {**os.environ, **ra.allowed_env(start.env), "MLXD_PARENT_PID": str(os.getpid())}
+        if hostfile is not None:
+            hostfile.write_text(start.hostfile or "")
+            env["MLX_HOSTFILE"] = str(hostfile)
         argv = [*start.argv, "--parent-pid", str(os.getpid())]  # the last one given wins
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", self._module, *argv, stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env)
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env, limit=LINE_LIMIT)
         self._ranks.add(proc)
         log.info("rank %d pid %d starting", start.rank, proc.pid)
         return proc
@@ -139,5 +152,5 @@ async def run(host: str, port: int, key_file: Path) -> None:
         loop.add_signal_handler(sig, stop.set)
     async with server:
         await stop.wait()
-    agent.kill_all()
+        agent.kill_all()  # before the server's close, which (Python 3.12+) waits for the connections
     log.info("mlxd rank: stopped")

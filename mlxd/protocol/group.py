@@ -3,6 +3,7 @@ weights split between them with mx.distributed (docs/distributed.md)."""
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import socket
 from pathlib import Path
@@ -21,7 +22,15 @@ class GroupSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen
     key_file: str | None = None  # the key the hosts share (default: rank.key in mlxd's data dir)
 
     def __post_init__(self) -> None:
+        if self.mode == "pipeline" and self.backend == "nccl":
+            raise ValueError("MLX's NCCL backend has no send and receive, which a pipeline needs: use mode = "
+                             "\"tensor\" with NCCL")
         if self.hosts is not None:
+            for entry in self.hosts:
+                try:
+                    ipaddress.ip_address(entry.rpartition(":")[0] if entry.count(":") == 1 else entry)
+                except ValueError:
+                    raise ValueError(f"`hosts` entries are IP addresses (IP or IP:PORT): not {entry!r}") from None
             if len(self.hosts) != self.ranks:
                 raise ValueError(f"`hosts` names one host a rank: {len(self.hosts)} hosts for {self.ranks} ranks")
             if ":" in self.hosts[0]:

@@ -24,6 +24,9 @@ import msgspec
 DEFAULT_PORT = 8766
 HEADER = struct.Struct("!I")
 MAX_FRAME = 4 * 1024 * 1024  # a command line, a log line; anything larger is a broken peer
+HANDSHAKE_FRAME = 1024  # what a peer not yet proven may send
+# What a supervisor may set in a rank's environment on the agent's host (nothing that loads code)
+ENV_PREFIXES = ("MLX_", "MLXD_", "NCCL_", "CUDA_VISIBLE_DEVICES", "OPENBLAS_NUM_THREADS")
 
 
 class Challenge(msgspec.Struct, tag=True):
@@ -79,11 +82,11 @@ async def send(writer: asyncio.StreamWriter, message: msgspec.Struct) -> None:
     await writer.drain()
 
 
-async def recv(reader: asyncio.StreamReader) -> Any:
+async def recv(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> Any:
     """The next message; EOFError when the peer has gone or sent what is not one."""
     try:
         (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
-        if size > MAX_FRAME:
+        if size > limit:
             raise EOFError(f"a frame of {size} bytes")
         return msgspec.msgpack.decode(await reader.readexactly(size), type=Message)
     except (asyncio.IncompleteReadError, ConnectionError) as exc:
@@ -96,9 +99,16 @@ def nonce() -> bytes:
     return secrets.token_bytes(32)
 
 
-def mac(key: bytes, role: bytes, challenge: bytes) -> bytes:
-    """The proof of holding `key` for `challenge`, bound to who proves it (b"supervisor", b"agent")."""
-    return hmac.new(key, role + challenge, hashlib.sha256).digest()
+def mac(key: bytes, role: bytes, *parts: bytes) -> bytes:
+    """The proof of holding `key` for `parts` (both sides' challenges, the agent's address as the
+    supervisor dialed it), bound to who proves it (b"supervisor", b"agent"): a proof made for one
+    agent, or one side's proof, cannot be relayed as another."""
+    return hmac.new(key, b"\0".join((role, *parts)), hashlib.sha256).digest()
+
+
+def allowed_env(env: dict[str, str]) -> dict[str, str]:
+    """The variables of a Start an agent passes on (MLX's, NCCL's, mlxd's own)."""
+    return {k: v for k, v in env.items() if k.startswith(ENV_PREFIXES)}
 
 
 def read_key(path: Path) -> bytes:

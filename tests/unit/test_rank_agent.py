@@ -103,3 +103,28 @@ def test_a_peer_that_says_nothing_is_dropped(monkeypatch: pytest.MonkeyPatch) ->
             writer.close()
 
     asyncio.run(main())
+
+
+def test_a_proof_made_for_another_agent_is_refused() -> None:
+    """A listener posing as one agent cannot relay another agent's challenge: the supervisor's
+    proof names the address it dialed, which is not the real agent's."""
+    async def main() -> None:
+        server, port = await serving_agent(KEY)
+        async with server:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            challenge = await ra.recv(reader)
+            ours = ra.nonce()
+            elsewhere = b"127.0.0.1:1"  # what a supervisor dialing the impostor would have signed
+            await ra.send(writer, ra.Proof(ra.mac(KEY, b"supervisor", challenge.nonce, ours, elsewhere), ours))
+            answer = await ra.recv(reader)
+            assert isinstance(answer, ra.Refused) and answer.why == "wrong key"
+            writer.close()
+
+    asyncio.run(main())
+
+
+def test_a_start_passes_on_only_mlx_nccl_and_mlxd_variables() -> None:
+    env = {"MLX_RANK": "1", "NCCL_PORT": "9", "MLXD_GROUP_TOKEN": "t", "CUDA_VISIBLE_DEVICES": "0",
+           "LD_PRELOAD": "/tmp/evil.so", "PYTHONPATH": "/tmp/evil", "PATH": "/tmp"}
+    assert ra.allowed_env(env) == {"MLX_RANK": "1", "NCCL_PORT": "9", "MLXD_GROUP_TOKEN": "t",
+                                   "CUDA_VISIBLE_DEVICES": "0"}

@@ -339,6 +339,10 @@ def test_a_model_served_by_an_engine_group_is_configured_and_checked(tmp_path: P
         tmp_path, '[models.big]\npath = "/m"\ndistributed = {ranks = 2, hosts = ["10.0.0.1:80", "10.0.0.2"]}\n')
     two = load_config(write(tmp_path, '[models.big]\npath = "/m"\n'
                                       'distributed = {ranks = 2, hosts = ["10.0.0.1", "10.0.0.2:9000"]}\n'), explicit=True)
+    assert "IP addresses" in load_error(
+        tmp_path, '[models.big]\npath = "/m"\ndistributed = {ranks = 2, hosts = ["10.0.0.1", "mac-b.local"]}\n')
+    assert "NCCL backend has no send and receive" in load_error(
+        tmp_path, '[models.big]\npath = "/m"\ndistributed = {ranks = 2, backend = "nccl", mode = "pipeline"}\n')
     spread = two.models["big"].distributed
     assert spread is not None and spread.hosts == ["10.0.0.1", "10.0.0.2:9000"]
     assert "ranks" in load_error(tmp_path, '[models.big]\npath = "/m"\ndistributed = {ranks = 1}\n')

@@ -59,6 +59,7 @@ def pipeline(model: Any, group: Any) -> None:
     inner: Any = getattr(model, "model", None)
     if hasattr(inner, "pipeline"):
         inner.pipeline(group)
+        _alike(model)
         _said(inner, group)
         return
     if not _plain_llama(model, inner):
@@ -70,6 +71,16 @@ def pipeline(model: Any, group: Any) -> None:
     model.__class__ = type(f"Pipelined{type(model).__name__}", (_PipelinedModel, type(model)), {})
     inner.pipeline(group)
     _said(inner, group)
+
+
+def _alike(model: Any) -> None:
+    """Every layer's cache of one kind: the ranks' prompt caches weigh an entry as rank 0's does
+    by scaling with the number of layers (ranks.py's `weighed_as`), exact only then. A hybrid
+    (fixed-size state beside growing KV, sliding windows beside full attention) is refused."""
+    kinds = {type(c).__name__ for c in model.make_cache()} if hasattr(model, "make_cache") else set()
+    if len(kinds) > 1:
+        raise ModelLoadError(f"this model mixes layer caches ({', '.join(sorted(kinds))}): mlxd cannot keep a "
+                             "pipeline's prompt caches in step for it yet; use mode = \"tensor\"")
 
 
 def _said(inner: Any, group: Any) -> None:

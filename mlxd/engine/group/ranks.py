@@ -14,7 +14,7 @@ import contextlib
 import hmac
 import logging
 import os
-import select
+import selectors
 import socket
 import threading
 import time
@@ -42,6 +42,8 @@ from mlxd.protocol.rank_agent import keep_alive
 log = logging.getLogger("mlxd.engine")
 JOIN_TIMEOUT_S = 300.0  # followers load the model too: as long as a load may take
 HEARTBEAT_S = 10.0  # a follower not heard from this long ends the group (engine flag --group-heartbeat)
+READY_S = 10.0  # over TCP, a peer that has not said Ready in this long is dropped
+READY_FRAME = 64 * 1024  # ... as is one whose Ready is larger
 TURN_TIMEOUT_S = 120.0  # a turn not finished by every rank this long ends it (--group-turn-timeout)
 
 
@@ -150,18 +152,16 @@ class Leader:
             except TimeoutError:
                 raise ModelLoadError(f"{self._size - 1 - len(self._peers)} of the group's ranks did not join in "
                                      f"{timeout_s:.0f} s") from None
-            peer.settimeout(max(0.1, deadline - time.monotonic()))
-            if self._path is None:
-                keep_alive(peer)  # a rank whose host vanished goes quiet: its heartbeat says so
-            try:
-                ready = recv(peer, Ready)
-            except (EOFError, OSError) as exc:
-                raise ModelLoadError(f"a rank of the group left before it loaded the model: {exc}") from exc
-            assert isinstance(ready, Ready)
-            if self._path is None and not hmac.compare_digest(ready.token, self._token):
-                log.warning("engine group: refused a connection without the group's token")
-                peer.close()
-                continue
+            if self._path is None:  # TCP: anyone may connect; a rank says Ready as it connects
+                ready = self._ready_over_tcp(peer)
+                if ready is None:
+                    continue
+            else:
+                peer.settimeout(max(0.1, deadline - time.monotonic()))
+                try:
+                    ready = recv(peer, Ready)
+                except (EOFError, OSError) as exc:
+                    raise ModelLoadError(f"a rank of the group left before it loaded the model: {exc}") from exc
             if ready.error is not None:
                 raise ModelLoadError(f"rank {ready.rank} could not load the model: {ready.error}")
             peer.settimeout(None)
@@ -172,6 +172,22 @@ class Leader:
             with contextlib.suppress(OSError):
                 self._path.unlink()
         threading.Thread(target=self._watch, name="mlxd-group-watch", daemon=True).start()
+
+    def _ready_over_tcp(self, peer: socket.socket) -> Ready | None:
+        """A TCP peer's Ready if it shows the group's token in time, else None (it is dropped:
+        a port scan, a stale rank of an earlier start)."""
+        peer.settimeout(READY_S)
+        keep_alive(peer)  # a rank whose host vanished goes quiet: its heartbeat says so
+        try:
+            ready = recv(peer, Ready, READY_FRAME)
+            if hmac.compare_digest(ready.token.encode(), self._token.encode()):
+                return ready
+            why = "without the group's token"
+        except (EOFError, OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            why = f"that sent no Ready ({exc or type(exc).__name__})"
+        log.warning("engine group: dropped a connection %s", why)
+        peer.close()
+        return None
 
     def hello(self, options: GatewayOptions, kv_layers: int) -> None:
         """GPU thread, once sized: every rank seeds its sampler alike and serves with these options
@@ -211,13 +227,16 @@ class Leader:
             return
         heard = dict.fromkeys(peers, time.monotonic())
         done = dict.fromkeys(peers, 0)
+        selector = selectors.DefaultSelector()  # not select(): a descriptor past 1023 would raise
+        for peer in peers:
+            selector.register(peer, selectors.EVENT_READ)
         while not self._closing:
             try:
-                readable, _, _ = select.select(peers, [], [], 0.25)
-            except (OSError, ValueError):  # closed under us: we are ending
-                return
+                readable = [key.fileobj for key, _ in selector.select(0.25)]
+            except (OSError, ValueError) as exc:  # closed under us as we end; else we are blind: end
+                return None if self._closing else self._end(f"cannot watch the ranks: {exc}")
             now = time.monotonic()
-            for peer in readable:
+            for peer in readable:  # type: ignore[assignment]
                 try:
                     done[peer] = recv(peer, Beat).turns
                 except (EOFError, OSError, msgspec.DecodeError):

@@ -75,10 +75,10 @@ def send(sock: socket.socket, message: msgspec.Struct) -> None:
     sock.sendall(HEADER.pack(len(data)) + data)
 
 
-def recv(sock: socket.socket, kind: Any) -> Any:
+def recv(sock: socket.socket, kind: Any, limit: int = MAX_FRAME) -> Any:
     """The next frame as `kind`; EOFError when the peer has gone."""
     (size,) = HEADER.unpack(_exactly(sock, HEADER.size))
-    if size > MAX_FRAME:
+    if size > limit:
         raise EOFError(f"a frame of {size} bytes")
     return msgspec.msgpack.decode(_exactly(sock, size), type=kind)
 

@@ -303,8 +303,10 @@ class Engine:
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
                 env={**os.environ, **env, "MLXD_PARENT_PID": str(os.getpid())},
             )
-            if self.ranks is not None:
-                await self.ranks.start(self.options.module, args, dict(self.options.engine_env))
+            if self.ranks is not None and (failed := await self.ranks.start(self.options.module, args,
+                                                                           dict(self.options.engine_env))):
+                await kill_engine(proc, 0.0)
+                self._fail_boot(failed, can_retry=True)
         self.pid = proc.pid
         assert proc.stdout is not None
         self._log_task = asyncio.create_task(self._relay_log(proc.stdout))

@@ -73,25 +73,29 @@ class Ranks:
         self._hostfile.chmod(0o600)
         return None
 
-    async def start(self, module: str, argv: list[str], env: dict[str, str]) -> None:
-        """Ranks 1..N-1 with rank 0's command line."""
+    async def start(self, module: str, argv: list[str], env: dict[str, str]) -> str | None:
+        """Ranks 1..N-1 with rank 0's command line: None, or why another host's could not start."""
         for rank, agent in enumerate(self._agents, 1):
             remote = {k: v for k, v in {**env, **self.env(rank)}.items() if k != "MLX_HOSTFILE"}
             hostfile = self._hostfile.read_text() if self.spec.backend == "ring" else None
-            await agent.start(ra.Start(rank, argv, remote, hostfile))
+            try:
+                await agent.start(ra.Start(rank, argv, remote, hostfile))
+            except OSError as exc:
+                return f"rank {rank}'s host {agent.entry}: {exc}"
             self._logs.append(asyncio.create_task(agent.relay(self.model_id, rank)))
             log.info("[%s] rank %d starting on %s", self.model_id, rank, agent.entry)
         if self.spec.hosts:
-            return
+            return None
         for rank in range(1, self.spec.ranks):
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", module, *argv, stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, limit=1 << 24,
                 env={**os.environ, **env, **self.env(rank), "MLXD_PARENT_PID": str(os.getpid())})
             self._procs.append(proc)
             assert proc.stdout is not None
             self._logs.append(asyncio.create_task(self._relay(rank, proc.stdout)))
             log.info("[%s] rank %d pid %d starting", self.model_id, rank, proc.pid)
+        return None
 
     async def kill(self) -> None:
         """End every rank past 0 now: a rank waiting in a collective heeds only SIGKILL (another
@@ -141,13 +145,13 @@ class Agent:
             challenge = await ra.recv(reader)
             if not isinstance(challenge, ra.Challenge):
                 raise EOFError(f"not an mlxd rank agent (it sent {type(challenge).__name__})")
-            ours = ra.nonce()
-            await ra.send(writer, ra.Proof(ra.mac(key, b"supervisor", challenge.nonce), ours))
+            ours, dialed = ra.nonce(), f"{host}:{port}".encode()
+            await ra.send(writer, ra.Proof(ra.mac(key, b"supervisor", challenge.nonce, ours, dialed), ours))
             welcome = await ra.recv(reader)
             if isinstance(welcome, ra.Refused):
                 raise EOFError(f"it refused us: {welcome.why} (is rank.key the same on both hosts?)")
-            if not isinstance(welcome, ra.Welcome) or not secrets.compare_digest(welcome.mac,
-                                                                                 ra.mac(key, b"agent", ours)):
+            expected = ra.mac(key, b"agent", ours, challenge.nonce, dialed)
+            if not isinstance(welcome, ra.Welcome) or not secrets.compare_digest(welcome.mac, expected):
                 raise EOFError("it does not hold the group's key")
             await ra.send(writer, ra.Reserve())
             reserved = await ra.recv(reader)
@@ -166,12 +170,16 @@ class Agent:
         while True:
             try:
                 message = await ra.recv(self._reader)
-            except (EOFError, OSError):
+            except (EOFError, OSError) as exc:
+                log.info("[%s] rank %d's agent on %s: %s", model_id, rank, self.entry, exc)
                 return
             if isinstance(message, ra.Line):
                 relay_line(model_id, rank, message.text)
             elif isinstance(message, ra.Exited):
                 log.info("[%s] rank %d on %s exited with %d", model_id, rank, self.entry, message.code)
+                return
+            elif isinstance(message, ra.Refused):
+                log.error("[%s] rank %d on %s: %s", model_id, rank, self.entry, message.why)
                 return
 
     def close(self) -> None:
