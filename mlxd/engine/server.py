@@ -24,7 +24,8 @@ from mlxd.engine.gpu.gateway import STOPPING as STOPPING_EVENT
 from mlxd.engine.gpu.gateway import Gateway
 from mlxd.engine.gpu.options import GatewayOptions
 from mlxd.engine.gpu.stats import Stats
-from mlxd.engine.group.ranks import Leader, follow, kept_line, splitter
+from mlxd.engine.group.follower import follow
+from mlxd.engine.group.ranks import Leader, kept_line, splitter
 from mlxd.engine.http.app import make_app
 from mlxd.engine.models.load_meter import LoadMeter
 from mlxd.engine.models.loaded_model import LoadedModel
@@ -138,6 +139,7 @@ async def run(settings: EngineSettings, sock: socket.socket, parent: int, group:
         if settings.defaults is not None:
             loaded.configured = settings.defaults
         if group is not None:
+            loaded.split = f"{settings.group_mode} 0/{group.size()}"
             log.info(kept_line(0, loaded.model))
         return loaded
 
@@ -224,9 +226,8 @@ def gateway_options(settings: EngineSettings) -> GatewayOptions:
     if settings.group_control is None:
         return options
     # What a group's ranks cannot agree on yet (docs/distributed.md): off, and said so.
-    log.info("engine group: no SSD tier, generation checkpoints, speculative decoding, width probe or warm-up yet")
-    return replace(options, ssd_root=None, generation_checkpoint=0, draft=DraftConfig(), width_probe="off",
-                   warmup="off")
+    log.info("engine group: no generation checkpoints, speculative decoding, width probe or warm-up yet")
+    return replace(options, generation_checkpoint=0, draft=DraftConfig(), width_probe="off", warmup="off")
 
 
 def join_group(settings: EngineSettings) -> Any:
@@ -261,12 +262,15 @@ def follow_rank0(settings: EngineSettings, group: Any) -> int:
     try:
         shard_or_error = LoadedModel(settings.model, settings.model_id, settings.max_context,
                                      split=splitter(group, settings.group_mode))
+        shard_or_error.split = f"{settings.group_mode} {group.rank()}/{group.size()}"
         log.info(kept_line(group.rank(), shard_or_error.model))
     except Exception as exc:  # any: rank 0 names it in its load error
         log.error("rank %d: model load failed: %s", group.rank(), exc)
         shard_or_error = str(exc) or type(exc).__name__
     try:
-        return follow(shard_or_error, group.rank(), settings.group_control, heartbeat_s=settings.group_heartbeat_s)
+        own = gateway_options(settings)  # this rank's SSD tier: its own dir, of its own part
+        return follow(shard_or_error, group.rank(), settings.group_control, heartbeat_s=settings.group_heartbeat_s,
+                      ssd=(own.ssd_root, own.ssd_cache_bytes))
     except Exception:
         log.exception("rank %d: the group failed", group.rank())
         return ExitCode.GPU_THREAD_DIED

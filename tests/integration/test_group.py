@@ -308,11 +308,58 @@ def test_uneven_pipeline_ranks_evict_the_same_prompt_cache_entries(tmp_path: Pat
         assert ram["ram_evicted"] >= 1 and ram["tokens_reused"] < 300  # the first ask's entry was gone
 
 
+def ask_long(rank0: EngineProcess) -> tuple[str, int]:
+    """A long prompt's greedy answer and how many of its tokens came from the prompt cache."""
+    answer = rank0.client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Tell me about the sea, " * 20}], "max_tokens": 16,
+        "temperature": 0, "logit_bias": NO_EOS}).json()
+    return answer["choices"][0]["message"]["content"], answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def stopped_in_order(ranks: list[EngineProcess]) -> None:
+    """Rank 0 stops (SIGTERM: its cache to SSD, and the others' by its last turns); the others
+    end on their own once it has gone."""
+    assert ranks[0].stop() == 0
+    wait_for(lambda: ranks[1].proc.poll() is not None, 30, message=ranks[1].log)
+    assert ranks[1].proc.returncode == 0, ranks[1].log()
+
+
+def rank_tier(root: Path, rank: int) -> Path:
+    """Rank `rank`'s SSD tier under `root` (its fingerprint names its part)."""
+    [tier] = [p.parent for p in root.glob("*/fingerprint.json") if json.loads(p.read_text()).get("split") == f"tensor {rank}/2"]
+    return tier
+
+
+def test_each_rank_keeps_its_part_of_the_prompt_cache_on_ssd_and_all_use_it_or_none(
+        tiny_model: Path, alone: EngineProcess, tmp_path: Path) -> None:
+    ssd = ("--ssd-cache-dir", str(tmp_path / "kv"))
+    want = ask_long(alone)[0]
+    with group_of_two(tiny_model, extra=ssd) as ranks:
+        assert ask_long(ranks[0]) == (want, 0)
+        stopped_in_order(ranks)
+    written = [sorted(p.name for p in rank_tier(tmp_path / "kv", r).glob("*.safetensors")) for r in (0, 1)]
+    assert written[0] and written[0] == written[1]  # each rank wrote its part of the same entries
+    with group_of_two(tiny_model, extra=ssd) as ranks:
+        text, cached = ask_long(ranks[0])
+        assert text == want and cached > 100  # every rank restored its part from SSD
+        assert ranks[0].client.get("/admin/stats").json()["prompt_cache"]["hits"]["ssd"] == 1
+        stopped_in_order(ranks)
+    for entry in rank_tier(tmp_path / "kv", 1).glob("*.safetensors"):
+        entry.unlink()  # rank 1 lost its part: rank 0's alone must not be used
+    with group_of_two(tiny_model, extra=ssd) as ranks:
+        assert ask_long(ranks[0]) == (want, 0)
+
+
 def test_an_idle_group_is_unloaded_whole(tiny_model: Path, tmp_path: Path) -> None:
     with serving(tiny_model, "tiny", tmp_path / "data", model_config="idle_ttl_s = 1\ndistributed = {ranks = 2}") as sup:
         answer = sup.client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 4})
         assert answer.status_code == 200
         [follower] = rank_pids(sup, 1)
         wait_for(lambda: not pid_alive(follower), 30, message=sup.log)  # the pool stopped the group for idling
-        engines = {e["model"]: e for e in sup.client.get("/admin/engines").json()["data"]}
-        assert engines["tiny"]["state"] == "stopped"
+
+        def state() -> str:
+            engines = {e["model"]: e for e in sup.client.get("/admin/engines").json()["data"]}
+            return str(engines["tiny"]["state"])
+
+        # the follower ends as rank 0 does, a moment before the engine's owner says stopped
+        wait_for(lambda: state() == "stopped", 10, interval=0.1, message=lambda: f"{state()}\n{sup.log()}")

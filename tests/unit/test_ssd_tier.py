@@ -392,6 +392,21 @@ def test_eviction_over_the_cap_deletes_least_recently_used_first_and_touch_count
     assert tier.stats.evicted == 3
 
 
+def test_pinned_entries_outlive_eviction_over_the_cap(tmp_path: Path) -> None:
+    """An engine group's ranks pin the entries rank 0 may use next: the writer evicts around them."""
+    names = ["a.safetensors", "b.safetensors"]
+    size = 0
+    for i, name in enumerate(names):
+        size = write_entry(tmp_path, name, [i, 10 + i], seed=i)
+        set_mtime(tmp_path / name, 1_000_000 + 1000 * i)  # a oldest
+    tier = SsdTier(tmp_path, cap_bytes=2 * size)
+    tier.pinned = frozenset({"a.safetensors"})
+    assert write_entry(tmp_path, "c.safetensors", [2, 12], seed=2) == size
+    tier.add("c.safetensors", np.asarray([2, 12], dtype=np.int32), size)
+
+    assert sorted(e.name for e in tier.entries()) == ["a.safetensors", "c.safetensors"]  # b went, not a
+
+
 def test_add_drops_files_whose_tokens_are_a_strict_prefix_of_it(tmp_path: Path) -> None:
     entries = {
         "p1.safetensors": [1, 2],

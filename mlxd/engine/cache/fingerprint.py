@@ -31,10 +31,12 @@ TOKENIZER_FILES = (
 )
 
 
-def describe(model_dir: Path, kv_bits: int | None, kv_group_size: int) -> dict[str, Any]:
-    """Everything the fingerprint covers, as JSON-able values."""
+def describe(model_dir: Path, kv_bits: int | None, kv_group_size: int, split: str | None = None) -> dict[str, Any]:
+    """Everything the fingerprint covers, as JSON-able values (`split`: which part of the model an
+    engine group's rank holds, `tensor 1/2`: its KV is of that part only)."""
     config = json.loads((model_dir / "config.json").read_text())
     return {
+        **({"split": split} if split is not None else {}),
         "format": FORMAT,
         "config": config,
         "weights": [_weights_id(p) for p in sorted(model_dir.glob("*.safetensors"))],
@@ -53,9 +55,9 @@ def fingerprint(description: dict[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def tier_dir(root: Path, model_dir: Path, kv_bits: int | None, kv_group_size: int) -> Path:
+def tier_dir(root: Path, model_dir: Path, kv_bits: int | None, kv_group_size: int, split: str | None = None) -> Path:
     """`root/<fingerprint>`, created (0700) with its `fingerprint.json`."""
-    desc = describe(model_dir, kv_bits, kv_group_size)
+    desc = describe(model_dir, kv_bits, kv_group_size, split)
     path = root / fingerprint(desc)
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     note = path / "fingerprint.json"

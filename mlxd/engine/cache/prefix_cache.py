@@ -188,6 +188,9 @@ class PrefixCache:
         self._clock = 0
         self._ram_bytes = 0
         self._writer = Writer(ssd, idle or threading.Event()) if ssd is not None else None
+        # An engine group's ranks see only the SSD entries every rank holds (None: all of them),
+        # in the order rank 0 allowed them; each rank's tier keeps them (group/ranks.py).
+        self.only_disk: dict[str, None] | None = None
         self._copying: list[Entry] = []  # checkpoints whose copies are queued on the GPU (send_checkpoints)
         self._checkpointed: dict[str, Entry] = {}  # the last checkpoints taken, by name (oldest first)
 
@@ -221,6 +224,34 @@ class PrefixCache:
         """How many of `prompt`'s tokens a fetch would serve now (RAM or SSD), counting nothing."""
         return self._best(prompt)[1]
 
+    def disk_candidate(self, prompt: Tokens) -> str | None:
+        """An SSD entry not yet allowed that would serve more of `prompt` than the cache now does
+        (an engine group's rank 0 asks the others whether they hold it)."""
+        allowed, self.only_disk = self.only_disk, None
+        try:
+            best, _ = self._best(prompt)
+        finally:
+            self.only_disk = allowed
+        if isinstance(best, DiskEntry) and (allowed is None or best.name not in allowed):
+            return best.name
+        return None
+
+    def holds(self, name: str) -> bool:
+        """Whether the SSD tier holds `name` whole (its file written and indexed)."""
+        return self.ssd is not None and name in self.ssd
+
+    def allow(self, names: list[str], keep: int = 64) -> None:
+        """Let lookups see these SSD entries (the `keep` last allowed), and keep them on SSD."""
+        allowed = self.only_disk if self.only_disk is not None else {}
+        for name in names:
+            allowed.pop(name, None)
+            allowed[name] = None
+        while len(allowed) > keep:
+            del allowed[next(iter(allowed))]
+        self.only_disk = allowed
+        if self.ssd is not None:
+            self.ssd.pinned = frozenset(allowed)
+
     def _best(self, prompt: Tokens) -> tuple[Entry | DiskEntry | None, int]:
         """The entry, in RAM or on SSD, sharing the longest usable prefix with `prompt`, and its length."""
         query = np.asarray(prompt, dtype=np.int64)
@@ -233,7 +264,7 @@ class PrefixCache:
                 best, best_n = e, n
         if self.ssd is not None:
             for d in self.ssd.entries():
-                if d.name in self._entries:
+                if d.name in self._entries or (self.only_disk is not None and d.name not in self.only_disk):
                     continue
                 n = self._usable(d.tokens, query, limit, d.trimmable)
                 if n > best_n:

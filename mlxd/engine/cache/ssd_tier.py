@@ -81,6 +81,7 @@ class SsdTier:
         self.stats = TierStats()
         self._lock = threading.Lock()
         self._entries: dict[str, DiskEntry] = {}
+        self.pinned: frozenset[str] = frozenset()  # never evicted (an engine group's ranks may use them next)
         self._checker = ThreadPoolExecutor(1, thread_name_prefix="mlxd-ssd-verify")  # a restore's checksum
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._scan()
@@ -164,9 +165,10 @@ class SsdTier:
         while True:
             with self._lock:
                 total = sum(e.size for e in self._entries.values())
-                if total <= self.cap_bytes or not self._entries:
+                evictable = [e for e in self._entries.values() if e.name not in self.pinned]
+                if total <= self.cap_bytes or not evictable:
                     return
-                oldest = min(self._entries.values(), key=lambda e: e.used)
+                oldest = min(evictable, key=lambda e: e.used)
                 self.stats.evicted += 1
             self.remove(oldest.name)
 

@@ -262,7 +262,7 @@ class Gateway:
         self._runner, self.prompt_cache = make_runner(loaded, self._stats, self._options, self.sizing, self.meter,
                                                       self._idle)
         if self.group is not None:
-            self.group.hello(self._options, len(getattr(loaded.model, "layers", ())))
+            self.group.hello(self._options, len(getattr(loaded.model, "layers", ())), self.prompt_cache)
         self.meter.end()
         self.loaded = loaded
         # What exists now (the model, tokenizer, kernels) lives as long as the engine: kept out of

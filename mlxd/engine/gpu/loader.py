@@ -164,7 +164,7 @@ def ssd_tier(loaded: LoadedModel, opts: GatewayOptions) -> SsdTier | None:
     if opts.ssd_root is None or opts.ssd_cache_bytes == 0 or opts.prompt_cache_bytes == 0:
         return None
     try:
-        root = tier_dir(opts.ssd_root, loaded.path, opts.kv_bits, opts.kv_group_size)
+        root = tier_dir(opts.ssd_root, loaded.path, opts.kv_bits, opts.kv_group_size, loaded.split)
         cap = opts.ssd_cache_bytes if opts.ssd_cache_bytes is not None else default_ssd_cache_bytes(root)
         return SsdTier(root, cap)
     except OSError as exc:

@@ -14,6 +14,7 @@ import contextlib
 import hmac
 import logging
 import os
+import queue
 import selectors
 import socket
 import threading
@@ -28,14 +29,14 @@ import mlx.core as mx
 import msgspec
 from mlx.utils import tree_flatten
 
-from mlxd.engine.cache.prefix_cache import PrefixCache, cache_nbytes
+from mlxd.engine.cache.prefix_cache import PrefixCache
+from mlxd.engine.gpu.gateway import Flush
 from mlxd.engine.gpu.job import Job, PrefillGroup
 from mlxd.engine.gpu.options import GatewayOptions
 from mlxd.engine.gpu.sequence import Sequence
-from mlxd.engine.gpu.stats import Stats
 from mlxd.engine.group.pipeline import pipeline
-from mlxd.engine.group.wire import Beat, Hello, Ready, Turn, WireJob, recv, send
-from mlxd.engine.models.loaded_model import LoadedModel, ModelLoadError
+from mlxd.engine.group.wire import Beat, Held, Hello, Query, Ready, Turn, WireJob, recv, send
+from mlxd.engine.models.loaded_model import ModelLoadError
 from mlxd.protocol.events import Event
 from mlxd.protocol.rank_agent import keep_alive
 
@@ -127,6 +128,9 @@ class Leader:
             self._listener.listen(size)
         self._peers: list[socket.socket] = []
         self._ranks: dict[socket.socket, int] = {}
+        self._answers: dict[socket.socket, queue.SimpleQueue[Held]] = {}  # their Held, from the watch thread
+        self._query = 0
+        self._cache: PrefixCache | None = None
         self._sent: deque[tuple[int, float]] = deque()  # GPU thread appends, watch thread pops: turns not
         self._turns = 0  # known finished everywhere, with when they were sent
         self._lost: str | None = None  # why the group cannot go on (the watch thread saw it)
@@ -167,6 +171,7 @@ class Leader:
             peer.settimeout(None)
             self._peers.append(peer)
             self._ranks[peer] = ready.rank
+            self._answers[peer] = queue.SimpleQueue()
         self._listener.close()
         if self._path is not None:
             with contextlib.suppress(OSError):
@@ -189,20 +194,29 @@ class Leader:
         peer.close()
         return None
 
-    def hello(self, options: GatewayOptions, kv_layers: int) -> None:
+    def hello(self, options: GatewayOptions, kv_layers: int, cache: PrefixCache | None = None) -> None:
         """GPU thread, once sized: every rank seeds its sampler alike and serves with these options
-        (`kv_layers`: how many layers' KV rank 0's prompt cache holds an entry of)."""
+        (`kv_layers`: how many layers' KV rank 0's prompt cache holds an entry of). `cache`: rank
+        0's prompt cache, whose SSD entries each turn allows only once every rank holds them."""
         seed = int.from_bytes(os.urandom(8), "little")
         mx.random.seed(seed)
+        self._cache = cache
+        if cache is not None:
+            cache.allow([])
         self._send(Hello(seed, replace(options, probe_dir=None, ssd_root=None), kv_layers))  # its dirs are its own
 
     def turn(self, received: list[Any], stopping: bool) -> None:
         """GPU thread, before a turn: send what it starts from."""
-        jobs = []
+        jobs, new = [], []
+        flush = None
         for seq in received:
             if isinstance(seq, Sequence):
                 jobs.append(self._wire(seq))
+                new.append(seq)
                 self._open[seq.job.ticket.id] = seq  # type: ignore[attr-defined]
+            elif isinstance(seq, Flush):  # a drain's or a stop's: every rank writes its part to SSD
+                flush = seq.timeout_s
+        disk = self._held_everywhere(new)
         cancelled = []
         for job_id, seq in list(self._open.items()):
             ticket = seq.job.ticket
@@ -214,9 +228,44 @@ class Leader:
         if self._group_ids:  # n > 1 requests still running keep their ids
             live = {id(s.job.group) for s in self._open.values() if s.job.group is not None}
             self._group_ids = {k: v for k, v in self._group_ids.items() if k in live}
-        self._send(Turn(jobs, cancelled, stopping))
+        self._send(Turn(jobs, cancelled, stopping, disk=disk, flush=flush))
+        if disk and self._cache is not None:
+            self._cache.allow(disk)
         self._turns += 1
         self._sent.append((self._turns, time.monotonic()))
+
+    def _held_everywhere(self, new: list[Sequence]) -> list[str]:
+        """The SSD entries that would serve more of the new jobs' prompts than the cache now does,
+        kept only if every rank holds its part of them whole (a rank that does not would
+        prefill what the others reuse)."""
+        cache = self._cache
+        if cache is None or cache.ssd is None or not new:
+            return []
+        wanted: list[str] = []
+        for seq in new:
+            name = cache.disk_candidate(seq.job.prompt)
+            if name is not None and name not in wanted:
+                wanted.append(name)
+        if not wanted:
+            return []
+        cache.ssd.pinned = cache.ssd.pinned | set(wanted)  # the writer must not evict them meanwhile
+        wanted = [name for name in wanted if cache.holds(name)]
+        if not wanted or not self._peers:
+            return wanted
+        self._query += 1
+        self._send(Query(self._query, wanted))
+        held = set(wanted)
+        for peer in self._peers:
+            deadline = time.monotonic() + self._turn_timeout_s
+            while True:
+                try:
+                    answer = self._answers[peer].get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    return []  # the watch thread ends the group if that rank is hung
+                if answer.id == self._query:
+                    held &= set(answer.names)
+                    break
+        return [name for name in wanted if name in held]
 
     def _watch(self) -> None:
         """Read the followers' beats; end the group when one goes away (its socket's EOF), falls
@@ -238,9 +287,13 @@ class Leader:
             now = time.monotonic()
             for peer in readable:  # type: ignore[assignment]
                 try:
-                    done[peer] = recv(peer, Beat).turns
+                    message = recv(peer, Beat | Held)
                 except (EOFError, OSError, msgspec.DecodeError):
                     return self._end(f"rank {self._ranks[peer]} went away")
+                if isinstance(message, Held):
+                    self._answers[peer].put(message)
+                else:
+                    done[peer] = message.turns
                 heard[peer] = now
             quiet = min(peers, key=heard.__getitem__)
             if now - heard[quiet] > self._heartbeat_s:
@@ -288,127 +341,3 @@ class Leader:
                 send(peer, message)
             except OSError as exc:
                 raise GroupLost(f"a rank of the group went away: {exc}") from exc
-
-
-def follow(loaded_or_error: LoadedModel | str, rank: int, control: str, connect_s: float = JOIN_TIMEOUT_S,
-           heartbeat_s: float = HEARTBEAT_S) -> int:
-    """A follower's life: report its load to rank 0, then replay rank 0's turns until it stops
-    (0) or goes away (1), beating all along. `loaded_or_error`: its shard, or why it could not
-    load it."""
-    sock = _connect(control, connect_s)
-    token = os.environ.get("MLXD_GROUP_TOKEN", "")
-    if isinstance(loaded_or_error, str):
-        send(sock, Ready(rank, loaded_or_error, token))
-        return 1
-    loaded = loaded_or_error
-    send(sock, Ready(rank, token=token))
-    finished = [0]  # turns replayed, as the beats report it
-    beating = threading.Event()
-    threading.Thread(target=_beat, args=(sock, min(1.0, heartbeat_s / 4), finished, beating),
-                     name="mlxd-group-beat", daemon=True).start()
-    try:
-        return _replay(sock, loaded, rank, finished)
-    finally:
-        beating.set()
-
-
-def _beat(sock: socket.socket, every_s: float, finished: list[int], stop: threading.Event) -> None:
-    """A follower's heartbeat (its own thread: a long turn does not silence it; a stopped or
-    vanished process does)."""
-    while not stop.wait(every_s):
-        try:
-            send(sock, Beat(finished[0]))
-        except OSError:
-            return
-
-
-def _replay(sock: socket.socket, loaded: LoadedModel, rank: int, finished: list[int]) -> int:
-    from mlxd.engine.gpu.loader import patch_model
-    from mlxd.engine.gpu.runner import Runner
-
-    try:
-        hello = recv(sock, Hello | Turn)
-    except EOFError:
-        return 1
-    if not isinstance(hello, Hello):  # rank 0 failed before it served: its closing Turn
-        return 1
-    mx.random.seed(hello.seed)
-    opts = hello.options
-    patch_model(loaded, opts)
-    assert opts.kv_budget_tokens is not None
-    runner = Runner(loaded, Stats(), opts, opts.kv_budget_tokens,
-                    PrefixCache(opts.prompt_cache_bytes, weigh=weighed_as(hello.kv_layers)))
-    open_jobs: dict[int, Sequence] = {}
-    groups: dict[int, PrefillGroup] = {}
-    log.info("rank %d follows rank 0's turns", rank)
-    while True:
-        try:
-            turn = recv(sock, Turn)
-        except (EOFError, OSError):
-            log.error("rank %d: rank 0 went away", rank)
-            return 1
-        assert isinstance(turn, Turn)
-        if turn.stop:
-            return 0
-        for w in turn.jobs:
-            group = None
-            if w.group is not None:
-                group = groups.setdefault(w.group[0], PrefillGroup(size=w.group[1], target=w.group[2]))
-            job = Job(w.prompt, w.max_tokens, w.sampling, w.stops, GroupTicket(None, w.id),  # type: ignore[arg-type]
-                      grammar=held_by(loaded, w), logprobs=w.logprobs, group=group, priority=w.priority,
-                      continues_text=w.continues_text, resumed=w.resumed)
-            open_jobs[w.id] = seq = Sequence(job, loaded.tokenizer, loaded.eos_token_ids)
-            runner.enqueue(seq)
-        for job_id in turn.cancelled:
-            if (gone := open_jobs.get(job_id)) is not None:
-                gone.job.ticket.latched = True  # type: ignore[attr-defined]
-        runner.turn(turn.stopping)
-        finished[0] += 1
-        open_jobs = {k: s for k, s in open_jobs.items() if not s.is_finished}
-        live = {id(s.job.group) for s in open_jobs.values() if s.job.group is not None}
-        groups = {k: g for k, g in groups.items() if id(g) in live}
-
-
-def weighed_as(kv_layers: int) -> Callable[[list[Any]], int]:
-    """A prompt-cache entry's bytes as rank 0 counts them: every rank must evict the same entries
-    at the same turn, or one would reuse a prefix another prefills. A pipeline's ranks hold
-    different numbers of layers (3 over 2: 2 on rank 0, 1 on rank 1); their layers are alike, so
-    an entry's bytes scale exactly with the count."""
-    if not kv_layers:
-        return cache_nbytes
-    return lambda kv: cache_nbytes(kv) * kv_layers // len(kv) if kv else 0
-
-
-def held_by(loaded: LoadedModel, w: WireJob) -> Any:
-    """The job's grammar matcher, compiled here as rank 0 compiled its own, standing where rank
-    0's stood: past a continued reply's delivered tokens (the prompt's last `resumed`)."""
-    if w.grammar is None:
-        return None
-    matcher = loaded.grammars.matcher(w.grammar, "response_format")
-    if w.resumed:
-        matcher.consume_tokens(w.prompt[-w.resumed:])
-    return matcher
-
-
-def _connect(control: str, timeout_s: float) -> socket.socket:
-    """Rank 0's control socket (a path, or tcp://IP:PORT), as soon as it listens."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if control.startswith("tcp://"):
-                host, _, port = control.removeprefix("tcp://").rpartition(":")
-                sock = socket.create_connection((host, int(port)), timeout=5)
-                sock.settimeout(None)
-                keep_alive(sock)  # rank 0's host vanished: the connection ends, and so does this rank
-                return sock
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.connect(control)
-            except OSError:
-                sock.close()
-                raise
-            return sock
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)

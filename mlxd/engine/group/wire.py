@@ -43,6 +43,22 @@ class Turn(msgspec.Struct, array_like=True, tag=True):
     cancelled: list[int]  # ids of jobs whose caller left (or that a drain ended) since the last turn
     stopping: bool
     stop: bool = False  # rank 0 ends: so do the followers
+    disk: list[str] = []  # SSD entries every rank holds: lookups may use them from this turn on
+    flush: float | None = None  # write the RAM prompt cache to SSD first, within this many seconds
+
+
+class Query(msgspec.Struct, array_like=True, tag=True):
+    """Rank 0, before a turn: which of these SSD entries do you hold whole?"""
+
+    id: int
+    names: list[str]
+
+
+class Held(msgspec.Struct, array_like=True, tag=True):
+    """A follower's answer to a Query (it keeps them on SSD until the next turn that allows some)."""
+
+    id: int
+    names: list[str]
 
 
 class Ready(msgspec.Struct):
@@ -53,7 +69,7 @@ class Ready(msgspec.Struct):
     token: str = ""  # over TCP: the group's token, which the supervisor gave every rank
 
 
-class Beat(msgspec.Struct, array_like=True):
+class Beat(msgspec.Struct, array_like=True, tag=True):
     """A follower, every heartbeat: it is alive, and how many turns it has finished."""
 
     turns: int

@@ -68,6 +68,7 @@ class LoadedModel:
         self.generation_defaults = generation_defaults(path)
         self.configured = sampling.Defaults()  # mlxd's config's defaults for its requests (the engine's --defaults)
         self.drafts: Any = None  # what it drafts with, once opened (spec/drafters.py's DraftSource)
+        self.split: str | None = None  # the part an engine group's rank holds (`tensor 1/2`): its SSD tier's
 
     @property
     def takes_images(self) -> bool:

@@ -21,6 +21,7 @@ from mlxd.protocol.group import GroupSpec, free_port, hostfile_text, rank_env, w
 
 log = logging.getLogger("mlxd.supervisor")
 AGENT_TIMEOUT_S = 10.0  # connecting to another host's agent and its answers
+GRACE_S = 5.0  # after rank 0's end, what the others have to end on their own
 
 
 class Ranks:
@@ -97,11 +98,20 @@ class Ranks:
             log.info("[%s] rank %d pid %d starting", self.model_id, rank, proc.pid)
         return None
 
-    async def kill(self) -> None:
-        """End every rank past 0 now: a rank waiting in a collective heeds only SIGKILL (another
-        host's agent sends it as our connection closes)."""
+    async def kill(self, grace_s: float = GRACE_S) -> None:
+        """End every rank past 0: those that end on their own within `grace_s` (rank 0 has gone;
+        one writing its prompt cache to SSD finishes first), then the rest with SIGKILL (a rank
+        waiting in a collective heeds nothing gentler; another host's agent sends it as our
+        connection closes)."""
         procs, self._procs = self._procs, []
         agents, self._agents = self._agents, []
+        logs, self._logs = self._logs, []
+        waits = [asyncio.ensure_future(proc.wait()) for proc in procs] + [asyncio.ensure_future(asyncio.shield(t))
+                                                                           for t in logs]
+        if waits:
+            _, late = await asyncio.wait(waits, timeout=grace_s)
+            for task in late:
+                task.cancel()
         for proc in procs:
             if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -110,10 +120,9 @@ class Ranks:
             agent.close()
         for proc in procs:
             await proc.wait()
-        for task in self._logs:
+        for task in logs:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self._logs = []
 
     async def _relay(self, rank: int, stream: asyncio.StreamReader) -> None:
         async for raw in stream:
