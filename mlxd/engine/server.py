@@ -196,9 +196,14 @@ async def run(settings: EngineSettings, sock: socket.socket, parent: int, group:
     remove_socket(settings.socket)
     watcher.cancel()
     gateway.stop()  # answer open requests now, so the runner's cleanup finds none waiting
+    if isinstance(gateway, Gateway) and gateway.group is not None and code == ExitCode.OK:
+        await asyncio.to_thread(gateway.join, GROUP_STOP_S)  # its last turn ends the other ranks too
     await runner.cleanup()
     log.info("engine stopped (exit %d)", code)
     return int(code)
+
+
+GROUP_STOP_S = 5.0  # on a stop, what rank 0 waits for its GPU thread's last turn (the others' stop)
 
 
 def gateway_options(settings: EngineSettings) -> GatewayOptions:

@@ -299,7 +299,7 @@ def test_uneven_pipeline_ranks_evict_the_same_prompt_cache_entries(tmp_path: Pat
     comes; rank 1 must too, or it would reuse the first's KV where rank 0 prefills it afresh."""
     llama = build_random_llama(tmp_path / "llama3", num_layers=3, context=4096)
     asks = ["Tell me about the sea, " * 20, "A list of rivers, " * 20, "Tell me about the sea, " * 20]
-    small = ("--prompt-cache-bytes", "250000")
+    small = ("--prompt-cache-bytes", "250000", "--ssd-cache-bytes", "0")  # RAM alone: no SSD hit to mask it
     with running_engine(llama, "tiny", *BATCH, *small) as one:
         want = [chat(one, ask) for ask in asks]
     with group_of_two(llama, extra=("--group-mode", "pipeline", *small)) as (rank0, _):

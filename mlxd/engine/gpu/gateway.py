@@ -211,6 +211,10 @@ class Gateway:
             self.group.adopt(job)
         self._inbox.put(Sequence(job, loaded.tokenizer, loaded.eos_token_ids))
 
+    def join(self, timeout_s: float) -> None:
+        """Wait for the GPU thread to end (an engine group's rank 0: its last turn tells the others)."""
+        self._thread.join(timeout_s)
+
     def stop(self) -> None:
         """Loop thread: end every open request now (503), and tell the GPU thread to finish."""
         if self._is_stopping:
