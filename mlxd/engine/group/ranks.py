@@ -277,8 +277,11 @@ class Leader:
         heard = dict.fromkeys(peers, time.monotonic())
         done = dict.fromkeys(peers, 0)
         selector = selectors.DefaultSelector()  # not select(): a descriptor past 1023 would raise
-        for peer in peers:
-            selector.register(peer, selectors.EVENT_READ)
+        try:
+            for peer in peers:
+                selector.register(peer, selectors.EVENT_READ)
+        except (OSError, ValueError) as exc:  # closed as soon as joined: we are ending
+            return None if self._closing else self._end(f"cannot watch the ranks: {exc}")
         while not self._closing:
             try:
                 readable = [key.fileobj for key, _ in selector.select(0.25)]
