@@ -11,6 +11,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from mlxd.protocol.rank_agent import split_host
+
 
 class GroupSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     ranks: Annotated[int, msgspec.Meta(ge=2, le=16)]
@@ -28,7 +30,7 @@ class GroupSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen
         if self.hosts is not None:
             for entry in self.hosts:
                 try:
-                    ipaddress.ip_address(entry.rpartition(":")[0] if entry.count(":") == 1 else entry)
+                    ipaddress.ip_address(split_host(entry)[0])
                 except ValueError:
                     raise ValueError(f"`hosts` entries are IP addresses (IP or IP:PORT): not {entry!r}") from None
             if len(self.hosts) != self.ranks:

@@ -21,7 +21,18 @@ from mlxd.engine.gpu.job import Job, PrefillGroup
 from mlxd.engine.gpu.sequence import Sequence
 from mlxd.engine.gpu.stats import Stats
 from mlxd.engine.group.ranks import HEARTBEAT_S, JOIN_TIMEOUT_S, GroupTicket
-from mlxd.engine.group.wire import Beat, Held, Hello, Query, Ready, Turn, WireJob, recv, send
+from mlxd.engine.group.wire import (
+    Beat,
+    Held,
+    Hello,
+    Query,
+    Ready,
+    Turn,
+    WireJob,
+    recv,
+    send,
+    tcp_address,
+)
 from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.protocol.rank_agent import keep_alive
 
@@ -156,9 +167,8 @@ def _connect(control: str, timeout_s: float) -> socket.socket:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            if control.startswith("tcp://"):
-                host, _, port = control.removeprefix("tcp://").rpartition(":")
-                sock = socket.create_connection((host, int(port)), timeout=5)
+            if (address := tcp_address(control)) is not None:
+                sock = socket.create_connection(address, timeout=5)
                 sock.settimeout(None)
                 keep_alive(sock)  # rank 0's host vanished: the connection ends, and so does this rank
                 return sock

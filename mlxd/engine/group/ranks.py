@@ -35,7 +35,18 @@ from mlxd.engine.gpu.job import Job, PrefillGroup
 from mlxd.engine.gpu.options import GatewayOptions
 from mlxd.engine.gpu.sequence import Sequence
 from mlxd.engine.group.pipeline import pipeline
-from mlxd.engine.group.wire import Beat, Held, Hello, Query, Ready, Turn, WireJob, recv, send
+from mlxd.engine.group.wire import (
+    Beat,
+    Held,
+    Hello,
+    Query,
+    Ready,
+    Turn,
+    WireJob,
+    recv,
+    send,
+    tcp_address,
+)
 from mlxd.engine.models.loaded_model import ModelLoadError
 from mlxd.protocol.events import Event
 from mlxd.protocol.rank_agent import keep_alive
@@ -115,9 +126,8 @@ class Leader:
         self._turn_timeout_s = turn_timeout_s  # a turn some rank has not finished after this long: hung
         self._token = os.environ.get("MLXD_GROUP_TOKEN", "")  # over TCP, a follower must show it
         self._path: Path | None = None
-        if control.startswith("tcp://"):
-            host, _, port = control.removeprefix("tcp://").rpartition(":")
-            self._listener = socket.create_server((host, int(port)), backlog=size)
+        if (address := tcp_address(control)) is not None:
+            self._listener = socket.create_server(address, backlog=size)
         else:
             self._path = Path(control)
             self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -86,6 +86,14 @@ class Hello(msgspec.Struct, array_like=True, tag=True):
 _encoder = msgspec.msgpack.Encoder()
 
 
+def tcp_address(control: str) -> tuple[str, int] | None:
+    """`tcp://IP:PORT` as (IP, PORT); None for a control socket that is a path."""
+    if not control.startswith("tcp://"):
+        return None
+    host, _, port = control.removeprefix("tcp://").rpartition(":")
+    return host, int(port)
+
+
 def send(sock: socket.socket, message: msgspec.Struct) -> None:
     data = _encoder.encode(message)
     sock.sendall(HEADER.pack(len(data)) + data)
