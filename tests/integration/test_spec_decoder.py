@@ -294,3 +294,45 @@ def test_a_row_plain_on_the_lanes_word_drafts_once_its_own_guesses_come_true(mod
     assert run(spec, 100) == truth
     assert EXPLORE > 100  # without its own evidence it would not have drafted at all
     assert spec.tally.proposed > 0 and spec.tally.accepted > 0
+
+
+def test_a_new_row_opens_at_what_the_lanes_last_row_kept(model: Any) -> None:
+    """A drafter the target never agrees with (a random model's self-draft): the first row learns
+    it by drafting; the next row of the lane opens at that acceptance and checks no draft at
+    all, with mlx-lm's tokens; once the lane has decoded RETRY_TOKENS without checking a draft,
+    a row opens hopeful and drafts again."""
+    from mlxd.engine.spec.pace import Pace, Rates
+    from mlxd.engine.spec.width import ACCEPTANCE_START, RETRY_TOKENS
+
+    truth = greedy(model, PROMPT, 60)
+    rates = Rates()
+    rates.costs = FixedCosts(lambda positions: 1.0 + 0.1 * positions)  # type: ignore[assignment]
+
+    def row(drafter: Any) -> Speculator:
+        cache = make_prompt_cache(model)
+        model(mx.array(PROMPT[:-1])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        spec = Speculator(model, cache, list(PROMPT), Distribution(temp=0.0), [], drafter, 4, 60, rates=rates)
+        spec.pace = Pace(4, timed=False)  # the gate alone, not the windows
+        return spec
+
+    liar = drafters(truth)["liar"]
+    first = row(liar)
+    assert first.acceptance == ACCEPTANCE_START
+    assert run(first, 60) == truth
+    assert first.tally.proposed > 0 and first.tally.accepted == 0
+    assert rates.hope.acceptance is not None and rates.hope.acceptance < ACCEPTANCE_START
+    calls = liar.calls
+    second = row(liar)
+    assert second.acceptance == rates.hope.acceptance
+    assert run(second, 60) == truth
+    assert second.tally.proposed == 0 and liar.calls == calls  # not even asked
+    plain = 1  # rows of the lane decoded plain since the first
+    while (retry := row(liar)).acceptance < ACCEPTANCE_START:
+        assert run(retry, 60) == truth
+        assert retry.tally.proposed == 0
+        plain += 1
+        assert plain * 60 < 2 * RETRY_TOKENS
+    assert plain * 60 >= RETRY_TOKENS  # hope again once the lane decoded RETRY_TOKENS plain
+    assert run(retry, 60) == truth
+    assert retry.tally.proposed > 0

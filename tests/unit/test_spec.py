@@ -580,3 +580,31 @@ def test_a_draft_picks_the_token_the_targets_greedy_sampler_picks_in_bfloat16() 
     target = make_sampler(0.0)(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
     assert mx.argmax(logits, axis=-1).tolist() == [7, 9]
     assert greedy_pick(logits).tolist() == target.tolist() == [0, 9]
+
+
+def test_hope_opens_a_row_where_the_last_one_ended_and_retries_with_backoff() -> None:
+    from mlxd.engine.spec.width import ACCEPTANCE_START, MAX_RETRY_TOKENS, RETRY_TOKENS, Hope
+
+    hope = Hope()
+    assert hope.opening() == ACCEPTANCE_START  # nothing known
+    hope.kept(0.9)
+    assert hope.opening() == 0.9  # a lane whose drafts pay opens rows at their acceptance
+    hope.kept(0.1)
+    hope.plain(RETRY_TOKENS - 1)
+    assert hope.opening() == 0.1  # drafts that were refused: the next row does not draft
+    hope.plain(1)
+    assert hope.opening() == ACCEPTANCE_START  # the lane decoded RETRY_TOKENS plain: hope again, once
+    assert hope.opening() == 0.1
+    hope.kept(0.05)  # the retry was refused too: the next waits twice as long
+    hope.plain(RETRY_TOKENS)
+    assert hope.opening() == 0.05
+    hope.plain(RETRY_TOKENS)
+    assert hope.opening() == ACCEPTANCE_START
+    for _ in range(10):
+        hope.kept(0.0)
+        hope.plain(MAX_RETRY_TOKENS)
+        assert hope.opening() == ACCEPTANCE_START  # never longer than MAX_RETRY_TOKENS
+    hope.kept(ACCEPTANCE_START)  # a row's drafts paid again: the wait starts over
+    hope.kept(0.2)
+    hope.plain(RETRY_TOKENS)
+    assert hope.opening() == ACCEPTANCE_START

@@ -42,7 +42,14 @@ from mlxd.engine.spec.holes import HoleyKV, punch
 from mlxd.engine.spec.ngram import NgramDrafter
 from mlxd.engine.spec.pace import Pace
 from mlxd.engine.spec.serial import Tally
-from mlxd.engine.spec.width import ACCEPTANCE_EMA, ACCEPTANCE_START, Guess, PassCosts, best_width
+from mlxd.engine.spec.width import (
+    ACCEPTANCE_EMA,
+    ACCEPTANCE_START,
+    Guess,
+    Hope,
+    PassCosts,
+    best_width,
+)
 
 MAX_SKIP = 64  # plain steps at most between drafting steps that keep checking nothing
 
@@ -57,6 +64,7 @@ class RowDrafts:
     tally: Tally
     drafter: NgramDrafter = field(default_factory=NgramDrafter)
     acceptance: float = ACCEPTANCE_START  # running share of its drafts kept (width.py prices a pass with it)
+    hope: Hope = field(default_factory=Hope)  # the lane's: what its rows kept (a new row opens at it)
     shadow: Guess | None = None  # a plain step's n-gram guess (width.py)
     watched: bool = False  # its last step was plain and watched: `shadow` says what it could draft now
 
@@ -79,6 +87,7 @@ class RowDrafts:
             if (kept := self.shadow.score(token)) is None:
                 return
             self.acceptance += ACCEPTANCE_EMA * (kept - self.acceptance)
+            self.hope.kept(self.acceptance)
         guess = self.drafter.propose([*self.history(), token], limit + 1)
         self.shadow = Guess(guess) if guess else None
 
@@ -93,6 +102,7 @@ class BatchDrafts:
         self.draft = draft if draft is not None and draft.kind in ("ngram", "self", "model") else None
         self._source = source  # spec/drafters.py's DraftSource (a self-draft's cut model)
         self.rows: dict[int, RowDrafts] = {}
+        self.hope = Hope()  # what the lane's rows kept of their drafts: where a new row's acceptance opens
 
     def attach(self, gen: Any, bank: Any, stack_of: Callable[[int], Any]) -> None:
         """Have `gen` verify its rows' drafts, each row under its adapters (adapter_rows.py)."""
@@ -110,7 +120,7 @@ class BatchDrafts:
                drafting)
 
     def add(self, uid: int, seq: Any) -> None:
-        if self.draft is not None and (drafts := row_drafts_for(seq, self.draft)) is not None:
+        if self.draft is not None and (drafts := row_drafts_for(seq, self.draft, self.hope)) is not None:
             self.rows[uid] = drafts
 
     def prune(self, live: Any) -> None:
@@ -119,7 +129,7 @@ class BatchDrafts:
             del self.rows[uid]
 
 
-def row_drafts_for(seq: Any, draft: DraftConfig) -> RowDrafts | None:
+def row_drafts_for(seq: Any, draft: DraftConfig, hope: Hope | None = None) -> RowDrafts | None:
     """A batch row's drafting (`seq` a gpu/sequence.py Sequence), if it may draft: not with
     images, nor sampled with a seed (its draws must not depend on the batch)."""
     job = seq.job
@@ -130,7 +140,9 @@ def row_drafts_for(seq: Any, draft: DraftConfig) -> RowDrafts | None:
         return None
     if seq.tally is None:
         seq.tally = Tally()  # a row the serial lane handed over keeps its counts
-    return RowDrafts(lambda: seq.history, dist, Pace(draft.num_draft_tokens, timed=False), seq.tally)
+    hope = hope if hope is not None else Hope()
+    return RowDrafts(lambda: seq.history, dist, Pace(draft.num_draft_tokens, timed=False), seq.tally,
+                     acceptance=hope.opening(), hope=hope)
 
 
 def drafting_batch(base: Any) -> Any:
@@ -227,6 +239,8 @@ def drafting_batch(base: Any) -> Any:
                 self._costs.add(positions, now - started)
             for rd, emitted in counts.values():
                 rd.pace.spent(emitted, now - started)
+                if positions == 1:
+                    rd.hope.plain(emitted)
             if counts:  # a step of rows none of which may draft (opted out) says nothing of drafting
                 self.batch_pace.spent(total, now - started)
 
@@ -389,6 +403,7 @@ def drafting_batch(base: Any) -> Any:
                     rd.pace.verified(len(drafts[i]), len(accepted))
                     if i not in self._forced:  # a guess's record, not the grammar's
                         rd.acceptance += ACCEPTANCE_EMA * (len(accepted) / len(drafts[i]) - rd.acceptance)
+                        rd.hope.kept(rd.acceptance)
                 finish = None
                 for n, (token, lp) in enumerate(zip(emitted, emitted_logprobs, strict=True)):
                     self._num_tokens[i] += 1

@@ -32,7 +32,7 @@ while it is measured to pay (pure code, no MLX).
 
 from __future__ import annotations
 
-from mlxd.engine.spec.width import PassCosts
+from mlxd.engine.spec.width import Hope, PassCosts
 
 COOLDOWN_TOKENS = 16
 MAX_COOLDOWN_TOKENS = 256
@@ -47,15 +47,16 @@ DRAFT, PLAIN = "draft", "plain"
 
 
 class Rates:
-    """Seconds per token of each regime, and what passes cost by their width, as the model's
-    last rows measured them (a lane's)."""
+    """Seconds per token of each regime, what passes cost by their width, and what the model's
+    last rows kept of their drafts, as they measured them (a lane's)."""
 
-    __slots__ = ("costs", "draft", "plain")
+    __slots__ = ("costs", "draft", "hope", "plain")
 
     def __init__(self) -> None:
         self.draft: float | None = None
         self.plain: float | None = None
         self.costs = PassCosts()
+        self.hope = Hope()
 
 
 class Pace:

@@ -35,7 +35,7 @@ from mlxd.engine.spec.accept import Distribution, accept, as_int
 from mlxd.engine.spec.drafters import Drafter
 from mlxd.engine.spec.ngram import NgramDrafter
 from mlxd.engine.spec.pace import Pace, Rates
-from mlxd.engine.spec.width import ACCEPTANCE_EMA, ACCEPTANCE_START, Guess, best_width
+from mlxd.engine.spec.width import ACCEPTANCE_EMA, Guess, best_width
 
 MAX_SKIP = 64  # plain tokens at most between drains that keep finding nothing to check
 Emitted = list[tuple[int, Any]]  # (token, its position's log probabilities over the vocabulary)
@@ -71,8 +71,10 @@ class Speculator:
         self._position = position  # the place in the reply of the next token it emits
         self._ctx: mx.array | None = None  # `tokens` on the device, for the processors (_context)
         self.pace = Pace(num_draft, memory=rates)  # `rates`: what the lane's rows before it measured
-        self._costs = (rates or Rates()).costs  # the lane's calls' seconds by positions fed (width.py)
-        self.acceptance = ACCEPTANCE_START  # running share of this row's (not forced) drafts kept
+        rates = rates or Rates()
+        self._costs = rates.costs  # the lane's calls' seconds by positions fed (width.py)
+        self._hope = rates.hope
+        self.acceptance = self._hope.opening()  # running share of this row's (not forced) drafts kept
         self._forced = False  # the drafts being verified are the grammar's own
         self._cheap = isinstance(drafter, NgramDrafter)  # its guesses cost no pass: it guesses while gated off
         self._shadow: Guess | None = None  # gated off: a guess being scored (width.py)
@@ -116,6 +118,8 @@ class Speculator:
         self._costs.add(proposed + 1, now - started)
         if proposed:
             self.pace.verified(proposed, emitted - 1)
+        else:
+            self._hope.plain(emitted)
         self.pace.spent(emitted, now - started)
 
     def release(self) -> list[Any]:
@@ -185,6 +189,7 @@ class Speculator:
             if (kept := self._shadow.score(token)) is None:
                 return
             self.acceptance += ACCEPTANCE_EMA * (kept - self.acceptance)
+            self._hope.kept(self.acceptance)
             self._shadow = None
             if kept > 0 and self.pace.hearsay and self._pays(self.pace.length) > 0:
                 self.pace.challenge()
@@ -278,4 +283,5 @@ class Speculator:
         self.tally.accepted += n
         if not self._forced:
             self.acceptance += ACCEPTANCE_EMA * (n / m - self.acceptance)
+            self._hope.kept(self.acceptance)
         return [(token, logprobs[j]) for j, token in enumerate(out)]

@@ -24,6 +24,8 @@ from __future__ import annotations
 EMA = 0.2  # weight of the newest step in a width's running mean
 ACCEPTANCE_START = 0.7  # a new row's acceptance: hopeful, so that it drafts and is measured
 ACCEPTANCE_EMA = 0.3  # weight of the newest verification in a row's running acceptance
+RETRY_TOKENS = 512  # tokens a lane decodes without a verification before a new row hopes afresh
+MAX_RETRY_TOKENS = 16384  # ... doubling each time that hope was not borne out
 UNMEASURED_STEP = 0.1  # a pass one position wider than the widest measured: this much more, until measured
 STALE = 256  # steps of other widths after which a width's mean no longer counts: it is measured again
 MAX_JUMP = 2.0  # a step at most this many times a width's mean moves it (one slowed by other work)
@@ -118,3 +120,44 @@ class Guess:
             self.seen += 1
             return None
         return (self.seen + int(right)) / len(self.tokens)
+
+
+class Hope:
+    """A new row's opening acceptance, from what the lane's last rows kept of their drafts.
+
+    Each row used to open at ACCEPTANCE_START, so on a model whose drafts the target never
+    keeps (a self-draft of a random model), every request paid a few verifications before its
+    acceptance fell below what pays: 4% of a 256-token reply on an H100. A row now opens at the
+    acceptance the lane's last rows ended with. A draft model's or a self-draft's row learns its
+    acceptance only by drafting (an n-gram row also scores guesses without a pass), so once the
+    lane has decoded RETRY_TOKENS with no verification, the next row opens hopeful again and
+    drafts; each time such a retry finds nothing worth keeping, the wait doubles (up to
+    MAX_RETRY_TOKENS), and a row that keeps drafts at a rate that pays resets it."""
+
+    __slots__ = ("_idle", "_retry", "acceptance")
+
+    def __init__(self) -> None:
+        self.acceptance: float | None = None  # the last row's, after its last verification or scored guess
+        self._idle = 0  # tokens the lane decoded since
+        self._retry = RETRY_TOKENS
+
+    def opening(self) -> float:
+        """The acceptance a new row starts from."""
+        if self.acceptance is None:
+            return ACCEPTANCE_START
+        if self.acceptance < ACCEPTANCE_START and self._idle >= self._retry:
+            self._idle = 0
+            self._retry = min(MAX_RETRY_TOKENS, self._retry * 2)
+            return ACCEPTANCE_START
+        return self.acceptance
+
+    def kept(self, acceptance: float) -> None:
+        """A row's running acceptance after a verification (or a scored n-gram guess)."""
+        self.acceptance = acceptance
+        self._idle = 0
+        if acceptance >= ACCEPTANCE_START:
+            self._retry = RETRY_TOKENS
+
+    def plain(self, tokens: int) -> None:
+        """The lane decoded `tokens` tokens without checking a draft."""
+        self._idle += tokens
