@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import psutil
+
 from mlxd.protocol import rank_agent as ra
 
 log = logging.getLogger("mlxd.rank")
@@ -29,9 +31,10 @@ LINE_LIMIT = 16 << 20  # the longest line of a rank's log relayed (asyncio's def
 
 
 class Agent:
-    def __init__(self, key: bytes, module: str = "mlxd.engine") -> None:
+    def __init__(self, key: bytes, module: str = "mlxd.engine", memory_cap: int | None = None) -> None:
         self._key = key
         self._module = module  # the engine's module (tests start a faulty one)
+        self._memory_cap = memory_cap  # `--memory-gb`: the most this host gives ranks
         self._ranks: set[asyncio.subprocess.Process] = set()
 
     async def serve(self, host: str, port: int) -> asyncio.Server:
@@ -46,14 +49,16 @@ class Agent:
         proc: asyncio.subprocess.Process | None = None
         hostfile: Path | None = None
         try:
-            if not await asyncio.wait_for(self._handshake(reader, writer), HANDSHAKE_S):
+            sealed = await asyncio.wait_for(self._handshake(reader, writer), HANDSHAKE_S)
+            if sealed is None:
                 log.warning("refused %s: it does not hold this host's key", peer)
                 return
             while True:
-                message = await ra.recv(reader)
+                message = await sealed.recv(reader)
                 if isinstance(message, ra.Reserve):
                     address = writer.get_extra_info("sockname")[0]
-                    await ra.send(writer, ra.Reserved(address, _free_port(address)))
+                    available, total = self._memory()
+                    await sealed.send(writer, ra.Reserved(address, _free_port(address), available, total))
                 elif isinstance(message, ra.Start) and proc is None:
                     if message.hostfile is not None:
                         fd, name = tempfile.mkstemp(prefix="mlxd-ring-", suffix=".json")  # 0600
@@ -62,14 +67,14 @@ class Agent:
                     try:
                         proc = await self._start(message, hostfile)
                     except OSError as exc:
-                        await ra.send(writer, ra.Refused(f"cannot start the rank: {exc}"))
+                        await sealed.send(writer, ra.Refused(f"cannot start the rank: {exc}"))
                         return
-                    code = await self._relay(proc, reader, writer)
+                    code = await self._relay(proc, reader, writer, sealed)
                     if code is not None:
-                        await ra.send(writer, ra.Exited(code))
+                        await sealed.send(writer, ra.Exited(code))
                     return
                 else:
-                    await ra.send(writer, ra.Refused(f"unexpected {type(message).__name__}"))
+                    await sealed.send(writer, ra.Refused(f"unexpected {type(message).__name__}"))
                     return
         except (EOFError, OSError, TimeoutError) as exc:
             log.info("connection from %s ended: %s", peer, exc or type(exc).__name__)
@@ -84,13 +89,24 @@ class Agent:
                 hostfile.unlink(missing_ok=True)
             writer.close()
 
+    def _memory(self) -> tuple[int, int]:
+        """What this host has free for a rank, and in all (both within `--memory-gb`): the
+        supervisor refuses to start a rank here that would not fit."""
+        memory = psutil.virtual_memory()
+        available, total = int(memory.available), int(memory.total)
+        if self._memory_cap is not None:
+            available, total = min(available, self._memory_cap), min(total, self._memory_cap)
+        return available, total
+
     def kill_all(self) -> None:
         for proc in self._ranks:
             if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
 
-    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> ra.Sealed | None:
+        """The supervisor's proof checked and ours sent: the connection's sealed frames from here
+        (None: it does not hold the key)."""
         challenge = ra.nonce()
         await ra.send(writer, ra.Challenge(challenge))
         proof = await ra.recv(reader, ra.HANDSHAKE_FRAME)
@@ -99,9 +115,9 @@ class Agent:
         if not isinstance(proof, ra.Proof) or not hmac.compare_digest(
                 proof.mac, ra.mac(self._key, b"supervisor", challenge, proof.nonce, here)):
             await ra.send(writer, ra.Refused("wrong key"))
-            return False
+            return None
         await ra.send(writer, ra.Welcome(ra.mac(self._key, b"agent", proof.nonce, challenge, here)))
-        return True
+        return ra.Sealed(ra.session_key(self._key, challenge, proof.nonce, here), b"agent", b"supervisor")
 
     async def _start(self, start: ra.Start, hostfile: Path | None) -> asyncio.subprocess.Process:
         env = {**os.environ, **ra.allowed_env(start.env), "MLXD_PARENT_PID": str(os.getpid())}
@@ -117,11 +133,11 @@ class Agent:
         return proc
 
     async def _relay(self, proc: asyncio.subprocess.Process, reader: asyncio.StreamReader,
-                     writer: asyncio.StreamWriter) -> int | None:
+                     writer: asyncio.StreamWriter, sealed: ra.Sealed) -> int | None:
         """The rank's log to the supervisor until it exits (its code), or until the supervisor
         goes (None: the caller kills the rank)."""
         gone = asyncio.ensure_future(reader.read(1))  # the supervisor sends nothing more: any end is its end
-        lines = asyncio.ensure_future(_lines(proc, writer))
+        lines = asyncio.ensure_future(_lines(proc, writer, sealed))
         await asyncio.wait({gone, lines}, return_when=asyncio.FIRST_COMPLETED)
         if gone.done() or lines.exception() is not None:  # sending a line failed: gone too
             lines.cancel()
@@ -130,10 +146,10 @@ class Agent:
         return await proc.wait()
 
 
-async def _lines(proc: asyncio.subprocess.Process, writer: asyncio.StreamWriter) -> None:
+async def _lines(proc: asyncio.subprocess.Process, writer: asyncio.StreamWriter, sealed: ra.Sealed) -> None:
     assert proc.stdout is not None
     async for raw in proc.stdout:
-        await ra.send(writer, ra.Line(raw.decode(errors="replace").rstrip()))
+        await sealed.send(writer, ra.Line(raw.decode(errors="replace").rstrip()))
 
 
 def _free_port(address: str) -> int:
@@ -142,9 +158,9 @@ def _free_port(address: str) -> int:
         return int(s.getsockname()[1])
 
 
-async def run(host: str, port: int, key_file: Path) -> None:
+async def run(host: str, port: int, key_file: Path, memory_cap: int | None = None) -> None:
     """Serve until SIGTERM or SIGINT; the ranks running then are killed."""
-    agent = Agent(ra.read_key(key_file))
+    agent = Agent(ra.read_key(key_file), memory_cap=memory_cap)
     server = await agent.serve(host, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -5,7 +5,9 @@ the supervisor that owns the group connects, and both prove they hold the same k
 the other's random challenge; the key never crosses the network). The supervisor then asks for
 a free port for the ring and starts the host's rank with rank 0's command line; the agent
 relays the rank's log and its exit, and kills it the moment the connection drops, so no rank
-outlives the supervisor that started it. Frames are msgpack, each behind its length.
+outlives the supervisor that started it. Frames are msgpack, each behind its length; after the
+handshake each also carries an HMAC under a key of that connection (`Sealed`), so a frame that
+someone on the link altered, injected, replayed or reordered ends the connection (and the rank).
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ class Reserve(msgspec.Struct, tag=True):
 class Reserved(msgspec.Struct, tag=True):
     address: str  # the agent's side of this connection: the address the other ranks reach
     port: int
+    memory_available: int = 0  # bytes the agent's host has free for its rank (0: not known)
+    memory_total: int = 0
 
 
 class Start(msgspec.Struct, tag=True):
@@ -93,6 +97,54 @@ async def recv(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> Any:
         raise EOFError("the peer closed the connection") from exc
     except msgspec.DecodeError as exc:
         raise EOFError(f"not a message: {exc}") from exc
+
+
+TAG = 32  # an HMAC-SHA256 after each sealed frame
+
+
+class Sealed:
+    """One connection's frames after its handshake, each followed by an HMAC of its payload, its
+    direction and its place in that direction's sequence, under a key only the two ends can
+    derive (`session_key`): a frame is accepted only as the next one its sender sent."""
+
+    def __init__(self, key: bytes, sends: bytes, receives: bytes) -> None:
+        self._key = key
+        self._sends, self._receives = sends, receives  # b"supervisor" or b"agent": who sends each way
+        self._sent = self._received = 0
+
+    def _tag(self, who: bytes, count: int, data: bytes) -> bytes:
+        return hmac.new(self._key, who + b"\0" + count.to_bytes(8, "big") + data, hashlib.sha256).digest()
+
+    async def send(self, writer: asyncio.StreamWriter, message: msgspec.Struct) -> None:
+        data = _encoder.encode(message)
+        tag = self._tag(self._sends, self._sent, data)
+        self._sent += 1
+        writer.write(HEADER.pack(len(data) + TAG) + data + tag)
+        await writer.drain()
+
+    async def recv(self, reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> Any:
+        """The next message; EOFError when the peer has gone, or a frame fails its check."""
+        try:
+            (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+            if size > limit + TAG or size < TAG:
+                raise EOFError(f"a frame of {size} bytes")
+            frame = await reader.readexactly(size)
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            raise EOFError("the peer closed the connection") from exc
+        data, tag = frame[:-TAG], frame[-TAG:]
+        if not hmac.compare_digest(tag, self._tag(self._receives, self._received, data)):
+            raise EOFError("a frame failed its check: altered or injected on the way")
+        self._received += 1
+        try:
+            return msgspec.msgpack.decode(data, type=Message)
+        except msgspec.DecodeError as exc:
+            raise EOFError(f"not a message: {exc}") from exc
+
+
+def session_key(key: bytes, agent_nonce: bytes, supervisor_nonce: bytes, dialed: bytes) -> bytes:
+    """The key of one connection's sealed frames: both challenges and the agent's address, under
+    the shared key (only the two ends that proved they hold it can make it)."""
+    return mac(key, b"session", agent_nonce, supervisor_nonce, dialed)
 
 
 def nonce() -> bytes:

@@ -98,6 +98,9 @@ class EngineRow(msgspec.Struct):
     prompt_cache: PromptCacheStats | None  # the engine's prompt cache (RAM, SSD, hits); None unless serving
     load: LoadProgress | None  # while it starts: phase, done of total (bytes of weights), elapsed since spawn
     sampling: dict[str, float]  # as in /v1/models
+    # An engine group across hosts: each other host's memory, as its `mlxd rank` said at the
+    # group's last start (`memory_estimate_bytes` is one rank's part, booked on this machine)
+    hosts: list[dict[str, Any]] | None = None
 
 
 class EngineList(msgspec.Struct):

@@ -98,3 +98,34 @@ def test_memory_module_imports_no_mlx() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert result.stdout.strip() == "[]"
+
+
+def fake_weights(path: Path, tensors: dict[str, int], layers: int = 4) -> Path:
+    """A model dir whose safetensors header names `tensors` (name: bytes); config with `layers`."""
+    path.mkdir(exist_ok=True)
+    offset, header = 0, {}
+    for name, size in tensors.items():
+        header[name] = {"dtype": "BF16", "shape": [size // 2], "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    (path / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw)
+    (path / "config.json").write_text(json.dumps({"num_hidden_layers": layers, "hidden_size": 64,
+                                                  "num_attention_heads": 4, "num_key_value_heads": 2}))
+    return path
+
+
+def test_a_ranks_share_splits_the_layers_and_keeps_the_rest_whole(tmp_path: Path) -> None:
+    tensors = {"model.embed_tokens.weight": 1000, "lm_head.weight": 1000, "model.norm.weight": 8}
+    tensors |= {f"model.layers.{i}.mlp.up_proj.weight": 2000 for i in range(4)}
+    tensors |= {f"model.layers.{i}.input_layernorm.weight": 8 for i in range(4)}
+    path = fake_weights(tmp_path / "m", tensors)
+    on_disk = sum(tensors.values())
+    whole, layers = 2008, 8032
+    assert footprint.group_share(path, on_disk, 2, "tensor") == (whole + layers // 2, 0.5)
+    assert footprint.group_share(path, on_disk, 4, "tensor") == (whole + layers // 4, 0.25)
+    assert footprint.group_share(path, on_disk, 3, "pipeline") == (whole + layers // 2, 0.5)  # 2 of 4 layers the most
+    weights, share = footprint.group_share(path, 2 * on_disk, 2, "tensor")  # the pool's size is twice the headers'
+    assert (weights, share) == (2 * (whole + layers // 2), 0.5)
+    blank = tmp_path / "blank"
+    blank.mkdir()
+    assert footprint.group_share(blank, 1001, 2, "tensor") == (501, 0.5)  # unreadable: all split, rounded up

@@ -48,8 +48,8 @@ def test_keepalive_is_set_on_a_connection_between_hosts() -> None:
             assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == ra.KEEPALIVE_PROBES
 
 
-async def serving_agent(key: bytes) -> tuple[asyncio.Server, int]:
-    server = await Agent(key).serve("127.0.0.1", 0)
+async def serving_agent(key: bytes, memory_cap: int | None = None) -> tuple[asyncio.Server, int]:
+    server = await Agent(key, memory_cap=memory_cap).serve("127.0.0.1", 0)
     return server, server.sockets[0].getsockname()[1]
 
 
@@ -59,6 +59,7 @@ def test_a_supervisor_with_the_key_gets_a_port_and_one_without_is_refused() -> N
         async with server:
             client = await Client.connect(f"127.0.0.1:{port}", KEY)
             assert client.address == "127.0.0.1" and client.port > 0
+            assert 0 < client.memory_available <= client.memory_total  # this host's, as psutil says
             client.close()
             with pytest.raises(EOFError, match="refused us: wrong key"):
                 await Client.connect(f"127.0.0.1:{port}", b"fedcba9876543210fedcba9876543210")
@@ -128,3 +129,107 @@ def test_a_start_passes_on_only_mlx_nccl_and_mlxd_variables() -> None:
            "LD_PRELOAD": "/tmp/evil.so", "PYTHONPATH": "/tmp/evil", "PATH": "/tmp"}
     assert ra.allowed_env(env) == {"MLX_RANK": "1", "NCCL_PORT": "9", "MLXD_GROUP_TOKEN": "t",
                                    "CUDA_VISIBLE_DEVICES": "0"}
+
+
+def test_new_key_writes_a_private_key_and_keeps_one_that_exists_unless_forced(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from mlxd.cli.rank_cmds import rank
+
+    path = tmp_path / "keys" / "rank.key"
+    runner = CliRunner()
+    got = runner.invoke(rank, ["--new-key", "--key-file", str(path)])
+    assert got.exit_code == 0, got.output
+    first = ra.read_key(path)  # private, long enough
+    assert path.stat().st_mode & 0o777 == 0o600
+    again = runner.invoke(rank, ["--new-key", "--key-file", str(path)])
+    assert again.exit_code == 1
+    assert "already holds a key" in again.output and "--force" in again.output
+    assert ra.read_key(path) == first  # the other hosts' copies still match
+    path.chmod(0o644)
+    forced = runner.invoke(rank, ["--new-key", "--force", "--key-file", str(path)])
+    assert forced.exit_code == 0, forced.output
+    assert ra.read_key(path) != first and path.stat().st_mode & 0o777 == 0o600
+    alone = runner.invoke(rank, ["--force", "--key-file", str(path)])
+    assert alone.exit_code == 2 and "--force goes with --new-key" in alone.output
+
+
+def test_an_agent_says_the_memory_it_gives_ranks_within_its_cap() -> None:
+    async def main() -> None:
+        server, port = await serving_agent(KEY, memory_cap=1_000_000)
+        async with server:
+            client = await Client.connect(f"127.0.0.1:{port}", KEY)
+            assert client.memory_available == client.memory_total == 1_000_000
+            client.close()
+
+    asyncio.run(main())
+
+
+class Pipe:
+    """Both ends of a sealed connection in one process: what one writes the other reads."""
+
+    def __init__(self) -> None:
+        self.reader = asyncio.StreamReader()
+        self.sent: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.sent.append(data)
+
+    async def drain(self) -> None:
+        pass
+
+    def deliver(self, frame: bytes) -> None:
+        self.reader.feed_data(frame)
+
+
+def test_sealed_frames_arrive_only_as_sent_in_their_order() -> None:
+    """After the handshake each frame carries an HMAC of its place in the sequence under the
+    connection's own key: an altered, injected, replayed or reordered frame ends the connection."""
+    key = ra.session_key(KEY, b"a" * 32, b"s" * 32, b"10.0.0.2:8766")
+    assert key != ra.session_key(KEY, b"a" * 32, b"s" * 32, b"10.0.0.3:8766")  # another agent, another key
+
+    async def main() -> None:
+        supervisor, agent = ra.Sealed(key, b"supervisor", b"agent"), ra.Sealed(key, b"agent", b"supervisor")
+        pipe = Pipe()
+        await supervisor.send(pipe, ra.Reserve())  # type: ignore[arg-type]
+        await supervisor.send(pipe, ra.Start(1, ["--model", "m"], {}, None))  # type: ignore[arg-type]
+        first, second = pipe.sent
+        pipe.deliver(first)
+        assert isinstance(await agent.recv(pipe.reader), ra.Reserve)
+        pipe.deliver(first)  # the first again, replayed
+        with pytest.raises(EOFError, match="failed its check"):
+            await agent.recv(pipe.reader)
+
+        agent = ra.Sealed(key, b"agent", b"supervisor")
+        pipe.deliver(second)  # out of order
+        with pytest.raises(EOFError, match="failed its check"):
+            await agent.recv(pipe.reader)
+
+        agent = ra.Sealed(key, b"agent", b"supervisor")
+        pipe.deliver(first)
+        await agent.recv(pipe.reader)
+        forged = bytearray(second)
+        forged[10] ^= 1  # one bit of the command line changed on the way
+        pipe.deliver(bytes(forged))
+        with pytest.raises(EOFError, match="failed its check"):
+            await agent.recv(pipe.reader)
+
+        agent = ra.Sealed(key, b"agent", b"supervisor")
+        pipe.deliver(first)
+        await agent.recv(pipe.reader)
+        pipe.deliver(second)
+        assert (await agent.recv(pipe.reader)).argv == ["--model", "m"]
+
+        back = Pipe()  # the agent's own frame reflected back to it as if the supervisor's
+        await ra.Sealed(key, b"agent", b"supervisor").send(back, ra.Line("x"))  # type: ignore[arg-type]
+        back.deliver(back.sent[0])
+        with pytest.raises(EOFError, match="failed its check"):
+            await ra.Sealed(key, b"agent", b"supervisor").recv(back.reader)
+
+        unsealed = Pipe()  # a plain frame, as before the handshake, where a sealed one is due
+        await ra.send(unsealed, ra.Reserve())  # type: ignore[arg-type]
+        unsealed.deliver(unsealed.sent[0])
+        with pytest.raises(EOFError):
+            await ra.Sealed(key, b"agent", b"supervisor").recv(unsealed.reader)
+
+    asyncio.run(main())

@@ -20,6 +20,7 @@ import psutil
 
 from mlxd.protocol.memory import context_window, kv_bytes_per_token, text_config
 from mlxd.protocol.sizing import Device, Sizing, kv_memory_tokens, size_engine
+from mlxd.supervisor.model_inspect import InspectError, read_header
 
 
 def plan(model_dir: Path, weights_bytes: int, *, max_context: int | None, batch: int | None,
@@ -71,3 +72,47 @@ def _text_config(model_dir: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return text_config(cfg) if isinstance(cfg, dict) else None
+
+
+def group_share(model_dir: Path, weights_bytes: int, ranks: int, mode: str) -> tuple[int, float]:
+    """What the largest rank of an engine group holds: its bytes of the weights, and its share of
+    the KV (and of anything sized like it).
+
+    Each rank splits the model before it reads it (engine/group/). Tensor parallel splits every
+    layer's projections and KV heads N ways; a pipeline gives each rank a run of whole layers, the
+    largest ceil(L/N) of them. What sits outside the layers (the embeddings, the head, the final
+    norm) every rank is taken to hold whole: more than a pipeline's middle ranks keep, the safe
+    side. The layers' part is read from the safetensors headers; a model whose headers cannot be
+    read is taken as all layers."""
+    layers, whole = _layer_bytes(model_dir)
+    cfg = _text_config(model_dir) or {}
+    count = cfg.get("num_hidden_layers")
+    if mode == "pipeline" and isinstance(count, int) and count >= ranks:
+        share = -(-count // ranks) / count
+    else:
+        share = 1 / ranks
+    total = layers + whole
+    if total <= 0:
+        return -(-weights_bytes // ranks), share
+    scale = weights_bytes / total  # the headers' bytes in the measure the pool uses (files on disk)
+    return int((layers * share + whole) * scale), share
+
+
+def _layer_bytes(model_dir: Path) -> tuple[int, int]:
+    """Bytes of the tensors inside the model's repeated layers, and of the rest (0, 0: unreadable)."""
+    layers = whole = 0
+    try:
+        headers = [read_header(f) for f in sorted(model_dir.glob("*.safetensors"))]
+    except InspectError:
+        return 0, 0
+    for header in headers:
+        for name, tensor in header.items():
+            try:
+                start, end = tensor["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                return 0, 0
+            if ".layers." in f".{name}":
+                layers += end - start
+            else:
+                whole += end - start
+    return layers, whole

@@ -30,7 +30,12 @@ from mlxd.supervisor.config import DEFAULT_GATHER_MS, PoolConfig
 from mlxd.supervisor.engines import policy
 from mlxd.supervisor.engines.adapter_mounts import AdapterMounts
 from mlxd.supervisor.engines.engine import Engine, EngineOptions
-from mlxd.supervisor.engines.footprint import default_budget_bytes, estimate_bytes, this_device
+from mlxd.supervisor.engines.footprint import (
+    default_budget_bytes,
+    estimate_bytes,
+    group_share,
+    this_device,
+)
 from mlxd.supervisor.engines.machine_hold import MachineHold
 from mlxd.supervisor.engines.pool_admin import PoolAdmin
 from mlxd.supervisor.engines.spare import Spare
@@ -231,6 +236,8 @@ class Pool:
                             group=entry.distributed)
             engine.spare = self.spare
             slot = Slot(engine, entry, self.memory_estimate(entry), self._configured_ttl(entry), entry.pin)
+            if engine.ranks is not None and engine.ranks.spec.hosts:
+                engine.ranks.host_bytes = slot.memory_bytes  # one rank's part: each other host needs it free
             engine.on_change = lambda: self._on_engine_change(slot)
             self._slots[entry.id] = slot
         return slot
@@ -240,6 +247,14 @@ class Pool:
         (footprint.py), the prompt cache's RAM tier and a draft model's weights."""
         width = None if entry.batch == "auto" else entry.batch
         cache = self.prompt_cache_bytes
+        group = entry.distributed
+        if group is not None and group.hosts:
+            # This machine holds rank 0's part; each other host its own (checked against what its
+            # agent says it has free as the group starts: ranks.py).
+            weights, share = group_share(entry.path, entry.size_bytes, group.ranks, group.mode)
+            kv = estimate_bytes(entry.path, weights, entry.max_context, width, memory_bytes=self.limits.budget_bytes,
+                                prompt_cache_bytes=cache, device=self._device) - weights
+            return weights + int((kv + cache) * share)
         return estimate_bytes(entry.path, entry.size_bytes, entry.max_context, width,
                               memory_bytes=self.limits.budget_bytes, prompt_cache_bytes=cache,
                               device=self._device) + cache + entry.draft_bytes

@@ -37,6 +37,8 @@ class Ranks:
         self._procs: list[asyncio.subprocess.Process] = []
         self._agents: list[Agent] = []  # the other hosts' agents, rank 1 first
         self._logs: list[asyncio.Task[None]] = []
+        self.host_bytes = 0  # what one rank is booked (the pool's estimate for this machine's): each host needs it free
+        self.hosts_memory: list[dict[str, object]] = []  # each other host's memory as its agent said (admin)
 
     @property
     def control(self) -> str:
@@ -63,12 +65,18 @@ class Ranks:
         except (OSError, ValueError) as exc:
             return f"the group's key or this host's address {here}: {exc}"
         self._token = secrets.token_hex(16)
+        self.hosts_memory = []
         for rank, entry in enumerate(self.spec.hosts[1:], 1):
             try:
                 agent = await asyncio.wait_for(Agent.connect(entry, key), AGENT_TIMEOUT_S)
             except (OSError, EOFError, TimeoutError, ValueError) as exc:
                 return f"rank {rank}'s host {entry}: {exc or type(exc).__name__} (is `mlxd rank` running there?)"
             self._agents.append(agent)
+            if self.host_bytes and 0 < agent.memory_available < self.host_bytes:
+                return (f"rank {rank}'s host {entry} has {gb(agent.memory_available)} of memory free, and its part of "
+                        f"the model needs about {gb(self.host_bytes)}")
+            self.hosts_memory.append({"rank": rank, "host": entry, "memory_available": agent.memory_available,
+                                      "memory_total": agent.memory_total})
             addresses.append(f"{agent.address}:{agent.port}")
         self._hostfile.write_text(hostfile_text(addresses))
         self._hostfile.chmod(0o600)
@@ -129,6 +137,10 @@ class Ranks:
             relay_line(self.model_id, rank, raw.decode(errors="replace"))
 
 
+def gb(size: int) -> str:
+    return f"{size / 1e9:.1f} GB"
+
+
 def relay_line(model_id: str, rank: int, line: str) -> None:
     from mlxd.supervisor.engines.engine import TIMESTAMP
 
@@ -139,10 +151,12 @@ class Agent:
     """A connection to `mlxd rank` on another host: one rank of one start of the group."""
 
     def __init__(self, entry: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 reserved: ra.Reserved) -> None:
+                 reserved: ra.Reserved, sealed: ra.Sealed) -> None:
         self.entry = entry
         self.address, self.port = reserved.address, reserved.port  # the ring's address of the rank there
+        self.memory_available, self.memory_total = reserved.memory_available, reserved.memory_total
         self._reader, self._writer = reader, writer
+        self._sealed = sealed
 
     @classmethod
     async def connect(cls, entry: str, key: bytes) -> Agent:
@@ -151,34 +165,35 @@ class Agent:
         reader, writer = await asyncio.open_connection(host, port)
         try:
             ra.keep_alive(writer.get_extra_info("socket"))
-            challenge = await ra.recv(reader)
+            challenge = await ra.recv(reader, ra.HANDSHAKE_FRAME)
             if not isinstance(challenge, ra.Challenge):
                 raise EOFError(f"not an mlxd rank agent (it sent {type(challenge).__name__})")
             ours, dialed = ra.nonce(), f"{host}:{port}".encode()
             await ra.send(writer, ra.Proof(ra.mac(key, b"supervisor", challenge.nonce, ours, dialed), ours))
-            welcome = await ra.recv(reader)
+            welcome = await ra.recv(reader, ra.HANDSHAKE_FRAME)
             if isinstance(welcome, ra.Refused):
                 raise EOFError(f"it refused us: {welcome.why} (is rank.key the same on both hosts?)")
             expected = ra.mac(key, b"agent", ours, challenge.nonce, dialed)
             if not isinstance(welcome, ra.Welcome) or not secrets.compare_digest(welcome.mac, expected):
                 raise EOFError("it does not hold the group's key")
-            await ra.send(writer, ra.Reserve())
-            reserved = await ra.recv(reader)
+            sealed = ra.Sealed(ra.session_key(key, challenge.nonce, ours, dialed), b"supervisor", b"agent")
+            await sealed.send(writer, ra.Reserve())
+            reserved = await sealed.recv(reader)
             if not isinstance(reserved, ra.Reserved):
                 raise EOFError(f"no port reserved ({reserved})")
         except BaseException:
             writer.close()
             raise
-        return cls(entry, reader, writer, reserved)
+        return cls(entry, reader, writer, reserved, sealed)
 
     async def start(self, start: ra.Start) -> None:
-        await ra.send(self._writer, start)
+        await self._sealed.send(self._writer, start)
 
     async def relay(self, model_id: str, rank: int) -> None:
         """The rank's log lines into ours until it exits or the connection ends."""
         while True:
             try:
-                message = await ra.recv(self._reader)
+                message = await self._sealed.recv(self._reader)
             except (EOFError, OSError) as exc:
                 log.info("[%s] rank %d's agent on %s: %s", model_id, rank, self.entry, exc)
                 return

@@ -95,6 +95,7 @@ def engine_info(pool: Pool, slot: Slot, lease: api.Lease | None) -> api.EngineRo
         prompt_cache=engine.prompt_cache if engine.state in SERVING else None,
         load=engine.load_progress(),
         sampling=sampling_of(slot.entry),
+        hosts=list(engine.ranks.hosts_memory) if engine.ranks is not None and engine.ranks.spec.hosts else None,
     )
 
 
