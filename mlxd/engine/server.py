@@ -231,8 +231,8 @@ def gateway_options(settings: EngineSettings) -> GatewayOptions:
     if settings.group_control is None:
         return options
     # What a group's ranks cannot agree on yet (docs/distributed.md): off, and said so.
-    log.info("engine group: no generation checkpoints, speculative decoding, width probe or warm-up yet")
-    return replace(options, generation_checkpoint=0, draft=DraftConfig(), width_probe="off", warmup="off")
+    log.info("engine group: no speculative decoding, width probe or warm-up yet")
+    return replace(options, draft=DraftConfig(), width_probe="off", warmup="off")
 
 
 def join_group(settings: EngineSettings) -> Any:

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import sys
 import time
@@ -18,12 +19,15 @@ from typing import Any
 
 import pytest
 
+from mlxd.engine.cache import kv_files
 from mlxd.engine.models.random_model import build_random_llama
 from mlxd.protocol.exit_codes import ExitCode
+from mlxd.protocol.process import MARKS_HEADER, REPLY_HEADER
 from tests.support import (
     NO_EOS,
     EngineProcess,
     SupervisorProcess,
+    engine_client,
     engine_env,
     free_port,
     pid_alive,
@@ -244,8 +248,18 @@ def test_the_supervisor_serves_a_group_and_starts_it_again_when_a_rank_dies(
         first = client.chat.completions.create(messages=ask, **body).choices[0].message.content  # type: ignore[call-overload]
         assert first == chat(alone, "Tell me about the sea.")
         [follower] = rank_pids(sup, 1)
-        os.kill(follower, signal.SIGKILL)  # rank 0 sees it go and ends: the group is one engine that crashed
-        wait_for(lambda: "[tiny] engine exited with 6" in sup.log(), 30, message=sup.log)
+        # Rank 1 killed mid-stream: rank 0 sees it go and ends, the group is one engine that
+        # crashed, and the reply goes on on the group started again (docs/resume.md).
+        long = {**body, "max_tokens": 300}
+        parts: list[str] = []
+        for chunk in client.chat.completions.create(messages=ask, stream=True, **long):  # type: ignore[call-overload]
+            if chunk.choices and chunk.choices[0].delta.content:
+                if not parts:
+                    os.kill(follower, signal.SIGKILL)
+                parts.append(chunk.choices[0].delta.content)
+        assert "[tiny] engine exited with 6" in sup.log()
+        assert "going on on the next" in sup.log()
+        assert "".join(parts) == chat(alone, "Tell me about the sea.", max_tokens=300)
         again = client.chat.completions.create(messages=ask, **body).choices[0].message.content  # type: ignore[call-overload]
         assert again == first  # served by a new group, both ranks started again
         assert len(rank_pids(sup, 0)) == len(rank_pids(sup, 1)) == 2
@@ -363,3 +377,63 @@ def test_an_idle_group_is_unloaded_whole(tiny_model: Path, tmp_path: Path) -> No
 
         # the follower ends as rank 0 does, a moment before the engine's owner says stopped
         wait_for(lambda: state() == "stopped", 10, interval=0.1, message=lambda: f"{state()}\n{sup.log()}")
+
+
+
+def longest_file_of(tier: Path) -> int:
+    """Tokens of the longest whole file in one rank's SSD tier, from headers (0: none yet)."""
+    best = 0
+    for path in tier.glob("*" + kv_files.SUFFIX):
+        try:
+            best = max(best, len(kv_files.read_header(path).tokens))
+        except (OSError, kv_files.CorruptFile, ValueError):
+            continue  # being written
+    return best
+
+
+def test_a_groups_reply_continued_after_a_rank_died_starts_from_every_ranks_checkpoint(
+        tiny_model: Path, tmp_path: Path) -> None:
+    """Generation checkpoints in a group: each rank writes its part of the running reply's KV
+    every 16 tokens; rank 1 is killed mid-reply (the group ends); the reply continued on a new
+    group restores the checkpoint on every rank, prefills only what followed it, and gives the
+    uninterrupted text."""
+    from tests.integration.test_checkpoints import BODY, marked_ids, read_until
+
+    kv = tmp_path / "kv"
+    args = ("--generation-checkpoint", "16", "--ssd-write-behind", "off", "--ssd-cache-dir", str(kv))
+    with running_engine(tiny_model, "tiny", *BATCH, "--ssd-cache-bytes", "0") as plain:
+        _, want_ids, want_text = marked_ids(plain, BODY)
+        prompt_tokens = plain.client.post("/v1/completions", json=BODY).json()["usage"]["prompt_tokens"]
+    with group_of_two(tiny_model, extra=args) as ranks:
+        with engine_client(ranks[0]) as c, c.stream("POST", "/v1/completions", json={**BODY, "stream": True},
+                                                    headers={MARKS_HEADER: "1"}) as resp:
+            reply = resp.headers[REPLY_HEADER]
+            delivered, text = read_until(resp, 50)
+            for rank in (0, 1):  # both ranks' checkpoints past the 48th token reached the disk
+                wait_for(lambda r=rank: longest_file_of(rank_tier(kv, r)) >= prompt_tokens + 48, 30,  # type: ignore[misc]
+                         message=ranks[rank].log)
+            os.kill(ranks[1].proc.pid, signal.SIGKILL)
+        wait_for(lambda: ranks[0].proc.poll() is not None, 30, message=ranks[0].log)
+    assert delivered == want_ids[:len(delivered)] and want_text.startswith(text)
+    saved = min(longest_file_of(rank_tier(kv, r)) for r in (0, 1))
+    rid, created = reply.split(" ")
+    resume = {**BODY, "resume": {"tokens": delivered, "id": rid, "created": int(created)}}
+    cut = tmp_path / "cut"  # the same, but rank 1's last checkpoint lost (a write cut by the kill)
+    shutil.copytree(kv, cut)
+    tier = rank_tier(cut, 1)
+    [last] = [p for p in tier.glob("*" + kv_files.SUFFIX) if len(kv_files.read_header(p).tokens) == longest_file_of(tier)]
+    last.unlink()
+    left = longest_file_of(tier)
+    assert prompt_tokens <= left < saved  # its first checkpoint, the prompt's, is still there
+    with group_of_two(tiny_model, extra=args) as ranks:
+        rest = ranks[0].client.post("/v1/completions", json=resume).json()
+        stats = ranks[0].client.get("/admin/stats").json()["prompt_cache"]
+    assert stats["hits"]["ssd"] == 1
+    assert stats["tokens_reused"] == min(saved, prompt_tokens + len(delivered) - 1) >= prompt_tokens + 48
+    assert rest["choices"][0]["text"] == want_text
+    with group_of_two(tiny_model, extra=(*args[:-1], str(cut))) as ranks:
+        rest = ranks[0].client.post("/v1/completions", json=resume).json()
+        stats = ranks[0].client.get("/admin/stats").json()["prompt_cache"]
+    assert stats["hits"]["ssd"] == 1  # the longest checkpoint every rank still holds
+    assert stats["tokens_reused"] == left
+    assert rest["choices"][0]["text"] == want_text

@@ -224,17 +224,24 @@ class PrefixCache:
         """How many of `prompt`'s tokens a fetch would serve now (RAM or SSD), counting nothing."""
         return self._best(prompt)[1]
 
-    def disk_candidate(self, prompt: Tokens) -> str | None:
-        """An SSD entry not yet allowed that would serve more of `prompt` than the cache now does
-        (an engine group's rank 0 asks the others whether they hold it)."""
-        allowed, self.only_disk = self.only_disk, None
-        try:
-            best, _ = self._best(prompt)
-        finally:
-            self.only_disk = allowed
-        if isinstance(best, DiskEntry) and (allowed is None or best.name not in allowed):
-            return best.name
-        return None
+    def disk_candidates(self, prompt: Tokens, most: int = 4) -> list[str]:
+        """The SSD entries not yet allowed that would serve more of `prompt` than the cache now
+        does, the longest first, `most` of them (an engine group's rank 0 asks the others which
+        they hold: a rank whose last write was cut, by a crash mid-reply, say, still holds the
+        generation checkpoint before it)."""
+        _, now = self._best(prompt)
+        if self.ssd is None or self.only_disk is None:
+            return []
+        query = np.asarray(prompt, dtype=np.int64)
+        found: list[tuple[int, str]] = []
+        for d in self.ssd.entries():
+            if d.name in self._entries or d.name in self.only_disk:
+                continue
+            n = self._usable(d.tokens, query, len(prompt) - 1, d.trimmable)
+            if n > now:
+                found.append((n, d.name))
+        found.sort(reverse=True)
+        return [name for _, name in found[:most]]
 
     def holds(self, name: str) -> bool:
         """Whether the SSD tier holds `name` whole (its file written and indexed)."""

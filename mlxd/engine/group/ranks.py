@@ -253,9 +253,7 @@ class Leader:
             return []
         wanted: list[str] = []
         for seq in new:
-            name = cache.disk_candidate(seq.job.prompt)
-            if name is not None and name not in wanted:
-                wanted.append(name)
+            wanted += [name for name in cache.disk_candidates(seq.job.prompt) if name not in wanted]
         if not wanted:
             return []
         cache.ssd.pinned = cache.ssd.pinned | set(wanted)  # the writer must not evict them meanwhile
