@@ -18,7 +18,9 @@
 # structured.py on the 1B-shaped model; `grammar`: grammar_step.py, then structured.py. `prefill`: fair_prefill. `load`: issue 14's
 # load_progress.py (mlxd's chunked load against mlx_lm.load, and an engine's load phases) on both.
 # `ck8`, `cut`, `json`, `numerics`: what issues 27 and 29 still lack on a GPU (docs/benchmarks.md:
-# "Still to measure on a GPU"). `group1`: issue 30's group of one rank against a plain engine. The random models need a tokenizer in .device/tok (SmolLM2's:
+# "Still to measure on a GPU"). `group1`: issue 30's group of one rank against a plain engine.
+# `close30` (group1 and ck8) and `close27` (cut, the self-draft and n-gram prose at 8 streams): what
+# the open issues still lack, each in one call. The random models need a tokenizer in .device/tok (SmolLM2's:
 # copy tokenizer.json, tokenizer_config.json and special_tokens_map.json from the model
 # `mlxd import-default` makes) carried with .device/b.
 # Each step has its own time limit; results go to $OUT (or ./h200-out) as one text file a step.
@@ -597,5 +599,25 @@ group1)
   step group1_1b ${LIMIT:-240} python3 benchmarks/group_decode.py --model /tmp/models/l1b --ranks 1 --rounds 5 \
     --max-tokens 256 --streams 8
   ;;
-*) echo "usage: $0 1b|8b|streams|close|close8b|lone|cache|structured|prefill|load|auto|auto8b|ck8|cut|json|numerics|group1" >&2; exit 2 ;;
+close30)
+  # issue 30's group of one rank, then issue 29's checkpoints on against off: one call (under 600 s)
+  model 1b-bf16 /tmp/models/l1b
+  step group1_1b 170 python3 benchmarks/group_decode.py --model /tmp/models/l1b --ranks 1 --rounds 3 \
+    --max-tokens 256 --streams 8
+  model 8b-4bit /tmp/models/l8q
+  step ck8 330 python3 benchmarks/resume.py --phases checkpoint --model /tmp/models/l8q --no-eos \
+    --streams 8 --max-tokens 640 --samples 2 --cuts 0 --prompt-words 1500
+  ;;
+close27)
+  # issue 29's cut, then issue 27's losing cases since new rows open at the lane's acceptance:
+  # the self-draft (lone) and n-gram prose at 8 streams
+  model 8b-4bit /tmp/models/l8q
+  step cut 220 python3 benchmarks/resume.py --phases checkpoint --model /tmp/models/l8q --no-eos \
+    --streams 1 --max-tokens 640 --samples 2 --cut-at 560 --prompt-words 1500
+  step self16 150 python3 benchmarks/speculative.py --model /tmp/models/l8q --draft self:16 --widths 1 --rounds 3 \
+    --max-tokens 256 --workloads prose
+  step prose8 180 python3 benchmarks/speculative.py --model /tmp/models/l8q --widths 8 --rounds 2 \
+    --max-tokens 256 --workloads prose
+  ;;
+*) echo "usage: $0 close30|close27|1b|8b|streams|close|close8b|lone|cache|structured|prefill|load|auto|auto8b|ck8|cut|json|numerics|group1" >&2; exit 2 ;;
 esac

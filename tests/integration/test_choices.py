@@ -61,7 +61,7 @@ def test_completions_keep_one_choice(smol_batch_engine: EngineProcess) -> None:
 
 
 LONG = [{"role": "user", "content": "Here are my notes. " + " ".join(f"Item {i} is a {w}." for i, w in
-                                                                     enumerate(["cat", "dog", "hat", "cup"] * 40))
+                                                                     enumerate(["cat", "dog", "hat", "cup"] * 20))
          + " Which item is first?"}]
 
 
