@@ -38,10 +38,11 @@ def tier_of(kv: Path) -> SsdTier:
     return SsdTier(tier_dir, 1 << 40)
 
 
-def longest_file(kv: Path) -> int:
-    """Tokens of the longest whole file in the tier, read from headers only (0: none yet)."""
+def longest_file(kv: Path, files: str = "*/*") -> int:
+    """Tokens of the longest whole file in the tier, read from headers only (0: none yet);
+    `files`: where under `kv` (one tier's own: "*")."""
     best = 0
-    for p in kv.glob("*/*" + kv_files.SUFFIX):
+    for p in kv.glob(files + kv_files.SUFFIX):
         try:
             best = max(best, len(kv_files.read_header(p).tokens))
         except (OSError, kv_files.CorruptFile, ValueError):

@@ -380,16 +380,12 @@ def test_an_idle_group_is_unloaded_whole(tiny_model: Path, tmp_path: Path) -> No
 
 
 
-def longest_file_of(tier: Path) -> int:
-    """Tokens of the longest whole file in one rank's SSD tier, from headers (0: none yet)."""
-    best = 0
-    for path in tier.glob("*" + kv_files.SUFFIX):
-        try:
-            best = max(best, len(kv_files.read_header(path).tokens))
-        except (OSError, kv_files.CorruptFile, ValueError):
-            continue  # being written
-    return best
 
+def longest_file_of(tier: Path) -> int:
+    """Tokens of the longest whole file in one rank's SSD tier (0: none yet)."""
+    from tests.integration.test_checkpoints import longest_file
+
+    return longest_file(tier, "*")
 
 def test_a_groups_reply_continued_after_a_rank_died_starts_from_every_ranks_checkpoint(
         tiny_model: Path, tmp_path: Path) -> None:
