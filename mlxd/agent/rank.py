@@ -27,7 +27,8 @@ from mlxd.protocol import rank_agent as ra
 
 log = logging.getLogger("mlxd.rank")
 HANDSHAKE_S = 10.0  # a peer that has not proven itself in this long is dropped
-LINE_LIMIT = 16 << 20  # the longest line of a rank's log relayed (asyncio's default, 64 KiB, ends the read)
+LINE_LIMIT = 16 << 20  # the longest line of a rank's log read (asyncio's default, 64 KiB, ends the read)
+LINE_SENT = 1 << 20  # ... and the most of it sent on: a frame past MAX_FRAME would end the connection
 
 
 class Agent:
@@ -149,7 +150,10 @@ class Agent:
 async def _lines(proc: asyncio.subprocess.Process, writer: asyncio.StreamWriter, sealed: ra.Sealed) -> None:
     assert proc.stdout is not None
     async for raw in proc.stdout:
-        await sealed.send(writer, ra.Line(raw.decode(errors="replace").rstrip()))
+        text = raw[:LINE_SENT].decode(errors="replace").rstrip()
+        if len(raw) > LINE_SENT:
+            text += f" ... ({len(raw) - LINE_SENT} more bytes not relayed)"
+        await sealed.send(writer, ra.Line(text))
 
 
 def _free_port(address: str) -> int:

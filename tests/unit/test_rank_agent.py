@@ -233,3 +233,31 @@ def test_sealed_frames_arrive_only_as_sent_in_their_order() -> None:
             await ra.Sealed(key, b"agent", b"supervisor").recv(unsealed.reader)
 
     asyncio.run(main())
+
+
+def test_a_rank_log_line_longer_than_a_frame_is_cut_not_the_connection() -> None:
+    """A rank that prints a 5 MB line (a tensor dumped, say): the supervisor gets its first MB and
+    how much was left out; a frame past MAX_FRAME would have ended the connection, and the rank."""
+    key = ra.session_key(KEY, b"a" * 32, b"s" * 32, b"127.0.0.1:1")
+
+    class Rank:
+        def __init__(self, lines: list[bytes]) -> None:
+            self.stdout = asyncio.StreamReader(limit=agent_mod.LINE_LIMIT)
+            for line in lines:
+                self.stdout.feed_data(line)
+            self.stdout.feed_eof()
+
+    async def main() -> list[str]:
+        pipe = Pipe()
+        big = b"x" * (5 << 20) + b"\n"
+        await agent_mod._lines(Rank([b"loading\n", big]), pipe, ra.Sealed(key, b"agent", b"supervisor"))  # type: ignore[arg-type]
+        supervisor = ra.Sealed(key, b"supervisor", b"agent")
+        for frame in pipe.sent:
+            assert len(frame) <= ra.HEADER.size + ra.MAX_FRAME + ra.TAG
+            pipe.deliver(frame)
+        return [(await supervisor.recv(pipe.reader)).text for _ in pipe.sent]
+
+    first, second = asyncio.run(main())
+    assert first == "loading"
+    assert second.startswith("x" * 1000) and len(second) < 2 << 20
+    assert second.endswith(f"({(5 << 20) + 1 - agent_mod.LINE_SENT} more bytes not relayed)")
