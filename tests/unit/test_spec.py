@@ -608,3 +608,28 @@ def test_hope_opens_a_row_where_the_last_one_ended_and_retries_with_backoff() ->
     hope.kept(0.2)
     hope.plain(RETRY_TOKENS)
     assert hope.opening() == ACCEPTANCE_START
+
+
+def test_a_batch_row_opens_at_what_the_lanes_rows_kept_and_tells_the_lane() -> None:
+    """The batch lane's rows share one Hope: a row joining after rows whose drafts were refused
+    opens at their acceptance, and its own verifications and scored guesses update it."""
+    from types import SimpleNamespace
+
+    from mlxd.engine.spec.batch import BatchDrafts
+    from mlxd.engine.spec.config import DraftConfig
+    from mlxd.engine.spec.width import ACCEPTANCE_START
+
+    def seq() -> SimpleNamespace:
+        sampling = SimpleNamespace(temperature=0.0, top_p=1.0, min_p=0.0, top_k=0, seed=None)
+        job = SimpleNamespace(speculate=True, media=None, sampling=sampling)
+        return SimpleNamespace(job=job, tally=None, history=[1, 2, 3, 1, 2])
+
+    drafts = BatchDrafts(DraftConfig.parse("ngram", 4))
+    drafts.add(1, seq())
+    first = drafts.rows[1]
+    assert first.acceptance == ACCEPTANCE_START  # nothing known yet
+    first.watch(3, 4)  # guesses 1, 2 after [.., 1, 2, 3]
+    first.watch(9, 4)  # refused at once: 0 of 2
+    assert drafts.hope.acceptance == first.acceptance < ACCEPTANCE_START
+    drafts.add(2, seq())
+    assert drafts.rows[2].acceptance == first.acceptance  # the next row opens there
