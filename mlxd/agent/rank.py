@@ -121,7 +121,7 @@ class Agent:
         return ra.Sealed(ra.session_key(self._key, challenge, proof.nonce, here), b"agent", b"supervisor")
 
     async def _start(self, start: ra.Start, hostfile: Path | None) -> asyncio.subprocess.Process:
-        env = {**os.environ, **ra.allowed_env(start.env), "MLXD_PARENT_PID": str(os.getpid())}
+        env = {**os.environ, **ra.rank_env(start.env, self._key), "MLXD_PARENT_PID": str(os.getpid())}
         if hostfile is not None:
             hostfile.write_text(start.hostfile or "")
             env["MLX_HOSTFILE"] = str(hostfile)

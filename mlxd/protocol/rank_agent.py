@@ -29,6 +29,7 @@ MAX_FRAME = 4 * 1024 * 1024  # a command line, a log line; anything larger is a 
 HANDSHAKE_FRAME = 1024  # what a peer not yet proven may send
 # What a supervisor may set in a rank's environment on the agent's host (nothing that loads code)
 ENV_PREFIXES = ("MLX_", "MLXD_", "NCCL_", "CUDA_VISIBLE_DEVICES", "OPENBLAS_NUM_THREADS")
+NONCE_VARIABLE = "MLXD_GROUP_NONCE"  # in a Start: the agent derives the rank's MLXD_GROUP_TOKEN from it
 
 
 class Challenge(msgspec.Struct, tag=True):
@@ -102,24 +103,44 @@ async def recv(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> Any:
 TAG = 32  # an HMAC-SHA256 after each sealed frame
 
 
-class Sealed:
-    """One connection's frames after its handshake, each followed by an HMAC of its payload, its
-    direction and its place in that direction's sequence, under a key only the two ends can
-    derive (`session_key`): a frame is accepted only as the next one its sender sent."""
+class Seal:
+    """The MACs of one connection's frames after its handshake: each frame is followed by an
+    HMAC of its payload, its direction and its place in that direction's sequence, under a key
+    only the two ends can derive, so a frame is accepted only as the next one its sender sent
+    (altered, injected, replayed, reordered or reflected, it fails). `sends`, `receives`: who
+    sends each way (b"supervisor" and b"agent"; b"leader" and b"follower" on an engine group's
+    control socket)."""
 
     def __init__(self, key: bytes, sends: bytes, receives: bytes) -> None:
         self._key = key
-        self._sends, self._receives = sends, receives  # b"supervisor" or b"agent": who sends each way
+        self._sends, self._receives = sends, receives
         self._sent = self._received = 0
 
     def _tag(self, who: bytes, count: int, data: bytes) -> bytes:
         return hmac.new(self._key, who + b"\0" + count.to_bytes(8, "big") + data, hashlib.sha256).digest()
 
-    async def send(self, writer: asyncio.StreamWriter, message: msgspec.Struct) -> None:
-        data = _encoder.encode(message)
+    def sealed(self, data: bytes) -> bytes:
+        """The next outgoing frame: its length, `data`, its tag."""
         tag = self._tag(self._sends, self._sent, data)
         self._sent += 1
-        writer.write(HEADER.pack(len(data) + TAG) + data + tag)
+        return HEADER.pack(len(data) + TAG) + data + tag
+
+    def opened(self, frame: bytes) -> bytes:
+        """The next incoming frame's payload (the length read off); EOFError if it fails its check."""
+        if len(frame) < TAG:
+            raise EOFError(f"a frame of {len(frame)} bytes")
+        data, tag = frame[:-TAG], frame[-TAG:]
+        if not hmac.compare_digest(tag, self._tag(self._receives, self._received, data)):
+            raise EOFError("a frame failed its check: altered or injected on the way")
+        self._received += 1
+        return data
+
+
+class Sealed(Seal):
+    """The agent's connection after its handshake (asyncio streams)."""
+
+    async def send(self, writer: asyncio.StreamWriter, message: msgspec.Struct) -> None:
+        writer.write(self.sealed(_encoder.encode(message)))
         await writer.drain()
 
     async def recv(self, reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> Any:
@@ -131,10 +152,7 @@ class Sealed:
             frame = await reader.readexactly(size)
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             raise EOFError("the peer closed the connection") from exc
-        data, tag = frame[:-TAG], frame[-TAG:]
-        if not hmac.compare_digest(tag, self._tag(self._receives, self._received, data)):
-            raise EOFError("a frame failed its check: altered or injected on the way")
-        self._received += 1
+        data = self.opened(frame)
         try:
             return msgspec.msgpack.decode(data, type=Message)
         except msgspec.DecodeError as exc:
@@ -145,6 +163,13 @@ def session_key(key: bytes, agent_nonce: bytes, supervisor_nonce: bytes, dialed:
     """The key of one connection's sealed frames: both challenges and the agent's address, under
     the shared key (only the two ends that proved they hold it can make it)."""
     return mac(key, b"session", agent_nonce, supervisor_nonce, dialed)
+
+
+def group_token(key: bytes, nonce: str) -> str:
+    """An engine group's token, the key of its control socket: what the supervisor gives rank 0
+    and each other host's agent derives from the start's public nonce for its rank, so that the
+    token itself never crosses the network."""
+    return mac(key, b"group", nonce.encode()).hex()
 
 
 def nonce() -> bytes:
@@ -159,8 +184,18 @@ def mac(key: bytes, role: bytes, *parts: bytes) -> bytes:
 
 
 def allowed_env(env: dict[str, str]) -> dict[str, str]:
-    """The variables of a Start an agent passes on (MLX's, NCCL's, mlxd's own)."""
-    return {k: v for k, v in env.items() if k.startswith(ENV_PREFIXES)}
+    """The variables of a Start an agent passes on (MLX's, NCCL's, mlxd's own), the group's
+    token aside: the agent derives it (`rank_env`)."""
+    return {k: v for k, v in env.items() if k.startswith(ENV_PREFIXES) and k not in ("MLXD_GROUP_TOKEN", NONCE_VARIABLE)}
+
+
+def rank_env(env: dict[str, str], key: bytes) -> dict[str, str]:
+    """What an agent gives the rank a Start asks for: the allowed variables, and the group's
+    token derived under its key from the Start's nonce."""
+    allowed = allowed_env(env)
+    if nonce_ := env.get(NONCE_VARIABLE):
+        allowed["MLXD_GROUP_TOKEN"] = group_token(key, nonce_)
+    return allowed
 
 
 def read_key(path: Path) -> bytes:

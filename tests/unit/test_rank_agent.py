@@ -124,11 +124,18 @@ def test_a_proof_made_for_another_agent_is_refused() -> None:
     asyncio.run(main())
 
 
-def test_a_start_passes_on_only_mlx_nccl_and_mlxd_variables() -> None:
-    env = {"MLX_RANK": "1", "NCCL_PORT": "9", "MLXD_GROUP_TOKEN": "t", "CUDA_VISIBLE_DEVICES": "0",
+def test_a_start_passes_on_only_mlx_nccl_and_mlxd_variables_and_the_token_derived_here() -> None:
+    """The group's token never crosses the network: a Start carries a nonce, and the agent gives
+    its rank the token derived from it under the shared key, as the supervisor gave rank 0."""
+    env = {"MLX_RANK": "1", "NCCL_PORT": "9", ra.NONCE_VARIABLE: "n1", "CUDA_VISIBLE_DEVICES": "0",
            "LD_PRELOAD": "/tmp/evil.so", "PYTHONPATH": "/tmp/evil", "PATH": "/tmp"}
-    assert ra.allowed_env(env) == {"MLX_RANK": "1", "NCCL_PORT": "9", "MLXD_GROUP_TOKEN": "t",
-                                   "CUDA_VISIBLE_DEVICES": "0"}
+    token = ra.group_token(KEY, "n1")
+    assert ra.rank_env(env, KEY) == {"MLX_RANK": "1", "NCCL_PORT": "9", "MLXD_GROUP_TOKEN": token,
+                                     "CUDA_VISIBLE_DEVICES": "0"}
+    assert token not in repr(env) and token != ra.group_token(KEY, "n2") != ra.group_token(b"another key", "n1")
+    sent = {**env, "MLXD_GROUP_TOKEN": "chosen by whoever sent the Start"}
+    assert ra.rank_env(sent, KEY)["MLXD_GROUP_TOKEN"] == token
+    assert "MLXD_GROUP_TOKEN" not in ra.rank_env({"MLX_RANK": "1", "MLXD_GROUP_TOKEN": "t"}, KEY)
 
 
 def test_new_key_writes_a_private_key_and_keeps_one_that_exists_unless_forced(tmp_path: Path) -> None:
@@ -261,3 +268,31 @@ def test_a_rank_log_line_longer_than_a_frame_is_cut_not_the_connection() -> None
     assert first == "loading"
     assert second.startswith("x" * 1000) and len(second) < 2 << 20
     assert second.endswith(f"({(5 << 20) + 1 - agent_mod.LINE_SENT} more bytes not relayed)")
+
+
+def test_the_group_token_reaches_rank_0_here_and_the_remote_rank_only_as_a_nonce(tmp_path: Path) -> None:
+    """The supervisor gives rank 0 the token; the Start to the other host's agent carries only a
+    nonce (Starts are sealed, not encrypted), from which that agent derives the same token."""
+    from mlxd.protocol.group import GroupSpec
+    from mlxd.supervisor.engines.ranks import Ranks
+
+    key_path = tmp_path / "rank.key"
+    key_path.write_text(KEY.decode())
+    key_path.chmod(0o600)
+
+    async def main() -> None:
+        server, port = await serving_agent(KEY)
+        async with server:
+            spec = GroupSpec(ranks=2, hosts=["127.0.0.1", f"127.0.0.1:{port}"], key_file=str(key_path))
+            ranks = Ranks("m", spec, tmp_path)
+            assert await ranks.prepare() is None
+            token = ranks.env(0)["MLXD_GROUP_TOKEN"]
+            remote = ranks.remote_env(1, {"MLXD_GROUP_TOKEN": "rank 0's, passed down by mistake", "MLX_X": "1"})
+            assert "MLXD_GROUP_TOKEN" not in remote and token not in repr(remote) and remote["MLX_X"] == "1"
+            assert ra.rank_env(remote, KEY)["MLXD_GROUP_TOKEN"] == token  # what the agent gives its rank
+            first = token
+            assert await ranks.prepare() is None  # each start of the group has a token of its own
+            assert ranks.env(0)["MLXD_GROUP_TOKEN"] != first
+            await ranks.kill(0)
+
+    asyncio.run(main())

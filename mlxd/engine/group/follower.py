@@ -3,6 +3,7 @@ rank 0's turns (wire.py) until rank 0 stops or goes, beating all along (docs/dis
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import select
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import msgspec
 
 from mlxd.engine.cache.prefix_cache import PrefixCache, cache_nbytes
 from mlxd.engine.gpu.job import Job, PrefillGroup
@@ -22,19 +24,25 @@ from mlxd.engine.gpu.sequence import Sequence
 from mlxd.engine.gpu.stats import Stats
 from mlxd.engine.group.ranks import HEARTBEAT_S, JOIN_TIMEOUT_S, GroupTicket
 from mlxd.engine.group.wire import (
+    HANDSHAKE_FRAME,
     Beat,
     Held,
     Hello,
+    Knock,
+    Link,
+    Proof,
     Query,
     Ready,
     Turn,
+    Vouch,
     WireJob,
-    recv,
-    send,
+    follower_proof,
+    leader_proof,
+    link_seal,
     tcp_address,
 )
 from mlxd.engine.models.loaded_model import LoadedModel
-from mlxd.protocol.rank_agent import keep_alive
+from mlxd.protocol.rank_agent import keep_alive, nonce
 
 log = logging.getLogger("mlxd.engine")
 WRITER_POLL_S = 0.05  # idle with the SSD writer at an entry: look at the socket this often
@@ -45,13 +53,16 @@ def follow(loaded_or_error: LoadedModel | str, rank: int, control: str, connect_
     """A follower's life: report its load to rank 0, then replay rank 0's turns until it stops
     (0) or goes away (1), beating all along. `loaded_or_error`: its shard, or why it could not
     load it."""
-    sock = _connect(control, connect_s)
-    token = os.environ.get("MLXD_GROUP_TOKEN", "")
+    try:
+        sock = _link(_connect(control, connect_s), rank, tcp_address(control) is not None)
+    except (EOFError, OSError, msgspec.MsgspecError) as exc:
+        log.error("rank %d: rank 0's control socket: %s", rank, exc)
+        return 1
     if isinstance(loaded_or_error, str):
-        send(sock, Ready(rank, loaded_or_error, token))
+        sock.send(Ready(rank, loaded_or_error))
         return 1
     loaded = loaded_or_error
-    send(sock, Ready(rank, token=token))
+    sock.send(Ready(rank))
     finished = [0]  # turns replayed, as the beats report it
     beating, sending = threading.Event(), threading.Lock()
     threading.Thread(target=_beat, args=(sock, sending, min(1.0, heartbeat_s / 4), finished, beating),
@@ -62,25 +73,25 @@ def follow(loaded_or_error: LoadedModel | str, rank: int, control: str, connect_
         beating.set()
 
 
-def _beat(sock: socket.socket, sending: threading.Lock, every_s: float, finished: list[int],
+def _beat(sock: Link, sending: threading.Lock, every_s: float, finished: list[int],
           stop: threading.Event) -> None:
     """A follower's heartbeat (its own thread: a long turn does not silence it; a stopped or
     vanished process does)."""
     while not stop.wait(every_s):
         try:
             with sending:
-                send(sock, Beat(finished[0]))
+                sock.send(Beat(finished[0]))
         except OSError:
             return
 
 
-def _replay(sock: socket.socket, sending: threading.Lock, loaded: LoadedModel, rank: int, finished: list[int],
+def _replay(sock: Link, sending: threading.Lock, loaded: LoadedModel, rank: int, finished: list[int],
             ssd: tuple[Path | None, int | None]) -> int:
     from mlxd.engine.gpu.loader import patch_model, ssd_tier
     from mlxd.engine.gpu.runner import Runner
 
     try:
-        hello = recv(sock, Hello | Turn)
+        hello = sock.recv(Hello | Turn)
     except EOFError:
         return 1
     if not isinstance(hello, Hello):  # rank 0 failed before it served: its closing Turn
@@ -103,7 +114,7 @@ def _replay(sock: socket.socket, sending: threading.Lock, loaded: LoadedModel, r
             if cache.write_behind() != "none" and not select.select([sock], [], [], WRITER_POLL_S)[0]:
                 continue
         try:
-            turn = recv(sock, Turn | Query)
+            turn = sock.recv(Turn | Query)
         except (EOFError, OSError):
             log.error("rank %d: rank 0 went away", rank)
             return 1
@@ -112,7 +123,7 @@ def _replay(sock: socket.socket, sending: threading.Lock, loaded: LoadedModel, r
             if tier is not None:
                 tier.pinned = tier.pinned | set(held)  # kept until rank 0 says which all ranks hold
             with sending:
-                send(sock, Held(turn.id, held))
+                sock.send(Held(turn.id, held))
             continue
         idle.clear()
         if turn.flush is not None:
@@ -160,6 +171,26 @@ def held_by(loaded: LoadedModel, w: WireJob) -> Any:
     if w.resumed:
         matcher.consume_tokens(w.prompt[-w.resumed:])
     return matcher
+
+
+def _link(sock: socket.socket, rank: int, tcp: bool) -> Link:
+    """The control connection: over TCP, after each side proved it holds the group's token
+    (wire.py), sealed; EOFError if rank 0 does not prove it."""
+    if not tcp:
+        return Link(sock)
+    token = os.environ.get("MLXD_GROUP_TOKEN", "")
+    knock = nonce()
+    plain = Link(sock)
+    try:
+        plain.send(Knock(rank, knock))
+        vouch = plain.recv(Vouch, HANDSHAKE_FRAME)  # rank 0 answers once it has loaded its own part
+        if not hmac.compare_digest(vouch.mac, leader_proof(token, knock, vouch.nonce)):
+            raise EOFError("it does not hold the group's token")
+        plain.send(Proof(follower_proof(token, knock, vouch.nonce, rank)))
+    except BaseException:
+        sock.close()
+        raise
+    return Link(sock, link_seal(token, knock, vouch.nonce, leader=False))
 
 
 def _connect(control: str, timeout_s: float) -> socket.socket:

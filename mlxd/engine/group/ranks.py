@@ -5,7 +5,7 @@ A job's ticket in a group is a GroupTicket: its cancel flag is read once a turn,
 that reading goes to every rank with the turn, so all drop the job at the same step. What is
 rank 0's alone (HTTP, templates, replies, the SSD tier) never reaches a follower; a grammar goes
 as its text, which each rank compiles. What would make ranks differ and is not carried yet
-(images, adapters, speculative decoding, the width probe, the SSD tier) is refused or off.
+(images, adapters, speculative decoding, the width probe) is refused or off.
 """
 
 from __future__ import annotations
@@ -36,20 +36,27 @@ from mlxd.engine.gpu.options import GatewayOptions
 from mlxd.engine.gpu.sequence import Sequence
 from mlxd.engine.group.pipeline import pipeline
 from mlxd.engine.group.wire import (
+    HANDSHAKE_FRAME,
     Beat,
     Held,
     Hello,
+    Knock,
+    Link,
+    Proof,
     Query,
     Ready,
     Turn,
+    Vouch,
     WireJob,
-    recv,
-    send,
+    encode,
+    follower_proof,
+    leader_proof,
+    link_seal,
     tcp_address,
 )
 from mlxd.engine.models.loaded_model import ModelLoadError
 from mlxd.protocol.events import Event
-from mlxd.protocol.rank_agent import keep_alive
+from mlxd.protocol.rank_agent import keep_alive, nonce
 
 log = logging.getLogger("mlxd.engine")
 JOIN_TIMEOUT_S = 300.0  # followers load the model too: as long as a load may take
@@ -124,9 +131,11 @@ class Leader:
         self._size = size
         self._heartbeat_s = heartbeat_s  # a follower silent this long is stopped or gone
         self._turn_timeout_s = turn_timeout_s  # a turn some rank has not finished after this long: hung
-        self._token = os.environ.get("MLXD_GROUP_TOKEN", "")  # over TCP, a follower must show it
+        self._token = os.environ.get("MLXD_GROUP_TOKEN", "")  # over TCP, a follower must prove it holds it
         self._path: Path | None = None
         if (address := tcp_address(control)) is not None:
+            if not self._token:
+                raise ModelLoadError("an engine group over TCP needs its token ($MLXD_GROUP_TOKEN, which mlxd sets)")
             self._listener = socket.create_server(address, backlog=size)
         else:
             self._path = Path(control)
@@ -136,9 +145,9 @@ class Leader:
             self._listener.bind(control)
             os.chmod(control, 0o600)
             self._listener.listen(size)
-        self._peers: list[socket.socket] = []
-        self._ranks: dict[socket.socket, int] = {}
-        self._answers: dict[socket.socket, queue.SimpleQueue[Held]] = {}  # their Held, from the watch thread
+        self._peers: list[Link] = []
+        self._ranks: dict[Link, int] = {}
+        self._answers: dict[Link, queue.SimpleQueue[Held]] = {}  # their Held, from the watch thread
         self._query = 0
         self._cache: PrefixCache | None = None
         self._sent: deque[tuple[int, float]] = deque()  # GPU thread appends, watch thread pops: turns not
@@ -166,40 +175,50 @@ class Leader:
             except TimeoutError:
                 raise ModelLoadError(f"{self._size - 1 - len(self._peers)} of the group's ranks did not join in "
                                      f"{timeout_s:.0f} s") from None
-            if self._path is None:  # TCP: anyone may connect; a rank says Ready as it connects
-                ready = self._ready_over_tcp(peer)
-                if ready is None:
+            if self._path is None:  # TCP: anyone may connect; a rank proves it holds the token
+                joined = self._ready_over_tcp(peer)
+                if joined is None:
                     continue
+                link, ready = joined
             else:
+                link = Link(peer)
                 peer.settimeout(max(0.1, deadline - time.monotonic()))
                 try:
-                    ready = recv(peer, Ready)
+                    ready = link.recv(Ready)
                 except (EOFError, OSError) as exc:
                     raise ModelLoadError(f"a rank of the group left before it loaded the model: {exc}") from exc
             if ready.error is not None:
                 raise ModelLoadError(f"rank {ready.rank} could not load the model: {ready.error}")
             peer.settimeout(None)
-            self._peers.append(peer)
-            self._ranks[peer] = ready.rank
-            self._answers[peer] = queue.SimpleQueue()
+            self._peers.append(link)
+            self._ranks[link] = ready.rank
+            self._answers[link] = queue.SimpleQueue()
         self._listener.close()
         if self._path is not None:
             with contextlib.suppress(OSError):
                 self._path.unlink()
         threading.Thread(target=self._watch, name="mlxd-group-watch", daemon=True).start()
 
-    def _ready_over_tcp(self, peer: socket.socket) -> Ready | None:
-        """A TCP peer's Ready if it shows the group's token in time, else None (it is dropped:
-        a port scan, a stale rank of an earlier start)."""
+    def _ready_over_tcp(self, peer: socket.socket) -> tuple[Link, Ready] | None:
+        """A TCP peer's sealed link and Ready once each side proved it holds the group's token
+        (wire.py), else None: it is dropped (a port scan, a stale rank of an earlier start,
+        someone without the token)."""
         peer.settimeout(READY_S)
         keep_alive(peer)  # a rank whose host vanished goes quiet: its heartbeat says so
+        plain = Link(peer)
         try:
-            ready = recv(peer, Ready, READY_FRAME)
-            if hmac.compare_digest(ready.token.encode(), self._token.encode()):
-                return ready
+            knock = plain.recv(Knock, HANDSHAKE_FRAME)
+            ours = nonce()
+            plain.send(Vouch(leader_proof(self._token, knock.nonce, ours), ours))
+            proof = plain.recv(Proof, HANDSHAKE_FRAME)
+            if hmac.compare_digest(proof.mac, follower_proof(self._token, knock.nonce, ours, knock.rank)):
+                link = Link(peer, link_seal(self._token, knock.nonce, ours, leader=True))
+                ready = link.recv(Ready, READY_FRAME)
+                if ready.rank == knock.rank:
+                    return link, ready
             why = "without the group's token"
         except (EOFError, OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-            why = f"that sent no Ready ({exc or type(exc).__name__})"
+            why = f"that did not finish its handshake ({exc or type(exc).__name__})"
         log.warning("engine group: dropped a connection %s", why)
         peer.close()
         return None
@@ -298,7 +317,7 @@ class Leader:
             now = time.monotonic()
             for peer in readable:  # type: ignore[assignment]
                 try:
-                    message = recv(peer, Beat | Held)
+                    message = peer.recv(Beat | Held)
                 except (EOFError, OSError, msgspec.DecodeError):
                     return self._end(f"rank {self._ranks[peer]} went away")
                 if isinstance(message, Held):
@@ -347,8 +366,9 @@ class Leader:
     def _send(self, message: Any) -> None:
         if self._lost is not None:
             raise GroupLost(self._lost)
+        data = encode(message)  # once, however many ranks
         for peer in self._peers:
             try:
-                send(peer, message)
+                peer.send_encoded(data)
             except OSError as exc:
                 raise GroupLost(f"a rank of the group went away: {exc}") from exc

@@ -5,6 +5,12 @@ ranks, so each must make the same model calls in the same order. Rank 0 alone ta
 before each turn of its loop it sends a Turn: the jobs that turn starts with (token ids and
 sampling parameters, never Python objects), the jobs cancelled since the last, and whether
 the engine is stopping. The others replay it. Frames are msgpack, each behind its length.
+
+Over a Unix socket (ranks on one machine; the socket is its user's alone) frames go as they
+are. Over TCP (ranks on other hosts) a follower and rank 0 first prove to each other that they
+hold the group's token (Knock, Vouch, Proof: HMACs of both sides' fresh challenges; the token
+never crosses the network), and every frame after carries an HMAC under a key of that
+connection (`Link`, with rank_agent's Seal).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import msgspec
 
 from mlxd.engine.gpu.job import SamplingParams
 from mlxd.engine.gpu.options import GatewayOptions
+from mlxd.protocol.rank_agent import TAG, Seal, mac
 
 HEADER = struct.Struct("!I")
 MAX_FRAME = 256 * 1024 * 1024  # a Turn of many long prompts; anything larger is a broken peer
@@ -66,7 +73,6 @@ class Ready(msgspec.Struct):
 
     rank: int
     error: str | None = None
-    token: str = ""  # over TCP: the group's token, which the supervisor gave every rank
 
 
 class Beat(msgspec.Struct, array_like=True, tag=True):
@@ -83,6 +89,27 @@ class Hello(msgspec.Struct, array_like=True, tag=True):
     kv_layers: int = 0  # how many layers' KV rank 0 holds (a pipeline's ranks differ): its cache weighs so
 
 
+class Knock(msgspec.Struct, tag=True):
+    """A follower over TCP, first: its rank and its challenge to rank 0."""
+
+    rank: int
+    nonce: bytes
+
+
+class Vouch(msgspec.Struct, tag=True):
+    """Rank 0's answer: its proof of holding the group's token, and its challenge back."""
+
+    mac: bytes
+    nonce: bytes
+
+
+class Proof(msgspec.Struct, tag=True):
+    """The follower's proof; every frame after is sealed both ways."""
+
+    mac: bytes
+
+
+HANDSHAKE_FRAME = 1024  # what a TCP peer not yet proven may send
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -92,6 +119,58 @@ def tcp_address(control: str) -> tuple[str, int] | None:
         return None
     host, _, port = control.removeprefix("tcp://").rpartition(":")
     return host, int(port)
+
+
+class Link:
+    """One control connection's frames: as they are, or sealed (`seal`: after the handshake
+    over TCP). One thread sends at a time, and one receives."""
+
+    def __init__(self, sock: socket.socket, seal: Seal | None = None) -> None:
+        self.sock = sock
+        self._seal = seal
+
+    def fileno(self) -> int:  # selectors and select() take a Link as its socket
+        return self.sock.fileno()
+
+    def send(self, message: msgspec.Struct) -> None:
+        self.send_encoded(_encoder.encode(message))
+
+    def send_encoded(self, data: bytes) -> None:
+        """A message encoded once for every peer (`encode`)."""
+        self.sock.sendall(HEADER.pack(len(data)) + data if self._seal is None else self._seal.sealed(data))
+
+    def recv(self, kind: Any, limit: int = MAX_FRAME) -> Any:
+        """The next frame as `kind`; EOFError when the peer has gone or a frame fails its check."""
+        if self._seal is None:
+            return recv(self.sock, kind, limit)
+        (size,) = HEADER.unpack(_exactly(self.sock, HEADER.size))
+        if size > limit + TAG or size < TAG:
+            raise EOFError(f"a frame of {size} bytes")
+        return msgspec.msgpack.decode(self._seal.opened(_exactly(self.sock, size)), type=kind)
+
+    def settimeout(self, seconds: float | None) -> None:
+        self.sock.settimeout(seconds)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+def leader_proof(token: str, knock: bytes, ours: bytes) -> bytes:
+    return mac(token.encode(), b"leader", knock, ours)
+
+
+def follower_proof(token: str, knock: bytes, vouch: bytes, rank: int) -> bytes:
+    return mac(token.encode(), b"follower", vouch, knock, str(rank).encode())
+
+
+def link_seal(token: str, knock: bytes, vouch: bytes, leader: bool) -> Seal:
+    """The sealing of one follower's connection, from both challenges under the group's token."""
+    key = mac(token.encode(), b"session", knock, vouch)
+    return Seal(key, b"leader", b"follower") if leader else Seal(key, b"follower", b"leader")
 
 
 def send(sock: socket.socket, message: msgspec.Struct) -> None:

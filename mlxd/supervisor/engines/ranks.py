@@ -33,7 +33,8 @@ class Ranks:
         self._hostfile = runtime_dir / f"g-{name}.json"
         self._nccl_port = 0
         self._control_port = 0  # several hosts: rank 0 listens on TCP
-        self._token = ""  # ... and a rank proves it was started by us with this
+        self._nonce = ""  # ... fresh each start: rank 0's token is derived from it under the key,
+        self._token = ""  # and each other host's agent derives the same, so the token never crosses the network
         self._procs: list[asyncio.subprocess.Process] = []
         self._agents: list[Agent] = []  # the other hosts' agents, rank 1 first
         self._logs: list[asyncio.Task[None]] = []
@@ -46,9 +47,17 @@ class Ranks:
         return f"tcp://{self.spec.hosts[0]}:{self._control_port}" if self.spec.hosts else str(self._socket)
 
     def env(self, rank: int) -> dict[str, str]:
-        """Rank `rank`'s mx.distributed variables (after `prepare`), and the group's token."""
+        """Rank `rank`'s mx.distributed variables (after `prepare`), and over hosts the group's
+        token for rank 0, or for another rank the nonce its agent derives the token from."""
         env = rank_env(self.spec, self._hostfile, self._nccl_port, rank)
-        return {**env, "MLXD_GROUP_TOKEN": self._token} if self.spec.hosts else env
+        if not self.spec.hosts:
+            return env
+        return {**env, "MLXD_GROUP_TOKEN": self._token} if rank == 0 else {**env, ra.NONCE_VARIABLE: self._nonce}
+
+    def remote_env(self, rank: int, env: dict[str, str]) -> dict[str, str]:
+        """What a Start to another host's agent carries for rank `rank`: never the token (its
+        agent derives it from the nonce), nor this machine's hostfile path."""
+        return {k: v for k, v in {**env, **self.env(rank)}.items() if k not in ("MLX_HOSTFILE", "MLXD_GROUP_TOKEN")}
 
     async def prepare(self) -> str | None:
         """Fresh addresses for a new start of the group: None, or why a host cannot take its rank."""
@@ -64,7 +73,8 @@ class Ranks:
             addresses = [f"{here}:{free_port(here)}"]
         except (OSError, ValueError) as exc:
             return f"the group's key or this host's address {here}: {exc}"
-        self._token = secrets.token_hex(16)
+        self._nonce = secrets.token_hex(16)
+        self._token = ra.group_token(key, self._nonce)
         self.hosts_memory = []
         for rank, entry in enumerate(self.spec.hosts[1:], 1):
             try:
@@ -85,7 +95,7 @@ class Ranks:
     async def start(self, module: str, argv: list[str], env: dict[str, str]) -> str | None:
         """Ranks 1..N-1 with rank 0's command line: None, or why another host's could not start."""
         for rank, agent in enumerate(self._agents, 1):
-            remote = {k: v for k, v in {**env, **self.env(rank)}.items() if k != "MLX_HOSTFILE"}
+            remote = self.remote_env(rank, env)
             hostfile = self._hostfile.read_text() if self.spec.backend == "ring" else None
             try:
                 await agent.start(ra.Start(rank, argv, remote, hostfile))
