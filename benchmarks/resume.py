@@ -66,6 +66,7 @@ class Reply:
     usage: dict[str, Any] | None = None
     ids: set[str] = field(default_factory=set)
     error: str | None = None
+    message: str = ""  # the error event's message
     times: list[float] = field(default_factory=list)  # when each content chunk came (monotonic)
 
 
@@ -79,6 +80,7 @@ class Bench:
     engine_pid: Callable[[], int | None]
     begun: asyncio.Event = field(default_factory=asyncio.Event)
     runtime: Path | None = None  # the supervisor's runtime dir: its engines' sockets
+    log: Path | None = None  # the supervisor's log: its tail is printed when a counted round fails
 
     def body(self, i: int, nonce: str = "") -> dict[str, Any]:
         text = f"{nonce}Story {i}: tell me about a {WORDS[i % len(WORDS)]}. " + "Say more. " * self.prompt_words
@@ -101,6 +103,7 @@ async def stream(session: aiohttp.ClientSession, bench: Bench, body: dict[str, A
                 event = json.loads(line[6:])
                 if "error" in event:
                     reply.error = event["error"].get("code") or "error"
+                    reply.message = str(event["error"].get("message", ""))[:300]
                     return reply
                 reply.ids.add(event["id"])
                 if event.get("usage"):
@@ -338,6 +341,11 @@ async def decode_round(bench: Bench, streams: int, label: str) -> list[float]:
                                  for g in got if g.error is not None or len(g.times) <= 1)
     print(f"{label}: {statistics.median(tps) if tps else 0:.1f} tok/s a stream"
           f"{f'; failed: {dict(errors)}' if errors else ''}", file=sys.stderr, flush=True)
+    if errors:
+        print("  first failure: " + next((g.message for g in got if g.message), "no message"), file=sys.stderr)
+        if bench.log is not None and bench.log.exists():
+            print("  the supervisor's log ends:\n" + "\n".join(bench.log.read_text(errors="replace").splitlines()[-40:]),
+                  file=sys.stderr, flush=True)
     return tps
 
 
@@ -473,7 +481,8 @@ def main() -> None:
             sup = Supervisor(config_with(f"{mode}.toml", checkpoint), data, rt, work / "serve.log")
             try:
                 sup.wait_health()
-                yield Bench(sup.url, "m", args.max_tokens, bias, args.prompt_words, engine_pid_of(sup), runtime=rt)
+                yield Bench(sup.url, "m", args.max_tokens, bias, args.prompt_words, engine_pid_of(sup), runtime=rt,
+                            log=work / "serve.log")
             finally:
                 sup.stop()
 

@@ -19,15 +19,21 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import anthropic
-import httpx2 as httpx
 import msgspec
-import openai
 import psutil
 
+try:
+    import httpx2 as httpx
+except ImportError:  # a bare GPU machine running a benchmark has httpx, which httpx2 forked
+    import httpx  # type: ignore[no-redef]
+
 from mlxd.protocol.process import SPARE_FLAG
+
+if TYPE_CHECKING:  # the SDKs are imported where used: benchmarks on a bare GPU machine lack them
+    import anthropic
+    import openai
 
 # The tiny random model's EOS (<|im_end|>), biased away so sampled requests always reach max_tokens.
 NO_EOS = {"2": -100}
@@ -274,6 +280,8 @@ def lanes(engine: EngineProcess) -> dict[str, Any]:
 def openai_client(engine: EngineProcess) -> Iterator[openai.OpenAI]:
     """The official OpenAI SDK, talking to `engine` over its Unix socket."""
     with httpx.Client(transport=httpx.HTTPTransport(uds=str(engine.socket))) as http:
+        import openai
+
         yield openai.OpenAI(base_url="http://engine/v1", api_key="unused", http_client=http, max_retries=0)
 
 
@@ -353,12 +361,16 @@ class SupervisorProcess:
 
     def openai(self, api_key: str = "unused") -> openai.OpenAI:
         """An SDK client on the supervisor; closed by stop() (an unclosed one leaks its sockets)."""
+        import openai
+
         client = openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0)
         self._sdk_clients.append(client)
         return client
 
     def anthropic(self, api_key: str = "unused") -> anthropic.Anthropic:
         """The anthropic SDK on the supervisor; closed by stop()."""
+        import anthropic
+
         client = anthropic.Anthropic(base_url=self.url, api_key=api_key, max_retries=0)
         self._sdk_clients.append(client)
         return client
