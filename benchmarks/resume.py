@@ -44,6 +44,7 @@ import random
 import re
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -258,6 +259,23 @@ async def restore_figures(bench: Bench) -> dict[str, float]:
     return out
 
 
+async def memory_now(bench: Bench) -> dict[str, Any]:
+    """The engine's MLX memory (/admin/stats on its socket) and the GPU's as nvidia-smi says."""
+    out: dict[str, Any] = {}
+    for sock in sorted(bench.runtime.rglob("*.sock")) if bench.runtime is not None else ():
+        try:
+            async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(sock))) as session, \
+                    session.get("http://engine/admin/stats") as resp:
+                memory = (await resp.json()).get("memory") or {}
+            out.update({k: f"{v / 1024**3:.2f} GiB" for k, v in memory.items()})
+        except (aiohttp.ClientError, OSError, ValueError):
+            continue
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out["nvidia-smi"] = subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader"],
+                                           capture_output=True, text=True, timeout=10).stdout.strip()
+    return out
+
+
 async def restart_s(bench: Bench, old_pid: int, since: float) -> float:
     """Milliseconds from `since` until an engine other than `old_pid` is ready (/admin/engines)."""
     async with aiohttp.ClientSession() as session:
@@ -344,8 +362,12 @@ async def decode_round(bench: Bench, streams: int, label: str) -> list[float]:
     if errors:
         print("  first failure: " + next((g.message for g in got if g.message), "no message"), file=sys.stderr)
         if bench.log is not None and bench.log.exists():
-            print("  the supervisor's log ends:\n" + "\n".join(bench.log.read_text(errors="replace").splitlines()[-40:]),
-                  file=sys.stderr, flush=True)
+            lines = bench.log.read_text(errors="replace").splitlines()
+            sizing = [line for line in lines if any(w in line for w in ("batch", "MLX", "memory", "budget", "warm-up",
+                                                                         "probe", "prompt cache", "GiB", "GB"))]
+            print("  the engine's sizing and memory lines:\n" + "\n".join(sizing[:40]), file=sys.stderr)
+            print("  the supervisor's log ends:\n" + "\n".join(lines[-40:]), file=sys.stderr, flush=True)
+        print(f"  memory after the failure: {await memory_now(bench)}", file=sys.stderr, flush=True)
     return tps
 
 

@@ -81,39 +81,3 @@ def test_decode_steps_and_unsupported_chunks_are_not_routed() -> None:
     q2 = mx.zeros((1, 4, 3, 160), dtype=mx.bfloat16)
     assert not pa.eligible(q2, mx.zeros((1, 4, 9, 160), dtype=mx.bfloat16), mx.zeros((1, 4, 9, 160), dtype=mx.bfloat16),
                            None)  # head size over cuDNN's 128
-
-
-@pytest.mark.parametrize("mask_kind", ["causal", "array", "additive", "one row for all queries", "none"])
-@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2)])
-def test_unfused_attention_in_blocks_of_queries_is_the_whole_one(mask_kind: str, heads: int, kv_heads: int,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """Past UNFUSED_SCORE_BYTES the queries go a block at a time (the batch lane's chunks of
-    several rows over a long context): the same attention, bounded memory."""
-    q, k, v = qkv(3, heads, kv_heads, 23, 40)  # 23 queries after 17 cached keys
-    mask: object = None
-    if mask_kind == "causal":
-        mask = "causal"
-    elif mask_kind in ("array", "additive"):
-        causal = mx.arange(17, 40)[:, None] >= mx.arange(40)[None]
-        mask = mx.broadcast_to(causal, (3, 1, 23, 40)) & (mx.arange(40) >= mx.array([0, 5, 9])[:, None, None, None])
-        if mask_kind == "additive":
-            mask = mx.where(mask, 0.0, -1e9)
-    elif mask_kind == "one row for all queries":
-        mask = mx.arange(40)[None, None, None, :] >= mx.array([0, 3, 7])[:, None, None, None]
-    whole = pa.unfused(q, k, v, 0.3, mask)
-    block_bytes = 3 * heads * 40 * 4 * 5  # five queries a block: 23 in five blocks, the last short
-    monkeypatch.setattr(pa, "UNFUSED_SCORE_BYTES", block_bytes)
-    blocks: list[int] = []
-    inner = pa._unfused
-
-    def counted(queries: mx.array, *rest: object) -> mx.array:
-        blocks.append(queries.shape[2])
-        return inner(queries, *rest)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(pa, "_unfused", counted)
-    blocked = pa.unfused(q, k, v, 0.3, mask)
-    assert blocks == [5, 5, 5, 5, 3]
-    assert blocked.shape == whole.shape and mx.allclose(blocked, whole, atol=1e-5).item()
-    if mask == "causal":
-        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask="causal")
-        assert mx.allclose(blocked, want, atol=1e-5).item()

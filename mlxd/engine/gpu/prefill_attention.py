@@ -23,13 +23,8 @@ chunk here:
   heads x head size of CUDNN_MIN_WORK or more, calibrated on the H200's 1B model): cuDNN,
   a graph for this shape alone;
 - every other chunk (short prompts, small bursts, a chunk after a cached prefix at an
-  unaligned position over a short context, and the batch lane's chunks of several rows):
-  MLX's unfused attention, computed here as MLX's own fallback computes it, but a block of
-  queries at a time, so that its score matrix stays under UNFUSED_SCORE_BYTES whatever the
-  rows, the chunk and the context. Whole, eight rows' 2048-token chunks over 4,574 keys of
-  an 8B model held 4.8 GB of scores, as much again masked, and the softmax's: an H100 ran
-  out of memory in such a prefill once the prompt cache held the round before
-  (docs/benchmarks.md, "Checkpoints on the H100").
+  unaligned position over a short context): MLX's unfused attention, computed here as
+  MLX's own fallback computes it.
 
 Decode steps (one query a row) are not routed here: MLX's vector kernel or cuDNN's decode
 attention serve a plain cache, mlxd's kernel a batch (decode_attention.py).
@@ -50,7 +45,6 @@ CUDNN_MIN_WORK = 4 * 10**10
 # query x key pairs at 2048 (about 11 ms unfused over the 1B model's layers).
 CUDNN_BUCKET_MIN_WORK = 5 * 10**9
 BUCKET = 256
-UNFUSED_SCORE_BYTES = 256 * 1024**2  # the most one block of unfused attention's scores takes (as float32)
 CUDNN_DTYPES = (mx.float16, mx.bfloat16)
 aligned_chunk = 2048  # the engine's solo prefill chunk (set at load): full aligned chunks go to cuDNN
 
@@ -89,30 +83,7 @@ def plan(queries: mx.array, keys: mx.array, mask: Any) -> tuple[str, int]:
 
 
 def unfused(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
-    """Attention as MLX's fallback computes it (scores in full, masked, softmax, then values), a
-    block of queries at a time once the scores would pass UNFUSED_SCORE_BYTES: each query's
-    softmax is its own, so the blocks give exactly what the whole does. Under a causal mask a
-    block reads only the keys its last query sees."""
-    B, H, q_len, _ = queries.shape
-    k_len = keys.shape[2]
-    block = max(1, UNFUSED_SCORE_BYTES // (B * H * k_len * 4))
-    if block >= q_len:
-        return _unfused(queries, keys, values, scale, mask)
-    outs = []
-    for start in range(0, q_len, block):
-        end = min(q_len, start + block)
-        part_keys, part_values, part_mask = keys, values, mask
-        if isinstance(mask, str):  # "causal": these queries sit at k_len - q_len + start ... and see no key after
-            seen = k_len - q_len + end
-            part_keys, part_values = keys[:, :, :seen], values[:, :, :seen]
-            part_mask = mx.arange(k_len - q_len + start, seen)[:, None] >= mx.arange(seen)[None]
-        elif mask is not None and mask.ndim >= 2 and mask.shape[-2] == q_len:
-            part_mask = mask[..., start:end, :]
-        outs.append(_unfused(queries[:, :, start:end], part_keys, part_values, scale, part_mask))
-    return mx.concatenate(outs, axis=2)
-
-
-def _unfused(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
+    """Attention as MLX's fallback computes it: scores in full, masked, softmax, then values."""
     B, H, q_len, D = queries.shape
     kv_heads, k_len = keys.shape[1], keys.shape[2]
     repeats = H // kv_heads
