@@ -247,6 +247,19 @@ def test_the_supervisor_serves_a_group_and_starts_it_again_when_a_rank_dies(
         ask = [{"role": "user", "content": "Tell me about the sea."}]
         first = client.chat.completions.create(messages=ask, **body).choices[0].message.content  # type: ignore[call-overload]
         assert first == chat(alone, "Tell me about the sea.")
+        # Every API reaches the group as it reaches one engine: the same greedy reply through each
+        # (without the logit bias, which the Anthropic and Ollama APIs do not take).
+        plain = client.chat.completions.create(model="tiny", messages=ask, max_tokens=12,  # type: ignore[call-overload]
+                                               temperature=0).choices[0].message.content
+        assert plain  # a reply to compare
+        said = sup.anthropic().messages.create(model="tiny", max_tokens=12, messages=ask,  # type: ignore[arg-type]
+                                              extra_body={"temperature": 0})
+        assert "".join(b.text for b in said.content if b.type == "text") == plain
+        ollama = sup.client.post("/api/chat", json={"model": "tiny", "messages": ask, "stream": False,
+                                                   "options": {"temperature": 0, "num_predict": 12}})
+        assert ollama.status_code == 200 and ollama.json()["message"]["content"] == plain
+        response = client.responses.create(model="tiny", input=ask, max_output_tokens=12, temperature=0)  # type: ignore[arg-type]
+        assert response.output_text == plain
         [follower] = rank_pids(sup, 1)
         # Rank 1 killed mid-stream: rank 0 sees it go and ends, the group is one engine that
         # crashed, and the reply goes on on the group started again (docs/resume.md).
