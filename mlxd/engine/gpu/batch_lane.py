@@ -9,8 +9,7 @@ and each of them starts as a row from a view of that KV: the choices of one requ
 and requests started together whose prompts share a long prefix the prompt cache lacks
 (sharing.py says which; one arriving while such a prefill runs joins it). A request the cache
 serves as well on its own (a client's next turn, whose previous turn is cached, sharing only
-the system prompt with others) starts from its own entry instead. Per-row sampling,
-penalties and logit bias are mlx-lm's (rows with equal parameters share one sampler, so they
+the system prompt with others) starts from its own entry instead. Per-row sampling, penalties and logit bias are mlx-lm's (rows with equal parameters share one sampler, so they
 are sampled in one call; logit biases are added as one matrix, batch_bias.py); stop strings,
 EOS and max_tokens are each row's Sequence. A row can be paused for a more urgent request (its
 KV to the prompt cache) and resumed where it stopped. Rows draft as spec/batch.py says.
@@ -39,6 +38,7 @@ from mlxd.engine.cache.prefix_cache import PrefixCache, view
 from mlxd.engine.gpu import adapter_rows, image_batch, media
 from mlxd.engine.gpu.batch_bias import batch_bias
 from mlxd.engine.gpu.checkpoints import Checkpoints
+from mlxd.engine.gpu.device_memory import memory_line
 from mlxd.engine.gpu.job import PrefillGroup
 from mlxd.engine.gpu.sampling import make_sampling
 from mlxd.engine.gpu.sequence import Sequence
@@ -421,7 +421,7 @@ class BatchLane:
             try:
                 self._decode(ended)
             except Exception as exc:
-                log.error("batched step failed:\n%s", traceback.format_exc())
+                log.error("batched step failed (MLX memory: %s):\n%s", memory_line(), traceback.format_exc())
                 ended += self.fail_all(f"generation failed: {type(exc).__name__}: {exc}", "generation_failed")
             if self._checkpoints is not None:
                 self._checkpoints.batch(self._gen, self._rows)

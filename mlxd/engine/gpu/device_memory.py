@@ -92,3 +92,10 @@ def allowed_memory_bytes(device: Device, opts: GatewayOptions) -> int | None:
     if opts.memory_bytes is not None:
         memory = opts.memory_bytes if memory is None else min(memory, opts.memory_bytes)
     return memory
+
+
+def memory_line() -> str:
+    """MLX's memory now, in GiB: in use, cached for reuse, the peak so far."""
+    gib = 1024**3
+    return (f"active {mx.get_active_memory() / gib:.1f} GiB, cache {mx.get_cache_memory() / gib:.1f} GiB, "
+            f"peak {mx.get_peak_memory() / gib:.1f} GiB")

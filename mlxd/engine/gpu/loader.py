@@ -22,7 +22,7 @@ from mlxd.engine.cache.fingerprint import tier_dir
 from mlxd.engine.cache.prefix_cache import PrefixCache
 from mlxd.engine.cache.ssd_tier import SsdTier, default_ssd_cache_bytes
 from mlxd.engine.gpu import cpu_attention, decode_attention, prefill_attention, width_probe
-from mlxd.engine.gpu.device_memory import cache_limit_bytes, device_kind, size_for
+from mlxd.engine.gpu.device_memory import cache_limit_bytes, device_kind, memory_line, size_for
 from mlxd.engine.gpu.flat_rows import FLATTEN_MIN_ROWS, flatten_quantized_rows, wins_here
 from mlxd.engine.gpu.kv_quant import activation_dtype, check_quantized_kv
 from mlxd.engine.gpu.options import GatewayOptions
@@ -150,13 +150,6 @@ def make_runner(
     mx.random.seed(int.from_bytes(os.urandom(8), "little"))
     cache = PrefixCache(opts.prompt_cache_bytes, ssd_tier(loaded, opts), idle)
     return Runner(loaded, stats, opts, budget, cache, short_memory_hint(sizing)), cache
-
-
-def memory_line() -> str:
-    """MLX's memory now, in GiB: in use, cached for reuse, the peak so far."""
-    gib = 1024**3
-    return (f"active {mx.get_active_memory() / gib:.1f} GiB, cache {mx.get_cache_memory() / gib:.1f} GiB, "
-            f"peak {mx.get_peak_memory() / gib:.1f} GiB")
 
 
 def ssd_tier(loaded: LoadedModel, opts: GatewayOptions) -> SsdTier | None:
