@@ -230,9 +230,15 @@ def gateway_options(settings: EngineSettings) -> GatewayOptions:
     )
     if settings.group_control is None:
         return options
-    # What a group's ranks cannot agree on yet (docs/distributed.md): off, and said so.
-    log.info("engine group: no speculative decoding, width probe or warm-up yet")
-    return replace(options, draft=DraftConfig(), width_probe="off", warmup="off")
+    # What a group's ranks cannot agree on yet (docs/distributed.md): off, and said so. n-gram
+    # drafts are rank 0's decisions, which the others take (spec/agreement.py); a draft model or
+    # a self-draft would make passes of its own on every rank.
+    draft = options.draft
+    if draft.kind in ("self", "model"):
+        log.warning("engine group: drafts from %s are not made in a group yet: no speculative decoding", draft.label)
+        draft = DraftConfig()
+    log.info("engine group: no width probe or warm-up yet")
+    return replace(options, draft=draft, width_probe="off", warmup="off")
 
 
 def join_group(settings: EngineSettings) -> Any:

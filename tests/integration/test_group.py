@@ -147,6 +147,29 @@ def test_what_the_group_cannot_carry_yet_is_a_400(group: EngineProcess) -> None:
     assert resp.json()["error"]["code"] == "unsupported_in_group"
 
 
+def test_n_gram_drafts_in_a_group_are_rank_0s_decisions_and_answer_as_one_engine(
+        tiny_model: Path, alone: EngineProcess) -> None:
+    """Whether a step drafts and what it checks follow rank 0's clock: the other rank takes each
+    decision from rank 0 (spec/agreement.py), so both make the same passes, alone (the serial
+    lane) and batched. Were they apart, a split pass would sum different rows and the answers
+    would not be one engine's."""
+    prompts = ["Tell me about the sea.", "Count with me: one two three one two three one two three"]
+    with group_of_two(tiny_model, extra=("--draft", "ngram")) as ranks:
+        drafting = ranks[0]
+        for prompt in prompts:
+            assert chat(drafting, prompt, max_tokens=160) == chat(alone, prompt, max_tokens=160)
+        with ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(lambda i: chat(drafting, f"{prompts[i % 2]} ({i})", max_tokens=120), range(4)))
+        assert together == [chat(alone, f"{prompts[i % 2]} ({i})", max_tokens=120) for i in range(4)]
+        lanes = drafting.stats()["lanes"]
+        assert lanes["draft_proposed"] > 0 and lanes["draft_accepted"] > 0 and lanes["draft_batch_passes"] > 0, lanes
+        # Sampled drafts are accepted by draws from the generator every rank seeded alike: still in step after.
+        with ThreadPoolExecutor(2) as pool:
+            assert all(pool.map(lambda i: chat(drafting, f"{prompts[1]} [{i}]", temperature=1.0, max_tokens=100), range(2)))
+        assert chat(drafting, prompts[0], max_tokens=60) == chat(alone, prompts[0], max_tokens=60)
+        assert "no speculative decoding" not in drafting.log()
+
+
 def test_rank_1_killed_mid_stream_ends_the_stream_and_the_group(tiny_model: Path) -> None:
     with group_of_two(tiny_model) as (rank0, rank1):
         body = {"prompt": "x", "max_tokens": 3000, "temperature": 0, "logit_bias": NO_EOS, "stream": True}

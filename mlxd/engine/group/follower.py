@@ -26,6 +26,7 @@ from mlxd.engine.group.ranks import HEARTBEAT_S, JOIN_TIMEOUT_S, GroupTicket
 from mlxd.engine.group.wire import (
     HANDSHAKE_FRAME,
     Beat,
+    Decide,
     Held,
     Hello,
     Knock,
@@ -42,6 +43,7 @@ from mlxd.engine.group.wire import (
     tcp_address,
 )
 from mlxd.engine.models.loaded_model import LoadedModel
+from mlxd.engine.spec import agreement
 from mlxd.protocol.rank_agent import keep_alive, nonce
 
 log = logging.getLogger("mlxd.engine")
@@ -97,6 +99,7 @@ def _replay(sock: Link, sending: threading.Lock, loaded: LoadedModel, rank: int,
     if not isinstance(hello, Hello):  # rank 0 failed before it served: its closing Turn
         return 1
     mx.random.seed(hello.seed)
+    agreement.follow(lambda: sock.recv(Decide).value)  # drafting decisions: rank 0's, in its order
     opts = hello.options
     patch_model(loaded, opts)
     assert opts.kv_budget_tokens is not None
@@ -145,7 +148,11 @@ def _replay(sock: Link, sending: threading.Lock, loaded: LoadedModel, rank: int,
         for job_id in turn.cancelled:
             if (gone := open_jobs.get(job_id)) is not None:
                 gone.job.ticket.latched = True  # type: ignore[attr-defined]
-        runner.turn(turn.stopping)
+        try:
+            runner.turn(turn.stopping)
+        except (EOFError, OSError) as exc:  # waiting for rank 0's decision, it went
+            log.error("rank %d: rank 0 went away: %s", rank, exc)
+            return 1
         finished[0] += 1
         open_jobs = {k: s for k, s in open_jobs.items() if not s.is_finished}
         live = {id(s.job.group) for s in open_jobs.values() if s.job.group is not None}

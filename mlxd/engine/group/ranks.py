@@ -5,7 +5,8 @@ A job's ticket in a group is a GroupTicket: its cancel flag is read once a turn,
 that reading goes to every rank with the turn, so all drop the job at the same step. What is
 rank 0's alone (HTTP, templates, replies, the SSD tier) never reaches a follower; a grammar goes
 as its text, which each rank compiles. What would make ranks differ and is not carried yet
-(images, adapters, speculative decoding, the width probe) is refused or off.
+(images, adapters, drafts from a model, the width probe) is refused or off; n-gram drafting
+decisions, which follow rank 0's clock, go to the others as rank 0 makes them (Decide).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from mlxd.engine.group.pipeline import pipeline
 from mlxd.engine.group.wire import (
     HANDSHAKE_FRAME,
     Beat,
+    Decide,
     Held,
     Hello,
     Knock,
@@ -55,6 +57,7 @@ from mlxd.engine.group.wire import (
     tcp_address,
 )
 from mlxd.engine.models.loaded_model import ModelLoadError
+from mlxd.engine.spec import agreement
 from mlxd.protocol.events import Event
 from mlxd.protocol.rank_agent import keep_alive, nonce
 
@@ -233,6 +236,11 @@ class Leader:
         if cache is not None:
             cache.allow([])
         self._send(Hello(seed, replace(options, probe_dir=None, ssd_root=None), kv_layers))  # its dirs are its own
+        agreement.lead(self.decide)
+
+    def decide(self, value: Any) -> None:
+        """GPU thread, during a turn: a drafting decision, which the others take as theirs."""
+        self._send(Decide(value))
 
     def turn(self, received: list[Any], stopping: bool) -> None:
         """GPU thread, before a turn: send what it starts from."""

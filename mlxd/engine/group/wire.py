@@ -54,6 +54,12 @@ class Turn(msgspec.Struct, array_like=True, tag=True):
     flush: float | None = None  # write the RAM prompt cache to SSD first, within this many seconds
 
 
+class Decide(msgspec.Struct, array_like=True, tag=True):
+    """Rank 0, during a turn: a drafting decision (spec/agreement.py), which the others take."""
+
+    value: Any
+
+
 class Query(msgspec.Struct, array_like=True, tag=True):
     """Rank 0, before a turn: which of these SSD entries do you hold whole?"""
 

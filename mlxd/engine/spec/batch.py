@@ -35,6 +35,7 @@ from mlx_lm.models.cache import BatchKVCache
 from mlxd.engine.chat.grammar import GrammarMask
 from mlxd.engine.gpu.sampling import sampler_args
 from mlxd.engine.spec.accept import Distribution, accept
+from mlxd.engine.spec.agreement import agreed
 from mlxd.engine.spec.config import DraftConfig
 from mlxd.engine.spec.draft_batch import DraftModelBatch
 from mlxd.engine.spec.drafters import greedy_drafts
@@ -177,8 +178,8 @@ def drafting_batch(base: Any) -> Any:
             self._account(now)
             self._note_rows()
             rows = [self.row_drafts(uid) for uid in self.uids]
-            if (not self.batch_pace.drafting or not any(r is not None and r.pace.drafting for r in rows)
-                    or not self._plain_rows() or not self._may_pay(rows)):
+            if agreed(lambda: not self.batch_pace.drafting or not any(r is not None and r.pace.drafting for r in rows)
+                      or not self._plain_rows() or not self._may_pay(rows)):
                 out = super().next()
                 self._last_step = (now, {r.uid: (d, 1) for r, d in zip(out, rows, strict=False) if d is not None},
                                    len(out), 1)
@@ -251,20 +252,8 @@ def drafting_batch(base: Any) -> Any:
             mx.eval(self._next_tokens)
             nexts: list[int] = [int(t) for t in self._next_tokens.tolist()]
             next_logprobs = list(self._next_logprobs)
-            limits = []
-            for i, rd in enumerate(rows):
-                left = self.max_tokens[i] - self._num_tokens[i] - 1  # this step emits the next token at least
-                limits.append(0 if rd is None or not rd.pace.drafting or left <= 0 else min(rd.pace.length, left))
-            guesses = self._model_drafts(rows, nexts, max(limits)) if any(limits) else None
-            self._forced = set()
-            drafts = [self._drafts_of(i, rd, nexts[i], limit, g[:limit] if guesses and (g := guesses[i]) is not None else None)
-                      if rd is not None and limit else [] for i, (rd, limit) in enumerate(zip(rows, limits, strict=True))]
-            for rd, limit, d in zip(rows, limits, drafts, strict=True):
-                if rd is not None and limit and not d:
-                    rd.pace.found_none()  # three in a row: the row pauses, and a batch of such rows steps plain
-            sure = [1.0 if i in self._forced else r.acceptance if r is not None else 0.0 for i, r in enumerate(rows)]
-            chosen = best_width([len(d) for d in drafts], sure, self._costs or PassCosts())
-            drafts = [d[:chosen] for d in drafts]  # a grammar's matcher takes them only in _processed
+            drafts, forced = agreed(lambda: self._choose(rows, nexts))
+            self._forced = set(forced)
             width = max(len(d) for d in drafts)
             if width == 0:  # nothing to check, or not enough to pay: mlx-lm's step, from the tokens it already has
                 # The host read the rows' tokens for nothing (the pipeline broke): back off 1, 2, 4 ... 64 steps
@@ -304,6 +293,23 @@ def drafting_batch(base: Any) -> Any:
             self._roll_back([width - (len(k) - 1) for k in kept])
             self._settle_drafts(rows, [k if d else [] for k, d in zip(kept, drafts, strict=True)])
             return self._answer(now, rows, nexts, next_logprobs, drafts, kept, logprobs)
+
+        def _choose(self, rows: list[RowDrafts | None], nexts: list[int]) -> tuple[list[list[int]], list[int]]:
+            """Each row's drafts this step, cut to the width that pays, and the rows whose grammar forces them."""
+            limits = []
+            for i, rd in enumerate(rows):
+                left = self.max_tokens[i] - self._num_tokens[i] - 1  # this step emits the next token at least
+                limits.append(0 if rd is None or not rd.pace.drafting or left <= 0 else min(rd.pace.length, left))
+            guesses = self._model_drafts(rows, nexts, max(limits)) if any(limits) else None
+            self._forced = set()
+            drafts = [self._drafts_of(i, rd, nexts[i], limit, g[:limit] if guesses and (g := guesses[i]) is not None else None)
+                      if rd is not None and limit else [] for i, (rd, limit) in enumerate(zip(rows, limits, strict=True))]
+            for rd, limit, d in zip(rows, limits, drafts, strict=True):
+                if rd is not None and limit and not d:
+                    rd.pace.found_none()  # three in a row: the row pauses, and a batch of such rows steps plain
+            sure = [1.0 if i in self._forced else r.acceptance if r is not None else 0.0 for i, r in enumerate(rows)]
+            chosen = best_width([len(d) for d in drafts], sure, self._costs or PassCosts())
+            return [d[:chosen] for d in drafts], sorted(self._forced)  # a grammar's matcher takes them in _processed
 
         def _drafts_of(self, i: int, rd: RowDrafts, nxt: int, limit: int, guess: list[int] | None) -> list[int]:
             """Row i's drafts after its next token `nxt` (`guess`: the self-draft's, else the

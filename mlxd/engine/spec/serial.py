@@ -32,6 +32,7 @@ from mlx_lm.models.cache import trim_prompt_cache
 from mlxd.engine.chat.grammar import GrammarMask
 from mlxd.engine.gpu.sampling import token_key
 from mlxd.engine.spec.accept import Distribution, accept, as_int
+from mlxd.engine.spec.agreement import agreed
 from mlxd.engine.spec.drafters import Drafter
 from mlxd.engine.spec.ngram import NgramDrafter
 from mlxd.engine.spec.pace import Pace, Rates
@@ -93,7 +94,8 @@ class Speculator:
         now = time.perf_counter()
         self._account(now)
         if self._ahead is None:
-            drafts = self._drafts() if self.pace.drafting else []
+            drafts, forced = agreed(lambda: (self._drafts() if self.pace.drafting else [], self._forced))
+            self._forced = bool(forced)
             if not drafts and self._last is not None:  # a drain for nothing: the pipeline broke in vain
                 self._skip, self._next_skip = self._next_skip, min(MAX_SKIP, self._next_skip * 2)
             if drafts:
@@ -161,7 +163,7 @@ class Speculator:
         self.tokens.append(token)
         self._position += 1
         self._watch(token)
-        if self.pace.drafting and self._worth_draining():
+        if agreed(lambda: self.pace.drafting and self._worth_draining()):
             self._drain = True
         return [(token, logprobs[0])]
 
