@@ -9,13 +9,14 @@ draft model's among them), and a budgeted token costs the model's KV and a draft
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import mlx.core as mx
 import psutil
 
 from mlxd.engine.gpu.options import GatewayOptions
 from mlxd.engine.models.loaded_model import LoadedModel
-from mlxd.protocol.memory import kv_bytes_per_token, text_config
+from mlxd.protocol.memory import default_prompt_cache_bytes, kv_bytes_per_token, text_config
 from mlxd.protocol.sizing import Device, Sizing, headroom_bytes, kv_memory_tokens, size_engine
 
 log = logging.getLogger("mlxd.engine")
@@ -84,6 +85,16 @@ def cache_limit_bytes(opts: GatewayOptions) -> int | None:
         return CPU_CACHE_BYTES
     memory = allowed_memory_bytes(device, opts)
     return None if memory is None else headroom_bytes(memory)
+
+
+def prompt_cache_sized(opts: GatewayOptions, device: Device | None = None) -> GatewayOptions:
+    """The prompt cache's RAM tier where it was not configured: its default is 10% of the host's
+    RAM, but on an NVIDIA GPU its entries live in the GPU's memory, so there it is at most 10% of
+    that (an RTX 4090's 24 GB beside 256 GB of RAM would give a 14B 8-bit model no room for KV)."""
+    device = device or device_kind()
+    if not opts.prompt_cache_auto or device != "cuda" or (memory := device_memory_bytes(device)) is None:
+        return opts
+    return replace(opts, prompt_cache_bytes=min(opts.prompt_cache_bytes, default_prompt_cache_bytes(memory)))
 
 
 def allowed_memory_bytes(device: Device, opts: GatewayOptions) -> int | None:

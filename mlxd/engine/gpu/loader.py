@@ -22,7 +22,13 @@ from mlxd.engine.cache.fingerprint import tier_dir
 from mlxd.engine.cache.prefix_cache import PrefixCache
 from mlxd.engine.cache.ssd_tier import SsdTier, default_ssd_cache_bytes
 from mlxd.engine.gpu import cpu_attention, decode_attention, prefill_attention, width_probe
-from mlxd.engine.gpu.device_memory import cache_limit_bytes, device_kind, memory_line, size_for
+from mlxd.engine.gpu.device_memory import (
+    cache_limit_bytes,
+    device_kind,
+    memory_line,
+    prompt_cache_sized,
+    size_for,
+)
 from mlxd.engine.gpu.flat_rows import FLATTEN_MIN_ROWS, flatten_quantized_rows, wins_here
 from mlxd.engine.gpu.kv_quant import activation_dtype, check_quantized_kv
 from mlxd.engine.gpu.options import GatewayOptions
@@ -90,7 +96,7 @@ def size_options(loaded: LoadedModel, opts: GatewayOptions) -> tuple[GatewayOpti
     """The options with the width and KV budget filled in (device_memory.py; at `batch auto` on a
     GPU within what the width probe found paying), and how they were chosen; the solo prefill
     chunk too. Installs the model's batched-decode patches first (the probe runs through them)."""
-    asked = opts
+    opts = asked = prompt_cache_sized(opts)
     sizing = size_for(loaded, opts)
     on_gpu = bool(mx.cuda.is_available() or mx.metal.is_available())
     solo = opts.solo_prefill_step or (GPU_SOLO_PREFILL_STEP if on_gpu else opts.prefill_step)

@@ -21,6 +21,7 @@ class GatewayOptions:
     warmup: str = "auto"  # run warm-up jobs through the lanes at load: on, off, auto (CUDA only); warmup.py
     gather_ms: float = 5.0  # in a burst, an idle engine waits this long for the next arrival (0: never)
     prompt_cache_bytes: int = 512 * 1024 * 1024  # the prompt cache's RAM tier (0: no prompt cache)
+    prompt_cache_auto: bool = False  # ... is the default (10% of RAM): on CUDA, at most 10% of the GPU's (device_memory.py)
     ssd_root: Path | None = None  # the SSD tier's root (its dir is root/<fingerprint>); None: no SSD tier
     ssd_cache_bytes: int | None = None  # None: default_ssd_cache_bytes
     kv_bits: int | None = None  # quantized KV (the serial lane only: batch must be 1)
