@@ -19,6 +19,7 @@
 # load_progress.py (mlxd's chunked load against mlx_lm.load, and an engine's load phases) on both.
 # `ck8`, `cut`, `json`, `numerics`: what issues 27 and 29 still lack on a GPU (docs/benchmarks.md:
 # "Still to measure on a GPU"). `group1`: issue 30's group of one rank against a plain engine.
+# `oom`: ck8's out-of-memory again, short, with nvidia-smi's memory every 500 ms (smi.csv).
 # `close30` (group1 and ck8) and `close27` (cut, the self-draft and n-gram prose at 8 streams): what
 # the open issues still lack, each in one call. The random models need a tokenizer in .device/tok (SmolLM2's:
 # copy tokenizer.json, tokenizer_config.json and special_tokens_map.json from the model
@@ -608,6 +609,17 @@ close30)
   step ck8 330 python3 benchmarks/resume.py --phases checkpoint --model /tmp/models/l8q --no-eos \
     --streams 8 --max-tokens 640 --samples 2 --cuts 0 --prompt-words 1500
   ;;
+oom)
+  # issue 29's ck8 ran the H100 out of memory in its second round (docs/benchmarks.md, "Tried on a
+  # GPU"): the same two rounds, short replies, with the card's memory sampled every 500 ms beside
+  # them (resume.py prints the engine's own MLX memory after a failed round)
+  model 8b-4bit /tmp/models/l8q
+  nvidia-smi --query-gpu=timestamp,memory.used,memory.total --format=csv -lms 500 > "$out/smi.csv" 2>&1 &
+  smi=$!
+  step oom ${LIMIT:-300} python3 benchmarks/resume.py --phases checkpoint --model /tmp/models/l8q --no-eos \
+    --streams 8 --max-tokens 64 --samples 1 --cut-at 40 --prompt-words 1500
+  kill $smi
+  ;;
 close27)
   # issue 29's cut, then issue 27's losing cases since new rows open at the lane's acceptance:
   # the self-draft (lone) and n-gram prose at 8 streams
@@ -619,5 +631,5 @@ close27)
   step prose8 180 python3 benchmarks/speculative.py --model /tmp/models/l8q --widths 8 --rounds 2 \
     --max-tokens 256 --workloads prose
   ;;
-*) echo "usage: $0 close30|close27|1b|8b|streams|close|close8b|lone|cache|structured|prefill|load|auto|auto8b|ck8|cut|json|numerics|group1" >&2; exit 2 ;;
+*) echo "usage: $0 oom|close30|close27|1b|8b|streams|close|close8b|lone|cache|structured|prefill|load|auto|auto8b|ck8|cut|json|numerics|group1" >&2; exit 2 ;;
 esac
