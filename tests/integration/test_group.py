@@ -167,6 +167,8 @@ def test_n_gram_drafts_in_a_group_are_rank_0s_decisions_and_answer_as_one_engine
         with ThreadPoolExecutor(2) as pool:
             assert all(pool.map(lambda i: chat(drafting, f"{prompts[1]} [{i}]", temperature=1.0, max_tokens=100), range(2)))
         assert chat(drafting, prompts[0], max_tokens=60) == chat(alone, prompts[0], max_tokens=60)
+        # A request that opts out decodes plainly on every rank (rank 1 learns it with the job).
+        assert chat(drafting, prompts[1], max_tokens=60, speculation=False) == chat(alone, prompts[1], max_tokens=60)
         assert "no speculative decoding" not in drafting.log()
 
 

@@ -40,5 +40,7 @@ def test_on_cuda_the_default_prompt_cache_is_at_most_a_tenth_of_the_gpus_memory(
     assert dm.prompt_cache_sized(configured, "cuda").prompt_cache_bytes == 25_600_000_000
     small_host = GatewayOptions(prompt_cache_bytes=gb, prompt_cache_auto=True)  # the smaller of the two
     assert dm.prompt_cache_sized(small_host, "cuda").prompt_cache_bytes == gb
+    bounded = GatewayOptions(prompt_cache_bytes=25_600_000_000, prompt_cache_auto=True, memory_bytes=8 * gb)
+    assert dm.prompt_cache_sized(bounded, "cuda").prompt_cache_bytes == int(0.8 * gb)  # a share of what it may use
     for device in ("metal", "cpu"):  # one memory for both: the host's share stands
         assert dm.prompt_cache_sized(host_default, device) == host_default

@@ -4,6 +4,7 @@ dropped; the rank that proves it joins, and every frame after is sealed both way
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -25,6 +26,7 @@ def test_strangers_on_the_tcp_control_socket_are_dropped_and_the_rank_joins_seal
     port = free_port()
     leader = ranks.Leader(f"tcp://127.0.0.1:{port}", 2)
     joined = threading.Thread(target=leader.join, kwargs={"timeout_s": 20})
+    started = time.monotonic()  # each stranger costs the join READY_S at most, however it behaves
     joined.start()
     silent = socket.create_connection(("127.0.0.1", port))  # says nothing: dropped after READY_S
     garbage = socket.create_connection(("127.0.0.1", port))
@@ -33,15 +35,26 @@ def test_strangers_on_the_tcp_control_socket_are_dropped_and_the_rank_joins_seal
     send(stranger, Knock(1, nonce()))
     vouch = Link(stranger).recv(Vouch)
     send(stranger, Proof(wire.follower_proof("not-it", b"x" * 32, vouch.nonce, 1)))
+    trickler = socket.create_connection(("127.0.0.1", port))  # a byte at a time, each within READY_S
+    stop_trickling = threading.Event()
+
+    def trickle() -> None:
+        with contextlib.suppress(OSError):
+            for byte in HEADER.pack(900) + b"x" * 900:
+                if stop_trickling.wait(0.3):
+                    return
+                trickler.sendall(bytes([byte]))
+
+    threading.Thread(target=trickle, daemon=True).start()
     old_style = socket.create_connection(("127.0.0.1", port))  # the token in the clear, as before
     old_style.sendall(HEADER.pack(20) + b"\x82\xa4rank\x01\xa5token\xa4the-")
     rank = follower._link(socket.create_connection(("127.0.0.1", port)), 1, tcp=True)
     rank.send(Ready(1))
-    started = time.monotonic()
     joined.join(20)
     assert not joined.is_alive() and time.monotonic() - started < 10
     assert list(leader._ranks.values()) == [1]
-    for sock in (silent, garbage, stranger, old_style):
+    stop_trickling.set()
+    for sock in (silent, garbage, stranger, old_style, trickler):
         sock.settimeout(5)
         while sock.recv(1 << 16):  # the stranger got a Vouch first; then each is closed on
             pass

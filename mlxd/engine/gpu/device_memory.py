@@ -90,9 +90,10 @@ def cache_limit_bytes(opts: GatewayOptions) -> int | None:
 def prompt_cache_sized(opts: GatewayOptions, device: Device | None = None) -> GatewayOptions:
     """The prompt cache's RAM tier where it was not configured: its default is 10% of the host's
     RAM, but on an NVIDIA GPU its entries live in the GPU's memory, so there it is at most 10% of
-    that (an RTX 4090's 24 GB beside 256 GB of RAM would give a 14B 8-bit model no room for KV)."""
+    what the engine may use of that (`--memory-bytes` bounds it): an RTX 4090's 24 GB beside 256
+    GB of RAM would give a 14B 8-bit model no room for KV."""
     device = device or device_kind()
-    if not opts.prompt_cache_auto or device != "cuda" or (memory := device_memory_bytes(device)) is None:
+    if not opts.prompt_cache_auto or device != "cuda" or (memory := allowed_memory_bytes(device, opts)) is None:
         return opts
     return replace(opts, prompt_cache_bytes=min(opts.prompt_cache_bytes, default_prompt_cache_bytes(memory)))
 

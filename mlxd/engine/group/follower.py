@@ -44,6 +44,7 @@ from mlxd.engine.group.wire import (
 )
 from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.engine.spec import agreement
+from mlxd.protocol.exit_codes import ExitCode
 from mlxd.protocol.rank_agent import keep_alive, nonce
 
 log = logging.getLogger("mlxd.engine")
@@ -99,7 +100,7 @@ def _replay(sock: Link, sending: threading.Lock, loaded: LoadedModel, rank: int,
     if not isinstance(hello, Hello):  # rank 0 failed before it served: its closing Turn
         return 1
     mx.random.seed(hello.seed)
-    agreement.follow(lambda: sock.recv(Decide).value)  # drafting decisions: rank 0's, in its order
+    agreement.follow(lambda: _decision(sock, rank))  # drafting decisions: rank 0's, in its order
     opts = hello.options
     patch_model(loaded, opts)
     assert opts.kv_budget_tokens is not None
@@ -120,6 +121,9 @@ def _replay(sock: Link, sending: threading.Lock, loaded: LoadedModel, rank: int,
             turn = sock.recv(Turn | Query)
         except (EOFError, OSError):
             log.error("rank %d: rank 0 went away", rank)
+            return 1
+        except msgspec.ValidationError as exc:  # a decision rank 0 made that this rank did not ask for: apart
+            log.error("rank %d is out of step with rank 0 (%s): it ends, and the group with it", rank, exc)
             return 1
         if isinstance(turn, Query):
             held = [name for name in turn.names if cache.holds(name)]
@@ -142,7 +146,7 @@ def _replay(sock: Link, sending: threading.Lock, loaded: LoadedModel, rank: int,
                 group = groups.setdefault(w.group[0], PrefillGroup(size=w.group[1], target=w.group[2]))
             job = Job(w.prompt, w.max_tokens, w.sampling, w.stops, GroupTicket(None, w.id),  # type: ignore[arg-type]
                       grammar=held_by(loaded, w), logprobs=w.logprobs, group=group, priority=w.priority,
-                      continues_text=w.continues_text, resumed=w.resumed)
+                      continues_text=w.continues_text, resumed=w.resumed, speculate=w.speculate)
             open_jobs[w.id] = seq = Sequence(job, loaded.tokenizer, loaded.eos_token_ids)
             runner.enqueue(seq)
         for job_id in turn.cancelled:
@@ -157,6 +161,18 @@ def _replay(sock: Link, sending: threading.Lock, loaded: LoadedModel, rank: int,
         open_jobs = {k: s for k, s in open_jobs.items() if not s.is_finished}
         live = {id(s.job.group) for s in open_jobs.values() if s.job.group is not None}
         groups = {k: g for k, g in groups.items() if id(g) in live}
+
+
+def _decision(sock: Link, rank: int) -> Any:
+    """Rank 0's next drafting decision. Anything else (rank 0 gone, or a frame this rank did not
+    expect: the two are out of step) ends this rank at once: the lanes would take the error for
+    one request's and go on apart from rank 0. Its end ends the group, which starts again."""
+    try:
+        return sock.recv(Decide).value
+    except (EOFError, OSError, msgspec.ValidationError, msgspec.DecodeError) as exc:
+        log.error("rank %d: no decision from rank 0 where one was due (%s): this rank ends", rank, exc)
+        logging.shutdown()
+        os._exit(ExitCode.GPU_THREAD_DIED)
 
 
 def weighed_as(kv_layers: int) -> Callable[[list[Any]], int]:

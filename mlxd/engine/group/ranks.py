@@ -207,16 +207,17 @@ class Leader:
         (wire.py), else None: it is dropped (a port scan, a stale rank of an earlier start,
         someone without the token)."""
         peer.settimeout(READY_S)
-        keep_alive(peer)  # a rank whose host vanished goes quiet: its heartbeat says so
+        deadline = time.monotonic() + READY_S  # the whole handshake: a trickling stranger cannot hold the join
         plain = Link(peer)
         try:
-            knock = plain.recv(Knock, HANDSHAKE_FRAME)
+            keep_alive(peer)  # a rank whose host vanished goes quiet: its heartbeat says so
+            knock = plain.recv(Knock, HANDSHAKE_FRAME, deadline)
             ours = nonce()
             plain.send(Vouch(leader_proof(self._token, knock.nonce, ours), ours))
-            proof = plain.recv(Proof, HANDSHAKE_FRAME)
+            proof = plain.recv(Proof, HANDSHAKE_FRAME, deadline)
             if hmac.compare_digest(proof.mac, follower_proof(self._token, knock.nonce, ours, knock.rank)):
                 link = Link(peer, link_seal(self._token, knock.nonce, ours, leader=True))
-                ready = link.recv(Ready, READY_FRAME)
+                ready = link.recv(Ready, READY_FRAME, deadline)
                 if ready.rank == knock.rank:
                     return link, ready
             why = "without the group's token"
@@ -369,7 +370,8 @@ class Leader:
             gid = self._group_ids[id(job.group)][1]
             group = (gid, job.group.size, job.group.target)
         return WireJob(job.ticket.id, job.prompt, job.max_tokens, job.sampling, job.stops,  # type: ignore[attr-defined]
-                       job.logprobs, group, job.priority, job.continues_text, job.resumed, job.grammar_text)
+                       job.logprobs, group, job.priority, job.continues_text, job.resumed, job.grammar_text,
+                       job.speculate)
 
     def _send(self, message: Any) -> None:
         if self._lost is not None:

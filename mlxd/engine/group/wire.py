@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 from typing import Any
 
 import msgspec
@@ -43,6 +44,7 @@ class WireJob(msgspec.Struct, array_like=True):
     continues_text: bool
     resumed: int
     grammar: str | None  # llguidance's grammar text the reply is held to (each rank compiles its own matcher)
+    speculate: bool = True  # may draft (False: the request opted out): every rank's lane must know
 
 
 class Turn(msgspec.Struct, array_like=True, tag=True):
@@ -145,14 +147,15 @@ class Link:
         """A message encoded once for every peer (`encode`)."""
         self.sock.sendall(HEADER.pack(len(data)) + data if self._seal is None else self._seal.sealed(data))
 
-    def recv(self, kind: Any, limit: int = MAX_FRAME) -> Any:
-        """The next frame as `kind`; EOFError when the peer has gone or a frame fails its check."""
+    def recv(self, kind: Any, limit: int = MAX_FRAME, deadline: float | None = None) -> Any:
+        """The next frame as `kind`; EOFError when the peer has gone or a frame fails its check
+        (`deadline`, time.monotonic()'s: TimeoutError if the whole frame is not in by then)."""
         if self._seal is None:
-            return recv(self.sock, kind, limit)
-        (size,) = HEADER.unpack(_exactly(self.sock, HEADER.size))
+            return recv(self.sock, kind, limit, deadline)
+        (size,) = HEADER.unpack(_exactly(self.sock, HEADER.size, deadline))
         if size > limit + TAG or size < TAG:
             raise EOFError(f"a frame of {size} bytes")
-        return msgspec.msgpack.decode(self._seal.opened(_exactly(self.sock, size)), type=kind)
+        return msgspec.msgpack.decode(self._seal.opened(_exactly(self.sock, size, deadline)), type=kind)
 
     def settimeout(self, seconds: float | None) -> None:
         self.sock.settimeout(seconds)
@@ -184,17 +187,22 @@ def send(sock: socket.socket, message: msgspec.Struct) -> None:
     sock.sendall(HEADER.pack(len(data)) + data)
 
 
-def recv(sock: socket.socket, kind: Any, limit: int = MAX_FRAME) -> Any:
+def recv(sock: socket.socket, kind: Any, limit: int = MAX_FRAME, deadline: float | None = None) -> Any:
     """The next frame as `kind`; EOFError when the peer has gone."""
-    (size,) = HEADER.unpack(_exactly(sock, HEADER.size))
+    (size,) = HEADER.unpack(_exactly(sock, HEADER.size, deadline))
     if size > limit:
         raise EOFError(f"a frame of {size} bytes")
-    return msgspec.msgpack.decode(_exactly(sock, size), type=kind)
+    return msgspec.msgpack.decode(_exactly(sock, size, deadline), type=kind)
 
 
-def _exactly(sock: socket.socket, size: int) -> bytes:
+def _exactly(sock: socket.socket, size: int, deadline: float | None = None) -> bytes:
+    """`size` bytes; by `deadline` if given (a peer trickling a byte at a time cannot hold us)."""
     chunks, left = [], size
     while left:
+        if deadline is not None:
+            if (wait := deadline - time.monotonic()) <= 0:
+                raise TimeoutError("the frame did not arrive in time")
+            sock.settimeout(wait)
         chunk = sock.recv(min(left, 1 << 20))
         if not chunk:
             raise EOFError("the peer closed the control socket")
