@@ -157,9 +157,6 @@ class Link:
             raise EOFError(f"a frame of {size} bytes")
         return msgspec.msgpack.decode(self._seal.opened(_exactly(self.sock, size, deadline)), type=kind)
 
-    def settimeout(self, seconds: float | None) -> None:
-        self.sock.settimeout(seconds)
-
     def close(self) -> None:
         self.sock.close()
 
