@@ -572,9 +572,14 @@ r3batch)
   ;;
 ck8)
   # issue 29: decode with generation checkpoints on (the default) against off, one supervisor at a time, no cut
+  # (the card's memory sampled every 500 ms beside it: smi.csv)
   model 8b-4bit /tmp/models/l8q
+  nvidia-smi --query-gpu=timestamp,memory.used,memory.total --format=csv -lms 500 > "$out/smi.csv" 2>&1 &
+  smi=$!
   step ck8 ${LIMIT:-540} python3 benchmarks/resume.py --phases checkpoint --model /tmp/models/l8q --no-eos \
-    --streams 8 --max-tokens 640 --samples 2 --cuts 0 --prompt-words 1500
+    --streams 8 --max-tokens 640 --samples 2 --cuts 0 --prompt-words 1500 --show-memory
+  kill $smi
+  echo "== smi at its highest"; sort -t, -k2 -n "$out/smi.csv" | tail -n 2
   ;;
 cut)
   # issue 29: one stream cut at token 560, the resume with and without a checkpoint
@@ -611,14 +616,20 @@ close30)
   ;;
 oom)
   # issue 29's ck8 ran the H100 out of memory in its second round (docs/benchmarks.md, "Tried on a
-  # GPU"): the same two rounds, short replies, with the card's memory sampled every 500 ms beside
-  # them (resume.py prints the engine's own MLX memory after a failed round)
+  # GPU"): the same two rounds, short replies, with the card's memory and each process's sampled
+  # every 500 ms beside them (smi.csv, apps.csv) and the engine's memory (MLX's and the driver's)
+  # after every round; then again with no SSD tier (nothing read on the host: no managed memory)
   model 8b-4bit /tmp/models/l8q
   nvidia-smi --query-gpu=timestamp,memory.used,memory.total --format=csv -lms 500 > "$out/smi.csv" 2>&1 &
   smi=$!
-  step oom ${LIMIT:-300} python3 benchmarks/resume.py --phases checkpoint --model /tmp/models/l8q --no-eos \
-    --streams 8 --max-tokens 64 --samples 1 --cut-at 40 --prompt-words 1500
-  kill $smi
+  nvidia-smi --query-compute-apps=timestamp,pid,used_memory --format=csv -lms 1000 > "$out/apps.csv" 2>&1 &
+  apps=$!
+  step oom ${LIMIT:-330} python3 benchmarks/resume.py --phases checkpoint --model /tmp/models/l8q --no-eos \
+    --streams 8 --max-tokens 64 --samples 1 --cuts 0 --prompt-words 1500 --show-memory
+  echo "== smi at its highest"; sort -t, -k2 -n "$out/smi.csv" | tail -n 3
+  step oom_nossd ${LIMIT2:-160} python3 benchmarks/resume.py --phases checkpoint --model /tmp/models/l8q --no-eos \
+    --streams 8 --max-tokens 64 --samples 1 --cuts 0 --prompt-words 1500 --show-memory --pool ssd_cache_bytes=0
+  kill $smi $apps
   ;;
 close27)
   # issue 29's cut, then issue 27's losing cases since new rows open at the lane's acceptance:

@@ -82,6 +82,7 @@ class Bench:
     begun: asyncio.Event = field(default_factory=asyncio.Event)
     runtime: Path | None = None  # the supervisor's runtime dir: its engines' sockets
     log: Path | None = None  # the supervisor's log: its tail is printed when a counted round fails
+    show_memory: bool = False  # print the engine's memory after each round (--show-memory)
 
     def body(self, i: int, nonce: str = "") -> dict[str, Any]:
         text = f"{nonce}Story {i}: tell me about a {WORDS[i % len(WORDS)]}. " + "Say more. " * self.prompt_words
@@ -267,7 +268,8 @@ async def memory_now(bench: Bench) -> dict[str, Any]:
             async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(sock))) as session, \
                     session.get("http://engine/admin/stats") as resp:
                 memory = (await resp.json()).get("memory") or {}
-            out.update({k: f"{v / 1024**3:.2f} GiB" for k, v in memory.items()})
+            cuda = memory.pop("cuda", None) or {}
+            out.update({k: f"{v / 1024**3:.2f} GiB" for k, v in {**memory, **cuda}.items() if isinstance(v, int)})
         except (aiohttp.ClientError, OSError, ValueError):
             continue
     with contextlib.suppress(OSError, subprocess.SubprocessError):
@@ -359,6 +361,8 @@ async def decode_round(bench: Bench, streams: int, label: str) -> list[float]:
                                  for g in got if g.error is not None or len(g.times) <= 1)
     print(f"{label}: {statistics.median(tps) if tps else 0:.1f} tok/s a stream"
           f"{f'; failed: {dict(errors)}' if errors else ''}", file=sys.stderr, flush=True)
+    if bench.show_memory and not errors:
+        print(f"  memory after it: {await memory_now(bench)}", file=sys.stderr, flush=True)
     if errors:
         print("  first failure: " + next((g.message for g in got if g.message), "no message"), file=sys.stderr)
         if bench.log is not None and bench.log.exists():
@@ -453,6 +457,9 @@ def main() -> None:
     p.add_argument("--cut-at", type=int, default=40)
     p.add_argument("--samples", type=int, default=10)
     p.add_argument("--json", type=Path)
+    p.add_argument("--pool", action="append", default=[], metavar="KEY=VALUE",
+                   help="checkpoint: a [pool] setting for both supervisors (TOML, e.g. ssd_cache_bytes=0; repeatable)")
+    p.add_argument("--show-memory", action="store_true", help="checkpoint: the engine's memory after every round")
     args = p.parse_args()
     if (min(args.kills, args.kills_per_round, args.streams, args.max_tokens, args.samples) < 1
             or not 1 <= args.cut_at < args.max_tokens):
@@ -477,7 +484,8 @@ def main() -> None:
         def config_with(name: str, checkpoint: int | None) -> Path:
             config = work / name
             every = f"generation_checkpoint = {checkpoint}\n" if checkpoint is not None else ""
-            config.write_text(f'[pool]\ncrash_limit = 100000\ncrash_window_s = 1\n{every}\n'
+            extra = "".join(f"{kv.partition('=')[0].strip()} = {kv.partition('=')[2].strip()}\n" for kv in args.pool)
+            config.write_text(f'[pool]\ncrash_limit = 100000\ncrash_window_s = 1\n{every}{extra}\n'
                               f'[models.m]\npath = "{model}"\n')
             return config
 
@@ -504,7 +512,7 @@ def main() -> None:
             try:
                 sup.wait_health()
                 yield Bench(sup.url, "m", args.max_tokens, bias, args.prompt_words, engine_pid_of(sup), runtime=rt,
-                            log=work / "serve.log")
+                            log=work / "serve.log", show_memory=args.show_memory)
             finally:
                 sup.stop()
 

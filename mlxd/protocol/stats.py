@@ -144,6 +144,9 @@ class MemoryStats(msgspec.Struct):
     mlx_active_bytes: int
     mlx_peak_bytes: int
     mlx_cache_bytes: int
+    # on CUDA, what the driver says: device_used / device_total, and its memory pool's
+    # pool_reserved(_high) / pool_used(_high) (engine/gpu/cuda_memory.py); None elsewhere
+    cuda: dict[str, int] | None = None
 
 
 class EngineStats(msgspec.Struct):

@@ -44,3 +44,38 @@ def test_on_cuda_the_default_prompt_cache_is_at_most_a_tenth_of_the_gpus_memory(
     assert dm.prompt_cache_sized(bounded, "cuda").prompt_cache_bytes == int(0.8 * gb)  # a share of what it may use
     for device in ("metal", "cpu"):  # one memory for both: the host's share stands
         assert dm.prompt_cache_sized(host_default, device) == host_default
+
+
+def test_on_cuda_mlx_queues_work_within_the_memory_less_most_of_the_headroom(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long batched prefill holds what MLX lets it queue: on CUDA that stops at what the engine
+    may use less 3/4 of the sizing's headroom, not at MLX's 95% of the card (an H100 ran out of
+    memory), and above the KV budget's end, so a full budget's decode is not throttled."""
+    from mlxd.engine.gpu import device_memory as dm
+
+    gb = 10**9
+    monkeypatch.setattr(dm, "device_memory_bytes", lambda device: 80 * gb if device == "cuda" else 64 * gb)
+    limit = dm.memory_limit_bytes(GatewayOptions(), "cuda")
+    assert limit == 80 * gb - 6 * gb  # 3/4 of the 8 GB headroom
+    assert 80 * gb - headroom_bytes(80 * gb) < limit < 0.95 * 80 * gb  # above the budget's end, below MLX's own
+    shared = GatewayOptions(memory_bytes=30 * gb)  # the supervisor's share for this engine bounds it
+    assert dm.memory_limit_bytes(shared, "cuda") == 30 * gb - headroom_bytes(30 * gb) * 3 // 4
+    for device in ("metal", "cpu"):  # MLX's own limit stays there
+        assert dm.memory_limit_bytes(GatewayOptions(), device) is None
+
+
+def test_without_a_cuda_driver_there_is_no_card_to_report() -> None:
+    """The driver's view of the card is read only where libcuda is (not on this CPU machine), and
+    the memory line then says only what MLX says."""
+    from mlxd.engine.gpu.cuda_memory import cuda_memory, cuda_memory_line
+    from mlxd.engine.gpu.device_memory import memory_line
+
+    if device_kind() == "cuda":
+        pytest.skip("this machine has a CUDA driver: the CPU-only path is not what runs here")
+    assert cuda_memory() is None
+    assert cuda_memory_line(None) == ""
+    assert "the card" not in memory_line() and memory_line().startswith("active ")
+    gib = 1024**3
+    line = cuda_memory_line({"device_used": 70 * gib, "device_total": 80 * gib, "pool_reserved": 60 * gib,
+                             "pool_reserved_high": 75 * gib, "pool_used": 50 * gib, "pool_used_high": 74 * gib})
+    assert line == ("; the card: 70.0 of 80.0 GiB used, CUDA pool reserved 60.0 GiB (high 75.0),"
+                    " in use 50.0 GiB (high 74.0)")

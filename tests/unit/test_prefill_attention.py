@@ -81,3 +81,31 @@ def test_decode_steps_and_unsupported_chunks_are_not_routed() -> None:
     q2 = mx.zeros((1, 4, 3, 160), dtype=mx.bfloat16)
     assert not pa.eligible(q2, mx.zeros((1, 4, 9, 160), dtype=mx.bfloat16), mx.zeros((1, 4, 9, 160), dtype=mx.bfloat16),
                            None)  # head size over cuDNN's 128
+
+
+def test_a_wide_chunks_scores_are_made_a_group_of_rows_at_a_time() -> None:
+    """Eight rows of 4,574-token prompts prefilled together by an 8B model (32 heads, 2048-query
+    chunks, bf16) made 4.5 GiB of scores in one operation, which ran an H100 out of memory: its
+    rows go one at a time (0.56 GiB each), small chunks stay whole."""
+    assert pa.row_groups(8, 32, 2048, 4574, 2) == [(i, i + 1) for i in range(8)]
+    assert pa.row_groups(8, 32, 512, 1000, 2) == [(0, 8)]  # 250 MiB in all
+    assert pa.row_groups(5, 8, 64, 64, 4, block_bytes=2 * 8 * 64 * 64 * 4) == [(0, 2), (2, 4), (4, 5)]
+    assert pa.row_groups(3, 8, 64, 64, 4, block_bytes=1) == [(0, 1), (1, 2), (2, 3)]  # a row at least
+
+
+@pytest.mark.parametrize("mask_kind", ["causal", "rows", "shared", "none"])
+def test_attention_a_group_of_rows_at_a_time_equals_the_whole(mask_kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k, v = qkv(5, 8, 2, 4, 9)
+    masks: dict[str, str | mx.array | None] = {
+        "causal": "causal", "none": None,
+        "rows": mx.arange(9)[None, None, None, :] >= mx.array([0, 1, 3, 0, 2])[:, None, None, None],  # left padding
+        "shared": mx.arange(9)[None, None, None, :] >= 1}
+    mask = masks[mask_kind]
+    whole = pa.unfused(q, k, v, 0.2, mask)
+    monkeypatch.setattr(pa, "SCORES_BLOCK_BYTES", 2 * 8 * 4 * 9 * 4)  # two rows' scores (float32)
+    assert pa.row_groups(5, 8, 4, 9, 4) == [(0, 2), (2, 4), (4, 5)]
+    grouped = pa.unfused(q, k, v, 0.2, mask)
+    assert grouped.shape == whole.shape == (5, 8, 4, 32)
+    assert mx.allclose(grouped, whole, atol=1e-6).item()
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask=mask)
+    assert mx.allclose(grouped, want, atol=1e-5).item()

@@ -14,6 +14,7 @@ from dataclasses import replace
 import mlx.core as mx
 import psutil
 
+from mlxd.engine.gpu.cuda_memory import cuda_memory, cuda_memory_line
 from mlxd.engine.gpu.options import GatewayOptions
 from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.protocol.memory import default_prompt_cache_bytes, kv_bytes_per_token, text_config
@@ -87,6 +88,29 @@ def cache_limit_bytes(opts: GatewayOptions) -> int | None:
     return None if memory is None else headroom_bytes(memory)
 
 
+def memory_limit_bytes(opts: GatewayOptions, device: Device | None = None) -> int | None:
+    """The point at which MLX stops queueing work until finished work frees memory
+    (`mx.set_memory_limit`): on an NVIDIA GPU, what the engine may use less three quarters of the
+    sizing's headroom (None elsewhere: MLX's own limit stays).
+
+    MLX queues a forward pass ahead of the GPU, and each queued operation's buffers live until
+    the GPU is done with them, so a long batched prefill holds what MLX lets it queue: its limit,
+    plus the one operation that crossed it. MLX's default limit is 95% of the card, and the card
+    holds more than MLX counts: the CUDA context, cuBLAS's and cuDNN's workspaces, the fragments
+    of the memory pool behind MLX's allocations, other processes (a spare engine, another model's
+    engine). On an H100 80GB an 8B model prefilling 8 rows of 4,574 tokens took MLX to 75.6 GiB
+    and the pool to 78.0 of the card's 79.2 GiB, and the next allocation failed
+    (docs/benchmarks.md, issue 29). The sizing books the KV budget up to the headroom, so a
+    quarter of it is left for a full budget's step to run unthrottled, and three quarters for
+    what MLX does not count and the operation beyond the limit (prefill_attention.py keeps the
+    largest within SCORES_BLOCK_BYTES). `--memory-bytes` bounds it like the sizing, so engines
+    sharing a GPU stay within their shares."""
+    device = device or device_kind()
+    if device != "cuda" or (memory := allowed_memory_bytes(device, opts)) is None:
+        return None
+    return memory - headroom_bytes(memory) * 3 // 4
+
+
 def prompt_cache_sized(opts: GatewayOptions, device: Device | None = None) -> GatewayOptions:
     """The prompt cache's RAM tier where it was not configured: its default is 10% of the host's
     RAM, but on an NVIDIA GPU its entries live in the GPU's memory, so there it is at most 10% of
@@ -107,7 +131,9 @@ def allowed_memory_bytes(device: Device, opts: GatewayOptions) -> int | None:
 
 
 def memory_line() -> str:
-    """MLX's memory now, in GiB: in use, cached for reuse, the peak so far."""
+    """MLX's memory now, in GiB: in use, cached for reuse, the peak so far; on CUDA also what the
+    driver says of the card and its memory pool (cuda_memory.py)."""
     gib = 1024**3
     return (f"active {mx.get_active_memory() / gib:.1f} GiB, cache {mx.get_cache_memory() / gib:.1f} GiB, "
-            f"peak {mx.get_peak_memory() / gib:.1f} GiB")
+            f"peak {mx.get_peak_memory() / gib:.1f} GiB"
+            + (cuda_memory_line(cuda_memory()) if device_kind() == "cuda" else ""))

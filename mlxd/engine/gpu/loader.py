@@ -25,6 +25,7 @@ from mlxd.engine.gpu import cpu_attention, decode_attention, prefill_attention, 
 from mlxd.engine.gpu.device_memory import (
     cache_limit_bytes,
     device_kind,
+    memory_limit_bytes,
     memory_line,
     prompt_cache_sized,
     size_for,
@@ -97,6 +98,10 @@ def size_options(loaded: LoadedModel, opts: GatewayOptions) -> tuple[GatewayOpti
     GPU within what the width probe found paying), and how they were chosen; the solo prefill
     chunk too. Installs the model's batched-decode patches first (the probe runs through them)."""
     opts = asked = prompt_cache_sized(opts)
+    if (limit := memory_limit_bytes(opts)) is not None:
+        mx.set_memory_limit(limit)
+        log.info("MLX queues work within %.1f GiB (what the engine may use, less 3/4 of the sizing's headroom)",
+                 limit / 1024**3)
     sizing = size_for(loaded, opts)
     on_gpu = bool(mx.cuda.is_available() or mx.metal.is_available())
     solo = opts.solo_prefill_step or (GPU_SOLO_PREFILL_STEP if on_gpu else opts.prefill_step)

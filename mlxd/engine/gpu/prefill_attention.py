@@ -47,6 +47,13 @@ CUDNN_BUCKET_MIN_WORK = 5 * 10**9
 BUCKET = 256
 CUDNN_DTYPES = (mx.float16, mx.bfloat16)
 aligned_chunk = 2048  # the engine's solo prefill chunk (set at load): full aligned chunks go to cuDNN
+# The most attention scores one operation of the unfused attention makes. MLX queues a forward
+# pass ahead of the GPU and stops queueing only once its memory limit is passed, so a pass may
+# hold that limit plus one operation's output. Eight rows of a 4,574-token prompt prefilled
+# together by an 8B model (32 heads, 2048-query chunks) made scores of 4.5 GiB an operation,
+# and an H100 80GB ran out of memory (docs/benchmarks.md, issue 29); a group of rows at a time
+# keeps each operation within this.
+SCORES_BLOCK_BYTES = 1024**3
 
 
 def cudnn_on(environ: Any = os.environ) -> bool:
@@ -82,8 +89,29 @@ def plan(queries: mx.array, keys: mx.array, mask: Any) -> tuple[str, int]:
     return ("graph", 0) if q_len * k_len * H * D >= CUDNN_MIN_WORK else ("unfused", 0)
 
 
+def row_groups(rows: int, heads: int, q_len: int, k_len: int, itemsize: int,
+               block_bytes: int | None = None) -> list[tuple[int, int]]:
+    """The rows of a batched chunk's unfused attention, in groups whose scores (heads x queries x
+    keys each) stay within `block_bytes` (SCORES_BLOCK_BYTES), one row at least: [(start, stop)]."""
+    per_row = heads * q_len * k_len * itemsize
+    size = max(1, (SCORES_BLOCK_BYTES if block_bytes is None else block_bytes) // max(1, per_row))
+    return [(start, min(rows, start + size)) for start in range(0, rows, size)]
+
+
 def unfused(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
-    """Attention as MLX's fallback computes it: scores in full, masked, softmax, then values."""
+    """Attention as MLX's fallback computes it: scores in full, masked, softmax, then values; a
+    group of rows at a time where the whole batch's scores would outgrow SCORES_BLOCK_BYTES."""
+    B, H, q_len = queries.shape[:3]
+    groups = row_groups(B, H, q_len, keys.shape[2], queries.dtype.size)
+    if len(groups) == 1:
+        return _unfused(queries, keys, values, scale, mask)
+    def rows_of(mask: Any, start: int, stop: int) -> Any:  # a mask broadcast over rows is everyone's
+        return mask[start:stop] if isinstance(mask, mx.array) and mask.ndim == 4 and mask.shape[0] == B else mask
+    return mx.concatenate([_unfused(queries[a:b], keys[a:b], values[a:b], scale, rows_of(mask, a, b))
+                           for a, b in groups], axis=0)
+
+
+def _unfused(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask: Any) -> mx.array:
     B, H, q_len, D = queries.shape
     kv_heads, k_len = keys.shape[1], keys.shape[2]
     repeats = H // kv_heads

@@ -14,6 +14,8 @@ from aiohttp import web
 
 from mlxd.engine.cache.prefix_cache import FlushReport
 from mlxd.engine.embed import routes as embed_routes
+from mlxd.engine.gpu.cuda_memory import cuda_memory
+from mlxd.engine.gpu.device_memory import device_kind
 from mlxd.engine.gpu.gateway import Gateway
 from mlxd.engine.gpu.stats import Stats
 from mlxd.engine.http import curve_routes
@@ -130,7 +132,7 @@ async def admin_stats(request: web.Request) -> web.Response:
         prompt_cache=gateway.prompt_cache.snapshot() if gateway.prompt_cache is not None else None,
         last=LastRequest(s.last_finish_reason, s.last_completion_tokens, dict(s.last_timings_ms)),
         memory=MemoryStats(psutil.Process().memory_info().rss, mx.get_active_memory(), mx.get_peak_memory(),
-                           mx.get_cache_memory()),
+                           mx.get_cache_memory(), cuda_memory() if device_kind() == "cuda" else None),
     )
     return oa_requests.json_response(body)
 
