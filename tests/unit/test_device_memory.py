@@ -66,12 +66,12 @@ def test_on_cuda_mlx_queues_work_within_the_memory_less_most_of_the_headroom(mon
 def test_without_a_cuda_driver_there_is_no_card_to_report() -> None:
     """The driver's view of the card is read only where libcuda is (not on this CPU machine), and
     the memory line then says only what MLX says."""
-    from mlxd.engine.gpu.cuda_memory import cuda_memory, cuda_memory_line
+    from mlxd.engine.gpu.cuda_memory import cuda_memory, cuda_memory_line, trim_pool
     from mlxd.engine.gpu.device_memory import memory_line
 
     if device_kind() == "cuda":
         pytest.skip("this machine has a CUDA driver: the CPU-only path is not what runs here")
-    assert cuda_memory() is None
+    assert cuda_memory() is None and trim_pool() is None
     assert cuda_memory_line(None) == ""
     assert "the card" not in memory_line() and memory_line().startswith("active ")
     gib = 1024**3
@@ -79,3 +79,20 @@ def test_without_a_cuda_driver_there_is_no_card_to_report() -> None:
                              "pool_reserved_high": 75 * gib, "pool_used": 50 * gib, "pool_used_high": 74 * gib})
     assert line == ("; the card: 70.0 of 80.0 GiB used, CUDA pool reserved 60.0 GiB (high 75.0),"
                     " in use 50.0 GiB (high 74.0)")
+
+
+def test_after_a_peak_mlxs_cache_of_freed_buffers_goes_back() -> None:
+    """After the warm-up and after a failed step the engine hands back what MLX keeps of freed
+    buffers (and on CUDA what the memory pool holds unused), and says how much."""
+    import mlx.core as mx
+
+    from mlxd.engine.gpu.device_memory import release_unused
+
+    a = mx.ones((1024, 1024))
+    mx.eval(a)
+    del a
+    cached = mx.get_cache_memory()
+    assert cached >= 4 * 1024**2  # the freed 4 MiB stayed in MLX's cache
+    line = release_unused()
+    assert mx.get_cache_memory() == 0
+    assert line == f"released {cached / 1024**3:.1f} GiB of MLX's cache"  # no CUDA pool here

@@ -38,7 +38,7 @@ from mlxd.engine.cache.prefix_cache import PrefixCache, view
 from mlxd.engine.gpu import adapter_rows, image_batch, media
 from mlxd.engine.gpu.batch_bias import batch_bias
 from mlxd.engine.gpu.checkpoints import Checkpoints
-from mlxd.engine.gpu.device_memory import memory_line
+from mlxd.engine.gpu.device_memory import memory_line, release_unused
 from mlxd.engine.gpu.job import PrefillGroup
 from mlxd.engine.gpu.sampling import make_sampling
 from mlxd.engine.gpu.sequence import Sequence
@@ -421,7 +421,7 @@ class BatchLane:
             try:
                 self._decode(ended)
             except Exception as exc:
-                log.error("batched step failed (MLX memory: %s):\n%s", memory_line(), traceback.format_exc())
+                log.error("batched step failed (MLX memory: %s; %s):\n%s", memory_line(), release_unused(), traceback.format_exc())
                 ended += self.fail_all(f"generation failed: {type(exc).__name__}: {exc}", "generation_failed")
             if self._checkpoints is not None:
                 self._checkpoints.batch(self._gen, self._rows)

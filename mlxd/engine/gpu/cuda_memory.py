@@ -64,6 +64,27 @@ def cuda_memory(device: int = 0) -> dict[str, int] | None:
             lib.cuDevicePrimaryCtxRelease_v2(device)
 
 
+def trim_pool(device: int = 0) -> int | None:
+    """Hand what the CUDA memory pool holds unused back to the device, once the GPU is done with
+    what was freed (`cuCtxSynchronize`, then `cuMemPoolTrimTo`); the bytes released, None where
+    there is no CUDA driver or it will not say.
+
+    The pool keeps what it once reserved: after an engine's warm-up it held 75.2 GiB of an H100's
+    79.2 with 6.5 GiB in use, and a later allocation of a size its free pieces could not hold found
+    no device memory left to grow into. Call it where the GPU may wait (after the warm-up, after a
+    failed step), on a thread that has run CUDA work (the GPU thread), after `mx.clear_cache()`."""
+    lib = _driver()
+    before = cuda_memory(device)
+    if lib is None or before is None or "pool_reserved" not in before:
+        return None
+    pool = ctypes.c_void_p()
+    if (lib.cuCtxSynchronize() != 0 or lib.cuDeviceGetDefaultMemPool(ctypes.byref(pool), device) != 0
+            or lib.cuMemPoolTrimTo(pool, ctypes.c_size_t(0)) != 0):
+        return None
+    after = cuda_memory(device) or {}
+    return max(0, before["pool_reserved"] - after.get("pool_reserved", before["pool_reserved"]))
+
+
 def cuda_memory_line(memory: dict[str, int] | None) -> str:
     """`memory` (cuda_memory's) in GiB for a log line; empty where there is none."""
     if not memory:

@@ -14,7 +14,7 @@ from dataclasses import replace
 import mlx.core as mx
 import psutil
 
-from mlxd.engine.gpu.cuda_memory import cuda_memory, cuda_memory_line
+from mlxd.engine.gpu.cuda_memory import cuda_memory, cuda_memory_line, trim_pool
 from mlxd.engine.gpu.options import GatewayOptions
 from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.protocol.memory import default_prompt_cache_bytes, kv_bytes_per_token, text_config
@@ -128,6 +128,16 @@ def allowed_memory_bytes(device: Device, opts: GatewayOptions) -> int | None:
     if opts.memory_bytes is not None:
         memory = opts.memory_bytes if memory is None else min(memory, opts.memory_bytes)
     return memory
+
+
+def release_unused() -> str:
+    """After a peak or a failure: MLX's cache of freed buffers and the CUDA pool's unused memory go
+    back to the device (cuda_memory.trim_pool); what was released, for a log line."""
+    cached = mx.get_cache_memory()
+    mx.clear_cache()
+    trimmed = trim_pool() if device_kind() == "cuda" else None
+    return f"released {cached / 1024**3:.1f} GiB of MLX's cache" + (
+        f" and {trimmed / 1024**3:.1f} GiB of the CUDA pool's" if trimmed is not None else "")
 
 
 def memory_line() -> str:
