@@ -154,7 +154,7 @@ def make_runner(
         log.info("warm-up: %d jobs, up to %d rows at once: %.0f ms (MLX memory: %s)", jobs, most, seconds * 1000,
                  memory_line())
     if (limit := cache_limit_bytes(opts)) is not None:
-        log.info("after the probe and the warm-up: %s", release_unused())  # what they freed
+        log.info("before serving: %s", release_unused())  # what the probe and the warm-up freed
         mx.set_cache_limit(limit)
         log.info("MLX keeps at most %.2f GiB of freed buffers for reuse (%s)", limit / 1024**3,
                  "its CPU default" if device_kind() == "cpu" else "the sizing's headroom")
