@@ -20,6 +20,7 @@
 # `ck8`, `cut`, `json`, `numerics`: what issues 27 and 29 still lack on a GPU (docs/benchmarks.md:
 # "Still to measure on a GPU"). `group1`: issue 30's group of one rank against a plain engine.
 # `oom`: ck8's out-of-memory again, short, with nvidia-smi's memory every 500 ms (smi.csv).
+# `prefillmem`: benchmarks/prefill_memory.py, what the out-of-memory's fix costs a batched prefill.
 # `close30` (group1 and ck8) and `close27` (cut, the self-draft and n-gram prose at 8 streams): what
 # the open issues still lack, each in one call. The random models need a tokenizer in .device/tok (SmolLM2's:
 # copy tokenizer.json, tokenizer_config.json and special_tokens_map.json from the model
@@ -631,6 +632,12 @@ oom)
     --streams 8 --max-tokens 64 --samples 1 --cuts 0 --prompt-words 1500 --show-memory --pool ssd_cache_bytes=0
   kill $smi $apps
   ;;
+prefillmem)
+  # issue 29's fix: 8 rows of 4,574 tokens prefilled together at MLX's own memory limit and whole
+  # attention scores, against the engine's limit and scores a group of rows at a time (time, peaks)
+  model 8b-4bit /tmp/models/l8q
+  step prefill_memory ${LIMIT:-240} python3 benchmarks/prefill_memory.py --model /tmp/models/l8q --turns 2 --runs 3
+  ;;
 close27)
   # issue 29's cut, then issue 27's losing cases since new rows open at the lane's acceptance:
   # the self-draft (lone) and n-gram prose at 8 streams
@@ -642,5 +649,5 @@ close27)
   step prose8 180 python3 benchmarks/speculative.py --model /tmp/models/l8q --widths 8 --rounds 2 \
     --max-tokens 256 --workloads prose
   ;;
-*) echo "usage: $0 oom|close30|close27|1b|8b|streams|close|close8b|lone|cache|structured|prefill|load|auto|auto8b|ck8|cut|json|numerics|group1" >&2; exit 2 ;;
+*) echo "usage: $0 prefillmem|oom|close30|close27|1b|8b|streams|close|close8b|lone|cache|structured|prefill|load|auto|auto8b|ck8|cut|json|numerics|group1" >&2; exit 2 ;;
 esac
