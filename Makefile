@@ -22,7 +22,7 @@ run: setup
 
 # In-process MLX work in the tests gets OpenBLAS too (engines preload it by themselves).
 # `make test` runs all but the few tests marked slow (the aim is 10 minutes; on the 2-core test
-# machine it takes 16-17, CPU-bound by real engines), on
+# machine it takes 12-14, CPU-bound by real engines), on
 # TEST_WORKERS processes (pytest-xdist), a test module's tests in one of them (their module-wide
 # supervisors are shared); `make test TEST_WORKERS=0` runs them in one process.
 # `make test-slow` runs those (a wheel installed into fresh venvs, chaos, ...). CI runs both.
