@@ -61,16 +61,17 @@ def test_on_cuda_mlx_queues_work_within_the_memory_less_most_of_the_headroom(mon
     assert dm.memory_limit_bytes(shared, "cuda") == 30 * gb - headroom_bytes(30 * gb) * 3 // 4
     for device in ("metal", "cpu"):  # MLX's own limit stays there
         assert dm.memory_limit_bytes(GatewayOptions(), device) is None
+    assert dm.memory_limit_bytes(GatewayOptions(memory_bytes=256 * 1024**2), "cuda") is None  # below the headroom
 
 
 def test_without_a_cuda_driver_there_is_no_card_to_report() -> None:
     """The driver's view of the card is read only where libcuda is (not on this CPU machine), and
     the memory line then says only what MLX says."""
-    from mlxd.engine.gpu.cuda_memory import cuda_memory, cuda_memory_line, trim_pool
+    from mlxd.engine.gpu.cuda_memory import _driver, cuda_memory, cuda_memory_line, trim_pool
     from mlxd.engine.gpu.device_memory import memory_line
 
-    if device_kind() == "cuda":
-        pytest.skip("this machine has a CUDA driver: the CPU-only path is not what runs here")
+    if _driver() is not None or device_kind() == "cuda":
+        pytest.skip("this machine has a CUDA driver: the path without one is not what runs here")
     assert cuda_memory() is None and trim_pool() is None
     assert cuda_memory_line(None) == ""
     assert "the card" not in memory_line() and memory_line().startswith("active ")
@@ -95,4 +96,34 @@ def test_after_a_peak_mlxs_cache_of_freed_buffers_goes_back() -> None:
     assert cached >= 4 * 1024**2  # the freed 4 MiB stayed in MLX's cache
     line = release_unused()
     assert mx.get_cache_memory() == 0
-    assert line == f"released {cached / 1024**3:.1f} GiB of MLX's cache"  # no CUDA pool here
+    assert line.startswith(f"released {cached / 1024**3:.1f} GiB of MLX's cache")
+    if device_kind() != "cuda":
+        assert line == f"released {cached / 1024**3:.1f} GiB of MLX's cache"  # no CUDA pool to trim
+
+
+def test_after_a_failed_step_its_arrays_go_back_too_and_the_release_never_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed step's traceback holds its arrays (and the generator that made them): they are
+    let go of before MLX's cache is emptied. On a failure path the hand-back must not raise."""
+    import mlx.core as mx
+
+    from mlxd.engine.gpu import device_memory as dm
+
+    def step() -> None:
+        held = mx.ones((2048, 1024))  # 8 MiB only this frame holds
+        mx.eval(held)
+        raise RuntimeError("out of memory")
+
+    try:
+        step()
+    except RuntimeError as exc:
+        dm.release_unused()
+        active = mx.get_active_memory()
+        assert dm.release_unused(exc).startswith("released ")
+        assert mx.get_active_memory() <= active - 8 * 1024**2  # the frame's array is gone
+        assert mx.get_cache_memory() == 0
+
+    def broken() -> None:
+        raise RuntimeError("[CUDA] an illegal memory access was encountered")
+
+    monkeypatch.setattr(dm.mx, "clear_cache", broken)
+    assert dm.release_unused() == "could not release MLX's cache: [CUDA] an illegal memory access was encountered"

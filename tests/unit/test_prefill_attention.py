@@ -109,3 +109,20 @@ def test_attention_a_group_of_rows_at_a_time_equals_the_whole(mask_kind: str, mo
     assert mx.allclose(grouped, whole, atol=1e-6).item()
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask=mask)
     assert mx.allclose(grouped, want, atol=1e-5).item()
+
+
+def test_an_additive_float32_mask_sizes_the_groups_by_its_wider_scores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfloat16 scores plus a float32 mask are float32: the groups are sized by 4 bytes a score."""
+    q, k, v = (x.astype(mx.bfloat16) for x in qkv(4, 8, 2, 4, 9))
+    seen: list[int] = []
+    real = pa.row_groups
+
+    def spy(rows: int, heads: int, q_len: int, k_len: int, itemsize: int, block_bytes: int | None = None) -> list[tuple[int, int]]:
+        seen.append(itemsize)
+        return real(rows, heads, q_len, k_len, itemsize, block_bytes)
+
+    monkeypatch.setattr(pa, "row_groups", spy)
+    additive = mx.where(mx.arange(9)[None, None, None, :] >= mx.array([0, 1, 2, 3])[:, None, None, None], 0.0, -1e9)
+    pa.unfused(q, k, v, 0.2, additive.astype(mx.float32))
+    pa.unfused(q, k, v, 0.2, additive > -1)  # a boolean mask keeps the queries' size
+    assert seen == [4, 2]

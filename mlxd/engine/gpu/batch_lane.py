@@ -407,8 +407,7 @@ class BatchLane:
         chunk = self._chunk()
         if self._gen.prefill_step_size != chunk:
             self._gen.prefill_step_size = chunk
-            prompts = getattr(self._gen, "_prompt_batch", None)  # mlx-lm keeps the step it was made with
-            if prompts is not None:
+            if (prompts := getattr(self._gen, "_prompt_batch", None)) is not None:  # it keeps the step it was made with
                 prompts.prefill_step_size = chunk
         ended = self._drop_cancelled()
         holding, self._hold_arrivals = self._hold_arrivals > 0, max(0, self._hold_arrivals - 1)
@@ -421,8 +420,9 @@ class BatchLane:
             try:
                 self._decode(ended)
             except Exception as exc:
-                log.error("batched step failed (MLX memory: %s; %s):\n%s", memory_line(), release_unused(), traceback.format_exc())
+                log.error("batched step failed (MLX memory: %s):\n%s", memory_line(), traceback.format_exc())
                 ended += self.fail_all(f"generation failed: {type(exc).__name__}: {exc}", "generation_failed")
+                log.info("after the failed step: %s", release_unused(exc))
             if self._checkpoints is not None:
                 self._checkpoints.batch(self._gen, self._rows)
         for seq in ended:

@@ -9,6 +9,7 @@ draft model's among them), and a budgeted token costs the model's KV and a draft
 from __future__ import annotations
 
 import logging
+import traceback
 from dataclasses import replace
 
 import mlx.core as mx
@@ -108,7 +109,8 @@ def memory_limit_bytes(opts: GatewayOptions, device: Device | None = None) -> in
     device = device or device_kind()
     if device != "cuda" or (memory := allowed_memory_bytes(device, opts)) is None:
         return None
-    return memory - headroom_bytes(memory) * 3 // 4
+    limit = memory - headroom_bytes(memory) * 3 // 4
+    return limit if limit > 0 else None  # a budget smaller than the headroom: MLX's own limit stays
 
 
 def prompt_cache_sized(opts: GatewayOptions, device: Device | None = None) -> GatewayOptions:
@@ -130,12 +132,19 @@ def allowed_memory_bytes(device: Device, opts: GatewayOptions) -> int | None:
     return memory
 
 
-def release_unused() -> str:
+def release_unused(failure: BaseException | None = None) -> str:
     """After a peak or a failure: MLX's cache of freed buffers and the CUDA pool's unused memory go
-    back to the device (cuda_memory.trim_pool); what was released, for a log line."""
+    back to the device (cuda_memory.trim_pool); what was released, for a log line (it never raises:
+    it runs on failure paths). After a failed step (`failure`, caught) the frames of its traceback
+    are cleared first: they hold the step's arrays and the generator that made them."""
+    if failure is not None:
+        traceback.clear_frames(failure.__traceback__)
     cached = mx.get_cache_memory()
-    mx.clear_cache()
-    trimmed = trim_pool() if device_kind() == "cuda" else None
+    try:
+        mx.clear_cache()
+        trimmed = trim_pool() if device_kind() == "cuda" else None
+    except RuntimeError as exc:  # after a sticky CUDA error MLX's frees fail too: say so, never raise
+        return f"could not release MLX's cache: {exc}"
     return f"released {cached / 1024**3:.1f} GiB of MLX's cache" + (
         f" and {trimmed / 1024**3:.1f} GiB of the CUDA pool's" if trimmed is not None else "")
 

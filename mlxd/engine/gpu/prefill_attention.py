@@ -102,7 +102,8 @@ def unfused(queries: mx.array, keys: mx.array, values: mx.array, scale: float, m
     """Attention as MLX's fallback computes it: scores in full, masked, softmax, then values; a
     group of rows at a time where the whole batch's scores would outgrow SCORES_BLOCK_BYTES."""
     B, H, q_len = queries.shape[:3]
-    groups = row_groups(B, H, q_len, keys.shape[2], queries.dtype.size)
+    additive = isinstance(mask, mx.array) and mask.dtype != mx.bool_  # scores take its dtype if wider
+    groups = row_groups(B, H, q_len, keys.shape[2], max(queries.dtype.size, mask.dtype.size if additive else 0))
     if len(groups) == 1:
         return _unfused(queries, keys, values, scale, mask)
     def rows_of(mask: Any, start: int, stop: int) -> Any:  # a mask broadcast over rows is everyone's

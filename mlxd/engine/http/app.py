@@ -132,7 +132,7 @@ async def admin_stats(request: web.Request) -> web.Response:
         prompt_cache=gateway.prompt_cache.snapshot() if gateway.prompt_cache is not None else None,
         last=LastRequest(s.last_finish_reason, s.last_completion_tokens, dict(s.last_timings_ms)),
         memory=MemoryStats(psutil.Process().memory_info().rss, mx.get_active_memory(), mx.get_peak_memory(),
-                           mx.get_cache_memory(), cuda_memory() if device_kind() == "cuda" else None),
+                           mx.get_cache_memory(), cuda_memory() if gateway.is_loaded and device_kind() == "cuda" else None),
     )
     return oa_requests.json_response(body)
 
