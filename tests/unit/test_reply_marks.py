@@ -47,6 +47,18 @@ def test_a_drain_cut_error_is_swallowed_and_other_errors_pass() -> None:
     assert ReplyMarks().take(other) == other
 
 
+def test_the_engines_end_cuts_a_reply_short_and_it_can_go_on() -> None:
+    """The GPU thread's death (an engine group's rank gone mid-step ends it so) is the engine's end:
+    the reply goes on on the next engine, as after a drain's timeout."""
+    marks = ReplyMarks()
+    marks.head({REPLY_HEADER.lower(): "chatcmpl-1 1700000000"})
+    marks.take(CHUNK + b": ids 0 1 7\n\n")
+    ended = (b'data: {"error":{"message":"The engine\'s GPU thread stopped.","type":"server_error","param":null,'
+             b'"code":"engine_failed"}}\n\n')
+    assert marks.take(ended) == b""
+    assert marks.stopping and marks.resumable()
+
+
 def test_events_without_marks_or_marks_that_do_not_add_up_cannot_go_on() -> None:
     unmarked = ReplyMarks()
     unmarked.take(CHUNK)  # an engine that does not mark

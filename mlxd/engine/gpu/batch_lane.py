@@ -38,12 +38,12 @@ from mlxd.engine.cache.prefix_cache import PrefixCache, view
 from mlxd.engine.gpu import adapter_rows, image_batch, media
 from mlxd.engine.gpu.batch_bias import batch_bias
 from mlxd.engine.gpu.checkpoints import Checkpoints
-from mlxd.engine.gpu.device_memory import memory_line, release_unused
 from mlxd.engine.gpu.job import PrefillGroup
 from mlxd.engine.gpu.sampling import make_sampling
 from mlxd.engine.gpu.sequence import Sequence
 from mlxd.engine.gpu.sharing import MIN_SHARED_TOKENS, clusters, join_target, shareable, uniform_ids
 from mlxd.engine.gpu.stats import Stats
+from mlxd.engine.gpu.step_failure import after_failed_step, failed_step
 from mlxd.engine.models.adapter_bank import Stack
 from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.engine.spec.batch import BatchDrafts, DraftConfig
@@ -420,9 +420,9 @@ class BatchLane:
             try:
                 self._decode(ended)
             except Exception as exc:
-                log.error("batched step failed (MLX memory: %s):\n%s", memory_line(), traceback.format_exc())
+                failed_step(exc, "batched step")  # in an engine group it raises: the engine ends
                 ended += self.fail_all(f"generation failed: {type(exc).__name__}: {exc}", "generation_failed")
-                log.info("after the failed step: %s", release_unused(exc))
+                after_failed_step(exc)
             if self._checkpoints is not None:
                 self._checkpoints.batch(self._gen, self._rows)
         for seq in ended:

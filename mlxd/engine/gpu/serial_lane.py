@@ -13,7 +13,6 @@ prompt cache) is taken back the same way, its history as the prompt.
 from __future__ import annotations
 
 import logging
-import traceback
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,6 +26,7 @@ from mlxd.engine.gpu.checkpoints import Checkpoints
 from mlxd.engine.gpu.sampling import make_sampling, sampler_args
 from mlxd.engine.gpu.sequence import Sequence
 from mlxd.engine.gpu.stats import Stats
+from mlxd.engine.gpu.step_failure import failed_step
 from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.engine.spec.accept import Distribution
 from mlxd.engine.spec.config import DraftConfig
@@ -115,7 +115,7 @@ class SerialLane:
         except StopIteration:  # generate_step ran out (max_tokens), which `add` has seen
             seq.finish_reason = seq.finish_reason or "length"
         except Exception as exc:
-            log.error("generation failed:\n%s", traceback.format_exc())
+            failed_step(exc, "generation")  # in an engine group it raises: the engine ends
             self._close()
             seq.fail(self._stats, f"generation failed: {type(exc).__name__}: {exc}")
             return [seq]

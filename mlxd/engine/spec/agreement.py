@@ -34,6 +34,12 @@ def alone() -> None:
     _tell = _hear = None
 
 
+def grouped() -> bool:
+    """Whether this engine is a rank of a group (rank 0 or another): a step that raised then
+    leaves the ranks out of step, and the engine must end (gpu/step_failure.py)."""
+    return _tell is not None or _hear is not None
+
+
 def agreed(decide: Callable[[], T]) -> T:
     """`decide()`'s value, sent to the group's other ranks (rank 0, or one engine); on another
     rank, rank 0's (lists where rank 0 had tuples), without deciding."""

@@ -40,7 +40,7 @@ async def relay_whole(up: Upstream, marks: ReplyMarks | None = None) -> web.Resp
     assert up.head is not None
     if up.head.status == 503 and is_busy(data):
         raise EngineBusy
-    if up.head.status == 503 and marks is not None and is_cut_short(data):
+    if up.head.status >= 500 and marks is not None and is_cut_short(data):
         raise Cut(None)  # a drain's timeout or a shutdown cut it short: worked out again on the next engine
     headers = {"Content-Type": up.head.headers.get("content-type", "application/octet-stream")}
     if "retry-after" in up.head.headers:

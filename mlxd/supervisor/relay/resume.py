@@ -27,8 +27,9 @@ from mlxd.protocol.process import MARK, REPLY_HEADER
 
 MAX_KEPT_TOKENS = 1 << 20  # a reply longer than this is not continued (8 MB of ids and splits kept)
 MAX_CHOICES = 16  # the most choices (n) a chat request has (protocol/openai.py)
-# The engine's error codes when a drain's timeout or a shutdown cut a reply short
-CUT_CODES = (b'"drain_timeout"', b'"engine_stopping"')
+# The engine's error codes when a drain's timeout, a shutdown or its GPU thread's death (the
+# engine ends: an engine group's rank gone mid-step ends it so) cut a reply short
+CUT_CODES = (b'"drain_timeout"', b'"engine_stopping"', b'"engine_failed"')
 DONE = b"data: [DONE]\n\n"
 ERROR = b'data: {"error"'
 
@@ -169,5 +170,6 @@ class ReplyMarks:
 
 
 def is_cut_short(error: bytes) -> bool:
-    """Whether an engine's error (event or body) says a drain or shutdown cut the reply short."""
+    """Whether an engine's error (event or body) says a drain, a shutdown or the engine's end cut the
+    reply short."""
     return any(code in error for code in CUT_CODES)
