@@ -60,10 +60,16 @@ def test_strangers_on_the_tcp_control_socket_are_dropped_and_the_rank_joins_seal
             pass
         sock.close()
     leader._send(Turn([], [7], stopping=False))
-    turn = rank.recv(Turn)
-    assert turn.cancelled == [7]
-    rank.send(Beat(3))
-    assert next(iter(leader._ranks)).recv(Beat).turns == 3
+    assert rank.recv(Turn, deadline=time.monotonic() + 10).cancelled == [7]
+    # the other way: rank 0's watch thread (the only reader of the rank's socket once it joined)
+    # opens the rank's sealed beat and counts the turn finished; a beat it cannot open ends the group
+    leader.turn([], stopping=False)
+    rank.recv(Turn, deadline=time.monotonic() + 10)
+    rank.send(Beat(1))
+    deadline = time.monotonic() + 10
+    while leader._sent and leader._lost is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert leader._lost is None and not leader._sent
     leader.close()
     rank.close()
 
