@@ -42,3 +42,55 @@ def test_in_a_group_a_failed_step_ends_the_engine(rank: str, caplog: pytest.LogC
         failed_step(exc, "generation")
     assert raised.value is exc
     assert "the ranks are out of step; the group ends" in caplog.text
+
+
+class _Seq:
+    def __init__(self) -> None:
+        self.failed: list[str] = []
+
+    def fail(self, stats: object, message: str, *args: object) -> None:
+        self.failed.append(message)
+
+
+class _Lane:
+    def admit(self, seq: object) -> None:
+        raise _raised()
+
+    pause = admit
+
+
+class _Scheduler:
+    def release(self, seq: object) -> None:
+        pass
+
+    remove = release
+
+
+def _starts() -> list[tuple[str, object]]:
+    """The places outside a step that run GPU work for one request: each fails the request alone
+    in one engine, and in a group raises like a failed step."""
+    from types import SimpleNamespace
+
+    from mlxd.engine.gpu.batch_lane import BatchLane
+    from mlxd.engine.gpu.runner import Runner
+
+    owner = SimpleNamespace(_stats=None, scheduler=_Scheduler(), num_paused=0)
+    return [
+        ("batch lane start", lambda seq: BatchLane._guarded(owner, _Lane().admit, seq, [])),  # type: ignore[arg-type]
+        ("runner start", lambda seq: Runner._start(owner, seq, _Lane())),  # type: ignore[arg-type]
+        ("runner pause", lambda seq: Runner._pause(owner, seq, _Lane())),  # type: ignore[arg-type]
+    ]
+
+
+@pytest.mark.parametrize("index", range(3))
+def test_a_request_that_cannot_start_fails_alone_and_in_a_group_ends_the_engine(index: int) -> None:
+    what, start = _starts()[index]
+    agreement.alone()
+    seq = _Seq()
+    start(seq)  # type: ignore[operator]
+    assert seq.failed and "connection to a peer was lost" in seq.failed[0], what
+    agreement.lead(lambda value: None)
+    seq = _Seq()
+    with pytest.raises(RuntimeError, match="connection to a peer was lost"):
+        start(seq)  # type: ignore[operator]
+    assert seq.failed == [], what

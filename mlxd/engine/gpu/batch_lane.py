@@ -211,7 +211,7 @@ class BatchLane:
         try:
             start(seq)
         except Exception as exc:
-            log.error("could not start a request:\n%s", traceback.format_exc())
+            failed_step(exc, "starting a request")  # in an engine group it raises: the engine ends
             seq.fail(self._stats, f"generation failed: {type(exc).__name__}: {exc}")
             ended.append(seq)
 
@@ -360,7 +360,7 @@ class BatchLane:
                 if group.shared:
                     self._keep(group, lead)
         except Exception as exc:
-            log.error("prefill of a shared prompt failed:\n%s", traceback.format_exc())
+            failed_step(exc, "prefill of a shared prompt")  # in an engine group it raises
             ended += self._fail_group(group, f"generation failed: {type(exc).__name__}: {exc}", "generation_failed")
         return ended
 

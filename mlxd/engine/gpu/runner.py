@@ -8,7 +8,6 @@ the serial lane's sequence joins the batch's rows.
 from __future__ import annotations
 
 import logging
-import traceback
 
 from mlxd.engine.cache.prefix_cache import PrefixCache
 from mlxd.engine.gpu.batch_lane import BatchLane
@@ -20,6 +19,7 @@ from mlxd.engine.gpu.scheduling import LaneName
 from mlxd.engine.gpu.sequence import Sequence
 from mlxd.engine.gpu.serial_lane import SerialLane
 from mlxd.engine.gpu.stats import Stats
+from mlxd.engine.gpu.step_failure import failed_step
 from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.protocol.events import Failed
 
@@ -102,7 +102,7 @@ class Runner:
         try:
             lane.pause(seq)
         except Exception as exc:
-            log.error("could not pause a request:\n%s", traceback.format_exc())
+            failed_step(exc, "pausing a request")  # in an engine group it raises: the engine ends
             self.scheduler.remove(seq)
             seq.fail(self._stats, f"generation failed: {type(exc).__name__}: {exc}")
             return
@@ -116,7 +116,7 @@ class Runner:
         try:
             lane.admit(seq)
         except Exception as exc:
-            log.error("could not start a request:\n%s", traceback.format_exc())
+            failed_step(exc, "starting a request")  # in an engine group it raises: the engine ends
             self.scheduler.release(seq)
             seq.fail(self._stats, f"generation failed: {type(exc).__name__}: {exc}")
             return 0
@@ -150,7 +150,7 @@ class Runner:
             if moved is not None:
                 batch.adopt(*moved)
         except Exception as exc:
-            log.error("moving a request into the batch failed:\n%s", traceback.format_exc())
+            failed_step(exc, "moving a request into the batch")  # in an engine group it raises: the engine ends
             message = f"generation failed: {type(exc).__name__}: {exc}"
             if moved is None:
                 failed = serial.fail_all(message, "generation_failed")

@@ -7,7 +7,9 @@ anything else) leaves the ranks out of step. The group ends then (its watch thre
 gone), and the supervisor starts it again and goes on with its replies (docs/resume.md). Had
 the lane answered them `generation_failed` first, a client would get that error in the race.
 So in a group the failure is raised on: the GPU thread ends, its requests end as `engine_failed`,
-which the supervisor takes as the engine's end, and the reply goes on on the next.
+which the supervisor takes as the engine's end, and the reply goes on on the next. The same
+holds for the GPU work done for one request outside a step (starting, pausing, moving it into
+the batch, a shared prompt's prefill): alone only that request fails; in a group the engine ends.
 """
 
 from __future__ import annotations
