@@ -100,8 +100,10 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The `[pool]` table: how many engines live at once, and how requests wait for them."""
 
     max_loaded: Annotated[int, msgspec.Meta(ge=1)] | None = None  # None: as many as fit the budget
-    memory_budget_gb: Annotated[float, msgspec.Meta(gt=0)] | None = None  # None: memory_fraction of RAM
-    memory_fraction: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.75
+    memory_budget_gb: Annotated[float, msgspec.Meta(gt=0)] | None = None  # None: memory_fraction of the models' memory
+    # of RAM (Metal, the CPU), or of the GPU's memory on CUDA. None: 0.75 of RAM; on CUDA all of
+    # the smallest visible GPU's (nothing else lives there, and each engine keeps its own headroom)
+    memory_fraction: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
     idle_ttl_s: TTL = 1800
     max_queue: Annotated[int, msgspec.Meta(ge=1)] = 256
     queue_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0

@@ -11,8 +11,11 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import json
+import os
 import shutil
+import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -61,9 +64,41 @@ def this_device() -> Device:
     return "cpu"
 
 
-def default_budget_bytes(fraction: float) -> int:
-    """`fraction` of physical memory."""
-    return int(psutil.virtual_memory().total * fraction)
+RAM_FRACTION = 0.75  # [pool] memory_fraction's default where the models live in RAM (Metal, the CPU)
+GPU_FRACTION = 1.0  # ... and on CUDA, of the GPU's memory: nothing else lives there, and the
+# engine keeps its own headroom for activations (protocol/sizing.py)
+
+
+def default_budget_bytes(fraction: float | None, device: Device = "cpu") -> int:
+    """`fraction` of the memory the engines' models live in: on CUDA the smallest visible GPU's
+    (an engine runs on one; where its memory cannot be read, RAM's), else physical RAM."""
+    if device == "cuda" and (gpu := gpu_memory_bytes()) is not None:
+        return int(gpu * (GPU_FRACTION if fraction is None else fraction))
+    return int(psutil.virtual_memory().total * (RAM_FRACTION if fraction is None else fraction))
+
+
+def gpu_memory_bytes(environ: Mapping[str, str] | None = None, smi: str = "nvidia-smi") -> int | None:
+    """The memory of the smallest GPU this process's CUDA can see (`$CUDA_VISIBLE_DEVICES`, by
+    index or UUID), as nvidia-smi reports it, without creating a CUDA context (which would hold
+    some of that memory); None when it cannot be read or no GPU is visible."""
+    try:
+        done = subprocess.run([smi, "--query-gpu=index,uuid,memory.total", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    cards: list[tuple[str, str, int]] = []
+    for line in done.stdout.splitlines():
+        parts = [part.strip() for part in line.split(",")]
+        if len(parts) == 3 and parts[2].isdigit():
+            cards.append((parts[0], parts[1], int(parts[2]) * 1024**2))  # MiB
+    visible = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        wanted = [name.strip() for name in visible.split(",") if name.strip()]
+        if any(name.startswith("-") for name in wanted):  # CUDA stops at the first invalid one
+            wanted = wanted[:next(i for i, name in enumerate(wanted) if name.startswith("-"))]
+        cards = [card for card in cards if any(name in (card[0], card[1]) or (name.startswith("GPU-") and
+                                                                        card[1].startswith(name)) for name in wanted)]
+    return min((size for _, _, size in cards), default=None)
 
 
 def _text_config(model_dir: Path) -> dict[str, Any] | None:

@@ -25,6 +25,7 @@ from mlxd.protocol.engine_state import ACCEPTING, LIVE, SERVING, EngineState
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.memory import default_prompt_cache_bytes
 from mlxd.protocol.process import DEFAULT_CHECKPOINT_TOKENS, DrainResult
+from mlxd.protocol.sizing import Device
 from mlxd.protocol.speculation import DEFAULT_NUM_DRAFT_TOKENS, parse_draft
 from mlxd.supervisor.config import DEFAULT_GATHER_MS, PoolConfig
 from mlxd.supervisor.engines import policy
@@ -77,10 +78,11 @@ class Waiter:
     future: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
-def limits_from(config: PoolConfig) -> policy.Limits:
-    """The policy's limits from the `[pool]` table."""
+def limits_from(config: PoolConfig, device: Device = "cpu") -> policy.Limits:
+    """The policy's limits from the `[pool]` table (`device`: where the engines' models live)."""
     budget = (
-        int(config.memory_budget_gb * 1024**3) if config.memory_budget_gb else default_budget_bytes(config.memory_fraction)
+        int(config.memory_budget_gb * 1024**3) if config.memory_budget_gb
+        else default_budget_bytes(config.memory_fraction, device)
     )
     return policy.Limits(budget, config.max_loaded, config.max_queue, config.queue_timeout_s)
 
@@ -128,11 +130,16 @@ def engine_env_from(config: PoolConfig) -> tuple[tuple[str, str], ...]:
     return (("MLX_USE_CUDA_GRAPHS", "1"),) if config.cuda_graphs else ()
 
 
-def prompt_cache_bytes(config: PoolConfig) -> int:
-    """What an engine's prompt cache may hold in RAM (counted in its memory estimate)."""
+def prompt_cache_bytes(config: PoolConfig, device: Device = "cpu", budget_bytes: int | None = None) -> int:
+    """What an engine's prompt cache may hold in RAM (counted in its memory estimate). On CUDA its
+    entries live on the GPU, so there, as the engine sizes it (engine/gpu/device_memory.py's
+    prompt_cache_sized), the default is also at most that of the memory the engine is given."""
     if config.prompt_cache_bytes is not None:
         return config.prompt_cache_bytes
-    return default_prompt_cache_bytes(psutil.virtual_memory().total)
+    ram = default_prompt_cache_bytes(psutil.virtual_memory().total)
+    if device == "cuda" and budget_bytes is not None:
+        return min(ram, default_prompt_cache_bytes(budget_bytes))
+    return ram
 
 
 class Pool:
@@ -152,8 +159,8 @@ class Pool:
         self._options = dataclasses.replace(options or EngineOptions(), crash=crash_limits_from(self.config),
                                             engine_args=engine_args_from(self.config, kv_dir),
                                             engine_env=engine_env_from(self.config))
-        self.limits = limits_from(self.config)
-        self._device = this_device()  # the widest `auto` width the estimates plan for
+        self._device = this_device()  # the widest `auto` width the estimates plan for, and the budget's memory
+        self.limits = limits_from(self.config, self._device)
         self.clock = clock
         self._slots: dict[str, Slot] = {}
         self._queue: list[Waiter] = []
@@ -262,7 +269,7 @@ class Pool:
     @property
     def prompt_cache_bytes(self) -> int:
         """The RAM tier of each engine's prompt cache (booked beside its weights)."""
-        return prompt_cache_bytes(self.config)
+        return prompt_cache_bytes(self.config, self._device, self.limits.budget_bytes)
 
     @property
     def device(self) -> str:
