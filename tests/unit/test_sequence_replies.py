@@ -71,3 +71,13 @@ def test_start_sets_the_cached_tokens_and_restarts_the_clock() -> None:
 def test_only_the_sequence_emits_on_a_ticket() -> None:
     emitters = [p.name for p in GPU.glob("*.py") if re.search(r"ticket\.emit\(", p.read_text())]
     assert emitters == ["sequence.py"]
+
+
+def test_the_grown_history_is_the_history_kept_in_one_list() -> None:
+    seq, _ = sequence(prompt_len=4, max_tokens=50)
+    grown = seq.grown_history()
+    assert grown == seq.history == [0, 1, 2, 3]
+    for token in (9, 8, 7):
+        seq.generated.append(token)
+        assert seq.grown_history() is grown and grown == seq.history  # the same list, grown
+    assert grown == [0, 1, 2, 3, 9, 8, 7]

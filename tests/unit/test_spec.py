@@ -81,6 +81,25 @@ def logprobs_with(best: list[int], vocab: int = 8) -> mx.array:
     return rows
 
 
+def test_drafting_after_a_next_token_is_drafting_from_the_history_with_it() -> None:
+    """propose_after(history, next) (a batch row's: no copy of its history) drafts what
+    propose(history + [next]) does, as both grow a token at a time, the run reaching into the
+    next token included."""
+    import random
+
+    rng = random.Random(7)
+    for trial in range(40):
+        vocab = rng.choice([3, 5, 12])
+        history = [rng.randrange(vocab) for _ in range(rng.randrange(0, 6))]
+        after, whole = NgramDrafter(), NgramDrafter()
+        for _ in range(60):
+            nxt, limit = rng.randrange(vocab), rng.randrange(0, 7)
+            assert after.propose_after(history, nxt, limit) == whole.propose([*history, nxt], limit), (trial, history)
+            history.append(nxt)
+    history = [1, 2, 3, 1, 2]
+    assert NgramDrafter().propose_after(history, 3, 4) == [1, 2, 3]  # after [1, 2, 3]: the history's end, then 3
+
+
 def test_greedy_keeps_drafts_while_the_target_agrees_then_takes_its_own_token() -> None:
     greedy = Distribution(temp=0.0)
     assert accept(greedy, logprobs_with([3, 4, 5, 6]), [3, 4, 2]) == [3, 4, 5]
@@ -622,7 +641,7 @@ def test_a_batch_row_opens_at_what_the_lanes_rows_kept_and_tells_the_lane() -> N
     def seq() -> SimpleNamespace:
         sampling = SimpleNamespace(temperature=0.0, top_p=1.0, min_p=0.0, top_k=0, seed=None)
         job = SimpleNamespace(speculate=True, media=None, sampling=sampling)
-        return SimpleNamespace(job=job, tally=None, history=[1, 2, 3, 1, 2])
+        return SimpleNamespace(job=job, tally=None, grown_history=lambda: [1, 2, 3, 1, 2])
 
     drafts = BatchDrafts(DraftConfig.parse("ngram", 4))
     drafts.add(1, seq())

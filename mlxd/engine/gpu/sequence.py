@@ -29,14 +29,15 @@ FIRST_RELAY_PAUSE_S = 0.0005
 class Sequence:
     """A job being generated: its text state, its clock, and how it ended."""
 
-    __slots__ = ("_detok", "_eos", "_has_relayed", "_pending", "_reported", "_stops", "_tokenizer", "base", "cached",
-                 "clock", "finish_reason", "generated", "job", "paused", "saved", "tally")
+    __slots__ = ("_detok", "_eos", "_grown", "_has_relayed", "_pending", "_reported", "_stops", "_tokenizer", "base",
+                 "cached", "clock", "finish_reason", "generated", "job", "paused", "saved", "tally")
 
     def __init__(self, job: Job, tokenizer: Any, eos: set[int]) -> None:
         self.job = job
         self.cached = 0  # prompt tokens served from the prompt cache (set by `start`)
         self.clock = Clock(job.submitted_at)
         self.generated: list[int] = []
+        self._grown: list[int] | None = None  # grown_history's list
         self.finish_reason: str | None = None  # set once it ended
         self.paused = 0  # times a lane paused it for a more urgent job
         self.saved = 0  # of its history, the tokens whose KV is on SSD or on its way (gpu/checkpoints.py)
@@ -87,6 +88,17 @@ class Sequence:
     def history(self) -> list[int]:
         """Prompt and generated tokens so far."""
         return self.job.prompt + self.generated
+
+    def grown_history(self) -> list[int]:
+        """The history as one list kept from call to call and grown by the tokens generated since
+        (a batch row's drafter reads it every step: no copy of a long prompt each time). The
+        caller must not change it."""
+        grown, prompt = self._grown, self.job.prompt
+        if grown is None or len(grown) > len(prompt) + len(self.generated):
+            grown = self._grown = self.history
+        elif len(grown) < len(prompt) + len(self.generated):
+            grown.extend(self.generated[len(grown) - len(prompt):])
+        return grown
 
     def add(self, token: int, logprobs: Any = None) -> bool:
         """Take the next generated token (and the step's log probabilities over the vocabulary,

@@ -59,7 +59,7 @@ MAX_SKIP = 64  # plain steps at most between drafting steps that keep checking n
 class RowDrafts:
     """One batch row's drafting: its drafter, pace, distribution and counts."""
 
-    history: Callable[[], list[int]]  # the row's tokens so far, the ones it was answered with
+    history: Callable[[], list[int]]  # the row's tokens so far, the ones it was answered with (not to be changed)
     dist: Distribution
     pace: Pace
     tally: Tally
@@ -89,7 +89,7 @@ class RowDrafts:
                 return
             self.acceptance += ACCEPTANCE_EMA * (kept - self.acceptance)
             self.hope.kept(self.acceptance)
-        guess = self.drafter.propose([*self.history(), token], limit + 1)
+        guess = self.drafter.propose_after(self.history(), token, limit + 1)
         self.shadow = Guess(guess) if guess else None
 
 
@@ -142,7 +142,7 @@ def row_drafts_for(seq: Any, draft: DraftConfig, hope: Hope | None = None) -> Ro
     if seq.tally is None:
         seq.tally = Tally()  # a row the serial lane handed over keeps its counts
     hope = hope if hope is not None else Hope()
-    return RowDrafts(lambda: seq.history, dist, Pace(draft.num_draft_tokens, timed=False), seq.tally,
+    return RowDrafts(seq.grown_history, dist, Pace(draft.num_draft_tokens, timed=False), seq.tally,
                      acceptance=hope.opening(), hope=hope)
 
 
@@ -322,7 +322,7 @@ def drafting_batch(base: Any) -> Any:
             if grammar is not None and (forced := grammar.forced_after([nxt], limit)):
                 self._forced.add(i)  # always kept: a pass is priced with them as certain
                 return forced
-            drafts = guess if guess is not None else rd.drafter.propose([*rd.history(), nxt], limit)
+            drafts = guess if guess is not None else rd.drafter.propose_after(rd.history(), nxt, limit)
             return drafts if grammar is None else drafts[:grammar.allowed_after([nxt], drafts)]
 
         def _model_drafts(self, rows: list[RowDrafts | None], nexts: list[int], count: int) -> list[Any] | None:

@@ -40,6 +40,22 @@ class NgramDrafter:
     def ready(self, tokens: list[int]) -> bool:
         return bool(self.propose(tokens, 1))
 
+    def propose_after(self, history: list[int], nxt: int, limit: int) -> list[int]:
+        """`propose(history + [nxt], limit)` without copying the history: a batch row's grows by
+        a token a step, and its prompt may be tens of thousands of tokens."""
+        size = len(history) + 1
+        if limit <= 0 or size < self._min_n + 1:
+            return []
+        self._index(history, size - 1)
+        for n in range(min(self._max_n, size - 1), self._min_n - 1, -1):
+            end = self._last.get((*history[size - n:], nxt))
+            if end is not None:
+                drafts = history[end + 1:end + 1 + limit]
+                if end + 1 + limit > len(history):  # the run reaches the token after the history
+                    drafts.append(nxt)
+                return drafts
+        return []
+
     def propose(self, tokens: list[int], limit: int) -> list[int]:
         """Up to `limit` tokens to follow `tokens`, or none when its suffix appeared nowhere before."""
         size = len(tokens)
