@@ -21,6 +21,8 @@ each its tokens over the time from its first request sent to its last answer's e
 last of them ends ("all done"): there the slowest answer sets the time, and an answer that
 copies nothing (SmolLM2 writes new code for some of the prompts) keeps the batch going at a
 few rows long after the others ended, which a server under load fills with new requests.
+Each "on" phase also reports the engine's batch steps that checked drafts and its idle reads
+(steps that read the rows' next tokens for drafts and checked none: /admin/stats `lanes`).
 
   python benchmarks/speculative.py                           # CPU, SmolLM2-135M-Instruct
   python benchmarks/speculative.py --model /tmp/models/l8b --workloads edit --max-tokens 256
@@ -145,7 +147,30 @@ async def streams(url: str, plans: list[list[Row]]) -> Row:
             "proposed": sum(s.get("proposed", 0) for s in spec), "accepted": sum(s.get("accepted", 0) for s in spec)}
 
 
-def measure(url: str, workload: str, width: int, args: argparse.Namespace, counter: Any) -> Row:
+COUNTERS = ("draft_batch_passes", "draft_batch_idle_reads")
+
+
+async def _lane_counters(runtime: Path | None) -> dict[str, int]:
+    """The engines' drafting counters (/admin/stats `lanes` on each engine's socket), summed."""
+    out = dict.fromkeys(COUNTERS, 0)
+    for sock in sorted(runtime.rglob("*.sock")) if runtime is not None else ():
+        try:
+            async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(sock))) as session, \
+                    session.get("http://engine/admin/stats") as resp:
+                lanes = (await resp.json()).get("lanes") or {}
+        except (aiohttp.ClientError, OSError, ValueError):
+            continue
+        for key in COUNTERS:
+            out[key] += int(lanes.get(key) or 0)
+    return out
+
+
+def lane_counters(runtime: Path | None) -> dict[str, int]:
+    return asyncio.run(_lane_counters(runtime))
+
+
+def measure(url: str, workload: str, width: int, args: argparse.Namespace, counter: Any,
+            runtime: Path | None = None) -> Row:
     """--rounds rounds of `width` streams, off then on, on the same prompts; the texts of each
     pair compared."""
     asyncio.run(streams(url, [[body(workload, next(counter), 16, d)] for d in (False, True) for _ in range(width)]))
@@ -161,14 +186,18 @@ def measure(url: str, workload: str, width: int, args: argparse.Namespace, count
         asyncio.run(streams(url, [[body(workload, n, 1, False)] for plan in numbers for n in plan]))
         off.append(asyncio.run(streams(url, [[body(workload, n, args.max_tokens, False) for n in plan]
                                              for plan in numbers])))
+        before = lane_counters(runtime)
         on.append(asyncio.run(streams(url, [[body(workload, n, args.max_tokens, True) for n in plan]
                                             for plan in numbers])))
+        after = lane_counters(runtime)
+        on[-1].update({key: after[key] - before[key] for key in COUNTERS})
         differ += sum(a != b for a, b in zip(off[-1]["texts"], on[-1]["texts"], strict=True))
         key = "decode_tps" if width == 1 else "aggregate_tps"
         log(f"[{workload} x{width}] round {r}: off {off[-1][key]:.1f}, on {on[-1][key]:.1f} tok/s "
             f"(drafts kept {on[-1]['accepted']}/{on[-1]['proposed']}, {on[-1]['tokens']} tokens in "
             f"{on[-1]['requests']} requests; all done at {off[-1]['wall_s']:.1f} / {on[-1]['wall_s']:.1f} s: "
-            f"{off[-1]['wall_tps']:.1f} / {on[-1]['wall_tps']:.1f} tok/s)")
+            f"{off[-1]['wall_tps']:.1f} / {on[-1]['wall_tps']:.1f} tok/s; batch passes with drafts "
+            f"{on[-1]['draft_batch_passes']}, idle reads {on[-1]['draft_batch_idle_reads']})")
     key = "decode_tps" if width == 1 else "aggregate_tps"
     med = lambda rows: statistics.median(x[key] for x in rows)  # noqa: E731
     for rows in (off, on):
@@ -178,7 +207,8 @@ def measure(url: str, workload: str, width: int, args: argparse.Namespace, count
     return {"workload": workload, "streams": width, "measure": key, "off": med(off), "on": med(on),
             "ratio": med(on) / med(off), "wall_ratio": wall(on) / wall(off), "same_text": differ == 0, "texts_differing": differ,
             "accepted": sum(x["accepted"] for x in on), "proposed": sum(x["proposed"] for x in on),
-            "tokens": sum(x["tokens"] for x in on), "rounds": {"off": off, "on": on}}
+            "tokens": sum(x["tokens"] for x in on), "rounds": {"off": off, "on": on},
+            **{key: sum(x[key] for x in on) for key in COUNTERS}}
 
 
 def same_text(r: Row) -> str:
@@ -211,19 +241,21 @@ def main() -> None:
             sup.wait_health()
             for workload in args.workloads.split(","):
                 for width in (int(w) for w in args.widths.split(",")):
-                    results.append(measure(sup.url, workload, width, args, counter))
+                    results.append(measure(sup.url, workload, width, args, counter, sup.runtime_dir))
         except Exception:
             show_log(work / "serve.log")
             raise
         finally:
             sup.stop()
     print(f"\nconfig:\n{text}")
-    print("| workload | streams | measure | off | on | on / off | all done: on / off | drafts kept | same text |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| workload | streams | measure | off | on | on / off | all done: on / off | drafts kept | batch passes "
+          "| idle reads | same text |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         kept = f"{r['accepted']}/{r['proposed']}" if r["proposed"] else "none drafted"
         print(f"| {r['workload']} | {r['streams']} | {r['measure']} | {r['off']:.1f} | {r['on']:.1f} | "
-              f"**{r['ratio']:.2f}** | {r['wall_ratio']:.2f} | {kept} | {same_text(r)} |")
+              f"**{r['ratio']:.2f}** | {r['wall_ratio']:.2f} | {kept} | {r['draft_batch_passes']} | "
+              f"{r['draft_batch_idle_reads']} | {same_text(r)} |")
     if args.json:
         args.json.write_text(json.dumps({"model": str(model), "config": text, "results": results}, indent=2))
     if any(r["same_text"] is False for r in results):

@@ -83,6 +83,7 @@ class LaneStats(msgspec.Struct):
     draft_proposed: int = 0  # drafted tokens the target checked since the engine started
     draft_accepted: int = 0  # ... and kept (their share is the acceptance)
     draft_batch_passes: int = 0  # batch steps that checked drafts (rows decoding together)
+    draft_batch_idle_reads: int = 0  # batch steps that read the rows' next tokens for drafts and checked none
 
 
 class TokenCounts(msgspec.Struct):

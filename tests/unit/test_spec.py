@@ -652,3 +652,32 @@ def test_a_batch_row_opens_at_what_the_lanes_rows_kept_and_tells_the_lane() -> N
     assert drafts.hope.acceptance == first.acceptance < ACCEPTANCE_START
     drafts.add(2, seq())
     assert drafts.rows[2].acceptance == first.acceptance  # the next row opens there
+
+
+def test_a_drafting_step_that_found_nothing_to_check_is_counted_and_steps_plain() -> None:
+    """The host read the rows' next tokens for nothing (a pipeline break on a GPU):
+    `draft_batch_idle_reads` counts it, the step is the generator's own, and the batch backs off."""
+    from types import SimpleNamespace
+
+    import mlx.core as mx
+
+    from mlxd.engine.gpu.stats import Stats
+    from mlxd.engine.spec.batch import RowDrafts, drafting_batch
+    from mlxd.engine.spec.serial import Tally
+
+    own = [SimpleNamespace(uid=1, token=5)]
+
+    class Plain:
+        def next(self) -> list[SimpleNamespace]:
+            return own
+
+    batch = drafting_batch(Plain)()
+    batch.stats = Stats()
+    batch.uids = [1]
+    batch.logits_processors = [[]]
+    batch.max_tokens, batch._num_tokens = [100], [3]
+    batch._next_tokens, batch._next_logprobs = mx.array([9]), [mx.zeros((4,))]
+    rows = [RowDrafts(lambda: [1, 2, 3, 4], Distribution(temp=0.0), Pace(4, timed=False), Tally())]  # 9 follows nothing
+    assert batch._draft_step(0.0, rows) is own
+    assert batch.stats.draft_batch_idle_reads == 1 and batch.stats.draft_batch_passes == 0
+    assert batch._skip == 1  # the next step is plain without a look

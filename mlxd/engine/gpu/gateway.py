@@ -166,6 +166,7 @@ class Gateway:
             draft_proposed=self._stats.draft_proposed,
             draft_accepted=self._stats.draft_accepted,
             draft_batch_passes=self._stats.draft_batch_passes,
+            draft_batch_idle_reads=self._stats.draft_batch_idle_reads,
             **_adapter_stats(self.loaded),
         )
 

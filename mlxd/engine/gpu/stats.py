@@ -30,6 +30,7 @@ class Stats:
     draft_proposed: int = 0  # drafted tokens the target checked (speculative decoding, spec/)
     draft_accepted: int = 0  # ... and kept
     draft_batch_passes: int = 0  # batch steps that checked drafts (spec/batch.py)
+    draft_batch_idle_reads: int = 0  # ... that read the rows' next tokens (a pipeline break) and checked none
     # The GPU thread's time at work (admitting, stepping lanes): its share of uptime is the
     # engine's load. One tuple, (seconds of finished turns, perf_counter at the start of the turn
     # under way or None), swapped whole, so a reader in another thread never sees half an update.

@@ -258,6 +258,8 @@ def drafting_batch(base: Any) -> Any:
             if width == 0:  # nothing to check, or not enough to pay: mlx-lm's step, from the tokens it already has
                 # The host read the rows' tokens for nothing (the pipeline broke): back off 1, 2, 4 ... 64 steps
                 self._skip, self._next_skip = self._next_skip, min(MAX_SKIP, self._next_skip * 2)
+                if self.stats is not None:
+                    self.stats.draft_batch_idle_reads += 1
                 self._settle_drafts(rows, [[]] * len(rows))
                 out = super().next()
                 self._last_step = (now, {r.uid: (d, 1) for r, d in zip(out, rows, strict=False) if d is not None},
