@@ -22,14 +22,16 @@ run: setup
 
 # In-process MLX work in the tests gets OpenBLAS too (engines preload it by themselves).
 # `make test` runs all but the few tests marked slow (the aim is 10 minutes; on the 2-core test
-# machine it takes 12-14, CPU-bound by real engines), on
+# machine it takes about 12, CPU-bound by real engines), on
 # TEST_WORKERS processes (pytest-xdist), a test module's tests in one of them (their module-wide
-# supervisors are shared); `make test TEST_WORKERS=0` runs them in one process.
+# supervisors are shared); `make test TEST_WORKERS=0` runs them in one process. Three workers on
+# two cores: the tests wait on engines and sockets part of the time (pytest 11:49 with 3, 14:18
+# with 2, 12:39 with 4, one run each on the same clone, 2026-12-06).
 # `make test-slow` runs those (a wheel installed into fresh venvs, chaos, ...). CI runs both.
 # Each engine's OpenBLAS gets one thread: two workers' engines with two threads each, on a
 # machine that is busy anyway, decoded SmolLM2 at 0.4 tokens/s instead of 5.5 (its threads
 # spin on each other while descheduled; docs/benchmarks.md).
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 test: setup lint browser
 	$(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS)) OPENBLAS_NUM_THREADS=1 \
 	  $(BIN)/pytest -m "not slow" -n $(TEST_WORKERS) --dist loadfile
