@@ -4,6 +4,7 @@ KV and prompt cache live on the card, not in RAM)."""
 
 from __future__ import annotations
 
+import json
 import stat
 from pathlib import Path
 
@@ -16,36 +17,51 @@ from mlxd.supervisor.engines.footprint import default_budget_bytes, gpu_memory_b
 from mlxd.supervisor.engines.pool import limits_from
 
 MIB = 1024**2
-CARDS = """0, GPU-11111111-aaaa-bbbb-cccc-000000000000, 81559
-1, GPU-22222222-aaaa-bbbb-cccc-000000000000, 40960
-2, GPU-33333333-aaaa-bbbb-cccc-000000000000, 143771
+CARDS = """0, GPU-11111111-aaaa-bbbb-cccc-000000000000, 81559, [N/A]
+1, GPU-22222222-aaaa-bbbb-cccc-000000000000, 40960, Disabled
+2, GPU-33333333-aaaa-bbbb-cccc-000000000000, 143771, [N/A]
 """
+QUERY = '[ "$1" = "--query-gpu=index,uuid,memory.total,mig.mode.current" ] && [ "$2" = "--format=csv,noheader,nounits" ]'
 
 
-@pytest.fixture
-def smi(tmp_path: Path) -> Path:
+def fake_smi(tmp_path: Path, cards: str) -> Path:
     """An nvidia-smi that answers the query the supervisor makes, as the real one does."""
     path = tmp_path / "nvidia-smi"
-    path.write_text("#!/bin/sh\n"
-                    '[ "$1" = "--query-gpu=index,uuid,memory.total" ] && [ "$2" = "--format=csv,noheader,nounits" ] '
-                    f"|| exit 9\ncat <<'END'\n{CARDS}END\n")
+    path.write_text(f"#!/bin/sh\n{QUERY} || exit 9\ncat <<'END'\n{cards}END\n")
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
     return path
 
 
-@pytest.mark.parametrize(("visible", "mib"), [
-    (None, 40960),  # every card: the smallest
-    ("0", 81559),
-    ("2,0", 81559),
-    ("GPU-33333333", 143771),  # a UUID's prefix, as CUDA takes it
-    ("2,-1,1", 143771),  # CUDA stops at the first invalid entry
-    ("7", None),  # no such card
-    ("", None),  # none visible
+@pytest.fixture
+def smi(tmp_path: Path) -> Path:
+    return fake_smi(tmp_path, CARDS)
+
+
+PCI = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+
+
+@pytest.mark.parametrize(("environ", "mib"), [
+    ({}, 40960),  # every card: the smallest
+    ({"CUDA_VISIBLE_DEVICES": "0", **PCI}, 81559),  # by index, in nvidia-smi's (PCI) order
+    ({"CUDA_VISIBLE_DEVICES": "2,0", **PCI}, 81559),
+    ({"CUDA_VISIBLE_DEVICES": "2,-1,1", **PCI}, 143771),  # CUDA stops at the first invalid entry
+    ({"CUDA_VISIBLE_DEVICES": "0"}, 40960),  # CUDA's own order (fastest first) may name another card
+    ({"CUDA_VISIBLE_DEVICES": "GPU-33333333"}, 143771),  # a UUID's prefix, as CUDA takes it
+    ({"CUDA_VISIBLE_DEVICES": "GPU-33333333-aaaa-bbbb-cccc-000000000000,GPU-11111111"}, 81559),
+    ({"CUDA_VISIBLE_DEVICES": "7", **PCI}, None),  # no such card
+    ({"CUDA_VISIBLE_DEVICES": ""}, None),  # none visible
+    ({"CUDA_VISIBLE_DEVICES": "GPU-99"}, None),
 ])
-def test_the_smallest_visible_card_sets_the_gpu_memory(smi: Path, visible: str | None, mib: int | None) -> None:
-    environ = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+def test_the_smallest_visible_card_sets_the_gpu_memory(smi: Path, environ: dict[str, str], mib: int | None) -> None:
     got = gpu_memory_bytes(environ, str(smi))
     assert got == (None if mib is None else mib * MIB)
+
+
+def test_a_card_split_by_mig_is_not_read_as_whole(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """CUDA sees a MIG slice, not the card: its memory is not the card's (the budget falls back)."""
+    smi = fake_smi(tmp_path, CARDS.replace("Disabled", "Enabled"))
+    assert gpu_memory_bytes({}, str(smi)) is None
+    assert "split by MIG" in caplog.text and "memory_budget_gb" in caplog.text
 
 
 def test_no_nvidia_smi_or_one_that_fails_reads_nothing(tmp_path: Path) -> None:
@@ -82,3 +98,40 @@ def test_on_cuda_the_prompt_cache_is_booked_as_the_engine_sizes_it() -> None:
     assert prompt_cache_bytes(PoolConfig(), "cuda", card) == min(ram, default_prompt_cache_bytes(card))
     assert prompt_cache_bytes(PoolConfig(), "cuda", 2 * 1024**3) == 512 * MIB  # the floor
     assert prompt_cache_bytes(PoolConfig(prompt_cache_bytes=3 * MIB), "cuda", card) == 3 * MIB  # configured
+
+
+@pytest.mark.parametrize(("device", "backend", "split"), [
+    ("cuda", "nccl", True),  # NCCL ranks on this machine: a GPU each, the budget one GPU's
+    ("cuda", "ring", False),  # ring ranks here share the one GPU: the whole engine
+    ("cpu", "ring", False),  # ... and RAM
+])
+def test_a_group_on_this_machine_books_a_ranks_part_only_where_each_rank_has_a_gpu(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str, backend: str, split: bool) -> None:
+    from mlxd.protocol.group import GroupSpec
+    from mlxd.supervisor.engines import pool as pool_module
+    from mlxd.supervisor.registry import ModelEntry
+
+    monkeypatch.setattr(pool_module, "this_device", lambda: device)
+    monkeypatch.setattr(footprint, "gpu_memory_bytes", lambda: 80 * 1024**3)
+    tensors = {"model.embed_tokens.weight": 1000, "lm_head.weight": 1000}
+    tensors |= {f"model.layers.{i}.mlp.up_proj.weight": 4000 for i in range(4)}
+    model = tmp_path / "m"  # a safetensors header naming the tensors, and the config's sizes
+    model.mkdir()
+    offset, header = 0, {}
+    for name, nbytes in tensors.items():
+        header[name] = {"dtype": "BF16", "shape": [nbytes // 2], "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header).encode()
+    (model / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw)
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "hidden_size": 64,
+                                                   "num_attention_heads": 4, "num_key_value_heads": 2}))
+    pool = pool_module.Pool(tmp_path, config=PoolConfig(prompt_cache_bytes=0, batch=1))
+    size = sum(tensors.values())
+    alone = pool.memory_estimate(ModelEntry(id="m", path=model, source="config", size_bytes=size, batch=1))
+    group = GroupSpec(ranks=2, backend=backend)  # type: ignore[arg-type]
+    grouped = pool.memory_estimate(ModelEntry(id="m", path=model, source="config", size_bytes=size, batch=1,
+                                              distributed=group))
+    if split:
+        assert grouped < alone and grouped >= 2000 + 8000  # the embeddings whole, half the layers
+    else:
+        assert grouped == alone

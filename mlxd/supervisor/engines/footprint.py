@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -24,6 +25,8 @@ import psutil
 from mlxd.protocol.memory import context_window, kv_bytes_per_token, text_config
 from mlxd.protocol.sizing import Device, Sizing, kv_memory_tokens, size_engine
 from mlxd.supervisor.model_inspect import InspectError, read_header
+
+log = logging.getLogger("mlxd.supervisor")
 
 
 def plan(model_dir: Path, weights_bytes: int, *, max_context: int | None, batch: int | None,
@@ -78,26 +81,46 @@ def default_budget_bytes(fraction: float | None, device: Device = "cpu") -> int:
 
 
 def gpu_memory_bytes(environ: Mapping[str, str] | None = None, smi: str = "nvidia-smi") -> int | None:
-    """The memory of the smallest GPU this process's CUDA can see (`$CUDA_VISIBLE_DEVICES`, by
-    index or UUID), as nvidia-smi reports it, without creating a CUDA context (which would hold
-    some of that memory); None when it cannot be read or no GPU is visible."""
+    """The memory of the smallest GPU this process's CUDA can see, as nvidia-smi reports it,
+    without creating a CUDA context (which would hold some of that memory); None when it cannot
+    be read, no GPU is visible, or MIG splits a card (CUDA then sees a slice, whose size this
+    does not read: set [pool] memory_budget_gb).
+
+    `$CUDA_VISIBLE_DEVICES` is followed by UUID (or a UUID's prefix, as CUDA takes it), and by
+    index only under `CUDA_DEVICE_ORDER=PCI_BUS_ID`: nvidia-smi numbers the cards in PCI order,
+    CUDA by default fastest first, so an index may name another card; then the smallest of all
+    counts (the safe side where the cards differ)."""
     try:
-        done = subprocess.run([smi, "--query-gpu=index,uuid,memory.total", "--format=csv,noheader,nounits"],
-                              capture_output=True, text=True, timeout=10, check=True)
+        done = subprocess.run([smi, "--query-gpu=index,uuid,memory.total,mig.mode.current",
+                               "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10, check=True)
     except (OSError, subprocess.SubprocessError):
         return None
     cards: list[tuple[str, str, int]] = []
     for line in done.stdout.splitlines():
         parts = [part.strip() for part in line.split(",")]
-        if len(parts) == 3 and parts[2].isdigit():
+        if len(parts) != 4:
+            continue
+        if parts[3].lower() == "enabled":
+            log.warning("GPU %s is split by MIG: the pool cannot tell a slice's memory; its budget is RAM's share "
+                        "unless [pool] memory_budget_gb says otherwise", parts[0])
+            return None
+        if parts[2].isdigit():
             cards.append((parts[0], parts[1], int(parts[2]) * 1024**2))  # MiB
-    visible = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES")
+    env = os.environ if environ is None else environ
+    visible = env.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
-        wanted = [name.strip() for name in visible.split(",") if name.strip()]
-        if any(name.startswith("-") for name in wanted):  # CUDA stops at the first invalid one
-            wanted = wanted[:next(i for i, name in enumerate(wanted) if name.startswith("-"))]
-        cards = [card for card in cards if any(name in (card[0], card[1]) or (name.startswith("GPU-") and
-                                                                        card[1].startswith(name)) for name in wanted)]
+        wanted = []
+        for name in (name.strip() for name in visible.split(",")):
+            if not name or name.startswith("-"):  # CUDA stops at the first invalid entry
+                break
+            wanted.append(name)
+        by_index = env.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID"
+        chosen = [card for card in cards if any(
+            (name.startswith("GPU-") and card[1].startswith(name)) or (name.isdigit() and int(name) == int(card[0]))
+            for name in wanted)]
+        if not by_index and any(name.isdigit() for name in wanted):
+            chosen = cards if wanted else []  # some card of them all: the smallest counts
+        cards = chosen
     return min((size for _, _, size in cards), default=None)
 
 

@@ -255,9 +255,11 @@ class Pool:
         width = None if entry.batch == "auto" else entry.batch
         cache = self.prompt_cache_bytes
         group = entry.distributed
-        if group is not None and group.hosts:
+        if group is not None and (group.hosts or (group.backend == "nccl" and self._device == "cuda")):
             # This machine holds rank 0's part; each other host its own (checked against what its
-            # agent says it has free as the group starts: ranks.py).
+            # agent says it has free as the group starts: ranks.py). NCCL ranks on this machine
+            # each have a GPU of their own (protocol/group.py's rank_env), and the budget on CUDA
+            # is one GPU's: rank 0 shares GPU 0 with the other engines, the others their cards.
             weights, share = group_share(entry.path, entry.size_bytes, group.ranks, group.mode)
             kv = estimate_bytes(entry.path, weights, entry.max_context, width, memory_bytes=self.limits.budget_bytes,
                                 prompt_cache_bytes=cache, device=self._device) - weights
@@ -479,7 +481,8 @@ def too_big(slot: Slot, limits: policy.Limits) -> APIError:
         400,
         f"Model {slot.entry.id} needs about {slot.memory_bytes / gib:.1f} GiB (its weights, its prompt cache and "
         f"the least KV it can run with), more than mlxd's memory budget of {limits.budget_bytes / gib:.1f} GiB: "
-        "raise [pool] memory_budget_gb or memory_fraction, lower [pool] prompt_cache_bytes, or use a smaller "
+        "raise [pool] memory_budget_gb or memory_fraction (on CUDA the budget is one GPU's memory; a model "
+        "larger than one GPU runs as an NCCL engine group), lower [pool] prompt_cache_bytes, or use a smaller "
         "(quantized) model.",
         param="model", code="model_too_large",
     )
