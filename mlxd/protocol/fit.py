@@ -62,7 +62,7 @@ PROBE_VERSION = 2  # engine/bandwidth.py's measurement; a kept one of another ve
 
 class Machine(msgspec.Struct, kw_only=True):
     device: str  # where engines run: metal, cuda or cpu
-    memory_bytes: int  # physical memory
+    memory_bytes: int  # the memory the models live in: physical RAM, or on CUDA the GPU's
     budget_bytes: int  # the pool's memory budget
     bandwidth_gbs: float | None  # measured (engine/bandwidth.py); None until it has been
     bandwidth_probe: str | None = None  # how it was measured

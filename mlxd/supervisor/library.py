@@ -22,8 +22,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import psutil
-
 from mlxd.protocol import fit
 from mlxd.protocol.capabilities import capabilities
 from mlxd.protocol.memory import kv_bytes_per_token, text_config
@@ -170,9 +168,10 @@ def model_row(entry: ModelEntry, state: str, budget: int, booked: int, reserved:
                             capabilities=caps.capabilities, state=state, fit=assessed)
 
 
-def machine(device: str, budget: int, found: dict[str, Any] | None, note: str | None) -> fit.Machine:
+def machine(device: str, memory: int, budget: int, found: dict[str, Any] | None, note: str | None) -> fit.Machine:
+    """`memory`: what the models live in (RAM; on CUDA the GPU's: engines/footprint.py)."""
     rate = float(found["bandwidth_bytes_s"]) if found and found.get("bandwidth_bytes_s") else None
-    return fit.Machine(device=device, memory_bytes=psutil.virtual_memory().total, budget_bytes=budget,
+    return fit.Machine(device=device, memory_bytes=memory, budget_bytes=budget,
                        bandwidth_gbs=round(rate / 1e9, 2) if rate else None,
                        bandwidth_probe=found.get("probe") if found else None,
                        bandwidth_measured_at=found.get("measured_at") if found else None,

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.support import SupervisorProcess, engine_env
@@ -31,6 +32,7 @@ def test_the_library_measures_the_bandwidth_once_and_assesses_each_model(sup: Su
     first = sup.client.get("/library").json()
     machine = first["machine"]
     assert machine["device"] == "cpu" and machine["budget_bytes"] == 8 * 1024**3
+    assert machine["memory_bytes"] == psutil.virtual_memory().total  # on the CPU the models live in RAM
     assert machine["bandwidth_gbs"] > 0 and "decode steps" in machine["bandwidth_probe"]
     kept = json.loads((sup.config.parent / "probe" / "bandwidth.json").read_text())
     assert kept["bandwidth_bytes_s"] / 1e9 == pytest.approx(machine["bandwidth_gbs"], abs=0.01)

@@ -135,3 +135,14 @@ def test_a_group_on_this_machine_books_a_ranks_part_only_where_each_rank_has_a_g
         assert grouped < alone and grouped >= 2000 + 8000  # the embeddings whole, half the layers
     else:
         assert grouped == alone
+
+
+def test_the_memory_the_models_live_in_is_the_gpus_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What `/library`'s machine and `mlxd models --fit` show the budget as a share of."""
+    from mlxd.supervisor.engines.footprint import models_memory_bytes
+
+    monkeypatch.setattr(footprint, "gpu_memory_bytes", lambda: 80 * 1024**3)
+    assert models_memory_bytes("cuda") == 80 * 1024**3
+    assert models_memory_bytes("cpu") == models_memory_bytes("metal") == psutil.virtual_memory().total
+    monkeypatch.setattr(footprint, "gpu_memory_bytes", lambda: None)
+    assert models_memory_bytes("cuda") == psutil.virtual_memory().total

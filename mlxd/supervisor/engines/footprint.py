@@ -80,6 +80,14 @@ def default_budget_bytes(fraction: float | None, device: Device = "cpu") -> int:
     return int(psutil.virtual_memory().total * (RAM_FRACTION if fraction is None else fraction))
 
 
+def models_memory_bytes(device: Device) -> int:
+    """The memory the engines' models live in: on CUDA the smallest visible GPU's (where it can be
+    read), else physical RAM."""
+    if device == "cuda" and (gpu := gpu_memory_bytes()) is not None:
+        return gpu
+    return int(psutil.virtual_memory().total)
+
+
 def gpu_memory_bytes(environ: Mapping[str, str] | None = None, smi: str = "nvidia-smi") -> int | None:
     """The memory of the smallest GPU this process's CUDA can see, as nvidia-smi reports it,
     without creating a CUDA context (which would hold some of that memory); None when it cannot

@@ -35,6 +35,7 @@ from mlxd.supervisor.engines.footprint import (
     default_budget_bytes,
     estimate_bytes,
     group_share,
+    models_memory_bytes,
     this_device,
 )
 from mlxd.supervisor.engines.machine_hold import MachineHold
@@ -161,6 +162,7 @@ class Pool:
                                             engine_env=engine_env_from(self.config))
         self._device = this_device()  # the widest `auto` width the estimates plan for, and the budget's memory
         self.limits = limits_from(self.config, self._device)
+        self.models_memory_bytes = models_memory_bytes(self._device)  # what the budget is a share of
         self.clock = clock
         self._slots: dict[str, Slot] = {}
         self._queue: list[Waiter] = []

@@ -35,7 +35,8 @@ async def library(request: web.Request) -> web.Response:
     rows = await asyncio.gather(*(asyncio.to_thread(model_row, e, states.get(e.id, "stopped"), budget,
                                                     pool.memory_estimate(e), pool.prompt_cache_bytes, rate,
                                                     timeline.decode_rate(e.id), overhead) for e in entries))
-    return json_answer(fit.Library(machine=machine(pool.device, budget, found, bandwidth.note), models=list(rows)))
+    return json_answer(fit.Library(machine=machine(pool.device, pool.models_memory_bytes, budget, found,
+                                                               bandwidth.note), models=list(rows)))
 
 
 def setup_library_routes(app: web.Application) -> None:
