@@ -3,7 +3,9 @@
 mlxd serves the model with `[pool] draft = "ngram"` (--draft, default ngram here); "off" is
 the same request with `"speculation": false`, which decodes it without drafts. Off and on
 rounds alternate (this machine is noisy) on the same prompts, prefilled into the prompt cache
-before either runs, and the medians of --rounds rounds are reported. Greedy, so each stream's
+before either runs, which goes first alternating too, each phase once the engine has written
+what the one before left it (its write-behind to the SSD tier), and the medians of --rounds
+rounds are reported. Greedy, so each stream's
 answer must be the same text both ways: the script checks that too (it exits non-zero where
 they differ).
 
@@ -148,31 +150,57 @@ async def streams(url: str, plans: list[list[Row]]) -> Row:
 
 
 COUNTERS = ("draft_batch_passes", "draft_batch_idle_reads")
+SETTLE_S = 1.5  # the engines' SSD writes unchanged this long: the phase before is written
 
 
-async def _lane_counters(runtime: Path | None) -> dict[str, int]:
-    """The engines' drafting counters (/admin/stats `lanes` on each engine's socket), summed."""
-    out = dict.fromkeys(COUNTERS, 0)
+async def _engine_stats(runtime: Path | None) -> list[dict[str, Any]]:
+    """Every engine's /admin/stats, on its socket in the supervisor's runtime dir."""
+    out = []
     for sock in sorted(runtime.rglob("*.sock")) if runtime is not None else ():
         try:
             async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(sock))) as session, \
                     session.get("http://engine/admin/stats") as resp:
-                lanes = (await resp.json()).get("lanes") or {}
+                out.append(await resp.json())
         except (aiohttp.ClientError, OSError, ValueError):
             continue
-        for key in COUNTERS:
-            out[key] += int(lanes.get(key) or 0)
     return out
 
 
 def lane_counters(runtime: Path | None) -> dict[str, int]:
-    return asyncio.run(_lane_counters(runtime))
+    """The engines' drafting counters (/admin/stats `lanes`), summed."""
+    out = dict.fromkeys(COUNTERS, 0)
+    for stats in asyncio.run(_engine_stats(runtime)):
+        for key in COUNTERS:
+            out[key] += int((stats.get("lanes") or {}).get(key) or 0)
+    return out
+
+
+def settle(runtime: Path | None, limit_s: float = 120.0) -> float:
+    """Wait until the engines have written what the phase before left them (the prompt cache's
+    write-behind of its replies, each a checksum and a write, and on a GPU a copy to the host):
+    no write pending and the SSD tier's writes unchanged for SETTLE_S. Without it the phase
+    after always shared the machine with the writes of the one before, and off ran before on in
+    every round. Seconds waited."""
+    t0 = time.perf_counter()
+    seen, since = None, t0
+    while time.perf_counter() - t0 < limit_s:
+        now_stats = asyncio.run(_engine_stats(runtime))
+        caches = [s.get("prompt_cache") or {} for s in now_stats]
+        state = (sum(int(c.get("writes_pending") or 0) for c in caches),
+                 sum(int((c.get("ssd") or {}).get("writes") or 0) for c in caches))
+        if state != seen or state[0]:
+            seen, since = state, time.perf_counter()
+        elif time.perf_counter() - since >= SETTLE_S:
+            break
+        time.sleep(0.25)
+    return time.perf_counter() - t0
 
 
 def measure(url: str, workload: str, width: int, args: argparse.Namespace, counter: Any,
             runtime: Path | None = None) -> Row:
-    """--rounds rounds of `width` streams, off then on, on the same prompts; the texts of each
-    pair compared."""
+    """--rounds rounds of `width` streams, off and on, on the same prompts, each phase after the
+    engines' writes of the one before settled, the first phase off in even rounds and on in odd
+    ones; the texts of each pair compared."""
     asyncio.run(streams(url, [[body(workload, next(counter), 16, d)] for d in (False, True) for _ in range(width)]))
     off: list[Row] = []
     on: list[Row] = []
@@ -184,16 +212,19 @@ def measure(url: str, workload: str, width: int, args: argparse.Namespace, count
         # first, so neither phase prefills them cold (the other would find them cached).
         numbers = [[next(counter) for _ in range(1 if width == 1 else args.requests)] for _ in range(width)]
         asyncio.run(streams(url, [[body(workload, n, 1, False)] for plan in numbers for n in plan]))
-        off.append(asyncio.run(streams(url, [[body(workload, n, args.max_tokens, False) for n in plan]
-                                             for plan in numbers])))
-        before = lane_counters(runtime)
-        on.append(asyncio.run(streams(url, [[body(workload, n, args.max_tokens, True) for n in plan]
-                                            for plan in numbers])))
-        after = lane_counters(runtime)
-        on[-1].update({key: after[key] - before[key] for key in COUNTERS})
+        waited = 0.0
+        for drafts in ((False, True) if r % 2 == 0 else (True, False)):
+            waited += settle(runtime)
+            before = lane_counters(runtime)
+            phase = asyncio.run(streams(url, [[body(workload, n, args.max_tokens, drafts) for n in plan]
+                                              for plan in numbers]))
+            after = lane_counters(runtime)
+            phase.update({key: after[key] - before[key] for key in COUNTERS})
+            (on if drafts else off).append(phase)
         differ += sum(a != b for a, b in zip(off[-1]["texts"], on[-1]["texts"], strict=True))
         key = "decode_tps" if width == 1 else "aggregate_tps"
-        log(f"[{workload} x{width}] round {r}: off {off[-1][key]:.1f}, on {on[-1][key]:.1f} tok/s "
+        log(f"[{workload} x{width}] round {r} ({'off first' if r % 2 == 0 else 'on first'}; {waited:.1f} s settling): "
+            f"off {off[-1][key]:.1f}, on {on[-1][key]:.1f} tok/s "
             f"(drafts kept {on[-1]['accepted']}/{on[-1]['proposed']}, {on[-1]['tokens']} tokens in "
             f"{on[-1]['requests']} requests; all done at {off[-1]['wall_s']:.1f} / {on[-1]['wall_s']:.1f} s: "
             f"{off[-1]['wall_tps']:.1f} / {on[-1]['wall_tps']:.1f} tok/s; batch passes with drafts "
