@@ -22,7 +22,8 @@
 # `oom`: ck8's out-of-memory again, short, with nvidia-smi's memory every 500 ms (smi.csv).
 # `prefillmem`: benchmarks/prefill_memory.py, what the out-of-memory's fix costs a batched prefill.
 # `close30` (group1 and ck8) and `close27` (cut, the self-draft and n-gram prose at 8 streams): what
-# the open issues still lack, each in one call. The random models need a tokenizer in .device/tok (SmolLM2's:
+# the open issues still lack, each in one call. `spec27`: the self-draft and n-gram prose at 8
+# streams alone, 4 rounds each, with speculative.py's settling between phases (2026-12-06). The random models need a tokenizer in .device/tok (SmolLM2's:
 # copy tokenizer.json, tokenizer_config.json and special_tokens_map.json from the model
 # `mlxd import-default` makes) carried with .device/b.
 # Each step has its own time limit; results go to $OUT (or ./h200-out) as one text file a step.
@@ -649,5 +650,14 @@ close27)
   step prose8 180 python3 benchmarks/speculative.py --model /tmp/models/l8q --widths 8 --rounds 2 \
     --max-tokens 256 --workloads prose
   ;;
-*) echo "usage: $0 prefillmem|oom|close30|close27|1b|8b|streams|close|close8b|lone|cache|structured|prefill|load|auto|auto8b|ck8|cut|json|numerics|group1" >&2; exit 2 ;;
+spec27)
+  # issue 27's two losing cases again with the fair speculative.py (each phase after the engine's
+  # SSD writes of the one before settled, which phase goes first alternating; its idle reads shown)
+  model 8b-4bit /tmp/models/l8q
+  step self16 ${LIMIT:-220} python3 benchmarks/speculative.py --model /tmp/models/l8q --draft self:16 --widths 1 \
+    --rounds 4 --max-tokens 256 --workloads prose
+  step prose8 ${LIMIT:-280} python3 benchmarks/speculative.py --model /tmp/models/l8q --widths 8 --rounds 4 \
+    --max-tokens 256 --workloads prose
+  ;;
+*) echo "usage: $0 prefillmem|oom|close30|close27|spec27|1b|8b|streams|close|close8b|lone|cache|structured|prefill|load|auto|auto8b|ck8|cut|json|numerics|group1" >&2; exit 2 ;;
 esac
