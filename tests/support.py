@@ -521,3 +521,17 @@ def start_in_one_turn(engine: EngineProcess, calls: list[Callable[[], T]],
     leave.set()
     pool.shutdown(wait=False)
     return futures
+
+
+def fake_weights(path: Path, tensors: dict[str, int], layers: int = 4) -> Path:
+    """A model dir whose safetensors header names `tensors` (name: bytes); config with `layers`."""
+    path.mkdir(exist_ok=True)
+    offset, header = 0, {}
+    for name, size in tensors.items():
+        header[name] = {"dtype": "BF16", "shape": [size // 2], "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    (path / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw)
+    (path / "config.json").write_text(json.dumps({"num_hidden_layers": layers, "hidden_size": 64,
+                                                  "num_attention_heads": 4, "num_key_value_heads": 2}))
+    return path

@@ -4,7 +4,6 @@ KV and prompt cache live on the card, not in RAM)."""
 
 from __future__ import annotations
 
-import json
 import stat
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from mlxd.supervisor.config import PoolConfig
 from mlxd.supervisor.engines import footprint
 from mlxd.supervisor.engines.footprint import default_budget_bytes, gpu_memory_bytes
 from mlxd.supervisor.engines.pool import limits_from
+from tests.support import fake_weights
 
 MIB = 1024**2
 CARDS = """0, GPU-11111111-aaaa-bbbb-cccc-000000000000, 81559, [N/A]
@@ -115,16 +115,7 @@ def test_a_group_on_this_machine_books_a_ranks_part_only_where_each_rank_has_a_g
     monkeypatch.setattr(footprint, "gpu_memory_bytes", lambda: 80 * 1024**3)
     tensors = {"model.embed_tokens.weight": 1000, "lm_head.weight": 1000}
     tensors |= {f"model.layers.{i}.mlp.up_proj.weight": 4000 for i in range(4)}
-    model = tmp_path / "m"  # a safetensors header naming the tensors, and the config's sizes
-    model.mkdir()
-    offset, header = 0, {}
-    for name, nbytes in tensors.items():
-        header[name] = {"dtype": "BF16", "shape": [nbytes // 2], "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header).encode()
-    (model / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw)
-    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "hidden_size": 64,
-                                                   "num_attention_heads": 4, "num_key_value_heads": 2}))
+    model = fake_weights(tmp_path / "m", tensors)
     pool = pool_module.Pool(tmp_path, config=PoolConfig(prompt_cache_bytes=0, batch=1))
     size = sum(tensors.values())
     alone = pool.memory_estimate(ModelEntry(id="m", path=model, source="config", size_bytes=size, batch=1))

@@ -14,6 +14,7 @@ from mlxd.protocol.memory import ROW_TOKENS, kv_bytes_per_token, text_config
 from mlxd.protocol.sizing import AUTO_WIDTH_CAP, GIB, kv_memory_tokens, size_engine, wanted_tokens
 from mlxd.supervisor.engines import footprint
 from mlxd.supervisor.engines.footprint import estimate_bytes
+from tests.support import fake_weights
 
 # Qwen2.5-7B's shape: 28 layers, 4 KV heads of dim 128 (3584 / 28), bfloat16: 56 KiB a token.
 QWEN_7B = {"num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4, "hidden_size": 3584,
@@ -98,20 +99,6 @@ def test_memory_module_imports_no_mlx() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert result.stdout.strip() == "[]"
-
-
-def fake_weights(path: Path, tensors: dict[str, int], layers: int = 4) -> Path:
-    """A model dir whose safetensors header names `tensors` (name: bytes); config with `layers`."""
-    path.mkdir(exist_ok=True)
-    offset, header = 0, {}
-    for name, size in tensors.items():
-        header[name] = {"dtype": "BF16", "shape": [size // 2], "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header).encode()
-    (path / "model.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw)
-    (path / "config.json").write_text(json.dumps({"num_hidden_layers": layers, "hidden_size": 64,
-                                                  "num_attention_heads": 4, "num_key_value_heads": 2}))
-    return path
 
 
 def test_a_ranks_share_splits_the_layers_and_keeps_the_rest_whole(tmp_path: Path) -> None:
