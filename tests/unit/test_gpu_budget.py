@@ -74,7 +74,7 @@ def test_no_nvidia_smi_or_one_that_fails_reads_nothing(tmp_path: Path) -> None:
 
 def test_on_cuda_the_budget_is_the_gpus_memory_and_elsewhere_ram(monkeypatch: pytest.MonkeyPatch) -> None:
     ram = psutil.virtual_memory().total
-    monkeypatch.setattr(footprint, "gpu_memory_bytes", lambda: 80 * 1024**3)
+    monkeypatch.setattr(footprint, "visible_gpu_memory_bytes", lambda: 80 * 1024**3)
     assert default_budget_bytes(None, "cuda") == 80 * 1024**3  # all of it: the engine keeps its headroom
     assert default_budget_bytes(0.5, "cuda") == 40 * 1024**3
     assert default_budget_bytes(None, "cpu") == int(ram * 0.75)
@@ -82,7 +82,7 @@ def test_on_cuda_the_budget_is_the_gpus_memory_and_elsewhere_ram(monkeypatch: py
     assert default_budget_bytes(0.5, "cpu") == int(ram * 0.5)
     assert limits_from(PoolConfig(), "cuda").budget_bytes == 80 * 1024**3
     assert limits_from(PoolConfig(memory_budget_gb=12), "cuda").budget_bytes == 12 * 1024**3
-    monkeypatch.setattr(footprint, "gpu_memory_bytes", lambda: None)  # a driver that does not answer
+    monkeypatch.setattr(footprint, "visible_gpu_memory_bytes", lambda: None)  # a driver that does not answer
     assert default_budget_bytes(None, "cuda") == int(ram * 0.75)
 
 
@@ -112,7 +112,7 @@ def test_a_group_on_this_machine_books_a_ranks_part_only_where_each_rank_has_a_g
     from mlxd.supervisor.registry import ModelEntry
 
     monkeypatch.setattr(pool_module, "this_device", lambda: device)
-    monkeypatch.setattr(footprint, "gpu_memory_bytes", lambda: 80 * 1024**3)
+    monkeypatch.setattr(footprint, "visible_gpu_memory_bytes", lambda: 80 * 1024**3)
     tensors = {"model.embed_tokens.weight": 1000, "lm_head.weight": 1000}
     tensors |= {f"model.layers.{i}.mlp.up_proj.weight": 4000 for i in range(4)}
     model = fake_weights(tmp_path / "m", tensors)
@@ -132,8 +132,24 @@ def test_the_memory_the_models_live_in_is_the_gpus_on_cuda(monkeypatch: pytest.M
     """What `/library`'s machine and `mlxd models --fit` show the budget as a share of."""
     from mlxd.supervisor.engines.footprint import models_memory_bytes
 
-    monkeypatch.setattr(footprint, "gpu_memory_bytes", lambda: 80 * 1024**3)
+    monkeypatch.setattr(footprint, "visible_gpu_memory_bytes", lambda: 80 * 1024**3)
     assert models_memory_bytes("cuda") == 80 * 1024**3
     assert models_memory_bytes("cpu") == models_memory_bytes("metal") == psutil.virtual_memory().total
-    monkeypatch.setattr(footprint, "gpu_memory_bytes", lambda: None)
+    monkeypatch.setattr(footprint, "visible_gpu_memory_bytes", lambda: None)
     assert models_memory_bytes("cuda") == psutil.virtual_memory().total
+
+
+def test_nvidia_smi_is_asked_once_for_the_budget_and_the_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[int] = []
+
+    def reading() -> int:
+        asked.append(1)
+        return 80 * 1024**3
+
+    monkeypatch.setattr(footprint, "gpu_memory_bytes", reading)
+    footprint.visible_gpu_memory_bytes.cache_clear()
+    try:
+        assert footprint.default_budget_bytes(None, "cuda") == footprint.models_memory_bytes("cuda") == 80 * 1024**3
+        assert len(asked) == 1
+    finally:
+        footprint.visible_gpu_memory_bytes.cache_clear()

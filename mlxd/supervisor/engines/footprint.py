@@ -9,6 +9,7 @@ books is what the engine takes, or more where the device holds less than the poo
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
 import json
 import logging
@@ -75,7 +76,7 @@ GPU_FRACTION = 1.0  # ... and on CUDA, of the GPU's memory: nothing else lives t
 def default_budget_bytes(fraction: float | None, device: Device = "cpu") -> int:
     """`fraction` of the memory the engines' models live in: on CUDA the smallest visible GPU's
     (an engine runs on one; where its memory cannot be read, RAM's), else physical RAM."""
-    if device == "cuda" and (gpu := gpu_memory_bytes()) is not None:
+    if device == "cuda" and (gpu := visible_gpu_memory_bytes()) is not None:
         return int(gpu * (GPU_FRACTION if fraction is None else fraction))
     return int(psutil.virtual_memory().total * (RAM_FRACTION if fraction is None else fraction))
 
@@ -83,9 +84,16 @@ def default_budget_bytes(fraction: float | None, device: Device = "cpu") -> int:
 def models_memory_bytes(device: Device) -> int:
     """The memory the engines' models live in: on CUDA the smallest visible GPU's (where it can be
     read), else physical RAM."""
-    if device == "cuda" and (gpu := gpu_memory_bytes()) is not None:
+    if device == "cuda" and (gpu := visible_gpu_memory_bytes()) is not None:
         return gpu
     return int(psutil.virtual_memory().total)
+
+
+@functools.cache
+def visible_gpu_memory_bytes() -> int | None:
+    """`gpu_memory_bytes()` for this process, asked of nvidia-smi once (the budget and the
+    library's machine both want it, and the cards do not change while mlxd runs)."""
+    return gpu_memory_bytes()
 
 
 def gpu_memory_bytes(environ: Mapping[str, str] | None = None, smi: str = "nvidia-smi") -> int | None:
