@@ -122,7 +122,7 @@ def test_a_reply_gone_on_after_a_crash_says_so_and_its_speed_is_the_last_engines
     assert decode_speed(usage) == 168.0  # the 169 tokens the last engine made, over its decode time
     record = {"method": "POST", "path": "/v1/completions", "status": 200, "model": "tiny", "prompt_tokens": 812,
               "cached_tokens": 800, "completion_tokens": 400, "ttft_ms": 8.0, "tokens_per_s": decode_speed(usage),
-              "duration_ms": 2740.0, "finish_reason": "length", "resumes": {"added_ms": [2122.0, 980.4], "gave_up": False}}
+              "duration_ms": 2740.0, "finish_reason": "length", "resumes": {"count": 3, "added_ms": [2122.0, 980.4], "gave_up": False}}
     assert access_line(record) == ("POST /v1/completions 200 tiny in=812 cached=800 out=400 ttft=8ms 168.0tok/s "
-                                   "resumed=2(+2122ms+980ms) finish=length 2.74s")
-    assert "gave-up" in access_line({**record, "resumes": {"added_ms": [], "gave_up": True}})
+                                   "resumed=3(+2122ms+980ms) finish=length 2.74s")
+    assert "gave-up" in access_line({**record, "resumes": {"count": 0, "added_ms": [], "gave_up": True}})

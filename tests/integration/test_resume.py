@@ -142,11 +142,18 @@ def test_eight_greedy_streams_keep_going_through_engine_kills(sup: SupervisorPro
     assert "going on on the next" in log
     # Visible: the access log, /metrics and /admin/engines count the requests that went on
     assert re.search(r"POST /v1/chat/completions 200 tiny .* resumed=\d\(\+\d+ms", log), log[-3000:]
-    metrics = sup.client.get("/metrics").text
-    went_on = re.search(r'mlxd_resumes_total\{model="tiny",outcome="went_on"\} (\d+)', metrics)
+    # /metrics counts a request once its access record is written, which may be just after the
+    # client has read its whole reply: read again for a moment until the two agree
+    deadline = time.monotonic() + 10
+    while True:
+        metrics = sup.client.get("/metrics").text
+        went_on = re.search(r'mlxd_resumes_total\{model="tiny",outcome="went_on"\} (\d+)', metrics)
+        [row] = [r for r in sup.client.get("/admin/engines").json()["data"] if r["model"] == "tiny"]
+        if (went_on is not None and row["resumes"] == int(went_on.group(1))) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert went_on is not None and int(went_on.group(1)) >= 2, metrics
     assert re.search(r'mlxd_resume_seconds_count\{model="tiny"\} (\d+)', metrics)
-    [row] = [r for r in sup.client.get("/admin/engines").json()["data"] if r["model"] == "tiny"]
     assert row["resumes"] == int(went_on.group(1)) and row["resume_failures"] == 0
 
 

@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from mlxd.protocol.process import MARK
+from mlxd.protocol.process import MARK, REPLY_HEADER
 from mlxd.supervisor.config import PoolConfig
 from mlxd.supervisor.engines.pool import Pool
 from mlxd.supervisor.http.metrics import LazyMetrics, make_metrics_middleware
@@ -92,3 +92,19 @@ def counted_status(tmp_path: Path, handler: Handler) -> list[str]:
 def test_a_stream_is_counted_answered_only_if_its_caller_had_all_of_it(tmp_path: Path, handler: Handler,
                                                                        status: str) -> None:
     assert counted_status(tmp_path, handler) == [status]
+
+
+def test_metrics_count_every_cut_as_the_pool_does_though_back_to_back_cuts_are_one_wait(tmp_path: Path) -> None:
+    pool = Pool(tmp_path, config=PoolConfig(spare_engine=False))
+    metrics = LazyMetrics(pool).get()
+    marks = ReplyMarks()
+    marks.head({REPLY_HEADER.lower(): "chatcmpl-1 1700000000"})
+    marks.take(b'data: {"x": 1}\n\n: ids 0 1 7\n\n')
+    for _ in range(2):  # as serve.py does at each cut that goes on
+        marks.cut()
+        pool.count_resume("tiny", went_on=True)
+    marks.take(b'data: {"x": 2}\n\n: ids 0 2 8\n\n')
+    metrics.count_resumes("tiny", marks)
+    went_on = metrics.registry.get_sample_value("mlxd_resumes_total", {"model": "tiny", "outcome": "went_on"})
+    assert went_on == pool.resumes["tiny"][0] == 2
+    assert metrics.registry.get_sample_value("mlxd_resume_seconds_count", {"model": "tiny"}) == 1  # one wait

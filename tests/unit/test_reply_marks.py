@@ -123,6 +123,18 @@ def test_each_cut_is_timed_until_the_reply_goes_on() -> None:
     assert len(marks.latencies_ms) == 1  # only the first words after a cut count
 
 
+def test_cuts_back_to_back_are_each_counted_and_timed_as_one_wait_from_the_first() -> None:
+    marks = ReplyMarks()
+    marks.head({REPLY_HEADER.lower(): "chatcmpl-1 1700000000"})
+    marks.take(CHUNK + b": ids 0 1 7\n\n")
+    marks.cut()
+    first = marks.cut_at
+    marks.cut()  # the next engine went away too, before its first words
+    assert marks.cuts == 2 and marks.cut_at == first
+    marks.take(CHUNK + b": ids 0 2 8\n\n")
+    assert len(marks.latencies_ms) == 1 and marks.cut_at is None
+
+
 def test_a_drain_cut_after_the_last_events_keeps_them_and_their_ids_and_goes_on() -> None:
     marks = ReplyMarks()
     marks.head({REPLY_HEADER.lower(): "chatcmpl-1 1700000000"})

@@ -64,7 +64,7 @@ def resumes(request: web.Request) -> dict[str, Any] | None:
     marks = request.get(RESUMES_KEY)
     if marks is None:
         return None
-    return {"added_ms": marks.latencies_ms, "gave_up": marks.gave_up}
+    return {"count": marks.cuts, "added_ms": marks.latencies_ms, "gave_up": marks.gave_up}
 
 
 def decode_speed(usage: RequestUsage | None) -> float | None:
@@ -89,7 +89,7 @@ def access_line(r: dict[str, Any]) -> str:
         parts.append(f"{r['tokens_per_s']}tok/s")
     if (resumed := r.get("resumes")) is not None:
         added = "+".join(f"{ms:.0f}ms" for ms in resumed["added_ms"])
-        parts.append(f"resumed={len(resumed['added_ms'])}" + (f"(+{added})" if added else "")
+        parts.append(f"resumed={resumed['count']}" + (f"(+{added})" if added else "")
                      + (" gave-up" if resumed["gave_up"] else ""))
     if r["finish_reason"] not in (None, "stop"):
         parts.append(f"finish={r['finish_reason']}")

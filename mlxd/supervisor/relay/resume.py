@@ -66,7 +66,9 @@ class ReplyMarks:
         self.opened = False  # a translated stream's opening events went out (they are not sent twice)
         self.cuts = 0  # times the request went on after a cut
         self.cut_at: float | None = None  # when the last cut was seen (perf_counter), until the reply went on
-        self.latencies_ms: list[float] = []  # each cut's added latency: from the cut to the next engine's first words
+        # Each wait's added latency: from a cut to the next engine's first words (cuts back to back
+        # before any words are one wait)
+        self.latencies_ms: list[float] = []
         self.gave_up = False  # cut once more than the request may go on
 
     @property
@@ -141,9 +143,11 @@ class ReplyMarks:
         return not self.finished and not self.broken and (self.reply is not None or not self.started)
 
     def cut(self) -> None:
-        """The engine went away: count it, and time the resume from now."""
+        """The engine went away: count it, and time the resume from now (from the cut before, when
+        the next engine went away too before the reply went on: the caller has waited since)."""
         self.cuts += 1
-        self.cut_at = time.perf_counter()
+        if self.cut_at is None:
+            self.cut_at = time.perf_counter()
         self.stopping = False
 
     def went_on(self) -> None:
