@@ -64,6 +64,13 @@ def test_a_card_split_by_mig_is_not_read_as_whole(tmp_path: Path, caplog: pytest
     assert "split by MIG" in caplog.text and "memory_budget_gb" in caplog.text
 
 
+def test_lines_that_are_not_a_cards_are_passed_over(tmp_path: Path) -> None:
+    smi = fake_smi(tmp_path, "No devices were found\n" + CARDS.replace("0, GPU-1111", "[N/A], GPU-1111")
+                   + "1, GPU-44444444-aaaa-bbbb-cccc-000000000000, [N/A], Disabled\n")
+    assert gpu_memory_bytes({"CUDA_VISIBLE_DEVICES": "0,1", **PCI}, str(smi)) == 40960 * MIB
+    assert gpu_memory_bytes({}, str(smi)) == 40960 * MIB
+
+
 def test_no_nvidia_smi_or_one_that_fails_reads_nothing(tmp_path: Path) -> None:
     assert gpu_memory_bytes({}, str(tmp_path / "absent")) is None
     failing = tmp_path / "failing"

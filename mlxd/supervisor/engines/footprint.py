@@ -120,7 +120,7 @@ def gpu_memory_bytes(environ: Mapping[str, str] | None = None, smi: str = "nvidi
             log.warning("GPU %s is split by MIG: the pool cannot tell a slice's memory; its budget is RAM's share "
                         "unless [pool] memory_budget_gb says otherwise", parts[0])
             return None
-        if parts[2].isdigit():
+        if parts[0].isdigit() and parts[2].isdigit():  # anything else is not a card's line
             cards.append((parts[0], parts[1], int(parts[2]) * 1024**2))  # MiB
     env = os.environ if environ is None else environ
     visible = env.get("CUDA_VISIBLE_DEVICES")
