@@ -16,6 +16,8 @@ from __future__ import annotations
 import functools
 import json
 import random
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter, defaultdict
@@ -302,9 +304,13 @@ def sup(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     from mlxd.engine.models.random_embedder import build_random_bert
 
     embedder = build_random_bert(tmp_path_factory.mktemp("fuzz-emb") / "emb", pooling="mean")
+    data = tmp_path_factory.mktemp("fuzz")
+    # The machine's bandwidth, measured as the supervisor would on its first GET /library, which
+    # waits for it up to a minute: under load that passed the fuzzer's hang timeout (20 s).
+    subprocess.run([sys.executable, "-m", "mlxd.engine.bandwidth", "--out", str(data / "probe" / "bandwidth.json")],
+                   check=True, capture_output=True, timeout=240)
     # Offline: a fuzzed /api/pull answers from the (empty) hub cache instead of reaching for the hub.
-    proc = SupervisorProcess(fuzz_config(tiny_model, embedder), tmp_path_factory.mktemp("fuzz"),
-                             env={"HF_HUB_OFFLINE": "1"}).wait_up()
+    proc = SupervisorProcess(fuzz_config(tiny_model, embedder), data, env={"HF_HUB_OFFLINE": "1"}).wait_up()
     yield proc
     proc.stop()
 
