@@ -65,7 +65,7 @@ class ReplyMarks:
         self.broken = False  # a mark that did not add up, or too many ids: the stream can only fail
         self.opened = False  # a translated stream's opening events went out (they are not sent twice)
         self.cuts = 0  # times the request went on after a cut
-        self.cut_at: float | None = None  # when the last cut was seen (perf_counter), until the reply went on
+        self.cut_at: float | None = None  # when the first cut since the reply last went on was seen (perf_counter)
         # Each wait's added latency: from a cut to the next engine's first words (cuts back to back
         # before any words are one wait)
         self.latencies_ms: list[float] = []
