@@ -76,9 +76,9 @@ GPU_FRACTION = 1.0  # ... and on CUDA, of the GPU's memory: nothing else lives t
 def default_budget_bytes(fraction: float | None, device: Device = "cpu") -> int:
     """`fraction` of the memory the engines' models live in: on CUDA the smallest visible GPU's
     (an engine runs on one; where its memory cannot be read, RAM's), else physical RAM."""
-    if device == "cuda" and (gpu := visible_gpu_memory_bytes()) is not None:
-        return int(gpu * (GPU_FRACTION if fraction is None else fraction))
-    return int(psutil.virtual_memory().total * (RAM_FRACTION if fraction is None else fraction))
+    if fraction is None:
+        fraction = GPU_FRACTION if device == "cuda" and visible_gpu_memory_bytes() is not None else RAM_FRACTION
+    return int(models_memory_bytes(device) * fraction)
 
 
 def models_memory_bytes(device: Device) -> int:
@@ -135,7 +135,7 @@ def gpu_memory_bytes(environ: Mapping[str, str] | None = None, smi: str = "nvidi
             (name.startswith("GPU-") and card[1].startswith(name)) or (name.isdigit() and int(name) == int(card[0]))
             for name in wanted)]
         if not by_index and any(name.isdigit() for name in wanted):
-            chosen = cards if wanted else []  # some card of them all: the smallest counts
+            chosen = cards  # some card of them all: the smallest counts
         cards = chosen
     return min((size for _, _, size in cards), default=None)
 
