@@ -3,7 +3,8 @@
 In a batched decode step mlx-lm's BatchKVCache left-pads rows and passes an array mask, and
 MLX's CUDA backend then runs attention unfused. mlxd's kernel
 (mlxd/engine/gpu/decode_attention.py) takes each row's first valid key instead. This probe
-checks it against `mx.fast.scaled_dot_product_attention` with the mask and times both, one
+checks it against `mx.fast.scaled_dot_product_attention` with the mask and times both (and its
+masked variant, for a batch with holes, against MLX's attention with that mask), one
 layer's attention per case (many calls in one graph, as a model's layers run them), at each
 warp count the kernel can use; with `--model` it also decodes the same staggered rows through the
 whole model with and without the kernel and compares the logits and the greedy tokens.
@@ -48,8 +49,14 @@ def case(B: int, H: int, Hk: int, D: int, L: int, calls: int) -> str:
     cells = [f"masked sdpa {per_call(lambda: da.reference(q, k, v, starts, scale)):.1f}"]
     for w in (4, 8, 16, 32):
         cells.append(f"{w} warps {per_call(lambda w=w: da.fused(q, k, v, starts, scale, w)):.1f}")
-    return (f"B={B} H={H} Hk={Hk} D={D} L={L}: max |diff| {err:.4f} (at {da.warps_for(L)} warps); us per call: "
-            + ", ".join(cells))
+    # the masked variant, for a batch with holes (refused drafts): against MLX's attention with that mask
+    keep = da.holey_mask(starts, L)
+    want_holey = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=keep).astype(mx.float32)
+    err_holey = mx.max(mx.abs(da.fused(q, k, v, starts, scale, keep=keep).astype(mx.float32) - want_holey)).item()
+    cells.append(f"holey: masked sdpa {per_call(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=keep)):.1f}")
+    cells.append(f"masked kernel {per_call(lambda: da.fused(q, k, v, starts, scale, keep=keep)):.1f}")
+    return (f"B={B} H={H} Hk={Hk} D={D} L={L}: max |diff| {err:.4f} (at {da.warps_for(L)} warps), "
+            f"with holes {err_holey:.4f}; us per call: " + ", ".join(cells))
 
 
 def whole_model(path: str, rows: int, steps: int) -> str:

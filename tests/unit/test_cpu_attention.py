@@ -9,7 +9,7 @@ from mlx_lm.models import base, llama
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlxd.engine.gpu import cpu_attention as ca
-from tests.unit.test_decode_attention import decode_rows, random_llama
+from tests.unit.test_decode_attention import decode_rows, holey_step, random_llama
 
 
 def masked_inputs(rows: int, heads: int, kv_heads: int, dim: int, length: int, dtype: mx.Dtype, seed: int = 1):
@@ -103,3 +103,25 @@ def test_off_switch_leaves_the_model_alone(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv(ca.ENV, "0")
     assert ca.install(random_llama(1, hidden=64, heads=4, layers=1)) == []
     assert llama.scaled_dot_product_attention is base.scaled_dot_product_attention
+
+
+def test_a_batch_with_holes_is_split_too_with_its_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows that refused drafts (spec/holes.py's HoleyKV) keep the split attention, which applies
+    the step's mask as it is: the holes stay unseen, and the logits are MLX's own."""
+    from mlxd.engine.spec.holes import HoleyKV
+
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", base.scaled_dot_product_attention)
+    model = random_llama(9, hidden=192, heads=6)
+    want, _ = holey_step(model)
+
+    assert ca.check(6, 2, 32, mx.float32)
+    split: list[int] = []
+    real = ca.split_attention
+    monkeypatch.setattr(ca, "split_attention", lambda q, *a: split.append(a[-1]) or real(q, *a))
+    monkeypatch.setattr(ca, "cores", lambda: 2)
+    monkeypatch.setattr(ca, "KEYS_A_PART", 1)
+    assert ca.install(model) == ["mlx_lm.models.llama"]
+    got, caches = holey_step(model)
+    assert type(caches[0]) is HoleyKV
+    assert split == [2] * len(model.layers)  # the decode step after the holes, in two parts
+    assert mx.allclose(got, want, atol=1e-4).item()

@@ -9,6 +9,7 @@ from mlx_lm.models import base, llama
 from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
 from mlxd.engine.gpu import decode_attention as da
+from mlxd.engine.spec.holes import become_holey
 
 
 def random_llama(seed: int, hidden: int, heads: int, kv_heads: int = 2, layers: int = 2) -> llama.Model:
@@ -55,6 +56,11 @@ def test_only_a_batched_single_query_step_suits_the_kernel(monkeypatch: pytest.M
     mask = mx.ones((2, 1, 1, 9), dtype=mx.bool_)
     batch = BatchKVCache([0, 3])
     assert da.suits(q, k, v, batch, mask, None)
+    holey = BatchKVCache([0, 3])
+    become_holey(holey)
+    assert not da.suits(q, k, v, holey, mask, None)  # its masked variant not checked yet
+    monkeypatch.setitem(da._masked_verdicts, (4, 2, 32, mx.float16), True)
+    assert da.suits(q, k, v, holey, mask, None)
     assert not da.suits(q, k, v, KVCache(), mask, None)  # the serial lane's cache
     assert not da.suits(q, k, v, batch, "causal", None)  # not an array mask
     assert not da.suits(q, k, v, batch, mask, mx.zeros((4,)))  # attention sinks
@@ -113,18 +119,75 @@ def test_row_starts_say_what_mlx_lms_mask_says_through_joins_and_leaves(monkeypa
 
     routed: list[int] = []
 
-    def stand_in(q: mx.array, k: mx.array, v: mx.array, starts: mx.array, scale: float, warps: int = 0) -> mx.array:
+    def stand_in(q: mx.array, k: mx.array, v: mx.array, starts: mx.array, scale: float, warps: int = 0,
+                 keep: mx.array | None = None) -> mx.array:
+        assert keep is None  # a plain batch: the row starts say it all
         routed.append(q.shape[0])
         return da.reference(q, k, v, starts, scale)
 
     monkeypatch.setattr(da, "fused", stand_in)
-    monkeypatch.setattr(da, "check", lambda *_: True)
+    monkeypatch.setattr(da, "check", lambda *_, **__: True)
     assert da.install(model) == ["mlx_lm.models.llama"]
     got_tokens, got_logprobs = decode_rows(model)
     assert got_tokens == want_tokens
     assert [len(t) for t in got_tokens] == [3, 14, 14, 8]
     assert all(mx.allclose(a, b, atol=1e-5).item() for a, b in zip(got_logprobs, want_logprobs, strict=True))
     assert set(routed) == {1, 2, 3}  # decode steps of 1, 2 and 3 rows went through the row starts
+
+
+def holey_step(model: llama.Model) -> tuple[mx.array, list]:
+    """Two rows' decode step after a pass whose last two tokens the first row refused (drafts:
+    spec/holes.py leaves them in its buffer, masked out): its logits, and the caches."""
+    from mlxd.engine.spec.holes import punch
+
+    caches = [BatchKVCache([0, 3]) for _ in model.layers]
+    model(mx.array([[3, 4, 5, 6, 7, 8], [0, 0, 0, 9, 10, 11]]), cache=caches)
+    model(mx.array([[12, 13, 14], [15, 16, 17]]), cache=caches)
+    punch(caches, [2, 0])
+    return model(mx.array([[18], [19]]), cache=caches)[:, -1], caches
+
+
+def test_a_batch_with_holes_takes_the_masked_kernel_with_its_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch whose rows refused drafts (HoleyKV) keeps the fused kernel, in its masked variant
+    fed the step's mask: with MLX's attention standing in for it, the logits are mlx-lm's own;
+    fed the row starts alone, they would not be (the holes would be seen)."""
+    from mlxd.engine.spec.holes import HoleyKV
+
+    monkeypatch.setattr(llama, "scaled_dot_product_attention", base.scaled_dot_product_attention)
+    model = random_llama(9, hidden=128, heads=4)  # head size 32: one the kernel takes
+    want, _ = holey_step(model)
+
+    asked: list[bool] = []
+    fed: list[bool] = []
+    use_keep = True
+
+    def stand_in(q: mx.array, k: mx.array, v: mx.array, starts: mx.array, scale: float, warps: int = 0,
+                 keep: mx.array | None = None) -> mx.array:
+        fed.append(keep is not None)
+        mask = mx.arange(k.shape[2])[None, None, None, :] >= starts[:, None, None, None]
+        if keep is not None and use_keep:
+            mask = mask & keep
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+    monkeypatch.setattr(da, "fused", stand_in)
+    monkeypatch.setattr(da, "check", lambda *_, masked=False: asked.append(masked) or True)
+    assert da.install(model) == ["mlx_lm.models.llama"]
+    got, caches = holey_step(model)
+    assert type(caches[0]) is HoleyKV
+    assert fed == [True] * len(model.layers) and asked == fed  # only the decode step is the kernel's
+    assert mx.allclose(got, want, atol=1e-5).item()
+
+    use_keep = False
+    blind, _ = holey_step(model)
+    assert not mx.allclose(blind, want, atol=1e-3).item()
+
+
+def test_the_masked_kernels_check_leaves_out_holes_but_never_a_rows_last_key() -> None:
+    keep = da.holey_mask(mx.array([0, 7, 44]), 45).reshape(3, 45).tolist()
+    assert [row.index(True) for row in keep] == [0, 8, 44]  # each row from its start (7 is a hole)
+    assert all(row[-1] for row in keep)
+    assert [keep[0][p] for p in (0, 1, 3, 4, 21, 22, 26, 27, 28)] == [True, False, True, False, True, False, False,
+                                                                       True, False]  # every third, and a run of five
 
 
 def test_a_qwen_vlms_modules_from_mlx_lm_and_mlx_vlm_are_both_routed(vlms: dict, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -117,9 +117,16 @@ SOURCE = """
     }
 """
 
-_kernel: Any = None
+# The same kernel for a batch whose mask says more than where rows start (spec/holes.py's
+# HoleyKV: a row's refused drafts stay in the buffer, masked out): each key is also looked up
+# in the step's mask. Made from SOURCE by text, so the unmasked kernel stays as it is.
+MASKED_SOURCE = SOURCE.replace(
+    "base + g < L", "(base + g < L && keep[(size_t)b * keep_strides[0] + (size_t)(base + g) * keep_strides[3]])")
+
+_kernels: dict[bool, Any] = {}  # by masked
 _scales: dict[float, mx.array] = {}
 _verdicts: dict[tuple[int, int, int, Any], bool] = {}
+_masked_verdicts: dict[tuple[int, int, int, Any], bool] = {}
 
 
 def enabled() -> bool:
@@ -133,20 +140,24 @@ def warps_for(keys: int) -> int:
     return next((warps for longest, warps in WARP_STEPS if keys <= longest), MOST_WARPS)
 
 
-def fused(q: mx.array, k: mx.array, v: mx.array, starts: mx.array, scale: float, warps: int = 0) -> mx.array:
-    """Attention of one query per row over keys [starts[b], L) of row b; q is (B, H, 1, D)."""
-    global _kernel
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(
-            name="mlxd_decode_sdpa", input_names=["q", "k", "v", "starts", "scale"], output_names=["o"],
-            source=SOURCE, ensure_row_contiguous=False,
+def fused(q: mx.array, k: mx.array, v: mx.array, starts: mx.array, scale: float, warps: int = 0,
+          keep: mx.array | None = None) -> mx.array:
+    """Attention of one query per row over keys [starts[b], L) of row b; q is (B, H, 1, D). With
+    `keep` (B, 1, 1, L) boolean, only the keys it marks in that range take part."""
+    masked = keep is not None
+    kernel: Any = _kernels.get(masked)
+    if kernel is None:
+        kernel = _kernels[masked] = mx.fast.cuda_kernel(
+            name="mlxd_decode_sdpa_masked" if masked else "mlxd_decode_sdpa",
+            input_names=["q", "k", "v", "starts", "scale", *(["keep"] if masked else [])], output_names=["o"],
+            source=MASKED_SOURCE if masked else SOURCE, ensure_row_contiguous=False,
         )
     if (scale_arr := _scales.get(scale)) is None:
         scale_arr = _scales[scale] = mx.array([scale], dtype=mx.float32)
     B, H, _, D = q.shape
     warps = warps or warps_for(k.shape[2])
-    return _kernel(
-        inputs=[q, k, v, starts, scale_arr],
+    return kernel(
+        inputs=[q, k, v, starts, scale_arr, *([keep] if masked else [])],
         template=[("T", q.dtype), ("D", D), ("NW", warps), ("G", KEYS_AT_ONCE)],
         grid=(H * 32 * warps, B, 1), threadgroup=(32 * warps, 1, 1),
         output_shapes=[(B, H, 1, D)], output_dtypes=[q.dtype],
@@ -180,9 +191,10 @@ def verdict(verdicts: dict[Any, bool], key: tuple[int, int, int, Any], max_error
     return ok
 
 
-def check(heads: int, kv_heads: int, dim: int, dtype: Any) -> bool:
-    """Whether the kernel matches MLX's masked attention for these sizes (once per sizes), with
-    every warp count: each is compiled here, at the first batched step (warm-up), not later."""
+def check(heads: int, kv_heads: int, dim: int, dtype: Any, masked: bool = False) -> bool:
+    """Whether the kernel (its masked variant: `masked`) matches MLX's masked attention for these
+    sizes (once per sizes), with every warp count: each is compiled here, at the first batched
+    step (warm-up), not later."""
 
     def max_error() -> float:
         kq, kk, kv = mx.random.split(mx.random.key(7), 3)
@@ -192,20 +204,31 @@ def check(heads: int, kv_heads: int, dim: int, dtype: Any) -> bool:
         v = mx.random.normal((B, kv_heads, alloc, dim), key=kv).astype(dtype)[:, :, :L, :]
         starts = mx.array([0, 7, L - 1], dtype=mx.int32)
         scale = dim**-0.5
-        want = reference(q, k, v, starts, scale).astype(mx.float32)
+        keep = holey_mask(starts, L) if masked else None
+        want = (mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=keep) if masked
+                else reference(q, k, v, starts, scale)).astype(mx.float32)
         counts = sorted({warps for _, warps in WARP_STEPS} | {MOST_WARPS})
-        return max(float(mx.max(mx.abs(fused(q, k, v, starts, scale, w).astype(mx.float32) - want)).item())  # type: ignore[arg-type]
+        return max(float(mx.max(mx.abs(fused(q, k, v, starts, scale, w, keep).astype(mx.float32) - want)).item())  # type: ignore[arg-type]
                    for w in counts)
 
-    return verdict(_verdicts, (heads, kv_heads, dim, dtype), max_error, TOLERANCE.get(dtype, 1e-3),
-                   "fused decode attention")
+    return verdict(_masked_verdicts if masked else _verdicts, (heads, kv_heads, dim, dtype), max_error,
+                   TOLERANCE.get(dtype, 1e-3), "fused decode attention" + (" (masked)" if masked else ""))
+
+
+def holey_mask(starts: mx.array, length: int) -> mx.array:
+    """A decode step's mask (B, 1, 1, length) for rows starting at `starts`, with holes: every
+    third key of each row left out, and a run of five in the middle (a refused draft's)."""
+    keys = mx.arange(length)[None, :]
+    holes = (keys % 3 == 1) | ((keys >= length // 2) & (keys < length // 2 + 5))
+    return ((keys >= starts[:, None]) & ~(holes & (keys < length - 1))).reshape(-1, 1, 1, length)
 
 
 def batched_decode_step(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, mask: Any,
                         sinks: Any) -> bool:
     """Whether this call is a batch cache's single-token step with a boolean mask of one row each
-    (where each row's keys start), no attention sinks, and one dtype and head size throughout."""
-    if type(cache) is not BatchKVCache or sinks is not None or not isinstance(mask, mx.array):
+    (where each row's keys start, and for a subclass such as spec/holes.py's HoleyKV which keys
+    are left out), no attention sinks, and one dtype and head size throughout."""
+    if not isinstance(cache, BatchKVCache) or sinks is not None or not isinstance(mask, mx.array):
         return False
     B, H, N, D = queries.shape
     Hk, S = keys.shape[1], keys.shape[2]
@@ -218,7 +241,13 @@ def suits(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, mask:
     if not batched_decode_step(queries, keys, values, cache, mask, sinks):
         return False
     H, D = queries.shape[1], queries.shape[3]
-    return D % 32 == 0 and D <= 256 and queries.dtype in TOLERANCE and check(H, keys.shape[1], D, queries.dtype)
+    return (D % 32 == 0 and D <= 256 and queries.dtype in TOLERANCE
+            and check(H, keys.shape[1], D, queries.dtype, masked=needs_mask(cache)))
+
+
+def needs_mask(cache: Any) -> bool:
+    """Whether a batch cache's mask says more than where its rows start (a subclass's holes)."""
+    return type(cache) is not BatchKVCache
 
 
 def wrap(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
@@ -233,7 +262,7 @@ def wrap(original: Callable[..., mx.array]) -> Callable[..., mx.array]:
             starts = cache.left_padding
             if starts.dtype != mx.int32:
                 starts = starts.astype(mx.int32)
-            return fused(queries, keys, values, starts, scale)
+            return fused(queries, keys, values, starts, scale, keep=mask if needs_mask(cache) else None)
         if queries.shape[2] > 1:
             return prefill_attention.route(original, queries, keys, values, cache, scale, mask, sinks)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
