@@ -26,6 +26,12 @@
 # streams alone, 4 rounds each, with speculative.py's settling between phases (2026-12-06). The random models need a tokenizer in .device/tok (SmolLM2's:
 # copy tokenizer.json, tokenizer_config.json and special_tokens_map.json from the model
 # `mlxd import-default` makes) carried with .device/b.
+# The device image lacks some of mlxd's dependencies: stage them with the wheels, e.g.
+#   ../shared/tools/device-mlx prepare setproctitle==1.3.8 xxhash==4.1.0 llguidance==1.6.1 \
+#     prometheus_client==0.26.0 uvloop==0.22.1
+# (then copy the tokenizer into .device/tok: prepare empties .device/). install.sh installs
+# nothing once /tmp/site/mlx exists: on a machine staged before, `python3 -m pip install
+# --no-index --no-deps --target /tmp/site .device/b/NAME*.whl` adds one.
 # Each step has its own time limit; results go to $OUT (or ./h200-out) as one text file a step.
 set -u
 out=${OUT:-h200-out}
