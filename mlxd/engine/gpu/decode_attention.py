@@ -194,7 +194,10 @@ def verdict(verdicts: dict[Any, bool], key: tuple[int, int, int, Any], max_error
 def check(heads: int, kv_heads: int, dim: int, dtype: Any, masked: bool = False) -> bool:
     """Whether the kernel (its masked variant: `masked`) matches MLX's masked attention for these
     sizes (once per sizes), with every warp count: each is compiled here, at the first batched
-    step (warm-up), not later."""
+    step (warm-up), not later. The masked variant is compiled and checked then too: a batch's
+    first refused draft must not wait for its compiles."""
+    if not masked and (heads, kv_heads, dim, dtype) not in _verdicts:
+        check(heads, kv_heads, dim, dtype, masked=True)
 
     def max_error() -> float:
         kq, kk, kv = mx.random.split(mx.random.key(7), 3)
