@@ -129,8 +129,9 @@ def test_a_reply_continued_after_a_kill_starts_from_its_checkpoint(tiny_model: P
     with running_engine(tiny_model, "tiny", "--ssd-cache-bytes", "0") as plain:
         reply, want_ids, want_text = marked_ids(plain, BODY)
         prompt_tokens = plain.client.post("/v1/completions", json=BODY).json()["usage"]["prompt_tokens"]
-    engine = EngineProcess(tiny_model, "tiny", *checkpoint_args(kv)).wait_ready()
+    engine = EngineProcess(tiny_model, "tiny", *checkpoint_args(kv))
     try:
+        engine.wait_ready()
         with engine_client(engine) as c, c.stream("POST", "/v1/completions", json={**BODY, "stream": True},
                                                   headers={MARKS_HEADER: "1"}) as resp:
             delivered, text = read_until(resp, 50)
@@ -165,8 +166,9 @@ def test_engines_killed_while_checkpointing_leave_only_whole_files(tiny_model: P
     long_body = {**BODY, "prompt": PROMPT * 4, "max_tokens": 400}
     args = ("--generation-checkpoint", "4", "--ssd-write-behind", "off", "--ssd-cache-dir", str(kv))
     for _ in range(6):
-        engine = EngineProcess(tiny_model, "tiny", *args).wait_ready()
+        engine = EngineProcess(tiny_model, "tiny", *args)
         try:
+            engine.wait_ready()
             with engine_client(engine) as c, c.stream("POST", "/v1/completions",
                                                       json={**long_body, "stream": True}) as resp:
                 for _ in resp.iter_raw():

@@ -131,7 +131,7 @@ def test_exception_mid_stream_is_an_sse_error_then_clean_close(faulty: EnginePro
 
 
 def test_sigterm_mid_stream_ends_stream_cleanly_and_exits_zero(tiny_model: Path) -> None:
-    proc = EngineProcess(tiny_model, "tiny").wait_ready()
+    proc = EngineProcess(tiny_model, "tiny")
 
     async def stream_and_terminate() -> list[bytes]:
         async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(proc.socket))) as s:
@@ -141,17 +141,20 @@ def test_sigterm_mid_stream_ends_stream_cleanly_and_exits_zero(tiny_model: Path)
             lines += [line async for line in resp.content]
             return lines
 
-    lines = asyncio.run(stream_and_terminate())
-    started = time.monotonic()
-    code = proc.proc.wait(5)
-    assert code == ExitCode.OK
-    assert time.monotonic() - started < 2.5
-    data = [json.loads(line[6:]) for line in lines if line.startswith(b"data: {")]
-    assert data[-1]["error"]["code"] == "engine_stopping"
-    assert not proc.socket.exists()
-    assert "engine stopped" in proc.log()
-    assert "(uvloop loop)" in proc.log()  # the SIGTERM path above ran on uvloop (mlxd/event_loop.py)
-    proc.stop()
+    try:
+        proc.wait_ready()
+        lines = asyncio.run(stream_and_terminate())
+        started = time.monotonic()
+        code = proc.proc.wait(5)
+        assert code == ExitCode.OK
+        assert time.monotonic() - started < 2.5
+        data = [json.loads(line[6:]) for line in lines if line.startswith(b"data: {")]
+        assert data[-1]["error"]["code"] == "engine_stopping"
+        assert not proc.socket.exists()
+        assert "engine stopped" in proc.log()
+        assert "(uvloop loop)" in proc.log()  # the SIGTERM path above ran on uvloop (mlxd/event_loop.py)
+    finally:
+        proc.stop()
 
 
 def test_engine_exits_within_2s_of_parent_sigkill(tiny_model: Path) -> None:
@@ -179,24 +182,29 @@ def test_socket_dir_that_is_not_private_is_refused(tiny_model: Path) -> None:
     sock_dir = private_socket_dir()
     os.chmod(sock_dir, 0o755)
     proc = EngineProcess(tiny_model, "tiny", socket_dir=sock_dir)
-    assert proc.proc.wait(30) == ExitCode.ENGINE_BOOT_ERROR
-    assert "0700" in proc.log()
-    proc.stop()
+    try:
+        assert proc.proc.wait(30) == ExitCode.ENGINE_BOOT_ERROR
+        assert "0700" in proc.log()
+    finally:
+        proc.stop()
 
 
 def test_second_engine_on_a_live_socket_is_refused_and_stale_socket_is_replaced(tiny_model: Path) -> None:
-    first = EngineProcess(tiny_model, "tiny").wait_ready()
-    second = EngineProcess(tiny_model, "tiny", socket_dir=first.dir)
-    assert second.proc.wait(30) == ExitCode.ENGINE_BOOT_ERROR
-    assert "another process is serving" in second.log()
-    second.stop()
-    first.proc.kill()  # leaves its socket file behind
-    first.proc.wait()
-    assert first.socket.exists()
-    third = EngineProcess(tiny_model, "tiny", socket_dir=first.dir).wait_ready()
-    assert third.client.get("/health").json()["status"] == "ready"
-    third.stop()
-    first.stop()
+    first = EngineProcess(tiny_model, "tiny")
+    started: list[EngineProcess] = [first]
+    try:
+        first.wait_ready()
+        started.append(second := EngineProcess(tiny_model, "tiny", socket_dir=first.dir))
+        assert second.proc.wait(30) == ExitCode.ENGINE_BOOT_ERROR
+        assert "another process is serving" in second.log()
+        first.proc.kill()  # leaves its socket file behind
+        first.proc.wait()
+        assert first.socket.exists()
+        started.append(third := EngineProcess(tiny_model, "tiny", socket_dir=first.dir))
+        assert third.wait_ready().client.get("/health").json()["status"] == "ready"
+    finally:
+        for engine in reversed(started):
+            engine.stop()
 
 
 @pytest.mark.parametrize("breakage", ["empty dir", "bad weights", "missing dir"])
@@ -209,11 +217,13 @@ def test_unloadable_model_exits_with_model_load_error(tmp_path: Path, tiny_model
             (model / f.name).write_bytes(f.read_bytes())
         (model / "model.safetensors").write_bytes(b"not safetensors")
     proc = EngineProcess(model, "broken")
-    assert proc.proc.wait(60) == ExitCode.MODEL_LOAD_ERROR
-    log = proc.log()
-    assert "model load failed" in log
-    assert "Traceback" not in log
-    proc.stop()
+    try:
+        assert proc.proc.wait(60) == ExitCode.MODEL_LOAD_ERROR
+        log = proc.log()
+        assert "model load failed" in log
+        assert "Traceback" not in log
+    finally:
+        proc.stop()
 
 
 def test_sigterm_during_a_long_prefill_answers_503_and_exits_soon_after_its_chunk(tiny_model: Path) -> None:

@@ -25,8 +25,9 @@ def test_sigterm_again_and_again_while_it_stops_leaves_no_socket(tiny_model: Pat
     # A repeat that came after the event loop had closed (SIGTERM's default action again) used
     # to kill the engine before it removed its socket: 7 of 8 exits here left it behind.
     for _ in range(3):
-        engine = EngineProcess(tiny_model, "tiny").wait_ready()
+        engine = EngineProcess(tiny_model, "tiny")
         try:
+            engine.wait_ready()
             engine.proc.send_signal(signal.SIGTERM)
             assert wait_for(functools.partial(sigterm_again, engine.proc), 30, interval=0.0002), "the engine did not exit"
             assert not engine.socket.exists(), f"exit {engine.proc.returncode} left the socket behind"

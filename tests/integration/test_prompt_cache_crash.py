@@ -69,8 +69,9 @@ def test_engines_killed_while_writing_behind_restart_to_whole_files_and_right_an
             body = {"prompt": prompt, "max_tokens": 6, "temperature": 0}
             reference[prompt] = plain.client.post("/v1/completions", json=body).json()["choices"][0]["text"]
     for run in range(4):
-        engine = EngineProcess(tiny_model, "m", *kv).wait_ready()
+        engine = EngineProcess(tiny_model, "m", *kv)
         try:
+            engine.wait_ready()
             body = {"prompt": prompts[run], "max_tokens": 6, "temperature": 0}
             assert engine.client.post("/v1/completions", json=body).status_code == 200
             time.sleep(rng.uniform(0.0, 0.03))  # the idle engine is writing its entry behind now
