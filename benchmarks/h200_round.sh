@@ -23,7 +23,8 @@
 # `prefillmem`: benchmarks/prefill_memory.py, what the out-of-memory's fix costs a batched prefill.
 # `close30` (group1 and ck8) and `close27` (cut, the self-draft and n-gram prose at 8 streams): what
 # the open issues still lack, each in one call. `spec27`: the self-draft and n-gram prose at 8
-# streams alone, 4 rounds each, with speculative.py's settling between phases (2026-12-06). The random models need a tokenizer in .device/tok (SmolLM2's:
+# streams alone, 4 rounds each, with speculative.py's settling between phases (2026-12-06). `spec27why`:
+# n-gram prose and edit at 8 streams with the engine's step trace, summed by trace_turns.py. The random models need a tokenizer in .device/tok (SmolLM2's:
 # copy tokenizer.json, tokenizer_config.json and special_tokens_map.json from the model
 # `mlxd import-default` makes) carried with .device/b.
 # The device image lacks some of mlxd's dependencies: stage them with the wheels, e.g.
@@ -655,6 +656,19 @@ close27)
     --max-tokens 256 --workloads prose
   step prose8 180 python3 benchmarks/speculative.py --model /tmp/models/l8q --widths 8 --rounds 2 \
     --max-tokens 256 --workloads prose
+  ;;
+spec27why)
+  # issue 27: where n-gram drafting loses at 8 streams (2026-12-06, seventh session: prose 0.96 and
+  # edit 0.94 with few passes). Each run's engine writes its step trace, with the batch lane's
+  # step split (next_ms, leave_ms) and the passes and ended rows of each turn; trace_turns.py
+  # sums it by phase and kind of turn.
+  model 8b-4bit /tmp/models/l8q
+  for w in prose edit; do
+    rm -f "$out/trace_$w.jsonl"
+    MLXD_TRACE_STEPS="$out/trace_$w.jsonl" step ${w}8 ${LIMIT:-200} python3 benchmarks/speculative.py \
+      --model /tmp/models/l8q --widths 8 --rounds 2 --max-tokens 256 --workloads $w
+    step turns_$w 20 python3 benchmarks/trace_turns.py "$out/trace_$w.jsonl"
+  done
   ;;
 spec27)
   # issue 27's two losing cases again with the fair speculative.py (each phase after the engine's

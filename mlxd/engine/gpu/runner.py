@@ -59,6 +59,14 @@ class Runner:
     def num_prefilling(self) -> int:
         return sum(lane.num_prefilling for lane in self._lanes.values())
 
+    def last_batch_step(self) -> dict[str, float]:
+        """Where the batch lane's step since the last call went (BatchLane.last_step; empty if none)."""
+        lane = self._lanes.get("batch")
+        if not isinstance(lane, BatchLane):
+            return {}
+        step, lane.last_step = lane.last_step, {}
+        return step
+
     def rows_in(self, name: LaneName) -> int:
         lane = self._lanes.get(name)
         return lane.num_rows if lane is not None else 0
