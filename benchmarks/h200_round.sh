@@ -660,7 +660,7 @@ close27)
 spec27why)
   # issue 27: where n-gram drafting loses at 8 streams (2026-12-06, seventh session: prose 0.96 and
   # edit 0.94 with few passes). Each run's engine writes its step trace, with the batch lane's
-  # step split (next_ms, leave_ms) and the passes and ended rows of each turn; trace_turns.py
+  # generator step timed (next_ms) and the passes and ended rows of each turn; trace_turns.py
   # sums it by phase and kind of turn.
   model 8b-4bit /tmp/models/l8q
   for w in prose edit; do

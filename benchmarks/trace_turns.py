@@ -3,8 +3,8 @@
 A benchmark that runs phases with idle gaps between them (speculative.py's off and on phases,
 batching.py's rounds) leaves a trace whose turns fall into runs; a gap longer than `--gap-ms`
 starts a new one. For each run this prints its turns and time, then the batch lane's turns by
-kind, with their count, median length and the median of the generator's step (`next_ms`) and
-of the removal of ended rows (`leave_ms`):
+kind, with their count, median length and the median of the batch lane's generator step
+(`next_ms`; the rest of a turn is mlxd's own work around it, ended rows' removal included):
 
 - plain: rows decoding, no draft checked, none ended;
 - pass: a verification pass checked drafts (`passes`);
@@ -69,7 +69,7 @@ def main() -> None:
                 return statistics.median(t.get(key, 0.0) for t in sel)
 
             print(f"  {name:9s} {len(sel):4d} turns, {sum(t['ms'] for t in sel):7.0f} ms: median {med('ms'):6.2f} ms "
-                  f"(next {med('next_ms'):6.2f}, leave {med('leave_ms'):5.2f})")
+                  f"(next {med('next_ms'):6.2f})")
 
 
 if __name__ == "__main__":

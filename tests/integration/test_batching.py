@@ -358,12 +358,10 @@ def test_the_step_trace_records_each_turn_with_its_lanes(tiny_model: Path, tmp_p
     assert all(t["ms"] >= 0 for t in turns) and [t["t"] for t in turns] == sorted(t["t"] for t in turns)
     # Each 200-token reply needs a turn per token; sent together, they overlap in the batch lane.
     assert len(turns) >= 200 and max(t["batch"] for t in turns) >= 2
-    # The batch lane's steps say where their time went, and which rows ended in them.
+    # The batch lane's generator steps are timed within their turns, and every reply's end is on a line.
     stepped = [t for t in turns if "next_ms" in t]
     assert len(stepped) >= 190 and all(0 <= t["next_ms"] <= t["ms"] + 0.02 for t in stepped)  # (each rounded)
-    leaving = [t for t in turns if t.get("ended")]
-    assert leaving and all(0 <= t["leave_ms"] <= t["ms"] + 0.02 for t in leaving)
-    assert sum(t["ended"] for t in leaving) == max(t["batch"] for t in turns)  # every row that ran there ended there
+    assert sum(t.get("ended", 0) for t in turns) == 3
 
 
 def staggered(engine: EngineProcess, prompts: list[str], gap_s: float, **body: Any) -> list[dict[str, Any]]:

@@ -163,9 +163,13 @@ def test_a_client_gone_mid_turn_stops_the_engine(sup: SupervisorProcess) -> None
 
 
 def test_compaction_summarizes_a_chain_and_its_item_is_read_back(client: openai.OpenAI) -> None:
-    first = client.responses.create(model="tiny", input="My name is Ada. Remember it.", max_output_tokens=8)
+    # Greedy turns: the summary (greedy too, up to 2048 tokens) is then the same every run. With
+    # sampled turns, the random model's summary came back once as 4,267 tokens of text, past its
+    # 4,096-token window in the next turn.
+    first = client.responses.create(model="tiny", input="My name is Ada. Remember it.", max_output_tokens=8,
+                                    temperature=0)
     second = client.responses.create(model="tiny", input="What did I say?", previous_response_id=first.id,
-                                     max_output_tokens=8)
+                                     max_output_tokens=8, temperature=0)
     compacted = client.post("/responses/compact", cast_to=dict,  # type: ignore[type-var]
                             body={"model": "tiny", "previous_response_id": second.id})
     assert compacted["object"] == "response.compaction"

@@ -1,25 +1,49 @@
-"""MLXD_TRACE_STEPS's lines (gpu/trace.py): the draft counters as each turn's share."""
+"""MLXD_TRACE_STEPS's lines (gpu/trace.py): each turn's share of the draft counters, the timed
+generator steps, and rows ended only when there were some."""
 
 from __future__ import annotations
 
 import json
 import time
 from pathlib import Path
+from typing import Any
 
+import pytest
+
+from mlxd.engine.gpu import trace
 from mlxd.engine.gpu.trace import StepTrace
 
 
-def test_a_line_has_the_draft_counts_its_turn_added_and_the_batch_steps_times(tmp_path: Path) -> None:
+class Generator:
+    def next(self) -> list[Any]:
+        time.sleep(0.003)
+        return []
+
+
+def test_a_line_has_what_its_turn_added(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "steps.jsonl"
-    trace = StepTrace(str(path))
+    monkeypatch.setenv("MLXD_TRACE_STEPS", str(path))
+    gen = Generator()
+    trace.time_steps(gen)
+    gen.next()  # before the trace begins (a warm-up's step): not on any line
+    steps = StepTrace(str(path))
     now = time.perf_counter()
-    trace.turn(now, now + 0.002, batch=4, passes=0, idle_reads=0)
-    trace.turn(now, now + 0.003, batch=4, passes=2, idle_reads=1, next_ms=2.5, leave_ms=0.4, ended=1)
-    trace.turn(now, now + 0.001, batch=3, passes=2, idle_reads=1)
-    trace.turn(now, now + 0.001, batch=3, passes=3, idle_reads=1)
-    trace.close()
+    steps.turn(now, now + 0.002, batch=4, ended=0, passes=0, idle_reads=0)
+    gen.next()
+    steps.turn(now, now + 0.005, batch=4, ended=1, passes=2, idle_reads=1)
+    steps.turn(now, now + 0.001, batch=3, ended=0, passes=2, idle_reads=1)
+    steps.turn(now, now + 0.001, batch=3, ended=0, passes=3, idle_reads=1)
+    steps.close()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [(line.get("passes"), line.get("idle_reads")) for line in lines] == [(None, None), (2, 1), (None, None),
                                                                                   (1, None)]
-    assert lines[1]["next_ms"] == 2.5 and lines[1]["leave_ms"] == 0.4 and lines[1]["ended"] == 1
-    assert lines[1]["ms"] == 3.0 and lines[0]["batch"] == 4
+    assert [line.get("ended") for line in lines] == [None, 1, None, None]
+    assert ["next_ms" in line for line in lines] == [False, True, False, False]
+    assert 3.0 <= lines[1]["next_ms"] < 1000 and lines[1]["ms"] == 5.0 and lines[0]["batch"] == 4
+
+
+def test_without_the_trace_the_generator_is_left_as_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MLXD_TRACE_STEPS", raising=False)
+    gen = Generator()
+    trace.time_steps(gen)
+    assert "next" not in vars(gen)  # no wrapper: the class's own method

@@ -26,7 +26,6 @@ prefill under way joins it at once; one more urgent than the rows it would wait 
 from __future__ import annotations
 
 import logging
-import time
 import traceback
 from typing import Any
 
@@ -36,7 +35,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxd.engine.cache.prefix_cache import PrefixCache, view
-from mlxd.engine.gpu import adapter_rows, image_batch, media
+from mlxd.engine.gpu import adapter_rows, image_batch, media, trace
 from mlxd.engine.gpu.batch_bias import batch_bias
 from mlxd.engine.gpu.checkpoints import Checkpoints
 from mlxd.engine.gpu.job import PrefillGroup
@@ -83,10 +82,6 @@ class BatchLane:
         self._drafts = BatchDrafts(draft, stats, loaded.drafts)  # rows that draft (spec/batch.py)
         self._checkpoints = checkpoints  # rows' KV to SSD every N tokens (checkpoints.py)
         self._gen = self._new_generator()
-        # Where the last step's time went, in ms (for MLXD_TRACE_STEPS, trace.py): the generator's
-        # step ("next"), taking ended rows out and their KV into the prompt cache ("leave"),
-        # checkpoints; and the rows that ended.
-        self.last_step: dict[str, float] = {}
 
     def _new_generator(self) -> BatchGenerator:
         gen = BatchGenerator(self._loaded.model, completion_batch_size=self._width,
@@ -94,7 +89,7 @@ class BatchLane:
         batch_bias(gen)
         adapter_rows.attach(gen, self._loaded.adapters, self._stack_of)
         self._drafts.attach(gen, self._loaded.adapters, self._stack_of)  # spec/batch.py, last: it wraps the others
-        return gen
+        return trace.time_steps(gen)  # its steps timed, with MLXD_TRACE_STEPS only
 
     def _stack_of(self, uid: int) -> Stack:  # a row's adapters (none for a row that has left)
         return r.job.adapters if (r := self._rows.get(uid)) else ()
@@ -421,7 +416,6 @@ class BatchLane:
             ended += self._place_arrivals() if waited_for is None else self._join_arrivals(waited_for)
         if self._groups:
             ended += self._prefill_groups()
-        self.last_step = {}
         if self._rows:
             try:
                 self._decode(ended)
@@ -430,11 +424,7 @@ class BatchLane:
                 ended += self.fail_all(f"generation failed: {type(exc).__name__}: {exc}", "generation_failed")
                 after_failed_step(exc)
             if self._checkpoints is not None:
-                started = time.perf_counter()
                 self._checkpoints.batch(self._gen, self._rows)
-                self.last_step["checkpoint_ms"] = _ms_since(started)
-        if ended:
-            self.last_step["ended"] = len(ended)
         for seq in ended:
             if seq.finish_reason != "failed":
                 seq.finish(self._stats)
@@ -442,9 +432,7 @@ class BatchLane:
 
     def _decode(self, ended: list[Sequence]) -> None:
         """One generator step; the rows it ends go to `ended` (not yet answered) as they leave."""
-        started = time.perf_counter()
         prompts, responses = self._gen.next()
-        self.last_step["next_ms"] = _ms_since(started)
         if any(not p.end_of_prompt and p.progress[0] == p.progress[1] - 1 for p in prompts):
             self._hold_arrivals = FIRST_TOKEN_STEPS  # a prompt is prefilled but for its last token
         leaving: list[int] = []
@@ -467,14 +455,11 @@ class BatchLane:
                 ended.append(seq)
             elif is_done:
                 leaving.append(r.uid)
-        if leaving or kept:
-            started = time.perf_counter()
-            if leaving:
-                self._remove(leaving)
-                ended += [self._rows.pop(uid) for uid in leaving]
-            for seq, kv, tokens in kept:
-                media.store(self._prompt_cache, self._loaded, seq.job, kv, tokens)
-            self.last_step["leave_ms"] = _ms_since(started)
+        if leaving:
+            self._remove(leaving)
+            ended += [self._rows.pop(uid) for uid in leaving]
+        for seq, kv, tokens in kept:
+            media.store(self._prompt_cache, self._loaded, seq.job, kv, tokens)
         self._drafts.prune(self._rows)
 
     def _drop_cancelled(self) -> list[Sequence]:
@@ -512,7 +497,3 @@ class BatchLane:
         for seq in arrivals:
             seq.fail(self._stats, message, 500, code)
         return ended + arrivals
-
-
-def _ms_since(started: float) -> float:
-    return round((time.perf_counter() - started) * 1000, 2)

@@ -354,8 +354,8 @@ class Gateway:
         if trace is not None:
             trace.turn(started, ended_at, received=received, admitted=admitted, waiting=waiting,
                        serial=runner.rows_in("serial"), batch=runner.rows_in("batch"),
-                       prefilling=runner.num_prefilling, passes=self._stats.draft_batch_passes,
-                       idle_reads=self._stats.draft_batch_idle_reads, **runner.last_batch_step())
+                       prefilling=runner.num_prefilling, ended=runner.num_ended,
+                       passes=self._stats.draft_batch_passes, idle_reads=self._stats.draft_batch_idle_reads)
 
     def _in_bursts(self) -> bool:
         return self._options.gather_ms > 0 and (self._options.batch or 1) > 1 and time.monotonic() < self._bursts_until

@@ -45,6 +45,7 @@ class Runner:
         self._lanes: dict[LaneName, Lane] = {"serial": serial} if batch is None else {"serial": serial, "batch": batch}
         self._merge = (serial, batch) if batch is not None else None
         self.num_paused = 0  # sequences paused and waiting to resume (GPU thread writes; one read each)
+        self.num_ended = 0  # sequences the last turn's lane steps ended (for the step trace)
 
     @property
     def has_work(self) -> bool:
@@ -59,14 +60,6 @@ class Runner:
     def num_prefilling(self) -> int:
         return sum(lane.num_prefilling for lane in self._lanes.values())
 
-    def last_batch_step(self) -> dict[str, float]:
-        """Where the batch lane's step since the last call went (BatchLane.last_step; empty if none)."""
-        lane = self._lanes.get("batch")
-        if not isinstance(lane, BatchLane):
-            return {}
-        step, lane.last_step = lane.last_step, {}
-        return step
-
     def rows_in(self, name: LaneName) -> int:
         lane = self._lanes.get(name)
         return lane.num_rows if lane is not None else 0
@@ -78,10 +71,12 @@ class Runner:
         """Start what the scheduler decides, then step each lane that has work once; the jobs started."""
         started = self._start_waiting(is_stopping)
         self._merge_lanes()
+        self.num_ended = 0
         for lane in self._lanes.values():
             if lane.has_work:
                 for seq in lane.step():
                     self.scheduler.release(seq)
+                    self.num_ended += 1
         return started
 
     def _start_waiting(self, is_stopping: bool) -> int:

@@ -5,11 +5,10 @@ serving), `ms` (the turn's length), `received` (jobs that came in since the last
 `admitted` (jobs started this turn), `serial` and `batch`
 (rows in each lane after the turn), `prefilling` (rows with no token yet, either lane) and `waiting`
 (jobs queued for room), and `gc` (the garbage collector's runs since the last line, all
-generations, in any thread). With drafts: `passes` (batch steps that checked drafts) and
-`idle_reads` (that read the rows' tokens and checked none) in this turn. Where the batch lane's
-step went, when it stepped: `next_ms` (the generator's step: mlx-lm's, or a verification
-pass), `leave_ms` (ended rows taken out, their KV into the prompt cache), `checkpoint_ms`
-(generation checkpoints taken), and `ended` (rows that ended).
+generations, in any thread). When the turn had them: `next_ms` (the batch lane's generator
+step: mlx-lm's, or a verification pass; the rest of `ms` is mlxd's own work around it),
+`ended` (rows that ended, any lane), and with drafts `passes` (batch steps that checked
+drafts) and `idle_reads` (that read the rows' tokens and checked none).
 """
 
 from __future__ import annotations
@@ -18,7 +17,28 @@ import gc
 import json
 import os
 import time
-from typing import IO
+from typing import IO, Any, TypeVar
+
+T = TypeVar("T")
+
+_parts: dict[str, float] = {}  # step parts timed since the last line (time_steps), in ms
+
+
+def time_steps(gen: T) -> T:
+    """`gen`, a batch generator; with MLXD_TRACE_STEPS set, each of its steps timed (`next_ms`)."""
+    if not os.environ.get("MLXD_TRACE_STEPS"):
+        return gen
+    step = gen.next  # type: ignore[attr-defined]
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return step(*args, **kwargs)
+        finally:
+            _parts["next_ms"] = _parts.get("next_ms", 0.0) + (time.perf_counter() - started) * 1000
+
+    gen.next = timed  # type: ignore[attr-defined]
+    return gen
 
 
 class StepTrace:
@@ -27,6 +47,7 @@ class StepTrace:
         self._t0 = time.perf_counter()
         self._gc_runs = self._collections()
         self._counts: dict[str, int] = {}  # the running counters' values at the last line
+        _parts.clear()  # what the warm-up's steps left
 
     @staticmethod
     def _collections() -> int:
@@ -37,12 +58,14 @@ class StepTrace:
         path = os.environ.get("MLXD_TRACE_STEPS")
         return cls(path) if path else None
 
-    def turn(self, started: float, ended: float, /, passes: int = 0, idle_reads: int = 0, **fields: float) -> None:
+    def turn(self, started: float, ended: float, /, passes: int = 0, idle_reads: int = 0, **fields: int) -> None:
         """One line; `passes` and `idle_reads` are the engine's running counts (a line has what
-        this turn added, when it added any)."""
+        this turn added, when it added any), `ended` (in `fields`) is left out when 0."""
         runs = self._collections()
-        line = {"t": round((started - self._t0) * 1000, 2), "ms": round((ended - started) * 1000, 2), **fields,
-                "gc": runs - self._gc_runs}
+        line: dict[str, Any] = {"t": round((started - self._t0) * 1000, 2), "ms": round((ended - started) * 1000, 2),
+                                **{k: v for k, v in fields.items() if k != "ended" or v}, "gc": runs - self._gc_runs}
+        line.update({k: round(v, 2) for k, v in _parts.items()})
+        _parts.clear()
         for name, value in (("passes", passes), ("idle_reads", idle_reads)):
             if delta := value - self._counts.get(name, 0):
                 line[name] = delta
