@@ -10,6 +10,8 @@ kind, with their count, median length and the median of the batch lane's generat
 - pass: a verification pass checked drafts (`passes`);
 - idle read: the rows' tokens were read for drafts and none were checked;
 - ended: rows ended in the turn (`ended`), no pass;
+- after ended: a plain turn right after one that ended rows while others went on (MLX is lazy:
+  mlx-lm's gather of the remaining rows' KV runs in this turn's step);
 - prefill: rows still without their first token.
 
     python benchmarks/trace_turns.py steps.jsonl [--gap-ms 500]
@@ -34,7 +36,7 @@ def runs_of(turns: list[dict[str, Any]], gap_ms: float) -> list[list[dict[str, A
     return [r for r in runs if r]
 
 
-def kind(turn: dict[str, Any]) -> str:
+def kind(turn: dict[str, Any], before: dict[str, Any] | None) -> str:
     if turn.get("prefilling"):
         return "prefill"
     if turn.get("passes"):
@@ -43,6 +45,8 @@ def kind(turn: dict[str, Any]) -> str:
         return "idle read"
     if turn.get("ended"):
         return "ended"
+    if before is not None and before.get("ended") and before.get("batch"):
+        return "after ended"
     return "plain" if "next_ms" in turn else "other"
 
 
@@ -59,16 +63,16 @@ def main() -> None:
               f"{max(t.get('batch', 0) for t in run)}, passes {sum(t.get('passes', 0) for t in run)}, "
               f"ended {sum(t.get('ended', 0) for t in run)}")
         by_kind: dict[str, list[dict[str, Any]]] = {}
-        for t in run:
-            by_kind.setdefault(kind(t), []).append(t)
-        for name in ("plain", "pass", "idle read", "ended", "prefill", "other"):
+        for before, t in zip([None, *run], run, strict=False):
+            by_kind.setdefault(kind(t, before), []).append(t)
+        for name in ("plain", "pass", "idle read", "ended", "after ended", "prefill", "other"):
             if not (sel := by_kind.get(name)):
                 continue
 
             def med(key: str, sel: list[dict[str, Any]] = sel) -> float:
                 return statistics.median(t.get(key, 0.0) for t in sel)
 
-            print(f"  {name:9s} {len(sel):4d} turns, {sum(t['ms'] for t in sel):7.0f} ms: median {med('ms'):6.2f} ms "
+            print(f"  {name:11s} {len(sel):4d} turns, {sum(t['ms'] for t in sel):7.0f} ms: median {med('ms'):6.2f} ms "
                   f"(next {med('next_ms'):6.2f})")
 
 
