@@ -187,7 +187,11 @@ def test_rank_1_killed_mid_stream_ends_the_stream_and_the_group(tiny_model: Path
         assert time.monotonic() - started < 30
         wait_for(lambda: rank0.proc.poll() is not None, 20, message=rank0.log)
         assert rank0.proc.returncode == ExitCode.GPU_THREAD_DIED
-        assert "went away" in rank0.log()
+        # Whichever sees the loss first ends the engine: the group's watch over the control
+        # socket, or the GPU thread's collective (MLX's ring backend raises; step_failure.py).
+        # In a clean-clone run the GPU thread won and the watch never logged.
+        log = rank0.log()
+        assert "rank 1 went away" in log or "[ring] connection to a peer was lost" in log, log
 
 
 def stream_until_cut(rank0: EngineProcess, act: Any) -> str:
