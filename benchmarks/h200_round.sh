@@ -24,7 +24,9 @@
 # `close30` (group1 and ck8) and `close27` (cut, the self-draft and n-gram prose at 8 streams): what
 # the open issues still lack, each in one call. `spec27`: the self-draft and n-gram prose at 8
 # streams alone, 4 rounds each, with speculative.py's settling between phases (2026-12-06). `spec27why`:
-# n-gram prose and edit at 8 streams with the engine's step trace, summed by trace_turns.py. The random models need a tokenizer in .device/tok (SmolLM2's:
+# n-gram prose and edit at 8 streams with the engine's step trace, summed by trace_turns.py.
+# `shrink`: shrink_step.py (what a row leaving costs the batch), batch_verify_probe.py, then spec27why's
+# prose run (ended rows lingering: linger.py). `linger`: edit at 8 streams (lingering), prose without. The random models need a tokenizer in .device/tok (SmolLM2's:
 # copy tokenizer.json, tokenizer_config.json and special_tokens_map.json from the model
 # `mlxd import-default` makes) carried with .device/b.
 # The device image lacks some of mlxd's dependencies: stage them with the wheels, e.g.
@@ -670,6 +672,29 @@ spec27why)
     step turns_$w 20 python3 benchmarks/trace_turns.py "$out/trace_$w.jsonl"
   done
   ;;
+shrink)
+  # issue 27: what a row leaving costs an 8-row batch (shrink_step.py: mlx-lm's filter, one row at a
+  # time, against a step's cost per row), then spec27why's traced prose run (2026-12-06, eighth session)
+  model 8b-4bit /tmp/models/l8q
+  step shrink 120 python3 benchmarks/shrink_step.py /tmp/models/l8q --rows 8 --prompt 300 --rounds 2
+  step verify 90 python3 benchmarks/batch_verify_probe.py --model /tmp/models/l8q --rows 8 --context 600
+  rm -f "$out/trace_prose.jsonl"
+  MLXD_TRACE_STEPS="$out/trace_prose.jsonl" step prose8 ${LIMIT:-200} python3 benchmarks/speculative.py \
+    --model /tmp/models/l8q --widths 8 --rounds 2 --max-tokens 256 --workloads prose
+  step turns_prose 20 python3 benchmarks/trace_turns.py "$out/trace_prose.jsonl"
+  ;;
+linger)
+  # issue 27: edit at 8 streams with ended rows lingering (the default on a GPU: linger.py), traced,
+  # then prose at 8 streams with MLXD_LINGER_ROWS=0 (rows leave the batch as they end, as before)
+  model 8b-4bit /tmp/models/l8q
+  rm -f "$out/trace_edit.jsonl" "$out/trace_prose0.jsonl"
+  MLXD_TRACE_STEPS="$out/trace_edit.jsonl" step edit8 ${LIMIT:-230} python3 benchmarks/speculative.py \
+    --model /tmp/models/l8q --widths 8 --rounds 2 --max-tokens 256 --workloads edit
+  step turns_edit 20 python3 benchmarks/trace_turns.py "$out/trace_edit.jsonl"
+  MLXD_LINGER_ROWS=0 MLXD_TRACE_STEPS="$out/trace_prose0.jsonl" step prose8_nolinger ${LIMIT:-230} \
+    python3 benchmarks/speculative.py --model /tmp/models/l8q --widths 8 --rounds 2 --max-tokens 256 --workloads prose
+  step turns_prose0 20 python3 benchmarks/trace_turns.py "$out/trace_prose0.jsonl"
+  ;;
 spec27)
   # issue 27's two losing cases again with the fair speculative.py (each phase after the engine's
   # SSD writes of the one before settled, which phase goes first alternating; its idle reads shown)
@@ -679,5 +704,5 @@ spec27)
   step prose8 ${LIMIT:-280} python3 benchmarks/speculative.py --model /tmp/models/l8q --widths 8 --rounds 4 \
     --max-tokens 256 --workloads prose
   ;;
-*) echo "usage: $0 prefillmem|oom|close30|close27|spec27|1b|8b|streams|close|close8b|lone|cache|structured|prefill|load|auto|auto8b|ck8|cut|json|numerics|group1" >&2; exit 2 ;;
+*) echo "usage: $0 shrink|linger|prefillmem|oom|close30|close27|spec27|1b|8b|streams|close|close8b|lone|cache|structured|prefill|load|auto|auto8b|ck8|cut|json|numerics|group1" >&2; exit 2 ;;
 esac

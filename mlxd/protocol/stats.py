@@ -84,6 +84,7 @@ class LaneStats(msgspec.Struct):
     draft_accepted: int = 0  # ... and kept (their share is the acceptance)
     draft_batch_passes: int = 0  # batch steps that checked drafts (rows decoding together)
     draft_batch_idle_reads: int = 0  # batch steps that read the rows' next tokens for drafts and checked none
+    rows_lingered: int = 0  # rows that ended and stayed in the batch a few steps, to leave with others
 
 
 class TokenCounts(msgspec.Struct):

@@ -21,6 +21,7 @@ from tests.integration.test_resume_engine import chat_text, cut_and_continue, ev
 from tests.support import (
     EngineProcess,
     engine_client,
+    engine_env,
     lanes,
     openai_client,
     running_engine,
@@ -42,8 +43,11 @@ MAX_TOKENS = 28
 
 @pytest.fixture(scope="module")
 def smol(smollm2: Path) -> Iterator[EngineProcess]:
-    """Four batch rows (a drafting row can be handed to the batch lane), drafts from the context."""
-    with running_engine(smollm2, "smol", "--draft", "ngram", "--batch", "4", "--kv-budget-tokens", "4096") as e:
+    """Four batch rows (a drafting row can be handed to the batch lane), drafts from the context;
+    rows that end a few steps apart linger in the batch as on a GPU (gpu/linger.py: the rows
+    of spec_drafters' tests leave as they end, as on a CPU)."""
+    with running_engine(smollm2, "smol", "--draft", "ngram", "--batch", "4", "--kv-budget-tokens", "4096",
+                        env=engine_env(MLXD_LINGER_ROWS="1")) as e:
         yield e
 
 
@@ -231,13 +235,15 @@ def test_a_speculation_field_that_is_not_a_boolean_is_a_400(smol: EngineProcess)
 def test_rows_decoding_together_draft_in_the_batch_and_answer_as_alone(smol: EngineProcess) -> None:
     """Four requests at once decode in the batch lane: two draft (one held to a stop string),
     one opted out, one with logprobs. Each answer is what it gets alone without drafts, and
-    the drafting rows kept drafts there."""
+    the drafting rows kept drafts there; the rows that ended first lingered for the others."""
     asks = [{"max_tokens": 40}, {"max_tokens": 40, "stop": ["perimeter("]}, {"max_tokens": 16, "speculation": False},
             {"max_tokens": 20, "logprobs": True}]
     alone = [chat(smol, False, **{k: v for k, v in a.items() if k != "speculation"}) for a in asks]
+    lingered = lanes(smol)["rows_lingered"]
     with concurrent.futures.ThreadPoolExecutor(len(asks)) as pool:
         together = list(pool.map(lambda a: chat(smol, True, **a), asks))
     assert [message(t)["content"] for t in together] == [message(a)["content"] for a in alone]
+    assert lanes(smol)["rows_lingered"] > lingered, lanes(smol)
     for answer in (together[0], together[1], together[3]):
         assert answer["usage"]["speculation"]["accepted"] > 0, answer["usage"]
     assert "speculation" not in together[2]["usage"]

@@ -35,7 +35,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxd.engine.cache.prefix_cache import PrefixCache, view
-from mlxd.engine.gpu import adapter_rows, image_batch, media, trace
+from mlxd.engine.gpu import adapter_rows, image_batch, linger, media, trace
 from mlxd.engine.gpu.batch_bias import batch_bias
 from mlxd.engine.gpu.checkpoints import Checkpoints
 from mlxd.engine.gpu.job import PrefillGroup
@@ -88,6 +88,7 @@ class BatchLane:
                              prefill_batch_size=min(self._width, MAX_PREFILL_ROWS), prefill_step_size=self._prefill_step)
         batch_bias(gen)
         adapter_rows.attach(gen, self._loaded.adapters, self._stack_of)
+        _ = linger.enabled() and linger.attach(gen, self._stats)  # rows that end a few steps apart leave together
         self._drafts.attach(gen, self._loaded.adapters, self._stack_of)  # spec/batch.py, last: it wraps the others
         return trace.time_steps(gen)  # its steps timed, with MLXD_TRACE_STEPS only
 
@@ -233,6 +234,7 @@ class BatchLane:
         The generator's processors see each row's whole history (it is given the cached part)."""
         job = seq.job
         sampler, processors = make_sampling(job.sampling, [], job.grammar, sorted(self._loaded.eos_token_ids), seq.position)
+        linger.flush(self._gen)  # ended rows lingering in the batch leave before a row joins (linger.py)
         (uid,) = self._gen.insert(
             [tokens[n:]], max_tokens=[max_tokens], caches=[kv if kv is not None else self._fresh_cache()],
             all_tokens=[tokens[:n]], samplers=[sampler], logits_processors=[processors],
@@ -244,8 +246,7 @@ class BatchLane:
         return list(make_prompt_cache(self._loaded.model))
 
     def _resume(self, seq: Sequence) -> None:
-        """A paused sequence: its history's KV from the prompt cache (what of it is still
-        there), the rest prefilled again, then its next token as if it had never stopped."""
+        """A paused sequence: its history's KV from the prompt cache (what is left), the rest prefilled, then on."""
         history = seq.history
         kv, n = media.lookup(self._prompt_cache, seq.job, history)
         with self._loaded.adapters.one(seq.job.adapters):
@@ -384,8 +385,7 @@ class BatchLane:
     def adopt(self, seq: Sequence, kv: list[Any]) -> None:
         """Continue a sequence the serial lane handed over: its KV holds all but its last token.
         Unseeded: a shared sampler; a grammar's matcher goes on where the serial lane left it."""
-        history = seq.history
-        self._insert_row(seq, history, len(history) - 1, kv, seq.job.max_tokens - len(seq.generated))
+        self._insert_row(seq, seq.history, len(seq.history) - 1, kv, seq.job.max_tokens - len(seq.generated))
 
     def pausable(self) -> list[Sequence]:
         """Rows that can be paused now: generating, unseeded (a seeded row's draws must not

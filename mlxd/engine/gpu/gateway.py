@@ -167,6 +167,7 @@ class Gateway:
             draft_accepted=self._stats.draft_accepted,
             draft_batch_passes=self._stats.draft_batch_passes,
             draft_batch_idle_reads=self._stats.draft_batch_idle_reads,
+            rows_lingered=self._stats.rows_lingered,
             **_adapter_stats(self.loaded),
         )
 
@@ -355,7 +356,8 @@ class Gateway:
             trace.turn(started, ended_at, received=received, admitted=admitted, waiting=waiting,
                        serial=runner.rows_in("serial"), batch=runner.rows_in("batch"),
                        prefilling=runner.num_prefilling, ended=runner.num_ended,
-                       passes=self._stats.draft_batch_passes, idle_reads=self._stats.draft_batch_idle_reads)
+                       passes=self._stats.draft_batch_passes, idle_reads=self._stats.draft_batch_idle_reads,
+                       lingered=self._stats.rows_lingered)
 
     def _in_bursts(self) -> bool:
         return self._options.gather_ms > 0 and (self._options.batch or 1) > 1 and time.monotonic() < self._bursts_until

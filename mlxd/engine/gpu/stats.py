@@ -31,6 +31,7 @@ class Stats:
     draft_accepted: int = 0  # ... and kept
     draft_batch_passes: int = 0  # batch steps that checked drafts (spec/batch.py)
     draft_batch_idle_reads: int = 0  # ... that read the rows' next tokens (a pipeline break) and checked none
+    rows_lingered: int = 0  # rows that ended and stayed in the batch to leave with others (linger.py)
     # The GPU thread's time at work (admitting, stepping lanes): its share of uptime is the
     # engine's load. One tuple, (seconds of finished turns, perf_counter at the start of the turn
     # under way or None), swapped whole, so a reader in another thread never sees half an update.

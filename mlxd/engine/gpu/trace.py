@@ -8,7 +8,8 @@ serving), `ms` (the turn's length), `received` (jobs that came in since the last
 generations, in any thread). When the turn had them: `next_ms` (the batch lane's generator
 step: mlx-lm's, or a verification pass; the rest of `ms` is mlxd's own work around it),
 `ended` (rows that ended, any lane), and with drafts `passes` (batch steps that checked
-drafts) and `idle_reads` (that read the rows' tokens and checked none).
+drafts) and `idle_reads` (that read the rows' tokens and checked none), and `lingered` (rows that
+ended and stayed in the batch to leave with others: linger.py).
 """
 
 from __future__ import annotations
@@ -58,15 +59,16 @@ class StepTrace:
         path = os.environ.get("MLXD_TRACE_STEPS")
         return cls(path) if path else None
 
-    def turn(self, started: float, ended: float, /, passes: int = 0, idle_reads: int = 0, **fields: int) -> None:
-        """One line; `passes` and `idle_reads` are the engine's running counts (a line has what
+    def turn(self, started: float, ended: float, /, passes: int = 0, idle_reads: int = 0, lingered: int = 0,
+             **fields: int) -> None:
+        """One line; `passes`, `idle_reads` and `lingered` are the engine's running counts (a line has what
         this turn added, when it added any), `ended` (in `fields`) is left out when 0."""
         runs = self._collections()
         line: dict[str, Any] = {"t": round((started - self._t0) * 1000, 2), "ms": round((ended - started) * 1000, 2),
                                 **{k: v for k, v in fields.items() if k != "ended" or v}, "gc": runs - self._gc_runs}
         line.update({k: round(v, 2) for k, v in _parts.items()})
         _parts.clear()
-        for name, value in (("passes", passes), ("idle_reads", idle_reads)):
+        for name, value in (("passes", passes), ("idle_reads", idle_reads), ("lingered", lingered)):
             if delta := value - self._counts.get(name, 0):
                 line[name] = delta
             self._counts[name] = value
