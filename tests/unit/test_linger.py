@@ -13,18 +13,14 @@ from mlx_lm.models import llama
 
 from mlxd.engine.gpu import linger
 from mlxd.engine.gpu.stats import Stats
+from tests.unit.tiny_llama import tiny_llama
 
 VOCAB = 96
 
 
 @pytest.fixture()
 def model() -> llama.Model:
-    mx.random.seed(5)
-    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=VOCAB)
-    m = llama.Model(args)
-    mx.eval(m.parameters())
-    return m
+    return tiny_llama(5, VOCAB)
 
 
 def prompts(rows: int) -> list[list[int]]:
