@@ -12,6 +12,8 @@ kind, with their count, median length and the median of the batch lane's generat
 - ended: rows ended in the turn (`ended`), no pass;
 - after ended: a plain turn right after one that ended rows while others went on (MLX is lazy:
   mlx-lm's gather of the remaining rows' KV runs in this turn's step);
+- after pass: a plain turn right after a pass (whose wait for the rows' tokens broke the
+  pipelining of one step ahead);
 - prefill: rows still without their first token.
 
     python benchmarks/trace_turns.py steps.jsonl [--gap-ms 500]
@@ -47,6 +49,8 @@ def kind(turn: dict[str, Any], before: dict[str, Any] | None) -> str:
         return "ended"
     if before is not None and before.get("ended") and before.get("batch"):
         return "after ended"
+    if before is not None and before.get("passes"):
+        return "after pass"
     return "plain" if "next_ms" in turn else "other"
 
 
@@ -61,11 +65,11 @@ def main() -> None:
         busy = sum(t["ms"] for t in run)
         print(f"run {i}: {len(run)} turns over {span:.0f} ms ({busy:.0f} ms in turns), most rows "
               f"{max(t.get('batch', 0) for t in run)}, passes {sum(t.get('passes', 0) for t in run)}, "
-              f"ended {sum(t.get('ended', 0) for t in run)}")
+              f"ended {sum(t.get('ended', 0) for t in run)}, lingered {sum(t.get('lingered', 0) for t in run)}")
         by_kind: dict[str, list[dict[str, Any]]] = {}
         for before, t in zip([None, *run], run, strict=False):
             by_kind.setdefault(kind(t, before), []).append(t)
-        for name in ("plain", "pass", "idle read", "ended", "after ended", "prefill", "other"):
+        for name in ("plain", "pass", "after pass", "idle read", "ended", "after ended", "prefill", "other"):
             if not (sel := by_kind.get(name)):
                 continue
 
@@ -74,6 +78,8 @@ def main() -> None:
 
             print(f"  {name:11s} {len(sel):4d} turns, {sum(t['ms'] for t in sel):7.0f} ms: median {med('ms'):6.2f} ms "
                   f"(next {med('next_ms'):6.2f})")
+            if name in ("pass", "after pass", "ended", "after ended"):  # few: each one's ms (and rows)
+                print("    " + ", ".join(f"{t['ms']:.1f}/{t.get('batch', 0)}" for t in sel[:40]))
 
 
 if __name__ == "__main__":
