@@ -446,9 +446,9 @@ def test_a_width_never_measured_is_priced_from_the_one_below_so_it_gets_tried() 
 
 def test_a_width_one_bad_step_made_costly_is_measured_again() -> None:
     """A step slowed by other work (a prefill chunk) moves a width's mean by at most MAX_JUMP
-    times it; and a width not chosen for STALE steps is priced as never measured, so it gets
-    tried again, its next step taken whole."""
-    from mlxd.engine.spec.width import MAX_JUMP, STALE, UNMEASURED_STEP, best_width
+    times it; a width not chosen for STALE steps gets cheaper span by span until it is tried
+    again, its next step taken whole."""
+    from mlxd.engine.spec.width import DECAY, MAX_JUMP, STALE, best_width
 
     costs = cpu_costs()
     costs.add(5, 10.0)  # a step that waited seconds for something else
@@ -456,14 +456,47 @@ def test_a_width_one_bad_step_made_costly_is_measured_again() -> None:
     slow = cpu_costs()
     slow.add(5, 3.0)
     slow._seconds[5] = 3.0  # as if it had been measured that slow from the start
-    assert best_width([4] * 8, [0.9] * 8, slow) < 4  # never chosen again...
-    for _ in range(STALE):
+    assert best_width([4] * 8, [0.9] * 8, slow) < 4  # not chosen...
+    steps = 0
+    while best_width([4] * 8, [0.9] * 8, slow) < 4:
         slow.add(1, 0.142)
-        slow.add(2, 0.202)
-    assert slow.relative(5) == pytest.approx(slow.relative(3) + 2 * UNMEASURED_STEP)  # ... until it goes stale
-    assert best_width([4] * 8, [0.9] * 8, slow) == 4
+        steps += 1
+        assert steps < 40 * STALE
+    assert steps > 4 * STALE  # ... for a while: its price fell a span at a time
+    assert slow.relative(5) == pytest.approx(1 + (3.0 / 0.142 - 1) * DECAY ** (steps // STALE), rel=0.05)
     slow.add(5, 0.338)
-    assert slow.relative(5) == pytest.approx(0.338 / 0.142)  # taken whole, not averaged with the stale mean
+    assert slow.relative(5) == pytest.approx(0.338 / 0.142)  # taken whole, not averaged with the old mean
+
+
+def test_a_width_measured_costly_stays_costly_across_a_stale_span() -> None:
+    """On an H100 a pass of a 4-bit 8B model's 8 rows took about three plain steps (about 61
+    against 20.4 ms). After a reply's 256 plain steps it is priced at most a little
+    lower, not afresh from below (the first form's 1.4 plain steps paid a losing pass each
+    batch), and drafts that do not pay at three plain steps are still not checked."""
+    from mlxd.engine.spec.width import DECAY, STALE, PassCosts, best_width
+
+    costs = PassCosts()
+    costs.add(1, 0.0204)
+    for positions in (2, 3, 4, 5):
+        costs.add(positions, 0.058 + 0.001 * positions)
+    for _ in range(STALE):
+        costs.add(1, 0.0204)
+    assert costs.relative(5) == pytest.approx(1 + (0.063 / 0.0204 - 1) * DECAY)
+    assert best_width([4, 4, 0, 0, 0, 0, 0, 0], [0.9] * 8, costs) == 0  # two rows' drafts: 13 tokens for 2.6 steps
+    assert best_width([4] * 8, [0.95] * 8, costs) == 4  # every row's: 36 tokens
+
+
+def test_a_widths_first_step_counts_at_most_max_first_times_its_price() -> None:
+    """A GPU compiles the kernels of a new shape on its first use: a pass of a width never run
+    may take seconds once. It counts at most MAX_FIRST times what the width was priced at."""
+    from mlxd.engine.spec.width import MAX_FIRST, UNMEASURED_STEP, PassCosts
+
+    costs = PassCosts()
+    costs.add(1, 0.02)
+    costs.add(2, 3.0)
+    assert costs.relative(2) == pytest.approx(MAX_FIRST * (1 + UNMEASURED_STEP))
+    costs.add(3, 0.05)  # a first step under the cap is taken as it is
+    assert costs.relative(3) == pytest.approx(2.5)
 
 
 def test_a_batch_step_that_also_prefilled_does_not_price_a_pass() -> None:
@@ -482,7 +515,7 @@ def test_a_batch_step_that_also_prefilled_does_not_price_a_pass() -> None:
     batch._last_step = (0.15, {}, 8, 5)
     work[0] += 512  # the generator prefilled a chunk after that step
     batch._account(2.15)
-    assert batch._costs._fresh(5) is None
+    assert batch._costs._price(5) is None
     batch._last_step = (2.15, {}, 8, 5)
     batch._account(2.45)
     assert batch._costs.relative(5) == pytest.approx(0.3 / 0.15)
