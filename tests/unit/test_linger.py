@@ -149,3 +149,17 @@ def test_a_generator_of_another_shape_is_left_alone() -> None:
 
     assert linger.attach(Other()) is False
     assert linger.ghosts(Other()) == 0
+
+
+def test_a_lingering_rows_tokens_do_not_count_for_the_batchs_pace() -> None:
+    """The drafting batch times its tokens per second (spec/pace.py): a ghost's tokens are
+    nobody's, so they do not make a step look more productive."""
+    from types import SimpleNamespace
+
+    from mlxd.engine.spec.batch import drafting_batch
+
+    batch = drafting_batch(object)()
+    out = [SimpleNamespace(uid=uid) for uid in (1, 2, 3)]
+    assert batch._counted(out) == 3
+    batch.ghosts = frozenset({3})
+    assert batch._counted(out) == 2

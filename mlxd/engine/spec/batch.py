@@ -182,10 +182,15 @@ def drafting_batch(base: Any) -> Any:
                       or not self._plain_rows() or not self._may_pay(rows)):
                 out = super().next()
                 self._last_step = (now, {r.uid: (d, 1) for r, d in zip(out, rows, strict=False) if d is not None},
-                                   len(out), 1)
+                                   self._counted(out), 1)
                 self._watch(out, rows)
                 return out
             return self._draft_step(now, rows)
+
+        def _counted(self, out: list[Any]) -> int:
+            """The step's tokens for the batch's pace: not those of ended rows lingering (gpu/linger.py)."""
+            ghosts = getattr(self, "ghosts", ())
+            return sum(1 for r in out if r.uid not in ghosts) if ghosts else len(out)
 
         def _may_pay(self, rows: list[RowDrafts | None]) -> bool:
             """Whether drafts could pay this step if every row drafted its most: reading the rows'
@@ -263,7 +268,7 @@ def drafting_batch(base: Any) -> Any:
                 self._settle_drafts(rows, [[]] * len(rows))
                 out = super().next()
                 self._last_step = (now, {r.uid: (d, 1) for r, d in zip(out, rows, strict=False) if d is not None},
-                                   len(out), 1)
+                                   self._counted(out), 1)
                 return out
             self._next_skip = 1
             inputs = mx.array([[nexts[i], *d, *([nexts[i]] * (width - len(d)))] for i, d in enumerate(drafts)])
@@ -437,7 +442,7 @@ def drafting_batch(base: Any) -> Any:
             self._next_tokens = mx.array([k[-1] for k in kept], dtype=self._next_tokens.dtype)
             self._next_logprobs = [logprobs[i, len(k) - 1] for i, k in enumerate(kept)]
             mx.async_eval(self._next_tokens, self._next_logprobs)
-            self._last_step = (now, counts, len(responses), 1 + max(len(d) for d in drafts))
+            self._last_step = (now, counts, self._counted(responses), 1 + max(len(d) for d in drafts))
             if len(keep) < len(self.uids):
                 self.filter(keep)
             return responses
