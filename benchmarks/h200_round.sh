@@ -25,8 +25,8 @@
 # the open issues still lack, each in one call. `spec27`: the self-draft and n-gram prose at 8
 # streams alone, 4 rounds each, with speculative.py's settling between phases (2026-12-06). `spec27why`:
 # n-gram prose and edit at 8 streams with the engine's step trace, summed by trace_turns.py.
-# `shrink`: shrink_step.py (what a row leaving costs the batch), batch_verify_probe.py, then spec27why's
-# prose run (ended rows lingering: linger.py). `linger`: edit at 8 streams (lingering), prose without. The random models need a tokenizer in .device/tok (SmolLM2's:
+# `shrink`: shrink_step.py (what a row leaving costs the batch), then spec27why's prose and edit runs
+# (ended rows lingering: linger.py). `linger`: edit at 8 streams (lingering), prose without. The random models need a tokenizer in .device/tok (SmolLM2's:
 # copy tokenizer.json, tokenizer_config.json and special_tokens_map.json from the model
 # `mlxd import-default` makes) carried with .device/b.
 # The device image lacks some of mlxd's dependencies: stage them with the wheels, e.g.
@@ -674,14 +674,16 @@ spec27why)
   ;;
 shrink)
   # issue 27: what a row leaving costs an 8-row batch (shrink_step.py: mlx-lm's filter, one row at a
-  # time, against a step's cost per row), then spec27why's traced prose run (2026-12-06, eighth session)
+  # time, against a step's cost per row), then n-gram prose and edit at 8 streams, traced (ended rows
+  # lingering, the default on a GPU: linger.py; passes priced as spec/width.py now does), 2026-12-06
   model 8b-4bit /tmp/models/l8q
-  step shrink 120 python3 benchmarks/shrink_step.py /tmp/models/l8q --rows 8 --prompt 300 --rounds 2
-  step verify 90 python3 benchmarks/batch_verify_probe.py --model /tmp/models/l8q --rows 8 --context 600
-  rm -f "$out/trace_prose.jsonl"
-  MLXD_TRACE_STEPS="$out/trace_prose.jsonl" step prose8 ${LIMIT:-200} python3 benchmarks/speculative.py \
-    --model /tmp/models/l8q --widths 8 --rounds 2 --max-tokens 256 --workloads prose
-  step turns_prose 20 python3 benchmarks/trace_turns.py "$out/trace_prose.jsonl"
+  step shrink 90 python3 benchmarks/shrink_step.py /tmp/models/l8q --rows 8 --prompt 300 --rounds 1
+  for w in prose edit; do
+    rm -f "$out/trace_$w.jsonl"
+    MLXD_TRACE_STEPS="$out/trace_$w.jsonl" step ${w}8 ${LIMIT:-215} python3 benchmarks/speculative.py \
+      --model /tmp/models/l8q --widths 8 --rounds 2 --max-tokens 256 --workloads $w
+    step turns_$w 15 python3 benchmarks/trace_turns.py "$out/trace_$w.jsonl"
+  done
   ;;
 linger)
   # issue 27: edit at 8 streams with ended rows lingering (the default on a GPU: linger.py), traced,
