@@ -115,3 +115,41 @@ def test_holes_past_a_quarter_of_the_buffer_are_compacted(model: Any) -> None:
     assert caches[0].hole_count() == 14
     logits = model(mx.array([[3], [3]]), cache=caches)[:, -1]
     assert close(logits[0], alone(model, history[0], 3)) and close(logits[1], alone(model, history[1], 3))
+
+
+class Unreadable:
+    """A device array the host must not read (a read would wait for the GPU's step under way)."""
+
+    def __getitem__(self, index: Any) -> Unreadable:
+        return self
+
+    def __sub__(self, other: Any) -> Unreadable:
+        return self
+
+    def tolist(self) -> Any:
+        raise AssertionError("read on the host")
+
+    def item(self) -> Any:
+        raise AssertionError("read on the host")
+
+
+def test_a_row_ending_and_rows_leaving_read_nothing_from_the_device(model: Any) -> None:
+    """A row's kept KV (`extract`), a filter, the hole count and a trim take the holes and the
+    rows' padding from the host's copies, and what they give is what the device's copies say."""
+    caches = batch(model, PROMPTS)
+    model(mx.array([[50, 51, 52], [60, 61, 62], [70, 71, 72]]), cache=caches)
+    punch(caches, [2, 0, 1])
+    history = [PROMPTS[0] + [50], PROMPTS[1] + [60, 61, 62], PROMPTS[2] + [70, 71]]
+    for c in caches:
+        assert c.host_padding.tolist() == c.left_padding.tolist()
+        assert c.host_holes.tolist() == c.holes.tolist()
+    padding = caches[0].left_padding.tolist()
+    for c in caches:
+        c.left_padding, c.holes = Unreadable(), Unreadable()  # type: ignore[assignment]
+    extracted = [c.extract(0) for c in caches]
+    assert caches[0].hole_count() == 3
+    for c in caches:
+        c.filter([0, 2])
+    left = [padding[0], padding[2]]
+    assert caches[0].host_padding.tolist() == [p - min(left) for p in left]
+    assert close(model(mx.array([[4]]), cache=extracted)[0, -1], alone(model, history[0], 4))
