@@ -25,8 +25,8 @@
 # the open issues still lack, each in one call. `spec27`: the self-draft and n-gram prose at 8
 # streams alone, 4 rounds each, with speculative.py's settling between phases (2026-12-06). `spec27why`:
 # n-gram prose and edit at 8 streams with the engine's step trace, summed by trace_turns.py.
-# `shrink`: shrink_step.py (what a row leaving costs the batch), then spec27why's prose and edit runs
-# (ended rows lingering: linger.py). `linger`: edit at 8 streams (lingering), prose without. The random models need a tokenizer in .device/tok (SmolLM2's:
+# `shrink`: shrink_step.py (what a row leaving costs the batch), then spec27why's runs (WARM=1:
+# a short run first, for a fresh machine's kernel compiles; ROUNDS, WORKLOADS, LIMIT). The random models need a tokenizer in .device/tok (SmolLM2's:
 # copy tokenizer.json, tokenizer_config.json and special_tokens_map.json from the model
 # `mlxd import-default` makes) carried with .device/b.
 # The device image lacks some of mlxd's dependencies: stage them with the wheels, e.g.
@@ -659,43 +659,24 @@ close27)
   step prose8 180 python3 benchmarks/speculative.py --model /tmp/models/l8q --widths 8 --rounds 2 \
     --max-tokens 256 --workloads prose
   ;;
-spec27why)
-  # issue 27: where n-gram drafting loses at 8 streams (2026-12-06, seventh session: prose 0.96 and
-  # edit 0.94 with few passes). Each run's engine writes its step trace, with the batch lane's
-  # generator step timed (next_ms) and the passes and ended rows of each turn; trace_turns.py
-  # sums it by phase and kind of turn.
+spec27why|shrink)
+  # issue 27: where n-gram drafting loses at 8 streams (seventh session: prose 0.96 and edit 0.94
+  # with few passes; eighth: 0.97 and 0.97). Each run's engine writes its step trace, with the
+  # batch lane's generator step timed (next_ms) and the passes, ended and lingering rows of each
+  # turn; trace_turns.py sums it by phase and kind of turn. A freshly started machine compiles
+  # kernels first (a traced prose run printed nothing in 215 s there): WARM=1 runs a short
+  # speculative.py first for that. `shrink` first times what a row leaving costs (shrink_step.py).
+  # MLXD_LINGER_ROWS=0 in the environment: rows leave the batch as they end (linger.py).
   model 8b-4bit /tmp/models/l8q
-  for w in prose edit; do
-    rm -f "$out/trace_$w.jsonl"
-    MLXD_TRACE_STEPS="$out/trace_$w.jsonl" step ${w}8 ${LIMIT:-200} python3 benchmarks/speculative.py \
-      --model /tmp/models/l8q --widths 8 --rounds 2 --max-tokens 256 --workloads $w
-    step turns_$w 20 python3 benchmarks/trace_turns.py "$out/trace_$w.jsonl"
-  done
-  ;;
-shrink)
-  # issue 27: what a row leaving costs an 8-row batch (shrink_step.py: mlx-lm's filter, one row at a
-  # time, against a step's cost per row), then n-gram prose and edit at 8 streams, traced (ended rows
-  # lingering, the default on a GPU: linger.py; passes priced as spec/width.py now does), 2026-12-06
-  model 8b-4bit /tmp/models/l8q
-  step shrink 90 python3 benchmarks/shrink_step.py /tmp/models/l8q --rows 8 --prompt 300 --rounds 1
-  for w in prose edit; do
+  [ "$1" = shrink ] && step shrink 90 python3 benchmarks/shrink_step.py /tmp/models/l8q --rows 8 --prompt 300 --rounds 1
+  [ -n "${WARM:-}" ] && step warm 300 python3 benchmarks/speculative.py --model /tmp/models/l8q --widths 8 \
+    --rounds 1 --max-tokens 32 --workloads prose
+  for w in ${WORKLOADS:-prose edit}; do
     rm -f "$out/trace_$w.jsonl"
     MLXD_TRACE_STEPS="$out/trace_$w.jsonl" step ${w}8 ${LIMIT:-215} python3 benchmarks/speculative.py \
-      --model /tmp/models/l8q --widths 8 --rounds 2 --max-tokens 256 --workloads $w
-    step turns_$w 15 python3 benchmarks/trace_turns.py "$out/trace_$w.jsonl"
+      --model /tmp/models/l8q --widths 8 --rounds ${ROUNDS:-2} --max-tokens 256 --workloads $w
+    step turns_$w 20 python3 benchmarks/trace_turns.py "$out/trace_$w.jsonl"
   done
-  ;;
-linger)
-  # issue 27: edit at 8 streams with ended rows lingering (the default on a GPU: linger.py), traced,
-  # then prose at 8 streams with MLXD_LINGER_ROWS=0 (rows leave the batch as they end, as before)
-  model 8b-4bit /tmp/models/l8q
-  rm -f "$out/trace_edit.jsonl" "$out/trace_prose0.jsonl"
-  MLXD_TRACE_STEPS="$out/trace_edit.jsonl" step edit8 ${LIMIT:-230} python3 benchmarks/speculative.py \
-    --model /tmp/models/l8q --widths 8 --rounds 2 --max-tokens 256 --workloads edit
-  step turns_edit 20 python3 benchmarks/trace_turns.py "$out/trace_edit.jsonl"
-  MLXD_LINGER_ROWS=0 MLXD_TRACE_STEPS="$out/trace_prose0.jsonl" step prose8_nolinger ${LIMIT:-230} \
-    python3 benchmarks/speculative.py --model /tmp/models/l8q --widths 8 --rounds 2 --max-tokens 256 --workloads prose
-  step turns_prose0 20 python3 benchmarks/trace_turns.py "$out/trace_prose0.jsonl"
   ;;
 spec27)
   # issue 27's two losing cases again with the fair speculative.py (each phase after the engine's
@@ -706,5 +687,5 @@ spec27)
   step prose8 ${LIMIT:-280} python3 benchmarks/speculative.py --model /tmp/models/l8q --widths 8 --rounds 4 \
     --max-tokens 256 --workloads prose
   ;;
-*) echo "usage: $0 shrink|linger|prefillmem|oom|close30|close27|spec27|1b|8b|streams|close|close8b|lone|cache|structured|prefill|load|auto|auto8b|ck8|cut|json|numerics|group1" >&2; exit 2 ;;
+*) echo "usage: $0 shrink|prefillmem|oom|close30|close27|spec27|1b|8b|streams|close|close8b|lone|cache|structured|prefill|load|auto|auto8b|ck8|cut|json|numerics|group1" >&2; exit 2 ;;
 esac
