@@ -60,10 +60,12 @@ def main() -> None:
         gen = BatchGenerator(model, completion_batch_size=a.rows, prefill_batch_size=min(a.rows, 8))
         prompts = [[(i * 31 + r * 7 + rnd) % (vocab - 5) + 2 for i in range(a.prompt + r)] for r in range(a.rows)]
         uids = gen.insert(prompts, max_tokens=[100_000] * a.rows)
+        t0 = time.perf_counter()
         while not gen.next_generated():
             pass
-        for _ in range(a.gap):
-            step_ms(gen)
+        warm = [step_ms(gen) for _ in range(a.gap)]
+        print(f"round {rnd}: prefilled in {time.perf_counter() - t0:.1f} s; the first steps (ms): "
+              f"{', '.join(f'{x:.1f}' for x in warm)}", flush=True)  # a first run's compiles show here
         lines = []
         for width in range(a.rows, 1, -1):
             plain = [step_ms(gen) for _ in range(a.gap)]
