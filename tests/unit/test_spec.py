@@ -486,6 +486,22 @@ def test_a_width_measured_costly_stays_costly_across_a_stale_span() -> None:
     assert best_width([4] * 8, [0.95] * 8, costs) == 4  # every row's: 36 tokens
 
 
+def test_on_cuda_a_first_pass_is_tried_only_for_drafts_that_would_pay_there() -> None:
+    """Before any pass was measured, a pass is priced at CUDA_FIRST_PASS plain steps on MLX's
+    CUDA backend (measured 2.5-3.3 there) and FIRST_PASS elsewhere: a story's few hopeful drafts
+    are checked on a CPU (and so measured) but not on CUDA; an edit where every row copies is."""
+    from mlxd.engine.spec.width import CUDA_FIRST_PASS, FIRST_PASS, PassCosts, best_width
+
+    story = ([4, 4, 0, 0, 0, 0, 0, 0], [0.7] * 8)
+    edit = ([4] * 8, [0.9] * 8)
+    for first, story_checks in ((FIRST_PASS, True), (CUDA_FIRST_PASS, False)):
+        costs = PassCosts(first)
+        costs.add(1, 0.02)
+        assert costs.relative(2) == pytest.approx(first)
+        assert (best_width(*story, costs) > 0) is story_checks
+        assert best_width(*edit, costs) > 0
+
+
 def test_a_widths_first_step_counts_at_most_max_first_times_its_price() -> None:
     """A GPU compiles the kernels of a new shape on its first use: a pass of a width never run
     may take seconds once. It counts at most MAX_FIRST times what the width was priced at."""

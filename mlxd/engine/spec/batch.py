@@ -46,6 +46,8 @@ from mlxd.engine.spec.serial import Tally
 from mlxd.engine.spec.width import (
     ACCEPTANCE_EMA,
     ACCEPTANCE_START,
+    CUDA_FIRST_PASS,
+    FIRST_PASS,
     Guess,
     Hope,
     PassCosts,
@@ -207,7 +209,7 @@ def drafting_batch(base: Any) -> Any:
                 else:
                     limits.append(rd.pace.length if held else rd.could_draft())
                 sure.append(1.0 if held else rd.acceptance if rd is not None else 0.0)
-            return best_width(limits, sure, self._costs or PassCosts()) > 0
+            return best_width(limits, sure, self._costs or new_costs()) > 0
 
         def _watch(self, out: list[Any], rows: list[RowDrafts | None]) -> None:
             """After a plain step, n-gram rows score and renew their guesses (RowDrafts.watch)."""
@@ -240,7 +242,7 @@ def drafting_batch(base: Any) -> Any:
                 return
             started, counts, total, positions = last
             if self._costs is None:
-                self._costs = PassCosts()
+                self._costs = new_costs()
             if work == self._work_seen:  # a prefill chunk in that time would price the pass with it (attach)
                 self._costs.add(positions, now - started)
             for rd, emitted in counts.values():
@@ -315,7 +317,7 @@ def drafting_batch(base: Any) -> Any:
                 if rd is not None and limit and not d:
                     rd.pace.found_none()  # three in a row: the row pauses, and a batch of such rows steps plain
             sure = [1.0 if i in self._forced else r.acceptance if r is not None else 0.0 for i, r in enumerate(rows)]
-            chosen = best_width([len(d) for d in drafts], sure, self._costs or PassCosts())
+            chosen = best_width([len(d) for d in drafts], sure, self._costs or new_costs())
             return [d[:chosen] for d in drafts], sorted(self._forced)  # a grammar's matcher takes them in _processed
 
         def _drafts_of(self, i: int, rd: RowDrafts, nxt: int, limit: int, guess: list[int] | None) -> list[int]:
@@ -449,6 +451,11 @@ def drafting_batch(base: Any) -> Any:
 
     DraftingBatch.__name__ = f"Drafting{base.__name__}"
     return DraftingBatch
+
+
+def new_costs() -> PassCosts:
+    """A batch's pass costs, nothing measured yet: priced as a first pass costs on this backend."""
+    return PassCosts(CUDA_FIRST_PASS if mx.cuda.is_available() else FIRST_PASS)
 
 
 def grammar_of(processors: list[Any] | None) -> GrammarMask | None:

@@ -31,6 +31,11 @@ STALE = 256  # steps of other widths after which a width's price starts to fall 
 DECAY = 0.8  # ... its cost beyond a plain step's shrinks by this factor every STALE steps unmeasured
 MAX_JUMP = 2.0  # a step at most this many times a width's mean moves it (one slowed by other work)
 MAX_FIRST = 4.0  # a width's first step counts at most this many times what it was priced at
+# A batch's first pass, before any was measured, in plain steps: on MLX's CUDA backend a pass of
+# an 8-row batch of a 4-bit 8B model measured 2.5-3.3 plain steps (H100, H200: docs/benchmarks.md),
+# so it is tried only for drafts that would pay even there; elsewhere (the 2-core CPU: 1.42) hopeful.
+FIRST_PASS = 1.0 + UNMEASURED_STEP
+CUDA_FIRST_PASS = 2.5
 
 
 class PassCosts:
@@ -48,9 +53,10 @@ class PassCosts:
     steps, that priced it at 1.1-1.4 again every 256 steps.
     """
 
-    __slots__ = ("_seconds", "_steps", "_when")
+    __slots__ = ("_first", "_seconds", "_steps", "_when")
 
-    def __init__(self) -> None:
+    def __init__(self, first: float = FIRST_PASS) -> None:
+        self._first = first  # a pass of 2 positions while none wider than 1 was measured, in plain steps
         self._seconds: dict[int, float] = {}
         self._when: dict[int, int] = {}  # the step each width was last measured at
         self._steps = 0
@@ -92,6 +98,8 @@ class PassCosts:
         if (seconds := self._price(positions)) is not None:
             return seconds / plain
         below = max((n for n in self._seconds if n < positions), default=1)
+        if below == 1:
+            return self._first + UNMEASURED_STEP * (positions - 2)
         return self.relative(below) + UNMEASURED_STEP * (positions - below)
 
 
