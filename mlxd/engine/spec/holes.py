@@ -60,7 +60,9 @@ def become_holey(c: Any, padding: np.ndarray | None = None) -> None:
     c.__class__ = HoleyKV
     c.host_padding = (np.asarray(c.left_padding.tolist(), dtype=np.int64) if padding is None
                       else np.array(padding, dtype=np.int64))
-    c.set_holes(np.zeros((c.offset.shape[0], c._idx), dtype=np.bool_))
+    rows = c.offset.shape[0]
+    c.host_holes = np.zeros((rows, c._idx), dtype=np.bool_)
+    c.holes = mx.zeros((rows, c._idx), dtype=mx.bool_)
 
 
 class HoleyKV(BatchKVCache):
@@ -69,10 +71,6 @@ class HoleyKV(BatchKVCache):
     holes: mx.array  # (rows, at most _idx): True where a position was dropped (for the masks)
     host_holes: np.ndarray  # the same, on the host
     host_padding: np.ndarray  # (rows,): each row's left padding, as `left_padding` holds it
-
-    def set_holes(self, holes: np.ndarray) -> None:
-        self.host_holes = holes
-        self.holes = mx.array(holes)
 
     def _holes(self, width: int) -> mx.array:
         """The hole mask cut or padded (no holes) to `width` positions."""
@@ -91,7 +89,8 @@ class HoleyKV(BatchKVCache):
 
     def punch(self, drop: list[int]) -> None:
         ends = self._idx - np.asarray(drop, dtype=np.int64)
-        self.set_holes(self._host(self._idx) | (np.arange(self._idx)[None, :] >= ends[:, None]))
+        self.host_holes = self._host(self._idx) | (np.arange(self._idx)[None, :] >= ends[:, None])
+        self.holes = self._holes(self._idx) | (mx.arange(self._idx)[None, :] >= mx.array(ends.tolist())[:, None])
         self.offset = self.offset - mx.array(drop)
 
     def hole_count(self) -> int:
@@ -107,7 +106,7 @@ class HoleyKV(BatchKVCache):
         gone = self._host(before)[:, self._idx:].sum(axis=1)
         if gone.any():
             self.offset = self.offset + mx.array(gone.astype(np.int32))  # ... of which holes never counted
-        self.set_holes(self._host(self._idx))  # positions past the end are written again
+        self.host_holes, self.holes = self._host(self._idx), self._holes(self._idx)  # past the end: written again
         return n
 
     def filter(self, batch_indices: Any) -> None:
@@ -116,6 +115,7 @@ class HoleyKV(BatchKVCache):
         keep = [int(i) for i in batch_indices]
         index = mx.array(keep, dtype=mx.int32)
         holes, padding = self._host(self._idx)[keep], self.host_padding[keep]
+        device_holes = self._holes(self._idx)[index]
         if self.keys is not None and self.values is not None:
             self.keys, self.values = self.keys[index], self.values[index]
         self.offset, self.left_padding = self.offset[index], self.left_padding[index]
@@ -126,15 +126,16 @@ class HoleyKV(BatchKVCache):
             self._idx -= shift
             self.left_padding = self.left_padding - shift
         self.host_padding = padding - shift
-        self.set_holes(holes[:, shift:])
+        self.host_holes, self.holes = holes[:, shift:], device_holes[:, shift:]
 
     def extend(self, other: Any) -> None:
         if isinstance(other, HoleyKV):
-            theirs, their_padding = other._host(other._idx), other.host_padding
+            theirs, their_padding, theirs_device = other._host(other._idx), other.host_padding, other._holes(other._idx)
         else:
             theirs = np.zeros((other.offset.shape[0], other._idx), dtype=np.bool_)
             their_padding = np.asarray(other.left_padding.tolist(), dtype=np.int64)  # a new row's: once, as it joins
-        ours, widest = self._host(self._idx), max(self._idx, other._idx)
+            theirs_device = mx.zeros(theirs.shape, dtype=mx.bool_)
+        ours, ours_device, widest = self._host(self._idx), self._holes(self._idx), max(self._idx, other._idx)
         both_empty = self.keys is None and other.keys is None  # mlx-lm's extend moves nothing then
         shifts = (0, 0) if both_empty else (widest - self._idx, widest - other._idx)
         super().extend(other)  # both right-aligned to the longer one's end
@@ -142,10 +143,15 @@ class HoleyKV(BatchKVCache):
 
         def left_pad(h: np.ndarray) -> np.ndarray:
             pad = width - h.shape[1]
-            return np.concatenate([np.zeros((h.shape[0], pad), dtype=np.bool_), h], axis=1) if pad > 0 else h[:, :width]
+            return np.concatenate([np.zeros((h.shape[0], pad), dtype=np.bool_), h], axis=1) if pad > 0 else h
+
+        def left_pad_device(h: mx.array) -> mx.array:
+            pad = width - h.shape[1]
+            return mx.concatenate([mx.zeros((h.shape[0], pad), dtype=mx.bool_), h], axis=1) if pad > 0 else h
 
         self.host_padding = np.concatenate([self.host_padding + shifts[0], their_padding + shifts[1]])
-        self.set_holes(np.concatenate([left_pad(ours), left_pad(theirs)], axis=0))
+        self.host_holes = np.concatenate([left_pad(ours), left_pad(theirs)], axis=0)
+        self.holes = mx.concatenate([left_pad_device(ours_device), left_pad_device(theirs_device)], axis=0)
 
     def _kept(self, idx: int) -> np.ndarray:
         """Row `idx`'s kept positions, in order."""
