@@ -65,6 +65,16 @@ def become_holey(c: Any, padding: np.ndarray | None = None) -> None:
     c.holes = mx.zeros((rows, c._idx), dtype=mx.bool_)
 
 
+def fit(holes: Any, width: int, xp: Any, left: bool = False) -> Any:
+    """A hole mask (numpy's or MLX's: `xp`) padded with positions that are no holes to `width`,
+    on the right (cut there when wider), or on the left with `left` (rows right-aligned)."""
+    have = holes.shape[1]
+    if have >= width:
+        return holes if left else holes[:, :width]
+    pad = xp.zeros((holes.shape[0], width - have), dtype=xp.bool_)
+    return xp.concatenate([pad, holes] if left else [holes, pad], axis=1)
+
+
 class HoleyKV(BatchKVCache):
     """A BatchKVCache whose rows may have holes: positions kept in the buffer and masked out."""
 
@@ -74,18 +84,11 @@ class HoleyKV(BatchKVCache):
 
     def _holes(self, width: int) -> mx.array:
         """The hole mask cut or padded (no holes) to `width` positions."""
-        have = self.holes.shape[1]
-        if have >= width:
-            return self.holes[:, :width]
-        return mx.concatenate([self.holes, mx.zeros((self.holes.shape[0], width - have), dtype=mx.bool_)], axis=1)
+        return fit(self.holes, width, mx)
 
     def _host(self, width: int) -> np.ndarray:
         """The host's hole mask cut or padded (no holes) to `width` positions."""
-        have = self.host_holes.shape[1]
-        if have >= width:
-            return self.host_holes[:, :width]
-        return np.concatenate([self.host_holes, np.zeros((self.host_holes.shape[0], width - have), dtype=np.bool_)],
-                              axis=1)
+        return fit(self.host_holes, width, np)
 
     def punch(self, drop: list[int]) -> None:
         ends = self._idx - np.asarray(drop, dtype=np.int64)
@@ -141,17 +144,10 @@ class HoleyKV(BatchKVCache):
         super().extend(other)  # both right-aligned to the longer one's end
         width = self._idx
 
-        def left_pad(h: np.ndarray) -> np.ndarray:
-            pad = width - h.shape[1]
-            return np.concatenate([np.zeros((h.shape[0], pad), dtype=np.bool_), h], axis=1) if pad > 0 else h
-
-        def left_pad_device(h: mx.array) -> mx.array:
-            pad = width - h.shape[1]
-            return mx.concatenate([mx.zeros((h.shape[0], pad), dtype=mx.bool_), h], axis=1) if pad > 0 else h
-
         self.host_padding = np.concatenate([self.host_padding + shifts[0], their_padding + shifts[1]])
-        self.host_holes = np.concatenate([left_pad(ours), left_pad(theirs)], axis=0)
-        self.holes = mx.concatenate([left_pad_device(ours_device), left_pad_device(theirs_device)], axis=0)
+        self.host_holes = np.concatenate([fit(ours, width, np, left=True), fit(theirs, width, np, left=True)], axis=0)
+        self.holes = mx.concatenate([fit(ours_device, width, mx, left=True), fit(theirs_device, width, mx, left=True)],
+                                    axis=0)
 
     def _kept(self, idx: int) -> np.ndarray:
         """Row `idx`'s kept positions, in order."""
