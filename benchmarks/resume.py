@@ -247,8 +247,10 @@ async def restore_figures(bench: Bench) -> dict[str, float]:
     the files' time on its GPU thread and their size, from /admin/engines' fresh stats."""
     async with aiohttp.ClientSession() as session, session.get(f"{bench.url}/admin/engines") as resp:
         rows = (await resp.json())["data"]
-    ssd = (next((r for r in rows if r["model"] == bench.model), {}).get("prompt_cache") or {}).get("ssd") or {}
-    out = {"restore_ms": float(ssd.get("restore_ms", 0.0)), "restored_mb": ssd.get("restored_bytes", 0) / 1e6}
+    cache = next((r for r in rows if r["model"] == bench.model), {}).get("prompt_cache") or {}
+    ssd = cache.get("ssd") or {}
+    out = {"restore_ms": float(ssd.get("restore_ms", 0.0)), "restored_mb": ssd.get("restored_bytes", 0) / 1e6,
+           "restored_early": float(cache.get("restored_early", 0))}  # at the engine's start (live_rows.py)
     for sock in sorted(bench.runtime.rglob("*.sock")) if bench.runtime is not None else ():
         try:  # the engine's own timings of the request it served last: the continuation
             async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=str(sock))) as session, \
@@ -412,7 +414,8 @@ def checkpoints(serving: Callable[[str], contextlib.AbstractContextManager[Bench
                     sizes.append(m["restored_mb"])
                     engine = {k[7:-3]: round(v, 1) for k, v in m.items() if k.startswith("engine_")}
                     print(f"cut {name}: resume {m['wait_ms']:.0f} ms, restart {m['restart_ms']:.0f} ms, SSD restore "
-                          f"{m['restore_ms']:.0f} ms of {m['restored_mb']:.0f} MB, the engine's timings (ms) {engine}",
+                          f"{m['restore_ms']:.0f} ms of {m['restored_mb']:.0f} MB ({m['restored_early']:.0f} while it "
+                          f"started), the engine's timings (ms) {engine}",
                           file=sys.stderr, flush=True)
             result[name] = {"samples": len(waits), "resume_p50_ms": pct(waits, 0.5), "resume_p99_ms": pct(waits, 0.99),
                             "engine_restart_p50_ms": pct(restarts, 0.5), "ssd_restore_p50_ms": pct(restores, 0.5),

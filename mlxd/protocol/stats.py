@@ -133,6 +133,7 @@ class PromptCacheStats(msgspec.Struct):
     checkpoints: int = 0  # generation checkpoints handed to the SSD writer (gpu/checkpoints.py)
     checkpoints_skipped: int = 0  # ... due, but not taken: the writer was too far behind
     checkpoint_ms: float = 0.0  # the GPU thread's time taking them (copying the KV), all told
+    restored_early: int = 0  # checkpoints of a dead engine's running replies restored at start
 
 
 class LastRequest(msgspec.Struct):

@@ -2,7 +2,8 @@
 reply's KV reaches the SSD tier every N tokens in either lane (the first whole, the next ones
 deltas on it, a newer delta replacing the older one), and a reply continued on a new engine
 after a SIGKILL starts from the checkpoint (it prefills only what followed it) and gives the
-uninterrupted text. Engines killed while checkpoints are being written leave only whole files."""
+uninterrupted text (the new engine restores the checkpoint while it starts, from the list of
+running rows' checkpoints the dead one left). Engines killed while checkpoints are being written leave only whole files."""
 
 from __future__ import annotations
 
@@ -94,6 +95,8 @@ def test_a_long_reply_leaves_its_latest_checkpoint_in_the_ssd_tier(tiny_model: P
         assert (delta.base, delta.start) == (whole.name, prompt_tokens)
         assert 5 * EVERY - 1 <= len(delta.tokens) - prompt_tokens <= 5 * EVERY  # the last of 90 tokens' checkpoints
         assert delta.size * 3 < whole.size
+        # the reply ended: the engine's list of running rows' checkpoints names none (live_rows.py)
+        assert json.loads((tier.dir / f"live-{engine.proc.pid}.json").read_text()) == []
 
 
 def test_checkpoint_zero_writes_none(tiny_model: Path, tmp_path: Path) -> None:
@@ -139,6 +142,8 @@ def test_a_reply_continued_after_a_kill_starts_from_its_checkpoint(tiny_model: P
             # of this reader, may have written later ones)
             wait_for(lambda: longest_file(kv) >= prompt_tokens + 48, timeout=30,
                      message="no checkpoint past the 48th token reached the disk")
+            (listed,) = kv.glob(f"*/live-{engine.proc.pid}.json")
+            (names,) = json.loads(listed.read_text())  # the running row's checkpoints, newest first
             os.kill(engine.proc.pid, signal.SIGKILL)
     finally:
         engine.stop()
@@ -151,7 +156,10 @@ def test_a_reply_continued_after_a_kill_starts_from_its_checkpoint(tiny_model: P
         every = again.client.get("/admin/stats").json()
         stats = every["prompt_cache"]
     assert (every["requests"]["continued"], every["tokens"]["resumed"]) == (1, len(delivered))
-    assert stats["hits"]["ssd"] == 1
+    # the dead engine's list named the row: the new engine restored its checkpoint while it
+    # started, and the continuation found it in RAM
+    assert names and stats["restored_early"] == 1 and stats["hits"] == {"ram": 1, "ssd": 0}
+    assert not listed.exists()
     # the prompt and the output up to the checkpoint are not prefilled again (a fetch leaves
     # the continuation's last token to run)
     assert stats["tokens_reused"] == min(saved, prompt_tokens + len(delivered) - 1) >= prompt_tokens + 48

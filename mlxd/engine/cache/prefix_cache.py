@@ -79,6 +79,7 @@ class CacheStats:
     checkpoints: int = 0  # running rows' KV handed to the writer (`checkpoint`)
     checkpoints_skipped: int = 0  # ... not: the writes queued held too much
     checkpoint_s: float = 0.0  # the GPU thread's time taking them (the copy and its evaluation)
+    restored_early: int = 0  # SSD entries restored at start, before anyone asked (live_rows.py)
 
 
 def entry_name(tokens: np.ndarray) -> str:
@@ -301,6 +302,14 @@ class PrefixCache:
             self._put(entry)
         return entry
 
+    def restore_early(self, d: DiskEntry, need: int) -> int:
+        """Restore an SSD entry into RAM before it is asked for, if RAM has `need` bytes free
+        for it: its bytes (0: not restored)."""
+        if d.name in self._entries or self._ram_bytes + need > self.cap_bytes or (entry := self._restore(d)) is None:
+            return 0
+        self.stats.restored_early += 1
+        return entry.nbytes
+
     # --- stores --------------------------------------------------------------------------------
 
     def store(self, kv: list[Any], tokens: Tokens) -> None:
@@ -403,11 +412,6 @@ class PrefixCache:
         if self._entries.pop(entry.name, None) is not None:
             self._ram_bytes -= entry.nbytes
 
-    def clear(self) -> None:
-        """Drop every RAM entry (what is on SSD stays)."""
-        self._entries.clear()
-        self._ram_bytes = 0
-
     # --- the SSD tier --------------------------------------------------------------------------
 
     def write_behind(self) -> str:
@@ -483,6 +487,7 @@ class PrefixCache:
             self.ssd.snapshot() if self.ssd is not None else None,
             CacheHits(s.ram_hits, s.ssd_hits), s.misses, s.tokens_reused, s.ram_evicted, s.evicted_unwritten,
             self.writes_pending, s.checkpoints, s.checkpoints_skipped, round(s.checkpoint_s * 1000, 3),
+            s.restored_early,
         )
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from mlx_lm.generate import BatchGenerator
 
+from mlxd.engine.cache.live_rows import LiveRows
 from mlxd.engine.cache.prefix_cache import PrefixCache, view
 from mlxd.engine.gpu import media
 from mlxd.engine.gpu.sequence import Sequence
@@ -41,6 +42,9 @@ class Checkpoints:
         self.interval = interval if cache.ssd is not None else 0  # no SSD tier: nowhere to keep them
         self._cache = cache
         self._loaded = loaded
+        # each running row's checkpoints (newest first), shown beside the tier for the next engine
+        self._live: dict[int, tuple[Sequence, list[str]]] = {}
+        self._shown = LiveRows(cache.ssd.dir) if self.interval and cache.ssd is not None else None
 
     def due(self, seq: Sequence) -> bool:
         """`interval` tokens of its history have KV that is not on SSD (and it is generating)."""
@@ -74,6 +78,20 @@ class Checkpoints:
         if taken is not None and taken.base is None:
             seq.base = taken  # the next ones write only what follows it
         seq.saved = offset
+        if taken is not None and self._shown is not None:
+            # this one, the one before (if this one's write is cut, the tier still has it) and its base
+            before = self._live.get(id(seq), (seq, []))[1][:1]
+            base = [taken.base[0]] if taken.base is not None else []
+            self._live[id(seq)] = (seq, list(dict.fromkeys([taken.name, *before, *base])))
+            self._shown.show([names for _, names in self._live.values()])
+
+    def prune(self) -> None:
+        """Forget the rows that ended (Runner.turn, after the lanes' steps)."""
+        ended = [key for key, (seq, _) in self._live.items() if seq.is_finished]
+        for key in ended:
+            del self._live[key]
+        if ended and self._shown is not None:
+            self._shown.show([names for _, names in self._live.values()])
 
     def serial(self, seq: Sequence, kv: list[Any]) -> None:
         """The serial lane's running row, after its tokens of this step."""

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlxd.engine.cache.live_rows import restore_interrupted
 from mlxd.engine.cache.prefix_cache import FlushReport, PrefixCache
 from mlxd.engine.gpu.job import Job
 from mlxd.engine.gpu.loader import make_runner, open_model, size_options
@@ -269,6 +270,8 @@ class Gateway:
                                                       self._idle)
         if self.group is not None:
             self.group.hello(self._options, len(getattr(loaded.model, "layers", ())), self.prompt_cache)
+        else:  # the checkpoints of replies the last engine was running: in RAM before they come back
+            restore_interrupted(self.prompt_cache)
         self.meter.end()
         self.loaded = loaded
         # What exists now (the model, tokenizer, kernels) lives as long as the engine: kept out of

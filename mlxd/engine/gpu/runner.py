@@ -38,6 +38,7 @@ class Runner:
         self.scheduler: Scheduler[Sequence] = Scheduler(options.batch, kv_budget_tokens, short_budget_hint)
         solo = max(options.solo_prefill_step, options.prefill_step)
         saves = Checkpoints(options.generation_checkpoint, cache, loaded) if options.generation_checkpoint else None
+        self._saves = saves
         serial = SerialLane(loaded, stats, solo, cache, options.kv_bits, options.kv_group_size, options.draft, saves)
         batch = (BatchLane(loaded, stats, options.prefill_step, options.batch, cache, solo_step=solo,
                            draft=options.draft, checkpoints=saves)
@@ -77,6 +78,8 @@ class Runner:
                 for seq in lane.step():
                     self.scheduler.release(seq)
                     self.num_ended += 1
+        if self.num_ended and self._saves is not None:
+            self._saves.prune()
         return started
 
     def _start_waiting(self, is_stopping: bool) -> int:
