@@ -19,6 +19,7 @@
 # load_progress.py (mlxd's chunked load against mlx_lm.load, and an engine's load phases) on both.
 # `ck8`, `cut`, `json`, `numerics`: what issues 27 and 29 still lack on a GPU (docs/benchmarks.md:
 # "Still to measure on a GPU"). `group1`: issue 30's group of one rank against a plain engine.
+# `cutck`: that cut with a checkpoint only (no decode turns).
 # `oom`: ck8's out-of-memory again, short, with nvidia-smi's memory every 500 ms (smi.csv).
 # `prefillmem`: benchmarks/prefill_memory.py, what the out-of-memory's fix costs a batched prefill.
 # `close30` (group1 and ck8) and `close27` (cut, the self-draft and n-gram prose at 8 streams): what
@@ -597,6 +598,13 @@ cut)
   model 8b-4bit /tmp/models/l8q
   step cut ${LIMIT:-540} python3 benchmarks/resume.py --phases checkpoint --model /tmp/models/l8q --no-eos \
     --streams 1 --max-tokens 640 --samples 2 --cut-at 560 --prompt-words 1500
+  ;;
+cutck)
+  # issue 29: the cut at token 560 with a checkpoint only, 3 samples, no decode turns (the new
+  # engine restores the checkpoint while it starts: live_rows.py)
+  model 8b-4bit /tmp/models/l8q
+  step cutck ${LIMIT:-400} python3 benchmarks/resume.py --phases checkpoint --model /tmp/models/l8q --no-eos \
+    --streams 1 --max-tokens 640 --samples ${SAMPLES:-3} --turns 0 --sides with --cut-at 560 --prompt-words 1500
   ;;
 json)
   # issue 27: the schema-held JSON workload, n-gram drafts on against off, 1 and 8 streams

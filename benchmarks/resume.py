@@ -378,13 +378,13 @@ async def decode_round(bench: Bench, streams: int, label: str) -> list[float]:
 
 
 def checkpoints(serving: Callable[[str], contextlib.AbstractContextManager[Bench]], streams: int, turns: int,
-                cut_at: int, samples: int) -> dict[str, Any]:
+                cut_at: int, samples: int, sides: tuple[str, ...] = ("without", "with")) -> dict[str, Any]:
     """Decode with checkpoints (the supervisor `serving("on")` starts) against without
     (`serving("off")`), one supervisor at a time: two engines on one GPU would each size
     themselves to all of it. `turns` turns each, in the order on, off, off, on, ...; in each a
     round of `streams` streams warms the engine up (it loads then) and a second is counted.
-    Then resume's wait after a cut at `cut_at`, `samples` times each way, and the prompt's cold
-    prefill."""
+    Then resume's wait after a cut at `cut_at`, `samples` times each way (`sides`: without a
+    checkpoint, with one), and the prompt's cold prefill."""
     rates: dict[str, list[float]] = {"on": [], "off": []}
     taken: dict[str, float] = {}  # the "on" engines' checkpoint counters, over their counted rounds
     for t in range(turns):
@@ -397,12 +397,13 @@ def checkpoints(serving: Callable[[str], contextlib.AbstractContextManager[Bench
                 if mode == "on":
                     for k in after:
                         taken[k] = taken.get(k, 0) + after[k] - before[k]
-    tps_on, tps_off = statistics.median(rates["on"]), statistics.median(rates["off"])
-    result: dict[str, Any] = {
-        "decode": {"streams": streams, "turns": turns, "tps_checkpoints_on": round(tps_on, 1),
-                   "tps_checkpoints_off": round(tps_off, 1), "on_over_off": round(tps_on / tps_off, 3),
-                   **{k: round(v, 3) for k, v in taken.items()}}}
-    for name, mode in (("without_checkpoint", "off"), ("with_checkpoint", "on")) if samples else ():
+    result: dict[str, Any] = {}
+    if turns:
+        tps_on, tps_off = statistics.median(rates["on"]), statistics.median(rates["off"])
+        result["decode"] = {"streams": streams, "turns": turns, "tps_checkpoints_on": round(tps_on, 1),
+                            "tps_checkpoints_off": round(tps_off, 1), "on_over_off": round(tps_on / tps_off, 3),
+                            **{k: round(v, 3) for k, v in taken.items()}}
+    for name, mode in [(f"{side}_checkpoint", "on" if side == "with" else "off") for side in sides] if samples else ():
         with serving(mode) as bench:
             waits, restarts, restores, sizes = [], [], [], []
             for i in range(samples):
@@ -455,6 +456,10 @@ def main() -> None:
     p.add_argument("--no-eos", action="store_true", help="bias the model's EOS away (the tiny model always is)")
     p.add_argument("--cuts", type=int, default=None,
                    help="checkpoint: cuts each way (default: --samples; 0: decode speed only)")
+    p.add_argument("--turns", type=int, default=None,
+                   help="checkpoint: decode turns each way (default: --samples; 0: cuts only)")
+    p.add_argument("--sides", default="without,with",
+                   help="checkpoint: the cuts' sides, without a checkpoint and/or with one")
     p.add_argument("--kill-loading", action="store_true",
                    help="storm: after each kill, kill the replacing engine too while it loads")
     p.add_argument("--cut-at", type=int, default=40)
@@ -464,6 +469,8 @@ def main() -> None:
                    help="checkpoint: a [pool] setting for both supervisors (TOML, e.g. ssd_cache_bytes=0; repeatable)")
     p.add_argument("--show-memory", action="store_true", help="checkpoint: the engine's memory after every round")
     args = p.parse_args()
+    if not set(args.sides.split(",")) <= {"with", "without"}:
+        p.error("--sides takes `with`, `without` or both (comma-separated)")
     if (min(args.kills, args.kills_per_round, args.streams, args.max_tokens, args.samples) < 1
             or not 1 <= args.cut_at < args.max_tokens):
         p.error("--kills, --kills-per-round, --streams, --max-tokens and --samples must be at least 1, "
@@ -542,8 +549,10 @@ def main() -> None:
             if "checkpoint" in args.phases:
                 report["checkpoint"] = {"every": args.checkpoint or "default", "cut_at": args.cut_at,
                                         "prompt_words": args.prompt_words,
-                                        **checkpoints(serving, args.streams, args.samples, args.cut_at,
-                                                      args.samples if args.cuts is None else args.cuts)}
+                                        **checkpoints(serving, args.streams,
+                                                      args.samples if args.turns is None else args.turns, args.cut_at,
+                                                      args.samples if args.cuts is None else args.cuts,
+                                                      tuple(args.sides.split(",")))}
     print_report(report, args.json)
 
 
