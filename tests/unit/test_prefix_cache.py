@@ -393,6 +393,35 @@ def test_a_corrupt_file_is_a_miss_and_is_quarantined(model: Any, tmp_path: Path)
     restarted.close()
 
 
+def test_a_file_is_restored_only_where_that_costs_less_than_prefilling_what_it_serves(model: Any,
+                                                                                      tmp_path: Path) -> None:
+    """Restore's cost per byte as measured, against prefill's per token as the engine measured it
+    (None: not yet): a long file restored whole to serve a short prefix it shares is a loss."""
+    idle = threading.Event()
+    idle.set()
+    pc = PrefixCache(BIG, tier(tmp_path), idle)
+    a, b = seq(0, 40), seq(100, 40)
+    pc.store(filled(model, a), a)
+    pc.store(filled(model, b), b)
+    assert pc.flush(10).entries == 2
+    pc.close()
+    per_token: list[float | None] = [None]
+    restarted = PrefixCache(BIG, tier(tmp_path), idle, prefill_cost=lambda: per_token[0])
+    assert restarted.fetch([*a[:4], 7])[1] == 4  # nothing measured yet: any prefix is restored
+    assert restarted.ssd is not None
+    s, size = restarted.ssd.stats, restarted.ssd.entries()[0].size
+    assert s.restores == 1
+    per_token[0] = size * s.restore_s / s.restored_bytes / 20  # restoring a file costs what prefilling 20 tokens does
+    assert restarted.fetch([*b[:4], 7]) == (None, 0)  # 4 tokens: cheaper to prefill them
+    assert s.restores == 1 and restarted.stats.misses == 1
+    assert restarted.longest([*b[:4], 7]) == 0  # the batch lane's plans see the same
+    kv, cached = restarted.fetch([*b, 7])  # 40 of them: it pays
+    assert cached == 40 and kv is not None and s.restores == 2
+    per_token[0] = 1e-12
+    assert restarted.fetch([*a, 7])[1] == 40  # in RAM now: no restore to pay for
+    restarted.close()
+
+
 def test_no_ram_tier_keeps_nothing(model: Any) -> None:
     pc = PrefixCache(0)
     pc.store(filled(model, seq(0, 10)), seq(0, 10))

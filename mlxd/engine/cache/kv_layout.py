@@ -16,6 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from mlxd.engine.cache.kv_files import DTYPES, Tensor
 
@@ -77,3 +78,27 @@ def tensors_of(kv: list[Any]) -> tuple[dict[str, str], list[Tensor], list[Any]]:
     staged = stage(kv)
     mx.eval(staged.arrays)
     return host_tensors(staged)
+
+
+SLACK_SHARE = 0.1  # a stored cache whose buffers are this much longer than its tokens is copied tight
+
+
+def slack(kv: list[Any], offset: int) -> float:
+    """How much longer than `offset` tokens the cache's buffers are, as a share of it."""
+    c = kv[0]
+    keys = getattr(c, "keys", None)
+    if type(c) is QuantizedKVCache and keys is not None:
+        keys = keys[0]
+    length = keys.shape[2] if keys is not None and hasattr(keys, "shape") and keys.ndim == 4 else offset
+    return (length - offset) / offset if offset else 0.0
+
+
+def compact(kv: list[Any]) -> None:
+    """Give a cache's arrays their own contiguous buffers (a view of a larger buffer would keep
+    all of it alive, and must be copied to be written)."""
+    for c in kv:
+        if type(c) is KVCache and c.keys is not None:
+            c.keys, c.values = mx.contiguous(c.keys), mx.contiguous(c.values)  # type: ignore[arg-type]
+        elif type(c) is QuantizedKVCache and c.keys is not None:
+            c.keys = tuple(mx.contiguous(x) for x in c.keys)
+            c.values = tuple(mx.contiguous(x) for x in c.values)

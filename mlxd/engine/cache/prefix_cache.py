@@ -33,7 +33,15 @@ import xxhash
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from mlxd.engine.cache.kv_layout import Staged, host_tensors, stage, tensors_of
+from mlxd.engine.cache.kv_layout import (
+    SLACK_SHARE,
+    Staged,
+    compact,
+    host_tensors,
+    slack,
+    stage,
+    tensors_of,
+)
 from mlxd.engine.cache.ssd_tier import DiskEntry, SsdTier, WriteJob, Writer, is_prefix
 from mlxd.protocol.stats import CacheHits, PromptCacheStats, RamTierStats
 
@@ -145,30 +153,6 @@ def after(kv: list[Any], start: int, n: int) -> list[Any]:
 
 RECENT_CHECKPOINTS = 64  # checkpoints remembered by name: a row checkpointing the same tokens shares one
 
-SLACK_SHARE = 0.1  # a stored cache whose buffers are this much longer than its tokens is copied tight
-
-
-def slack(kv: list[Any], offset: int) -> float:
-    """How much longer than `offset` tokens the cache's buffers are, as a share of it."""
-    c = kv[0]
-    keys = getattr(c, "keys", None)
-    if type(c) is QuantizedKVCache and keys is not None:
-        keys = keys[0]
-    length = keys.shape[2] if keys is not None and hasattr(keys, "shape") and keys.ndim == 4 else offset
-    return (length - offset) / offset if offset else 0.0
-
-
-def compact(kv: list[Any]) -> None:
-    """Give a cache's arrays their own contiguous buffers (a view of a larger buffer would keep
-    all of it alive, and must be copied to be written)."""
-    for c in kv:
-        if type(c) is KVCache and c.keys is not None:
-            c.keys, c.values = mx.contiguous(c.keys), mx.contiguous(c.values)  # type: ignore[arg-type]
-        elif type(c) is QuantizedKVCache and c.keys is not None:
-            c.keys = tuple(mx.contiguous(x) for x in c.keys)
-            c.values = tuple(mx.contiguous(x) for x in c.values)
-
-
 class PrefixCache:
     """The RAM tier (byte-capped LRU) over an optional SSD tier and its writer."""
 
@@ -179,9 +163,11 @@ class PrefixCache:
         idle: threading.Event | None = None,
         make_cache: Callable[[], list[Any]] | None = None,
         weigh: Callable[[list[Any]], int] = cache_nbytes,
+        prefill_cost: Callable[[], float | None] = lambda: None,
     ) -> None:
         self.cap_bytes = cap_bytes
         self._weigh = weigh  # an entry's bytes as the cap counts them (a pipeline's rank: rank 0's)
+        self._prefill_cost = prefill_cost  # seconds a prompt token, as measured (None: not yet)
         self.ssd = ssd
         self.stats = CacheStats()
         self._make = make_cache
@@ -271,13 +257,27 @@ class PrefixCache:
             if n > best_n:
                 best, best_n = e, n
         if self.ssd is not None:
-            for d in self.ssd.entries():
+            in_ram, on_disk = best_n, self.ssd.entries()
+            for d in on_disk:
                 if d.name in self._entries or (self.only_disk is not None and d.name not in self.only_disk):
                     continue
                 n = self._usable(d.tokens, query, limit, d.trimmable)
-                if n > best_n:
+                if n > best_n and self._pays(d, n - in_ram, on_disk):
                     best, best_n = d, n
         return best, best_n
+
+    def _pays(self, d: DiskEntry, gain: int, on_disk: list[DiskEntry]) -> bool:
+        """Whether restoring `d` (its whole file, and a delta's base) costs less than prefilling
+        the `gain` tokens it would save, at what restores and prefills have cost so far: a
+        transcript on SSD restored whole to serve only the system prompt it shares is a loss
+        where prefill is fast (a CUDA GPU). Not known yet: it pays. Not in an engine group (its
+        ranks must agree on what a lookup uses)."""
+        s = self.ssd.stats if self.ssd is not None else None
+        per_token = self._prefill_cost()
+        if s is None or per_token is None or s.restored_bytes <= 0 or self.only_disk is not None:
+            return True
+        size = d.size + sum(e.size for e in on_disk if e.name == d.base)
+        return size * s.restore_s / s.restored_bytes < gain * per_token
 
     @staticmethod
     def _usable(tokens: np.ndarray, query: np.ndarray, limit: int, trimmable: bool) -> int:

@@ -160,7 +160,7 @@ def make_runner(
                  "its CPU default" if device_kind() == "cpu" else "the sizing's headroom")
     # Unseeded sampling draws from MLX's global generator: fresh entropy for each engine.
     mx.random.seed(int.from_bytes(os.urandom(8), "little"))
-    cache = PrefixCache(opts.prompt_cache_bytes, ssd_tier(loaded, opts), idle)
+    cache = PrefixCache(opts.prompt_cache_bytes, ssd_tier(loaded, opts), idle, prefill_cost=stats.prefill_cost)
     return Runner(loaded, stats, opts, budget, cache, short_memory_hint(sizing)), cache
 
 

@@ -172,6 +172,8 @@ class Sequence:
             stats.draft_proposed += tally.proposed
             stats.draft_accepted += tally.accepted
         stats.last_timings_ms = {"queue": done.queue_ms, "prefill": done.prefill_ms, "decode": done.decode_ms}
+        if num:
+            stats.prefilled(done.prompt_tokens - done.cached_tokens, done.prefill_ms)
         self.job.ticket.emit(done)
         media = self.job.media
         log.info(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+PREFILL_SAMPLE = 64  # a reply that prefilled fewer (its prompt cached) says little of prefill's cost
+
 
 @dataclass(slots=True)
 class Stats:
@@ -32,6 +34,8 @@ class Stats:
     draft_batch_passes: int = 0  # batch steps that checked drafts (spec/batch.py)
     draft_batch_idle_reads: int = 0  # ... that read the rows' next tokens (a pipeline break) and checked none
     rows_lingered: int = 0  # rows that ended and stayed in the batch to leave with others (linger.py)
+    prefilled_tokens: int = 0  # prompt tokens no cache served, of replies that prefilled PREFILL_SAMPLE or more
+    prefill_s: float = 0.0  # ... and those replies' time from their start to their first token
     # The GPU thread's time at work (admitting, stepping lanes): its share of uptime is the
     # engine's load. One tuple, (seconds of finished turns, perf_counter at the start of the turn
     # under way or None), swapped whole, so a reader in another thread never sees half an update.
@@ -39,6 +43,16 @@ class Stats:
     last_finish_reason: str | None = None
     last_completion_tokens: int = 0
     last_timings_ms: dict[str, float] = field(default_factory=dict)
+
+    def prefilled(self, tokens: int, ms: float) -> None:
+        """A reply prefilled `tokens` prompt tokens in `ms` (with the other rows' steps then)."""
+        if tokens >= PREFILL_SAMPLE:
+            self.prefilled_tokens += tokens
+            self.prefill_s += ms / 1000
+
+    def prefill_cost(self) -> float | None:
+        """Seconds a prompt token has cost so far (None: too few measured; PrefixCache._pays)."""
+        return self.prefill_s / self.prefilled_tokens if self.prefilled_tokens >= 4 * PREFILL_SAMPLE else None
 
     def turn_started(self, at: float) -> None:
         self.busy = (self.busy[0], at)
