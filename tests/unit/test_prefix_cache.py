@@ -397,16 +397,14 @@ def test_a_file_is_restored_only_where_that_costs_less_than_prefilling_what_it_s
                                                                                       tmp_path: Path) -> None:
     """Restore's cost per byte as measured, against prefill's per token as the engine measured it
     (None: not yet): a long file restored whole to serve a short prefix it shares is a loss."""
-    idle = threading.Event()
-    idle.set()
-    pc = PrefixCache(BIG, tier(tmp_path), idle)
     a, b = seq(0, 40), seq(100, 40)
-    pc.store(filled(model, a), a)
-    pc.store(filled(model, b), b)
-    assert pc.flush(10).entries == 2
-    pc.close()
+    with_files = PrefixCache(BIG, tier(tmp_path), threading.Event())
+    for tokens in (a, b):
+        assert with_files.checkpoint(filled(model, tokens), tokens) is not None  # to SSD only
+    assert written(with_files)
+    with_files.close()
     per_token: list[float | None] = [None]
-    restarted = PrefixCache(BIG, tier(tmp_path), idle, prefill_cost=lambda: per_token[0])
+    restarted = PrefixCache(BIG, tier(tmp_path), threading.Event(), prefill_cost=lambda: per_token[0])
     assert restarted.fetch([*a[:4], 7])[1] == 4  # nothing measured yet: any prefix is restored
     assert restarted.ssd is not None
     s, size = restarted.ssd.stats, restarted.ssd.entries()[0].size
