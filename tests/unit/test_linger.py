@@ -69,8 +69,10 @@ def test_rows_that_linger_give_the_tokens_and_kv_of_rows_that_leave(model: llama
         assert got_last[i].all_tokens == want_last[i].all_tokens  # not grown by the steps it lingered
         for ours, theirs in zip(got_last[i].prompt_cache, want_last[i].prompt_cache, strict=True):
             assert ours.offset == theirs.offset
-            assert mx.array_equal(ours.state[0], theirs.state[0]).item()
-            assert mx.array_equal(ours.state[1], theirs.state[1]).item()
+            # the same KV up to rounding: a step of 4 rows and one of 3 may round a row's sums
+            # differently (OpenBLAS picks its kernels by shape, and by the CPU it runs on)
+            assert mx.allclose(ours.state[0], theirs.state[0], rtol=1e-5, atol=1e-5).item()
+            assert mx.allclose(ours.state[1], theirs.state[1], rtol=1e-5, atol=1e-5).item()
 
 
 def test_a_row_ending_with_no_live_row_due_soon_leaves_at_once(model: llama.Model) -> None:
