@@ -99,6 +99,26 @@ def test_a_long_reply_leaves_its_latest_checkpoint_in_the_ssd_tier(tiny_model: P
         assert json.loads((tier.dir / f"live-{engine.proc.pid}.json").read_text()) == []
 
 
+def test_a_reply_cut_off_by_its_client_stays_named_for_the_next_engine(tiny_model: Path, tmp_path: Path) -> None:
+    """Its client (or the supervisor, whose death cancels every row) may come back for it."""
+    kv = tmp_path / "kv"
+    with running_engine(tiny_model, "tiny", *checkpoint_args(kv)) as engine:
+        with engine_client(engine) as c, c.stream("POST", "/v1/completions", json={**BODY, "stream": True},
+                                                  headers={MARKS_HEADER: "1"}) as resp:
+            read_until(resp, 40)  # then the client goes
+        wait_for(lambda: engine.client.get("/admin/stats").json()["requests"]["cancelled"] == 1, timeout=10,
+                 message="the reply was not cut off")
+        (listed,) = kv.glob(f"*/live-{engine.proc.pid}.json")
+        (names,) = json.loads(listed.read_text())
+        # a reply that ends is not named (its answer leaves before the turn that ended it forgets it);
+        # another prompt, whose checkpoints do not replace the cut one's
+        other = {**BODY, "prompt": "the ships came in at dawn with salt and news " * 12}
+        assert engine.client.post("/v1/completions", json=other).status_code == 200
+        wait_for(lambda: json.loads(listed.read_text()) == [names], timeout=5,
+                 message=lambda: f"named: {listed.read_text()}")
+        assert (listed.parent / names[0]).exists()  # its newest checkpoint, on disk
+
+
 def test_checkpoint_zero_writes_none(tiny_model: Path, tmp_path: Path) -> None:
     kv = tmp_path / "kv"
     with running_engine(tiny_model, "tiny", "--generation-checkpoint", "0", "--ssd-write-behind", "off",

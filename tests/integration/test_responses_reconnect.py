@@ -97,7 +97,10 @@ def test_a_generation_cut_off_by_a_supervisor_kill_is_finished_when_asked_for(ti
         assert saved_tokens(data, rid) == 0
         (row,) = again.client.get("/admin/engines").json()["data"]
         cache = row["prompt_cache"]
-        assert cache["hits"]["ssd"] >= 1 and cache["tokens_reused"] >= want.usage.input_tokens
+        # its checkpoint restored for it (SSD), or before it came (the engine's start, when the
+        # killed supervisor's engine was gone by then: live_rows.py)
+        assert cache["hits"]["ssd"] >= 1 or (cache["restored_early"] >= 1 and cache["hits"]["ram"] >= 1)
+        assert cache["tokens_reused"] >= want.usage.input_tokens
         assert "was cut off after" in again.log()
         taken = re.search(r'mlxd_generation_checkpoints_total\{model="tiny",outcome="taken"\} (\d+)',
                           again.client.get("/metrics").text)

@@ -9,8 +9,8 @@ its cold prefill). Restored while the new engine starts, it is in the RAM tier w
 continuation comes.
 
 Each engine with checkpoints on writes `live-<pid>.json` in its tier's dir: for each running
-row that has a checkpoint, that checkpoint's file name and the name of the whole file a delta
-of it rests on, newest first. It is rewritten (to a temp file, then renamed over it) when a
+row that has a checkpoint (and the last few cut off: gpu/checkpoints.py), that checkpoint's
+file name, the one before and the whole file a delta of it rests on, newest first. It is rewritten (to a temp file, then renamed over it) when a
 row checkpoints or ends. Beside it, `live-<pid>.lock` stays locked (`flock`) for the engine's
 life: the kernel drops the lock when the process dies, however it dies, so a lock that can be
 taken marks a dead engine, whatever has become of its pid. An engine that starts reads the

@@ -22,6 +22,7 @@ skipped, never waited for.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from typing import Any
 
 from mlx_lm.generate import BatchGenerator
@@ -33,6 +34,7 @@ from mlxd.engine.gpu.sequence import Sequence
 from mlxd.engine.models.loaded_model import LoadedModel
 
 log = logging.getLogger("mlxd.engine")
+KEEP_CUT = 8  # rows cut off (cancelled) whose checkpoints stay named for the next engine
 
 
 class Checkpoints:
@@ -44,6 +46,7 @@ class Checkpoints:
         self._loaded = loaded
         # each running row's checkpoints (newest first), shown beside the tier for the next engine
         self._live: dict[int, tuple[Sequence, list[str]]] = {}
+        self._cut: deque[list[str]] = deque(maxlen=KEEP_CUT)  # ... and the last rows cut off (oldest first)
         self._shown = LiveRows(cache.ssd.dir) if self.interval and cache.ssd is not None else None
 
     def due(self, seq: Sequence) -> bool:
@@ -83,15 +86,23 @@ class Checkpoints:
             before = self._live.get(id(seq), (seq, []))[1][:1]
             base = [taken.base[0]] if taken.base is not None else []
             self._live[id(seq)] = (seq, list(dict.fromkeys([taken.name, *before, *base])))
-            self._shown.show([names for _, names in self._live.values()])
+            self._show()
 
     def prune(self) -> None:
-        """Forget the rows that ended (Runner.turn, after the lanes' steps)."""
+        """Forget the rows that ended (Runner.turn, after the lanes' steps), but for the last
+        KEEP_CUT cut off (cancelled): a client that went away, or the supervisor, whose death
+        cancels every row before the stop does, may come back for them."""
         ended = [key for key, (seq, _) in self._live.items() if seq.is_finished]
         for key in ended:
-            del self._live[key]
-        if ended and self._shown is not None:
-            self._shown.show([names for _, names in self._live.values()])
+            seq, names = self._live.pop(key)
+            if seq.finish_reason == "cancelled":
+                self._cut.append(names)
+        if ended:
+            self._show()
+
+    def _show(self) -> None:
+        if self._shown is not None:  # the running rows first, then the cut ones, the last cut first
+            self._shown.show([*(names for _, names in self._live.values()), *reversed(self._cut)])
 
     def serial(self, seq: Sequence, kv: list[Any]) -> None:
         """The serial lane's running row, after its tokens of this step."""
