@@ -10,13 +10,13 @@ continuation comes.
 
 Each engine with checkpoints on writes `live-<pid>.json` in its tier's dir: for each running
 row that has a checkpoint (and the last few cut off: gpu/checkpoints.py), that checkpoint's
-file name, the one before and the whole file a delta of it rests on, newest first. It is rewritten (to a temp file, then renamed over it) when a
-row checkpoints or ends. Beside it, `live-<pid>.lock` stays locked (`flock`) for the engine's
+file name, the one before and the whole file a delta of it rests on, newest first. It is
+rewritten (to a temp file, then renamed over it) when a row checkpoints or ends. Beside it, `live-<pid>.lock` stays locked (`flock`) for the engine's
 life: the kernel drops the lock when the process dies, however it dies, so a lock that can be
 taken marks a dead engine, whatever has become of its pid. An engine that starts reads the
 lists of dead engines (`interrupted`), deletes them, and restores what they name
 (`restore_interrupted`). An engine that stops cleanly leaves its list too: the rows it names
-were cut by the stop, and the supervisor continues them on the next engine.
+were cut by the stop, and may be continued on the next engine.
 """
 
 from __future__ import annotations
