@@ -1,6 +1,6 @@
 """Generation checkpoints on real engines (gpu/checkpoints.py, docs/resume.md): a running
 reply's KV reaches the SSD tier every N tokens in either lane (the first whole, the next ones
-deltas on it, a newer delta replacing the older one), and a reply continued on a new engine
+a chain of deltas, each on the one before), and a reply continued on a new engine
 after a SIGKILL starts from the checkpoint (it prefills only what followed it) and gives the
 uninterrupted text (the new engine restores the checkpoint while it starts, from the list of
 running rows' checkpoints the dead one left). Engines killed while checkpoints are being written leave only whole files."""
@@ -20,6 +20,7 @@ import pytest
 
 from mlxd.engine.cache import kv_files
 from mlxd.engine.cache.ssd_tier import SsdTier
+from mlxd.engine.gpu.checkpoints import CHAIN, MIN_SPACING
 from mlxd.protocol.process import MARKS_HEADER, REPLY_HEADER
 from tests.support import EngineProcess, engine_client, running_engine, wait_for
 
@@ -88,15 +89,69 @@ def test_a_long_reply_leaves_its_latest_checkpoint_in_the_ssd_tier(tiny_model: P
         ssd = engine.client.get("/admin/stats").json()["prompt_cache"]["ssd"]
         assert ssd["writes"] == stats["checkpoints"]
         tier = SsdTier(Path(ssd["dir"]), 1 << 40)
-        # the first checkpoint (the prompt) whole; each later one a delta on it (only the KV after
-        # it), replacing the delta before
-        whole, delta = sorted(tier.entries(), key=lambda e: len(e.tokens))
+        # the first checkpoint (the prompt) whole; each later one a delta on the one before (only
+        # the KV after it): a chain, each token written once
+        whole, *deltas = files = sorted(tier.entries(), key=lambda e: len(e.tokens))
         assert len(whole.tokens) == prompt_tokens and whole.base is None
-        assert (delta.base, delta.start) == (whole.name, prompt_tokens)
-        assert 5 * EVERY - 1 <= len(delta.tokens) - prompt_tokens <= 5 * EVERY  # the last of 90 tokens' checkpoints
-        assert delta.size * 3 < whole.size
+        assert len(deltas) == stats["checkpoints"] - 1
+        for before, delta in zip(files, deltas, strict=False):
+            assert (delta.base, delta.start) == (before.name, len(before.tokens))
+            assert delta.size * 3 < whole.size
+        assert 5 * EVERY - 1 <= len(deltas[-1].tokens) - prompt_tokens <= 5 * EVERY  # the last of 90 tokens' checkpoints
+        assert tier.chain(deltas[-1]) == files
         # the reply ended: the engine's list of running rows' checkpoints names none (live_rows.py)
         assert json.loads((tier.dir / f"live-{engine.proc.pid}.json").read_text()) == []
+
+
+def test_a_long_chain_of_deltas_starts_again_from_a_whole_file(tiny_model: Path, tmp_path: Path) -> None:
+    """Past CHAIN deltas the next checkpoint is whole, and it makes the first chain redundant."""
+    kv = tmp_path / "kv"
+    every = 4
+    body = {**BODY, "max_tokens": every * (CHAIN + 8)}
+    with running_engine(tiny_model, "tiny", "--generation-checkpoint", str(every), "--ssd-write-behind", "off",
+                        "--ssd-cache-dir", str(kv)) as engine:
+        reply = engine.client.post("/v1/completions", json=body).json()
+        assert reply["usage"]["completion_tokens"] == body["max_tokens"]
+        wait_for(lambda: engine.client.get("/admin/stats").json()["prompt_cache"]["writes_pending"] == 0)
+        stats = engine.client.get("/admin/stats").json()["prompt_cache"]
+        assert stats["checkpoints_skipped"] == 0 and stats["ssd"]["writes"] == stats["checkpoints"] > CHAIN + 2
+        tier = tier_of(kv)
+        (whole,) = [e for e in tier.entries() if e.base is None]  # the prompt's file went with its chain
+        assert len(whole.tokens) >= reply["usage"]["prompt_tokens"] + every * CHAIN
+        rest = [e for e in tier.entries() if e is not whole]
+        assert rest and all((tier.chain(e) or [None])[0] is whole for e in rest)
+        assert max(len(tier.chain(e) or []) for e in rest) == len(rest) + 1 <= CHAIN + 1
+
+
+@pytest.fixture(scope="module")
+def head64_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny llama whose heads have 64 values: KV quantization groups need 32 or more."""
+    from mlxd.engine.models.random_model import build_random_llama
+
+    return build_random_llama(tmp_path_factory.mktemp("models-h64") / "h64", hidden_size=128, num_heads=2,
+                              num_kv_heads=1, context=4096)
+
+
+@pytest.mark.parametrize("bits", [None, "8"])
+def test_quantized_kv_checkpoints_whole_files_interval_apart(head64_model: Path, tmp_path: Path,
+                                                             bits: str | None) -> None:
+    """Plain KV: after the prompt, a delta every MIN_SPACING tokens (a short prompt's spacing).
+    Quantized KV makes no deltas: each checkpoint is a whole file, `interval` apart, each making
+    the one before redundant."""
+    kv, every = tmp_path / "kv", 200
+    body = {**BODY, "prompt": PROMPT * 3, "max_tokens": 450}
+    args = ("--generation-checkpoint", str(every), "--ssd-write-behind", "off", "--ssd-cache-dir", str(kv),
+            *(("--kv-bits", bits, "--kv-group-size", "32") if bits else ()))
+    with running_engine(head64_model, "h64", *args) as engine:
+        reply = engine.client.post("/v1/completions", json=body).json()
+        assert reply["usage"]["prompt_tokens"] >= every  # its first checkpoint at its first token
+        wait_for(lambda: engine.client.get("/admin/stats").json()["prompt_cache"]["writes_pending"] == 0)
+        stats = engine.client.get("/admin/stats").json()["prompt_cache"]
+        spacing = every if bits else MIN_SPACING
+        assert stats["checkpoints"] == 1 + (450 - 1) // spacing and stats["checkpoints_skipped"] == 0
+        files = tier_of(kv).entries()
+        assert [e.base is None for e in files].count(True) == 1
+        assert len(files) == (1 if bits else stats["checkpoints"])
 
 
 def test_a_reply_cut_off_by_its_client_stays_named_for_the_next_engine(tiny_model: Path, tmp_path: Path) -> None:

@@ -294,6 +294,58 @@ def test_later_checkpoints_write_only_what_follows_the_whole_one_and_restore_joi
     restarted.close()
 
 
+def test_a_chain_of_deltas_writes_each_token_once_and_restores_joined(model: Any, tmp_path: Path) -> None:
+    pc = PrefixCache(BIG, tier(tmp_path), threading.Event())
+    tokens = seq(0, 40)
+    kv = filled(model, tokens)
+    links = [pc.checkpoint(kv, tokens)]
+    for step in range(3):  # three deltas, each on the one before
+        new = seq(40 + 8 * step, 8)
+        kv = filled(model, new, kv)
+        tokens = tokens + new
+        links.append(pc.checkpoint(kv, tokens, links[-1]))
+    assert all(e is not None for e in links)
+    assert [e.base for e in links[1:]] == [(links[0].name, 40), (links[1].name, 48), (links[2].name, 56)]
+    assert all(e.nbytes * 4 < links[0].nbytes for e in links[1:])  # 8 tokens' KV each
+    assert written(pc) and pc.ssd is not None
+    assert sorted(len(e.tokens) for e in pc.ssd.entries()) == [40, 48, 56, 64]  # every link stays
+    newest = pc.ssd.get(links[-1].name)
+    assert newest is not None and [len(e.tokens) for e in pc.ssd.chain(newest) or []] == [40, 48, 56, 64]
+    assert pc.ssd.chain_size(newest) == sum(e.size for e in pc.ssd.entries())
+    restarted = PrefixCache(BIG, tier(tmp_path), threading.Event())
+    query = tokens + seq(7, 3)
+    got, cached = restarted.fetch(query)
+    assert cached == 64 and restarted.stats.ssd_hits == 1 and got is not None and got[0].offset == 64
+    assert mx.allclose(last_logits(model, query[cached:], got), last_logits(model, query), atol=1e-4).item()
+    assert restarted.ssd is not None
+    restarted.ssd.remove(links[1].name)  # a link that goes takes the links on it with it
+    assert sorted(len(e.tokens) for e in restarted.ssd.entries()) == [40]
+    pc.close()
+    restarted.close()
+
+
+def test_a_scan_drops_a_chain_whose_middle_link_is_gone(model: Any, tmp_path: Path) -> None:
+    pc = PrefixCache(BIG, tier(tmp_path), threading.Event())
+    tokens = seq(0, 40)
+    kv = filled(model, tokens)
+    links = [pc.checkpoint(kv, tokens)]
+    for step in range(2):
+        new = seq(40 + 8 * step, 8)
+        kv = filled(model, new, kv)
+        tokens = tokens + new
+        links.append(pc.checkpoint(kv, tokens, links[-1]))
+    assert written(pc) and pc.ssd is not None and len(pc.ssd) == 3
+    assert links[1] is not None
+    (pc.ssd.dir / links[1].name).unlink()  # a crash, say: the newest link would serve nothing
+    rescanned = tier(tmp_path)
+    assert sorted(len(e.tokens) for e in rescanned.entries()) == [40]
+    restarted = PrefixCache(BIG, rescanned, threading.Event())
+    _, cached = restarted.fetch([*tokens, 5])
+    assert cached == 40  # the whole file still serves
+    pc.close()
+    restarted.close()
+
+
 def test_a_delta_whose_base_is_not_on_disk_is_not_written_and_a_scan_drops_orphans(model: Any,
                                                                                    tmp_path: Path) -> None:
     pc = PrefixCache(BIG, tier(tmp_path), threading.Event())

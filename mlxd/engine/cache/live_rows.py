@@ -125,8 +125,7 @@ def restore_interrupted(cache: PrefixCache) -> int:
             d = next((on_disk[n] for n in names if n in on_disk), None)
             if d is None:
                 continue
-            base = on_disk.get(d.base) if d.base is not None else None
-            got = cache.restore_early(d, d.size + (base.size if base is not None else 0))
+            got = cache.restore_early(d, ssd.chain_size(d))
             count, nbytes = count + (got > 0), nbytes + got
     except Exception:  # never the engine's start: the continuations restore them as they come
         log.exception("checkpoints: restoring a stopped engine's running replies failed")

@@ -257,17 +257,17 @@ class PrefixCache:
             if n > best_n:
                 best, best_n = e, n
         if self.ssd is not None:
-            in_ram, on_disk = best_n, self.ssd.entries()
-            for d in on_disk:
+            in_ram = best_n
+            for d in self.ssd.entries():
                 if d.name in self._entries or (self.only_disk is not None and d.name not in self.only_disk):
                     continue
                 n = self._usable(d.tokens, query, limit, d.trimmable)
-                if n > best_n and self._pays(d, n - in_ram, on_disk):
+                if n > best_n and self._pays(d, n - in_ram):
                     best, best_n = d, n
         return best, best_n
 
-    def _pays(self, d: DiskEntry, gain: int, on_disk: list[DiskEntry]) -> bool:
-        """Whether restoring `d` (its whole file, and a delta's base) costs less than prefilling
+    def _pays(self, d: DiskEntry, gain: int) -> bool:
+        """Whether restoring `d` (its file, and a delta's bases) costs less than prefilling
         the `gain` tokens it would save, at what restores and prefills have cost so far: a
         transcript on SSD restored whole to serve only the system prompt it shares is a loss
         where prefill is fast (a CUDA GPU). Not known yet: it pays. Not in an engine group (its
@@ -276,7 +276,7 @@ class PrefixCache:
         per_token = self._prefill_cost()
         if s is None or per_token is None or s.restored_bytes <= 0 or self.only_disk is not None:
             return True
-        size = d.size + sum(e.size for e in on_disk if e.name == d.base)
+        size = self.ssd.chain_size(d) if self.ssd is not None else d.size
         return size * s.restore_s / s.restored_bytes < gain * per_token
 
     @staticmethod
@@ -343,9 +343,9 @@ class PrefixCache:
     def checkpoint(self, kv: list[Any], tokens: Tokens, base: Entry | None = None) -> Entry | None:
         """Write a copy of a running row's `kv` (a prefix of `tokens`, its offset says how much) to
         SSD now, busy or not, and not to RAM: a generation checkpoint (gpu/checkpoints.py). The
-        row keeps `kv`. With `base` (an earlier checkpoint of the row, written whole), only the KV
-        after its tokens is written, in a delta file that names it. The file makes earlier ones
-        that are prefixes of it redundant (the tier drops them, a delta's base aside). Its Entry
+        row keeps `kv`. With `base` (the row's checkpoint before), only the KV after its tokens
+        is written, in a delta file that names it. The file makes earlier ones that are prefixes
+        of it redundant (the tier drops them, a delta's chain of bases aside). Its Entry
         (`on_ssd` once written), or None when not taken: no SSD tier, or the copies queued already
         hold half the RAM cap (they live until written)."""
         if self._writer is None or not kv:
@@ -358,8 +358,8 @@ class PrefixCache:
         if (taken := self._checkpointed.get(name)) is not None and not taken.write_failed and not (
                 taken.on_ssd and (self.ssd is None or name not in self.ssd)):
             return taken  # another row's, of the same tokens (a shared prompt), on its way or written
-        if self.ssd is not None and name in self.ssd:
-            return Entry(covered, [], 0, name, self._clock, on_ssd=True)
+        if self.ssd is not None and (d := self.ssd.get(name)) is not None:
+            return Entry(covered, [], 0, name, self._clock, on_ssd=True, base=(d.base, d.start) if d.base else None)
         start = len(base.tokens) if base is not None else 0
         delta = base is not None and 0 < start < offset and all(type(c) is KVCache for c in kv)
         kept = after(kv, start, offset) if delta else view(kv, offset)

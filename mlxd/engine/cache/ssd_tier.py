@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import itertools
 import logging
 import os
 import queue
@@ -40,6 +41,7 @@ QUARANTINE = "quarantine"
 QUARANTINE_KEEP = 16  # newest quarantined files kept for a look; older ones are deleted
 DEFAULT_SHARE = 0.25  # of the disk space free for it (free plus what the tier holds)
 DEFAULT_MAX = 32 * 1024**3
+MAX_LINKS = 64  # a delta's chain of bases, at most (gpu/checkpoints.py writes a whole file well before)
 
 
 def default_ssd_cache_bytes(dir_: Path) -> int:
@@ -112,7 +114,7 @@ class SsdTier:
             self._entries[path.name] = DiskEntry(path.name, tokens, st.st_size, st.st_mtime, trimmable,
                                                  *(base or (None, 0)))
         for orphan in [e.name for e in self._entries.values() if e.base is not None and e.base not in self._entries]:
-            self.remove(orphan)  # a delta whose base is gone serves nothing
+            self.remove(orphan)  # a delta whose base is gone serves nothing (nor the deltas on it)
         self._evict_over_cap()
         if self._entries:
             log.info("SSD prompt cache: %d entries, %.1f MB in %s", len(self._entries), self.bytes / 1e6, self.dir)
@@ -134,13 +136,37 @@ class SsdTier:
         with self._lock:
             return name in self._entries
 
+    def get(self, name: str) -> DiskEntry | None:
+        with self._lock:
+            return self._entries.get(name)
+
+    def chain(self, entry: DiskEntry) -> list[DiskEntry] | None:
+        """A delta file's links, from the whole file it stands on to itself (a whole file: itself
+        alone); None where a link is gone, cannot be cut or the chain runs past MAX_LINKS."""
+        with self._lock:
+            return self._chain(entry)
+
+    def _chain(self, entry: DiskEntry) -> list[DiskEntry] | None:
+        links = [entry]
+        while links[-1].base is not None:
+            base = self._entries.get(links[-1].base)
+            if base is None or not base.trimmable or len(links) > MAX_LINKS or base in links:
+                return None
+            links.append(base)
+        return links[::-1]
+
+    def chain_size(self, entry: DiskEntry) -> int:
+        """The bytes a restore of `entry` reads: its file's and its bases'."""
+        links = self.chain(entry)
+        return sum(e.size for e in links) if links is not None else entry.size
+
     def add(self, name: str, tokens: np.ndarray, size: int, trimmable: bool = True,
             base: tuple[str, int] | None = None) -> None:
         """A file the writer has just made durable; drop files it makes redundant (when it can
-        serve their prefixes; a delta's base stays), then the LRU ones over the cap."""
+        serve their prefixes; a delta's bases stay), then the LRU ones over the cap."""
         with self._lock:
-            self._entries[name] = DiskEntry(name, tokens, size, time.time(), trimmable, *(base or (None, 0)))
-            keep = {name, base[0] if base is not None else name}
+            entry = self._entries[name] = DiskEntry(name, tokens, size, time.time(), trimmable, *(base or (None, 0)))
+            keep = {e.name for e in self._chain(entry) or [entry]}
             covered = [e for e in self._entries.values()
                        if trimmable and e.name not in keep and is_prefix(e.tokens, tokens)]
         for e in covered:
@@ -220,25 +246,29 @@ class SsdTier:
         return list(cache)
 
     def _restore_delta(self, entry: DiskEntry) -> list[Any] | None:
-        """A delta file's KV: its base's, cut to `start` tokens, and its own arrays after them."""
+        """A delta file's KV: the whole file it stands on, cut where the next link starts, and so
+        on down the chain to its own arrays (each link a file: its checksum checked)."""
         import mlx.core as mx
 
-        with self._lock:
-            base = self._entries.get(entry.base) if entry.base is not None else None
-        if base is None or base.base is not None or base.trimmable is False:  # deltas sit on whole files only
+        links = self.chain(entry)
+        if links is None:  # a link is gone: the delta serves nothing
             self.remove(entry.name)
             return None
-        head = self.restore(base)
-        tail = self.restore(dataclasses.replace(entry, base=None))
-        if head is None or tail is None:
-            return None
+        parts = []
+        for link in links:
+            part = self.restore(dataclasses.replace(link, base=None))
+            if part is None:
+                return None
+            parts.append(part)
+        starts = [0, *(link.start for link in links[1:])]
         try:
-            joined = [join(b, d, entry.start) for b, d in zip(head, tail, strict=True)]
+            joined = [join(layer, starts) for layer in zip(*parts, strict=True)]
         except (ValueError, TypeError) as exc:
             self.remove_to_quarantine(entry.name, f"does not fit its base: {exc}")
             return None
         mx.eval([x for c in joined for x in (c.keys, c.values) if x is not None])
-        self.touch(entry.name)  # (the restore above stamped a copy of its index entry)
+        for link in links:
+            self.touch(link.name)  # (the restores above stamped copies of their index entries)
         return joined
 
     def touch(self, name: str) -> None:
@@ -284,24 +314,29 @@ class SsdTier:
         )
 
 
-def join(base: Any, delta: Any, start: int) -> Any:
-    """One layer's cache: `base`'s first `start` tokens, then `delta`'s (a delta file's, loaded)."""
+def join(parts: Any, starts: list[int]) -> Any:
+    """One layer's cache from a chain's files, loaded: each part's KV from its start (`starts`,
+    the first 0) up to the next part's, then all of the last part's."""
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-    if type(base) is not type(delta) or type(base) not in (KVCache, QuantizedKVCache):
-        raise TypeError(f"cannot join {type(base).__name__} and {type(delta).__name__}")
-    if base.offset < start:
-        raise ValueError(f"the base holds {base.offset} tokens, fewer than {start}")
-    out = copy.copy(base)
+    first = parts[0]
+    if any(type(p) is not type(first) for p in parts) or type(first) not in (KVCache, QuantizedKVCache):
+        raise TypeError(f"cannot join {', '.join(type(p).__name__ for p in parts)}")
+    spans = [b - a for a, b in itertools.pairwise(starts)]
+    for part, span in zip(parts, spans, strict=False):
+        if span <= 0 or part.offset < span:
+            raise ValueError(f"a file holds {part.offset} tokens where its chain needs {span}")
+    out = copy.copy(parts[-1])
 
-    def cat(a: Any, b: Any) -> Any:
-        if isinstance(a, tuple):
-            return tuple(cat(x, y) for x, y in zip(a, b, strict=True))
-        return mx.concatenate([a[..., :start, :], b], axis=2)
+    def cat(arrays: list[Any]) -> Any:
+        if isinstance(arrays[0], tuple):
+            return tuple(cat(list(xs)) for xs in zip(*arrays, strict=True))
+        cut = [a[..., :span, :] for a, span in zip(arrays, spans, strict=False)]
+        return mx.concatenate([*cut, arrays[-1][..., : parts[-1].offset, :]], axis=2)
 
-    out.keys, out.values = cat(base.keys, delta.keys), cat(base.values, delta.values)
-    out.offset = start + delta.offset
+    out.keys, out.values = cat([p.keys for p in parts]), cat([p.values for p in parts])
+    out.offset = starts[-1] + parts[-1].offset
     return out
 
 

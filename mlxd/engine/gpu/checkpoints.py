@@ -1,22 +1,24 @@
-"""Generation checkpoints: a running row's KV on SSD every `interval` tokens.
+"""Generation checkpoints: a running row's KV on SSD as it grows.
 
 An engine that dies mid-reply loses the KV in its memory; the supervisor then continues the
 reply on a new engine (docs/resume.md), whose prompt is the old prompt plus the tokens already
 delivered. Without a checkpoint that is a prefill of all of them. With one, the SSD tier holds
 a prefix of that prompt (the tier is scanned at start, so the new engine finds it), and the
-continuation prefills only the tokens after it: fewer than `interval`.
+continuation prefills only the tokens after it.
 
-A row is checkpointed when `interval` tokens of its history have KV that is not on SSD (or on
-its way there): its prompt right after its first token, when at least `interval` of it came
-from no cache, then every `interval` tokens it generates. Its first checkpoint is a whole file;
-the next ones are delta files, holding only the KV after that one (a reply's prompt is written
-once, not again at every checkpoint), until what follows the whole file outgrows it, when a
-whole file is written again. The tier restores a delta by joining it to its base. The GPU thread queues a copy of the
-row's KV behind the step under way and goes on; at its next step (when that copy is surely
-made) it hands the copy's host buffers to the SSD tier's writer thread, which writes the file
-while decoding goes on (prefix_cache.py `checkpoint`, `send_checkpoints`). A newer checkpoint
-of the row makes the tier drop the older one. A checkpoint the writer is too far behind for is
-skipped, never waited for.
+A row's first checkpoint comes when `interval` tokens of its history have KV that is not on SSD
+(or on its way there): its prompt right after its first token, when at least `interval` of it
+came from no cache, else once it has generated enough. After that, one every `spacing` tokens:
+a sixteenth of its prompt, at least MIN_SPACING and at most `interval`, so that what a
+continuation prefills after the newest checkpoint stays a small share of what the prompt's cold
+prefill costs. The first checkpoint is a whole file; each next one a delta file holding only
+the KV after the one before, which it names as its base (a chain: each token is written once,
+the prompt not again at every checkpoint), until CHAIN deltas stand on the whole file, when a
+whole file is written again. The tier restores a delta by joining its chain. The GPU thread
+queues a copy of the row's KV behind the step under way and goes on; at its next step (when
+that copy is surely made) it hands the copy's host buffers to the SSD tier's writer thread,
+which writes the file while decoding goes on (prefix_cache.py `checkpoint`, `send_checkpoints`).
+A checkpoint the writer is too far behind for is skipped, never waited for.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ from mlxd.engine.models.loaded_model import LoadedModel
 
 log = logging.getLogger("mlxd.engine")
 KEEP_CUT = 8  # rows cut off (cancelled) whose checkpoints stay named for the next engine
+MIN_SPACING = 128  # tokens between a row's checkpoints after its first, at least ...
+PROMPT_SHARE = 16  # ... or this share of its prompt (1/16), up to `interval`
+CHAIN = 32  # deltas on one whole file, at most: then a whole file again (restoring reads each)
 
 
 class Checkpoints:
@@ -50,14 +55,21 @@ class Checkpoints:
         self._shown = LiveRows(cache.ssd.dir) if self.interval and cache.ssd is not None else None
 
     def due(self, seq: Sequence) -> bool:
-        """`interval` tokens of its history have KV that is not on SSD (and it is generating)."""
+        """`spacing` tokens of its history have KV that is not on SSD (and it is generating)."""
         return (self.interval > 0 and bool(seq.generated) and not seq.is_finished
-                and len(seq.job.prompt) + len(seq.generated) - seq.saved >= self.interval)
+                and len(seq.job.prompt) + len(seq.generated) - seq.saved >= self.spacing(seq))
+
+    def spacing(self, seq: Sequence) -> int:
+        """Tokens from a row's newest checkpoint to its next: `interval` up to its first, and
+        where each is a whole file (KV without deltas)."""
+        if seq.base is None or seq.links < 0:
+            return self.interval
+        return min(self.interval, max(MIN_SPACING, len(seq.job.prompt) // PROMPT_SHARE))
 
     def take(self, seq: Sequence, kv: list[Any], tokens: list[int]) -> None:
         """Checkpoint `kv`, which holds a prefix of `tokens` (the row's history) and is the row's
         own (serial lane) or a copy of it (batch lane). Skipped or not, the row is not due again
-        for another `interval` tokens."""
+        for another `spacing` tokens."""
         offset = getattr(kv[0], "offset", None) if kv else None
         if not isinstance(offset, int) or offset <= 0:
             return
@@ -71,15 +83,16 @@ class Checkpoints:
         base = seq.base
         ssd = self._cache.ssd
         if base is not None and (base.write_failed or (base.on_ssd and ssd is not None and base.name not in ssd)
-                                 or offset - len(base.tokens) >= len(base.tokens)):
-            base = None  # its file failed or is gone, or what follows it outgrew it: a whole file again
+                                 or seq.links >= CHAIN):
+            base = None  # its file failed or is gone, or the chain is long: a whole file again
         try:
             taken = media.checkpoint(self._cache, self._loaded, seq.job, kv, tokens, base)
         except Exception:  # a checkpoint must never cost the reply
             log.exception("generation checkpoint failed; generation goes on")
             taken = None
-        if taken is not None and taken.base is None:
-            seq.base = taken  # the next ones write only what follows it
+        if taken is not None:  # the next: what follows it
+            # (asked for a delta, got a whole file: its KV has none, quantized say; -1: `interval` apart)
+            seq.base, seq.links = taken, seq.links + 1 if taken.base is not None else -1 if base is not None else 0
         seq.saved = offset
         if taken is not None and self._shown is not None:
             # this one, the one before (if this one's write is cut, the tier still has it) and its base

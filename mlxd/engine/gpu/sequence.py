@@ -30,7 +30,7 @@ class Sequence:
     """A job being generated: its text state, its clock, and how it ended."""
 
     __slots__ = ("_detok", "_eos", "_grown", "_has_relayed", "_pending", "_reported", "_stops", "_tokenizer", "base",
-                 "cached", "clock", "finish_reason", "generated", "job", "paused", "saved", "tally")
+                 "cached", "clock", "finish_reason", "generated", "job", "links", "paused", "saved", "tally")
 
     def __init__(self, job: Job, tokenizer: Any, eos: set[int]) -> None:
         self.job = job
@@ -41,7 +41,8 @@ class Sequence:
         self.finish_reason: str | None = None  # set once it ended
         self.paused = 0  # times a lane paused it for a more urgent job
         self.saved = 0  # of its history, the tokens whose KV is on SSD or on its way (gpu/checkpoints.py)
-        self.base: Any = None  # its last checkpoint written whole (a prefix_cache Entry): later ones are deltas
+        self.base: Any = None  # its newest checkpoint (a prefix_cache Entry): the next is a delta on it
+        self.links = 0  # the deltas between `base` and the whole file they stand on (-1: its KV has none)
         self.tally: Any = None  # drafts proposed and kept, once it decoded with drafts (spec/serial.py's Tally)
         self._detok = tokenizer.detokenizer
         if job.continues_text:
