@@ -3,6 +3,8 @@
 - RAISE: that request's own token handling raises after 3 tokens (in either lane): only it fails.
 - BATCHFAIL: the batched step raises once, when the row holding it has 3 tokens and the batch
   lane holds 3 rows: every row in the batch lane fails, and the engine goes on serving.
+- DEVICELOST: as BATCHFAIL, but the step raises what MLX's CUDA backend raises after an illegal
+  memory access (the device's state is lost): the engine ends, its rows cut short.
 - SLOWPREFILL: each chunk of a shared prefill whose first member asks for it takes 0.3 s more,
   so a test can act while it runs; in the serial lane, each prefill chunk of the request.
 
@@ -36,7 +38,7 @@ def mark(job: Any) -> str | None:
 
 def faulty_submit(self: Any, job: Any) -> None:
     text = self.loaded.decode(job.prompt) if self.loaded is not None else ""
-    for word in ("RAISE", "BATCHFAIL", "SLOWPREFILL"):
+    for word in ("RAISE", "BATCHFAIL", "DEVICELOST", "SLOWPREFILL"):
         if word in text:
             marked[id(job)] = (word, job)
     real_submit(self, job)
@@ -50,9 +52,9 @@ def faulty_add(self: Any, token: int, logprobs: Any = None) -> bool:
 
 def faulty_step(self: Any) -> list[Any]:
     for seq in list(self._rows.values()):
-        if len(self._rows) >= 3 and len(seq.generated) >= 3 and mark(seq.job) == "BATCHFAIL":
-            del marked[id(seq.job)]
-            self._gen.next = _raise  # this step raises; fail_all then makes a fresh generator
+        if len(self._rows) >= 3 and len(seq.generated) >= 3 and mark(seq.job) in ("BATCHFAIL", "DEVICELOST"):
+            # this step raises; after BATCHFAIL, fail_all makes a fresh generator
+            self._gen.next = _raise if marked.pop(id(seq.job))[0] == "BATCHFAIL" else _lose_device
     return real_step(self)
 
 
@@ -71,6 +73,10 @@ def slow_serial_chunk(self: Any, prompt: list[int]) -> bool:
 
 def _raise() -> Any:
     raise RuntimeError("injected batch fault")
+
+
+def _lose_device() -> Any:
+    raise RuntimeError("cudaLaunchKernelExC(&config, func, params) failed: an illegal memory access was encountered")
 
 
 gateway.Gateway.submit = faulty_submit  # type: ignore[method-assign]

@@ -12,8 +12,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
+from mlxd.protocol.exit_codes import ExitCode
 from mlxd.protocol.memory import ROW_TOKENS, kv_bytes_per_token, text_config
 from mlxd.protocol.sizing import AUTO_WIDTH_CAP, MIN_HEADROOM, plateau_width
 from tests.support import (
@@ -236,6 +238,29 @@ def test_an_error_in_the_batched_step_fails_its_rows_and_the_engine_serves_on(fa
     assert faulty.stats()["requests"]["failed"] == failed_before + 3
     after = at_once(faulty, [{"prompt": p, "max_tokens": 20} for p in ["d", "e"]])  # a fresh batch works
     assert [r["status"] for r in after] == [200, 200]
+
+
+def test_a_lost_device_ends_the_engine_and_cuts_its_rows_short(tiny_model: Path) -> None:
+    """After CUDA's sticky errors nothing on the device works again in the process: the engine
+    ends (its rows `engine_failed`, which the supervisor goes on from on the next engine)
+    instead of failing each request from then on."""
+    proc = EngineProcess(tiny_model, "tiny", "--batch", "4", launcher=FAULTY_ENGINE, env=engine_env(MLXD_BLAS="off"))
+    try:
+        proc.wait_ready()
+        body = {"max_tokens": 300, "logit_bias": NO_EOS}
+        with cf.ThreadPoolExecutor(3) as pool:
+            rows = [pool.submit(complete, proc, p, **body) for p in ["DEVICELOST a", "b", "c"]]
+            results = []
+            for row in rows:
+                try:
+                    results.append(row.result()["error"]["code"])
+                except httpx.TransportError:  # the process ended before its answer went out
+                    results.append("gone")
+        assert proc.proc.wait(30) == ExitCode.GPU_THREAD_DIED
+        assert set(results) <= {"engine_failed", "gone"}, results
+        assert "the device's state is lost" in proc.log()
+    finally:
+        proc.stop()
 
 
 def test_drain_with_rows_in_flight_lets_them_finish(batched: EngineProcess) -> None:

@@ -1,5 +1,6 @@
 """A lane's step that raised (mlxd/engine/gpu/step_failure.py): in one engine its requests fail and
-the engine serves on; in an engine group it is raised on, so the engine ends and its replies go on."""
+the engine serves on; in an engine group, or where the device's state is lost (`device_lost`, as
+MLX raises it), it is raised on, so the engine ends and its replies go on."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from mlxd.engine.gpu.step_failure import failed_step
+from mlxd.engine.gpu.step_failure import device_lost, failed_step
 from mlxd.engine.spec import agreement
 
 
@@ -94,3 +95,33 @@ def test_a_request_that_cannot_start_fails_alone_and_in_a_group_ends_the_engine(
     with pytest.raises(RuntimeError, match="connection to a peer was lost"):
         start(seq)  # type: ignore[operator]
     assert seq.failed == [], what
+
+
+LOST = [
+    # an H100, 2026-12-07 (docs/benchmarks.md, issue 29): the step, then every later allocation
+    "cudaLaunchKernelExC(&config, func, params) failed: an illegal memory access was encountered",
+    "cudaMallocManaged(&data, size) failed: an illegal memory access was encountered",
+    "cudaStreamSynchronize(stream) failed: unspecified launch failure",
+    "cudaEventSynchronize(event) failed: device-side assert triggered",
+    "[METAL] Command buffer execution failed: Caused GPU Hang Error (00000003:kIOGPUCommandBufferCallbackErrorHang)",
+]
+NOT_LOST = [
+    "injected batch fault",
+    "[metal::malloc] Attempting to allocate 68719476736 bytes which is greater than the maximum allowed "
+    "buffer size of 28991029248 bytes.",
+    "cudaMallocManaged(&data, size) failed: out of memory",
+    "[concatenate] All the input array dimensions must match exactly except for the concatenation axis.",
+]
+
+
+@pytest.mark.parametrize("message", LOST)
+def test_a_lost_device_ends_the_engine(message: str) -> None:
+    assert device_lost(RuntimeError(message))
+    agreement.alone()
+    with pytest.raises(RuntimeError):
+        failed_step(RuntimeError(message), "batched step")
+
+
+@pytest.mark.parametrize("message", NOT_LOST)
+def test_other_failures_fail_their_requests_alone(message: str) -> None:
+    assert not device_lost(RuntimeError(message))

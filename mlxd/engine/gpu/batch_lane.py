@@ -26,7 +26,6 @@ prefill under way joins it at once; one more urgent than the rows it would wait 
 from __future__ import annotations
 
 import logging
-import traceback
 from typing import Any
 
 import mlx.core as mx
@@ -43,7 +42,7 @@ from mlxd.engine.gpu.sampling import make_sampling
 from mlxd.engine.gpu.sequence import Sequence
 from mlxd.engine.gpu.sharing import MIN_SHARED_TOKENS, clusters, join_target, shareable, uniform_ids
 from mlxd.engine.gpu.stats import Stats
-from mlxd.engine.gpu.step_failure import after_failed_step, failed_step
+from mlxd.engine.gpu.step_failure import after_failed_step, failed_row, failed_step
 from mlxd.engine.models.adapter_bank import Stack
 from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.engine.spec.batch import BatchDrafts, DraftConfig
@@ -444,7 +443,7 @@ class BatchLane:
             try:
                 is_done = seq.add(int(r.token), getattr(r, "logprobs", None))
             except Exception as exc:  # this row's text handling failed: only this request fails
-                log.error("generation failed for one row:\n%s", traceback.format_exc())
+                failed_row(exc)  # (where it says the device is lost, it raises: the engine ends)
                 seq.fail(self._stats, f"generation failed: {type(exc).__name__}: {exc}")
                 is_done = True
             if r.finish_reason is not None:  # the generator ended it itself (max_tokens) and let it go
