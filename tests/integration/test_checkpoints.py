@@ -20,7 +20,7 @@ import pytest
 
 from mlxd.engine.cache import kv_files
 from mlxd.engine.cache.ssd_tier import SsdTier
-from mlxd.engine.gpu.checkpoints import CHAIN, MIN_SPACING
+from mlxd.engine.gpu.checkpoints import CHAIN
 from mlxd.protocol.process import MARKS_HEADER, REPLY_HEADER
 from tests.support import EngineProcess, engine_client, running_engine, wait_for
 
@@ -133,11 +133,11 @@ def head64_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("bits", [None, "8"])
-def test_quantized_kv_checkpoints_whole_files_interval_apart(head64_model: Path, tmp_path: Path,
-                                                             bits: str | None) -> None:
-    """Plain KV: after the prompt, a delta every MIN_SPACING tokens (a short prompt's spacing).
-    Quantized KV makes no deltas: each checkpoint is a whole file, `interval` apart, each making
-    the one before redundant."""
+def test_quantized_kv_checkpoints_whole_files_plain_kv_a_chain(head64_model: Path, tmp_path: Path,
+                                                               bits: str | None) -> None:
+    """Plain KV: the prompt's file, then a delta every `interval` tokens, each on the one before.
+    Quantized KV makes no deltas: each checkpoint is a whole file, making the one before
+    redundant."""
     kv, every = tmp_path / "kv", 200
     body = {**BODY, "prompt": PROMPT * 3, "max_tokens": 450}
     args = ("--generation-checkpoint", str(every), "--ssd-write-behind", "off", "--ssd-cache-dir", str(kv),
@@ -147,11 +147,14 @@ def test_quantized_kv_checkpoints_whole_files_interval_apart(head64_model: Path,
         assert reply["usage"]["prompt_tokens"] >= every  # its first checkpoint at its first token
         wait_for(lambda: engine.client.get("/admin/stats").json()["prompt_cache"]["writes_pending"] == 0)
         stats = engine.client.get("/admin/stats").json()["prompt_cache"]
-        spacing = every if bits else MIN_SPACING
-        assert stats["checkpoints"] == 1 + (450 - 1) // spacing and stats["checkpoints_skipped"] == 0
-        files = tier_of(kv).entries()
-        assert [e.base is None for e in files].count(True) == 1
-        assert len(files) == (1 if bits else stats["checkpoints"])
+        assert stats["checkpoints"] == 1 + (450 - 1) // every and stats["checkpoints_skipped"] == 0
+        files = sorted(tier_of(kv).entries(), key=lambda e: len(e.tokens))
+        assert files[0].base is None
+        if bits:
+            assert len(files) == 1
+        else:
+            assert len(files) == stats["checkpoints"]
+            assert [(e.base, e.start) for e in files[1:]] == [(e.name, len(e.tokens)) for e in files[:-1]]
 
 
 def test_a_reply_cut_off_by_its_client_stays_named_for_the_next_engine(tiny_model: Path, tmp_path: Path) -> None:

@@ -6,15 +6,15 @@ delivered. Without a checkpoint that is a prefill of all of them. With one, the 
 a prefix of that prompt (the tier is scanned at start, so the new engine finds it), and the
 continuation prefills only the tokens after it.
 
-A row's first checkpoint comes when `interval` tokens of its history have KV that is not on SSD
-(or on its way there): its prompt right after its first token, when at least `interval` of it
-came from no cache, else once it has generated enough. After that, one every `spacing` tokens:
-a sixteenth of its prompt, at least MIN_SPACING and at most `interval`, so that what a
-continuation prefills after the newest checkpoint stays a small share of what the prompt's cold
-prefill costs. The first checkpoint is a whole file; each next one a delta file holding only
-the KV after the one before, which it names as its base (a chain: each token is written once,
-the prompt not again at every checkpoint), until CHAIN deltas stand on the whole file, when a
-whole file is written again. The tier restores a delta by joining its chain. The GPU thread
+A row is checkpointed when `interval` tokens of its history have KV that is not on SSD (or on
+its way there): its prompt right after its first token, when at least `interval` of it came
+from no cache, then every `interval` tokens it generates. (Checkpoints a sixteenth of the
+prompt apart, at least 128 tokens, took a resume on the 2-core CPU from the restart plus 18% of
+the prompt's cold prefill to 7%, but decode with them on from 1.01 of off to 0.87: not the
+default; docs/benchmarks.md, issue 29, 2026-12-07.) The first checkpoint is a whole file; each
+next one a delta file holding only the KV after the one before, which it names as its base (a
+chain: each token is written once, the prompt not again at every checkpoint), until CHAIN
+deltas stand on the whole file, when a whole file is written again. The tier restores a delta by joining its chain. The GPU thread
 queues a copy of the row's KV behind the step under way and goes on; at its next step (when
 that copy is surely made) it hands the copy's host buffers to the SSD tier's writer thread,
 which writes the file while decoding goes on (prefix_cache.py `checkpoint`, `send_checkpoints`).
@@ -37,8 +37,6 @@ from mlxd.engine.models.loaded_model import LoadedModel
 
 log = logging.getLogger("mlxd.engine")
 KEEP_CUT = 8  # rows cut off (cancelled) whose checkpoints stay named for the next engine
-MIN_SPACING = 128  # tokens between a row's checkpoints after its first, at least ...
-PROMPT_SHARE = 16  # ... or this share of its prompt (1/16), up to `interval`
 CHAIN = 32  # deltas on one whole file, at most: then a whole file again (restoring reads each)
 
 
@@ -55,21 +53,14 @@ class Checkpoints:
         self._shown = LiveRows(cache.ssd.dir) if self.interval and cache.ssd is not None else None
 
     def due(self, seq: Sequence) -> bool:
-        """`spacing` tokens of its history have KV that is not on SSD (and it is generating)."""
+        """`interval` tokens of its history have KV that is not on SSD (and it is generating)."""
         return (self.interval > 0 and bool(seq.generated) and not seq.is_finished
-                and len(seq.job.prompt) + len(seq.generated) - seq.saved >= self.spacing(seq))
-
-    def spacing(self, seq: Sequence) -> int:
-        """Tokens from a row's newest checkpoint to its next: `interval` up to its first, and
-        where each is a whole file (KV without deltas)."""
-        if seq.base is None or seq.links < 0:
-            return self.interval
-        return min(self.interval, max(MIN_SPACING, len(seq.job.prompt) // PROMPT_SHARE))
+                and len(seq.job.prompt) + len(seq.generated) - seq.saved >= self.interval)
 
     def take(self, seq: Sequence, kv: list[Any], tokens: list[int]) -> None:
         """Checkpoint `kv`, which holds a prefix of `tokens` (the row's history) and is the row's
         own (serial lane) or a copy of it (batch lane). Skipped or not, the row is not due again
-        for another `spacing` tokens."""
+        for another `interval` tokens."""
         offset = getattr(kv[0], "offset", None) if kv else None
         if not isinstance(offset, int) or offset <= 0:
             return
@@ -91,8 +82,7 @@ class Checkpoints:
             log.exception("generation checkpoint failed; generation goes on")
             taken = None
         if taken is not None:  # the next: what follows it
-            # (asked for a delta, got a whole file: its KV has none, quantized say; -1: `interval` apart)
-            seq.base, seq.links = taken, seq.links + 1 if taken.base is not None else -1 if base is not None else 0
+            seq.base, seq.links = taken, seq.links + 1 if taken.base is not None else 0
         seq.saved = offset
         if taken is not None and self._shown is not None:
             # this one, the one before (if this one's write is cut, the tier still has it) and its base
