@@ -294,16 +294,23 @@ def test_later_checkpoints_write_only_what_follows_the_whole_one_and_restore_joi
     restarted.close()
 
 
-def test_a_chain_of_deltas_writes_each_token_once_and_restores_joined(model: Any, tmp_path: Path) -> None:
-    pc = PrefixCache(BIG, tier(tmp_path), threading.Event())
+def checkpoint_chain(pc: PrefixCache, model: Any, deltas: int) -> tuple[list[Any], list[int]]:
+    """A 40-token row's checkpoints as it grows 8 tokens at a time: a whole file, then `deltas`
+    delta files, each on the one before; and the row's tokens."""
     tokens = seq(0, 40)
     kv = filled(model, tokens)
     links = [pc.checkpoint(kv, tokens)]
-    for step in range(3):  # three deltas, each on the one before
+    for step in range(deltas):
         new = seq(40 + 8 * step, 8)
         kv = filled(model, new, kv)
         tokens = tokens + new
         links.append(pc.checkpoint(kv, tokens, links[-1]))
+    return links, tokens
+
+
+def test_a_chain_of_deltas_writes_each_token_once_and_restores_joined(model: Any, tmp_path: Path) -> None:
+    pc = PrefixCache(BIG, tier(tmp_path), threading.Event())
+    links, tokens = checkpoint_chain(pc, model, 3)
     assert all(e is not None for e in links)
     assert [e.base for e in links[1:]] == [(links[0].name, 40), (links[1].name, 48), (links[2].name, 56)]
     assert all(e.nbytes * 4 < links[0].nbytes for e in links[1:])  # 8 tokens' KV each
@@ -326,14 +333,7 @@ def test_a_chain_of_deltas_writes_each_token_once_and_restores_joined(model: Any
 
 def test_a_scan_drops_a_chain_whose_middle_link_is_gone(model: Any, tmp_path: Path) -> None:
     pc = PrefixCache(BIG, tier(tmp_path), threading.Event())
-    tokens = seq(0, 40)
-    kv = filled(model, tokens)
-    links = [pc.checkpoint(kv, tokens)]
-    for step in range(2):
-        new = seq(40 + 8 * step, 8)
-        kv = filled(model, new, kv)
-        tokens = tokens + new
-        links.append(pc.checkpoint(kv, tokens, links[-1]))
+    links, tokens = checkpoint_chain(pc, model, 2)
     assert written(pc) and pc.ssd is not None and len(pc.ssd) == 3
     assert links[1] is not None
     (pc.ssd.dir / links[1].name).unlink()  # a crash, say: the newest link would serve nothing
