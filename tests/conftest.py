@@ -31,6 +31,15 @@ def tiny_model_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def head64_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny llama whose heads have 64 values: KV quantization groups need 32 or more."""
+    from mlxd.engine.models.random_model import build_random_llama
+
+    return build_random_llama(tmp_path_factory.mktemp("models-h64") / "h64", hidden_size=128, num_heads=2,
+                              num_kv_heads=1, context=4096)
+
+
+@pytest.fixture(scope="session")
 def vlms(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Tiny random vision-language models from mlx-vlm's classes: a Qwen2-VL and a Gemma 3 shape."""
     from mlxd.engine.models.random_vlm import FAMILIES, build_random_vlm

@@ -123,15 +123,6 @@ def test_a_long_chain_of_deltas_starts_again_from_a_whole_file(tiny_model: Path,
         assert max(len(tier.chain(e) or []) for e in rest) == len(rest) + 1 <= CHAIN + 1
 
 
-@pytest.fixture(scope="module")
-def head64_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny llama whose heads have 64 values: KV quantization groups need 32 or more."""
-    from mlxd.engine.models.random_model import build_random_llama
-
-    return build_random_llama(tmp_path_factory.mktemp("models-h64") / "h64", hidden_size=128, num_heads=2,
-                              num_kv_heads=1, context=4096)
-
-
 @pytest.mark.parametrize("bits", [None, "8"])
 def test_quantized_kv_checkpoints_whole_files_plain_kv_a_chain(head64_model: Path, tmp_path: Path,
                                                                bits: str | None) -> None:

@@ -193,15 +193,6 @@ def test_a_drain_writes_what_is_in_ram_and_sigterm_does_too(tiny_model: Path, tm
     assert len(tiers) == 1 and len(list(tiers[0].glob("*.safetensors"))) == 4  # the last one written on SIGTERM
 
 
-@pytest.fixture(scope="module")
-def head64_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny llama whose heads have 64 values: KV quantization groups need 32 or more."""
-    from mlxd.engine.models.random_model import build_random_llama
-
-    return build_random_llama(tmp_path_factory.mktemp("models-h64") / "h64", hidden_size=128, num_heads=2,
-                              num_kv_heads=1, context=4096)
-
-
 def test_quantized_kv_is_cached_restored_and_kept_apart(head64_model: Path, tmp_path: Path) -> None:
     kv = ("--ssd-cache-dir", str(tmp_path / "kv"))
     body = {"prompt": LONG_PROMPT, "max_tokens": 8, "temperature": 0}
