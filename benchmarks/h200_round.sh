@@ -19,7 +19,8 @@
 # load_progress.py (mlxd's chunked load against mlx_lm.load, and an engine's load phases) on both.
 # `ck8`, `cut`, `json`, `numerics`: what issues 27 and 29 still lack on a GPU (docs/benchmarks.md:
 # "Still to measure on a GPU"). `group1`: issue 30's group of one rank against a plain engine.
-# `cutck`: that cut with a checkpoint only (no decode turns).
+# `cutck`: that cut with a checkpoint only (no decode turns). `probe29`: checkpoint_copy_probe.py and
+# continuation_probe.py (LIMIT, STEPS, ROUNDS, MODES).
 # `oom`: ck8's out-of-memory again, short, with nvidia-smi's memory every 500 ms (smi.csv).
 # `prefillmem`: benchmarks/prefill_memory.py, what the out-of-memory's fix costs a batched prefill.
 # `close30` (group1 and ck8) and `close27` (cut, the self-draft and n-gram prose at 8 streams): what
@@ -55,6 +56,12 @@ model() {  # model SHAPE DIR [random_llama.py flags]
   [ -d "$2" ] || python3 benchmarks/random_llama.py "$1" "$2" --tokenizer "$tok" "${@:3}" > /dev/null
 }
 case ${1:-1b} in
+probe29)  # issue 29's two short GPU aims, each taken apart: what a checkpoint costs a batch, by mechanism; a fresh engine's continuation
+  model 8b-4bit /tmp/models/l8q
+  step ckcopy "${LIMIT:-330}" python3 benchmarks/checkpoint_copy_probe.py --model /tmp/models/l8q --rows 8 --prompt 4574 \
+    --steps "${STEPS:-520}" --rounds "${ROUNDS:-2}" --modes "${MODES:-off,tensors,grouped,writer,gpu}"
+  step contprobe 200 python3 benchmarks/continuation_probe.py --model /tmp/models/l8q --prompt-words 1500 --cut-at 560
+  ;;
 1b)
   model 1b-bf16 /tmp/models/l1b
   step masked_attention 90 python3 benchmarks/masked_decode_attention.py --model /tmp/models/l1b

@@ -25,25 +25,36 @@ BIT_VIEWS = {mx.bfloat16: mx.uint16, mx.bool_: mx.uint8}  # dtypes without a buf
 
 @dataclass(frozen=True, slots=True)
 class Staged:
-    """A cache's file layout: mlx-lm's metadata (cache classes, which entries are scalars) and
-    each tensor's name, dtype and shape with the array its bytes come from."""
+    """A cache's file layout: mlx-lm's metadata (cache classes, which entries are scalars), each
+    tensor's name, dtype and shape, and where its bytes lie: (block, byte offset, byte count) in
+    `blocks`, the arrays made for them."""
 
     meta: dict[str, str]
-    tensors: list[tuple[str, str, tuple[int, ...], mx.array]]
+    tensors: list[tuple[str, str, tuple[int, ...], tuple[int, int, int]]]
+    blocks: list[mx.array]
 
     @property
     def arrays(self) -> list[mx.array]:
-        return [a for *_, a in self.tensors]
+        return self.blocks
 
 
-def stage(kv: list[Any]) -> Staged:
-    """`kv` laid out as `save_prompt_cache` lays it out, its arrays lazy (GPU thread)."""
+# On CUDA, MLX moves a buffer to managed memory (cudaMallocManaged, then a synchronous copy)
+# the first time the host reads it, and its cache hands such buffers to later GPU work. So
+# there the tensors go into one block per dtype and trailing shape (a cache's 2 x layers K and
+# V arrays into one): one move a file, not one a tensor. Elsewhere (Metal's unified memory, the
+# CPU) a host read costs nothing, and a tensor already contiguous is taken as it is.
+GROUP = bool(mx.cuda.is_available())
+
+
+def stage(kv: list[Any], group: bool | None = None) -> Staged:
+    """`kv` laid out as `save_prompt_cache` lays it out, its arrays lazy (GPU thread); in
+    blocks of like arrays where `group` (default: GROUP)."""
     flat: list[tuple[str, Any]] = tree_flatten([c.state for c in kv])  # type: ignore[assignment]
-    tensors: list[tuple[str, str, tuple[int, ...], mx.array]] = []
+    arrays: list[tuple[str, str, mx.array]] = []
     scalars: list[tuple[str, str]] = []
     for name, value in flat:
         if isinstance(value, mx.array):
-            a = mx.contiguous(value)
+            a = value
         elif isinstance(value, bool | int | float):
             scalars.append((name, "scalar"))
             a = mx.array(value)
@@ -57,20 +68,38 @@ def stage(kv: list[Any]) -> Staged:
             raise ValueError(f"cache state not serializable: {type(value).__name__}")
         dtype = DTYPES[str(a.dtype).removeprefix("mlx.core.")]
         bits = BIT_VIEWS.get(a.dtype)
-        tensors.append((name, dtype, tuple(a.shape), a.view(bits) if bits is not None else a))
+        arrays.append((name, dtype, a.view(bits) if bits is not None else a))
     meta = {f"1.{i}": type(c).__name__ for i, c in enumerate(kv)}
     meta["2.0"] = ""  # mlx-lm's scalars list starts with an empty string
     for i, (name, kind) in enumerate(scalars, start=1):
         meta[f"2.{i}.0"], meta[f"2.{i}.1"] = name, kind
-    return Staged(meta, tensors)
+    if not (GROUP if group is None else group):
+        return Staged(meta, [(name, dtype, tuple(a.shape), (i, 0, a.nbytes)) for i, (name, dtype, a) in enumerate(arrays)],
+                      [mx.contiguous(a) for *_, a in arrays])
+    # like arrays (dtype, shape past the first axis) joined along their first axis: the join's
+    # C-order bytes are each one's C-order bytes in turn
+    kinds: dict[tuple[Any, tuple[int, ...]], list[int]] = {}
+    for i, (_, _, a) in enumerate(arrays):
+        kinds.setdefault((a.dtype, tuple(a.shape[1:]) if a.ndim else ()), []).append(i)
+    where: dict[int, tuple[int, int, int]] = {}
+    blocks: list[mx.array] = []
+    for members in kinds.values():
+        at = 0
+        for i in members:
+            where[i] = (len(blocks), at, arrays[i][2].nbytes)
+            at += arrays[i][2].nbytes
+        parts = [arrays[i][2] if arrays[i][2].ndim else arrays[i][2].reshape(1) for i in members]
+        blocks.append(mx.concatenate(parts, axis=0) if len(parts) > 1 else mx.contiguous(parts[0]))
+    return Staged(meta, [(name, dtype, tuple(a.shape), where[i]) for i, (name, dtype, a) in enumerate(arrays)], blocks)
 
 
 def host_tensors(staged: Staged) -> tuple[dict[str, str], list[Tensor], list[Any]]:
     """The metadata, the tensors as host buffers, and the arrays those buffers point into (keep
     them alive until written). The arrays must be evaluated (or queued: reading one waits for it)."""
-    tensors = [Tensor(name, dtype, shape, memoryview(a).cast("B"))  # type: ignore[arg-type]
-               for name, dtype, shape, a in staged.tensors]
-    return staged.meta, tensors, staged.arrays
+    views = [memoryview(b).cast("B") for b in staged.blocks]  # type: ignore[arg-type]
+    tensors = [Tensor(name, dtype, shape, views[block][start:start + n])
+               for name, dtype, shape, (block, start, n) in staged.tensors]
+    return staged.meta, tensors, staged.blocks
 
 
 def tensors_of(kv: list[Any]) -> tuple[dict[str, str], list[Tensor], list[Any]]:

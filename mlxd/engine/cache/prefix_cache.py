@@ -46,6 +46,9 @@ from mlxd.engine.cache.ssd_tier import DiskEntry, SsdTier, WriteJob, Writer, is_
 from mlxd.protocol.stats import CacheHits, PromptCacheStats, RamTierStats
 
 log = logging.getLogger("mlxd.engine")
+# Where a checkpoint's copy is read to the host: False, on the GPU thread as the writer is handed
+# it; True, in the writer thread (on CUDA that read is a synchronous copy over PCIe).
+READ_IN_WRITER = False
 Tokens = list[int] | np.ndarray  # a prompt, or its key (gpu/media.cache_key: images and adapters by digest)
 
 
@@ -449,7 +452,9 @@ class PrefixCache:
         if self._writer is None or entry.unwritable:
             return
         try:
-            if entry.staged is not None:  # a checkpoint's copy, made by now: its bytes, queuing nothing
+            if entry.staged is not None and READ_IN_WRITER:  # the writer takes its bytes
+                meta, tensors, owner, staged, entry.staged = entry.staged.meta, [], None, entry.staged, None
+            elif entry.staged is not None:  # a checkpoint's copy, made by now: its bytes, queuing nothing
                 (meta, tensors, owner), entry.staged = host_tensors(entry.staged), None
             else:
                 compact(entry.kv)  # the entry keeps the copy it writes: no second one in memory
@@ -466,7 +471,7 @@ class PrefixCache:
             entry.writing = False
 
         self._writer.submit(WriteJob(entry.name, entry.tokens, meta, tensors, urgent, owner, done, entry.nbytes,
-                                     entry.trimmable, entry.base))
+                                     entry.trimmable, entry.base, staged if READ_IN_WRITER else None))
 
     @property
     def writes_pending(self) -> int:

@@ -1,0 +1,110 @@
+"""Where a resumed reply's time goes in the engine that takes it over (issue 29), engine by engine.
+
+Engine A (mlxd's defaults, an SSD tier in a temp dir) streams `--streams` greedy completions of
+long prompts of the same length (`--prompt-words`), with the resume marks on, and is SIGKILLed
+once every stream has `--cut-at` tokens: its checkpoints are on SSD, as after a crash. Engine
+B, fresh, on the same SSD tier, then takes each reply's continuation (`resume.tokens`: the
+first `--cut-at` tokens), one after the other, then two cold prompts of the same length. For
+each, the engine's own timings (/admin/stats `last`), and the client's wall time. The
+continuations have the same shapes: if the first is slower than the next, a fresh engine's
+first time pays (kernels, graphs), not the continuation's work.
+
+  python3 benchmarks/continuation_probe.py --model /tmp/models/l8q --prompt-words 1500 --cut-at 560
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def prompt(i: int, words: int, nonce: str) -> str:
+    return f"{nonce} Story {i}: tell me about a river. " + "Say more. " * words
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--streams", type=int, default=2)
+    p.add_argument("--prompt-words", type=int, default=1500)
+    p.add_argument("--cut-at", type=int, default=560)
+    p.add_argument("--more", type=int, default=16, help="tokens each continuation generates")
+    p.add_argument("--bias", default='{"2": -100}', help="logit_bias (JSON): keep a random model's EOS away")
+    a = p.parse_args()
+    from mlxd.protocol.process import MARK, MARKS_HEADER
+    from tests.support import EngineProcess
+
+    bias = json.loads(a.bias)
+    with tempfile.TemporaryDirectory(prefix="contprobe-") as tmp:
+        flags = ("--ssd-cache-dir", f"{tmp}/kv")
+        first = EngineProcess(Path(a.model), "m", *flags).wait_ready(600)
+        ids: list[list[int]] = [[] for _ in range(a.streams)]
+        enough = threading.Barrier(a.streams + 1)
+
+        def run(i: int) -> None:
+            body = {"prompt": prompt(i, a.prompt_words, "A"), "max_tokens": a.cut_at * 2, "temperature": 0,
+                    "stream": True, "logit_bias": bias}
+            told = False
+            try:
+                with first.client.stream("POST", "/v1/completions", json=body, headers={MARKS_HEADER: "1"},
+                                         timeout=600) as resp:
+                    for line in resp.iter_lines():
+                        if line.startswith(MARK.decode()):
+                            _, _, _index, _total, carried = line.split(" ", 4)
+                            ids[i].extend(int(x) for x in carried.split(",") if x)
+                            if len(ids[i]) >= a.cut_at and not told:
+                                told = True
+                                enough.wait()
+            except Exception:
+                pass
+            if not told:
+                enough.abort()
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(a.streams)]
+        for t in threads:
+            t.start()
+        enough.wait()
+        os.kill(first.proc.pid, signal.SIGKILL)
+        for t in threads:
+            t.join()
+        first.stop()
+        print(f"engine A killed with {[len(x) for x in ids]} tokens a stream", flush=True)
+        started = time.perf_counter()
+        second = EngineProcess(Path(a.model), "m", *flags).wait_ready(600)
+        print(f"engine B ready in {time.perf_counter() - started:.1f} s; its log: "
+              + "; ".join(line for line in second.log().splitlines() if "restored" in line or "RAM ahead" in line)[-600:],
+              flush=True)
+
+        def send(label: str, body: dict[str, Any]) -> None:
+            t = time.perf_counter()
+            resp = second.client.post("/v1/completions", json={"temperature": 0, "logit_bias": bias, **body}, timeout=600)
+            wall = (time.perf_counter() - t) * 1000
+            resp.raise_for_status()
+            stats = second.stats()
+            last = stats["last"]
+            cache = stats.get("prompt_cache") or {}
+            timings = " ".join(f"{k} {v:.1f}" for k, v in last["timings_ms"].items())
+            print(f"{label}: wall {wall:.1f} ms; {timings}; usage {resp.json()['usage']}; "
+                  f"cache hits {cache.get('hits')}", flush=True)
+
+        for i in range(a.streams):
+            send(f"continuation {i}", {"prompt": prompt(i, a.prompt_words, "A"), "max_tokens": a.cut_at + a.more,
+                                       "resume": {"tokens": ids[i][: a.cut_at]}})
+        for i in range(2):
+            send(f"cold prompt {i}", {"prompt": prompt(i, a.prompt_words, f"B{i}"), "max_tokens": a.more})
+        second.stop()
+
+
+if __name__ == "__main__":
+    main()
