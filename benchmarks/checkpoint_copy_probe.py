@@ -10,9 +10,13 @@ its first token, a delta at `--every` tokens, through the engine's own PrefixCac
   * off: no checkpoint;
   * tensors: each array staged on its own, read to the host on the GPU thread (the code before
     2026-12-07's eleventh session);
-  * grouped: like arrays staged in one block (kv_layout.GROUP), read on the GPU thread;
-  * writer: grouped, read to the host in the writer thread (prefix_cache.READ_IN_WRITER);
-  * gpu: the staged copy made and dropped, never read on the host.
+  * grouped: like arrays staged in one block (kv_layout.GROUP, no size limit), read on the GPU
+    thread;
+  * small: blocks of up to kv_layout.BLOCK_BYTES, read to the host in the writer thread
+    (prefix_cache.READ_IN_WRITER);
+  * direct: as small, each row's KV cut from the batch as views (checkpoints.rows_kv) instead
+    of mlx-lm's extract_cache (a copy of the row's whole KV);
+  * gpu: direct's staged copy made and dropped, never read on the host.
 
 Reports per mode and round: tokens/s, the median step, the slowest step, time in steps over
 twice the median, and the median step of the last quarter (after the writes: does the first
@@ -33,7 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-MODES = ("off", "tensors", "grouped", "writer", "gpu")
+MODES = ("off", "tensors", "grouped", "small", "direct", "gpu")
 
 
 def main() -> None:
@@ -44,7 +48,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=640)
     p.add_argument("--every", type=int, default=512)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default="off,grouped,small,direct,gpu")
     a = p.parse_args()
     modes = a.modes.split(",")
     if unknown := set(modes) - set(MODES):
@@ -60,6 +64,7 @@ def main() -> None:
     from mlxd.engine.cache.prefix_cache import PrefixCache, view
     from mlxd.engine.cache.ssd_tier import SsdTier
     from mlxd.engine.gpu import decode_attention
+    from mlxd.engine.gpu.checkpoints import rows_kv
     from mlxd.engine.gpu.flat_rows import flatten_quantized_rows, wins_here
 
     model, _ = load(a.model)
@@ -84,8 +89,9 @@ def main() -> None:
         return cache
 
     def one(mode: str, steps: int) -> dict[str, float]:
-        kv_layout.GROUP = mode in ("grouped", "writer")
-        prefix_cache.READ_IN_WRITER = mode == "writer"
+        kv_layout.GROUP = mode != "tensors"
+        kv_layout.BLOCK_BYTES = 1 << 40 if mode == "grouped" else block_bytes
+        prefix_cache.READ_IN_WRITER = mode in ("small", "direct")
         with tempfile.TemporaryDirectory(prefix="ckprobe-") as tmp:
             pc = PrefixCache(64 << 30, SsdTier(Path(tmp), 1 << 40))
             gen = BatchGenerator(model, completion_batch_size=a.rows, prefill_batch_size=a.rows)
@@ -110,11 +116,12 @@ def main() -> None:
                     made[i] += 1
                     if mode != "off" and (made[i] == 1 or made[i] % a.every == 0):
                         due.append(r.uid)
-                for uid, (kv, _) in gen.extract_cache(due).items():
+                cut = rows_kv(gen, due) if mode in ("direct", "gpu") else gen.extract_cache(due)
+                for uid, (kv, _) in cut.items():
                     i = row[uid]
                     tokens = histories[i][: a.prompt + made[i]]
                     if mode == "gpu":
-                        staged = kv_layout.stage(kv, group=True)
+                        staged = kv_layout.stage(kv)
                         mx.async_eval(staged.arrays)
                         held.append(staged)
                     elif base[i] is None:
@@ -138,8 +145,9 @@ def main() -> None:
                 "checkpoints": stats.checkpoints, "skipped": stats.checkpoints_skipped,
                 "gpu_thread_ms": stats.checkpoint_s * 1000, "written_mb": written / 1e6}
 
+    block_bytes = kv_layout.BLOCK_BYTES
     one("off", 40)  # kernels, and the first shapes
-    one("grouped", 40)
+    one("direct", 40)
     results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     for r in range(a.rounds):
         for mode in modes if r % 2 == 0 else list(reversed(modes)):

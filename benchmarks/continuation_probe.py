@@ -75,11 +75,16 @@ def main() -> None:
         for t in threads:
             t.start()
         enough.wait()
+        pc = first.stats().get("prompt_cache") or {}
         os.kill(first.proc.pid, signal.SIGKILL)
+        print(f"engine A at the kill: checkpoints {pc.get('checkpoints')}, skipped {pc.get('checkpoints_skipped')}, "
+              f"writes pending {pc.get('writes_pending')}", flush=True)
         for t in threads:
             t.join()
         first.stop()
-        print(f"engine A killed with {[len(x) for x in ids]} tokens a stream", flush=True)
+        live = [f.read_text() for f in sorted(Path(tmp, "kv").rglob("live-*.json"))]
+        print(f"engine A killed with {[len(x) for x in ids]} tokens a stream; its running rows' checkpoints: {live}",
+              flush=True)
         started = time.perf_counter()
         second = EngineProcess(Path(a.model), "m", *flags).wait_ready(600)
         print(f"engine B ready in {time.perf_counter() - started:.1f} s; its log: "
@@ -95,8 +100,10 @@ def main() -> None:
             last = stats["last"]
             cache = stats.get("prompt_cache") or {}
             timings = " ".join(f"{k} {v:.1f}" for k, v in last["timings_ms"].items())
-            print(f"{label}: wall {wall:.1f} ms; {timings}; usage {resp.json()['usage']}; "
-                  f"cache hits {cache.get('hits')}", flush=True)
+            ssd = cache.get("ssd") or {}
+            print(f"{label}: wall {wall:.1f} ms; {timings}; usage {resp.json()['usage']}; cache hits {cache.get('hits')}, "
+                  f"restored early {cache.get('restored_early')}, SSD restores so far {ssd.get('restored_bytes', 0) / 1e6:.0f} MB "
+                  f"in {ssd.get('restore_ms')} ms", flush=True)
 
         for i in range(a.streams):
             send(f"continuation {i}", {"prompt": prompt(i, a.prompt_words, "A"), "max_tokens": a.cut_at + a.more,

@@ -16,11 +16,12 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, load_prompt_cache, save_prompt_cache
 
 from mlxd.engine.cache import kv_files
 from mlxd.engine.cache.kv_files import CorruptFile
-from mlxd.engine.cache.kv_layout import tensors_of
+from mlxd.engine.cache.kv_layout import host_tensors, stage, tensors_of
 from mlxd.engine.cache.prefix_cache import view
 
 NAME = "entry.safetensors"
@@ -62,6 +63,40 @@ def leftovers(dir_: Path) -> list[str]:
 
 
 # --- round trips -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["bfloat16", "float32", "q4", "q8"])
+def test_like_arrays_staged_in_blocks_write_the_same_file_as_one_array_a_tensor(tmp_path: Path, kind: str) -> None:
+    """On CUDA a cache is staged in blocks of like arrays (few host reads a file, not one a
+    tensor: kv_layout.GROUP), each up to a size; the file is the same byte for byte, and loads
+    with mlx-lm."""
+    if kind.startswith("q"):
+        kv = make_quantized_kv(bits=int(kind[1:]), group_size=32, layers=3, n=9)
+    else:
+        kv = make_kv(getattr(mx, kind), layers=3, n=9)
+    files, blocks = [], []
+    for group, block_bytes in ((False, None), (True, 1 << 30), (True, 2 * 9 * 64 * 4)):
+        staged = stage(kv, group=group, block_bytes=block_bytes)
+        mx.eval(staged.arrays)
+        meta, tensors, _owner = host_tensors(staged)
+        out = tmp_path / f"{group}-{block_bytes}"
+        out.mkdir()
+        kv_files.write_file(out, NAME, list(range(9)), meta, tensors)
+        files.append((out / NAME).read_bytes())
+        blocks.append(len(staged.blocks))
+    assert files[0] == files[1] == files[2]
+    # One array a tensor (3 layers' K, V and offset; a quantized K or V is 3 arrays). Then, with
+    # room: a plain cache's K and V in one block, a quantized one's in two (data; scales and
+    # biases), the offsets in one more. Then blocks of at most 4,608 bytes: two bfloat16 arrays
+    # of 2 x 9 x 64 a block, one float32 array, never one split; q4's data (576 bytes an array)
+    # all fit one, q8's (1,152) two.
+    assert blocks == {"bfloat16": [9, 2, 4], "float32": [9, 2, 7], "q4": [27, 3, 3], "q8": [27, 3, 4]}[kind]
+    loaded = load_prompt_cache(str(out / NAME))
+    for got, want in zip(loaded, kv, strict=True):
+        assert got.offset == want.offset == 9
+        arrays = [[a for _, a in tree_flatten(c.state) if isinstance(a, mx.array)] for c in (got, want)]
+        assert len(arrays[0]) == len(arrays[1]) >= 2
+        assert all(arrays_equal(a, b) for a, b in zip(*arrays, strict=True))
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=["float32", "float16", "bfloat16"])

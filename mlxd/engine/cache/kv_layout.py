@@ -38,17 +38,18 @@ class Staged:
         return self.blocks
 
 
-# On CUDA, MLX moves a buffer to managed memory (cudaMallocManaged, then a synchronous copy)
-# the first time the host reads it, and its cache hands such buffers to later GPU work. So
-# there the tensors go into one block per dtype and trailing shape (a cache's 2 x layers K and
-# V arrays into one): one move a file, not one a tensor. Elsewhere (Metal's unified memory, the
-# CPU) a host read costs nothing, and a tensor already contiguous is taken as it is.
+# On CUDA, MLX moves a buffer to managed memory (cudaMallocManaged, then a synchronous copy,
+# the GIL held) the first time the host reads it. So there small tensors go into blocks of like
+# ones (same dtype and trailing shape), up to BLOCK_BYTES each: few moves a file, none long.
+# Elsewhere (Metal's unified memory, the CPU) a host read costs nothing, and a tensor already
+# contiguous is taken as it is.
 GROUP = bool(mx.cuda.is_available())
+BLOCK_BYTES = 32 * 1024 * 1024
 
 
-def stage(kv: list[Any], group: bool | None = None) -> Staged:
+def stage(kv: list[Any], group: bool | None = None, block_bytes: int | None = None) -> Staged:
     """`kv` laid out as `save_prompt_cache` lays it out, its arrays lazy (GPU thread); in
-    blocks of like arrays where `group` (default: GROUP)."""
+    blocks of like arrays of up to `block_bytes` (BLOCK_BYTES) where `group` (GROUP)."""
     flat: list[tuple[str, Any]] = tree_flatten([c.state for c in kv])  # type: ignore[assignment]
     arrays: list[tuple[str, str, mx.array]] = []
     scalars: list[tuple[str, str]] = []
@@ -78,12 +79,16 @@ def stage(kv: list[Any], group: bool | None = None) -> Staged:
                       [mx.contiguous(a) for *_, a in arrays])
     # like arrays (dtype, shape past the first axis) joined along their first axis: the join's
     # C-order bytes are each one's C-order bytes in turn
-    kinds: dict[tuple[Any, tuple[int, ...]], list[int]] = {}
+    limit = BLOCK_BYTES if block_bytes is None else block_bytes
+    kinds: dict[tuple[Any, tuple[int, ...]], list[list[int]]] = {}
     for i, (_, _, a) in enumerate(arrays):
-        kinds.setdefault((a.dtype, tuple(a.shape[1:]) if a.ndim else ()), []).append(i)
+        runs = kinds.setdefault((a.dtype, tuple(a.shape[1:]) if a.ndim else ()), [[]])
+        if runs[-1] and sum(arrays[j][2].nbytes for j in runs[-1]) + a.nbytes > limit:
+            runs.append([])
+        runs[-1].append(i)
     where: dict[int, tuple[int, int, int]] = {}
     blocks: list[mx.array] = []
-    for members in kinds.values():
+    for members in (run for runs in kinds.values() for run in runs):
         at = 0
         for i in members:
             where[i] = (len(blocks), at, arrays[i][2].nbytes)

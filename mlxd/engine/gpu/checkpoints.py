@@ -29,6 +29,7 @@ from collections import deque
 from typing import Any
 
 from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlxd.engine.cache.live_rows import LiveRows
 from mlxd.engine.cache.prefix_cache import PrefixCache, view
@@ -120,6 +121,34 @@ class Checkpoints:
         due = [uid for uid, seq in rows.items() if self.due(seq)]
         if not due:
             return
-        for uid, (kv, tokens) in gen.extract_cache(due).items():
+        for uid, (kv, tokens) in rows_kv(gen, due).items():
             if kv is not None and tokens is not None:  # the tokens its KV holds (as _remove stores them)
                 self.take(rows[uid], kv, list(tokens))
+
+
+def rows_kv(gen: BatchGenerator, uids: list[int]) -> dict[int, tuple[Any, Any]]:
+    """Each row's KV and the tokens it holds: views into the generating batch's cache where its
+    layers are all plain BatchKVCache (nothing copied here: a checkpoint's staging copies only
+    what it writes, a delta's few tokens); else mlx-lm's `extract_cache`, which copies each
+    row's whole KV, and reads each layer's padding on the host."""
+    batch = getattr(gen, "_generation_batch", None)
+    caches = getattr(batch, "prompt_cache", None)
+    if batch is None or not caches or any(type(c) is not BatchKVCache or c.keys is None for c in caches) \
+            or len({c._idx for c in caches}) != 1:
+        return dict(gen.extract_cache(uids))
+    index = {uid: i for i, uid in enumerate(batch.uids)}
+    pads = caches[0].left_padding.tolist()  # every layer's is the same (made and cut together)
+    out: dict[int, tuple[Any, Any]] = {}
+    for uid in uids:
+        if (i := index.get(uid)) is None:
+            out.update(gen.extract_cache([uid]))
+            continue
+        kv = []
+        for c in caches:
+            row = KVCache()
+            row.keys = c.keys[i:i + 1, :, pads[i]:c._idx]
+            row.values = c.values[i:i + 1, :, pads[i]:c._idx]
+            row.offset = c._idx - pads[i]
+            kv.append(row)
+        out[uid] = (kv, batch.tokens[i])
+    return out
