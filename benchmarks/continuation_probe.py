@@ -1,6 +1,6 @@
 """Where a resumed reply's time goes in the engine that takes it over (issue 29), engine by engine.
 
-Engine A (mlxd's defaults, an SSD tier in a temp dir) streams `--streams` greedy completions of
+Engine A (mlxd's defaults as the supervisor starts engines, an SSD tier in a temp dir) streams `--streams` greedy completions of
 long prompts of the same length (`--prompt-words`), with the resume marks on, and is SIGKILLed
 once every stream has `--cut-at` tokens: its checkpoints are on SSD, as after a crash. Engine
 B, fresh, on the same SSD tier, then takes each reply's continuation (`resume.tokens`: the
@@ -47,8 +47,8 @@ def main() -> None:
 
     bias = json.loads(a.bias)
     with tempfile.TemporaryDirectory(prefix="contprobe-") as tmp:
-        flags = ("--ssd-cache-dir", f"{tmp}/kv")
-        first = EngineProcess(Path(a.model), "m", *flags).wait_ready(600)
+        flags = ("--ssd-cache-dir", f"{tmp}/kv", "--batch", "auto")  # the supervisor's default (the engine's own is 1)
+        first = EngineProcess(Path(a.model), "m", *flags, env={**os.environ, "MLXD_LOG_LEVEL": "DEBUG"}).wait_ready(600)
         ids: list[list[int]] = [[] for _ in range(a.streams)]
         enough = threading.Barrier(a.streams + 1)
 
@@ -60,8 +60,8 @@ def main() -> None:
                 with first.client.stream("POST", "/v1/completions", json=body, headers={MARKS_HEADER: "1"},
                                          timeout=600) as resp:
                     for line in resp.iter_lines():
-                        if line.startswith(MARK.decode()):
-                            _, _, _index, _total, carried = line.split(" ", 4)
+                        if line.startswith(MARK.decode()):  # `: ids INDEX TOTAL ID,ID[ end]`
+                            carried = line.split(" ")[4]
                             ids[i].extend(int(x) for x in carried.split(",") if x)
                             if len(ids[i]) >= a.cut_at and not told:
                                 told = True
@@ -77,6 +77,9 @@ def main() -> None:
         enough.wait()
         pc = first.stats().get("prompt_cache") or {}
         os.kill(first.proc.pid, signal.SIGKILL)
+        print("engine A's log:\n  " + "\n  ".join(
+            line[-400:] for line in first.log().splitlines()
+            if any(w in line for w in ("checkpoints:", "paus", "batch auto", "lane", "prefill")))[-6000:], flush=True)
         print(f"engine A at the kill: checkpoints {pc.get('checkpoints')}, skipped {pc.get('checkpoints_skipped')}, "
               f"writes pending {pc.get('writes_pending')}", flush=True)
         for t in threads:
@@ -92,6 +95,10 @@ def main() -> None:
               flush=True)
 
         def send(label: str, body: dict[str, Any]) -> None:
+            deadline = time.monotonic() + 30  # the last reply's write-behind done: it would hold the GPU thread
+            while (second.stats().get("prompt_cache") or {}).get("writes_pending") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.5)
             t = time.perf_counter()
             resp = second.client.post("/v1/completions", json={"temperature": 0, "logit_bias": bias, **body}, timeout=600)
             wall = (time.perf_counter() - t) * 1000

@@ -106,6 +106,7 @@ class Checkpoints:
             self._show()
 
     def _show(self) -> None:
+        log.debug("checkpoints: running rows %s, cut %d", [names[:1] for _, names in self._live.values()], len(self._cut))
         if self._shown is not None:  # the running rows first, then the cut ones, the last cut first
             self._shown.show([*(names for _, names in self._live.values()), *reversed(self._cut)])
 
