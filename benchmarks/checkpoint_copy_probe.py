@@ -8,15 +8,15 @@ its first token, a delta at `--every` tokens, through the engine's own PrefixCac
 (a temp dir). Modes, alternated over `--rounds`:
 
   * off: no checkpoint;
-  * tensors: each array staged on its own, read to the host on the GPU thread (the code before
-    2026-12-07's eleventh session);
-  * grouped: like arrays staged in one block (kv_layout.GROUP, no size limit), read on the GPU
-    thread;
-  * small: blocks of up to kv_layout.BLOCK_BYTES, read to the host in the writer thread
-    (prefix_cache.READ_IN_WRITER);
-  * direct: as small, each row's KV cut from the batch as views (checkpoints.rows_kv) instead
-    of mlx-lm's extract_cache (a copy of the row's whole KV);
-  * gpu: direct's staged copy made and dropped, never read on the host.
+  * tensors: each array staged on its own, read to the host on the GPU thread, the rows' KV
+    out of mlx-lm's extract_cache (a copy of each row's whole KV): the code before 2026-12-07's
+    eleventh session;
+  * grouped: like arrays staged in one block (kv_layout.GROUP, no size limit), else as tensors;
+  * small: each row's KV cut from the batch as views (checkpoints.rows_kv), blocks of up to
+    kv_layout.BLOCK_BYTES, read to the host in the writer thread (prefix_cache.READ_IN_WRITER);
+  * paced: as small, but read on the GPU thread, at most `--read-a-turn` bytes a turn
+    (prefix_cache.READ_A_TURN), so each read hides behind the step in flight;
+  * gpu: small's staged copy made and dropped, never read on the host.
 
 Reports per mode and round: tokens/s, the median step, the slowest step, time in steps over
 twice the median, and the median step of the last quarter (after the writes: does the first
@@ -37,7 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-MODES = ("off", "tensors", "grouped", "small", "direct", "gpu")
+MODES = ("off", "tensors", "grouped", "small", "paced", "gpu")
 
 
 def main() -> None:
@@ -48,7 +48,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=640)
     p.add_argument("--every", type=int, default=512)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--modes", default="off,grouped,small,direct,gpu")
+    p.add_argument("--modes", default="off,grouped,small,paced,gpu")
+    p.add_argument("--read-a-turn", type=int, default=128 << 20, help="paced: bytes read to the host a turn")
     a = p.parse_args()
     modes = a.modes.split(",")
     if unknown := set(modes) - set(MODES):
@@ -61,7 +62,8 @@ def main() -> None:
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlxd.engine.cache import kv_layout, prefix_cache
-    from mlxd.engine.cache.prefix_cache import PrefixCache, view
+    from mlxd.engine.cache.kv_layout import view
+    from mlxd.engine.cache.prefix_cache import PrefixCache
     from mlxd.engine.cache.ssd_tier import SsdTier
     from mlxd.engine.gpu import decode_attention
     from mlxd.engine.gpu.checkpoints import rows_kv
@@ -91,7 +93,8 @@ def main() -> None:
     def one(mode: str, steps: int) -> dict[str, float]:
         kv_layout.GROUP = mode != "tensors"
         kv_layout.BLOCK_BYTES = 1 << 40 if mode == "grouped" else block_bytes
-        prefix_cache.READ_IN_WRITER = mode in ("small", "direct")
+        prefix_cache.READ_IN_WRITER = mode == "small"
+        prefix_cache.READ_A_TURN = a.read_a_turn if mode == "paced" else None
         with tempfile.TemporaryDirectory(prefix="ckprobe-") as tmp:
             pc = PrefixCache(64 << 30, SsdTier(Path(tmp), 1 << 40))
             gen = BatchGenerator(model, completion_batch_size=a.rows, prefill_batch_size=a.rows)
@@ -116,7 +119,7 @@ def main() -> None:
                     made[i] += 1
                     if mode != "off" and (made[i] == 1 or made[i] % a.every == 0):
                         due.append(r.uid)
-                cut = rows_kv(gen, due) if mode in ("direct", "gpu") else gen.extract_cache(due)
+                cut = rows_kv(gen, due) if mode in ("small", "paced", "gpu") else gen.extract_cache(due)
                 for uid, (kv, _) in cut.items():
                     i = row[uid]
                     tokens = histories[i][: a.prompt + made[i]]
@@ -147,7 +150,7 @@ def main() -> None:
 
     block_bytes = kv_layout.BLOCK_BYTES
     one("off", 40)  # kernels, and the first shapes
-    one("direct", 40)
+    one("paced", 40)
     results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     for r in range(a.rounds):
         for mode in modes if r % 2 == 0 else list(reversed(modes)):

@@ -59,10 +59,10 @@ case ${1:-1b} in
 probe29)  # issue 29's two short GPU aims, each taken apart: what a checkpoint costs a batch, by mechanism; a fresh engine's continuation
   model 8b-4bit /tmp/models/l8q
   step ckcopy "${LIMIT:-330}" python3 benchmarks/checkpoint_copy_probe.py --model /tmp/models/l8q --rows 8 --prompt 4574 \
-    --steps "${STEPS:-520}" --rounds "${ROUNDS:-2}" --modes "${MODES:-off,grouped,small,direct,gpu}"
-  step ckcopy128 150 python3 benchmarks/checkpoint_copy_probe.py --model /tmp/models/l8q --rows 8 --prompt 4574 \
-    --steps 520 --every 128 --rounds 2 --modes off,direct
+    --steps "${STEPS:-520}" --rounds "${ROUNDS:-2}" --modes "${MODES:-off,grouped,small,paced,gpu}"
   step contprobe 200 python3 benchmarks/continuation_probe.py --model /tmp/models/l8q --prompt-words 1500 --cut-at 560
+  step ckcopy128 150 python3 benchmarks/checkpoint_copy_probe.py --model /tmp/models/l8q --rows 8 --prompt 4574 \
+    --steps 520 --every 128 --rounds 2 --modes "${MODES128:-off,paced,small}"
   ;;
 1b)
   model 1b-bf16 /tmp/models/l1b

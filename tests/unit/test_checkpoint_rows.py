@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.utils import load
 
-from mlxd.engine.cache.prefix_cache import after
+from mlxd.engine.cache.kv_layout import after
 from mlxd.engine.gpu.checkpoints import rows_kv
 
 

@@ -21,8 +21,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, load_prompt_cache, sa
 
 from mlxd.engine.cache import kv_files
 from mlxd.engine.cache.kv_files import CorruptFile
-from mlxd.engine.cache.kv_layout import host_tensors, stage, tensors_of
-from mlxd.engine.cache.prefix_cache import view
+from mlxd.engine.cache.kv_layout import host_tensors, stage, tensors_of, view
 
 NAME = "entry.safetensors"
 TOKENS = [1, 2, 3, 70_000, 5]

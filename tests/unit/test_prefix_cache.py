@@ -13,7 +13,8 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import load
 
 from mlxd.engine.cache import kv_layout, prefix_cache
-from mlxd.engine.cache.prefix_cache import PrefixCache, common_prefix, view
+from mlxd.engine.cache.kv_layout import view
+from mlxd.engine.cache.prefix_cache import PrefixCache, common_prefix
 from mlxd.engine.cache.ssd_tier import SsdTier
 from tests.support import wait_for
 
@@ -268,6 +269,37 @@ def test_a_bfloat16_checkpoint_is_written_from_its_staged_copy_and_restores_bit_
     for c, (keys, values) in zip(got, want, strict=True):
         assert c.keys.dtype == mx.bfloat16
         assert mx.array_equal(c.keys, keys).item() and mx.array_equal(c.values, values).item()
+    pc.close()
+
+
+def test_paced_checkpoint_copies_reach_the_writer_over_turns_and_a_drain_takes_the_rest(
+        model: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With READ_A_TURN (CUDA: a read to the host holds the GPU thread), each turn reads at most
+    that many bytes of the copies' blocks; a checkpoint goes to the writer once all its blocks
+    are read, and restores as if read at once. A drain (flush) reads what is left, budget or not."""
+    monkeypatch.setattr(kv_layout, "GROUP", True)
+    pc = PrefixCache(BIG, tier(tmp_path), threading.Event())
+    first, second = seq(0, 40), seq(100, 40)
+    one = pc.checkpoint(filled(model, first), first)
+    assert one is not None and one.staged is not None
+    blocks = one.staged.blocks
+    monkeypatch.setattr(kv_layout, "BLOCK_BYTES", max(b.nbytes for b in blocks) // 2)  # the next: more blocks
+    two = pc.checkpoint(filled(model, second), second)
+    assert two is not None and two.staged is not None and len(two.staged.blocks) > len(blocks)
+    monkeypatch.setattr(prefix_cache, "READ_A_TURN", 1)  # one block a turn
+    for turn in range(1, len(blocks)):
+        pc.send_checkpoints()
+        assert one.staged is not None and len(one.read) == turn and not two.read
+    pc.send_checkpoints()  # its last block: the first checkpoint goes to the writer
+    assert one.staged is None and one.read == [] and not two.read
+    pc.send_checkpoints()
+    assert two.staged is not None and len(two.read) == 1
+    pc.flush(10)  # a drain: the rest at once
+    assert two.staged is None and pc.writes_pending == 0 and one.on_ssd and two.on_ssd
+    for tokens in (first, second):
+        got, cached = PrefixCache(BIG, tier(tmp_path), threading.Event()).fetch([*tokens, 5])
+        assert cached == 40 and got is not None
+        assert mx.allclose(last_logits(model, [5], got), last_logits(model, [*tokens, 5]), atol=1e-4).item()
     pc.close()
 
 

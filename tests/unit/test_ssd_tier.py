@@ -19,8 +19,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from mlxd.engine.cache import kv_files, ssd_tier
-from mlxd.engine.cache.kv_layout import tensors_of
-from mlxd.engine.cache.prefix_cache import view
+from mlxd.engine.cache.kv_layout import tensors_of, view
 from mlxd.engine.cache.ssd_tier import (
     QUARANTINE,
     QUARANTINE_KEEP,

@@ -1,16 +1,17 @@
 """A KV cache laid out for its file: the arrays mlx-lm's `save_prompt_cache` writes, as host buffers.
 
 Two steps, so that a generation checkpoint never makes the GPU thread wait (gpu/checkpoints.py):
-`stage` builds the arrays to write (each contiguous, in its own buffer; bfloat16 and bool seen
-as the unsigned ints of their bits, which a buffer can hold) without evaluating them, and
-`host_tensors` takes the bytes of arrays already evaluated. A checkpoint stages its copy right
-behind the step under way (`mx.async_eval`) and takes the bytes a step later, when the GPU has
-made them: no new work is queued then, so nothing waits for the step in flight. `tensors_of`
-does both at once, evaluating (a write-behind while idle, an eviction, a drain).
-"""
+`stage` builds the arrays to write (each tensor contiguous; bfloat16 and bool seen as the
+unsigned ints of their bits, which a buffer can hold; on CUDA, like tensors joined into blocks,
+so the host reads a file in a few moves) without evaluating them, and `host_tensors` takes the
+bytes of arrays already evaluated. A checkpoint stages its copy right behind the step under way
+(`mx.async_eval`) and takes the bytes a step later, when the GPU has made them: no new work is
+queued then, so nothing waits for the step in flight. `tensors_of` does both at once,
+evaluating (a write-behind while idle, an eviction, a drain)."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,10 +99,11 @@ def stage(kv: list[Any], group: bool | None = None, block_bytes: int | None = No
     return Staged(meta, [(name, dtype, tuple(a.shape), where[i]) for i, (name, dtype, a) in enumerate(arrays)], blocks)
 
 
-def host_tensors(staged: Staged) -> tuple[dict[str, str], list[Tensor], list[Any]]:
+def host_tensors(staged: Staged, read: list[memoryview] | None = None) -> tuple[dict[str, str], list[Tensor], list[Any]]:
     """The metadata, the tensors as host buffers, and the arrays those buffers point into (keep
-    them alive until written). The arrays must be evaluated (or queued: reading one waits for it)."""
-    views = [memoryview(b).cast("B") for b in staged.blocks]  # type: ignore[arg-type]
+    them alive until written). The arrays must be evaluated (or queued: reading one waits for it).
+    `read`: the first blocks' host buffers, taken already."""
+    views = [*(read or []), *(memoryview(b).cast("B") for b in staged.blocks[len(read or []):])]  # type: ignore[arg-type]
     tensors = [Tensor(name, dtype, shape, views[block][start:start + n])
                for name, dtype, shape, (block, start, n) in staged.tensors]
     return staged.meta, tensors, staged.blocks
@@ -136,3 +138,51 @@ def compact(kv: list[Any]) -> None:
         elif type(c) is QuantizedKVCache and c.keys is not None:
             c.keys = tuple(mx.contiguous(x) for x in c.keys)
             c.values = tuple(mx.contiguous(x) for x in c.values)
+
+
+def cache_nbytes(kv: list[Any]) -> int:
+    return sum(int(c.nbytes) for c in kv)
+
+
+def is_trimmable(kv: list[Any]) -> bool:
+    return all(c.is_trimmable() for c in kv)
+
+
+def view(kv: list[Any], n: int) -> list[Any]:
+    """A new cache holding the first `n` tokens of `kv`, sharing its arrays (sliced).
+
+    The lane that gets it appends by writing a new buffer (its arrays are exactly `n` long), so
+    `kv` is never written to. Other cache kinds are deep-copied, then trimmed.
+    """
+    out: list[Any] = []
+    for c in kv:
+        v: Any
+        if type(c) is KVCache:
+            v = KVCache()
+            if c.keys is not None:
+                keys: Any = c.keys
+                v.keys, v.values = keys[..., :n, :], c.values[..., :n, :]  # type: ignore[index]
+            v.offset = n
+        elif type(c) is QuantizedKVCache:
+            v = QuantizedKVCache(group_size=c.group_size, bits=c.bits)
+            if c.keys is not None:
+                v.keys = tuple(x[..., :n, :] for x in c.keys)
+                v.values = tuple(x[..., :n, :] for x in c.values)
+            v.offset = n
+        else:
+            v = copy.deepcopy(c)
+            if (size := v.size()) > n:
+                v.trim(size - n)
+        out.append(v)
+    return out
+
+
+def after(kv: list[Any], start: int, n: int) -> list[Any]:
+    """New caches holding tokens `start` to `n` of `kv` (plain KVCaches), sharing its arrays (sliced)."""
+    out = []
+    for c in kv:
+        v = KVCache()
+        v.keys, v.values = c.keys[..., start:n, :], c.values[..., start:n, :]
+        v.offset = n - start
+        out.append(v)
+    return out

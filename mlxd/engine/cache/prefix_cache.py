@@ -19,36 +19,43 @@ GPU thread only, except `snapshot` (one read of each counter).
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 import xxhash
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import KVCache, QuantizedKVCache
+from mlx_lm.models.cache import KVCache
 
 from mlxd.engine.cache.kv_layout import (
     SLACK_SHARE,
     Staged,
+    after,
+    cache_nbytes,
     compact,
     host_tensors,
+    is_trimmable,
     slack,
     stage,
     tensors_of,
+    view,
 )
 from mlxd.engine.cache.ssd_tier import DiskEntry, SsdTier, WriteJob, Writer, is_prefix
 from mlxd.protocol.stats import CacheHits, PromptCacheStats, RamTierStats
 
 log = logging.getLogger("mlxd.engine")
 # Where a checkpoint's copy is read to the host: False, on the GPU thread as the writer is handed
-# it; True, in the writer thread (on CUDA that read is a synchronous copy over PCIe).
+# it; True, in the writer thread (on CUDA that read is a synchronous copy over PCIe, the GIL held).
 READ_IN_WRITER = False
+# On the GPU thread, at most this many bytes of checkpoint copies read a turn (None: all): on
+# CUDA a read is a copy over PCIe that holds the thread, and a step's worth hides behind the
+# step in flight. Blocks (kv_layout.BLOCK_BYTES) are read whole.
+READ_A_TURN: int | None = None
 Tokens = list[int] | np.ndarray  # a prompt, or its key (gpu/media.cache_key: images and adapters by digest)
 
 
@@ -66,6 +73,7 @@ class Entry:
     trimmable: bool = True  # serves a prefix of itself (fixed when stored)
     base: tuple[str, int] | None = None  # a delta checkpoint's base and start: `kv` holds only what follows
     staged: Staged | None = None  # a checkpoint's copy, queued on the GPU; `kv` is then empty (kv_layout.py)
+    read: list[memoryview] = field(default_factory=list)  # its blocks read to the host so far (READ_A_TURN)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,54 +112,6 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
         return 0
     diff = np.flatnonzero(a[:n] != b[:n])
     return int(diff[0]) if len(diff) else n
-
-
-def cache_nbytes(kv: list[Any]) -> int:
-    return sum(int(c.nbytes) for c in kv)
-
-
-def is_trimmable(kv: list[Any]) -> bool:
-    return all(c.is_trimmable() for c in kv)
-
-
-def view(kv: list[Any], n: int) -> list[Any]:
-    """A new cache holding the first `n` tokens of `kv`, sharing its arrays (sliced).
-
-    The lane that gets it appends by writing a new buffer (its arrays are exactly `n` long), so
-    `kv` is never written to. Other cache kinds are deep-copied, then trimmed.
-    """
-    out: list[Any] = []
-    for c in kv:
-        v: Any
-        if type(c) is KVCache:
-            v = KVCache()
-            if c.keys is not None:
-                keys: Any = c.keys
-                v.keys, v.values = keys[..., :n, :], c.values[..., :n, :]  # type: ignore[index]
-            v.offset = n
-        elif type(c) is QuantizedKVCache:
-            v = QuantizedKVCache(group_size=c.group_size, bits=c.bits)
-            if c.keys is not None:
-                v.keys = tuple(x[..., :n, :] for x in c.keys)
-                v.values = tuple(x[..., :n, :] for x in c.values)
-            v.offset = n
-        else:
-            v = copy.deepcopy(c)
-            if (size := v.size()) > n:
-                v.trim(size - n)
-        out.append(v)
-    return out
-
-
-def after(kv: list[Any], start: int, n: int) -> list[Any]:
-    """New caches holding tokens `start` to `n` of `kv` (plain KVCaches), sharing its arrays (sliced)."""
-    out = []
-    for c in kv:
-        v = KVCache()
-        v.keys, v.values = c.keys[..., start:n, :], c.values[..., start:n, :]
-        v.offset = n - start
-        out.append(v)
-    return out
 
 
 RECENT_CHECKPOINTS = 64  # checkpoints remembered by name: a row checkpointing the same tokens shares one
@@ -383,13 +343,23 @@ class PrefixCache:
         self.stats.checkpoints += 1
         return entry
 
-    def send_checkpoints(self) -> None:
+    def send_checkpoints(self, everything: bool = False) -> None:
         """Hand the writer the checkpoints taken before now: their copies, queued then, are made by
         the time a later step's tokens were read (the GPU runs its queue in order), so taking their
-        host buffers waits for nothing. The lanes call it each step, the idle loop and a drain too."""
+        host buffers waits for nothing. The lanes call it each step, the idle loop and a drain too
+        (`everything`: the drain's, READ_A_TURN or not)."""
         copied, self._copying = self._copying, []
         started = time.perf_counter()
-        for entry in copied:
+        budget = READ_A_TURN if not (READ_IN_WRITER or everything) else None
+        for n, entry in enumerate(copied):
+            if budget is not None and entry.staged is not None:  # its blocks read over turns
+                blocks = entry.staged.blocks
+                while len(entry.read) < len(blocks) and budget > 0:
+                    budget -= blocks[len(entry.read)].nbytes
+                    entry.read.append(memoryview(blocks[len(entry.read)]).cast("B"))  # type: ignore[arg-type]
+                if len(entry.read) < len(blocks):
+                    self._copying = copied[n:]  # the rest: next turn
+                    break
             self._spill(entry, urgent=True)
         self.stats.checkpoint_s += time.perf_counter() - started
 
@@ -422,7 +392,7 @@ class PrefixCache:
         at a time. `queued`; `busy` (the writer has one: ask again soon); `none` (nothing to write)."""
         if self._writer is None:
             return "none"
-        self.send_checkpoints()
+        self.send_checkpoints(everything=True)
         todo = [e for e in self._entries.values() if not (e.on_ssd or e.writing or e.unwritable or e.write_failed)]
         if not todo:
             return "none"
@@ -438,7 +408,7 @@ class PrefixCache:
         assert self.ssd is not None
         started = time.perf_counter()
         before = self.ssd.stats.written_bytes, self.ssd.stats.writes, self.ssd.stats.write_errors
-        self.send_checkpoints()
+        self.send_checkpoints(everything=True)
         for e in [e for e in self._entries.values() if not (e.on_ssd or e.writing or e.unwritable)]:
             self._spill(e, urgent=True)
         finished = self._writer.flush(timeout_s)
@@ -452,10 +422,13 @@ class PrefixCache:
         if self._writer is None or entry.unwritable:
             return
         try:
-            if entry.staged is not None and READ_IN_WRITER:  # the writer takes its bytes
-                meta, tensors, owner, staged, entry.staged = entry.staged.meta, [], None, entry.staged, None
-            elif entry.staged is not None:  # a checkpoint's copy, made by now: its bytes, queuing nothing
-                (meta, tensors, owner), entry.staged = host_tensors(entry.staged), None
+            staged, entry.staged = entry.staged, None
+            tensors: list[Any] = []
+            if staged is not None and READ_IN_WRITER:  # the writer takes its bytes
+                meta, owner = staged.meta, None
+            elif staged is not None:  # a checkpoint's copy, made by now: its bytes, queuing nothing
+                (meta, tensors, owner), staged = host_tensors(staged, entry.read or None), None
+                entry.read = []
             else:
                 compact(entry.kv)  # the entry keeps the copy it writes: no second one in memory
                 meta, tensors, owner = tensors_of(entry.kv)
@@ -471,7 +444,7 @@ class PrefixCache:
             entry.writing = False
 
         self._writer.submit(WriteJob(entry.name, entry.tokens, meta, tensors, urgent, owner, done, entry.nbytes,
-                                     entry.trimmable, entry.base, staged if READ_IN_WRITER else None))
+                                     entry.trimmable, entry.base, staged))
 
     @property
     def writes_pending(self) -> int:

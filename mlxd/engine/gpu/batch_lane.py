@@ -33,7 +33,8 @@ import numpy as np
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxd.engine.cache.prefix_cache import PrefixCache, view
+from mlxd.engine.cache.kv_layout import view
+from mlxd.engine.cache.prefix_cache import PrefixCache
 from mlxd.engine.gpu import adapter_rows, image_batch, linger, media, trace
 from mlxd.engine.gpu.batch_bias import batch_bias
 from mlxd.engine.gpu.checkpoints import Checkpoints

@@ -31,8 +31,9 @@ from typing import Any
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from mlxd.engine.cache.kv_layout import view
 from mlxd.engine.cache.live_rows import LiveRows
-from mlxd.engine.cache.prefix_cache import PrefixCache, view
+from mlxd.engine.cache.prefix_cache import PrefixCache
 from mlxd.engine.gpu import media
 from mlxd.engine.gpu.sequence import Sequence
 from mlxd.engine.models.loaded_model import LoadedModel

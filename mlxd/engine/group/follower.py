@@ -18,7 +18,8 @@ from typing import Any
 import mlx.core as mx
 import msgspec
 
-from mlxd.engine.cache.prefix_cache import PrefixCache, cache_nbytes
+from mlxd.engine.cache.kv_layout import cache_nbytes
+from mlxd.engine.cache.prefix_cache import PrefixCache
 from mlxd.engine.gpu.job import Job, PrefillGroup
 from mlxd.engine.gpu.sequence import Sequence
 from mlxd.engine.gpu.stats import Stats
