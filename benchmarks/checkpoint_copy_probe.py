@@ -49,7 +49,7 @@ def main() -> None:
     p.add_argument("--every", type=int, default=512)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--modes", default="off,grouped,small,paced,gpu")
-    p.add_argument("--read-a-turn", type=int, default=128 << 20, help="paced: bytes read to the host a turn")
+    p.add_argument("--read-a-turn", type=int, default=64 << 20, help="paced: bytes read to the host a turn (mlxd's on CUDA)")
     a = p.parse_args()
     modes = a.modes.split(",")
     if unknown := set(modes) - set(MODES):

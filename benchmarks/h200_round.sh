@@ -56,6 +56,13 @@ model() {  # model SHAPE DIR [random_llama.py flags]
   [ -d "$2" ] || python3 benchmarks/random_llama.py "$1" "$2" --tokenizer "$tok" "${@:3}" > /dev/null
 }
 case ${1:-1b} in
+close29)  # the copy probe's three ways at 8 streams, then the cut with a checkpoint (2 samples)
+  model 8b-4bit /tmp/models/l8q
+  step ckcopy 200 python3 benchmarks/checkpoint_copy_probe.py --model /tmp/models/l8q --rows 8 --prompt 4574 \
+    --steps 520 --rounds 2 --modes "${MODES:-off,paced,small}"
+  step cutck 240 python3 benchmarks/resume.py --phases checkpoint --model /tmp/models/l8q --no-eos \
+    --streams 1 --max-tokens 640 --samples "${SAMPLES:-2}" --turns 0 --sides with --cut-at 560 --prompt-words 1500
+  ;;
 probe29)  # issue 29's two short GPU aims, each taken apart: what a checkpoint costs a batch, by mechanism; a fresh engine's continuation
   model 8b-4bit /tmp/models/l8q
   step ckcopy "${LIMIT:-330}" python3 benchmarks/checkpoint_copy_probe.py --model /tmp/models/l8q --rows 8 --prompt 4574 \

@@ -32,6 +32,7 @@ import xxhash
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
+from mlxd.engine.cache import kv_layout
 from mlxd.engine.cache.kv_layout import (
     SLACK_SHARE,
     Staged,
@@ -53,9 +54,9 @@ log = logging.getLogger("mlxd.engine")
 # it; True, in the writer thread (on CUDA that read is a synchronous copy over PCIe, the GIL held).
 READ_IN_WRITER = False
 # On the GPU thread, at most this many bytes of checkpoint copies read a turn (None: all): on
-# CUDA a read is a copy over PCIe that holds the thread, and a step's worth hides behind the
-# step in flight. Blocks (kv_layout.BLOCK_BYTES) are read whole.
-READ_A_TURN: int | None = None
+# CUDA a read is a copy over PCIe that holds the thread (about 4 ms for 64 MB on an H100), and
+# so much hides behind the step in flight. Blocks (kv_layout.BLOCK_BYTES) are read whole.
+READ_A_TURN: int | None = 64 * 1024 * 1024 if kv_layout.GROUP else None
 Tokens = list[int] | np.ndarray  # a prompt, or its key (gpu/media.cache_key: images and adapters by digest)
 
 
