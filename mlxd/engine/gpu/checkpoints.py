@@ -15,11 +15,12 @@ default; docs/benchmarks.md, issue 29, 2026-12-07.) The first checkpoint is a wh
 next one a delta file holding only the KV after the one before, which it names as its base (a
 chain: each token is written once, the prompt not again at every checkpoint), until CHAIN
 deltas stand on the whole file, when a whole file is written again. The tier restores a delta
-by joining its chain. The GPU thread queues a copy of the row's KV behind the step under way
-and goes on; at its next step (when that copy is surely made) it hands the copy's host buffers
-to the SSD tier's writer thread, which writes the file while decoding goes on (prefix_cache.py
-`checkpoint`, `send_checkpoints`). A checkpoint the writer is too far behind for is skipped,
-never waited for.
+by joining its chain. The GPU thread queues a copy of what the file holds behind the step under
+way (a batch row's KV cut from the batch as views: `rows_kv`) and goes on; at its next step
+(when that copy is surely made) it hands the copy's host buffers to the SSD tier's writer
+thread, which writes the file while decoding goes on (prefix_cache.py `checkpoint`,
+`send_checkpoints`; on CUDA, where that read is a copy over PCIe, a few blocks a step:
+READ_A_TURN). A checkpoint the writer is too far behind for is skipped, never waited for.
 """
 
 from __future__ import annotations
