@@ -60,7 +60,7 @@ close29)  # the copy probe's three ways at 8 streams, then the cut with a checkp
   model 8b-4bit /tmp/models/l8q
   step ckcopy 200 python3 benchmarks/checkpoint_copy_probe.py --model /tmp/models/l8q --rows 8 --prompt 4574 \
     --steps 520 --rounds 2 --modes "${MODES:-off,paced,small}"
-  step cutck 240 python3 benchmarks/resume.py --phases checkpoint --model /tmp/models/l8q --no-eos \
+  [ "${CUT:-1}" = 0 ] || step cutck 240 python3 benchmarks/resume.py --phases checkpoint --model /tmp/models/l8q --no-eos \
     --streams 1 --max-tokens 640 --samples "${SAMPLES:-2}" --turns 0 --sides with --cut-at 560 --prompt-words 1500
   ;;
 probe29)  # issue 29's two short GPU aims, each taken apart: what a checkpoint costs a batch, by mechanism; a fresh engine's continuation
