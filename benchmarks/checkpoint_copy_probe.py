@@ -12,11 +12,14 @@ its first token, a delta at `--every` tokens, through the engine's own PrefixCac
     out of mlx-lm's extract_cache (a copy of each row's whole KV): the code before 2026-12-07's
     eleventh session;
   * grouped: like arrays staged in one block (kv_layout.GROUP, no size limit), else as tensors;
-  * small: each row's KV cut from the batch as views (checkpoints.rows_kv), blocks of up to
-    kv_layout.BLOCK_BYTES, read to the host in the writer thread (prefix_cache.READ_IN_WRITER);
-  * paced: as small, but read on the GPU thread, at most `--read-a-turn` bytes a turn
-    (prefix_cache.READ_A_TURN), so each read hides behind the step in flight;
-  * gpu: small's staged copy made and dropped, never read on the host.
+  * paced (mlxd's way on CUDA): each row's KV cut from the batch as views (checkpoints.rows_kv),
+    blocks of up to kv_layout.BLOCK_BYTES, read on the GPU thread, at most `--read-a-turn` bytes
+    a turn (prefix_cache.READ_A_TURN), so each read hides behind the step in flight;
+  * gpu: paced's staged copy made and dropped, never read on the host.
+
+(On 2026-12-07 a `writer` way also ran: one block a file read in the writer thread, 0.959 of
+off against grouped's 0.961; it was taken out: the read holds the GIL, so the GPU thread waits
+all the same.)
 
 Reports per mode and round: tokens/s, the median step, the slowest step, time in steps over
 twice the median, and the median step of the last quarter (after the writes: does the first
@@ -37,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-MODES = ("off", "tensors", "grouped", "small", "paced", "gpu")
+MODES = ("off", "tensors", "grouped", "paced", "gpu")
 
 
 def main() -> None:
@@ -48,7 +51,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=640)
     p.add_argument("--every", type=int, default=512)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--modes", default="off,grouped,small,paced,gpu")
+    p.add_argument("--modes", default="off,grouped,paced,gpu")
     p.add_argument("--read-a-turn", type=int, default=64 << 20, help="paced: bytes read to the host a turn (mlxd's on CUDA)")
     a = p.parse_args()
     modes = a.modes.split(",")
@@ -93,7 +96,6 @@ def main() -> None:
     def one(mode: str, steps: int) -> dict[str, float]:
         kv_layout.GROUP = mode != "tensors"
         kv_layout.BLOCK_BYTES = 1 << 40 if mode == "grouped" else block_bytes
-        prefix_cache.READ_IN_WRITER = mode == "small"
         prefix_cache.READ_A_TURN = a.read_a_turn if mode == "paced" else None
         with tempfile.TemporaryDirectory(prefix="ckprobe-") as tmp:
             pc = PrefixCache(64 << 30, SsdTier(Path(tmp), 1 << 40))
@@ -119,7 +121,7 @@ def main() -> None:
                     made[i] += 1
                     if mode != "off" and (made[i] == 1 or made[i] % a.every == 0):
                         due.append(r.uid)
-                cut = rows_kv(gen, due) if mode in ("small", "paced", "gpu") else gen.extract_cache(due)
+                cut = rows_kv(gen, due) if mode in ("paced", "gpu") else gen.extract_cache(due)
                 for uid, (kv, _) in cut.items():
                     i = row[uid]
                     tokens = histories[i][: a.prompt + made[i]]

@@ -59,17 +59,17 @@ case ${1:-1b} in
 close29)  # the copy probe's three ways at 8 streams, then the cut with a checkpoint (2 samples)
   model 8b-4bit /tmp/models/l8q
   step ckcopy 200 python3 benchmarks/checkpoint_copy_probe.py --model /tmp/models/l8q --rows 8 --prompt 4574 \
-    --steps 520 --rounds "${ROUNDS:-2}" --modes "${MODES:-off,paced,small}"
+    --steps 520 --rounds "${ROUNDS:-2}" --modes "${MODES:-off,paced,grouped}"
   [ "${CUT:-1}" = 0 ] || step cutck 240 python3 benchmarks/resume.py --phases checkpoint --model /tmp/models/l8q --no-eos \
     --streams 1 --max-tokens 640 --samples "${SAMPLES:-2}" --turns 0 --sides with --cut-at 560 --prompt-words 1500
   ;;
 probe29)  # issue 29's two short GPU aims, each taken apart: what a checkpoint costs a batch, by mechanism; a fresh engine's continuation
   model 8b-4bit /tmp/models/l8q
   step ckcopy "${LIMIT:-330}" python3 benchmarks/checkpoint_copy_probe.py --model /tmp/models/l8q --rows 8 --prompt 4574 \
-    --steps "${STEPS:-520}" --rounds "${ROUNDS:-2}" --modes "${MODES:-off,grouped,small,paced,gpu}"
+    --steps "${STEPS:-520}" --rounds "${ROUNDS:-2}" --modes "${MODES:-off,grouped,paced,gpu}"
   step contprobe 200 python3 benchmarks/continuation_probe.py --model /tmp/models/l8q --prompt-words 1500 --cut-at 560
   step ckcopy128 150 python3 benchmarks/checkpoint_copy_probe.py --model /tmp/models/l8q --rows 8 --prompt 4574 \
-    --steps 520 --every 128 --rounds 2 --modes "${MODES128:-off,paced,small}"
+    --steps 520 --every 128 --rounds 2 --modes "${MODES128:-off,paced}"
   ;;
 1b)
   model 1b-bf16 /tmp/models/l1b

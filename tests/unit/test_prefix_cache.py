@@ -241,15 +241,13 @@ def test_a_checkpoint_goes_to_ssd_at_the_next_hand_over_while_busy_and_never_to_
     restarted.close()
 
 
-@pytest.mark.parametrize(("group", "in_writer"), [(False, False), (True, False), (True, True)],
-                         ids=["one-array-a-tensor", "blocks", "blocks-read-by-the-writer"])
+@pytest.mark.parametrize("group", [False, True], ids=["one-array-a-tensor", "blocks"])
 def test_a_bfloat16_checkpoint_is_written_from_its_staged_copy_and_restores_bit_for_bit(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, group: bool, in_writer: bool) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, group: bool) -> None:
     """A checkpoint stages its copy as the file holds it (bfloat16 as its bits) behind the step
-    under way, and the hand-over only takes the bytes (kv_layout.py), on the GPU thread or in
-    the writer's: the file restores to the same arrays, whatever the row wrote after."""
+    under way, and the hand-over only takes the bytes (kv_layout.py): the file restores to the
+    same arrays, whatever the row wrote after."""
     monkeypatch.setattr(kv_layout, "GROUP", group)
-    monkeypatch.setattr(prefix_cache, "READ_IN_WRITER", in_writer)
     kv = []
     for i in range(2):
         c = KVCache()

@@ -50,9 +50,6 @@ from mlxd.engine.cache.ssd_tier import DiskEntry, SsdTier, WriteJob, Writer, is_
 from mlxd.protocol.stats import CacheHits, PromptCacheStats, RamTierStats
 
 log = logging.getLogger("mlxd.engine")
-# Where a checkpoint's copy is read to the host: False, on the GPU thread as the writer is handed
-# it; True, in the writer thread (on CUDA that read is a synchronous copy over PCIe, the GIL held).
-READ_IN_WRITER = False
 # On the GPU thread, at most this many bytes of checkpoint copies read a turn (None: all): on
 # CUDA a read is a copy over PCIe that holds the thread (about 4 ms for 64 MB on an H100), and
 # so much hides behind the step in flight. Blocks (kv_layout.BLOCK_BYTES) are read whole.
@@ -351,7 +348,7 @@ class PrefixCache:
         (`everything`: the drain's, READ_A_TURN or not)."""
         copied, self._copying = self._copying, []
         started = time.perf_counter()
-        budget = READ_A_TURN if not (READ_IN_WRITER or everything) else None
+        budget = READ_A_TURN if not everything else None
         for n, entry in enumerate(copied):
             if budget is not None and entry.staged is not None:  # its blocks read over turns
                 blocks = entry.staged.blocks
@@ -423,12 +420,8 @@ class PrefixCache:
         if self._writer is None or entry.unwritable:
             return
         try:
-            staged, entry.staged = entry.staged, None
-            tensors: list[Any] = []
-            if staged is not None and READ_IN_WRITER:  # the writer takes its bytes
-                meta, owner = staged.meta, None
-            elif staged is not None:  # a checkpoint's copy, made by now: its bytes, queuing nothing
-                (meta, tensors, owner), staged = host_tensors(staged, entry.read or None), None
+            if entry.staged is not None:  # a checkpoint's copy, made by now: its bytes, queuing nothing
+                (meta, tensors, owner), entry.staged = host_tensors(entry.staged, entry.read or None), None
                 entry.read = []
             else:
                 compact(entry.kv)  # the entry keeps the copy it writes: no second one in memory
@@ -445,7 +438,7 @@ class PrefixCache:
             entry.writing = False
 
         self._writer.submit(WriteJob(entry.name, entry.tokens, meta, tensors, urgent, owner, done, entry.nbytes,
-                                     entry.trimmable, entry.base, staged))
+                                     entry.trimmable, entry.base))
 
     @property
     def writes_pending(self) -> int:

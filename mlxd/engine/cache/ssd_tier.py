@@ -358,7 +358,6 @@ class WriteJob:
     nbytes: int = 0  # the memory the job holds until written
     trimmable: bool = True
     base: tuple[str, int] | None = None  # a delta file's base and start (kv_files.Header.base)
-    staged: Any = None  # a checkpoint's copy whose bytes the writer takes (kv_layout.Staged): no `tensors` then
 
 
 class Writer:
@@ -428,7 +427,7 @@ class Writer:
             nbytes = job.nbytes
             # Its buffers and its callback's entry must not outlive the write (the loop variable
             # lives on while the next get() blocks).
-            job.owner = job.tensors = job.done = job.staged = None  # type: ignore[assignment]
+            job.owner = job.tensors = job.done = None  # type: ignore[assignment]
             del job
             with self._cond:
                 self._pending -= 1
@@ -449,12 +448,6 @@ class Writer:
             return False  # its base did not reach the disk, or is gone: the delta would serve nothing
         started = time.perf_counter()
         try:
-            if job.staged is not None:
-                # imported here, as the restore imports mlx: the tier's index needs none
-                from mlxd.engine.cache.kv_layout import host_tensors
-
-                job.cache_meta, job.tensors, job.owner = host_tensors(job.staged)
-                job.staged = None
             size = kv_files.write_file(tier.dir, job.name, job.tokens.tolist(), job.cache_meta, job.tensors,
                                        pause=lambda: self._pause(job), trimmable=job.trimmable, base=job.base)
             tier.stats.writes += 1
