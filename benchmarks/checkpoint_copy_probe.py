@@ -12,16 +12,10 @@ its first token, a delta at `--every` tokens, through the engine's own PrefixCac
     out of mlx-lm's extract_cache (a copy of each row's whole KV): the code before 2026-12-07's
     eleventh session;
   * grouped: like arrays staged in one block (kv_layout.GROUP, no size limit), else as tensors;
-  * paced (mlxd's way on CUDA until the moves): each row's KV cut from the batch as views (checkpoints.rows_kv),
+  * paced (mlxd's way on CUDA): each row's KV cut from the batch as views (checkpoints.rows_kv),
     blocks of up to kv_layout.BLOCK_BYTES, read on the GPU thread, at most `--read-a-turn` bytes
     a turn (prefix_cache.READ_A_TURN), so each read hides behind the step in flight;
-  * moved (mlxd's way on CUDA since 2026-12-07's twelfth session): the views and blocks of
-    paced, each block moved to host memory by a read queued on MLX's CPU stream
-    (kv_layout.MOVE), the writer thread taking the bytes once moved: no host read on the GPU
-    thread, none with the GIL held;
-  * gpu: paced's staged copy made and dropped, never read on the host;
-  * movedrop: moved's copy made and moved to host memory, then dropped, never written (what
-    the move costs without the writer's checksum and writes).
+  * gpu: paced's staged copy made and dropped, never read on the host.
 
 (On 2026-12-07 a `writer` way also ran: one block a file read in the writer thread, 0.959 of
 off against grouped's 0.961; it was taken out: the read holds the GIL, so the GPU thread waits
@@ -46,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-MODES = ("off", "tensors", "grouped", "paced", "moved", "gpu", "movedrop")
+MODES = ("off", "tensors", "grouped", "paced", "gpu")
 
 
 def main() -> None:
@@ -57,7 +51,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=640)
     p.add_argument("--every", type=int, default=512)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--modes", default="off,paced,moved,gpu")
+    p.add_argument("--modes", default="off,grouped,paced,gpu")
     p.add_argument("--read-a-turn", type=int, default=64 << 20, help="paced: bytes read to the host a turn (mlxd's on CUDA)")
     a = p.parse_args()
     modes = a.modes.split(",")
@@ -101,7 +95,6 @@ def main() -> None:
 
     def one(mode: str, steps: int) -> dict[str, float]:
         kv_layout.GROUP = mode != "tensors"
-        kv_layout.MOVE = mode in ("moved", "movedrop")
         kv_layout.BLOCK_BYTES = 1 << 40 if mode == "grouped" else block_bytes
         prefix_cache.READ_A_TURN = a.read_a_turn if mode == "paced" else None
         with tempfile.TemporaryDirectory(prefix="ckprobe-") as tmp:
@@ -128,11 +121,11 @@ def main() -> None:
                     made[i] += 1
                     if mode != "off" and (made[i] == 1 or made[i] % a.every == 0):
                         due.append(r.uid)
-                cut = rows_kv(gen, due) if mode in ("paced", "moved", "gpu", "movedrop") else gen.extract_cache(due)
+                cut = rows_kv(gen, due) if mode in ("paced", "gpu") else gen.extract_cache(due)
                 for uid, (kv, _) in cut.items():
                     i = row[uid]
                     tokens = histories[i][: a.prompt + made[i]]
-                    if mode in ("gpu", "movedrop"):
+                    if mode == "gpu":
                         staged = kv_layout.stage(kv)
                         mx.async_eval(staged.arrays)
                         held.append(staged)
@@ -160,7 +153,6 @@ def main() -> None:
     block_bytes = kv_layout.BLOCK_BYTES
     one("off", 40)  # kernels, and the first shapes
     one("paced", 40)
-    one("moved", 40)
     results: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     for r in range(a.rounds):
         for mode in modes if r % 2 == 0 else list(reversed(modes)):

@@ -3,16 +3,16 @@
 Two steps, so that a generation checkpoint never makes the GPU thread wait (gpu/checkpoints.py):
 `stage` builds the arrays to write (each tensor contiguous; bfloat16 and bool seen as the
 unsigned ints of their bits, which a buffer can hold; on CUDA, like tensors joined into blocks,
-each moved to host memory by MLX's CPU stream) without evaluating them, and `host_tensors`
-takes the bytes of arrays already evaluated. A checkpoint stages its copy right behind the step
-under way (`mx.async_eval`) and the writer thread takes the bytes once made: nothing on the GPU
-thread waits for the step in flight or for a copy over PCIe. `tensors_of` does both at once,
-evaluating."""
+so the host reads a file in a few moves) without evaluating them, and `host_tensors` takes the
+bytes of arrays already evaluated. A checkpoint stages its copy right behind the step under way
+(`mx.async_eval`) and takes the bytes a step later, when the GPU has made them: no new work is
+queued then, so nothing waits for the step in flight. `tensors_of` does both at once,
+evaluating (a write-behind while idle, an eviction, a drain)."""
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -33,25 +33,18 @@ class Staged:
     meta: dict[str, str]
     tensors: list[tuple[str, str, tuple[int, ...], tuple[int, int, int]]]
     blocks: list[mx.array]
-    moves: list[mx.array] = field(default_factory=list)  # MOVE: the CPU stream's reads, one a block
 
     @property
     def arrays(self) -> list[mx.array]:
-        return [*self.blocks, *self.moves]
+        return self.blocks
 
 
-# On CUDA, MLX moves a buffer to managed memory (cudaMallocManaged, then a synchronous copy over
-# PCIe) the first time the host reads it, on the reading thread and with the GIL held (the
-# buffer protocol takes the pointer under the GIL): 40 ms for 600 MB on an H100, which the GPU
-# thread waits for wherever the read is. So there small tensors go into blocks of like ones
-# (same dtype and trailing shape), up to BLOCK_BYTES each, and each block gets a one-element
-# read queued on MLX's CPU stream (MOVE): MLX's CPU thread makes the move, the GIL free, and a
-# host read afterwards copies nothing. A moved block must be a buffer of its own (moving one
-# that a live cache shares would race the GPU thread's kernels on it), so a block of a single
-# tensor is made of its two halves joined. Elsewhere (Metal's unified memory, the CPU) a host
-# read costs nothing, and a tensor already contiguous is taken as it is.
+# On CUDA, MLX moves a buffer to managed memory (cudaMallocManaged, then a synchronous copy,
+# the GIL held) the first time the host reads it. So there small tensors go into blocks of like
+# ones (same dtype and trailing shape), up to BLOCK_BYTES each: few moves a file, none long.
+# Elsewhere (Metal's unified memory, the CPU) a host read costs nothing, and a tensor already
+# contiguous is taken as it is.
 GROUP = bool(mx.cuda.is_available())
-MOVE = GROUP
 BLOCK_BYTES = 32 * 1024 * 1024
 
 
@@ -102,40 +95,18 @@ def stage(kv: list[Any], group: bool | None = None, block_bytes: int | None = No
             where[i] = (len(blocks), at, arrays[i][2].nbytes)
             at += arrays[i][2].nbytes
         parts = [arrays[i][2] if arrays[i][2].ndim else arrays[i][2].reshape(1) for i in members]
-        blocks.append(mx.concatenate(parts, axis=0) if len(parts) > 1 else own_copy(parts[0]))
-    moves = []
-    if MOVE:
-        with mx.stream(mx.cpu):
-            moves = [b.reshape(-1)[:1].sum() for b in blocks if b.size > 1]
-    return Staged(meta, [(name, dtype, tuple(a.shape), where[i]) for i, (name, dtype, a) in enumerate(arrays)],
-                  blocks, moves)
-
-
-def own_copy(a: mx.array) -> mx.array:
-    """`a` contiguous in a buffer of its own where MOVE (`mx.contiguous` shares a contiguous
-    input's buffer): its halves along its longest axis, joined."""
-    if not MOVE or a.size < 2:
-        return mx.contiguous(a)
-    axis = max(range(a.ndim), key=lambda i: a.shape[i])
-    half = a.shape[axis] // 2
-    return mx.concatenate([a[(slice(None),) * axis + (slice(None, half),)], a[(slice(None),) * axis + (slice(half, None),)]],
-                          axis=axis)
+        blocks.append(mx.concatenate(parts, axis=0) if len(parts) > 1 else mx.contiguous(parts[0]))
+    return Staged(meta, [(name, dtype, tuple(a.shape), where[i]) for i, (name, dtype, a) in enumerate(arrays)], blocks)
 
 
 def host_tensors(staged: Staged, read: list[memoryview] | None = None) -> tuple[dict[str, str], list[Tensor], list[Any]]:
     """The metadata, the tensors as host buffers, and the arrays those buffers point into (keep
-    them alive until written). The arrays must be evaluated (or queued: reading one waits for it;
-    where MOVE, call `wait_moves` first). `read`: the first blocks' host buffers, taken already."""
+    them alive until written). The arrays must be evaluated (or queued: reading one waits for it).
+    `read`: the first blocks' host buffers, taken already."""
     views = [*(read or []), *(memoryview(b).cast("B") for b in staged.blocks[len(read or []):])]  # type: ignore[arg-type]
     tensors = [Tensor(name, dtype, shape, views[block][start:start + n])
                for name, dtype, shape, (block, start, n) in staged.tensors]
     return staged.meta, tensors, staged.blocks
-
-
-def wait_moves(staged: Staged) -> None:
-    """Wait, the GIL free, until MLX's CPU stream has moved the blocks to host memory (MOVE)."""
-    for m in staged.moves:
-        m.item()
 
 
 def tensors_of(kv: list[Any]) -> tuple[dict[str, str], list[Tensor], list[Any]]:

@@ -33,7 +33,6 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
 from mlxd.engine.cache import kv_layout
-from mlxd.engine.cache.kv_files import Tensor
 from mlxd.engine.cache.kv_layout import (
     SLACK_SHARE,
     Staged,
@@ -44,8 +43,8 @@ from mlxd.engine.cache.kv_layout import (
     is_trimmable,
     slack,
     stage,
+    tensors_of,
     view,
-    wait_moves,
 )
 from mlxd.engine.cache.ssd_tier import DiskEntry, SsdTier, WriteJob, Writer, is_prefix
 from mlxd.protocol.stats import CacheHits, PromptCacheStats, RamTierStats
@@ -351,7 +350,7 @@ class PrefixCache:
         started = time.perf_counter()
         budget = READ_A_TURN if not everything else None
         for n, entry in enumerate(copied):
-            if budget is not None and entry.staged is not None and not entry.staged.moves:  # read over turns
+            if budget is not None and entry.staged is not None:  # its blocks read over turns
                 blocks = entry.staged.blocks
                 while len(entry.read) < len(blocks) and budget > 0:
                     budget -= blocks[len(entry.read)].nbytes
@@ -421,30 +420,16 @@ class PrefixCache:
         if self._writer is None or entry.unwritable:
             return
         try:
-            if entry.staged is not None:  # a checkpoint's copy, made by now (or being moved: MOVE)
-                staged, read, entry.staged, entry.read = entry.staged, entry.read or None, None, []
+            if entry.staged is not None:  # a checkpoint's copy, made by now: its bytes, queuing nothing
+                (meta, tensors, owner), entry.staged = host_tensors(entry.staged, entry.read or None), None
+                entry.read = []
             else:
                 compact(entry.kv)  # the entry keeps the copy it writes: no second one in memory
-                staged, read = stage(entry.kv), None
-                if staged.moves:
-                    mx.async_eval(staged.arrays)
-                else:
-                    mx.eval(staged.arrays)
+                meta, tensors, owner = tensors_of(entry.kv)
         except Exception as exc:  # a cache kind the format cannot hold: it stays in RAM only
             log.warning("SSD prompt cache: cannot write this cache (%s)", exc)
             entry.unwritable = True
             return
-        take: Callable[[], list[Tensor]] | None = None
-        if staged.moves:  # the writer thread waits for MLX's CPU stream, then reads: none of it here
-            meta, owner = staged.meta, staged.arrays
-            tensors: list[Tensor] = []
-
-            def taken(staged: Staged = staged, read: list[memoryview] | None = read) -> list[Tensor]:
-                wait_moves(staged)
-                return host_tensors(staged, read)[1]
-            take = taken
-        else:
-            meta, tensors, owner = host_tensors(staged, read)
         entry.writing = True
 
         def done(ok: bool) -> None:  # the writer thread; a bool store each (on_ssd first: no double spill)
@@ -453,7 +438,7 @@ class PrefixCache:
             entry.writing = False
 
         self._writer.submit(WriteJob(entry.name, entry.tokens, meta, tensors, urgent, owner, done, entry.nbytes,
-                                     entry.trimmable, entry.base, take))
+                                     entry.trimmable, entry.base))
 
     @property
     def writes_pending(self) -> int:

@@ -346,8 +346,7 @@ def is_prefix(short: np.ndarray, long: np.ndarray) -> bool:
 
 @dataclass(slots=True, eq=False)
 class WriteJob:
-    """One entry to write: host buffers taken on the GPU thread (kept alive by `owner`), or by
-    `take` in the writer thread (kv_layout.MOVE: it waits there for MLX's moves to host memory)."""
+    """One entry to write: host buffers taken on the GPU thread (kept alive by `owner`)."""
 
     name: str
     tokens: np.ndarray
@@ -359,7 +358,6 @@ class WriteJob:
     nbytes: int = 0  # the memory the job holds until written
     trimmable: bool = True
     base: tuple[str, int] | None = None  # a delta file's base and start (kv_files.Header.base)
-    take: Callable[[], list[Tensor]] | None = None  # the tensors, taken in the writer thread instead
 
 
 class Writer:
@@ -450,8 +448,7 @@ class Writer:
             return False  # its base did not reach the disk, or is gone: the delta would serve nothing
         started = time.perf_counter()
         try:
-            tensors = job.take() if job.take is not None else job.tensors
-            size = kv_files.write_file(tier.dir, job.name, job.tokens.tolist(), job.cache_meta, tensors,
+            size = kv_files.write_file(tier.dir, job.name, job.tokens.tolist(), job.cache_meta, job.tensors,
                                        pause=lambda: self._pause(job), trimmable=job.trimmable, base=job.base)
             tier.stats.writes += 1
             tier.stats.written_bytes += size
