@@ -103,6 +103,32 @@ def test_a_long_reply_leaves_its_latest_checkpoint_in_the_ssd_tier(tiny_model: P
         assert json.loads((tier.dir / f"live-{engine.proc.pid}.json").read_text()) == []
 
 
+def test_a_next_turn_stands_its_first_checkpoint_on_the_reply_before(tiny_model: Path, tmp_path: Path) -> None:
+    """An agent's next turn (the transcript so far, and more) came from the prompt cache: its first
+    checkpoint is a delta on the last file of the reply before it, not its whole history again."""
+    kv = tmp_path / "kv"
+    first = {"prompt": list(range(5, 125)), "max_tokens": 40, "temperature": 0, "logit_bias": {"2": -100}}
+    with running_engine(tiny_model, "tiny", *checkpoint_args(kv)) as engine:
+        _, ids, _ = marked_ids(engine, first)
+        assert len(ids) >= 32  # (the marks may leave out a last token that wrote no text)
+        wait_for(lambda: engine.client.get("/admin/stats").json()["prompt_cache"]["writes_pending"] == 0)
+        tier = tier_of(kv)
+        before = {e.name: e for e in tier.entries()}
+        newest = max(before.values(), key=lambda e: len(e.tokens))  # the reply's last checkpoint
+        turn = {**first, "prompt": [*first["prompt"], *ids, *range(300, 320)], "max_tokens": 20}
+        assert engine.client.post("/v1/completions", json=turn).json()["usage"]["completion_tokens"] == 20
+        wait_for(lambda: engine.client.get("/admin/stats").json()["prompt_cache"]["writes_pending"] == 0)
+        stats = engine.client.get("/admin/stats").json()["prompt_cache"]
+        tier = tier_of(kv)  # (before the engine's stop writes its RAM entries too)
+    assert stats["tokens_reused"] >= 120 + len(ids) - 1  # the turn's prompt came from the cache (the reply's RAM entry)
+    added = sorted((e for e in tier.entries() if e.name not in before), key=lambda e: len(e.tokens))
+    assert added and len(added[0].tokens) == len(turn["prompt"])  # the turn's first: its prompt
+    assert (added[0].base, added[0].start) == (newest.name, len(newest.tokens))
+    whole = min(before.values(), key=lambda e: len(e.tokens))  # the first reply's prompt, the one whole file
+    assert added[0].size * 3 < whole.size  # the turn's new tokens' KV and the few the file before lacks
+    assert [e.name for e in tier.entries() if e.base is None] == [whole.name]
+
+
 def test_a_long_chain_of_deltas_starts_again_from_a_whole_file(tiny_model: Path, tmp_path: Path) -> None:
     """Past CHAIN deltas the next checkpoint is whole, and it makes the first chain redundant."""
     kv = tmp_path / "kv"

@@ -14,8 +14,8 @@ from mlx_lm.utils import load
 
 from mlxd.engine.cache import kv_layout, prefix_cache
 from mlxd.engine.cache.kv_layout import view
-from mlxd.engine.cache.prefix_cache import PrefixCache, common_prefix
-from mlxd.engine.cache.ssd_tier import SsdTier
+from mlxd.engine.cache.prefix_cache import PrefixCache
+from mlxd.engine.cache.ssd_tier import SsdTier, common_prefix
 from tests.support import wait_for
 
 BIG = 1 << 30
@@ -403,6 +403,69 @@ def test_a_delta_whose_base_is_not_on_disk_is_not_written_and_a_scan_drops_orpha
     (pc.ssd.dir / whole.name).unlink()  # a crash, say, between the two: the next scan drops the delta
     rescanned = tier(tmp_path)
     assert len(rescanned) == 0 and not list(rescanned.dir.glob("*.safetensors"))
+    pc.close()
+
+
+def next_turn(pc: PrefixCache, model: Any, prompt: list[int]) -> tuple[list[Any], int]:
+    """A row of `prompt` as a lane runs it: its cached prefix fetched, the rest run on it."""
+    got, cached = pc.fetch(prompt)
+    kv = got if got is not None else list(make_prompt_cache(model))
+    return filled(model, prompt[cached:], kv), cached
+
+
+@pytest.mark.parametrize("served", ["written entry", "checkpoint"])
+def test_a_first_checkpoint_stands_on_the_ssd_file_its_prompt_came_from(model: Any, tmp_path: Path,
+                                                                        served: str) -> None:
+    """An agent's next turn: its prompt's first tokens came from the prompt cache, from an entry
+    on SSD (the reply before, written) or holding a checkpoint on SSD of most of them (the RAM
+    entry of the reply before, whose checkpoint ended a few tokens short); the turn's first
+    checkpoint writes only what follows that file, and a new engine restores it joined."""
+    pc = PrefixCache(BIG, tier(tmp_path), threading.Event())
+    turn1 = seq(0, 40)
+    if served == "written entry":
+        pc.store(filled(model, turn1), turn1)
+        assert pc.flush(10).complete
+        base_tokens = 40
+    else:  # the reply's checkpoint holds its first 36 tokens; its RAM entry, all 40, is not on SSD
+        first = pc.checkpoint(filled(model, turn1[:36]), turn1[:36])
+        assert first is not None and written(pc)
+        pc.store(filled(model, turn1), turn1)
+        base_tokens = 36
+    turn2 = turn1 + seq(200, 12)
+    kv, cached = next_turn(pc, model, turn2)
+    assert cached == 40
+    whole_bytes = sum(c.nbytes for c in view(kv, len(turn2)))
+    taken = pc.checkpoint(kv, turn2, cached=cached)
+    assert taken is not None and taken.base is not None and taken.base[1] == base_tokens
+    assert taken.nbytes * 3 < whole_bytes  # the turn's new tokens (and the few its base lacks), not 52
+    assert written(pc) and taken.on_ssd and pc.ssd is not None
+    restarted = PrefixCache(BIG, tier(tmp_path), threading.Event())
+    query = [*turn2, 9]
+    got, hit = restarted.fetch(query)
+    assert hit == len(turn2) and restarted.stats.ssd_hits == 1
+    assert mx.allclose(last_logits(model, query[hit:], got), last_logits(model, query), atol=1e-4).item()
+    pc.close()
+    restarted.close()
+
+
+def test_a_first_checkpoint_is_whole_where_no_file_holds_enough_of_its_prompt(model: Any, tmp_path: Path) -> None:
+    pc = PrefixCache(BIG, tier(tmp_path), threading.Event())
+    long = seq(0, 40)
+    pc.store(filled(model, long), long)
+    assert pc.flush(10).complete
+    prompt = long[:12] + seq(100, 30)  # 12 tokens served by a 40-token file: more than twice what it serves
+    kv, cached = next_turn(pc, model, prompt)
+    assert cached == 12
+    taken = pc.checkpoint(kv, prompt, cached=cached)
+    assert taken is not None and taken.base is None
+    unwritten = seq(150, 40)  # served by a RAM entry that is not on SSD: nothing to stand on
+    pc.store(filled(model, unwritten), unwritten)
+    prompt = unwritten + seq(5, 6)
+    kv, cached = next_turn(pc, model, prompt)
+    assert cached == 40
+    taken = pc.checkpoint(kv, prompt, cached=cached)
+    assert taken is not None and taken.base is None
+    assert written(pc)
     pc.close()
 
 

@@ -32,7 +32,7 @@ import xxhash
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
-from mlxd.engine.cache import kv_layout
+from mlxd.engine.cache import kv_layout, ssd_tier
 from mlxd.engine.cache.kv_layout import (
     SLACK_SHARE,
     Staged,
@@ -70,6 +70,7 @@ class Entry:
     write_failed: bool = False  # its last write failed (disk full?): write-behind leaves it, a drain retries
     trimmable: bool = True  # serves a prefix of itself (fixed when stored)
     base: tuple[str, int] | None = None  # a delta checkpoint's base and start: `kv` holds only what follows
+    links: int = 0  # a delta checkpoint's: the deltas between it and the whole file its chain starts at, itself included
     staged: Staged | None = None  # a checkpoint's copy, queued on the GPU; `kv` is then empty (kv_layout.py)
     read: list[memoryview] = field(default_factory=list)  # its blocks read to the host so far (READ_A_TURN)
 
@@ -103,16 +104,8 @@ def entry_name(tokens: np.ndarray) -> str:
     return xxhash.xxh3_128_hexdigest(tokens.astype("<u4").tobytes()) + ".safetensors"
 
 
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """How many leading tokens `a` and `b` share."""
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if len(diff) else n
-
-
 RECENT_CHECKPOINTS = 64  # checkpoints remembered by name: a row checkpointing the same tokens shares one
+STAND_ON_LINKS = 16  # a first checkpoint stands on an entry of fewer deltas (gpu/checkpoints.py: CHAIN)
 
 class PrefixCache:
     """The RAM tier (byte-capped LRU) over an optional SSD tier and its writer."""
@@ -242,7 +235,7 @@ class PrefixCache:
 
     @staticmethod
     def _usable(tokens: np.ndarray, query: np.ndarray, limit: int, trimmable: bool) -> int:
-        n = min(common_prefix(tokens, query), limit)
+        n = min(ssd_tier.common_prefix(tokens, query), limit)
         if n < len(tokens) and not trimmable:
             return 0  # a cache that cannot be cut serves only prompts that contain all of it
         return n
@@ -301,14 +294,17 @@ class PrefixCache:
                 self._drop(other)
         self._put(entry)
 
-    def checkpoint(self, kv: list[Any], tokens: Tokens, base: Entry | None = None) -> Entry | None:
+    def checkpoint(self, kv: list[Any], tokens: Tokens, base: Entry | None = None, cached: int = 0) -> Entry | None:
         """Write a copy of a running row's `kv` (a prefix of `tokens`, its offset says how much) to
         SSD now, busy or not, and not to RAM: a generation checkpoint (gpu/checkpoints.py). The
         row keeps `kv`. With `base` (the row's checkpoint before), only the KV after its tokens
-        is written, in a delta file that names it. The file makes earlier ones that are prefixes
-        of it redundant (the tier drops them, a delta's chain of bases aside). Its Entry
-        (`on_ssd` once written), or None when not taken: no SSD tier, or the copies queued already
-        hold half the RAM cap (they live until written)."""
+        is written, in a delta file that names it. Without, where the row's first `cached` tokens
+        came from the prompt cache and an entry on SSD holds them or most of them (`_stand_on`),
+        the file is a delta on that entry: an agent's next turn writes its new tokens, not its
+        whole history again. The file makes earlier ones that are prefixes of it redundant (the tier drops
+        them, a delta's chain of bases aside). Its Entry (`on_ssd` once written), or None when
+        not taken: no SSD tier, or the copies queued already hold half the RAM cap (they live
+        until written)."""
         if self._writer is None or not kv:
             return None
         offset = getattr(kv[0], "offset", None)
@@ -320,8 +316,11 @@ class PrefixCache:
                 taken.on_ssd and (self.ssd is None or name not in self.ssd)):
             return taken  # another row's, of the same tokens (a shared prompt), on its way or written
         if self.ssd is not None and (d := self.ssd.get(name)) is not None:
-            return Entry(covered, [], 0, name, self._clock, on_ssd=True, base=(d.base, d.start) if d.base else None)
+            return Entry(covered, [], 0, name, self._clock, on_ssd=True, base=(d.base, d.start) if d.base else None,
+                         links=self.ssd.links(d))
         start = len(base.tokens) if base is not None else 0
+        if base is None and 0 < cached < offset and (stand := self._stand_on(covered, cached)) is not None:
+            base, start = stand
         delta = base is not None and 0 < start < offset and all(type(c) is KVCache for c in kv)
         kept = after(kv, start, offset) if delta else view(kv, offset)
         nbytes = self._weigh(kept)
@@ -332,7 +331,8 @@ class PrefixCache:
         staged = stage(kept)  # its own buffers (the row goes on writing into its cache), as the file has them
         mx.async_eval(staged.arrays)  # the copy, queued behind the step under way
         entry = Entry(covered, [], nbytes, name, self._clock, trimmable=is_trimmable(kept),
-                      base=(base.name, start) if delta and base is not None else None, staged=staged)
+                      base=(base.name, start) if delta and base is not None else None, staged=staged,
+                      links=base.links + 1 if delta and base is not None else 0)
         self._copying.append(entry)
         self._checkpointed[name] = entry
         while len(self._checkpointed) > RECENT_CHECKPOINTS:
@@ -340,6 +340,35 @@ class PrefixCache:
         self.stats.checkpoint_s += time.perf_counter() - started
         self.stats.checkpoints += 1
         return entry
+
+    def _stand_on(self, tokens: np.ndarray, n: int) -> tuple[Entry, int] | None:
+        """An entry on SSD, or on its way there, to stand a row's first checkpoint on, and where
+        the checkpoint's delta starts: the row's first `n` tokens came from the prompt cache, so
+        an entry holding a prefix of them serves as a base (a checkpoint of the reply before, say,
+        whose RAM entry served), or one holding all of them and at most twice that, cut at `n`
+        (a restore reads its whole file). The one serving most, then the shortest, then the one
+        of the shortest chain; at least half of `n`."""
+        if self.ssd is None or n <= 0:
+            return None
+        found: list[tuple[int, int, Entry | DiskEntry]] = []
+        seen: set[str] = set()
+        for e in [*self._checkpointed.values(), *self._entries.values()]:
+            if e.name not in seen and (e.on_ssd or e.writing) and not (e.write_failed or e.unwritable):
+                seen.add(e.name)
+                d = self.ssd.get(e.name) if e.on_ssd else None
+                if not e.on_ssd or d is not None:
+                    found.append((len(e.tokens), self.ssd.links(d) if d is not None else e.links, e))
+        found += [(len(d.tokens), self.ssd.links(d), d) for d in self.ssd.entries() if d.name not in seen]
+        fits = [(min(length, n), length, links, e) for length, links, e in found
+                if n // 2 <= min(length, n) and length <= 2 * n and links < STAND_ON_LINKS and e.trimmable
+                and np.array_equal(e.tokens[:min(length, n)], tokens[:min(length, n)])]
+        if not fits:
+            return None
+        start, _, links, best = min(fits, key=lambda f: (-f[0], f[1], f[2]))
+        if isinstance(best, Entry):
+            return best, start
+        return Entry(best.tokens, [], 0, best.name, self._clock, on_ssd=True, links=links,
+                     base=(best.base, best.start) if best.base else None), start
 
     def send_checkpoints(self, everything: bool = False) -> None:
         """Hand the writer the checkpoints taken before now: their copies, queued then, are made by

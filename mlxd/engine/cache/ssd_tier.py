@@ -155,6 +155,11 @@ class SsdTier:
             links.append(base)
         return links[::-1]
 
+    def links(self, entry: DiskEntry) -> int:
+        """The deltas in an entry's chain (0: a whole file; MAX_LINKS where the chain is broken)."""
+        chain = self.chain(entry) if entry.base is not None else [entry]
+        return len(chain) - 1 if chain is not None else MAX_LINKS
+
     def chain_size(self, entry: DiskEntry) -> int:
         """The bytes a restore of `entry` reads: its file's and its bases'."""
         links = self.chain(entry)
@@ -338,6 +343,15 @@ def join(parts: Any, starts: list[int]) -> Any:
     out.keys, out.values = cat([p.keys for p in parts]), cat([p.values for p in parts])
     out.offset = starts[-1] + parts[-1].offset
     return out
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
 
 
 def is_prefix(short: np.ndarray, long: np.ndarray) -> bool:

@@ -11,10 +11,12 @@ its way there): its prompt right after its first token, when at least `interval`
 from no cache, then every `interval` tokens it generates. (Checkpoints a sixteenth of the
 prompt apart, at least 128 tokens, took a resume on the 2-core CPU from the restart plus 18% of
 the prompt's cold prefill to 7%, but decode with them on from 1.01 of off to 0.87: not the
-default; docs/benchmarks.md, issue 29, 2026-12-07.) The first checkpoint is a whole file; each
-next one a delta file holding only the KV after the one before, which it names as its base (a
-chain: each token is written once, the prompt not again at every checkpoint), until CHAIN
-deltas stand on the whole file, when a whole file is written again. The tier restores a delta
+default; docs/benchmarks.md, issue 29, 2026-12-07.) The first checkpoint is a whole file, unless
+the prompt cache served the row's prompt from a file on SSD (an agent's next turn): then a delta
+file on that one, holding only the KV after what it served. Each next one is a delta file
+holding only the KV after the one before, which it names as its base (a chain: each token is
+written once, the prompt not again at every checkpoint), until CHAIN deltas stand on the whole
+file, when a whole file is written again. The tier restores a delta
 by joining its chain. The GPU thread queues a copy of what the file holds behind the step under
 way (a batch row's KV cut from the batch as views: `rows_kv`) and goes on; at its next step
 (when that copy is surely made) it hands the copy's host buffers to the SSD tier's writer
@@ -78,15 +80,17 @@ class Checkpoints:
         base = seq.base
         ssd = self._cache.ssd
         if base is not None and (base.write_failed or (base.on_ssd and ssd is not None and base.name not in ssd)
-                                 or seq.links >= CHAIN):
+                                 or base.links >= CHAIN):
             base = None  # its file failed or is gone, or the chain is long: a whole file again
+        # the first may stand on the prompt cache's file its prompt came from
+        cached = seq.cached if seq.base is None else 0
         try:
-            taken = media.checkpoint(self._cache, self._loaded, seq.job, kv, tokens, base)
+            taken = media.checkpoint(self._cache, self._loaded, seq.job, kv, tokens, base, cached)
         except Exception:  # a checkpoint must never cost the reply
             log.exception("generation checkpoint failed; generation goes on")
             taken = None
         if taken is not None:  # the next: what follows it
-            seq.base, seq.links = taken, seq.links + 1 if taken.base is not None else 0
+            seq.base = taken
         seq.saved = offset
         if taken is not None and self._shown is not None:
             # this one, the one before (if this one's write is cut, the tier still has it) and its base

@@ -85,9 +85,9 @@ def store(cache: PrefixCache, loaded: LoadedModel, job: Job, kv: list[Any], toke
 
 
 def checkpoint(cache: PrefixCache, loaded: LoadedModel, job: Job, kv: list[Any], tokens: list[int],
-               base: Any = None) -> Any:
+               base: Any = None, cached: int = 0) -> Any:
     """A copy of a row's KV to the SSD tier only, under its key (PrefixCache.checkpoint: its Entry)."""
-    return cache.checkpoint(in_model_positions(loaded, job, kv), cache_key(job, tokens), base)
+    return cache.checkpoint(in_model_positions(loaded, job, kv), cache_key(job, tokens), base, cached)
 
 
 def in_model_positions(loaded: LoadedModel, job: Job, kv: list[Any]) -> list[Any]:

@@ -30,7 +30,7 @@ class Sequence:
     """A job being generated: its text state, its clock, and how it ended."""
 
     __slots__ = ("_detok", "_eos", "_grown", "_has_relayed", "_pending", "_reported", "_stops", "_tokenizer", "base",
-                 "cached", "clock", "finish_reason", "generated", "job", "links", "paused", "saved", "tally")
+                 "cached", "clock", "finish_reason", "generated", "job", "paused", "saved", "tally")
 
     def __init__(self, job: Job, tokenizer: Any, eos: set[int]) -> None:
         self.job = job
@@ -42,7 +42,6 @@ class Sequence:
         self.paused = 0  # times a lane paused it for a more urgent job
         self.saved = 0  # of its history, the tokens whose KV is on SSD or on its way (gpu/checkpoints.py)
         self.base: Any = None  # its newest checkpoint (a prefix_cache Entry): the next is a delta on it
-        self.links = 0  # the deltas between `base` and the whole file they stand on
         self.tally: Any = None  # drafts proposed and kept, once it decoded with drafts (spec/serial.py's Tally)
         self._detok = tokenizer.detokenizer
         if job.continues_text:

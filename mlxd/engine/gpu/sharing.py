@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from mlxd.engine.cache.prefix_cache import common_prefix
+from mlxd.engine.cache.ssd_tier import common_prefix
 
 MIN_SHARED_TOKENS = 128
 # The least the rows of a turn must all find cached for uniform_start (a chat preamble: 20-40).
