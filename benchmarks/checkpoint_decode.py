@@ -43,14 +43,11 @@ def main() -> None:
         p.error("--rounds must be at least 2")
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "benchmarks"))
+    from common import model_dir, print_report
+
     from tests.support import running_engine
 
-    if args.model == "smollm2":
-        from batching import default_model
-
-        model = default_model()
-    else:
-        model = Path(args.model).expanduser()
+    model = model_dir(args.model)
     every = ["--generation-checkpoint", str(args.every)] if args.every is not None else []
     with tempfile.TemporaryDirectory(prefix="mxc-") as tmp, \
             running_engine(model, "m", "--ssd-cache-dir", f"{tmp}/on", *every) as on, \
@@ -74,8 +71,6 @@ def main() -> None:
         "checkpoints": cache["checkpoints"], "skipped": cache["checkpoints_skipped"],
         "checkpoint_gpu_thread_ms": cache["checkpoint_ms"],
     }
-    from common import print_report
-
     print_report(report, None)
 
 

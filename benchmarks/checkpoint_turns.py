@@ -36,15 +36,12 @@ def main() -> None:
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "benchmarks"))
+    from common import model_dir
+
     from mlxd.engine.cache.ssd_tier import SsdTier
     from tests.support import running_engine, wait_for
 
-    if args.model == "smollm2":
-        from batching import default_model
-
-        model = default_model()
-    else:
-        model = Path(args.model).expanduser()
+    model = model_dir(args.model)
     words = ["river", "stone", "lamp", "letter", "window", "harbor", "winter", "orchard"]
     messages: list[dict[str, str]] = [{"role": "system", "content": "You are a careful assistant."}]
     per_token = 0.0

