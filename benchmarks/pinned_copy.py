@@ -33,7 +33,8 @@ COPY_BLOCKS = 32  # thread blocks of 256 for a copy: PCIe-bound, so few SMs take
 _SOURCE = """
     unsigned long long base = ((unsigned long long)dst[1] << 32) | (unsigned long long)dst[0];
     unsigned long long n = ((unsigned long long)size[1] << 32) | (unsigned long long)size[0];
-    unsigned long long wide = n / 16;
+    bool aligned = ((unsigned long long)src % 16 == 0) && (base % 16 == 0);  // an offset view may not be
+    unsigned long long wide = aligned ? n / 16 : 0;
     unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
     unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
     const uint4* from = reinterpret_cast<const uint4*>(src);
@@ -141,6 +142,15 @@ def _check() -> None:
               + f"; bytes equal: {same}", flush=True)
         if not same:
             sys.exit(1)
+    a = mx.random.randint(0, 1 << 15, (1 << 20,)).astype(mx.uint16)
+    arena.reset()
+    host, done = copy_to_host(a[1:], arena)  # an offset view: 2 bytes off any alignment
+    mx.async_eval(done)
+    wait(done)
+    same = np.array_equal(host.view(np.uint16), np.array(a)[1:])
+    print(f"an offset view: bytes equal: {same}", flush=True)
+    if not same:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
