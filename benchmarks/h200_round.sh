@@ -63,11 +63,12 @@ pinned29)  # the copy into pinned host memory by a kernel on a side stream: its 
   step ckcopy 260 python3 benchmarks/checkpoint_copy_probe.py --model /tmp/models/l8q --rows 8 --prompt 4574 \
     --steps 520 --rounds "${ROUNDS:-2}" --modes "${MODES:-off,pinned,paced,gpu}"
   ;;
-close29)  # the copy probe's three ways at 8 streams, then the cut with a checkpoint (2 samples)
+close29)  # the copy probe's ways at 8 streams; with CUT=1 the cut with a checkpoint too (2 samples: it needs
+  # about 400 s, so `cutck` in a call of its own is the surer way; 240 s printed nothing on 2026-12-07)
   model 8b-4bit /tmp/models/l8q
   step ckcopy 200 python3 benchmarks/checkpoint_copy_probe.py --model /tmp/models/l8q --rows 8 --prompt 4574 \
     --steps 520 --rounds "${ROUNDS:-2}" --modes "${MODES:-off,paced,grouped}"
-  [ "${CUT:-1}" = 0 ] || step cutck 240 python3 benchmarks/resume.py --phases checkpoint --model /tmp/models/l8q --no-eos \
+  [ "${CUT:-0}" = 0 ] || step cutck 240 python3 benchmarks/resume.py --phases checkpoint --model /tmp/models/l8q --no-eos \
     --streams 1 --max-tokens 640 --samples "${SAMPLES:-2}" --turns 0 --sides with --cut-at 560 --prompt-words 1500
   ;;
 probe29)  # issue 29's two short GPU aims, each taken apart: what a checkpoint costs a batch, by mechanism; a fresh engine's continuation
