@@ -8,9 +8,12 @@ greedy. After each turn (its writes done) it reads from /admin/stats the bytes t
 and from the tier's files whether the turn's first checkpoint is whole or a delta, on what.
 The bytes a whole first checkpoint would take (the code before 2026-12-07's twelfth session
 wrote every reply's prompt whole) are the turn's prompt tokens times the KV bytes a token of
-the first turn's whole file.
+the first turn's first whole file. At mlxd's defaults (`--every 512 --write-behind on`) the
+idle engine's write of each turn's entry replaces its checkpoints on SSD, so the bytes are
+what to compare, against a run of the code before.
 
   python benchmarks/checkpoint_turns.py --model smollm2 --turns 4 --every 64 --max-tokens 100 --words 150
+  python benchmarks/checkpoint_turns.py --model smollm2 --turns 3 --every 512 --max-tokens 600 --words 150 --write-behind on
 """
 
 from __future__ import annotations
@@ -69,8 +72,8 @@ def main() -> None:
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
             usage_prompt = reply["usage"]["prompt_tokens"]  # the first checkpoint holds the prompt
             first = next((e for e in added if len(e.tokens) == usage_prompt), None)
-            if first is not None and first.base is None and not per_token:
-                per_token = first.size / len(first.tokens)
+            if not per_token and (whole := next((e for e in added if e.base is None), None)) is not None:
+                per_token = whole.size / len(whole.tokens)  # a file's KV bytes a token (its header aside)
             kind = ("gone (a file written after it holds it: the idle write's)" if first is None else "whole" if first.base is None
                     else f"delta on {first.start} tokens ({first.size / 1e6:.2f} MB)")
             written = now["ssd"]["written_bytes"] - before["ssd"]["written_bytes"]
