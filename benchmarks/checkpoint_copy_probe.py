@@ -16,10 +16,9 @@ its first token, a delta at `--every` tokens, through the engine's own PrefixCac
     blocks of up to kv_layout.BLOCK_BYTES, read on the GPU thread, at most `--read-a-turn` bytes
     a turn (prefix_cache.READ_A_TURN), so each read hides behind the step in flight;
   * gpu: paced's staged copy made and dropped, never read on the host;
-  * pinned (CUDA only): paced's staged copy, each block copied into page-locked host memory by
-    a kernel on a side stream (benchmarks/pinned_copy.py), a thread waiting for each copy and
-    writing its bytes to a file with their xxh3 checksum, as the SSD tier does: MLX never reads
-    the blocks on the host. A candidate for the engine, not in it.
+  * pinned (CUDA only): the engine's way on CUDA: paced's staged copy, each block copied into
+    page-locked host memory by a kernel on a stream of its own (mlxd/engine/cache/pinned.py), the
+    SSD tier's writer waiting for the copies there: MLX never reads the blocks on the host.
 
 (On 2026-12-07, twelfth session, `moved` and `movedrop` ways also ran: each block moved to host
 memory by a one-element read queued on MLX's CPU stream, the writer thread then taking the bytes
@@ -75,19 +74,20 @@ def main() -> None:
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlxd.engine.cache import kv_layout, prefix_cache
-    from mlxd.engine.cache.kv_layout import after, view
+    from mlxd.engine.cache.kv_layout import view
     from mlxd.engine.cache.prefix_cache import PrefixCache
     from mlxd.engine.cache.ssd_tier import SsdTier
     from mlxd.engine.gpu import decode_attention
     from mlxd.engine.gpu.checkpoints import rows_kv
     from mlxd.engine.gpu.flat_rows import flatten_quantized_rows, wins_here
 
-    arena = writer = None
+    copier = None
     if "pinned" in modes:
-        from pinned_copy import PinnedArena, copy_to_host, wait  # this folder's
+        from mlxd.engine.cache import pinned
 
-        arena = PinnedArena(int(a.pinned_gib * (1 << 30)))
-        writer = FileWriter(wait)
+        copier = pinned.Copier()
+        copier.arena = pinned.Arena.pinned(int(a.pinned_gib * (1 << 30)))
+        copier.warm()  # its compile, as the engine does at start
 
     model, _ = load(a.model)
     if wins_here():
@@ -113,9 +113,10 @@ def main() -> None:
     def one(mode: str, steps: int) -> dict[str, float]:
         kv_layout.GROUP = mode != "tensors"
         kv_layout.BLOCK_BYTES = 1 << 40 if mode == "grouped" else block_bytes
-        prefix_cache.READ_A_TURN = a.read_a_turn if mode == "paced" else None
+        prefix_cache.READ_A_TURN = a.read_a_turn if mode in ("paced", "pinned") else None
         with tempfile.TemporaryDirectory(prefix="ckprobe-") as tmp:
             pc = PrefixCache(64 << 30, SsdTier(Path(tmp), 1 << 40))
+            pc.copier = copier if mode == "pinned" else None
             gen = BatchGenerator(model, completion_batch_size=a.rows, prefill_batch_size=a.rows)
             histories = [rng.integers(2, vocab - 1, a.prompt + steps + 2).tolist() for _ in range(a.rows)]
             uids = gen.insert([[h[a.prompt - 1]] for h in histories], max_tokens=[steps + 10] * a.rows,
@@ -123,12 +124,7 @@ def main() -> None:
             row = dict(zip(uids, range(a.rows), strict=True))
             made = [0] * a.rows
             base: list[Any] = [None] * a.rows
-            last = [0] * a.rows  # pinned: where the row's last checkpoint ends
             held: list[Any] = []
-            pinned_s = 0.0
-            if writer is not None and arena is not None:
-                writer.start_round(Path(tmp))
-                arena.reset()
             times: list[float] = []
             t0 = time.perf_counter()
             while min(made) < steps:
@@ -151,17 +147,6 @@ def main() -> None:
                         staged = kv_layout.stage(kv)
                         mx.async_eval(staged.arrays)
                         held.append(staged)
-                    elif mode == "pinned":
-                        assert arena is not None and writer is not None
-                        started = time.perf_counter()
-                        n = kv[0].offset  # the tokens the row's KV holds
-                        part = view(kv, a.prompt) if last[i] == 0 else after(kv, last[i], n)  # as the engine's
-                        last[i] = a.prompt if last[i] == 0 else n
-                        staged = kv_layout.stage(part)
-                        copies = [copy_to_host(b, arena) for b in staged.blocks]
-                        mx.async_eval(staged.arrays, [done for _, done in copies])
-                        writer.submit(staged, copies)
-                        pinned_s += time.perf_counter() - started
                     elif base[i] is None:
                         base[i] = pc.checkpoint(view(kv, a.prompt), tokens)
                     else:
@@ -173,9 +158,6 @@ def main() -> None:
                 pc.flush(300)
             stats = pc.stats
             written = pc.ssd.stats.written_bytes if pc.ssd is not None else 0
-            if mode == "pinned" and writer is not None:
-                written, files = writer.finish_round()
-                stats.checkpoints, stats.checkpoint_s = files, pinned_s
             pc.close()
         del gen
         mx.clear_cache()
@@ -199,64 +181,6 @@ def main() -> None:
     for mode, outs in results.items():
         rate = statistics.median(x["tok_s"] for x in outs)
         print(f"{mode:8s} median {rate:.1f} tok/s" + (f", {rate / off:.3f} of off" if off else ""), flush=True)
-
-
-class FileWriter:
-    """The pinned way's writer thread: for each checkpoint, wait for its blocks' copies, then
-    write their bytes to a file with their xxh3-128, and fsync it (what the SSD tier's writer
-    does, the safetensors header aside)."""
-
-    def __init__(self, wait: Any) -> None:
-        import queue
-        import threading
-
-        self._wait = wait
-        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._idle = threading.Event()
-        self._dir = Path(tempfile.gettempdir())
-        self.written = self.files = 0
-        threading.Thread(target=self._run, daemon=True).start()
-
-    def start_round(self, directory: Path) -> None:
-        self._dir, self.written, self.files = directory, 0, 0
-
-    def submit(self, staged: Any, copies: list[Any]) -> None:
-        self._idle.clear()
-        self._jobs.put((staged, copies))
-
-    def finish_round(self) -> tuple[int, int]:
-        self._jobs.put(None)
-        self._idle.wait()
-        return self.written, self.files
-
-    def _run(self) -> None:
-        import os
-
-        import xxhash
-
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                self._idle.set()
-                continue
-            staged, copies = job
-            h = xxhash.xxh3_128()
-            fd = os.open(self._dir / f"ck-{self.files}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                for host, done in copies:
-                    self._wait(done)
-                    for at in range(0, host.nbytes, 8 << 20):
-                        chunk = memoryview(host[at:at + (8 << 20)])
-                        h.update(chunk)
-                        self.written += chunk.nbytes
-                        while chunk.nbytes:
-                            chunk = chunk[os.write(fd, chunk):]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            h.hexdigest()
-            self.files += 1
-            del staged
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@
 # "Still to measure on a GPU"). `group1`: issue 30's group of one rank against a plain engine.
 # `cutck`: that cut with a checkpoint only (no decode turns). `probe29`: checkpoint_copy_probe.py and
 # continuation_probe.py (LIMIT, STEPS, ROUNDS, MODES). `pinned29`: pinned_copy.py's check, then the copy
-# probe with its `pinned` way (a kernel on a side stream copying each block into page-locked host memory).
+# probe with its `pinned` way (mlxd's on CUDA: a kernel on a side stream copying each block into
+# page-locked host memory; `paced` is the way it falls back to).
 # `oom`: ck8's out-of-memory again, short, with nvidia-smi's memory every 500 ms (smi.csv).
 # `prefillmem`: benchmarks/prefill_memory.py, what the out-of-memory's fix costs a batched prefill.
 # `close30` (group1 and ck8) and `close27` (cut, the self-draft and n-gram prose at 8 streams): what
@@ -57,10 +58,10 @@ model() {  # model SHAPE DIR [random_llama.py flags]
   [ -d "$2" ] || python3 benchmarks/random_llama.py "$1" "$2" --tokenizer "$tok" "${@:3}" > /dev/null
 }
 case ${1:-1b} in
-pinned29)  # the copy into pinned host memory by a kernel on a side stream: its check, then the copy probe's ways at 8 streams
+pinned29)  # the engine's copy into page-locked host memory (cache/pinned.py): its check, then the copy probe's ways at 8 streams
   model 8b-4bit /tmp/models/l8q
   step pinned_check 90 python3 benchmarks/pinned_copy.py
-  step ckcopy 260 python3 benchmarks/checkpoint_copy_probe.py --model /tmp/models/l8q --rows 8 --prompt 4574 \
+  step ckcopy "${LIMIT:-260}" python3 benchmarks/checkpoint_copy_probe.py --model /tmp/models/l8q --rows 8 --prompt 4574 \
     --steps 520 --rounds "${ROUNDS:-2}" --modes "${MODES:-off,pinned,paced,gpu}"
   ;;
 close29)  # the copy probe's ways at 8 streams; with CUT=1 the cut with a checkpoint too (2 samples: it needs

@@ -33,6 +33,7 @@ class Staged:
     meta: dict[str, str]
     tensors: list[tuple[str, str, tuple[int, ...], tuple[int, int, int]]]
     blocks: list[mx.array]
+    host: list[Any] | None = None  # instead, on CUDA: each block's bytes on their way to page-locked memory (pinned.py)
 
     @property
     def arrays(self) -> list[mx.array]:
@@ -102,7 +103,9 @@ def stage(kv: list[Any], group: bool | None = None, block_bytes: int | None = No
 def host_tensors(staged: Staged, read: list[memoryview] | None = None) -> tuple[dict[str, str], list[Tensor], list[Any]]:
     """The metadata, the tensors as host buffers, and the arrays those buffers point into (keep
     them alive until written). The arrays must be evaluated (or queued: reading one waits for it).
-    `read`: the first blocks' host buffers, taken already."""
+    `read`: the first blocks' host buffers, taken already; with `staged.host`, none is read here."""
+    if staged.host is not None:
+        read = [c.bytes for c in staged.host]  # the writer waits for them first (pinned.wait)
     views = [*(read or []), *(memoryview(b).cast("B") for b in staged.blocks[len(read or []):])]  # type: ignore[arg-type]
     tensors = [Tensor(name, dtype, shape, views[block][start:start + n])
                for name, dtype, shape, (block, start, n) in staged.tensors]

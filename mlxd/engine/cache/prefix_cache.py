@@ -29,10 +29,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import xxhash
-from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
-from mlxd.engine.cache import kv_layout, ssd_tier
+from mlxd.engine.cache import kv_layout, pinned, ssd_tier
 from mlxd.engine.cache.kv_layout import (
     SLACK_SHARE,
     Staged,
@@ -134,6 +133,7 @@ class PrefixCache:
         self.only_disk: dict[str, None] | None = None
         self._copying: list[Entry] = []  # checkpoints whose copies are queued on the GPU (send_checkpoints)
         self._checkpointed: dict[str, Entry] = {}  # the last checkpoints taken, by name (oldest first)
+        self.copier: pinned.Copier | None = None  # CUDA: checkpoints' copies to the host (gpu/checkpoints.py)
 
     # --- lookups -------------------------------------------------------------------------------
 
@@ -283,7 +283,7 @@ class PrefixCache:
         kept = view(kv, offset) if is_trimmable(kv) else kv
         if slack(kv, offset) > SLACK_SHARE:
             compact(kept)  # a view would keep the lane's whole buffer alive, uncounted
-        mx.async_eval([x for c in kept for x in _arrays(c)])  # and a batch row's copy frees the batch buffer
+        mx.async_eval([c.state for c in kept])  # and a batch row's copy frees the batch buffer (non-arrays ignored)
         entry = Entry(covered, kept, self._weigh(kept), name, self._clock, trimmable=is_trimmable(kept))
         if entry.nbytes > self.cap_bytes:  # too big for RAM: to SSD only, if the writer has room
             if not self._spill_evicted(entry):
@@ -328,8 +328,9 @@ class PrefixCache:
             self.stats.checkpoints_skipped += 1
             return None
         started = time.perf_counter()
-        staged = stage(kept)  # its own buffers (the row goes on writing into its cache), as the file has them
-        mx.async_eval(staged.arrays)  # the copy, queued behind the step under way
+        # its own buffers (the row goes on writing into its cache), as the file has them, queued
+        # behind the step under way; on CUDA copied on to page-locked memory by the GPU if it can
+        staged = pinned.queue(stage(kept), self.copier)
         entry = Entry(covered, [], nbytes, name, self._clock, trimmable=is_trimmable(kept),
                       base=(base.name, start) if delta and base is not None else None, staged=staged,
                       links=base.links + 1 if delta and base is not None else 0)
@@ -379,7 +380,7 @@ class PrefixCache:
         started = time.perf_counter()
         budget = READ_A_TURN if not everything else None
         for n, entry in enumerate(copied):
-            if budget is not None and entry.staged is not None:  # its blocks read over turns
+            if budget is not None and entry.staged is not None and entry.staged.host is None:  # read over turns
                 blocks = entry.staged.blocks
                 while len(entry.read) < len(blocks) and budget > 0:
                     budget -= blocks[len(entry.read)].nbytes
@@ -448,6 +449,7 @@ class PrefixCache:
     def _spill(self, entry: Entry, urgent: bool) -> None:
         if self._writer is None or entry.unwritable:
             return
+        host = entry.staged.host if entry.staged is not None else None  # pinned.py: the writer waits
         try:
             if entry.staged is not None:  # a checkpoint's copy, made by now: its bytes, queuing nothing
                 (meta, tensors, owner), entry.staged = host_tensors(entry.staged, entry.read or None), None
@@ -467,7 +469,8 @@ class PrefixCache:
             entry.writing = False
 
         self._writer.submit(WriteJob(entry.name, entry.tokens, meta, tensors, urgent, owner, done, entry.nbytes,
-                                     entry.trimmable, entry.base))
+                                     entry.trimmable, entry.base, None if host is None else lambda: pinned.wait(host),
+                                     None if host is None else lambda: pinned.release(host)))
 
     @property
     def writes_pending(self) -> int:
@@ -491,7 +494,3 @@ class PrefixCache:
             s.restored_early,
         )
 
-
-def _arrays(c: Any) -> list[mx.array]:
-    flat: list[tuple[str, Any]] = tree_flatten(c.state)  # type: ignore[assignment]
-    return [x for _, x in flat if isinstance(x, mx.array)]

@@ -372,6 +372,8 @@ class WriteJob:
     nbytes: int = 0  # the memory the job holds until written
     trimmable: bool = True
     base: tuple[str, int] | None = None  # a delta file's base and start (kv_files.Header.base)
+    ready: Callable[[], bool] | None = None  # writer thread, before: wait for the buffers (False: never came)
+    release: Callable[[], None] | None = None  # writer thread, after, but for buffers that never came
 
 
 class Writer:
@@ -433,15 +435,20 @@ class Writer:
             if job.urgent:
                 with self._cond:
                     self._urgent_queued -= 1
-            ok = self._write(job)
+            came = job.ready is None or job.ready()
+            if not came:  # the GPU never made the bytes (it is gone): their memory is never reused
+                log.warning("SSD prompt cache: a checkpoint's bytes never reached the host; not written")
+            ok = came and self._write(job)
             try:
+                if came and job.release is not None:
+                    job.release()
                 job.done(ok)
             except Exception:
                 log.exception("SSD prompt cache: after-write callback failed")
             nbytes = job.nbytes
             # Its buffers and its callback's entry must not outlive the write (the loop variable
             # lives on while the next get() blocks).
-            job.owner = job.tensors = job.done = None  # type: ignore[assignment]
+            job.owner = job.tensors = job.done = job.ready = job.release = None  # type: ignore[assignment]
             del job
             with self._cond:
                 self._pending -= 1
