@@ -618,6 +618,14 @@ ck8)
   kill $smi
   echo "== smi at its highest"; sort -t, -k2 -n "$out/smi.csv" | tail -n 2
   ;;
+warm8)
+  # a fresh machine's first engines compile their kernels (about 4 minutes for the 8B shape): ck8's
+  # engines, briefly (64 tokens a stream, one turn each way, no figure), so that ck8 after it on the
+  # same machine times decode, not compiles
+  model 8b-4bit /tmp/models/l8q
+  step warm8 ${LIMIT:-400} python3 benchmarks/resume.py --phases checkpoint --model /tmp/models/l8q --no-eos \
+    --streams 8 --max-tokens 64 --samples 0 --cuts 0 --turns 1 --prompt-words 1500
+  ;;
 cut)
   # issue 29: one stream cut at token 560, the resume with and without a checkpoint
   model 8b-4bit /tmp/models/l8q
