@@ -207,3 +207,16 @@ def test_the_default_size_is_bounded_by_the_cache_and_the_host_and_the_setting_o
     assert pinned.default_bytes(1 << 30) == 0
     monkeypatch.setenv("MLXD_CHECKPOINT_PINNED_MB", "300")
     assert pinned.default_bytes(1 << 30) == 300 << 20
+
+
+def test_a_kernel_that_fails_gives_its_slices_back_and_the_copier_up() -> None:
+    class Broken(LateCopier):
+        def _launch(self, flat: mx.array, c: HostCopy | None, args: list[int]) -> mx.array:
+            raise RuntimeError("nvrtc: compilation failed")
+
+    arena = host_arena(1 << 16)
+    copier = Broken(arena)
+    assert copier.copy([mx.zeros((100,), dtype=mx.uint8)]) is None
+    assert copier.failed is not None and "compilation failed" in copier.failed and copier.arena is None
+    assert arena.free_bytes == arena.nbytes
+    assert copier.copy([mx.zeros((100,), dtype=mx.uint8)]) is None  # the other way from now on

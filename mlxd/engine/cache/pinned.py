@@ -198,17 +198,22 @@ class Copier:
         def allocate() -> None:
             started = time.perf_counter()
             try:
-                copier.arena = Arena.pinned(nbytes)
+                arena = Arena.pinned(nbytes)
             except Unavailable as exc:
                 copier.failed = str(exc)
                 log.warning("checkpoint copies: no page-locked host memory (%s); they are read the slow way", exc)
                 return
+            if copier.failed is None:  # the kernel did build
+                copier.arena = arena
             log.info("checkpoint copies: %.1f GiB of page-locked host memory in %.2f s",
                      nbytes / (1 << 30), time.perf_counter() - started)
 
         threading.Thread(target=allocate, name="mlxd-pinned", daemon=True).start()
         if mx.cuda.is_available():
-            copier.warm()
+            try:
+                copier.warm()
+            except Exception as exc:
+                copier._give_up(f"the copy kernel failed ({type(exc).__name__}: {exc})")
         return copier
 
     def copy(self, blocks: list[mx.array]) -> list[HostCopy] | None:
@@ -225,9 +230,19 @@ class Copier:
                     arena.give(start, size + (-size % 16) + FLAGS_BYTES)
                 return None
             taken.append((at, n))
-        copies = [self._copy(b, arena, at, n) for b, (at, n) in zip(blocks, taken, strict=True)]
-        mx.async_eval([done for _, done in copies])
+        try:
+            copies = [self._copy(b, arena, at, n) for b, (at, n) in zip(blocks, taken, strict=True)]
+            mx.async_eval([done for _, done in copies])
+        except Exception as exc:  # the kernel would not build or launch: never again, the other way
+            self._give_up(f"the copy kernel failed ({type(exc).__name__}: {exc})")
+            for start, size in taken:
+                arena.give(start, size + (-size % 16) + FLAGS_BYTES)
+            return None
         return [c for c, _ in copies]
+
+    def _give_up(self, why: str) -> None:
+        self.arena, self.failed = None, why
+        log.warning("checkpoint copies: %s; they are read the slow way", why)
 
     def _copy(self, block: mx.array, arena: Arena, at: int, n: int) -> tuple[HostCopy, mx.array]:
         self._seq = self._seq % 0xFFFFFFFF + 1  # never 0, which its flags hold until set
