@@ -609,12 +609,14 @@ r3batch)
   ;;
 ck8)
   # issue 29: decode with generation checkpoints on (the default) against off, one supervisor at a time, no cut
-  # (the card's memory sampled every 500 ms beside it: smi.csv)
+  # (the card's memory sampled every 500 ms beside it: smi.csv). TURNS=1 ROUNDS=2: one engine a side,
+  # two counted rounds each (a fresh machine's first engine compiles for about 4 minutes)
   model 8b-4bit /tmp/models/l8q
   nvidia-smi --query-gpu=timestamp,memory.used,memory.total --format=csv -lms 500 > "$out/smi.csv" 2>&1 &
   smi=$!
   step ck8 ${LIMIT:-540} python3 benchmarks/resume.py --phases checkpoint --model /tmp/models/l8q --no-eos \
-    --streams 8 --max-tokens 640 --samples 2 --cuts 0 --prompt-words 1500 --show-memory
+    --streams 8 --max-tokens 640 --samples 2 --cuts 0 --turns "${TURNS:-2}" --rounds "${ROUNDS:-1}" \
+    --prompt-words 1500 --show-memory
   kill $smi
   echo "== smi at its highest"; sort -t, -k2 -n "$out/smi.csv" | tail -n 2
   ;;

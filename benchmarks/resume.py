@@ -378,11 +378,11 @@ async def decode_round(bench: Bench, streams: int, label: str) -> list[float]:
 
 
 def checkpoints(serving: Callable[[str], contextlib.AbstractContextManager[Bench]], streams: int, turns: int,
-                cut_at: int, samples: int, sides: tuple[str, ...] = ("without", "with")) -> dict[str, Any]:
+                cut_at: int, samples: int, sides: tuple[str, ...] = ("without", "with"), rounds: int = 1) -> dict[str, Any]:
     """Decode with checkpoints (the supervisor `serving("on")` starts) against without
     (`serving("off")`), one supervisor at a time: two engines on one GPU would each size
     themselves to all of it. `turns` turns each, in the order on, off, off, on, ...; in each a
-    round of `streams` streams warms the engine up (it loads then) and a second is counted.
+    round of `streams` streams warms the engine up (it loads then) and the next `rounds` are counted.
     Then resume's wait after a cut at `cut_at`, `samples` times each way (`sides`: without a
     checkpoint, with one), and the prompt's cold prefill."""
     rates: dict[str, list[float]] = {"on": [], "off": []}
@@ -392,7 +392,8 @@ def checkpoints(serving: Callable[[str], contextlib.AbstractContextManager[Bench
             with serving(mode) as bench:
                 asyncio.run(decode_round(bench, streams, f"turn {t} checkpoints {mode}, warm-up (not counted)"))
                 before = asyncio.run(checkpoint_stats(bench))
-                rates[mode] += asyncio.run(decode_round(bench, streams, f"turn {t} checkpoints {mode}"))
+                for r in range(rounds):
+                    rates[mode] += asyncio.run(decode_round(bench, streams, f"turn {t} checkpoints {mode}, round {r}"))
                 after = asyncio.run(checkpoint_stats(bench))
                 if mode == "on":
                     for k in after:
@@ -458,6 +459,8 @@ def main() -> None:
                    help="checkpoint: cuts each way (default: --samples; 0: decode speed only)")
     p.add_argument("--turns", type=int, default=None,
                    help="checkpoint: decode turns each way (default: --samples; 0: cuts only)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="checkpoint: counted decode rounds a turn, after its warm-up round (more rounds, fewer engine starts)")
     p.add_argument("--sides", default="without,with",
                    help="checkpoint: the cuts' sides, without a checkpoint and/or with one")
     p.add_argument("--kill-loading", action="store_true",
@@ -552,7 +555,7 @@ def main() -> None:
                                         **checkpoints(serving, args.streams,
                                                       args.samples if args.turns is None else args.turns, args.cut_at,
                                                       args.samples if args.cuts is None else args.cuts,
-                                                      tuple(args.sides.split(",")))}
+                                                      tuple(args.sides.split(",")), args.rounds)}
     print_report(report, args.json)
 
 
