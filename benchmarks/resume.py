@@ -225,21 +225,32 @@ async def one_cut(bench: Bench, cut_at: int, resume: bool, i: int) -> dict[str, 
 
         first = await stream(session, bench, body, headers, on_token_timed)
         if restart is None:
-            return None
+            return dropped(bench, i, f"no kill: the stream ended after {len(first.times)} chunks ({first.error or 'no error'})")
         if resume:  # the longest wait between two tokens after the kill: the cut
             if first.error or len(first.times) <= cut_at:
-                return None
+                return dropped(bench, i, f"after the kill: {first.error or 'no error'} {first.message!r}, "
+                                  f"{len(first.times)} chunks")
             wait = max(b - a for a, b in zip(first.times[cut_at - 1:], first.times[cut_at:], strict=False))
         else:  # from the error to a token the first attempt had not delivered
             if first.error is None:
-                return None
+                return dropped(bench, i, "no error after the kill (resume was off)")
             errored, had = time.monotonic(), len(first.times)
             again = await stream(session, bench, body, headers)
             if again.error or len(again.times) <= had:
-                return None
+                return dropped(bench, i, f"sent again: {again.error or 'no error'} {again.message!r}, {len(again.times)} chunks")
             wait = again.times[had] - errored
         restarted = await restart
         return {"wait_ms": wait * 1000, "restart_ms": restarted, **(await restore_figures(bench) if resume else {})}
+
+
+def dropped(bench: Bench, i: int, why: str) -> None:
+    """Say why cut `i` gives no figure, with the supervisor's log lines that may tell."""
+    print(f"cut {i} dropped: {why}", file=sys.stderr, flush=True)
+    if bench.log is not None and bench.log.exists():
+        lines = [line for line in bench.log.read_text(errors="replace").splitlines()
+                 if any(w in line.lower() for w in ("resum", "error", "exit", "fail", "traceback", "killed", "cuda"))]
+        print("  the supervisor's log, its lines on resumes, errors and exits:\n" + "\n".join(lines[-30:]),
+              file=sys.stderr, flush=True)
 
 
 async def restore_figures(bench: Bench) -> dict[str, float]:

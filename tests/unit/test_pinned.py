@@ -207,6 +207,8 @@ def test_the_default_size_is_bounded_by_the_cache_and_the_host_and_the_setting_o
     assert pinned.default_bytes(1 << 30) == 0
     monkeypatch.setenv("MLXD_CHECKPOINT_PINNED_MB", "300")
     assert pinned.default_bytes(1 << 30) == 300 << 20
+    monkeypatch.setenv("MLXD_CHECKPOINT_PINNED_MB", "lots")  # said in the log; the engine starts all the same
+    assert pinned.default_bytes(1 << 30) == 1 << 29
 
 
 def test_a_kernel_that_fails_gives_its_slices_back_and_the_copier_up() -> None:

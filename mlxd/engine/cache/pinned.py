@@ -72,7 +72,10 @@ def default_bytes(cache_cap: int) -> int:
     """`MLXD_CHECKPOINT_PINNED_MB`, or the smallest of MOST_BYTES, an eighth of the host's memory
     and half the prompt cache's cap (checkpoints queued never hold more: prefix_cache.py)."""
     if (env := os.environ.get("MLXD_CHECKPOINT_PINNED_MB")) is not None:
-        return max(0, int(env)) << 20
+        try:
+            return max(0, int(env)) << 20
+        except ValueError:
+            log.warning("MLXD_CHECKPOINT_PINNED_MB=%r is not a whole number of MiB; the default is used", env)
     try:
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
