@@ -641,6 +641,13 @@ cutck)
   step cutck ${LIMIT:-400} python3 benchmarks/resume.py --phases checkpoint --model /tmp/models/l8q --no-eos \
     --streams 1 --max-tokens 640 --samples ${SAMPLES:-3} --turns 0 --sides with --cut-at 560 --prompt-words 1500
   ;;
+cut1b)
+  # issue 29: cutck's cut with the 1B model, one sample (a short call: a fresh machine's 1B engine
+  # compiles faster than the 8B one); resume.py says why a cut gives no figure
+  model 1b-bf16 /tmp/models/l1b
+  step cut1b ${LIMIT:-170} python3 benchmarks/resume.py --phases checkpoint --model /tmp/models/l1b --no-eos \
+    --streams 1 --max-tokens 640 --samples ${SAMPLES:-1} --turns 0 --sides with --cut-at 560 --prompt-words 1500
+  ;;
 json)
   # issue 27: the schema-held JSON workload, n-gram drafts on against off, 1 and 8 streams
   model 8b-4bit /tmp/models/l8q
