@@ -2,7 +2,8 @@
 
 Reading a GPU array on the host through MLX moves its buffer to managed memory: a
 `cudaMallocManaged` and a synchronous copy on the reading thread, the GIL held, and a `cudaFree`
-when the array goes (which waits for the whole device). At 8 streams that cost decode 3-6% with
+when the array goes (as MLX 0.32's CUDA allocator reads; CUDA documents `cudaFree` as waiting for
+the device). At 8 streams that cost decode 3-6% with
 checkpoints on, however the reads were spread (docs/benchmarks.md, issue 29). Here the host
 memory is page-locked once (`cuMemHostAlloc`, mapped into the GPU's address space), and an MLX
 custom kernel on a stream of its own writes each block's bytes straight into a slice of it, over
