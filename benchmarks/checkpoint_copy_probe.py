@@ -61,7 +61,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--modes", default="off,grouped,paced,gpu")
     p.add_argument("--read-a-turn", type=int, default=64 << 20, help="paced: bytes read to the host a turn (mlxd's on CUDA)")
-    p.add_argument("--pinned-gib", type=float, default=8.0, help="pinned: the page-locked host memory a round may fill")
+    p.add_argument("--pinned-gib", type=float, default=8.0, help="pinned: the page-locked host memory (a checkpoint it has no room for goes the paced way)")
     a = p.parse_args()
     modes = a.modes.split(",")
     if unknown := set(modes) - set(MODES):
