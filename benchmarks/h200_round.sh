@@ -23,7 +23,7 @@
 # continuation_probe.py (LIMIT, STEPS, ROUNDS, MODES). `pinned29`: pinned_copy.py's check, then the copy
 # probe with its `pinned` way (mlxd's on CUDA: a kernel on a side stream copying each block into
 # page-locked host memory; `paced` is the way it falls back to).
-# `oom`: ck8's out-of-memory again, short, with nvidia-smi's memory every 500 ms (smi.csv).
+# `storm8`: resume.py's storm at 8 streams on the 8B model (KILLS, JITTER). `oom`: ck8's out-of-memory again, short, with nvidia-smi's memory every 500 ms (smi.csv).
 # `prefillmem`: benchmarks/prefill_memory.py, what the out-of-memory's fix costs a batched prefill.
 # `close30` (group1 and ck8) and `close27` (cut, the self-draft and n-gram prose at 8 streams): what
 # the open issues still lack, each in one call. `spec27`: the self-draft and n-gram prose at 8
@@ -647,6 +647,14 @@ cut1b)
   model 1b-bf16 /tmp/models/l1b
   step cut1b ${LIMIT:-170} python3 benchmarks/resume.py --phases checkpoint --model /tmp/models/l1b --no-eos \
     --streams 1 --max-tokens 640 --samples ${SAMPLES:-1} --turns 0 --sides with --cut-at 560 --prompt-words 1500
+  ;;
+storm8)
+  # issue 29: 8 streams of 4,574-token prompts, the engine SIGKILLed mid-decode KILLS times (one a
+  # round, up to JITTER s after a token): the 7-8 replies going on at once on a fresh engine (on
+  # 2026-12-07 such a batched prefill ran out of memory once on an H100, after an illegal memory access)
+  model 8b-4bit /tmp/models/l8q
+  step storm8 ${LIMIT:-560} python3 benchmarks/resume.py --phases storm --model /tmp/models/l8q --no-eos \
+    --streams 8 --kills ${KILLS:-4} --kills-per-round 1 --kill-jitter ${JITTER:-10} --max-tokens 640 --prompt-words 1500
   ;;
 json)
   # issue 27: the schema-held JSON workload, n-gram drafts on against off, 1 and 8 streams

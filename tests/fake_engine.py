@@ -5,6 +5,10 @@
   boot_crash    exit 1 before binding the socket
   hang          answer /health once ready, then block the event loop forever after the first request
   exit_midway   stream 3 chunks, then exit 0 (a clean exit at the wrong time is still a crash)
+  lingering_exit
+                stream 3 chunks, then close every socket and exit 1 only `MLXD_FAKE_LINGER_S` (2)
+                later: a GPU process killed with its device memory in use exits seconds after
+                its sockets closed, while its driver tears the context down
   flood         stream `max_tokens` numbered 8 KiB chunks as fast as the socket takes them
   cued          while the file `MLXD_FAKE_CUE` exists, exit at start with the code it holds;
                 else serve as `ok` (a test breaks the model and mends it on cue)
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -62,12 +67,25 @@ async def completions(request: web.Request) -> web.StreamResponse:
         await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         if MODE == "exit_midway" and i == 2:
             os._exit(0)
+        if MODE == "lingering_exit" and i == 2:
+            linger()
         await asyncio.sleep(0.01)  # a token every 10 ms, as an engine paces them
     if chat:
         end = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
         await resp.write(b"data: " + json.dumps(end).encode() + b"\n\n")
     await resp.write(b"data: [DONE]\n\n")
     return resp
+
+
+def linger() -> None:
+    """Close every socket this process holds (the listener too: connections are refused), then
+    exit 1 after `MLXD_FAKE_LINGER_S`, the event loop blocked meanwhile."""
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                os.close(int(fd))
+    time.sleep(float(os.environ.get("MLXD_FAKE_LINGER_S", "2")))
+    os._exit(1)
 
 
 async def stream_tool_call(resp: web.StreamResponse) -> None:

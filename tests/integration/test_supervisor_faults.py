@@ -150,6 +150,30 @@ def test_engine_exiting_mid_stream_gives_an_sse_error_and_metrics_count_the_rest
         sup.stop()
 
 
+def test_a_request_meeting_a_dying_engines_refusal_waits_for_its_exit_and_is_served_by_the_next(
+        tmp_path: Path) -> None:
+    """An engine whose sockets closed but whose process lingers (as a GPU process killed with its
+    memory in use does while its driver tears down): the supervisor still counts it ready, so a
+    request finds its socket refusing. It waits for the exit and the restart, not a 503."""
+    sup = fake_supervisor(tmp_path, "lingering_exit", MLXD_FAKE_LINGER_S="3")
+    try:
+        with sup.client.stream("POST", "/v1/completions", json={"model": "fake", "stream": True, "max_tokens": 10}) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert json.loads(lines[-1][6:])["error"]["code"] == "engine_crashed"
+        [row] = sup.client.get("/admin/engines").json()["data"]
+        assert row["state"] == "ready"  # the process lingers: its exit is not seen yet
+        started = time.monotonic()
+        resp = sup.client.post("/v1/chat/completions", json={"model": "fake", "messages": [{"role": "user", "content": "hi"}]})
+        waited = time.monotonic() - started
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["message"]["content"] == "fake"
+        assert waited > 1.0  # it waited out the linger (3 s from the stream's end)
+        [after] = sup.client.get("/admin/engines").json()["data"]
+        assert after["pid"] != row["pid"] and after["restarts"] == 1
+    finally:
+        sup.stop()
+
+
 def test_a_slow_reader_pauses_the_engine_and_still_gets_every_chunk_in_order(tmp_path: Path) -> None:
     """4000 chunks of 8 KiB (about 33 MB) from an engine that writes as fast as it can, to a
     client that stops reading for a while: the supervisor stops reading the engine instead of

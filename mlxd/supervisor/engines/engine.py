@@ -64,6 +64,7 @@ class EngineOptions:
         )
 TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ")
 BOOT_POLL_S = 0.01  # /health polls while an engine starts (a swap waits on this)
+LOST_POLL_S = 0.05  # a request that found the engine's socket refusing looks this often for its exit
 NO_RETRY = {ExitCode.ENGINE_BOOT_ERROR, ExitCode.MODEL_LOAD_ERROR, 2}
 
 
@@ -161,6 +162,15 @@ class Engine:
         self.start()
         assert self._ready is not None
         await asyncio.shield(self._ready)
+
+    async def lost(self, pid: int | None) -> None:
+        """Wait until the run `pid` is over, once its socket refused a connection: the process is
+        dead or dying, and a GPU process killed with its device memory in use can take seconds to
+        exit after its sockets closed (its driver tears the context down). Returns at once when
+        another run serves, and once the health check's deadline (and a kill's grace) has gone by."""
+        deadline = time.monotonic() + self.options.health_deadline_s + self.options.grace_s
+        while self.pid == pid and self.state is EngineState.READY and time.monotonic() < deadline:
+            await asyncio.sleep(LOST_POLL_S)
 
     def start(self) -> None:
         """Start the owner task unless it runs (it waits out the restart backoff first)."""

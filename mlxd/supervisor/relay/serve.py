@@ -3,7 +3,8 @@
 A streaming request that waits long for its engine gets SSE comments meanwhile (waiting.py);
 its errors then come as the dialect's error events, since the 200 has gone out. An engine
 that turned the request away before starting it (draining, leased) or died before taking it
-puts the request back in the queue, a bounded number of times.
+puts the request back in the queue, a bounded number of times; one whose socket refused it
+(dead, or dying: its process not yet exited) is waited out first (Engine.lost).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from aiohttp import web
 from mlxd.protocol.errors import APIError
 from mlxd.protocol.process import ADAPTER_HEADER, LEASE_HEADER, PRIORITY_HEADER, RESUME_HEADER
 from mlxd.supervisor.adapters import AdapterEntry, header_value
+from mlxd.supervisor.engines.engine import Engine
 from mlxd.supervisor.engines.pool import Pool
 from mlxd.supervisor.engines.upstream import EngineBusy, EngineUnreachable, crashed_error
 from mlxd.supervisor.registry import ModelEntry
@@ -82,8 +84,13 @@ async def _route(
 ) -> web.StreamResponse:
     lease_id = request.headers.get(LEASE_HEADER)
     pause_s, num_resent, requeues, sent = 0.0, 0, 0, body
+    refused: tuple[Engine, int | None] | None = None  # the engine run that refused it last
     while requeues < MAX_REQUEUES:
         await asyncio.sleep(pause_s)  # after an unreachable engine: its owner sees the exit meanwhile
+        if refused is not None:
+            lost = refused[0].lost(refused[1])  # its slot was let go (finally): a restart may begin
+            await (waiting.wait(lost, lambda _: None) if waiting is not None else lost)
+            refused = None
         acquire = pool.acquire(entry, lease_id, priority=queued)
         try:
             slot = await (waiting.wait(acquire, pool.release) if waiting is not None else acquire)
@@ -94,6 +101,7 @@ async def _route(
                      request.path)
             pause_s = UNREACHABLE_PAUSE_S
             continue
+        pid = slot.engine.pid
         try:
             headers = {LEASE_HEADER: slot.engine_lease_token} if lease_id and slot.engine_lease_token else {}
             if key_priority is not None:
@@ -125,8 +133,8 @@ async def _route(
             if dead.was_sent and num_resent:
                 raise crashed_error() from None
             num_resent += dead.was_sent
-            pause_s, requeues = UNREACHABLE_PAUSE_S, requeues + 1
-            continue  # it died before it took the request: wait in the queue for its restart
+            pause_s, requeues, refused = UNREACHABLE_PAUSE_S, requeues + 1, (slot.engine, pid)
+            continue  # it died before it took the request: wait for its exit, then in the queue for its restart
         except EngineBusy:
             requeues += 1
             continue  # raced a drain or lease at the engine: wait in the queue again
