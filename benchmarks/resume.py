@@ -485,10 +485,11 @@ def main() -> None:
     args = p.parse_args()
     if not set(args.sides.split(",")) <= {"with", "without"}:
         p.error("--sides takes `with`, `without` or both (comma-separated)")
-    if (min(args.kills, args.kills_per_round, args.streams, args.max_tokens, args.samples) < 1
+    counted = args.samples >= 1 or (args.phases == "checkpoint" and args.cuts is not None and args.turns is not None)
+    if (min(args.kills, args.kills_per_round, args.streams, args.max_tokens) < 1 or not counted
             or not 1 <= args.cut_at < args.max_tokens):
-        p.error("--kills, --kills-per-round, --streams, --max-tokens and --samples must be at least 1, "
-                "and --cut-at below --max-tokens")
+        p.error("--kills, --kills-per-round, --streams, --max-tokens and --samples must be at least 1 "
+                "(--samples 0 only for the checkpoint phase with --cuts and --turns), and --cut-at below --max-tokens")
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from common import log_on_failure, print_report
     from proxy_overhead import Supervisor, private_dir
