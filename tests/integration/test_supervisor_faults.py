@@ -155,7 +155,8 @@ def test_a_request_meeting_a_dying_engines_refusal_waits_for_its_exit_and_is_ser
     """An engine whose sockets closed but whose process lingers (as a GPU process killed with its
     memory in use does while its driver tears down): the supervisor still counts it ready, so a
     request finds its socket refusing. It waits for the exit and the restart, not a 503."""
-    sup = fake_supervisor(tmp_path, "lingering_exit", MLXD_FAKE_LINGER_S="3")
+    # a health deadline past the linger: the process exits by itself, not killed as hung
+    sup = fake_supervisor(tmp_path, "lingering_exit", MLXD_FAKE_LINGER_S="3", MLXD_ENGINE_HEALTH_DEADLINE_S="10")
     try:
         with sup.client.stream("POST", "/v1/completions", json={"model": "fake", "stream": True, "max_tokens": 10}) as r:
             lines = [line for line in r.iter_lines() if line.startswith("data: ")]
@@ -170,6 +171,7 @@ def test_a_request_meeting_a_dying_engines_refusal_waits_for_its_exit_and_is_ser
         assert waited > 1.0  # it waited out the linger (3 s from the stream's end)
         [after] = sup.client.get("/admin/engines").json()["data"]
         assert after["pid"] != row["pid"] and after["restarts"] == 1
+        assert "engine exited with 1" in sup.log()  # the linger's end, not a kill
     finally:
         sup.stop()
 
