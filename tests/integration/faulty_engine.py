@@ -5,6 +5,9 @@
   lane holds 3 rows: every row in the batch lane fails, and the engine goes on serving.
 - DEVICELOST: as BATCHFAIL, but the step raises what MLX's CUDA backend raises after an illegal
   memory access (the device's state is lost): the engine ends, its rows cut short.
+- OOMFAIL: as BATCHFAIL, but the step raises what MLX's CUDA allocator raises when the card's
+  memory ran out, once in the process (the reply going on is not marked again): the rows end
+  `engine_out_of_memory`, which the supervisor goes on from.
 - SLOWPREFILL: each chunk of a shared prefill whose first member asks for it takes 0.3 s more,
   so a test can act while it runs; in the serial lane, each prefill chunk of the request.
 
@@ -29,6 +32,7 @@ SLOW_CHUNK_S = 0.3
 # by a later job while the mark stays (a RAISE mark is never removed): an unmarked request
 # once inherited a finished one's mark that way and failed.
 marked: dict[int, tuple[str, Any]] = {}
+ran_out: list[bool] = []  # OOMFAIL raised once: later requests naming it are not marked
 
 
 def mark(job: Any) -> str | None:
@@ -38,8 +42,8 @@ def mark(job: Any) -> str | None:
 
 def faulty_submit(self: Any, job: Any) -> None:
     text = self.loaded.decode(job.prompt) if self.loaded is not None else ""
-    for word in ("RAISE", "BATCHFAIL", "DEVICELOST", "SLOWPREFILL"):
-        if word in text:
+    for word in ("RAISE", "BATCHFAIL", "DEVICELOST", "OOMFAIL", "SLOWPREFILL"):
+        if word in text and not (word == "OOMFAIL" and ran_out):
             marked[id(job)] = (word, job)
     real_submit(self, job)
 
@@ -52,9 +56,10 @@ def faulty_add(self: Any, token: int, logprobs: Any = None) -> bool:
 
 def faulty_step(self: Any) -> list[Any]:
     for seq in list(self._rows.values()):
-        if len(self._rows) >= 3 and len(seq.generated) >= 3 and mark(seq.job) in ("BATCHFAIL", "DEVICELOST"):
-            # this step raises; after BATCHFAIL, fail_all makes a fresh generator
-            self._gen.next = _raise if marked.pop(id(seq.job))[0] == "BATCHFAIL" else _lose_device
+        if len(self._rows) >= 3 and len(seq.generated) >= 3 and mark(seq.job) in ("BATCHFAIL", "DEVICELOST", "OOMFAIL"):
+            # this step raises; after BATCHFAIL and OOMFAIL, fail_all makes a fresh generator
+            self._gen.next = {"BATCHFAIL": _raise, "DEVICELOST": _lose_device, "OOMFAIL": _run_out}[
+                marked.pop(id(seq.job))[0]]
     return real_step(self)
 
 
@@ -73,6 +78,11 @@ def slow_serial_chunk(self: Any, prompt: list[int]) -> bool:
 
 def _raise() -> Any:
     raise RuntimeError("injected batch fault")
+
+
+def _run_out() -> Any:
+    ran_out.append(True)
+    raise RuntimeError("cudaMallocAsync(&data, size, stream) failed: out of memory")
 
 
 def _lose_device() -> Any:

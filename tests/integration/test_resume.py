@@ -235,6 +235,33 @@ def test_a_whole_answer_cut_by_a_kill_is_answered_by_the_next_engine(sup: Superv
     assert re.search(r"POST /v1/completions 200 tiny .*resumed=1\(\+\d+ms\)", sup.log())  # it was cut, and went on
 
 
+def test_streams_a_batched_step_ran_out_of_memory_on_go_on_on_the_same_engine(tiny_model: Path, tmp_path: Path) -> None:
+    """A batched step that ran out of device memory (the faulty engine's OOMFAIL raises what MLX's
+    CUDA allocator raises, once) ends its rows `engine_out_of_memory`; the supervisor goes on
+    with each on the same engine, which gave the step's memory back and serves on."""
+    env = {**ENV, "MLXD_ENGINE_MODULE": "tests.integration.faulty_engine", "MLXD_BLAS": "off",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    sup = SupervisorProcess(f'{POOL}batch = 4\n[models.tiny]\npath = "{tiny_model}"\n', tmp_path / "data", env=env).wait_up()
+    try:
+        client = sup.openai()
+        prompts = ["OOMFAIL the first story", "the second story", "the third story"]
+        got = at_once([lambda p=p: chat(client, p, max_tokens=40) for p in prompts])  # type: ignore[misc]
+        errors = [r for r in got if isinstance(r, BaseException)]
+        assert not errors, (errors, sup.log()[-4000:])
+        log = sup.log()
+        assert "out of memory" in log and "going on on the next" in log
+        want = at_once([lambda p=p: chat(client, p, max_tokens=40) for p in prompts])  # type: ignore[misc]
+        assert all(not isinstance(r, BaseException) for r in want), want
+        for (text, usage, ids), (want_text, want_usage, _) in zip(got, want, strict=True):  # type: ignore[misc]
+            assert text == want_text
+            assert len(ids) == 1
+            assert usage.completion_tokens == want_usage.completion_tokens == 40
+        [row] = sup.client.get("/admin/engines").json()["data"]
+        assert row["restarts"] == 0 and row["resumes"] >= 3  # every row went on, on the engine that ran out
+    finally:
+        sup.stop()
+
+
 def test_a_request_that_keeps_killing_engines_ends_in_the_crash_error_after_the_bound(tmp_path: Path) -> None:
     sup = fake_supervisor(tmp_path, "hang", config="[pool]\nresume_attempts = 1\n")
     try:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from mlxd.engine.gpu.step_failure import device_lost, failed_step
+from mlxd.engine.gpu.step_failure import device_lost, failed_code, failed_step
 from mlxd.engine.spec import agreement
 
 
@@ -125,3 +125,16 @@ def test_a_lost_device_ends_the_engine(message: str) -> None:
 @pytest.mark.parametrize("message", NOT_LOST)
 def test_other_failures_fail_their_requests_alone(message: str) -> None:
     assert not device_lost(RuntimeError(message))
+
+
+@pytest.mark.parametrize(("message", "code"), [
+    ("cudaMallocAsync(&data, size, stream) failed: out of memory", "engine_out_of_memory"),
+    ("cudaMallocManaged(&data, size) failed: out of memory", "engine_out_of_memory"),
+    ("[metal::malloc] Attempting to allocate 68719476736 bytes which is greater than the maximum allowed "
+     "buffer size of 28991029248 bytes.", "engine_out_of_memory"),
+    ("injected batch fault", "generation_failed"),
+    ("[concatenate] All the input array dimensions must match exactly except for the concatenation axis.",
+     "generation_failed"),
+])
+def test_a_step_that_ran_out_of_memory_ends_its_rows_with_a_code_the_supervisor_goes_on_from(message: str, code: str) -> None:
+    assert failed_code(RuntimeError(message)) == code

@@ -43,7 +43,7 @@ from mlxd.engine.gpu.sampling import make_sampling
 from mlxd.engine.gpu.sequence import Sequence
 from mlxd.engine.gpu.sharing import MIN_SHARED_TOKENS, clusters, join_target, shareable, uniform_ids
 from mlxd.engine.gpu.stats import Stats
-from mlxd.engine.gpu.step_failure import after_failed_step, failed_row, failed_step
+from mlxd.engine.gpu.step_failure import after_failed_step, failed_code, failed_row, failed_step
 from mlxd.engine.models.adapter_bank import Stack
 from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.engine.spec.batch import BatchDrafts, DraftConfig
@@ -421,7 +421,7 @@ class BatchLane:
                 self._decode(ended)
             except Exception as exc:
                 failed_step(exc, "batched step")  # in an engine group it raises: the engine ends
-                ended += self.fail_all(f"generation failed: {type(exc).__name__}: {exc}", "generation_failed")
+                ended += self.fail_all(f"generation failed: {type(exc).__name__}: {exc}", failed_code(exc))
                 after_failed_step(exc)
             if self._checkpoints is not None:
                 self._checkpoints.batch(self._gen, self._rows)

@@ -40,6 +40,21 @@ DEVICE_LOST = (
 )
 
 
+# What they say when the device's memory ran out (CUDA's allocator, MLX's Metal allocator): the
+# step failed for want of room, not for its requests; the memory is given back after it. (A
+# Metal command buffer that failed for want of memory is a lost device: DEVICE_LOST.)
+OUT_OF_MEMORY = ("out of memory", "[metal::malloc]")
+OUT_OF_MEMORY_CODE = "engine_out_of_memory"  # a reply it cut short: the supervisor goes on with it (resume.py)
+
+
+def failed_code(exc: BaseException) -> str:
+    """The error code of the requests a failed step ends: OUT_OF_MEMORY_CODE where memory ran out
+    (a stream the supervisor marks goes on, on this engine once the step's memory is back),
+    else `generation_failed`."""
+    text = str(exc)
+    return OUT_OF_MEMORY_CODE if any(words in text for words in OUT_OF_MEMORY) else "generation_failed"
+
+
 def device_lost(exc: BaseException) -> bool:
     """Whether `exc` says the device's state is lost for this process (DEVICE_LOST)."""
     text = str(exc)

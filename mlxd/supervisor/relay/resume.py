@@ -28,8 +28,9 @@ from mlxd.protocol.process import MARK, REPLY_HEADER
 MAX_KEPT_TOKENS = 1 << 20  # a reply longer than this is not continued (8 MB of ids and splits kept)
 MAX_CHOICES = 16  # the most choices (n) a chat request has (protocol/openai.py)
 # The engine's error codes when a drain's timeout, a shutdown or its GPU thread's death (the
-# engine ends: an engine group's rank gone mid-step ends it so) cut a reply short
-CUT_CODES = (b'"drain_timeout"', b'"engine_stopping"', b'"engine_failed"')
+# engine ends: an engine group's rank gone mid-step ends it so) cut a reply short, or a batched
+# step that ran out of device memory did (the engine serves on, its memory given back)
+CUT_CODES = (b'"drain_timeout"', b'"engine_stopping"', b'"engine_failed"', b'"engine_out_of_memory"')
 DONE = b"data: [DONE]\n\n"
 ERROR = b'data: {"error"'
 
