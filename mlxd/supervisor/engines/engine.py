@@ -167,10 +167,17 @@ class Engine:
         """Wait until the run `pid` is over, once its socket refused a connection: the process is
         dead or dying, and a GPU process killed with its device memory in use can take seconds to
         exit after its sockets closed (its driver tears the context down). Returns at once when
-        another run serves, and once the health check's deadline (and a kill's grace) has gone by."""
+        another run serves, when its socket takes a connection again (the refusal was passing),
+        and once the health check's deadline (and a kill's grace) has gone by."""
         deadline = time.monotonic() + self.options.health_deadline_s + self.options.grace_s
         while self.pid == pid and self.state is EngineState.READY and time.monotonic() < deadline:
             await asyncio.sleep(LOST_POLL_S)
+            try:
+                _, writer = await asyncio.wait_for(asyncio.open_unix_connection(str(self.socket)), LOST_POLL_S * 10)
+            except (OSError, TimeoutError):
+                continue
+            writer.close()
+            return
 
     def start(self) -> None:
         """Start the owner task unless it runs (it waits out the restart backoff first)."""
