@@ -7,7 +7,7 @@
   exit_midway   stream 3 chunks, then exit 0 (a clean exit at the wrong time is still a crash)
   lingering_exit
                 stream 3 chunks, then close every socket and exit 1 only `MLXD_FAKE_LINGER_S` (2)
-                later: a GPU process killed with its device memory in use exits seconds after
+                later: a GPU process killed with its device memory in use exits a while after
                 its sockets closed, while its driver tears the context down
   flood         stream `max_tokens` numbered 8 KiB chunks as fast as the socket takes them
   cued          while the file `MLXD_FAKE_CUE` exists, exit at start with the code it holds;

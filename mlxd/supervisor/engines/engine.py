@@ -165,7 +165,7 @@ class Engine:
 
     async def lost(self, pid: int | None) -> None:
         """Wait until the run `pid` is over, once its socket refused a connection: the process is
-        dead or dying, and a GPU process killed with its device memory in use can take seconds to
+        dead or dying, and a GPU process killed with its device memory in use takes a while to
         exit after its sockets closed (its driver tears the context down). Returns at once when
         another run serves, when its socket takes a connection again (the refusal was passing),
         and once the health check's deadline (and a kill's grace) has gone by."""
