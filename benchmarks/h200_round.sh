@@ -652,9 +652,12 @@ storm8)
   # issue 29: 8 streams of 4,574-token prompts, the engine SIGKILLed mid-decode KILLS times (one a
   # round, up to JITTER s after a token): the 7-8 replies going on at once on a fresh engine (on
   # 2026-12-07 such a batched prefill ran out of memory once on an H100, after an illegal memory access)
+  # (the engines' step trace, with MLX's peak each turn, in storm8_steps.jsonl: which turns reach the limit)
   model 8b-4bit /tmp/models/l8q
-  step storm8 ${LIMIT:-560} python3 benchmarks/resume.py --phases storm --model /tmp/models/l8q --no-eos \
-    --streams 8 --kills ${KILLS:-4} --kills-per-round 1 --kill-jitter ${JITTER:-10} --max-tokens 640 --prompt-words 1500
+  MLXD_TRACE_STEPS="$out/storm8_steps.jsonl" step storm8 ${LIMIT:-540} python3 benchmarks/resume.py --phases storm \
+    --model /tmp/models/l8q --no-eos --streams 8 --kills ${KILLS:-4} --kills-per-round 1 --kill-jitter ${JITTER:-10} \
+    --max-tokens 640 --prompt-words 1500
+  python3 benchmarks/trace_turns.py "$out/storm8_steps.jsonl" 2>&1 | grep -B1 "highest peak" | head -n 40
   ;;
 json)
   # issue 27: the schema-held JSON workload, n-gram drafts on against off, 1 and 8 streams

@@ -66,6 +66,11 @@ def main() -> None:
         print(f"run {i}: {len(run)} turns over {span:.0f} ms ({busy:.0f} ms in turns), most rows "
               f"{max(t.get('batch', 0) for t in run)}, passes {sum(t.get('passes', 0) for t in run)}, "
               f"ended {sum(t.get('ended', 0) for t in run)}, lingered {sum(t.get('lingered', 0) for t in run)}")
+        if highest := sorted((t for t in run if "peak_mb" in t), key=lambda t: -t["peak_mb"])[:3]:
+            print("  the turns with MLX's highest peak: " + "; ".join(
+                f"{t['peak_mb'] / 1000:.2f} GB at {t['t']:.0f} ms ({t['ms']:.0f} ms, admitted {t.get('admitted', 0)}, "
+                f"prefilling {t.get('prefilling', 0)}, batch {t.get('batch', 0)}, ended {t.get('ended', 0)})"
+                for t in highest))
         by_kind: dict[str, list[dict[str, Any]]] = {}
         for before, t in zip([None, *run], run, strict=False):
             by_kind.setdefault(kind(t, before), []).append(t)

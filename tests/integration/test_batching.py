@@ -383,6 +383,7 @@ def test_the_step_trace_records_each_turn_with_its_lanes(tiny_model: Path, tmp_p
     assert all(t["ms"] >= 0 for t in turns) and [t["t"] for t in turns] == sorted(t["t"] for t in turns)
     # Each 200-token reply needs a turn per token; sent together, they overlap in the batch lane.
     assert len(turns) >= 200 and max(t["batch"] for t in turns) >= 2
+    assert all(t["peak_mb"] > 0 for t in turns)  # the model's weights are held throughout
     # The batch lane's generator steps are timed within their turns, and every reply's end is on a line.
     stepped = [t for t in turns if "next_ms" in t]
     assert len(stepped) >= 190 and all(0 <= t["next_ms"] <= t["ms"] + 0.02 for t in stepped)  # (each rounded)

@@ -47,3 +47,20 @@ def test_without_the_trace_the_generator_is_left_as_it_is(monkeypatch: pytest.Mo
     gen = Generator()
     trace.time_steps(gen)
     assert "next" not in vars(gen)  # no wrapper: the class's own method
+
+
+def test_each_line_has_the_turns_own_peak_memory(tmp_path: Path) -> None:
+    import mlx.core as mx
+
+    path = tmp_path / "steps.jsonl"
+    steps = StepTrace(str(path))
+    now = time.perf_counter()
+    steps.turn(now, now + 0.001, batch=1)  # what came before the trace is on this line
+    big = mx.zeros((64, 2**20), dtype=mx.float32)  # 256 MiB, made in the next turn
+    mx.eval(big)
+    steps.turn(now, now + 0.001, batch=1)
+    del big
+    steps.turn(now, now + 0.001, batch=1)
+    steps.close()
+    peaks = [json.loads(line)["peak_mb"] for line in path.read_text().splitlines()]
+    assert peaks[1] >= 268 and peaks[2] < peaks[1] - 200, peaks

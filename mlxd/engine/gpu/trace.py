@@ -7,7 +7,9 @@ serving), `ms` (the turn's length), `received` (jobs that came in since the last
 (jobs queued for room), and `gc` (the garbage collector's runs since the last line, all
 generations, in any thread). When the turn had them: `next_ms` (the batch lane's generator
 step: mlx-lm's, or a verification pass; the rest of `ms` is mlxd's own work around it),
-`ended` (rows that ended, any lane), and with drafts `passes` (batch steps that checked
+`peak_mb` (MLX's peak memory during the turn: the trace resets MLX's peak each turn, so
+/admin/stats' `mlx_peak_bytes` is the last turn's while it runs), `ended` (rows that ended,
+any lane), and with drafts `passes` (batch steps that checked
 drafts) and `idle_reads` (that read the rows' tokens and checked none), and `lingered` (rows that
 ended and stayed in the batch to leave with others: linger.py).
 """
@@ -19,6 +21,8 @@ import json
 import os
 import time
 from typing import IO, Any, TypeVar
+
+import mlx.core as mx
 
 T = TypeVar("T")
 
@@ -67,6 +71,8 @@ class StepTrace:
         line: dict[str, Any] = {"t": round((started - self._t0) * 1000, 2), "ms": round((ended - started) * 1000, 2),
                                 **{k: v for k, v in fields.items() if k != "ended" or v}, "gc": runs - self._gc_runs}
         line.update({k: round(v, 2) for k, v in _parts.items()})
+        line["peak_mb"] = round(mx.get_peak_memory() / 1e6, 1)
+        mx.reset_peak_memory()
         _parts.clear()
         for name, value in (("passes", passes), ("idle_reads", idle_reads), ("lingered", lingered)):
             if delta := value - self._counts.get(name, 0):
