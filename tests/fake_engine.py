@@ -13,6 +13,8 @@
   cued          while the file `MLXD_FAKE_CUE` exists, exit at start with the code it holds;
                 else serve as `ok` (a test breaks the model and mends it on cue)
   bad_drain     serve as `ok`, but answer POST /admin/drain with a report of the wrong shape
+  out_of_memory answer a whole (not streamed) request with the engine's 500 `engine_out_of_memory`,
+                as a batched step that ran out of device memory ends its rows
   tool_calls    serve as `ok`, but a streamed chat answer is one tool call, `get_weather`, its
                 arguments split over chunks (the web page's tool-call view)
 Other modes answer POST /admin/drain with a well-formed report of nothing drained.
@@ -42,6 +44,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if MODE == "hang":
         time.sleep(3600)  # block the loop: /health stops answering too
     if not body.get("stream"):
+        if MODE == "out_of_memory":
+            return web.json_response({"error": {"message": "generation failed: out of memory", "type": "server_error",
+                                                "code": "engine_out_of_memory"}}, status=500)
         if request.path == "/v1/chat/completions":
             return web.json_response({"object": "chat.completion", "choices": [{
                 "index": 0, "message": {"role": "assistant", "content": "fake"}, "finish_reason": "stop"}],

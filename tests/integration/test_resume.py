@@ -270,7 +270,24 @@ def test_a_request_that_keeps_killing_engines_ends_in_the_crash_error_after_the_
         assert resp.json()["error"]["code"] == "engine_crashed"
         log = sup.log()
         assert log.count("stopped answering its health check") == 2  # the first engine, and the one it went on on
-        assert "went away 2 times; ending it" in log
+        assert "cut short 2 times (the last: its engine went away); ending it" in log
+    finally:
+        sup.stop()
+
+
+def test_a_reply_that_runs_out_of_memory_past_the_bound_ends_in_the_out_of_memory_error(tmp_path: Path) -> None:
+    """Every answer of the fake engine is its `engine_out_of_memory`: the request goes on once
+    (resume_attempts = 1), on the same engine, then ends with that error, not `engine_crashed`."""
+    sup = fake_supervisor(tmp_path, "out_of_memory", config="[pool]\nresume_attempts = 1\n")
+    try:
+        resp = sup.client.post("/v1/chat/completions", json={"model": "fake", "messages": [{"role": "user", "content": "x"}]})
+        assert resp.status_code == 500
+        error = resp.json()["error"]
+        assert error["code"] == "engine_out_of_memory" and "ran out of device memory" in error["message"]
+        log = sup.log()
+        assert "cut short 2 times (the last: out of device memory); ending it" in log
+        [row] = sup.client.get("/admin/engines").json()["data"]
+        assert row["restarts"] == 0  # it ran out of memory; it did not die
     finally:
         sup.stop()
 

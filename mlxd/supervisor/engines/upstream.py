@@ -68,6 +68,14 @@ def crashed_error() -> APIError:
     return APIError(502, CRASHED, type="server_error", code="engine_crashed", headers={"Retry-After": "1"})
 
 
+def out_of_memory_error() -> APIError:
+    """What a request gets whose reply a batched step's want of device memory cut short once more
+    than it may go on (the engine's own `engine_out_of_memory`, with resume on)."""
+    return APIError(500, "The model ran out of device memory while answering, and again each time it went on; "
+                    "try again with a shorter prompt or fewer requests at once.", type="server_error", code="engine_out_of_memory",
+                    headers={"Retry-After": "1"})
+
+
 class Head(msgspec.Struct, frozen=True):
     """The engine's status line and headers (names lower-cased)."""
 

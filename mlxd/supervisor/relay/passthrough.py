@@ -25,7 +25,7 @@ from mlxd.supervisor.engines.upstream import (
     whole_body,
 )
 from mlxd.supervisor.relay.dialect import Dialect
-from mlxd.supervisor.relay.resume import Cut, ReplyMarks, is_cut_short
+from mlxd.supervisor.relay.resume import OUT_OF_MEMORY, Cut, ReplyMarks, is_cut_short
 from mlxd.supervisor.relay.sse import is_direct, open_stream, wait_out
 
 
@@ -41,6 +41,7 @@ async def relay_whole(up: Upstream, marks: ReplyMarks | None = None) -> web.Resp
     if up.head.status == 503 and is_busy(data):
         raise EngineBusy
     if up.head.status >= 500 and marks is not None and is_cut_short(data):
+        marks.out_of_memory = OUT_OF_MEMORY in data
         raise Cut(None)  # a drain's timeout or a shutdown cut it short: worked out again on the next engine
     headers = {"Content-Type": up.head.headers.get("content-type", "application/octet-stream")}
     if "retry-after" in up.head.headers:

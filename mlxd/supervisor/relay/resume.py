@@ -30,7 +30,8 @@ MAX_CHOICES = 16  # the most choices (n) a chat request has (protocol/openai.py)
 # The engine's error codes when a drain's timeout, a shutdown or its GPU thread's death (the
 # engine ends: an engine group's rank gone mid-step ends it so) cut a reply short, or a batched
 # step that ran out of device memory did (the engine serves on, its memory given back)
-CUT_CODES = (b'"drain_timeout"', b'"engine_stopping"', b'"engine_failed"', b'"engine_out_of_memory"')
+OUT_OF_MEMORY = b'"engine_out_of_memory"'
+CUT_CODES = (b'"drain_timeout"', b'"engine_stopping"', b'"engine_failed"', OUT_OF_MEMORY)
 DONE = b"data: [DONE]\n\n"
 ERROR = b'data: {"error"'
 
@@ -63,6 +64,7 @@ class ReplyMarks:
         self.reply: tuple[str, int] | None = None  # its id and `created` (REPLY_HEADER)
         self.finished = False  # [DONE] went out: nothing to go on with
         self.stopping = False  # the engine's stream ended with a drain's or shutdown's error: cut short
+        self.out_of_memory = False  # the cut now seen was a batched step's want of device memory
         self.broken = False  # a mark that did not add up, or too many ids: the stream can only fail
         self.opened = False  # a translated stream's opening events went out (they are not sent twice)
         self.cuts = 0  # times the request went on after a cut
@@ -110,6 +112,7 @@ class ReplyMarks:
         if err > 0 or payload.startswith(ERROR):
             if is_cut_short(payload[err:]):
                 self.stopping = True
+                self.out_of_memory = OUT_OF_MEMORY in payload[err:]
                 return payload[:err]
             self.finished = True  # the engine ended the reply with an error: the caller sees it
             return payload
@@ -149,7 +152,7 @@ class ReplyMarks:
         self.cuts += 1
         if self.cut_at is None:
             self.cut_at = time.perf_counter()
-        self.stopping = False
+        self.stopping = self.out_of_memory = False
 
     def went_on(self) -> None:
         """The reply goes on (the next engine's first marked write, or its end): the cut's latency."""

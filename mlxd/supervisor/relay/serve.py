@@ -21,7 +21,12 @@ from mlxd.protocol.process import ADAPTER_HEADER, LEASE_HEADER, PRIORITY_HEADER,
 from mlxd.supervisor.adapters import AdapterEntry, header_value
 from mlxd.supervisor.engines.engine import Engine
 from mlxd.supervisor.engines.pool import Pool
-from mlxd.supervisor.engines.upstream import EngineBusy, EngineUnreachable, crashed_error
+from mlxd.supervisor.engines.upstream import (
+    EngineBusy,
+    EngineUnreachable,
+    crashed_error,
+    out_of_memory_error,
+)
 from mlxd.supervisor.registry import ModelEntry
 from mlxd.supervisor.relay.dialect import Dialect
 from mlxd.supervisor.relay.forward import forward
@@ -118,11 +123,11 @@ async def _route(
                 waiting.response = cut.response  # the caller's stream goes on (or ends) in this response
             request[RESUMES_KEY] = marks
             if marks.cuts >= pool.config.resume_attempts or not marks.resumable():
-                log.warning("%s %s: its engine went away %d times; ending it", request.method, request.path,
-                            marks.cuts + 1)
+                log.warning("%s %s: cut short %d times (the last: %s); ending it", request.method, request.path,
+                            marks.cuts + 1, "out of device memory" if marks.out_of_memory else "its engine went away")
                 marks.gave_up = True
                 pool.count_resume(entry.id, went_on=False)
-                raise crashed_error() from None
+                raise (out_of_memory_error() if marks.out_of_memory else crashed_error()) from None
             marks.cut()
             pool.count_resume(entry.id, went_on=True)
             sent, pause_s = marks.continuation(body), UNREACHABLE_PAUSE_S
