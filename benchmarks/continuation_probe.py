@@ -4,7 +4,8 @@ Engine A (mlxd's defaults as the supervisor starts engines, an SSD tier in a tem
 long prompts of the same length (`--prompt-words`), with the resume marks on, and is SIGKILLed
 once every stream has `--cut-at` tokens: its checkpoints are on SSD, as after a crash. Engine
 B, fresh, on the same SSD tier, then takes each reply's continuation (`resume.tokens`: the
-first `--cut-at` tokens), one after the other, then two cold prompts of the same length. For
+first `--cut-at` tokens), one after the other, then two cold prompts of the same length
+(`--restore queue`: engine B does not restore the checkpoints as it starts). For
 each, the engine's own timings (/admin/stats `last`), and the client's wall time. The
 continuations have the same shapes: if the first is slower than the next, a fresh engine's
 first time pays (kernels, graphs), not the continuation's work.
@@ -40,6 +41,9 @@ def main() -> None:
     p.add_argument("--prompt-words", type=int, default=1500)
     p.add_argument("--cut-at", type=int, default=560)
     p.add_argument("--more", type=int, default=16, help="tokens each continuation generates")
+    p.add_argument("--restore", choices=("early", "queue"), default="early",
+                   help="early: engine B restores the running replies' checkpoints as it starts (mlxd's way); "
+                        "queue: the names of them are taken away first, so each continuation restores its own")
     p.add_argument("--bias", default='{"2": -100}', help="logit_bias (JSON): keep a random model's EOS away")
     a = p.parse_args()
     from mlxd.protocol.process import MARK, MARKS_HEADER
@@ -88,6 +92,9 @@ def main() -> None:
         live = [f.read_text() for f in sorted(Path(tmp, "kv").rglob("live-*.json"))]
         print(f"engine A killed with {[len(x) for x in ids]} tokens a stream; its running rows' checkpoints: {live}",
               flush=True)
+        if a.restore == "queue":
+            for f in Path(tmp, "kv").rglob("live-*.json"):
+                f.unlink()
         started = time.perf_counter()
         second = EngineProcess(Path(a.model), "m", *flags).wait_ready(600)
         print(f"engine B ready in {time.perf_counter() - started:.1f} s; its log: "

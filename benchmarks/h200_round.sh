@@ -23,6 +23,7 @@
 # continuation_probe.py (LIMIT, STEPS, ROUNDS, MODES). `pinned29`: pinned_copy.py's check, then the copy
 # probe with its `pinned` way (mlxd's on CUDA: a kernel on a side stream copying each block into
 # page-locked host memory; `paced` is the way it falls back to).
+# `cont29`: continuation_probe.py with `--restore queue`, then restore_copy_probe.py. `restore29`: restore_copy_probe.py, what reading KV restored from SSD costs a continuation's first step.
 # `storm8`: resume.py's storm at 8 streams on the 8B model (KILLS, JITTER). `oom`: ck8's out-of-memory again, short, with nvidia-smi's memory every 500 ms (smi.csv).
 # `prefillmem`: benchmarks/prefill_memory.py, what the out-of-memory's fix costs a batched prefill.
 # `close30` (group1 and ck8) and `close27` (cut, the self-draft and n-gram prose at 8 streams): what
@@ -647,6 +648,19 @@ cut1b)
   model 1b-bf16 /tmp/models/l1b
   step cut1b ${LIMIT:-170} python3 benchmarks/resume.py --phases checkpoint --model /tmp/models/l1b --no-eos \
     --streams 1 --max-tokens 640 --samples ${SAMPLES:-1} --turns 0 --sides with --cut-at 560 --prompt-words 1500
+  ;;
+cont29)
+  # issue 29: the continuation probe with the checkpoints restored in the queue, not as engine B
+  # starts (RESTORE=early: mlxd's way), then restore_copy_probe.py
+  model 8b-4bit /tmp/models/l8q
+  step contqueue ${LIMIT:-150} python3 benchmarks/continuation_probe.py --model /tmp/models/l8q --prompt-words 1500 \
+    --cut-at 560 --restore ${RESTORE:-queue}
+  step restore 60 python3 benchmarks/restore_copy_probe.py --rounds 2
+  ;;
+restore29)
+  # issue 29: a continuation's first step reading KV restored from SSD (managed memory) against
+  # KV a kernel made, and a copy ahead of it (restore_copy_probe.py; needs no model)
+  step restore ${LIMIT:-120} python3 benchmarks/restore_copy_probe.py --rounds ${ROUNDS:-3}
   ;;
 storm8)
   # issue 29: 8 streams of 4,574-token prompts, the engine SIGKILLed mid-decode KILLS times (one a
