@@ -22,7 +22,8 @@ run: setup
 
 # In-process MLX work in the tests gets OpenBLAS too (engines preload it by themselves).
 # `make test` runs all but the few tests marked slow (the aim is 10 minutes; on the 2-core test
-# machine it takes 13-15, CPU-bound by real engines: docs/benchmarks.md, "Where the suite's CPU goes"), on
+# machine it took 13-15 on 2026-12-06 and 21-26 on 2026-12-07, CPU-bound by real engines, each
+# paying 1.4-2.7 s of CPU for its imports: docs/benchmarks.md, "Where the suite's CPU goes"), on
 # TEST_WORKERS processes (pytest-xdist), a test module's tests in one of them (their module-wide
 # supervisors are shared); `make test TEST_WORKERS=0` runs them in one process. Three workers on
 # two cores: the tests wait on engines and sockets part of the time (pytest 11:49 with 3, 14:18
