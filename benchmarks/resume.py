@@ -170,7 +170,9 @@ async def storm(bench: Bench, streams: int, kills: int, per_round: int, jitter_s
                 differ += r.error is None and r.text != w.text
                 usage_differ += r.error is None and (r.usage or {}).get("completion_tokens") != w.usage["completion_tokens"]
                 multi_id += len(r.ids) > 1
-            log(f"round {rounds}: {done_kills}/{kills} kills, {errors} errors, {differ} texts differ so far")
+            added = added_latencies(bench.log.read_text()) if bench.log is not None and bench.log.exists() else []
+            log(f"round {rounds}: {done_kills}/{kills} kills, {errors} errors, {differ} texts differ so far; "
+                f"{len(added)} resumes, added p50 {pct(added, 0.5)} p99 {pct(added, 0.99)} ms")
     return {"kills": done_kills, "kills_per_round": per_round, "rounds": rounds, "replies": replies,
             "clients_with_an_error": errors, "errors": dict(codes),
             "texts_that_differ": differ, "usage_that_differs": usage_differ, "replies_with_two_ids": multi_id}
