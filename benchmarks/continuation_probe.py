@@ -44,6 +44,9 @@ def main() -> None:
     p.add_argument("--restore", choices=("early", "queue"), default="early",
                    help="early: engine B restores the running replies' checkpoints as it starts (mlxd's way); "
                         "queue: the names of them are taken away first, so each continuation restores its own")
+    p.add_argument("--b-flags", default="", help="engine B's extra flags, e.g. '--generation-checkpoint 0'")
+    p.add_argument("--trace", action="store_true",
+                   help="engine B's step trace (MLXD_TRACE_STEPS): each request's first turns printed at the end")
     p.add_argument("--bias", default='{"2": -100}', help="logit_bias (JSON): keep a random model's EOS away")
     a = p.parse_args()
     from mlxd.protocol.process import MARK, MARKS_HEADER
@@ -96,7 +99,9 @@ def main() -> None:
             for f in Path(tmp, "kv").rglob("live-*.json"):
                 f.unlink()
         started = time.perf_counter()
-        second = EngineProcess(Path(a.model), "m", *flags).wait_ready(600)
+        steps = Path(tmp, "b_steps.jsonl")
+        env = {**os.environ, "MLXD_TRACE_STEPS": str(steps)} if a.trace else None
+        second = EngineProcess(Path(a.model), "m", *flags, *a.b_flags.split(), env=env).wait_ready(600)
         print(f"engine B ready in {time.perf_counter() - started:.1f} s; its log: "
               + "; ".join(line for line in second.log().splitlines() if "restored" in line or "RAM ahead" in line)[-600:],
               flush=True)
@@ -125,6 +130,11 @@ def main() -> None:
         for i in range(2):
             send(f"cold prompt {i}", {"prompt": prompt(i, a.prompt_words, f"B{i}"), "max_tokens": a.more})
         second.stop()
+        if a.trace and steps.exists():  # each request's first turns: its prefill, its first decode step
+            lines = steps.read_text().splitlines()
+            first = [i for i, line in enumerate(lines) if json.loads(line).get("admitted")]
+            print("engine B's turns that admitted a request, and the two after each:\n  " + "\n  ".join(
+                lines[j] for i in first for j in range(i, min(i + 3, len(lines)))), flush=True)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@
 # continuation_probe.py (LIMIT, STEPS, ROUNDS, MODES). `pinned29`: pinned_copy.py's check, then the copy
 # probe with its `pinned` way (mlxd's on CUDA: a kernel on a side stream copying each block into
 # page-locked host memory; `paced` is the way it falls back to).
-# `cont29`: continuation_probe.py with `--restore queue`, then restore_copy_probe.py. `restore29`: restore_copy_probe.py, what reading KV restored from SSD costs a continuation's first step.
+# `cont29`: continuation_probe.py restoring in the queue and early (STREAMS); with NOCK=1 early with engine B's checkpoints off too, and restore_copy_probe.py. `tail29`: tail_prefill_probe.py. `restore29`: restore_copy_probe.py, what reading KV restored from SSD costs a continuation's first step.
 # `storm8`: resume.py's storm at 8 streams on the 8B model (KILLS, JITTER). `oom`: ck8's out-of-memory again, short, with nvidia-smi's memory every 500 ms (smi.csv).
 # `prefillmem`: benchmarks/prefill_memory.py, what the out-of-memory's fix costs a batched prefill.
 # `close30` (group1 and ck8) and `close27` (cut, the self-draft and n-gram prose at 8 streams): what
@@ -650,12 +650,24 @@ cut1b)
     --streams 1 --max-tokens 640 --samples ${SAMPLES:-1} --turns 0 --sides with --cut-at 560 --prompt-words 1500
   ;;
 cont29)
-  # issue 29: the continuation probe with the checkpoints restored in the queue, not as engine B
-  # starts (RESTORE=early: mlxd's way), then restore_copy_probe.py
+  # issue 29: the continuation probe, each with engine B's step trace: the checkpoints restored in
+  # the queue, then early (as engine B starts: mlxd's way); with NOCK=1 early with engine B's
+  # checkpoints off (is the continuation's own first checkpoint in its first turn?), then
+  # restore_copy_probe.py. A fresh machine's first engine compiles its kernels for minutes: LIMIT=300.
   model 8b-4bit /tmp/models/l8q
   step contqueue ${LIMIT:-150} python3 benchmarks/continuation_probe.py --model /tmp/models/l8q --prompt-words 1500 \
-    --cut-at 560 --restore ${RESTORE:-queue}
-  step restore 60 python3 benchmarks/restore_copy_probe.py --rounds 2
+    --cut-at 560 --streams ${STREAMS:-3} --trace --restore queue
+  step contearly ${LIMIT:-150} python3 benchmarks/continuation_probe.py --model /tmp/models/l8q --prompt-words 1500 \
+    --cut-at 560 --streams ${STREAMS:-3} --trace --restore early
+  [ -n "${NOCK:-}" ] && step contnock ${LIMIT:-150} python3 benchmarks/continuation_probe.py --model /tmp/models/l8q --prompt-words 1500 \
+    --cut-at 560 --streams ${STREAMS:-3} --trace --restore early "--b-flags=--generation-checkpoint 0"
+  [ -n "${NOCK:-}" ] && step restore 60 python3 benchmarks/restore_copy_probe.py --rounds 2
+  ;;
+tail29)
+  # issue 29: a continuation's first turn outside any engine (tail_prefill_probe.py): the serial lane's
+  # steps, with and without clearing MLX's cache, from a trimmed CUDA pool and from a grown one
+  model 8b-4bit /tmp/models/l8q
+  step tail ${LIMIT:-240} python3 benchmarks/tail_prefill_probe.py --model /tmp/models/l8q --rounds ${ROUNDS:-3}
   ;;
 restore29)
   # issue 29: a continuation's first step reading KV restored from SSD (managed memory) against
