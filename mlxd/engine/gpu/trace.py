@@ -7,7 +7,7 @@ serving), `ms` (the turn's length), `received` (jobs that came in since the last
 (jobs queued for room), and `gc` (the garbage collector's runs since the last line, all
 generations, in any thread). When the turn had them: `next_ms` (the batch lane's generator
 step: mlx-lm's, or a verification pass; the rest of `ms` is mlxd's own work around it),
-`peak_mb` (MLX's peak memory during the turn: the trace resets MLX's peak each turn, so
+`peak_mb` (MLX's peak memory during the turn: the trace resets MLX's peak as it begins and each turn, so
 /admin/stats' `mlx_peak_bytes` is the last turn's while it runs), `ended` (rows that ended,
 any lane), and with drafts `passes` (batch steps that checked
 drafts) and `idle_reads` (that read the rows' tokens and checked none), and `lingered` (rows that
@@ -53,6 +53,7 @@ class StepTrace:
         self._gc_runs = self._collections()
         self._counts: dict[str, int] = {}  # the running counters' values at the last line
         _parts.clear()  # what the warm-up's steps left
+        mx.reset_peak_memory()  # and its peak (or the width probe's): not the first turn's
 
     @staticmethod
     def _collections() -> int:
