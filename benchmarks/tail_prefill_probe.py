@@ -7,7 +7,8 @@ such continuations in a row, where a warm engine's decode step over that context
 turn outside any engine: the model as the engine sets it up on CUDA (mlxd's attention), KV of
 exactly `--cached` tokens (as the SSD tier's restore and the RAM tier hold it: a buffer with no
 room to grow, so the first append copies it), then the tail as one chunk (evaluated; MLX's buffer
-cache cleared after it, as the serial lane does) and one decode step. Each trial's KV is kept
+cache cleared after it, as the serial lane does) and one decode step, with MLX's settings as an
+engine has them (mlx_env.py: CUDA graphs off). Each trial's KV is kept
 afterwards, as the prompt cache keeps each ended reply's. Ways, alternated:
 
 - `lane`: the serial lane's steps as they are, the CUDA memory pool trimmed to nothing first
@@ -31,16 +32,20 @@ import statistics
 import sys
 import time
 from pathlib import Path
-
-import mlx.core as mx
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from mlxd.engine import mlx_env  # noqa: E402
+
+mlx_env.apply()  # MLX's settings as an engine has them (CUDA graphs off, ...), before mlx is imported
+import mlx.core as mx  # noqa: E402
+
 RELEASE_THRESHOLD = 4  # CUmemPool_attribute
 
 
-def pool() -> tuple[object, ctypes.c_void_p] | None:
+def pool() -> tuple[Any, ctypes.c_void_p] | None:
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError:
@@ -49,23 +54,15 @@ def pool() -> tuple[object, ctypes.c_void_p] | None:
     return (lib, handle) if lib.cuDeviceGetDefaultMemPool(ctypes.byref(handle), 0) == 0 else None
 
 
-def keep_reserved(p: tuple[object, ctypes.c_void_p] | None) -> bool:
-    if p is None:
-        return False
-    lib, handle = p
-    value = ctypes.c_uint64(2**63)
-    return lib.cuMemPoolSetAttribute(handle, RELEASE_THRESHOLD, ctypes.byref(value)) == 0  # type: ignore[attr-defined]
-
-
-def threshold(p: tuple[object, ctypes.c_void_p] | None, value: int | None = None) -> int | None:
+def threshold(p: tuple[Any, ctypes.c_void_p] | None, value: int | None = None) -> int | None:
     """The pool's release threshold (set to `value` first, if given)."""
     if p is None:
         return None
     lib, handle = p
     v = ctypes.c_uint64(value or 0)
     if value is not None:
-        lib.cuMemPoolSetAttribute(handle, RELEASE_THRESHOLD, ctypes.byref(v))  # type: ignore[attr-defined]
-    lib.cuMemPoolGetAttribute(handle, RELEASE_THRESHOLD, ctypes.byref(v))  # type: ignore[attr-defined]
+        lib.cuMemPoolSetAttribute(handle, RELEASE_THRESHOLD, ctypes.byref(v))
+    lib.cuMemPoolGetAttribute(handle, RELEASE_THRESHOLD, ctypes.byref(v))
     return v.value
 
 
