@@ -67,3 +67,25 @@ def test_each_line_has_the_turns_own_peak_memory(tmp_path: Path) -> None:
     steps.close()
     peaks = [json.loads(line)["peak_mb"] for line in path.read_text().splitlines()]
     assert peaks[0] < peaks[1] - 200 and peaks[1] >= 268 and peaks[2] < peaks[1] - 200, peaks
+
+
+def test_a_turns_parts_are_timed_into_its_line_only_when_tracing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "steps.jsonl"
+    monkeypatch.setattr(trace, "_on", True)
+    steps = StepTrace(str(path))
+    now = time.perf_counter()
+    for _ in range(2):  # two chunks in one turn: summed
+        with trace.part("chunk"):
+            time.sleep(0.004)
+    with pytest.raises(ValueError), trace.part("token"):  # timed however it ends
+        raise ValueError
+    steps.turn(now, now + 0.01, serial=1)
+    steps.turn(now, now + 0.001, serial=1)  # nothing timed in this turn
+    monkeypatch.setattr(trace, "_on", False)
+    with trace.part("chunk"):
+        time.sleep(0.004)
+    steps.turn(now, now + 0.001, serial=1)
+    steps.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert 8.0 <= lines[0]["chunk_ms"] < 1000 and "token_ms" in lines[0], lines[0]
+    assert "chunk_ms" not in lines[1] and "chunk_ms" not in lines[2], lines

@@ -21,7 +21,7 @@ from mlx_lm.generate import generate_step, generation_stream, maybe_quantize_kv_
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from mlxd.engine.cache.prefix_cache import PrefixCache
-from mlxd.engine.gpu import media
+from mlxd.engine.gpu import media, trace
 from mlxd.engine.gpu.checkpoints import Checkpoints
 from mlxd.engine.gpu.sampling import make_sampling, sampler_args
 from mlxd.engine.gpu.sequence import Sequence
@@ -83,7 +83,8 @@ class SerialLane:
         goes on from its history (its KV from the prompt cache, what of it is still there)."""
         assert self._seq is None, "the serial lane runs one sequence at a time"
         tokens = seq.history
-        kv, cached = media.lookup(self._prompt_cache, seq.job, tokens)
+        with trace.part("admit"):
+            kv, cached = media.lookup(self._prompt_cache, seq.job, tokens)
         if seq.generated:
             self._stats.num_resumed += 1
         else:
@@ -102,15 +103,18 @@ class SerialLane:
                 seq.cancel()
             else:
                 with self._loaded.adapters.one(seq.job.adapters):  # the passes built here run under its adapters
-                    prefilled_a_chunk = self._steps is None and self._prefill_chunk(self._tokens)
+                    with trace.part("chunk"):
+                        prefilled_a_chunk = self._steps is None and self._prefill_chunk(self._tokens)
                     # The prompt's last chunk and its first token in one step: under load a batched
                     # step runs between two of this lane's steps, and the first token need not wait it.
                     if prefilled_a_chunk and len(self._tokens) - self._done > 1:
                         return []
-                    tokens = self._next_tokens()
+                    with trace.part("token"):
+                        tokens = self._next_tokens()
                 if not any(seq.add(token, logprobs) for token, logprobs in tokens):  # stops at the first that ends it
                     if self._checkpoints is not None:
-                        self._checkpoints.serial(seq, self._kv)
+                        with trace.part("checkpoint"):
+                            self._checkpoints.serial(seq, self._kv)
                     return []
         except StopIteration:  # generate_step ran out (max_tokens), which `add` has seen
             seq.finish_reason = seq.finish_reason or "length"
@@ -119,7 +123,8 @@ class SerialLane:
             self._close()
             seq.fail(self._stats, f"generation failed: {type(exc).__name__}: {exc}")
             return [seq]
-        media.store(self._prompt_cache, self._loaded, seq.job, self._kept_kv(seq), seq.history)
+        with trace.part("store"):
+            media.store(self._prompt_cache, self._loaded, seq.job, self._kept_kv(seq), seq.history)
         self._close()
         seq.finish(self._stats)
         return [seq]

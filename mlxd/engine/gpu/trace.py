@@ -16,10 +16,12 @@ ended and stayed in the batch to leave with others: linger.py).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
 import time
+from collections.abc import Iterator
 from typing import IO, Any, TypeVar
 
 import mlx.core as mx
@@ -27,6 +29,23 @@ import mlx.core as mx
 T = TypeVar("T")
 
 _parts: dict[str, float] = {}  # step parts timed since the last line (time_steps), in ms
+
+
+_on = bool(os.environ.get("MLXD_TRACE_STEPS"))
+
+
+@contextlib.contextmanager
+def part(name: str) -> Iterator[None]:
+    """Time a part of a turn into its line as `NAME_ms` (summed within the turn); with
+    MLXD_TRACE_STEPS set only (read at import: the engine's environment)."""
+    if not _on:
+        yield
+        return
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        _parts[f"{name}_ms"] = _parts.get(f"{name}_ms", 0.0) + (time.perf_counter() - started) * 1000
 
 
 def time_steps(gen: T) -> T:
