@@ -34,13 +34,17 @@ _parts: dict[str, float] = {}  # step parts timed since the last line (time_step
 _on = bool(os.environ.get("MLXD_TRACE_STEPS"))
 
 
-@contextlib.contextmanager
-def part(name: str) -> Iterator[None]:
+_OFF = contextlib.nullcontext()  # what `part` gives when the trace is off: nothing made per step
+
+
+def part(name: str) -> contextlib.AbstractContextManager[None]:
     """Time a part of a turn into its line as `NAME_ms` (summed within the turn); with
     MLXD_TRACE_STEPS set only (read at import: the engine's environment)."""
-    if not _on:
-        yield
-        return
+    return _timed(name) if _on else _OFF
+
+
+@contextlib.contextmanager
+def _timed(name: str) -> Iterator[None]:
     started = time.perf_counter()
     try:
         yield
