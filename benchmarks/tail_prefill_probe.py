@@ -46,12 +46,12 @@ RELEASE_THRESHOLD = 4  # CUmemPool_attribute
 
 
 def pool() -> tuple[Any, ctypes.c_void_p] | None:
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
+    """The driver (cuda_memory.py's) and device 0's default memory pool; None off CUDA."""
+    from mlxd.engine.gpu.cuda_memory import _driver
+
+    lib = _driver()
     handle = ctypes.c_void_p()
-    return (lib, handle) if lib.cuDeviceGetDefaultMemPool(ctypes.byref(handle), 0) == 0 else None
+    return (lib, handle) if lib is not None and lib.cuDeviceGetDefaultMemPool(ctypes.byref(handle), 0) == 0 else None
 
 
 def threshold(p: tuple[Any, ctypes.c_void_p] | None, value: int | None = None) -> int | None:
@@ -134,6 +134,21 @@ def main() -> None:
         del x
         return took
 
+    def trimmed() -> None:
+        """The pool as an engine leaves it before it serves: what is unused handed back."""
+        kept.clear()
+        mx.clear_cache()
+        threshold(cp, default)
+        trim_pool()
+
+    def grown() -> None:
+        """The pool told to keep what it reserves, and grown by --grow GiB."""
+        threshold(cp, 2**63)
+        big = mx.zeros((int(a.grow * 2**30) // 2,), dtype=mx.bfloat16)
+        mx.eval(big)
+        del big
+        mx.clear_cache()
+
     trial(True)  # kernels compiled
     kept.clear()
     ways = a.ways.split(",")
@@ -141,16 +156,9 @@ def main() -> None:
     allocs: dict[str, list[float]] = {"trimmed pool": [], "grown pool": []}
     for r in range(a.rounds):
         for way in ways:
-            kept.clear()
-            mx.clear_cache()
-            threshold(cp, default)
-            trim_pool()
+            trimmed()
             if way.startswith("grown"):
-                threshold(cp, 2**63)
-                big = mx.zeros((int(a.grow * 2**30) // 2,), dtype=mx.bfloat16)
-                mx.eval(big)
-                del big
-                mx.clear_cache()
+                grown()
             times = []
             for _ in range(3):  # three continuations in a row, as the probe sent them
                 time.sleep(a.gap)
@@ -158,16 +166,9 @@ def main() -> None:
             got[way].extend(times)
             print(f"round {r} {way:9s}: " + "; ".join(f"chunk {c:.1f} + step {s:.1f} = {c + s:.1f} ms" for c, s in times)
                   + f"  (pool {((cuda_memory() or {}).get('pool_reserved', 0)) / 2**30:.1f} GiB reserved)", flush=True)
-        kept.clear()
-        mx.clear_cache()
-        threshold(cp, default)
-        trim_pool()
+        trimmed()
         allocs["trimmed pool"].append(alloc_ms())
-        threshold(cp, 2**63)
-        big = mx.zeros((int(a.grow * 2**30) // 2,), dtype=mx.bfloat16)
-        mx.eval(big)
-        del big
-        mx.clear_cache()
+        grown()
         allocs["grown pool"].append(alloc_ms())
         threshold(cp, default)
     for way, ts in got.items():
