@@ -127,3 +127,75 @@ def test_after_a_failed_step_its_arrays_go_back_too_and_the_release_never_raises
 
     monkeypatch.setattr(dm.mx, "clear_cache", broken)
     assert dm.release_unused() == "could not release MLX's cache: [CUDA] an illegal memory access was encountered"
+
+
+def test_the_cuda_pool_keeps_the_headroom_for_reuse_unless_told_otherwise(caplog: pytest.LogCaptureFixture) -> None:
+    """Before serving the pool is trimmed to what MLX may keep of freed buffers, and keeps that
+    much of what is freed into it; MLXD_CUDA_POOL_KEEP=0 gives CUDA's default (keep nothing)."""
+    from mlxd.engine.gpu.device_memory import pool_keep_bytes
+
+    gib = 1024**3
+    assert pool_keep_bytes(8 * gib, {}) == 8 * gib
+    assert pool_keep_bytes(8 * gib, {"MLXD_CUDA_POOL_KEEP": "0"}) == 0
+    assert pool_keep_bytes(8 * gib, {"MLXD_CUDA_POOL_KEEP": " 1073741824 "}) == gib
+    assert pool_keep_bytes(8 * gib, {"MLXD_CUDA_POOL_KEEP": "-5"}) == 0
+    with caplog.at_level("WARNING", logger="mlxd.engine"):
+        assert pool_keep_bytes(8 * gib, {"MLXD_CUDA_POOL_KEEP": "lots"}) == 8 * gib
+    assert "MLXD_CUDA_POOL_KEEP='lots' is not a number of bytes" in caplog.text
+
+
+class FakeDriver:
+    """The few driver calls trim_pool and hold_pool make, with a pool that reserves 10 GiB: this
+    machine has no CUDA driver, and the calls' arguments are what matters."""
+
+    def __init__(self, fail: str = "") -> None:
+        self.fail, self.calls, self.reserved = fail, [], 10 * 1024**3
+
+    def _result(self, name: str) -> int:
+        return 1 if name == self.fail else 0
+
+    def cuCtxGetCurrent(self, ref: object) -> int:
+        ref._obj.value = 1  # type: ignore[attr-defined]  # a current context
+        return 0
+
+    def cuMemGetInfo_v2(self, free: object, total: object) -> int:
+        free._obj.value, total._obj.value = 60 * 1024**3, 80 * 1024**3  # type: ignore[attr-defined]
+        return 0
+
+    def cuDeviceGetDefaultMemPool(self, ref: object, device: int) -> int:
+        ref._obj.value = 0x5000  # type: ignore[attr-defined]
+        return self._result("pool")
+
+    def cuMemPoolGetAttribute(self, pool: object, attr: int, value: object) -> int:
+        value._obj.value = self.reserved if attr == 5 else 0  # type: ignore[attr-defined]
+        return 0
+
+    def cuCtxSynchronize(self) -> int:
+        return 0
+
+    def cuMemPoolTrimTo(self, pool: object, keep: object) -> int:
+        self.calls.append(("trim", keep.value))  # type: ignore[attr-defined]
+        self.reserved = min(self.reserved, keep.value)  # type: ignore[attr-defined]
+        return 0
+
+    def cuMemPoolSetAttribute(self, pool: object, attr: int, value: object) -> int:
+        self.calls.append(("set", attr, value._obj.value))  # type: ignore[attr-defined]
+        return self._result("set")
+
+
+def test_the_pool_is_trimmed_to_what_it_keeps_and_told_to_keep_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlxd.engine.gpu import cuda_memory as cm
+
+    gib = 1024**3
+    fake = FakeDriver()
+    monkeypatch.setattr(cm, "_driver", lambda: fake)
+    assert cm.trim_pool(keep=3 * gib) == 7 * gib  # 10 reserved, 3 kept
+    assert cm.hold_pool(3 * gib) is True
+    assert fake.calls == [("trim", 3 * gib), ("set", cm.RELEASE_THRESHOLD, 3 * gib)]
+    assert cm.trim_pool() == 3 * gib and fake.calls[-1] == ("trim", 0)  # after a failure: all of it
+    for fail in ("set", "pool"):
+        broken = FakeDriver(fail)
+        monkeypatch.setattr(cm, "_driver", lambda broken=broken: broken)
+        assert cm.hold_pool(gib) is False
+    monkeypatch.setattr(cm, "_driver", lambda: None)
+    assert cm.hold_pool(gib) is False
