@@ -14,8 +14,7 @@ import ctypes
 import functools
 from typing import Any
 
-RELEASE_THRESHOLD = 4  # CUmemPool_attribute
-POOL_RESERVED_CURRENT, POOL_RESERVED_HIGH, POOL_USED_CURRENT, POOL_USED_HIGH = 5, 6, 7, 8
+POOL_RESERVED_CURRENT, POOL_RESERVED_HIGH, POOL_USED_CURRENT, POOL_USED_HIGH = 5, 6, 7, 8  # CUmemPool_attribute
 
 
 @functools.cache
@@ -65,10 +64,10 @@ def cuda_memory(device: int = 0) -> dict[str, int] | None:
             lib.cuDevicePrimaryCtxRelease_v2(device)
 
 
-def trim_pool(device: int = 0, keep: int = 0) -> int | None:
-    """Hand what the CUDA memory pool holds unused back to the device, all but `keep` bytes of
-    what it reserves, once the GPU is done with what was freed (`cuCtxSynchronize`, then
-    `cuMemPoolTrimTo`); the bytes released, None where there is no CUDA driver or it will not say.
+def trim_pool(device: int = 0) -> int | None:
+    """Hand what the CUDA memory pool holds unused back to the device, once the GPU is done with
+    what was freed (`cuCtxSynchronize`, then `cuMemPoolTrimTo`); the bytes released, None where
+    there is no CUDA driver or it will not say.
 
     The pool keeps what it once reserved: after an engine's warm-up it held 75.2 GiB of an H100's
     79.2 with 6.5 GiB in use, and a later allocation of a size its free pieces could not hold found
@@ -80,25 +79,10 @@ def trim_pool(device: int = 0, keep: int = 0) -> int | None:
         return None
     pool = ctypes.c_void_p()
     if (lib.cuCtxSynchronize() != 0 or lib.cuDeviceGetDefaultMemPool(ctypes.byref(pool), device) != 0
-            or lib.cuMemPoolTrimTo(pool, ctypes.c_size_t(keep)) != 0):
+            or lib.cuMemPoolTrimTo(pool, ctypes.c_size_t(0)) != 0):
         return None
     after = cuda_memory(device) or {}
     return max(0, before["pool_reserved"] - after.get("pool_reserved", before["pool_reserved"]))
-
-
-def hold_pool(nbytes: int, device: int = 0) -> bool:
-    """Let the CUDA memory pool keep up to `nbytes` of what is freed into it (its release
-    threshold); False where there is no CUDA driver or it will not.
-
-    At the default threshold, 0, each synchronization hands what was freed back to the device, so
-    after `mx.clear_cache()` (the serial lane runs it after each prefill chunk) the next
-    allocations map device memory afresh. Set on the GPU thread before serving; `trim_pool` still
-    releases all but what it is asked to keep."""
-    lib = _driver()
-    pool = ctypes.c_void_p()
-    if lib is None or lib.cuDeviceGetDefaultMemPool(ctypes.byref(pool), device) != 0:
-        return False
-    return bool(lib.cuMemPoolSetAttribute(pool, RELEASE_THRESHOLD, ctypes.byref(ctypes.c_uint64(nbytes))) == 0)
 
 
 def cuda_memory_line(memory: dict[str, int] | None) -> str:

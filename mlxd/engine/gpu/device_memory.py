@@ -9,14 +9,13 @@ draft model's among them), and a budgeted token costs the model's KV and a draft
 from __future__ import annotations
 
 import logging
-import os
 import traceback
 from dataclasses import replace
 
 import mlx.core as mx
 import psutil
 
-from mlxd.engine.gpu.cuda_memory import cuda_memory, cuda_memory_line, hold_pool, trim_pool
+from mlxd.engine.gpu.cuda_memory import cuda_memory, cuda_memory_line, trim_pool
 from mlxd.engine.gpu.options import GatewayOptions
 from mlxd.engine.models.loaded_model import LoadedModel
 from mlxd.protocol.memory import default_prompt_cache_bytes, kv_bytes_per_token, text_config
@@ -133,51 +132,21 @@ def allowed_memory_bytes(device: Device, opts: GatewayOptions) -> int | None:
     return memory
 
 
-def pool_keep_bytes(cache_limit: int, env: dict[str, str] | os._Environ[str] = os.environ) -> int:
-    """What the CUDA memory pool keeps reserved for reuse while the engine serves (hold_pool): as
-    much as MLX may keep of freed buffers (`cache_limit`, the sizing's headroom), or
-    `MLXD_CUDA_POOL_KEEP` bytes (0: the pool hands back all it frees, CUDA's default).
-
-    The serial lane clears MLX's cache after each prefill chunk; with nothing kept, the allocations
-    after it map device memory afresh, which a resumed reply's first turn paid on a fresh engine
-    (docs/benchmarks.md, issue 29)."""
-    text = env.get("MLXD_CUDA_POOL_KEEP", "").strip()
-    if not text:
-        return cache_limit
-    try:
-        return max(0, int(text))
-    except ValueError:
-        log.warning("MLXD_CUDA_POOL_KEEP=%r is not a number of bytes: the pool keeps %.1f GiB", text,
-                    cache_limit / 1024**3)
-        return cache_limit
-
-
-def release_unused(failure: BaseException | None = None, keep: int = 0) -> str:
-    """After a peak or a failure: MLX's cache of freed buffers and the CUDA pool's unused memory,
-    all but `keep` bytes of it, go back to the device (cuda_memory.trim_pool); what was released,
-    for a log line (it never raises: it runs on failure paths). After a failed step (`failure`,
-    caught) the frames of its traceback are cleared first: they hold the step's arrays and the
-    generator that made them."""
+def release_unused(failure: BaseException | None = None) -> str:
+    """After a peak or a failure: MLX's cache of freed buffers and the CUDA pool's unused memory go
+    back to the device (cuda_memory.trim_pool); what was released, for a log line (it never raises:
+    it runs on failure paths). After a failed step (`failure`, caught) the frames of its traceback
+    are cleared first: they hold the step's arrays and the generator that made them."""
     if failure is not None:
         traceback.clear_frames(failure.__traceback__)
     cached = mx.get_cache_memory()
     try:
         mx.clear_cache()
-        trimmed = trim_pool(keep=keep) if device_kind() == "cuda" else None
+        trimmed = trim_pool() if device_kind() == "cuda" else None
     except RuntimeError as exc:  # after a sticky CUDA error MLX's frees fail too: say so, never raise
         return f"could not release MLX's cache: {exc}"
     return f"released {cached / 1024**3:.1f} GiB of MLX's cache" + (
         f" and {trimmed / 1024**3:.1f} GiB of the CUDA pool's" if trimmed is not None else "")
-
-
-def hold_for_reuse(keep: int) -> str:
-    """The CUDA pool keeps up to `keep` bytes of what is freed into it (cuda_memory.hold_pool), for a
-    log line; empty off CUDA."""
-    if device_kind() != "cuda":
-        return ""
-    if hold_pool(keep):
-        return f"; the CUDA pool keeps up to {keep / 1024**3:.2f} GiB of what is freed into it"
-    return "; the CUDA pool's release threshold could not be set"
 
 
 def memory_line() -> str:

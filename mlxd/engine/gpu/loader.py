@@ -25,10 +25,8 @@ from mlxd.engine.gpu import cpu_attention, decode_attention, prefill_attention, 
 from mlxd.engine.gpu.device_memory import (
     cache_limit_bytes,
     device_kind,
-    hold_for_reuse,
     memory_limit_bytes,
     memory_line,
-    pool_keep_bytes,
     prompt_cache_sized,
     release_unused,
     size_for,
@@ -156,11 +154,10 @@ def make_runner(
         log.info("warm-up: %d jobs, up to %d rows at once: %.0f ms (MLX memory: %s)", jobs, most, seconds * 1000,
                  memory_line())
     if (limit := cache_limit_bytes(opts)) is not None:
-        keep = pool_keep_bytes(limit)
-        log.info("before serving: %s", release_unused(keep=keep))  # what the probe and the warm-up freed
+        log.info("before serving: %s", release_unused())  # what the probe and the warm-up freed
         mx.set_cache_limit(limit)
-        log.info("MLX keeps at most %.2f GiB of freed buffers for reuse (%s)%s", limit / 1024**3,
-                 "its CPU default" if device_kind() == "cpu" else "the sizing's headroom", hold_for_reuse(keep))
+        log.info("MLX keeps at most %.2f GiB of freed buffers for reuse (%s)", limit / 1024**3,
+                 "its CPU default" if device_kind() == "cpu" else "the sizing's headroom")
     # Unseeded sampling draws from MLX's global generator: fresh entropy for each engine.
     mx.random.seed(int.from_bytes(os.urandom(8), "little"))
     cache = PrefixCache(opts.prompt_cache_bytes, ssd_tier(loaded, opts), idle, prefill_cost=stats.prefill_cost)
