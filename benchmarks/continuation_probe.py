@@ -86,7 +86,7 @@ def main() -> None:
         os.kill(first.proc.pid, signal.SIGKILL)
         print("engine A's log:\n  " + "\n  ".join(
             line[-400:] for line in first.log().splitlines()
-            if any(w in line for w in ("checkpoints:", "paus", "batch auto", "lane", "prefill")))[-6000:], flush=True)
+            if any(w in line for w in ("checkpoints:", "paus", "batch auto", "lane", "prefill", "warm-up:")))[-6000:], flush=True)
         print(f"engine A at the kill: checkpoints {pc.get('checkpoints')}, skipped {pc.get('checkpoints_skipped')}, "
               f"writes pending {pc.get('writes_pending')}", flush=True)
         for t in threads:
@@ -103,7 +103,7 @@ def main() -> None:
         env = {**os.environ, "MLXD_TRACE_STEPS": str(steps)} if a.trace else None
         second = EngineProcess(Path(a.model), "m", *flags, *a.b_flags.split(), env=env).wait_ready(600)
         print(f"engine B ready in {time.perf_counter() - started:.1f} s; its log: "
-              + "; ".join(line for line in second.log().splitlines() if "restored" in line or "RAM ahead" in line)[-600:],
+              + "; ".join(line for line in second.log().splitlines() if any(w in line for w in ("restored", "warm-up:")))[-900:],
               flush=True)
 
         def send(label: str, body: dict[str, Any]) -> None:
