@@ -150,7 +150,7 @@ def make_runner(
                      "(about a minute; kept in %s for later starts)", cold)
         # Its own stats and a RAM-only prompt cache: the warm-up's jobs leave no trace.
         warm = Runner(loaded, Stats(), opts, budget, PrefixCache(opts.prompt_cache_bytes))
-        seconds, jobs, most = warm_up(warm, loaded, opts.batch, meter, budget)
+        seconds, jobs, most = warm_up(warm, loaded, opts.batch, meter)
         log.info("warm-up: %d jobs, up to %d rows at once: %.0f ms (MLX memory: %s)", jobs, most, seconds * 1000,
                  memory_line())
     if (limit := cache_limit_bytes(opts)) is not None:

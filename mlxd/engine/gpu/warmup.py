@@ -7,10 +7,8 @@ that finds its prefix in the prompt cache uses kernels no request before it did:
 each of those stalled every running stream for seconds.
 
 So the warm-up sends real jobs through the gateway's own turns (the same lanes, samplers,
-prompt cache and hand-over as requests): a prompt past 4,096 tokens, and one that continues it
-by 48 tokens (as a resumed reply does: on an H100 a fresh engine's first such continuation
-took 25-50 ms more than the next, docs/benchmarks.md, issue 29); one alone in the serial lane;
-one that continues its prefix; then one more, and `width - 1` arriving while it runs, which join the batch lane
+prompt cache and hand-over as requests): one alone in the serial lane; one that continues
+its prefix; then one more, and `width - 1` arriving while it runs, which join the batch lane
 with prompts of different lengths (padded prefill), some continuing the cached prefix, with
 greedy, temperature/top-p/top-k/min-p, penalty and logit-bias and seeded sampling, replies
 ending a step apart so that the decode step runs at every width from `width` down to 1. Their
@@ -40,13 +38,6 @@ log = logging.getLogger("mlxd.engine")
 
 PREFIX_TOKENS = 64
 NEW_TOKENS = 4
-# The long wave's prompt: past 4,096 tokens, where MLX's CUDA softmax takes its widest block
-# and its decode attention its two-pass kernel (past 1,024 keys), which 64-token prompts
-# never reach; and the tail its follow-up prefills over it (a resumed reply's, after a
-# checkpoint 512 tokens apart, averages 256; the benchmark's cut leaves 48).
-LONG_TOKENS = 4160
-LONG_TAIL = 48
-LONG_MIN = 1100  # shorter windows or budgets: no long wave
 SAMPLINGS = (
     SamplingParams(temperature=0.0),
     SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05),
@@ -68,23 +59,13 @@ def _prompt(vocab_size: int, n: int, salt: int) -> list[int]:
     return [(i * 7919 + salt * 104729) % (top - 1) + 1 for i in range(n)]
 
 
-def long_tokens(context_window: int | None, budget: int) -> int:
-    """The long wave's prompt length: LONG_TOKENS, within the model's window and the KV budget
-    (its follow-up's tail and tokens too); 0 (no long wave) below LONG_MIN."""
-    room = min(budget, context_window or budget) - LONG_TAIL - 2 * NEW_TOKENS
-    n = min(LONG_TOKENS, room)
-    return n if n >= LONG_MIN else 0
-
-
-def waves(vocab_size: int, width: int, long: int = 0) -> list[list[Job]]:
+def waves(vocab_size: int, width: int) -> list[list[Job]]:
     """The warm-up's jobs, in waves: each wave is sent when the one before has ended.
 
-    With `long`, first: a job of that many prompt tokens, then one continuing it by LONG_TAIL
-    tokens, as a resumed reply does after its checkpoint (a short chunk over a long cached
-    prefix, then decode steps over it). Then one job alone (the serial lane; its KV goes to the
-    prompt cache); one that continues it (a cached prefix in the serial lane); a new job, then
-    `width - 1` more sent a turn later (the batch lane; the serial job moves in with them), every
-    other one continuing the one before's prompt (a cached prefix in the batch lane).
+    Wave 1: one job alone (the serial lane; its KV goes to the prompt cache). Wave 2: one that
+    continues it (a cached prefix in the serial lane). Wave 3: a new job, then `width - 1` more
+    sent a turn later (the batch lane; the serial job moves in with them), every other one
+    continuing wave 2's prompt (a cached prefix in the batch lane).
     """
     loop = asyncio.new_event_loop()
     loop.close()  # tickets of a closed loop drop their events: nobody waits for these answers
@@ -102,20 +83,14 @@ def waves(vocab_size: int, width: int, long: int = 0) -> list[list[Job]]:
         head = prefix if i % 2 else _prompt(vocab_size, PREFIX_TOKENS // 2, 100 + i)
         prompt = head + _prompt(vocab_size, 4 + i, 200 + i)
         rest.append(job(prompt, NEW_TOKENS + i, SAMPLINGS[i % len(SAMPLINGS)]))
-    longs: list[list[Job]] = []
-    if long:
-        story = _prompt(vocab_size, long, 3)
-        longs = [[job(story, NEW_TOKENS, SAMPLINGS[0])],
-                 [job(story + _prompt(vocab_size, LONG_TAIL, 4), NEW_TOKENS, SAMPLINGS[0])]]
-    return [*longs, [first], [follow_up], [lead, *rest]]  # the long ones first: wave 2's KV stays newest
+    return [[first], [follow_up], [lead, *rest]]
 
 
-def warm_up(runner: Runner, loaded: LoadedModel, width: int, meter: LoadMeter, budget: int) -> tuple[float, int, int]:
-    """Run the waves through `runner`'s own turns (`budget`: its KV budget, in tokens): seconds,
-    jobs, most rows at once."""
+def warm_up(runner: Runner, loaded: LoadedModel, width: int, meter: LoadMeter) -> tuple[float, int, int]:
+    """Run the waves through `runner`'s own turns: seconds, jobs, most rows at once."""
     started, jobs, most, level = time.perf_counter(), 0, 0, log.level
     log.setLevel(logging.WARNING)  # its jobs' own lines would read as requests
-    all_waves = waves(loaded.vocab_size, width, long_tokens(loaded.context_window, budget))
+    all_waves = waves(loaded.vocab_size, width)
     meter.begin("warmup", sum(len(wave) for wave in all_waves))
     for wave in all_waves:
         seqs = [Sequence(job, loaded.tokenizer, loaded.eos_token_ids) for job in wave]
