@@ -23,7 +23,7 @@
 # continuation_probe.py (LIMIT, STEPS, ROUNDS, MODES). `pinned29`: pinned_copy.py's check, then the copy
 # probe with its `pinned` way (mlxd's on CUDA: a kernel on a side stream copying each block into
 # page-locked host memory; `paced` is the way it falls back to).
-# `cont29`: continuation_probe.py restoring in the queue and early (STREAMS); with NOCK=1 early with engine B's checkpoints off too, and restore_copy_probe.py. `tail29`: tail_prefill_probe.py. `warm29`: the continuation probe since the warm-up's long wave. `first29`: first_turns.py. `restore29`: restore_copy_probe.py, what reading KV restored from SSD costs a continuation's first step.
+# `cont29`: continuation_probe.py restoring in the queue and early (STREAMS); with NOCK=1 early with engine B's checkpoints off too, and restore_copy_probe.py. `tail29`: tail_prefill_probe.py. `first29`: first_turns.py. `sweep29`: chunk_sweep.py, then first_turns.py. `restore29`: restore_copy_probe.py, what reading KV restored from SSD costs a continuation's first step.
 # `storm8`: resume.py's storm at 8 streams on the 8B model (KILLS, JITTER). `oom`: ck8's out-of-memory again, short, with nvidia-smi's memory every 500 ms (smi.csv).
 # `prefillmem`: benchmarks/prefill_memory.py, what the out-of-memory's fix costs a batched prefill.
 # `close30` (group1 and ck8) and `close27` (cut, the self-draft and n-gram prose at 8 streams): what
@@ -663,13 +663,13 @@ cont29)
     --cut-at 560 --streams ${STREAMS:-3} --trace --restore early "--b-flags=--generation-checkpoint 0"
   [ -n "${NOCK:-}" ] && step restore 60 python3 benchmarks/restore_copy_probe.py --rounds 2
   ;;
-warm29)
-  # issue 29: the continuation probe (restored early, with engine B's step trace) since the warm-up
-  # runs a long prompt and a 48-token continuation of it: is a fresh engine's first continuation
-  # (and first cold prompt) still slower than the next? LIMIT: a fresh machine compiles for minutes.
+sweep29)
+  # issue 29: a forward of M tokens over 5,024 cached ones, by M (chunk_sweep.py; 2026-12-07's
+  # figures came from the same steps run inline), then a fresh engine's first turns (first29's)
   model 8b-4bit /tmp/models/l8q
-  step contwarm ${LIMIT:-300} python3 benchmarks/continuation_probe.py --model /tmp/models/l8q --prompt-words 1500 \
-    --cut-at 560 --streams ${STREAMS:-3} --trace --restore early
+  step sweep 120 python3 benchmarks/chunk_sweep.py --model /tmp/models/l8q
+  step first ${LIMIT:-280} python3 benchmarks/first_turns.py --model /tmp/models/l8q --rounds ${ROUNDS:-3} \
+    --flags "${FLAGS:---batch 8 --width-probe off}"
   ;;
 first29)
   # issue 29: one fresh engine's first long prompt and first continuation over it against later

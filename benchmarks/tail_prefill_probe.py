@@ -144,7 +144,7 @@ def main() -> None:
     def grown() -> None:
         """The pool told to keep what it reserves, and grown by --grow GiB."""
         threshold(cp, 2**63)
-        big = mx.zeros((int(a.grow * 2**30) // 2,), dtype=mx.bfloat16)
+        big = mx.zeros((int(a.grow * 2**30) // 2 // 4096, 4096), dtype=mx.bfloat16)  # 2-D: a shape dimension is an int32
         mx.eval(big)
         del big
         mx.clear_cache()
