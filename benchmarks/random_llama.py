@@ -1,7 +1,7 @@
 """Write a random-weight llama of a real model's shape, for GPU benchmarks (no download).
 
 Shapes: `1b-bf16` (2048 wide, 16 layers, like Llama-3.2-1B) and `8b-4bit` (4096 wide, 32
-layers, 4-bit, like Llama-3.1-8B at q4); `tiny-bf16` (256 wide, 2 layers) to try a script on a CPU;
+layers, 4-bit, like Llama-3.1-8B at q4); `tiny-bf16` and `tiny-4bit` (256 wide, 2 layers) to try a script on a CPU;
 `micro-f32` (64 wide, 2 layers, float32) for a client's long prompts on a CPU. The tokenizer files are copied from `--tokenizer`
 (a model dir with tokenizer.json and tokenizer_config.json, e.g. SmolLM2's, 49152 tokens), so
 prompts are tokenized as a real model's would be.
@@ -25,6 +25,7 @@ from mlx_lm.utils import save_model
 # hidden, layers, intermediate, heads, kv heads, bits (0: bf16)
 SHAPES = {"1b-bf16": (2048, 16, 8192, 32, 8, 0), "8b-4bit": (4096, 32, 14336, 32, 8, 4),
           "8b-bf16": (4096, 32, 14336, 32, 8, 0), "tiny-bf16": (256, 2, 512, 4, 2, 0),
+          "tiny-4bit": (256, 2, 512, 4, 2, 4),
           # Two heads of 32: a long prompt (an agent's 40k+ tokens) prefills in seconds on a CPU, in float32.
           "micro-f32": (64, 2, 128, 2, 1, 0)}
 
