@@ -9,20 +9,29 @@ what a fresh engine pays for its first time (kernels loaded or compiled, graphs 
 the warm-up is there to take before `ready`. Prints the engine's warm-up line and its own
 timings (/admin/stats `last`) for each request.
 
-  python3 benchmarks/first_turns.py --model /tmp/models/l8q
+  python3 benchmarks/first_turns.py --model /tmp/models/l8q [--trace]
+
+With `--trace` the engine writes its step trace (MLXD_TRACE_STEPS) and each request's first turns
+are printed with their parts (`chunk_ms`, `token_ms`, ...: docs/engine.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+
+TURNS_SHOWN = 6  # a request's first turns: its chunks, its first token, its first decode steps
+TRACE_KEYS = ("t", "admitted", "peak_mb")
 
 
 def main() -> None:
@@ -33,12 +42,17 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--flags", default="--batch auto", help="the engine's flags (the supervisor's default width)")
     p.add_argument("--bias", default='{"2": -100}', help="logit_bias (JSON): keep a random model's EOS away")
+    p.add_argument("--trace", action="store_true",
+                   help="run the engine with MLXD_TRACE_STEPS and print each request's first turns (their parts)")
     a = p.parse_args()
     from tests.support import EngineProcess
 
     bias = json.loads(a.bias)
     started = time.perf_counter()
-    engine = EngineProcess(Path(a.model), "m", *a.flags.split()).wait_ready(900)
+    trace = Path(tempfile.mkdtemp()) / "steps.jsonl" if a.trace else None
+    env = {**os.environ, "MLXD_TRACE_STEPS": str(trace)} if trace is not None else None
+    engine = EngineProcess(Path(a.model), "m", *a.flags.split(), env=env).wait_ready(900)
+    seen = 0
     print(f"engine ready in {time.perf_counter() - started:.1f} s; "
           + "; ".join(line[-300:] for line in engine.log().splitlines() if "warm-up:" in line or "batch " in line),
           flush=True)
@@ -57,6 +71,12 @@ def main() -> None:
                 usage = resp.json()["usage"]
                 prefill = last["timings_ms"]["prefill"]
                 rows[kind].append(prefill)
+                if trace is not None:
+                    lines = trace.read_text().splitlines() if trace.exists() else []
+                    turns, seen = [json.loads(line) for line in lines[seen:]], len(lines)
+                    for turn in turns[:TURNS_SHOWN]:
+                        print("    turn " + " ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+                                                     for k, v in turn.items() if k in TRACE_KEYS or k.endswith("_ms")))
                 cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
                 print(f"round {r} {kind:9}: prompt {usage['prompt_tokens']} tokens ({cached} cached); prefill "
                       f"{prefill:.1f} ms; wall {wall:.1f} ms; " + " ".join(

@@ -677,7 +677,7 @@ dq29)
   model 8b-4bit /tmp/models/l8q
   step dq 200 python3 benchmarks/chunk_sweep.py --model /tmp/models/l8q --ways plain,dequant \
     --sizes ${SIZES:-1,2,8,16,24,32,45,46,47,48,64,128,256,512,1024,2048}
-  [ -n "${FIRST:-}" ] && step first ${LIMIT:-280} python3 benchmarks/first_turns.py --model /tmp/models/l8q \
+  [ -n "${FIRST:-}" ] && step first ${LIMIT:-280} python3 benchmarks/first_turns.py --model /tmp/models/l8q --trace \
     --rounds ${ROUNDS:-3} --flags "${FLAGS:---batch auto}"
   ;;
 first29)
