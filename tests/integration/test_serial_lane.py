@@ -11,9 +11,11 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
 from mlxd.engine.cache.prefix_cache import PrefixCache
+from mlxd.engine.gpu import first_pass
 from mlxd.engine.gpu.job import Job, SamplingParams
 from mlxd.engine.gpu.options import GatewayOptions
 from mlxd.engine.gpu.runner import Runner
@@ -56,18 +58,45 @@ def reference(tiny_loaded: LoadedModel, prompt: list[int], max_tokens: int, step
     return [int(token) for token, _ in steps]
 
 
-@pytest.mark.parametrize("num_prompt", [5, STEP + 1, STEP + 2, 5 * STEP + 37])
+@pytest.mark.parametrize(("num_prompt", "last_row", "before_first"), [
+    (5, False, 0), (STEP + 1, False, 0), (STEP + 2, False, 0), (5 * STEP + 37, False, 5),
+    (5, True, 0), (STEP + 1, True, 0), (STEP + 2, True, 0), (5 * STEP + 37, True, 4),
+])
 def test_a_chunked_prefill_gives_generate_steps_tokens(
-    tiny_loaded: LoadedModel, closed_loop: asyncio.AbstractEventLoop, num_prompt: int
+    tiny_model: Path, closed_loop: asyncio.AbstractEventLoop, num_prompt: int, last_row: bool, before_first: int
 ) -> None:
-    prompt = prompt_of(tiny_loaded, num_prompt)
-    lane = SerialLane(tiny_loaded, Stats(), STEP, PrefixCache(0))
-    seq = sequence(tiny_loaded, closed_loop, prompt, 24)
+    tiny = LoadedModel(tiny_model, "tiny")  # its own: whether the projection is changed is this test's
+    if last_row:
+        assert first_pass.install(tiny.model)
+    prompt = prompt_of(tiny, num_prompt)
+    lane = SerialLane(tiny, Stats(), STEP, PrefixCache(0))
+    seq = sequence(tiny, closed_loop, prompt, 24)
     steps_before_first = run_lane(lane, seq)
-    assert seq.generated == reference(tiny_loaded, prompt, 24)
-    # a chunk a step, the last one with the first token
-    assert steps_before_first == -(-(num_prompt - 1) // STEP) - 1
+    assert seq.generated == reference(tiny, prompt, 24)
+    # A chunk a step, the last one with the first token. The prompt's last piece goes with the
+    # first token: up to SHORT_PIECE tokens (5 + 128 * k + 1), or with the last-row projection up
+    # to a chunk (the 37 after five chunks); else its last token does (after a chunk of 36).
+    assert steps_before_first == before_first
     assert seq.finish_reason == "length" and not lane.has_work
+
+
+def test_the_last_row_projection_makes_the_whole_passs_last_logits(tiny_model: Path, smollm2: Path) -> None:
+    """first_pass.install: an lm_head (the tiny llama) or a tied embedding (SmolLM2) projects only
+    the last position while a first pass runs, and the logits are the whole pass's."""
+    for path in (tiny_model, smollm2):
+        model = LoadedModel(path, "m").model
+        tokens = mx.array([prompt_of_size(200, 40)])
+        whole = model(tokens, cache=make_prompt_cache(model))
+        assert first_pass.install(model) and first_pass.installed(model)
+        assert model(tokens, cache=make_prompt_cache(model)).shape == whole.shape  # off outside a first pass
+        with first_pass.last_row_only():
+            last = model(tokens, cache=make_prompt_cache(model))
+        assert last.shape == (1, 1, whole.shape[-1])
+        assert mx.allclose(last[0, -1], whole[0, -1], atol=1e-4).item()
+
+
+def prompt_of_size(vocab: int, n: int) -> list[int]:
+    return [(i * 7919) % (vocab - 1) + 1 for i in range(n)]
 
 
 def test_quantized_kv_and_penalties_give_generate_steps_tokens_too(

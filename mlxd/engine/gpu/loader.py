@@ -21,7 +21,13 @@ from mlxd.engine import mlx_env
 from mlxd.engine.cache.fingerprint import tier_dir
 from mlxd.engine.cache.prefix_cache import PrefixCache
 from mlxd.engine.cache.ssd_tier import SsdTier, default_ssd_cache_bytes
-from mlxd.engine.gpu import cpu_attention, decode_attention, prefill_attention, width_probe
+from mlxd.engine.gpu import (
+    cpu_attention,
+    decode_attention,
+    first_pass,
+    prefill_attention,
+    width_probe,
+)
 from mlxd.engine.gpu.device_memory import (
     cache_limit_bytes,
     device_kind,
@@ -124,9 +130,10 @@ def size_options(loaded: LoadedModel, opts: GatewayOptions) -> tuple[GatewayOpti
 
 
 def patch_model(loaded: LoadedModel, opts: GatewayOptions) -> None:
-    """The model's batched-decode patches: quantized rows flattened where that wins, on CUDA
-    attention through mlxd (decode_attention.py, prefill_attention.py), on the CPU batched
-    decode attention on every core (cpu_attention.py)."""
+    """The model's patches: quantized rows flattened where that wins, on CUDA attention through
+    mlxd (decode_attention.py, prefill_attention.py), on the CPU batched decode attention on
+    every core (cpu_attention.py); its output projection able to make the last position's
+    logits alone (first_pass.py: after the flattening, which changes the classes of layers)."""
     assert opts.batch is not None
     if opts.batch >= FLATTEN_MIN_ROWS and wins_here() and (n := flatten_quantized_rows(loaded.model)):
         log.info("%d quantized layers run batched decode rows flattened (from %d rows)", n, FLATTEN_MIN_ROWS)
@@ -136,6 +143,8 @@ def patch_model(loaded: LoadedModel, opts: GatewayOptions) -> None:
                  ", ".join(modules), "; batched decode attention runs mlxd's kernel" if decode_attention.enabled() else "")
     elif mx.default_device().type == mx.DeviceType.cpu and (modules := cpu_attention.install(loaded.model)):
         log.info("batched decode attention runs on %d CPU cores (%s)", cpu_attention.cores(), ", ".join(modules))
+    if first_pass.install(loaded.model):
+        log.info("a prompt's last piece and its first token run as one pass, projecting the last position only")
 
 
 def make_runner(

@@ -1,13 +1,17 @@
-"""The serial lane: one sequence at a time with mlx-lm's generate_step, a token per step.
+"""The serial lane: one sequence at a time, a token per step, the GPU a token ahead.
 
 The prompt is prefilled a chunk (the solo prefill step: 2048 tokens on a GPU, `--prefill-step`
 on the CPU) a step, as generate_step would run it, on its stream, each chunk ending at a
 multiple of the chunk size (after a cached prefix the first one is shorter: whole chunks at
 aligned positions are the few shapes cuDNN's attention builds once, prefill_attention.py). So
 the GPU thread reads its inbox between chunks (a drain, a new job for the batch lane) instead
-of after the whole prompt, and the tokens are those generate_step gives (test_serial_lane.py). generate_step then runs the prompt's last
-token, in the same step as the last chunk, and keeps the GPU one token ahead. A sequence paused for a more urgent one (its KV to the
-prompt cache) is taken back the same way, its history as the prompt.
+of after the whole prompt. The prompt's last piece and its first token are one pass
+(first_pass.py: generate_step would run the last token alone, a pass more), and the lane then
+decodes as generate_step does, one token ahead; the tokens are generate_step's but for the
+rounding of that one pass (test_serial_lane.py). A sequence that speculates keeps
+generate_step's split (spec/serial.py takes the prompt's last token). A sequence paused for a
+more urgent one (its KV to the prompt cache) is taken back the same way, its history as the
+prompt.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from mlx_lm.generate import generate_step, generation_stream, maybe_quantize_kv_
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from mlxd.engine.cache.prefix_cache import PrefixCache
-from mlxd.engine.gpu import media, trace
+from mlxd.engine.gpu import first_pass, media, trace
 from mlxd.engine.gpu.checkpoints import Checkpoints
 from mlxd.engine.gpu.sampling import make_sampling, sampler_args
 from mlxd.engine.gpu.sequence import Sequence
@@ -61,6 +65,8 @@ class SerialLane:
         self._kv: list[Any] = []
         self._tokens: list[int] = []  # what is prefilled: the prompt, or a resumed sequence's history
         self._done = 0  # of those, the tokens in `_kv` (the cached ones included)
+        self._longest_piece = first_pass.longest_piece(loaded.model, prefill_step)
+        self._joined = False  # the running sequence's last piece goes with its first token (first_pass.py)
 
     @property
     def has_work(self) -> bool:
@@ -93,6 +99,7 @@ class SerialLane:
             kv, done = media.complete(self._loaded, seq.job, tokens, kv, cached, self._prefill_step)
         self._seq, self._tokens, self._done = seq, tokens, done
         self._kv = kv if kv is not None else list(make_prompt_cache(self._loaded.model))
+        self._joined = not self._may_speculate(seq)
 
     def step(self) -> list[Sequence]:
         """One prefill chunk of the running sequence's prompt, or (once prefilled) one token."""
@@ -107,7 +114,7 @@ class SerialLane:
                         prefilled_a_chunk = self._steps is None and self._prefill_chunk(self._tokens)
                     # The prompt's last chunk and its first token in one step: under load a batched
                     # step runs between two of this lane's steps, and the first token need not wait it.
-                    if prefilled_a_chunk and len(self._tokens) - self._done > 1:
+                    if prefilled_a_chunk and not self._prefilled():
                         return []
                     with trace.part("token"):
                         tokens = self._next_tokens()
@@ -137,12 +144,20 @@ class SerialLane:
             trim_prompt_cache(kv, offset - len(seq.history))
         return kv
 
+    def _prefilled(self) -> bool:
+        """Whether what is left of the prompt is for the first token's pass: its last piece (joined,
+        at most one chunk to the next aligned position and the lane's longest piece), else its
+        last token (as generate_step leaves it)."""
+        left = len(self._tokens) - self._done
+        room = self._prefill_step - self._done % self._prefill_step
+        return left <= 1 or (self._joined and left <= min(room, self._longest_piece))
+
     def _prefill_chunk(self, prompt: list[int]) -> bool:
         """Run the next chunk of the prompt, as generate_step's prefill loop would; False when
-        only the last token is left (generate_step runs it for the first logits)."""
-        left = len(prompt) - self._done - 1
-        if left <= 0:
+        what is left is the first token's pass's (_prefilled)."""
+        if self._prefilled():
             return False
+        left = len(prompt) - self._done - 1
         n = min(self._prefill_step - self._done % self._prefill_step, left)
         with mx.stream(generation_stream):
             self._loaded.model(mx.array(prompt[self._done:self._done + n])[None], cache=self._kv)
@@ -163,15 +178,19 @@ class SerialLane:
         token, logprobs = next(self._steps)
         return [(int(token), logprobs)]
 
+    def _may_speculate(self, seq: Sequence) -> bool:
+        """Whether the model drafts and `seq` may speculate (not with images, nor with --kv-bits:
+        generate_step quantizes the KV as it grows, the decoder does not)."""
+        job = seq.job
+        return (self._draft is not None and job.speculate and job.media is None and self._kv_bits is None
+                and can_trim_prompt_cache(self._kv))
+
     def _speculator(self) -> Speculator | None:
-        """A speculative decoder for the running sequence, if the model drafts and it may (not
-        with images, nor with --kv-bits: generate_step quantizes the KV as it grows, the decoder
-        does not)."""
+        """A speculative decoder for the running sequence, if it may speculate."""
         seq, draft = self._seq, self._draft
         assert seq is not None
         job = seq.job
-        if (draft is None or not job.speculate or job.media is not None or self._kv_bits is not None
-                or self._done != len(self._tokens) - 1 or not can_trim_prompt_cache(self._kv)):
+        if draft is None or not self._may_speculate(seq) or self._done != len(self._tokens) - 1:
             return None
         sampler_kw = sampler_args(job.sampling)
         _, processors = make_sampling(job.sampling, [], job.grammar, sorted(self._loaded.eos_token_ids))
@@ -185,12 +204,17 @@ class SerialLane:
                           seed=job.sampling.seed, tally=seq.tally, rates=self._rates, position=seq.position)
 
     def _generate(self) -> Iterator[tuple[Any, Any]]:
-        """generate_step from the prompt's last token (its KV holds the rest)."""
+        """The tokens from the prompt's last piece (its KV holds the rest): first_pass.steps
+        when the piece is joined with the first token, else generate_step from the last token."""
         seq = self._seq
         assert seq is not None
         job = seq.job
         sampler, processors = make_sampling(job.sampling, self._tokens[:self._done], job.grammar,
                                             sorted(self._loaded.eos_token_ids), seq.position)
+        if self._joined:
+            return first_pass.steps(self._loaded.model, mx.array(self._tokens[self._done:]), self._kv, sampler,
+                                    processors, job.max_tokens - len(seq.generated), self._kv_bits,
+                                    self._kv_group_size, QUANTIZED_KV_START)
         return generate_step(
             mx.array(self._tokens[self._done:]),
             self._loaded.model,
@@ -273,4 +297,4 @@ class SerialLane:
             if close is not None:
                 close()
         self._seq, self._steps, self._kv, self._tokens, self._done = None, None, [], [], 0
-        self._spec = None
+        self._spec, self._joined = None, False
