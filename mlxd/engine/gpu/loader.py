@@ -24,6 +24,7 @@ from mlxd.engine.cache.ssd_tier import SsdTier, default_ssd_cache_bytes
 from mlxd.engine.gpu import (
     cpu_attention,
     decode_attention,
+    dense_prefill,
     first_pass,
     prefill_attention,
     width_probe,
@@ -130,13 +131,17 @@ def size_options(loaded: LoadedModel, opts: GatewayOptions) -> tuple[GatewayOpti
 
 
 def patch_model(loaded: LoadedModel, opts: GatewayOptions) -> None:
-    """The model's patches: quantized rows flattened where that wins, on CUDA attention through
-    mlxd (decode_attention.py, prefill_attention.py), on the CPU batched decode attention on
-    every core (cpu_attention.py); its output projection able to make the last position's
-    logits alone (first_pass.py: after the flattening, which changes the classes of layers)."""
+    """The model's patches: quantized rows flattened where that wins, long chunks through
+    quantized layers dequantized (dense_prefill.py), on CUDA attention through mlxd
+    (decode_attention.py, prefill_attention.py), on the CPU batched decode attention on every
+    core (cpu_attention.py); its output projection able to make the last position's logits
+    alone (first_pass.py: last, as the others change the classes of layers)."""
     assert opts.batch is not None
     if opts.batch >= FLATTEN_MIN_ROWS and wins_here() and (n := flatten_quantized_rows(loaded.model)):
         log.info("%d quantized layers run batched decode rows flattened (from %d rows)", n, FLATTEN_MIN_ROWS)
+    if dense_prefill.enabled() and (n := dense_prefill.install(loaded.model)):
+        log.info("%d quantized layers run prefill chunks of %d tokens or more dequantized, through a dense matmul",
+                 n, dense_prefill.min_tokens())
     if mx.cuda.is_available() and (modules := decode_attention.install(loaded.model)):
         prefill_attention.aligned_chunk = opts.solo_prefill_step
         log.info("attention runs through mlxd (%s): prefill chunks to cuDNN's or MLX's unfused attention%s",
