@@ -42,6 +42,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--flags", default="--batch auto", help="the engine's flags (the supervisor's default width)")
     p.add_argument("--bias", default='{"2": -100}', help="logit_bias (JSON): keep a random model's EOS away")
+    p.add_argument("--gap", type=float, default=0.5, help="seconds between requests (the GPU idles that long)")
     p.add_argument("--trace", action="store_true",
                    help="run the engine with MLXD_TRACE_STEPS and print each request's first turns (their parts)")
     a = p.parse_args()
@@ -61,7 +62,7 @@ def main() -> None:
         for r in range(a.rounds):
             text = f"R{r} Story: tell me about a river. " + "Say more. " * a.prompt_words
             for kind, prompt in (("cold", text), ("continued", text + " And then? " * (a.tail_words // 2))):
-                time.sleep(0.5)
+                time.sleep(a.gap)
                 t = time.perf_counter()
                 resp = engine.client.post("/v1/completions", timeout=600, json={
                     "prompt": prompt, "max_tokens": 8, "temperature": 0, "logit_bias": bias})

@@ -23,7 +23,7 @@
 # continuation_probe.py (LIMIT, STEPS, ROUNDS, MODES). `pinned29`: pinned_copy.py's check, then the copy
 # probe with its `pinned` way (mlxd's on CUDA: a kernel on a side stream copying each block into
 # page-locked host memory; `paced` is the way it falls back to).
-# `cont29`: continuation_probe.py restoring in the queue and early (STREAMS); with NOCK=1 early with engine B's checkpoints off too, and restore_copy_probe.py. `tail29`: tail_prefill_probe.py. `first29`: first_turns.py. `dq29`: chunk_sweep.py's quantized and dequantized ways (FIRST=1: first_turns.py after). `dense29`: first_turns.py with dense prefill on, then off (CUT=1: cutck after). `join29`: first_turns.py with the first pass joined, then split (MLXD_JOIN_FIRST_PASS=0). `sweep29`: chunk_sweep.py, then first_turns.py. `restore29`: restore_copy_probe.py, what reading KV restored from SSD costs a continuation's first step.
+# `cont29`: continuation_probe.py restoring in the queue and early (STREAMS); with NOCK=1 early with engine B's checkpoints off too, and restore_copy_probe.py. `tail29`: tail_prefill_probe.py. `first29`: first_turns.py. `dq29`: chunk_sweep.py's quantized and dequantized ways (FIRST=1: first_turns.py after). `dense29`: first_turns.py with dense prefill on, then off (GAP=1: then on with no pause between requests; CUT=1: cutck after). `join29`: first_turns.py with the first pass joined, then split (MLXD_JOIN_FIRST_PASS=0). `sweep29`: chunk_sweep.py, then first_turns.py. `restore29`: restore_copy_probe.py, what reading KV restored from SSD costs a continuation's first step.
 # `storm8`: resume.py's storm at 8 streams on the 8B model (KILLS, JITTER). `oom`: ck8's out-of-memory again, short, with nvidia-smi's memory every 500 ms (smi.csv).
 # `prefillmem`: benchmarks/prefill_memory.py, what the out-of-memory's fix costs a batched prefill.
 # `close30` (group1 and ck8) and `close27` (cut, the self-draft and n-gram prose at 8 streams): what
@@ -689,6 +689,8 @@ dense29)
     --rounds ${ROUNDS:-3} --flags "${FLAGS:---batch auto}"
   step quantized ${LIMIT2:-120} env MLXD_DENSE_PREFILL=0 python3 benchmarks/first_turns.py --model /tmp/models/l8q \
     --trace --rounds ${ROUNDS:-3} --flags "${FLAGS:---batch auto}"
+  [ -n "${GAP:-}" ] && step gap0 ${LIMIT2:-120} python3 benchmarks/first_turns.py --model /tmp/models/l8q \
+    --trace --gap 0 --rounds ${ROUNDS:-3} --flags "${FLAGS:---batch auto}"
   [ -n "${CUT:-}" ] && step cutck ${CUTLIMIT:-240} python3 benchmarks/resume.py --phases checkpoint \
     --model /tmp/models/l8q --no-eos --streams 1 --max-tokens 640 --samples ${SAMPLES:-2} --turns 0 --sides with \
     --cut-at 560 --prompt-words 1500

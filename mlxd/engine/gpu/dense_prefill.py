@@ -30,6 +30,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxd.engine.gpu.flat_rows import RowFlatQuantizedLinear
+
 log = logging.getLogger("mlxd.engine")
 
 ENV = "MLXD_DENSE_PREFILL"
@@ -43,6 +45,9 @@ CPU_MIN_TOKENS = 8
 TOLERANCE = 5e-2
 
 _classes: dict[type, type] = {}
+# The layer classes whose __call__ is a quantized matmul and nothing more (a subclass of its own,
+# such as a distributed or adapted layer, may do more, and is left alone).
+PLAIN = (nn.QuantizedLinear, RowFlatQuantizedLinear)
 
 
 def enabled() -> bool:
@@ -93,7 +98,7 @@ def install(model: Any) -> int:
     """Switch the model's quantized linear layers to their dense-prefill classes; how many."""
     global _min_tokens
     _min_tokens = min_tokens()
-    layers = [m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear) and type(m) not in _classes.values()]
+    layers = [m for _, m in model.named_modules() if type(m) in PLAIN]
     if not layers or not _agrees(layers[0]):
         return 0
     for layer in layers:

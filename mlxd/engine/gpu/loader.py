@@ -139,7 +139,10 @@ def patch_model(loaded: LoadedModel, opts: GatewayOptions) -> None:
     assert opts.batch is not None
     if opts.batch >= FLATTEN_MIN_ROWS and wins_here() and (n := flatten_quantized_rows(loaded.model)):
         log.info("%d quantized layers run batched decode rows flattened (from %d rows)", n, FLATTEN_MIN_ROWS)
-    if dense_prefill.enabled() and (n := dense_prefill.install(loaded.model)):
+    # An engine group's ranks run their passes in step: nothing here may run a pass of its own
+    # on one rank (first_pass's check), nor decide apart from the others.
+    alone = loaded.split is None
+    if alone and dense_prefill.enabled() and (n := dense_prefill.install(loaded.model)):
         log.info("%d quantized layers run prefill chunks of %d tokens or more dequantized, through a dense matmul",
                  n, dense_prefill.min_tokens())
     if mx.cuda.is_available() and (modules := decode_attention.install(loaded.model)):
@@ -148,7 +151,7 @@ def patch_model(loaded: LoadedModel, opts: GatewayOptions) -> None:
                  ", ".join(modules), "; batched decode attention runs mlxd's kernel" if decode_attention.enabled() else "")
     elif mx.default_device().type == mx.DeviceType.cpu and (modules := cpu_attention.install(loaded.model)):
         log.info("batched decode attention runs on %d CPU cores (%s)", cpu_attention.cores(), ", ".join(modules))
-    if first_pass.install(loaded.model):
+    if alone and first_pass.install(loaded.model):
         log.info("a prompt's last piece and its first token run as one pass, projecting the last position only")
 
 
