@@ -55,6 +55,14 @@ step() {  # step NAME SECONDS COMMAND...
   echo "   exit $? after $((SECONDS - t0)) s ($(wc -l < "$out/$name.txt") lines)"
   tail -n 12 "$out/$name.txt"
 }
+turns() {  # turns NAME SECONDS [VAR=VALUE ...] [first_turns.py flags]: a fresh engine's first turns, traced
+  local name=$1 limit=$2
+  shift 2
+  local envs=()
+  while [ $# -gt 0 ] && [[ $1 == *=* ]]; do envs+=("$1"); shift; done
+  step "$name" "$limit" env "${envs[@]}" python3 benchmarks/first_turns.py --model /tmp/models/l8q --trace \
+    --rounds "${ROUNDS:-3}" --flags "${FLAGS:---batch auto}" "$@"
+}
 model() {  # model SHAPE DIR [random_llama.py flags]
   [ -d "$2" ] || python3 benchmarks/random_llama.py "$1" "$2" --tokenizer "$tok" "${@:3}" > /dev/null
 }
@@ -677,20 +685,16 @@ dq29)
   model 8b-4bit /tmp/models/l8q
   step dq 200 python3 benchmarks/chunk_sweep.py --model /tmp/models/l8q --ways plain,dequant \
     --sizes ${SIZES:-1,2,8,16,24,32,45,46,47,48,64,128,256,512,1024,2048}
-  [ -n "${FIRST:-}" ] && step first ${LIMIT:-280} python3 benchmarks/first_turns.py --model /tmp/models/l8q --trace \
-    --rounds ${ROUNDS:-3} --flags "${FLAGS:---batch auto}"
+  [ -n "${FIRST:-}" ] && turns first "${LIMIT:-280}"
   ;;
 dense29)
   # issue 29: a fresh engine's first turns (first_turns.py, traced) with prefill chunks through
   # quantized layers dequantized (dense_prefill.py, the default), then with MLXD_DENSE_PREFILL=0;
   # with CUT=1 then cutck's cut (SAMPLES, default 2)
   model 8b-4bit /tmp/models/l8q
-  step dense ${LIMIT:-200} python3 benchmarks/first_turns.py --model /tmp/models/l8q --trace \
-    --rounds ${ROUNDS:-3} --flags "${FLAGS:---batch auto}"
-  step quantized ${LIMIT2:-120} env MLXD_DENSE_PREFILL=0 python3 benchmarks/first_turns.py --model /tmp/models/l8q \
-    --trace --rounds ${ROUNDS:-3} --flags "${FLAGS:---batch auto}"
-  [ -n "${GAP:-}" ] && step gap0 ${LIMIT2:-120} python3 benchmarks/first_turns.py --model /tmp/models/l8q \
-    --trace --gap 0 --rounds ${ROUNDS:-3} --flags "${FLAGS:---batch auto}"
+  turns dense "${LIMIT:-200}"
+  turns quantized "${LIMIT2:-120}" MLXD_DENSE_PREFILL=0
+  [ -n "${GAP:-}" ] && turns gap0 "${LIMIT2:-120}" --gap 0
   [ -n "${CUT:-}" ] && step cutck ${CUTLIMIT:-240} python3 benchmarks/resume.py --phases checkpoint \
     --model /tmp/models/l8q --no-eos --streams 1 --max-tokens 640 --samples ${SAMPLES:-2} --turns 0 --sides with \
     --cut-at 560 --prompt-words 1500
@@ -699,10 +703,8 @@ join29)
   # issue 29: a fresh engine's first turns (first_turns.py, traced) with the prompt's last piece and
   # its first token in one pass (first_pass.py, the default), then with MLXD_JOIN_FIRST_PASS=0
   model 8b-4bit /tmp/models/l8q
-  step joined ${LIMIT:-240} python3 benchmarks/first_turns.py --model /tmp/models/l8q --trace \
-    --rounds ${ROUNDS:-3} --flags "${FLAGS:---batch auto}"
-  step split ${LIMIT:-240} env MLXD_JOIN_FIRST_PASS=0 python3 benchmarks/first_turns.py --model /tmp/models/l8q \
-    --trace --rounds ${ROUNDS:-3} --flags "${FLAGS:---batch auto}"
+  turns joined "${LIMIT:-240}"
+  turns split "${LIMIT:-240}" MLXD_JOIN_FIRST_PASS=0
   ;;
 first29)
   # issue 29: one fresh engine's first long prompt and first continuation over it against later
